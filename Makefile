@@ -1,0 +1,41 @@
+# Two commands on a fresh machine:  `make run` (set up + main job) and `make test`.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+MCORE_NEW := .mcore/0.19.2
+
+.PHONY: setup run test lint docs bench clean
+
+setup: $(VENV)/.ready
+
+# torch first, from the CPU wheel (a bare `torch` requirement would pull a CUDA build);
+# megatron-core 0.19.2 needs Python >= 3.12 on paper but runs on 3.11: installed beside, for the differential tests.
+$(VENV)/.ready: pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e ".[test]"
+	$(BIN)/pip install -q triton
+	$(BIN)/pip install -q --ignore-requires-python --no-deps --target $(MCORE_NEW) megatron-core==0.19.2
+	touch $@
+
+run: setup
+	$(BIN)/mbridge-offload validate examples/qwen3_30b_a3b_pretrain.yaml
+	$(BIN)/mbridge-offload recommend --model qwen3-30b-a3b --gpu h100-80gb --num-gpus 16 --tp 2 --pp 2 --ep 4
+
+test: setup
+	$(BIN)/python -m pytest -q
+
+lint: setup
+	$(BIN)/ruff check offload tools tests benchmarks
+	$(BIN)/ruff format --check offload tools tests benchmarks
+
+docs: setup
+	$(BIN)/python -m tools.gendocs
+
+bench: setup
+	$(BIN)/python benchmarks/cpu_optimizer.py
+	$(BIN)/python benchmarks/cpu_activation.py
+
+clean:
+	rm -rf $(VENV) .mcore

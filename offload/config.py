@@ -1,0 +1,331 @@
+"""Pydantic models of the Megatron Bridge config namespaces that CPU offloading touches.
+
+Field names and defaults mirror the upstream dataclasses (Megatron Core ``TransformerConfig`` /
+``OptimizerConfig`` / ``DistributedDataParallelConfig`` as subclassed by Megatron Bridge), so that a
+``ConfigContainer.to_yaml()`` dump, a partial YAML or a set of overrides load without surprises.
+
+Two deliberate departures, both documented in ``docs/parameters.md``:
+- Architecture sizes (``num_layers``, ``hidden_size``, ``num_attention_heads``) default to ``None`` ("not
+  given") instead of upstream's placeholder ``0``, so that a partial config does not trip rules that need
+  them; rules that need a size skip when it is unknown.
+- Dtype fields accept ``"bf16"``, ``"torch.bfloat16"`` and Bridge's serialized ``{_target_: torch.bfloat16}``
+  form and normalise to a short name (``fp32``, ``bf16``, ``fp16``, ``fp8``).
+
+Unknown keys (and ``_target_`` entries) are kept and ignored: every section allows extras. This module
+never imports torch.
+"""
+
+from __future__ import annotations
+
+import difflib
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+_DTYPE_ALIASES = {
+    "float32": "fp32",
+    "fp32": "fp32",
+    "float": "fp32",
+    "bfloat16": "bf16",
+    "bf16": "bf16",
+    "float16": "fp16",
+    "fp16": "fp16",
+    "half": "fp16",
+    "uint8": "fp8",
+    "fp8": "fp8",
+}
+
+
+def normalize_dtype(value: Any) -> str | None:
+    """Map the spellings of a dtype found in Bridge configs to ``fp32``/``bf16``/``fp16``/``fp8``.
+
+    Raises:
+        ValueError: for a string that names no known dtype.
+    """
+    if value is None:
+        return None
+    if isinstance(value, dict):  # Bridge's to_yaml(): {_target_: torch.bfloat16, _call_: false}
+        value = value.get("_target_")
+        if value is None:
+            return None
+    text = str(value).strip().lower()
+    text = text.removeprefix("torch.")
+    if text in _DTYPE_ALIASES:
+        return _DTYPE_ALIASES[text]
+    raise ValueError(f"{value!r} is not a dtype (use fp32, bf16 or fp16)")
+
+
+class Section(BaseModel):
+    """A config namespace: typed known fields, unknown keys kept as extras."""
+
+    model_config = ConfigDict(extra="allow", validate_default=False, protected_namespaces=())
+
+    def extras(self) -> dict[str, Any]:
+        return dict(self.__pydantic_extra__ or {})
+
+    @classmethod
+    def known_fields(cls) -> list[str]:
+        return list(cls.model_fields)
+
+
+DType = str | None
+
+
+class ModelSection(Section):
+    """``model.*``: architecture, parallelism, recompute, CUDA graphs and activation offloading."""
+
+    # Architecture (sizes are None = not given; upstream's placeholder default is 0).
+    num_layers: int | None = None
+    hidden_size: int | None = None
+    ffn_hidden_size: int | None = None
+    num_attention_heads: int | None = None
+    num_query_groups: int | None = None
+    kv_channels: int | None = None
+    seq_length: int | None = None
+    vocab_size: int | None = None
+    gated_linear_unit: bool = False
+    add_bias_linear: bool = True
+    share_embeddings_and_output_weights: bool | None = None
+    multi_latent_attention: bool = False
+    # MoE
+    num_moe_experts: int | None = None
+    moe_ffn_hidden_size: int | None = None
+    moe_router_topk: int = 2
+    moe_shared_expert_intermediate_size: int | None = None
+    moe_layer_freq: int | list[int] | str = 1
+    moe_paged_stash: bool = False
+    # Parallelism
+    tensor_model_parallel_size: int = Field(1, ge=1)
+    pipeline_model_parallel_size: int = Field(1, ge=1)
+    virtual_pipeline_model_parallel_size: int | None = None
+    context_parallel_size: int = Field(1, ge=1)
+    expert_model_parallel_size: int = Field(1, ge=1)
+    expert_tensor_parallel_size: int | None = None
+    sequence_parallel: bool = False
+    pipeline_dtype: DType = None
+    # Precision
+    bf16: bool = False
+    fp16: bool = False
+    params_dtype: DType = None
+    fp8: str | None = None
+    # Activation recomputation
+    recompute_granularity: Literal["full", "selective"] | None = None
+    recompute_method: Literal["uniform", "block"] | None = None
+    recompute_num_layers: int | None = None
+    recompute_modules: list[str] | None = None
+    # CUDA graphs (cuda_graph_scope default differs by release: "full" in 0.16, None in 0.19)
+    cuda_graph_impl: str = "none"
+    cuda_graph_scope: str | list[str] | None = None
+    enable_cuda_graph: bool = False
+    transformer_impl: str = "transformer_engine"
+    # Layer-level activation offloading (MCore model_parallel_config.py, "CPU Offloading")
+    cpu_offloading: bool = False
+    cpu_offloading_num_layers: int = 0
+    cpu_offloading_activations: bool = True
+    cpu_offloading_weights: bool = False
+    cpu_offloading_double_buffering: bool = False
+    cpu_offloading_retain_pinned_cpu_buffers: bool = False
+    # Fine-grained activation offloading (MCore transformer_config.py)
+    fine_grained_activation_offloading: bool = False
+    offload_modules: list[str] = Field(default_factory=list)
+    min_offloaded_tensor_size: int = 1024 * 1024
+    activation_offload_fraction: float = 1.0
+    delay_offload_until_cuda_graph: bool = False
+    delta_offload_bytes_across_pp_ranks: int = 0
+    fine_grained_offloading_max_inflight_offloads: int | None = None
+
+    @field_validator("pipeline_dtype", "params_dtype", mode="before")
+    @classmethod
+    def _dtype(cls, value: Any) -> str | None:
+        return normalize_dtype(value)
+
+    @field_validator("recompute_granularity", "recompute_method", mode="before")
+    @classmethod
+    def _none_string(cls, value: Any) -> Any:
+        # Hydra/YAML users write "null", "None" or "none" for "off".
+        return None if isinstance(value, str) and value.strip().lower() in {"none", "null", ""} else value
+
+    @field_validator("cuda_graph_impl", mode="before")
+    @classmethod
+    def _impl_text(cls, value: Any) -> Any:
+        return "none" if value is None else value
+
+
+class OptimizerSection(Section):
+    """``optimizer.*``: Megatron Core ``OptimizerConfig`` fields that offloading reads."""
+
+    optimizer: str = "adam"
+    lr: float | None = None
+    min_lr: float | None = None
+    weight_decay: float = 0.01
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    sgd_momentum: float = 0.9
+    clip_grad: float = 1.0
+    bf16: bool = False
+    fp16: bool = False
+    params_dtype: DType = None
+    fp8_recipe: str | None = None
+    use_distributed_optimizer: bool = False
+    use_precision_aware_optimizer: bool = False
+    decoupled_weight_decay: bool = True
+    store_param_remainders: bool = True
+    main_grads_dtype: DType = "fp32"
+    main_params_dtype: DType = "fp32"
+    exp_avg_dtype: DType = "fp32"
+    exp_avg_sq_dtype: DType = "fp32"
+    overlap_param_gather: bool = False
+    # Optimizer offload (MCore optimizer_config.py, "Optimizer Offload")
+    optimizer_cpu_offload: bool = False
+    optimizer_offload_fraction: float = 0.0
+    use_torch_optimizer_for_cpu_offload: bool = False
+    overlap_cpu_optimizer_d2h_h2d: bool = False
+    pin_cpu_grads: bool = True
+    pin_cpu_params: bool = True
+    # An argument of get_megatron_optimizer upstream; read from here when a caller passes it through.
+    skip_megatron_wrapping: bool = False
+
+    @field_validator("params_dtype", "main_grads_dtype", "main_params_dtype", "exp_avg_dtype", "exp_avg_sq_dtype",
+                     mode="before")
+    @classmethod
+    def _dtype(cls, value: Any) -> str | None:
+        return normalize_dtype(value)
+
+
+class DDPSection(Section):
+    """``ddp.*``: the DistributedDataParallelConfig fields that interact with offloading."""
+
+    use_distributed_optimizer: bool = False
+    use_megatron_fsdp: bool = False
+    use_custom_fsdp: bool = False
+    data_parallel_sharding_strategy: str = "no_shard"
+    grad_reduce_in_fp32: bool = False
+    overlap_grad_reduce: bool = False
+    overlap_param_gather: bool = False
+    fp8_param_gather: bool = False
+    megatron_fsdp_version: int | str | None = None
+
+
+class TrainSection(Section):
+    micro_batch_size: int | None = None
+    global_batch_size: int | None = None
+    train_iters: int | None = None
+
+
+class DatasetSection(Section):
+    seq_length: int | None = None
+
+
+class OffloadConfig(Section):
+    """The effective training config, as far as offloading is concerned.
+
+    Mirrors Bridge's ``ConfigContainer``: ``model``, ``optimizer``, ``ddp``, ``train``, ``dataset`` are typed;
+    every other section (``checkpoint``, ``logger``, ``scheduler`` …) is kept as-is.
+    """
+
+    model: ModelSection = Field(default_factory=ModelSection)
+    optimizer: OptimizerSection = Field(default_factory=OptimizerSection)
+    ddp: DDPSection = Field(default_factory=DDPSection)
+    train: TrainSection = Field(default_factory=TrainSection)
+    dataset: DatasetSection = Field(default_factory=DatasetSection)
+    # Facts about the environment that some rules read (TE version, NVTE_CPU_OFFLOAD_V1); not part of Bridge.
+    env: dict[str, str] = Field(default_factory=dict)
+
+    @property
+    def seq_length(self) -> int | None:
+        return self.model.seq_length or self.dataset.seq_length
+
+
+SECTIONS: dict[str, type[Section]] = {
+    "model": ModelSection,
+    "optimizer": OptimizerSection,
+    "ddp": DDPSection,
+    "train": TrainSection,
+    "dataset": DatasetSection,
+}
+
+# The keys this project is about; used for the effective-config report and for did-you-mean hints.
+OFFLOAD_KEYS: tuple[str, ...] = (
+    "model.cpu_offloading",
+    "model.cpu_offloading_num_layers",
+    "model.cpu_offloading_activations",
+    "model.cpu_offloading_weights",
+    "model.cpu_offloading_double_buffering",
+    "model.cpu_offloading_retain_pinned_cpu_buffers",
+    "model.fine_grained_activation_offloading",
+    "model.offload_modules",
+    "model.min_offloaded_tensor_size",
+    "model.activation_offload_fraction",
+    "optimizer.optimizer_cpu_offload",
+    "optimizer.optimizer_offload_fraction",
+    "optimizer.use_torch_optimizer_for_cpu_offload",
+    "optimizer.overlap_cpu_optimizer_d2h_h2d",
+    "optimizer.pin_cpu_grads",
+    "optimizer.pin_cpu_params",
+)
+
+# Keys whose values decide whether the offload rules fire; reported with the offload keys.
+RELATED_KEYS: tuple[str, ...] = (
+    "model.num_layers",
+    "model.pipeline_model_parallel_size",
+    "model.virtual_pipeline_model_parallel_size",
+    "model.recompute_granularity",
+    "model.cuda_graph_impl",
+    "model.moe_paged_stash",
+    "model.transformer_impl",
+    "optimizer.optimizer",
+    "optimizer.use_distributed_optimizer",
+    "optimizer.use_precision_aware_optimizer",
+    "optimizer.decoupled_weight_decay",
+    "ddp.use_megatron_fsdp",
+)
+
+
+def get_value(cfg: OffloadConfig, dotted: str) -> Any:
+    """``get_value(cfg, "model.cpu_offloading")`` → the effective value (defaults included)."""
+    section, _, key = dotted.partition(".")
+    return getattr(getattr(cfg, section), key, None)
+
+
+def effective_values(cfg: OffloadConfig) -> dict[str, Any]:
+    """The offload-related keys with their effective values, for reports."""
+    return {key: get_value(cfg, key) for key in OFFLOAD_KEYS + RELATED_KEYS}
+
+
+def field_default(dotted: str) -> Any:
+    """The default of a dotted key, as the config model defines it (the single source of truth)."""
+    section, _, key = dotted.partition(".")
+    info = SECTIONS[section].model_fields[key]
+    return info.default_factory() if info.default_factory is not None else info.default
+
+
+def suggest_key(section: str, key: str) -> str | None:
+    """A did-you-mean for an unknown key that looks like a misspelled offload key, else None."""
+    candidates = [k.partition(".")[2] for k in OFFLOAD_KEYS if k.startswith(section + ".")]
+    if section in SECTIONS:
+        candidates += [k for k in SECTIONS[section].model_fields if "offload" in k]
+    match = difflib.get_close_matches(key, sorted(set(candidates)), n=1, cutoff=0.75)
+    if match:
+        return f"{section}.{match[0]}"
+    # A key that mentions offloading but matches nothing close is still worth a warning.
+    if "offload" in key.lower():
+        loose = difflib.get_close_matches(key, sorted(set(candidates)), n=1, cutoff=0.5)
+        return f"{section}.{loose[0]}" if loose else None
+    return None
+
+
+def unknown_offload_keys(raw: dict[str, Any]) -> list[tuple[str, str]]:
+    """``(given_key, suggestion)`` for every unknown key in a typed section that looks like an offload typo."""
+    found: list[tuple[str, str]] = []
+    for section, cls in SECTIONS.items():
+        body = raw.get(section)
+        if not isinstance(body, dict):
+            continue
+        for key in body:
+            if key in cls.model_fields or key.startswith("_"):
+                continue
+            hint = suggest_key(section, key)
+            if hint:
+                found.append((f"{section}.{key}", hint))
+    return found
