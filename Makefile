@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 MCORE_NEW := .mcore/0.19.2
 
-.PHONY: setup run test lint docs bench clean
+.PHONY: setup run test test-bridge bridge-env lint docs bench clean
 
 setup: $(VENV)/.ready
 
@@ -26,6 +26,18 @@ run: setup
 test: setup
 	$(BIN)/python -m pytest -q
 
+# Megatron Bridge's real ConfigContainer for `validate --recipe`: bridge 0.3.1 (the newest on Python 3.11) without
+# its CUDA-only dependencies, plus the pure-Python ones its config import needs; tested under a labelled TE stub.
+BRIDGE := .bridge
+bridge-env: $(BRIDGE)/.ready
+$(BRIDGE)/.ready: | setup
+	$(BIN)/pip install -q --no-deps --target $(BRIDGE)/0.3.1 megatron-bridge==0.3.1
+	$(BIN)/pip install -q --target $(BRIDGE)/deps "transformers<5" "huggingface-hub<1.0" datasets omegaconf einops rich six
+	touch $@
+
+test-bridge: bridge-env
+	MBRIDGE_OFFLOAD_BRIDGE_PATH="$(BRIDGE)/0.3.1:$(BRIDGE)/deps" $(BIN)/python -m pytest -q tests/test_recipe_bridge.py
+
 lint: setup
 	$(BIN)/ruff check offload tools tests benchmarks
 	$(BIN)/ruff format --check offload tools tests benchmarks
@@ -38,4 +50,4 @@ bench: setup
 	$(BIN)/python benchmarks/cpu_activation.py
 
 clean:
-	rm -rf $(VENV) .mcore
+	rm -rf $(VENV) .mcore $(BRIDGE)

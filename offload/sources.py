@@ -290,32 +290,51 @@ def recipe_config(name: str) -> dict[str, Any]:
         ConfigError: megatron-bridge missing, or no recipe of that name.
     """
     import importlib
-    import pkgutil
+    import importlib.util
+    import types
 
     try:
-        recipes = importlib.import_module("megatron.bridge.recipes")
+        spec = importlib.util.find_spec("megatron.bridge.recipes")
     except Exception as exc:  # ImportError, or TE's RuntimeError for its empty meta package
-        raise ConfigError(f"--recipe needs megatron-bridge importable here ({exc.__class__.__name__}: "
-                          f"{str(exc).splitlines()[0] if str(exc) else ''}); run inside your Bridge environment, "
-                          "or dump the config with ConfigContainer.to_yaml() and validate that file") from None
-    factory = getattr(recipes, name, None)
-    if factory is None:
-        for info in pkgutil.walk_packages(recipes.__path__, recipes.__name__ + "."):
-            try:
-                module = importlib.import_module(info.name)
-            except Exception:
-                continue
-            factory = getattr(module, name, None)
-            if callable(factory):
-                break
-    if not callable(factory):
+        spec, error = None, exc
+    else:
+        error = None
+    if spec is None or not spec.submodule_search_locations:
+        detail = f"{error.__class__.__name__}: {str(error).splitlines()[0]}" if error else "not installed"
+        raise ConfigError(f"--recipe needs megatron-bridge importable here ({detail}); run inside your Bridge "
+                          "environment, or dump the config with ConfigContainer.to_yaml() and validate that file")
+    # Find the module that defines the recipe by reading the sources, then import only that module: the
+    # recipes package's own __init__ imports every model family (VLM data loaders included), which drags in
+    # optional dependencies a config check does not need.
+    root = Path(next(iter(spec.submodule_search_locations)))
+    hits = sorted(p for p in root.rglob("*.py") if f"def {name}(" in p.read_text(encoding="utf-8", errors="ignore"))
+    if not hits:
         raise ConfigError(f"--recipe {name}: no such recipe in megatron.bridge.recipes "
                           "(names look like qwen3_30b_a3b_pretrain_config)")
-    container = factory()
-    text = container.to_yaml() if hasattr(container, "to_yaml") else None
-    if text is None:
+    if "megatron.bridge.recipes" not in sys.modules:
+        package = types.ModuleType("megatron.bridge.recipes")
+        package.__path__ = [str(root)]
+        sys.modules["megatron.bridge.recipes"] = package
+    module_name = "megatron.bridge.recipes." + ".".join(hits[0].relative_to(root).with_suffix("").parts)
+    try:
+        factory = getattr(importlib.import_module(module_name), name)
+    except Exception as exc:
+        raise ConfigError(f"--recipe {name}: importing {module_name} failed ({exc.__class__.__name__}: "
+                          f"{str(exc).splitlines()[0] if str(exc) else ''})") from None
+    try:
+        container = factory()
+    except Exception as exc:  # e.g. a recipe that reads its HF config from the hub, offline
+        raise ConfigError(f"--recipe {name}: building the recipe failed ({exc.__class__.__name__}: "
+                          f"{str(exc).splitlines()[0] if str(exc) else ''})") from None
+    if not hasattr(container, "to_yaml"):
         raise ConfigError(f"--recipe {name}: the recipe returned {type(container).__name__}, not a ConfigContainer")
-    data, _ = parse_text(text, where=f"recipe:{name}")
+    import tempfile
+
+    # The same path a user's file takes: Bridge's own YAML dump, then our reader.
+    with tempfile.TemporaryDirectory() as tmp:
+        dump = Path(tmp) / f"{name}.yaml"
+        container.to_yaml(str(dump))
+        data, _ = parse_text(dump.read_text(encoding="utf-8"), where=f"recipe:{name}")
     return data
 
 

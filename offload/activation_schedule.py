@@ -1,0 +1,154 @@
+"""The layer schedule of activation offloading, and what one pass reports.
+
+Pure bookkeeping, no copies: which layers are offloaded, at which forward layer each one's device memory is
+released, at which backward layer its reload starts (Transformer Engine v2's default synchronizer), the
+per-layer state machine, and the per-pass accounting (:class:`OffloadStats`).
+
+With ``L`` layers of which ``k`` are offloaded, layer ``i < k``:
+
+* starts its device→host copy as its tensors are saved (forward of layer ``i``);
+* has its device memory released when layer ``L − k + i`` starts forward;
+* starts its host→device reload when the gradient reaches layer ``L − 1 − k + i`` (before that layer's backward).
+
+So at most ``L − k`` layers' offloadable activations are on the device at any time.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import Counter
+from dataclasses import dataclass, field
+
+
+class LayerPhase(enum.Enum):
+    """Where one offloaded layer is in its round trip (TE v2's ``OffloadableLayerState`` plus ``reloaded``)."""
+
+    NOT_OFFLOADED = "not_offloaded"
+    OFFLOAD_STARTED = "offload_started"
+    RELEASED = "released"
+    RELOAD_STARTED = "reload_started"
+    RELOADED = "reloaded"
+
+
+# Legal transitions; anything else is a bug in the schedule and raises.
+_TRANSITIONS: dict[LayerPhase, tuple[LayerPhase, ...]] = {
+    LayerPhase.NOT_OFFLOADED: (LayerPhase.OFFLOAD_STARTED,),
+    LayerPhase.OFFLOAD_STARTED: (LayerPhase.RELEASED,),
+    LayerPhase.RELEASED: (LayerPhase.RELOAD_STARTED,),
+    LayerPhase.RELOAD_STARTED: (LayerPhase.RELOADED,),
+    LayerPhase.RELOADED: (),
+}
+
+
+def check_transition(layer: int, old: LayerPhase, new: LayerPhase) -> None:
+    """Raise ``RuntimeError`` unless ``old → new`` is a legal step of the state machine."""
+    if new not in _TRANSITIONS[old]:
+        allowed = ", ".join(p.value for p in _TRANSITIONS[old]) or "none"
+        raise RuntimeError(
+            f"activation offload: layer {layer} cannot go from {old.value} to {new.value} (allowed: {allowed})"
+        )
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """When each offloaded layer is released and reloaded.
+
+    Args:
+        model_layers: ``L``, the number of layers entering the context per forward.
+        num_layers: ``k``, how many of the first layers are offloaded (``0 ≤ k ≤ L − 1``).
+    """
+
+    model_layers: int
+    num_layers: int
+
+    def is_offloaded(self, layer: int) -> bool:
+        return layer < self.num_layers
+
+    def release_at(self, layer: int) -> int:
+        """Forward layer at whose start ``layer``'s device copy is dropped."""
+        return self.model_layers - self.num_layers + layer
+
+    def reload_at(self, layer: int) -> int:
+        """Backward layer at whose start ``layer``'s reload is issued."""
+        return self.model_layers - 1 - self.num_layers + layer
+
+    def releases_when_entering(self, layer: int) -> list[int]:
+        first = layer - (self.model_layers - self.num_layers)
+        return [first] if 0 <= first < self.num_layers else []
+
+    def reloads_when_backward_reaches(self, layer: int) -> list[int]:
+        first = layer - (self.model_layers - 1 - self.num_layers)
+        return [first] if 0 <= first < self.num_layers else []
+
+    @property
+    def max_resident_layers(self) -> int:
+        """The invariant: layers whose offloadable activations may be on the device at once."""
+        return self.model_layers - self.num_layers
+
+
+@dataclass(frozen=True)
+class ScheduleEvent:
+    """One point of the schedule as it happened: ``action`` on ``layer`` while ``phase`` was at layer ``at``."""
+
+    phase: str  # "fwd" or "bwd"
+    action: str  # "offload_start", "release", "reload_start", "reload_late", "free"
+    layer: int
+    at: int
+
+
+@dataclass
+class OffloadStats:
+    """What one pass (one forward and its backward) did.
+
+    Attributes:
+        bytes_offloaded: bytes copied device→host (each base tensor once per layer).
+        bytes_reloaded: bytes copied host→device.
+        tensors_offloaded: saved tensors answered from a host copy (duplicates and views included).
+        copies_offloaded: distinct device→host copies (after de-duplication and view folding).
+        tensors_deduplicated: saved tensors that shared an earlier copy (same tensor, or a view of the same base).
+        tensors_resident: eligible tensors saved in layers that are not offloaded.
+        skipped: ineligible saved tensors by reason (``parameter``, ``buffer``, ``small``, ``other_device``,
+            ``non_contiguous``, ``opt_out``, ``fake``).
+        peak_resident_bytes: the most offloadable bytes on the device at once, over all layers of the pass.
+        peak_resident_layers: the most layers with offloadable bytes on the device at once.
+        host_buffers_allocated: host buffers newly allocated (0 once a retained pool is warm).
+        double_buffer_hits / double_buffer_misses: reloads into a persistent buffer set / into fresh memory.
+        events: the schedule points, in the order they happened.
+    """
+
+    bytes_offloaded: int = 0
+    bytes_reloaded: int = 0
+    tensors_offloaded: int = 0
+    copies_offloaded: int = 0
+    tensors_deduplicated: int = 0
+    tensors_resident: int = 0
+    skipped: Counter[str] = field(default_factory=Counter)
+    peak_resident_bytes: int = 0
+    peak_resident_layers: int = 0
+    host_buffers_allocated: int = 0
+    double_buffer_hits: int = 0
+    double_buffer_misses: int = 0
+    events: list[ScheduleEvent] = field(default_factory=list)
+
+    def points(self, action: str) -> dict[int, int]:
+        """``{layer: at}`` for every event of ``action`` (e.g. ``"release"``)."""
+        return {e.layer: e.at for e in self.events if e.action == action}
+
+
+class Residency:
+    """Running count of offloadable bytes on the device, per layer, with the peaks."""
+
+    def __init__(self, stats: OffloadStats) -> None:
+        self._stats = stats
+        self._bytes: dict[int, int] = {}
+
+    def add(self, layer: int, nbytes: int) -> None:
+        self._bytes[layer] = self._bytes.get(layer, 0) + nbytes
+        self._stats.peak_resident_bytes = max(self._stats.peak_resident_bytes, sum(self._bytes.values()))
+        self._stats.peak_resident_layers = max(self._stats.peak_resident_layers, len(self._bytes))
+
+    def drop(self, layer: int) -> None:
+        self._bytes.pop(layer, None)
+
+    def layers(self) -> list[int]:
+        return sorted(self._bytes)

@@ -1,0 +1,84 @@
+"""GPU and host presets for the memory and time models — data, not code.
+
+Every figure is a public vendor or platform value (see ``docs/planner.md`` and the reference notes, §6): HBM
+capacity, the GPU↔host link per direction, the host memory bandwidth and CPU cores available *per GPU* on the usual
+8-GPU node (a node's sockets shared by its GPUs). Effective figures (what a pinned copy or STREAM reaches) are
+derived from the theoretical ones with the efficiencies below, so a user can override either. Never imports torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+# Achieved fraction of theoretical bandwidth: pinned copies of large blocks run 20-40 % below the PCIe figure;
+# STREAM reaches 70-85 % of the DRAM figure (reference §6.1, §6.3). We take the middle of each range.
+LINK_EFFICIENCY = 0.70
+HOST_MEMORY_EFFICIENCY = 0.80
+
+
+@dataclass(frozen=True)
+class GpuPreset:
+    """One accelerator as the planner sees it.
+
+    Attributes:
+        name: preset key (lowercase, e.g. ``h100-80gb``).
+        hbm_gb: GPU memory in GB (10⁹ bytes).
+        link_gbps: theoretical GPU↔host bandwidth per direction, GB/s (PCIe Gen5 x16 = 63, NVLink-C2C = 450).
+        host_bw_gbps: theoretical host DRAM bandwidth available to one GPU's rank, GB/s.
+        cpu_cores: CPU cores per GPU (node cores / GPUs per node).
+        peak_tflops: dense bf16 tensor-core peak, TFLOP/s (used for the baseline step time only).
+        host_ram_gb: host RAM per GPU, GB (for the pinned-memory warning).
+    """
+
+    name: str
+    hbm_gb: float
+    link_gbps: float
+    host_bw_gbps: float
+    cpu_cores: int
+    peak_tflops: float
+    host_ram_gb: float
+    description: str = ""
+
+    @property
+    def link_effective_gbps(self) -> float:
+        return self.link_gbps * LINK_EFFICIENCY
+
+    @property
+    def host_bw_effective_gbps(self) -> float:
+        return self.host_bw_gbps * HOST_MEMORY_EFFICIENCY
+
+
+GPU_PRESETS: dict[str, GpuPreset] = {
+    # DGX/HGX H100: 2 x Xeon 8480C (56 cores, 8 x DDR5-4800 = 307 GB/s each), 2 TB RAM, Gen5 x16 per GPU.
+    "h100-80gb": GpuPreset("h100-80gb", 80.0, 63.0, 2 * 307.2 / 8, 14, 989.0, 250.0,
+                           "H100 SXM 80 GB, PCIe Gen5 host link, 2-socket Sapphire Rapids node"),
+    # HGX H200: same host platform as H100 (Emerald Rapids DDR5-5600 nodes are also common).
+    "h200-141gb": GpuPreset("h200-141gb", 141.0, 63.0, 2 * 307.2 / 8, 14, 989.0, 250.0,
+                            "H200 SXM 141 GB, PCIe Gen5 host link, 2-socket Sapphire Rapids node"),
+    # GH200: one Grace (72 cores, ~500 GB/s LPDDR5X, 480 GB) per Hopper, NVLink-C2C 450 GB/s per direction.
+    "gh200": GpuPreset("gh200", 96.0, 450.0, 500.0, 72, 989.0, 480.0,
+                       "GH200 Grace Hopper (96 GB HBM3), NVLink-C2C, one Grace per GPU"),
+    # DGX A100: 2 x EPYC 7742 (64 cores, 8 x DDR4-3200 = 204.8 GB/s each), Gen4 x16 per GPU.
+    "a100-80gb": GpuPreset("a100-80gb", 80.0, 31.5, 2 * 204.8 / 8, 16, 312.0, 250.0,
+                           "A100 SXM 80 GB, PCIe Gen4 host link, 2-socket EPYC Rome node"),
+    # DGX B200: 2 x Xeon 8570 (56 cores, 8 x DDR5-5600 = 358 GB/s each), Gen5 x16 per GPU, 180 GB HBM3e.
+    "b200": GpuPreset("b200", 180.0, 63.0, 2 * 358.4 / 8, 14, 2250.0, 500.0,
+                      "B200 180 GB, PCIe Gen5 host link, 2-socket Emerald Rapids node"),
+}
+
+
+def gpu_preset(name: str) -> GpuPreset:
+    """Look up a GPU preset by name.
+
+    Raises:
+        KeyError: with the list of known names, for an unknown preset.
+    """
+    key = name.strip().lower()
+    if key not in GPU_PRESETS:
+        raise KeyError(f"unknown GPU preset {name!r}; known: {', '.join(sorted(GPU_PRESETS))}")
+    return GPU_PRESETS[key]
+
+
+def with_overrides(preset: GpuPreset, **values: float | int | None) -> GpuPreset:
+    """A copy of ``preset`` with the given (non-None) fields replaced, e.g. ``hbm_gb=48``."""
+    return replace(preset, **{k: v for k, v in values.items() if v is not None})
