@@ -31,7 +31,7 @@ from collections.abc import Callable
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from offload.optimizer import HybridDeviceOptimizer  # noqa: E402
+from offload.optimizer import HybridDeviceOptimizer
 
 HYPER = {"lr": 1e-3, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
 SMALL_SIZES = (256, 1024, 4096, 16384)  # cycled: biases, norms, small projections
@@ -61,15 +61,15 @@ class PerParamScheme:  # (c): one CPU optimizer per parameter, as upstream build
         self.params = params
         self.host = [p.detach().clone() for p in params]
         self.grads = [torch.empty_like(p) for p in params]
-        for h, g in zip(self.host, self.grads):
+        for h, g in zip(self.host, self.grads, strict=True):
             h.grad = g
         self.opts = [torch.optim.AdamW([h], fused=True, **HYPER) for h in self.host]
 
     @torch.no_grad()
     def step(self):
-        for p, g in zip(self.params, self.grads):
+        for p, g in zip(self.params, self.grads, strict=True):
             g.copy_(p.grad)
-        for p, h, opt in zip(self.params, self.host, self.opts):
+        for p, h, opt in zip(self.params, self.host, self.opts, strict=True):
             opt.step()
             p.copy_(h)
 
@@ -81,8 +81,9 @@ class Floor:  # (d): the unavoidable work, as plainly as possible
         self.flat = torch.cat([p.detach().reshape(-1) for p in params])
         self.flat.grad = torch.empty(total)
         offsets = torch.tensor([0] + [p.numel() for p in params]).cumsum(0).tolist()
-        self.param_views = [self.flat[a:b].view(p.shape) for a, b, p in zip(offsets, offsets[1:], params)]
-        self.grad_views = [self.flat.grad[a:b].view(p.shape) for a, b, p in zip(offsets, offsets[1:], params)]
+        spans = list(zip(offsets[:-1], offsets[1:], params, strict=True))
+        self.param_views = [self.flat[a:b].view(p.shape) for a, b, p in spans]
+        self.grad_views = [self.flat.grad[a:b].view(p.shape) for a, b, p in spans]
         self.opt = torch.optim.AdamW([self.flat], fused=True, **HYPER)
 
     @torch.no_grad()
@@ -131,7 +132,10 @@ def main(argv: list[str] | None = None) -> None:
         f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
         f"{torch.get_num_threads()} intra-op threads, CUDA {'yes' if torch.cuda.is_available() else 'no'}"
     )
-    print(f"mix: {n_small} small tensors ({small_numel / 1e6:.1f} M) + {n_large} x {large / 1e6:.1f} M = {total / 1e6:.1f} M params, fp32")
+    print(
+        f"mix: {n_small} small tensors ({small_numel / 1e6:.1f} M) + {n_large} x {large / 1e6:.1f} M"
+        f" = {total / 1e6:.1f} M params, fp32"
+    )
     print(f"median of {reps} steps after one warm-up\n")
     variants = {
         "(a) fused AdamW in place (no offload)": FusedInPlace,
@@ -144,7 +148,9 @@ def main(argv: list[str] | None = None) -> None:
     print("|---|---|---|")
     for name in variants:
         print(f"| {name} | {t[name[:3]]:.4f} | {t[name[:3]] / t['(d)']:.2f}x |")
-    print(f"\n(b)/(d) = {t['(b)'] / t['(d)']:.2f} (target <= 1.2); (c)/(b) = {t['(c)'] / t['(b)']:.2f}x (target >= 1.5)\n")
+    print(
+        f"\n(b)/(d) = {t['(b)'] / t['(d)']:.2f} (target <= 1.2); (c)/(b) = {t['(c)'] / t['(b)']:.2f}x (target >= 1.5)\n"
+    )
     print("Scaling with the number of small tensors (large tensors unchanged):\n")
     print("| small tensors | total M params | (b) s/step | (c) s/step | (d) s/step | (c)/(b) | (b)/(d) |")
     print("|---|---|---|---|---|---|---|")

@@ -26,8 +26,8 @@ import traceback
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from offload import device  # noqa: E402
-from offload.optimizer import HybridDeviceOptimizer  # noqa: E402
+from offload import device
+from offload.optimizer import HybridDeviceOptimizer
 
 HYPER = {"lr": 1e-3, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
 SMALL = (1024, 4096, 16384)
@@ -99,8 +99,12 @@ def megatron_check(dev: torch.device, quick: bool) -> str:
             ddp_cfg = DistributedDataParallelConfig(use_distributed_optimizer=True)
             model = DistributedDataParallel(cfg, ddp_cfg, module)
             ocfg = OptimizerConfig(
-                optimizer="adam", lr=1e-3, weight_decay=0.1, use_distributed_optimizer=True,
-                optimizer_cpu_offload=offload, optimizer_offload_fraction=0.5 if offload else 0.0,
+                optimizer="adam",
+                lr=1e-3,
+                weight_decay=0.1,
+                use_distributed_optimizer=True,
+                optimizer_cpu_offload=offload,
+                optimizer_offload_fraction=0.5 if offload else 0.0,
                 overlap_cpu_optimizer_d2h_h2d=offload,
             )
             opt = get_megatron_optimizer(ocfg, [model])
@@ -117,8 +121,9 @@ def megatron_check(dev: torch.device, quick: bool) -> str:
                 opt.state_dict()  # the save path that asserted upstream on the per-param `step`
             return [p.detach().float().clone() for p in module.parameters()]
 
-        diff = max((a - b).abs().max().item() for a, b in zip(run(True), run(False)))
-        return f"{'OK' if diff <= 1e-5 else 'MISMATCH'}: DistributedOptimizer(HybridDeviceOptimizer) vs no offload, 5 steps, max |diff| = {diff:.2e}"
+        diff = max((a - b).abs().max().item() for a, b in zip(run(True), run(False), strict=True))
+        verdict = "OK" if diff <= 1e-5 else "MISMATCH"
+        return f"{verdict}: DistributedOptimizer(HybridDeviceOptimizer) vs no offload, 5 steps, max |diff| = {diff:.2e}"
     except Exception as exc:
         tb = traceback.format_exc(limit=3).strip().splitlines()
         return f"ERROR: {type(exc).__name__}: {exc} | {' / '.join(tb[-3:])}"
@@ -136,7 +141,10 @@ def main(argv: list[str] | None = None) -> None:
     name = torch.cuda.get_device_name() if device.has_cuda() else "no CUDA: CPU fallback, tiny sizes (smoke test only)"
     print(f"# GPU optimizer benchmark — {datetime.date.today().isoformat()}")
     print(f"device: {name}; host: {platform.machine()}, {os.cpu_count()} cores; torch {torch.__version__}")
-    print(f"params: {sizes[0]} small + {sizes[1]} x {sizes[2] / 1e6:.1f} M = {total / 1e6:.1f} M fp32; median of {args.steps} steps\n")
+    print(
+        f"params: {sizes[0]} small + {sizes[1]} x {sizes[2] / 1e6:.1f} M = {total / 1e6:.1f} M fp32;"
+        f" median of {args.steps} steps\n"
+    )
 
     ref = bench(lambda ps: torch.optim.AdamW(ps, fused=device.has_cuda(), **HYPER), dev, sizes, args.steps)
     rows = [("plain GPU AdamW", "-", "-", ref, 0.0)]
@@ -146,12 +154,17 @@ def main(argv: list[str] | None = None) -> None:
                 lambda ps, f=fraction, o=overlap: HybridDeviceOptimizer(
                     ps, offload_fraction=f, overlap_cpu_optimizer_d2h_h2d=o, **HYPER
                 ),
-                dev, sizes, args.steps,
+                dev,
+                sizes,
+                args.steps,
             )
-            diff = max((a - b).abs().max().item() for a, b in zip(r["params"], ref["params"]))
+            diff = max((a - b).abs().max().item() for a, b in zip(r["params"], ref["params"], strict=True))
             rows.append((f"HDO {fraction:.2f}", f"{r['fraction']:.3f}", "on" if overlap else "off", r, diff))
             del r["params"]
-    print("| optimizer | achieved fraction | overlap | step s (synced) | host s | vs plain | peak MiB | max diff vs plain |")
+    print(
+        "| optimizer | achieved fraction | overlap | step s (synced) | host s | vs plain | peak MiB"
+        " | max diff vs plain |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for label, frac, ov, r, diff in rows:
         print(

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from offload import device
-from offload.activation_pass import BackwardStep, Pass, unpack
+from offload.activation_pass import BackwardStep, Pass, fold_view, unpack
 from offload.activation_pool import HostBufferPool, ReloadBuffers
 from offload.activation_schedule import OffloadStats, Schedule
 
@@ -88,12 +88,16 @@ class Eligibility:
         self.device = compute_device
         self.min_tensor_size = min_tensor_size
 
-    def skip_reason(self, tensor: torch.Tensor) -> str | None:
-        """``None`` if ``tensor`` should be offloaded, else the reason it stays."""
+    def skip_reason(self, tensor: torch.Tensor, base: torch.Tensor | None = None) -> str | None:
+        """``None`` if ``tensor`` should be offloaded, else the reason it stays.
+
+        ``base`` is what would be copied (``fold_view(tensor)[0]``, computed here when not given).
+        """
         if _keep_depth[0]:
             return "opt_out"
-        base = tensor._base if tensor._base is not None else tensor
-        if isinstance(tensor, nn.Parameter) or isinstance(base, nn.Parameter):
+        if base is None:
+            base = fold_view(tensor)[0]
+        if isinstance(tensor, nn.Parameter) or isinstance(tensor._base, nn.Parameter):
             return "parameter"  # weights live on the device anyway; copying them only costs bandwidth
         if isinstance(base, nn.Buffer) or any(
             getattr(t, attr, False) for t in (tensor, base) for attr in (_DO_NOT_OFFLOAD, "_TE_do_not_offload")
@@ -105,9 +109,25 @@ class Eligibility:
             return "other_device"
         if tensor.numel() < self.min_tensor_size:
             return "small"
-        if not base.is_contiguous():
-            return "non_contiguous"  # a host copy would not keep the strides the view is rebuilt from
+        if not _dense(base):
+            return "non_contiguous"  # overlapping or gappy storage: a strided host copy cannot mirror it
         return None
+
+
+def _dense(tensor: torch.Tensor) -> bool:
+    """Contiguous, or a permutation of contiguous (e.g. a transposed product): copyable with its strides."""
+    if tensor.is_contiguous():
+        return True
+    expected = 1
+    for size, stride in sorted((d for d in zip(tensor.shape, tensor.stride(), strict=True) if d[0] != 1), key=_stride):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _stride(dim: tuple[int, int]) -> int:
+    return dim[1]
 
 
 class _DisabledContext(contextlib.nullcontext):

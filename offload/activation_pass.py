@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from offload import device
+from offload.activation_pool import empty_strided
 from offload.activation_schedule import (
     LayerPhase,
     OffloadStats,
@@ -50,7 +51,13 @@ def fold_view(tensor: torch.Tensor) -> tuple[torch.Tensor, _ViewSpec | None]:
     base = tensor._base
     if base is None or base.dtype != tensor.dtype:
         return tensor, None
-    return base, (tensor.size(), tensor.stride(), tensor.storage_offset() - base.storage_offset())
+    offset = tensor.storage_offset() - base.storage_offset()
+    span = sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride(), strict=True))
+    if tensor.numel() == 0 or offset < 0 or offset + span >= base.numel():
+        # The view reaches storage its base tensor does not cover (e.g. a base that is itself an alias of a
+        # larger buffer): the base's copy could not rebuild it, so the view is copied on its own.
+        return tensor, None
+    return base, (tensor.size(), tensor.stride(), offset)
 
 
 class LayerStore:
@@ -82,7 +89,7 @@ class LayerStore:
             self.owner.record("fwd", "offload_start", self.layer, self.layer)
         ctx = self.owner.ctx
         slot = len(self._host)
-        host, new = ctx.pool.acquire(self.layer, slot, base.shape, base.dtype)
+        host, new = ctx.pool.acquire(self.layer, slot, base.shape, base.stride(), base.dtype)
         # Why: the side stream must not read ``base`` before the compute stream has finished producing it.
         ready = device.new_event()
         ready.record(device.current_stream())
@@ -123,7 +130,7 @@ class LayerStore:
             return  # never released (forward stopped early, or nothing saved): the device copies are still here
         self._set_phase(LayerPhase.RELOAD_STARTED)
         ctx = self.owner.ctx
-        specs = [(h.shape, h.dtype) for h in self._host]
+        specs = [(h.shape, h.stride(), h.dtype) for h in self._host]
         targets = ctx.reload_buffers.take(self.layer, specs) if ctx.reload_buffers is not None else None
         self._double_buffered = targets is not None
         if ctx.reload_buffers is not None:
@@ -131,7 +138,7 @@ class LayerStore:
             self.owner.stats.double_buffer_misses += int(targets is None)
         if targets is None:
             # Why: allocate on the compute stream, so the caching allocator keeps the memory in its pool.
-            targets = [torch.empty(shape, dtype=dtype, device=ctx.device) for shape, dtype in specs]
+            targets = [empty_strided(spec, ctx.device) for spec in specs]
         # Why: the copies overwrite memory the compute stream may have used until now.
         ctx.stream.wait_stream(device.current_stream())
         events = []
@@ -215,11 +222,11 @@ class Pass:
 
     def push(self, tensor: torch.Tensor) -> object:
         """The pack hook: a handle for an offloaded tensor, the tensor itself otherwise."""
-        reason = self.ctx.eligibility.skip_reason(tensor)
+        base, view = fold_view(tensor)
+        reason = self.ctx.eligibility.skip_reason(tensor, base)
         if reason is not None:
             self.stats.skipped[reason] += 1
             return tensor
-        base, view = fold_view(tensor)
         if not self.ctx.schedule.is_offloaded(self.layer):
             self._count_resident(base)
             return tensor

@@ -17,11 +17,12 @@ import torch
 
 from offload import device
 
-_Key = tuple[tuple[int, ...], torch.dtype]
+_Key = tuple[tuple[int, ...], tuple[int, ...], torch.dtype]
+_Spec = tuple[torch.Size, tuple[int, ...], torch.dtype]
 
 
 class HostBufferPool:
-    """Host buffers keyed by ``(shape, dtype)``.
+    """Host buffers keyed by ``(shape, stride, dtype)`` (strides are kept so dense permuted layouts survive).
 
     Args:
         retain: keep buffers after backward and reuse them next iteration (``retain_pinned_cpu_buffers``).
@@ -35,27 +36,29 @@ class HostBufferPool:
         self._layout: dict[tuple[int, int], _Key] = {}
         self.allocated = 0
 
-    def acquire(self, layer: int, slot: int, shape: torch.Size, dtype: torch.dtype) -> tuple[torch.Tensor, bool]:
+    def acquire(
+        self, layer: int, slot: int, shape: torch.Size, stride: tuple[int, ...], dtype: torch.dtype
+    ) -> tuple[torch.Tensor, bool]:
         """A host buffer for copy ``slot`` of ``layer``; returns ``(buffer, newly_allocated)``.
 
         Raises:
             ValueError: with ``retain``, when this ``(layer, slot)`` had another shape or dtype last iteration.
         """
-        key = (tuple(shape), dtype)
+        key = (tuple(shape), tuple(stride), dtype)
         if self.retain:
             self._check_layout(layer, slot, key)
         free = self._free.get(key)
         if free:
             return free.pop(), False
         self.allocated += 1
-        return device.empty_host(shape, dtype, pin=self.pin), True
+        return device.empty_host_strided(shape, stride, dtype, pin=self.pin), True
 
     def give_back(self, buffers: list[torch.Tensor]) -> None:
         """Return buffers after backward: kept for reuse with ``retain``, else dropped (freed)."""
         if not self.retain:
             return
         for buf in buffers:
-            self._free[(tuple(buf.shape), buf.dtype)].append(buf)
+            self._free[(tuple(buf.shape), buf.stride(), buf.dtype)].append(buf)
 
     def free_buffers(self) -> int:
         return sum(len(v) for v in self._free.values())
@@ -68,8 +71,8 @@ class HostBufferPool:
         old = self._layout.setdefault((layer, slot), key)
         if old != key:
             raise ValueError(
-                f"CPU buffer shape does not match the offloaded tensor shape: {list(old[0])} ({old[1]}) != "
-                f"{list(key[0])} ({key[1]}) for layer {layer}, saved tensor {slot}. Make sure that tensor shapes "
+                f"CPU buffer shape does not match the offloaded tensor shape: {list(old[0])} ({old[2]}) != "
+                f"{list(key[0])} ({key[2]}) for layer {layer}, saved tensor {slot}. Make sure that tensor shapes "
                 "do not change between iterations if retain_pinned_cpu_buffers is True (or call "
                 "context.reset_buffers() when they must)."
             )
@@ -88,17 +91,22 @@ class ReloadBuffers:
         self._sets: list[list[torch.Tensor] | None] = [None, None]
         self._busy: list[bool] = [False, False]
 
-    def take(self, layer: int, specs: list[tuple[torch.Size, torch.dtype]]) -> list[torch.Tensor] | None:
+    def take(self, layer: int, specs: list[_Spec]) -> list[torch.Tensor] | None:
         """The buffer set for ``layer`` if usable now, marked busy; ``None`` means allocate fresh."""
         index = layer % 2
         if self._busy[index]:
             return None
         current = self._sets[index]
-        if current is None or [(t.shape, t.dtype) for t in current] != list(specs):
-            current = [torch.empty(shape, dtype=dtype, device=self._device) for shape, dtype in specs]
+        if current is None or [(t.shape, t.stride(), t.dtype) for t in current] != list(specs):
+            current = [empty_strided(spec, self._device) for spec in specs]
             self._sets[index] = current
         self._busy[index] = True
         return current
 
     def give_back(self, layer: int) -> None:
         self._busy[layer % 2] = False
+
+
+def empty_strided(spec: _Spec, on: torch.device) -> torch.Tensor:
+    shape, stride, dtype = spec
+    return torch.empty_strided(shape, stride, dtype=dtype, device=on)

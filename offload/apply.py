@@ -106,18 +106,29 @@ def _optimizer_edits(cfg: OffloadConfig, fraction: float | None, edits: dict[str
     _want(edits, "optimizer.optimizer_cpu_offload", True, "master switch for HybridDeviceOptimizer")
     if fraction is None:
         fraction = opt.optimizer_offload_fraction if opt.optimizer_offload_fraction > 0 else DEFAULT_FRACTION
-        why = ("kept the fraction already set" if opt.optimizer_offload_fraction > 0 else
-               f"Bridge's default 0.0 offloads nothing; {DEFAULT_FRACTION} is the balanced starting point "
-               "(pass a fraction, or mode=recommended to size it)")
+        why = (
+            "kept the fraction already set"
+            if opt.optimizer_offload_fraction > 0
+            else f"Bridge's default 0.0 offloads nothing; {DEFAULT_FRACTION} is the balanced starting point "
+            "(pass a fraction, or mode=recommended to size it)"
+        )
     else:
         why = "the requested share of optimizer states on the CPU"
     _want(edits, "optimizer.optimizer_offload_fraction", float(fraction), why)
     if fraction >= OVERLAP_FROM_FRACTION and not opt.overlap_cpu_optimizer_d2h_h2d:
-        _want(edits, "optimizer.overlap_cpu_optimizer_d2h_h2d", True,
-              f"at fraction >= {OVERLAP_FROM_FRACTION} the CPU step dominates; overlapping D2H/H2D hides part of it")
+        _want(
+            edits,
+            "optimizer.overlap_cpu_optimizer_d2h_h2d",
+            True,
+            f"at fraction >= {OVERLAP_FROM_FRACTION} the CPU step dominates; overlapping D2H/H2D hides part of it",
+        )
     if not opt.decoupled_weight_decay:
-        _want(edits, "optimizer.decoupled_weight_decay", True,
-              "Megatron Core asserts 'CPU offloading only supported with decoupled_weight_decay enabled (AdamW mode)'")
+        _want(
+            edits,
+            "optimizer.decoupled_weight_decay",
+            True,
+            "Megatron Core asserts 'CPU offloading only supported with decoupled_weight_decay enabled (AdamW mode)'",
+        )
 
 
 def _activation_edits(cfg: OffloadConfig, num_layers: int | None, edits: dict[str, tuple[Any, str]]) -> None:
@@ -128,7 +139,8 @@ def _activation_edits(cfg: OffloadConfig, num_layers: int | None, edits: dict[st
             f"activation offloading needs model.pipeline_model_parallel_size=1, but it is {pp}; Megatron Core raises "
             "'Currently there is no support for Pipeline parallelism with CPU offloading'. Changing PP changes the "
             "per-GPU memory of everything else, so it is not done silently: use mode=optimizer (works with PP>1), "
-            "or set model.pipeline_model_parallel_size=1 yourself and run again")
+            "or set model.pipeline_model_parallel_size=1 yourself and run again"
+        )
     total = model.num_layers
     if num_layers is None:
         if model.cpu_offloading_num_layers > 0:
@@ -137,32 +149,48 @@ def _activation_edits(cfg: OffloadConfig, num_layers: int | None, edits: dict[st
             num_layers = max(1, min(total - 1, total // 2))
             why = "half the layers as a starting point (pass num_layers, or mode=recommended to size it)"
         else:
-            raise ApplyError("activation offloading needs a layer count: pass num_layers (--num-layers K), "
-                             "or give model.num_layers in the config so a default can be chosen")
+            raise ApplyError(
+                "activation offloading needs a layer count: pass num_layers (--num-layers K), "
+                "or give model.num_layers in the config so a default can be chosen"
+            )
     else:
         why = "the requested number of offloaded layers"
     if num_layers < 1:
         raise ApplyError(f"num_layers is {num_layers}: offloading 0 layers does nothing; pass at least 1")
     if total is not None and num_layers >= total:
-        raise ApplyError(f"num_layers is {num_layers}, but model.num_layers is {total}: Megatron Core allows only "
-                         f"'layers less than {total}'; pass at most {total - 1}")
+        raise ApplyError(
+            f"num_layers is {num_layers}, but model.num_layers is {total}: Megatron Core allows only "
+            f"'layers less than {total}'; pass at most {total - 1}"
+        )
     _want(edits, "model.cpu_offloading", True, "master switch for layer-level activation offloading")
     _want(edits, "model.cpu_offloading_num_layers", int(num_layers), why)
     if not model.cpu_offloading_activations and not model.cpu_offloading_weights:
-        _want(edits, "model.cpu_offloading_activations", True,
-              "with activations and weights both off, Transformer Engine raises 'CPU Offloading is enabled while it "
-              "is not mentioned what to offload'")
+        _want(
+            edits,
+            "model.cpu_offloading_activations",
+            True,
+            "with activations and weights both off, Transformer Engine raises 'CPU Offloading is enabled while it "
+            "is not mentioned what to offload'",
+        )
     if model.recompute_granularity is not None:
-        _want(edits, "model.recompute_granularity", None,
-              "'CPU offloading does not work when activation recomputation is enabled' (activation memory rises "
-              "for the layers kept on the GPU)")
+        _want(
+            edits,
+            "model.recompute_granularity",
+            None,
+            "'CPU offloading does not work when activation recomputation is enabled' (activation memory rises "
+            "for the layers kept on the GPU)",
+        )
     if model.cuda_graph_impl not in ("none", "full_iteration"):
         _want(edits, "model.cuda_graph_impl", "none", "'CUDA graphs not supported with CPU offloading.'")
     if model.enable_cuda_graph:
         _want(edits, "model.enable_cuda_graph", False, "CUDA graphs are not supported with CPU offloading")
     if model.fine_grained_activation_offloading:
-        _want(edits, "model.fine_grained_activation_offloading", False,
-              "'fine_grained_activation_offloading cannot be enabled with cpu_offloading.'")
+        _want(
+            edits,
+            "model.fine_grained_activation_offloading",
+            False,
+            "'fine_grained_activation_offloading cannot be enabled with cpu_offloading.'",
+        )
     if model.moe_paged_stash:
         _want(edits, "model.moe_paged_stash", False, "'moe_paged_stash cannot be enabled with cpu_offloading.'")
 
@@ -178,9 +206,16 @@ def _recommended(cfg: OffloadConfig, raw: dict[str, Any], planner: dict[str, Any
     return str(data["mode"]), list(data.get("overrides") or [])
 
 
-def plan_edits(cfg: OffloadConfig, raw: dict[str, Any], mode: str, *, fraction: float | None = None,
-               num_layers: int | None = None, planner: dict[str, Any] | None = None,
-               notes: list[str] | None = None) -> tuple[str, dict[str, tuple[Any, str]]]:
+def plan_edits(
+    cfg: OffloadConfig,
+    raw: dict[str, Any],
+    mode: str,
+    *,
+    fraction: float | None = None,
+    num_layers: int | None = None,
+    planner: dict[str, Any] | None = None,
+    notes: list[str] | None = None,
+) -> tuple[str, dict[str, tuple[Any, str]]]:
     """The key edits a mode implies: ``(resolved mode, {dotted key: (new value, why)})``.
 
     Raises:
@@ -190,14 +225,19 @@ def plan_edits(cfg: OffloadConfig, raw: dict[str, Any], mode: str, *, fraction: 
     if mode not in MODES:
         raise ApplyError(f"mode {mode!r} is not one of {', '.join(MODES)}")
     if fraction is not None and not 0.0 < fraction <= 1.0:
-        raise ApplyError(f"fraction is {fraction}: optimizer_offload_fraction must be in (0, 1]; 0 offloads nothing "
-                         "(use mode=none to switch offloading off)")
+        raise ApplyError(
+            f"fraction is {fraction}: optimizer_offload_fraction must be in (0, 1]; 0 offloads nothing "
+            "(use mode=none to switch offloading off)"
+        )
     if fraction is not None and mode in ("activation", "none"):
-        raise ApplyError(f"fraction applies to optimizer offloading; mode={mode} does not use it (use mode=optimizer "
-                         "or mode=both)")
+        raise ApplyError(
+            f"fraction applies to optimizer offloading; mode={mode} does not use it (use mode=optimizer or mode=both)"
+        )
     if num_layers is not None and mode in ("optimizer", "none"):
-        raise ApplyError(f"num_layers applies to activation offloading; mode={mode} does not use it (use "
-                         "mode=activation or mode=both)")
+        raise ApplyError(
+            f"num_layers applies to activation offloading; mode={mode} does not use it (use "
+            "mode=activation or mode=both)"
+        )
     edits: dict[str, tuple[Any, str]] = {}
     if mode == "recommended":
         chosen, overrides = _recommended(cfg, raw, planner)
@@ -239,7 +279,8 @@ def _yaml():
     yaml.width = 4096  # never re-wrap long lines the user wrote
     # Bridge's to_yaml() writes `null`, not an empty value.
     yaml.representer.add_representer(
-        type(None), lambda rep, _data: rep.represent_scalar("tag:yaml.org,2002:null", "null"))
+        type(None), lambda rep, _data: rep.represent_scalar("tag:yaml.org,2002:null", "null")
+    )
     return yaml
 
 
@@ -317,8 +358,10 @@ def _allowed_roots(source_path: Path | None, allowed_root: str | os.PathLike[str
 def _check_contained(target: Path, roots: list[Path]) -> None:
     resolved = target.resolve()
     if not any(resolved == root or resolved.is_relative_to(root) for root in roots):
-        raise ApplyError(f"refusing to write {target}: it is outside the input's directory and the working directory "
-                         f"({', '.join(str(r) for r in roots)}); write there, or pass an explicit allowed root")
+        raise ApplyError(
+            f"refusing to write {target}: it is outside the input's directory and the working directory "
+            f"({', '.join(str(r) for r in roots)}); write there, or pass an explicit allowed root"
+        )
 
 
 def _backup_path(path: Path) -> Path:
@@ -358,11 +401,19 @@ def _validate(config: OffloadConfig, raw: dict[str, Any]) -> tuple[bool, list[di
     return bool(report.ok), list(data.get("findings", []))
 
 
-def apply_offload(source: str, mode: str, *, fraction: float | None = None, num_layers: int | None = None,
-                  overrides: list[str] | None = None, output: str | os.PathLike[str] | None = None,
-                  in_place: bool = False, output_format: str = "yaml",
-                  allowed_root: str | os.PathLike[str] | None = None,
-                  planner: dict[str, Any] | None = None) -> ApplyResult:
+def apply_offload(
+    source: str,
+    mode: str,
+    *,
+    fraction: float | None = None,
+    num_layers: int | None = None,
+    overrides: list[str] | None = None,
+    output: str | os.PathLike[str] | None = None,
+    in_place: bool = False,
+    output_format: str = "yaml",
+    allowed_root: str | os.PathLike[str] | None = None,
+    planner: dict[str, Any] | None = None,
+) -> ApplyResult:
     """Switch an offload mode on (or off) in a config, resolve the conflicts it implies, and optionally write it.
 
     Args:
@@ -401,10 +452,14 @@ def apply_offload(source: str, mode: str, *, fraction: float | None = None, num_
     cfg = build_config(effective_raw, where, tree if not overrides else None)
 
     notes: list[str] = []
-    resolved_mode, wanted = plan_edits(cfg, effective_raw, mode, fraction=fraction, num_layers=num_layers,
-                                       planner=planner, notes=notes)
-    changes = [Change(key, get_value(cfg, key), value, why) for key, (value, why) in wanted.items()
-               if get_value(cfg, key) != value or (value is None and get_value(cfg, key) is not None)]
+    resolved_mode, wanted = plan_edits(
+        cfg, effective_raw, mode, fraction=fraction, num_layers=num_layers, planner=planner, notes=notes
+    )
+    changes = [
+        Change(key, get_value(cfg, key), value, why)
+        for key, (value, why) in wanted.items()
+        if get_value(cfg, key) != value or (value is None and get_value(cfg, key) is not None)
+    ]
     new_text = _render(text, tree, changes, is_json, json.loads(json.dumps(raw))) if changes else text
     override_list = [f"{c.key}={format_value(c.new)}" for c in changes]
 
@@ -414,18 +469,33 @@ def apply_offload(source: str, mode: str, *, fraction: float | None = None, num_
     ok, findings = _validate(new_cfg, new_raw)
 
     label = source_path.name if source_path else "config.yaml"
-    diff = "".join(difflib.unified_diff(text.splitlines(keepends=True), new_text.splitlines(keepends=True),
-                                        fromfile=f"a/{label}", tofile=f"b/{label}"))
-    result = ApplyResult(ok=ok, mode=resolved_mode, changes=changes, findings=findings, overrides=override_list,
-                         diff=diff, text=new_text, notes=notes)
+    diff = "".join(
+        difflib.unified_diff(
+            text.splitlines(keepends=True),
+            new_text.splitlines(keepends=True),
+            fromfile=f"a/{label}",
+            tofile=f"b/{label}",
+        )
+    )
+    result = ApplyResult(
+        ok=ok,
+        mode=resolved_mode,
+        changes=changes,
+        findings=findings,
+        overrides=override_list,
+        diff=diff,
+        text=new_text,
+        notes=notes,
+    )
     if not changes:
         notes.append(f"nothing to change: the config already has mode={resolved_mode}")
     if not (output or in_place):
         return result
     if not ok:
         errors = [f["rule"] for f in findings if f.get("severity") == "error"]
-        result.refused = (f"not written: the result still has errors ({', '.join(errors)}); fix them (see findings) "
-                          "and run again")
+        result.refused = (
+            f"not written: the result still has errors ({', '.join(errors)}); fix them (see findings) and run again"
+        )
         return result
 
     roots = _allowed_roots(source_path, allowed_root)
@@ -437,8 +507,9 @@ def apply_offload(source: str, mode: str, *, fraction: float | None = None, num_
         if not changes and output_format == "yaml":
             return result  # idempotent: the file already says this; do not touch it or make another backup
         if output_format == "overrides":
-            raise ApplyError("in_place with format=overrides would replace the config by an override list; "
-                             "pass output=PATH instead")
+            raise ApplyError(
+                "in_place with format=overrides would replace the config by an override list; pass output=PATH instead"
+            )
         backup = _backup_path(target)
         shutil.copy2(target, backup)
         result.backup = str(backup)

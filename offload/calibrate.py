@@ -26,7 +26,9 @@ def calibration_path(path: str | os.PathLike[str] | None = None) -> Path:
     return Path("~/.cache/mbridge-offload/calibration.json").expanduser()
 
 
-def measure(numel: int = 32 * 1024 * 1024, tensors: int = 4, steps: int = 5, threads: int | None = None) -> dict[str, Any]:
+def measure(
+    numel: int = 32 * 1024 * 1024, tensors: int = 4, steps: int = 5, threads: int | None = None
+) -> dict[str, Any]:
     """Time ``steps`` fused AdamW steps over ``tensors`` fp32 tensors of ``numel`` elements (after one warm-up).
 
     Returns:

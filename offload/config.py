@@ -186,8 +186,9 @@ class OptimizerSection(Section):
     # An argument of get_megatron_optimizer upstream; read from here when a caller passes it through.
     skip_megatron_wrapping: bool = False
 
-    @field_validator("params_dtype", "main_grads_dtype", "main_params_dtype", "exp_avg_dtype", "exp_avg_sq_dtype",
-                     mode="before")
+    @field_validator(
+        "params_dtype", "main_grads_dtype", "main_params_dtype", "exp_avg_dtype", "exp_avg_sq_dtype", mode="before"
+    )
     @classmethod
     def _dtype(cls, value: Any) -> str | None:
         return normalize_dtype(value)

@@ -127,3 +127,10 @@ def reset_peak(device: torch.device | None = None) -> None:
 def synchronize() -> None:
     if has_cuda():
         torch.cuda.synchronize()
+
+
+def empty_host_strided(
+    shape: torch.Size | tuple[int, ...], stride: tuple[int, ...], dtype: torch.dtype, pin: bool = True
+) -> torch.Tensor:
+    """A host tensor with the given strides (to mirror a dense, non-contiguous device tensor), pinned as above."""
+    return torch.empty_strided(shape, stride, dtype=dtype, device="cpu", pin_memory=pin and has_cuda())

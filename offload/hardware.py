@@ -50,20 +50,53 @@ class GpuPreset:
 
 GPU_PRESETS: dict[str, GpuPreset] = {
     # DGX/HGX H100: 2 x Xeon 8480C (56 cores, 8 x DDR5-4800 = 307 GB/s each), 2 TB RAM, Gen5 x16 per GPU.
-    "h100-80gb": GpuPreset("h100-80gb", 80.0, 63.0, 2 * 307.2 / 8, 14, 989.0, 250.0,
-                           "H100 SXM 80 GB, PCIe Gen5 host link, 2-socket Sapphire Rapids node"),
+    "h100-80gb": GpuPreset(
+        "h100-80gb",
+        80.0,
+        63.0,
+        2 * 307.2 / 8,
+        14,
+        989.0,
+        250.0,
+        "H100 SXM 80 GB, PCIe Gen5 host link, 2-socket Sapphire Rapids node",
+    ),
     # HGX H200: same host platform as H100 (Emerald Rapids DDR5-5600 nodes are also common).
-    "h200-141gb": GpuPreset("h200-141gb", 141.0, 63.0, 2 * 307.2 / 8, 14, 989.0, 250.0,
-                            "H200 SXM 141 GB, PCIe Gen5 host link, 2-socket Sapphire Rapids node"),
+    "h200-141gb": GpuPreset(
+        "h200-141gb",
+        141.0,
+        63.0,
+        2 * 307.2 / 8,
+        14,
+        989.0,
+        250.0,
+        "H200 SXM 141 GB, PCIe Gen5 host link, 2-socket Sapphire Rapids node",
+    ),
     # GH200: one Grace (72 cores, ~500 GB/s LPDDR5X, 480 GB) per Hopper, NVLink-C2C 450 GB/s per direction.
-    "gh200": GpuPreset("gh200", 96.0, 450.0, 500.0, 72, 989.0, 480.0,
-                       "GH200 Grace Hopper (96 GB HBM3), NVLink-C2C, one Grace per GPU"),
+    "gh200": GpuPreset(
+        "gh200", 96.0, 450.0, 500.0, 72, 989.0, 480.0, "GH200 Grace Hopper (96 GB HBM3), NVLink-C2C, one Grace per GPU"
+    ),
     # DGX A100: 2 x EPYC 7742 (64 cores, 8 x DDR4-3200 = 204.8 GB/s each), Gen4 x16 per GPU.
-    "a100-80gb": GpuPreset("a100-80gb", 80.0, 31.5, 2 * 204.8 / 8, 16, 312.0, 250.0,
-                           "A100 SXM 80 GB, PCIe Gen4 host link, 2-socket EPYC Rome node"),
+    "a100-80gb": GpuPreset(
+        "a100-80gb",
+        80.0,
+        31.5,
+        2 * 204.8 / 8,
+        16,
+        312.0,
+        250.0,
+        "A100 SXM 80 GB, PCIe Gen4 host link, 2-socket EPYC Rome node",
+    ),
     # DGX B200: 2 x Xeon 8570 (56 cores, 8 x DDR5-5600 = 358 GB/s each), Gen5 x16 per GPU, 180 GB HBM3e.
-    "b200": GpuPreset("b200", 180.0, 63.0, 2 * 358.4 / 8, 14, 2250.0, 500.0,
-                      "B200 180 GB, PCIe Gen5 host link, 2-socket Emerald Rapids node"),
+    "b200": GpuPreset(
+        "b200",
+        180.0,
+        63.0,
+        2 * 358.4 / 8,
+        14,
+        2250.0,
+        500.0,
+        "B200 180 GB, PCIe Gen5 host link, 2-socket Emerald Rapids node",
+    ),
 }
 
 

@@ -139,8 +139,14 @@ def check_setup(model: ModelSpec, setup: Setup) -> None:
         ValueError: one line naming the violated constraint.
     """
     s = setup
-    for name, value in (("num_gpus", s.num_gpus), ("tp", s.tp), ("pp", s.pp), ("cp", s.cp), ("ep", s.ep),
-                        ("micro_batch_size", s.micro_batch_size)):
+    for name, value in (
+        ("num_gpus", s.num_gpus),
+        ("tp", s.tp),
+        ("pp", s.pp),
+        ("cp", s.cp),
+        ("ep", s.ep),
+        ("micro_batch_size", s.micro_batch_size),
+    ):
         if value < 1:
             raise ValueError(f"{name} is {value}: it must be at least 1")
     etp = s.resolved_etp(model)
@@ -171,11 +177,15 @@ def check_setup(model: ModelSpec, setup: Setup) -> None:
         if k < 0 or k >= model.num_layers:
             raise ValueError(f"CPU offloading can be done only for layers less than {model.num_layers} (got {k})")
         if s.pp > 1:
-            raise ValueError("Currently there is no support for Pipeline parallelism with CPU offloading "
-                             f"(PP is {s.pp}; set PP=1 or use optimizer offloading)")
+            raise ValueError(
+                "Currently there is no support for Pipeline parallelism with CPU offloading "
+                f"(PP is {s.pp}; set PP=1 or use optimizer offloading)"
+            )
         if s.recompute_granularity is not None:
-            raise ValueError("CPU offloading does not work when activation recomputation is enabled "
-                             f"(recompute_granularity={s.recompute_granularity}; set it to null)")
+            raise ValueError(
+                "CPU offloading does not work when activation recomputation is enabled "
+                f"(recompute_granularity={s.recompute_granularity}; set it to null)"
+            )
 
 
 # ------------------------------------------------------------------------------------------- parameters
@@ -209,14 +219,19 @@ def _attention_params(m: ModelSpec, tp: int) -> list[Tensor]:
         qk = m.mla.qk_head_dim + m.mla.qk_pos_emb_head_dim
         if m.mla.q_lora_rank:
             # The down-projections are "duplicated" across TP in MCore; the up-projections are column-parallel.
-            out += [Tensor("q_down_proj", h * m.mla.q_lora_rank), Tensor("q_layernorm", m.mla.q_lora_rank, decay=False),
-                    Tensor("q_up_proj", m.mla.q_lora_rank * a * qk // tp)]
+            out += [
+                Tensor("q_down_proj", h * m.mla.q_lora_rank),
+                Tensor("q_layernorm", m.mla.q_lora_rank, decay=False),
+                Tensor("q_up_proj", m.mla.q_lora_rank * a * qk // tp),
+            ]
         else:
             out.append(Tensor("q_proj", h * a * qk // tp))
-        out += [Tensor("kv_down_proj", h * (m.mla.kv_lora_rank + m.mla.qk_pos_emb_head_dim)),
-                Tensor("kv_layernorm", m.mla.kv_lora_rank, decay=False),
-                Tensor("kv_up_proj", m.mla.kv_lora_rank * a * (m.mla.qk_head_dim + m.mla.v_head_dim) // tp),
-                Tensor("proj", a * m.mla.v_head_dim * h // tp)]
+        out += [
+            Tensor("kv_down_proj", h * (m.mla.kv_lora_rank + m.mla.qk_pos_emb_head_dim)),
+            Tensor("kv_layernorm", m.mla.kv_lora_rank, decay=False),
+            Tensor("kv_up_proj", m.mla.kv_lora_rank * a * (m.mla.qk_head_dim + m.mla.v_head_dim) // tp),
+            Tensor("proj", a * m.mla.v_head_dim * h // tp),
+        ]
         return out
     q = m.num_attention_heads * m.kv_channels
     kv = m.num_query_groups * m.kv_channels
@@ -235,8 +250,10 @@ def _mlp_params(m: ModelSpec, ffn: int, shard: int, expert: bool, prefix: str) -
     h, gate = m.hidden_size, 2 if m.gated_linear_unit else 1
     out = [Tensor(f"{prefix}fc1", h * gate * ffn // shard, expert), Tensor(f"{prefix}fc2", ffn * h // shard, expert)]
     if m.add_bias_linear:
-        out += [Tensor(f"{prefix}fc1_bias", gate * ffn // shard, expert, decay=False),
-                Tensor(f"{prefix}fc2_bias", h, expert, decay=False)]
+        out += [
+            Tensor(f"{prefix}fc1_bias", gate * ffn // shard, expert, decay=False),
+            Tensor(f"{prefix}fc2_bias", h, expert, decay=False),
+        ]
     return out
 
 
@@ -369,7 +386,9 @@ def optimizer_memory(m: ModelSpec, s: Setup, params: list[Tensor]) -> OptimizerM
         host += pinned + offloaded * 8  # torch AdamW's zeros_like moments are pageable: no rounding
         # Transient: the factory's first HDO clones `f` of the full local bf16 params (pinned) plus fp32 copies.
         local = [t.numel for t in optimizer_param_order(params) if t.expert == expert]
-        transient += sum(next_pow2(param_bytes * n) + next_pow2(4 * n) for n in _prefix(local, greedy_offload(local, f)))
+        transient += sum(
+            next_pow2(param_bytes * n) + next_pow2(4 * n) for n in _prefix(local, greedy_offload(local, f))
+        )
     return OptimizerMemory(gpu, host, transient, shard_total, off_total)
 
 
@@ -399,16 +418,25 @@ def layer_activations(m: ModelSpec, s: Setup, index: int) -> list[Tensor]:
         out.append(Tensor("qkv_in", t_sp * h))
         if mla.q_lora_rank:
             out += [Tensor("q_down_out", tokens * mla.q_lora_rank), Tensor("q_up_in", tokens * mla.q_lora_rank)]
-        out += [Tensor("kv_down_out", tokens * (mla.kv_lora_rank + mla.qk_pos_emb_head_dim)),
-                Tensor("kv_up_in", tokens * mla.kv_lora_rank),
-                Tensor("q", tokens * a * qk // tp), Tensor("k", tokens * a * qk // tp),
-                Tensor("v", tokens * a * mla.v_head_dim // tp), Tensor("attn_out", tokens * a * mla.v_head_dim // tp)]
+        out += [
+            Tensor("kv_down_out", tokens * (mla.kv_lora_rank + mla.qk_pos_emb_head_dim)),
+            Tensor("kv_up_in", tokens * mla.kv_lora_rank),
+            Tensor("q", tokens * a * qk // tp),
+            Tensor("k", tokens * a * qk // tp),
+            Tensor("v", tokens * a * mla.v_head_dim // tp),
+            Tensor("attn_out", tokens * a * mla.v_head_dim // tp),
+        ]
         heads = a // tp
     else:
         q = m.num_attention_heads * m.kv_channels // tp
         kv = m.num_query_groups * m.kv_channels // tp
-        out += [Tensor("qkv_in", t_sp * h), Tensor("q", tokens * q), Tensor("k", tokens * kv),
-                Tensor("v", tokens * kv), Tensor("attn_out", tokens * q)]  # flash output = proj input, saved once
+        out += [
+            Tensor("qkv_in", t_sp * h),
+            Tensor("q", tokens * q),
+            Tensor("k", tokens * kv),
+            Tensor("v", tokens * kv),
+            Tensor("attn_out", tokens * q),
+        ]  # flash output = proj input, saved once
         if m.qk_layernorm:
             out += [Tensor("q_norm_in", tokens * q), Tensor("k_norm_in", tokens * kv)]
         heads = m.num_attention_heads // tp
@@ -424,9 +452,13 @@ def layer_activations(m: ModelSpec, s: Setup, index: int) -> list[Tensor]:
         etp = s.resolved_etp(m)
         routed = t_sp * m.moe_router_topk * etp  # balanced routing: each GPU receives its own tokens × top-k
         ffn = m.moe_ffn_hidden_size // etp
-        out += [Tensor("router_in", t_sp * h), Tensor("router_probs", t_sp * m.num_moe_experts, nbytes_per=4),
-                Tensor("expert_fc1_in", routed * h), Tensor("expert_fc1_out", routed * gate * ffn),
-                Tensor("expert_act_out", routed * ffn)]
+        out += [
+            Tensor("router_in", t_sp * h),
+            Tensor("router_probs", t_sp * m.num_moe_experts, nbytes_per=4),
+            Tensor("expert_fc1_in", routed * h),
+            Tensor("expert_fc1_out", routed * gate * ffn),
+            Tensor("expert_act_out", routed * ffn),
+        ]
         if m.moe_shared_expert_intermediate_size:
             sh = m.moe_shared_expert_intermediate_size // tp
             out += [Tensor("shared_fc1_out", tokens * gate * sh), Tensor("shared_act_out", tokens * sh)]
@@ -553,8 +585,14 @@ class MemoryEstimate:
 
     def breakdown_gb(self) -> dict[str, float]:
         w = self.worst
-        parts = {"weights": w.weights, "gradients": w.gradients, "optimizer": w.optimizer,
-                 "activations": w.activations, "other": w.other, "total": w.total}
+        parts = {
+            "weights": w.weights,
+            "gradients": w.gradients,
+            "optimizer": w.optimizer,
+            "activations": w.activations,
+            "other": w.other,
+            "total": w.total,
+        }
         return {k: round(v / GB, 3) for k, v in parts.items()}
 
     @property
@@ -595,11 +633,25 @@ def estimate_memory(m: ModelSpec, s: Setup, host_ram_gb: float | None = None) ->
         other = int(s.overhead_gb * GB)
         if not s.use_precision_aware_optimizer and not s.grad_reduce_in_fp32:
             other += 4 * opt.shard_numel  # main_param.grad = shard_grad.float(): a transient fp32 copy
-        stages.append(StageMemory(stage, numel * param_bytes, numel * grad_bytes, opt.gpu_bytes, act.gpu_bytes,
-                                  other, opt.host_bytes + act.host_bytes, opt.host_transient_bytes,
-                                  opt.shard_numel, opt.offloaded_numel, numel))
+        stages.append(
+            StageMemory(
+                stage,
+                numel * param_bytes,
+                numel * grad_bytes,
+                opt.gpu_bytes,
+                act.gpu_bytes,
+                other,
+                opt.host_bytes + act.host_bytes,
+                opt.host_transient_bytes,
+                opt.shard_numel,
+                opt.offloaded_numel,
+                numel,
+            )
+        )
     est = MemoryEstimate(m, s, stages)
     if host_ram_gb is not None and est.host_peak_gb > host_ram_gb:
-        est.warnings.append(f"host memory per GPU peaks at {est.host_peak_gb:.1f} GB (pinned, power-of-two "
-                            f"rounded), above the {host_ram_gb:.0f} GB of host RAM per GPU")
+        est.warnings.append(
+            f"host memory per GPU peaks at {est.host_peak_gb:.1f} GB (pinned, power-of-two "
+            f"rounded), above the {host_ram_gb:.0f} GB of host RAM per GPU"
+        )
     return est

@@ -1,9 +1,10 @@
 """``HybridDeviceOptimizer``: a drop-in for Megatron Core's optimizer CPU offload, bucketed and resumable.
 
-A fraction of the parameters (by element count, see :func:`split_params`) is updated on the host: their
-gradients are copied into flat host buffers, one CPU optimizer call per bucket updates a flat master copy, and the
-result is copied back into the model weights. The rest is updated where it lives by the device optimizer, which
-runs while the host works. Checkpoints are plain per-parameter torch state dicts, independent of the split.
+A fraction of the parameters (by element count, see :func:`offload.optimizer_buckets.split_params`) is updated on
+the host: their gradients are copied into flat host buffers, one CPU optimizer call per bucket updates a flat
+master copy, and the result is copied back into the model weights. The rest is updated where it lives by the device
+optimizer, which runs while the host works. Checkpoints are plain per-parameter torch state dicts, independent of
+the split.
 
 Schedule of one ``step()`` (streams on CUDA; on CPU the same calls run as plain copies)::
 
@@ -24,19 +25,25 @@ from typing import Any
 import torch
 
 from offload import device
-from offload.optimizer_buckets import Bucket, build_bucket, grad_of, plan_buckets
+from offload.optimizer_buckets import Bucket, build_bucket, grad_of, plan_buckets, split_params
+from offload.optimizer_clip import clip_grad_norm_
 from offload.optimizer_state import export_param_states, import_param_states, validate_state_dict
 
 DEFAULT_BUCKET_SIZE_NUMEL = 1 << 22  # 4 Mi elements: 16 MiB of fp32 master, small enough to pipeline well
 # Implementation selectors of torch optimizers: never copied between the HDO groups and the sub-optimizers'
 # defaults, so each side keeps its own fast path (fused CPU AdamW, TE/foreach on the GPU).
 _SELECTOR_KEYS = frozenset({"fused", "foreach", "capturable", "differentiable", "decoupled_weight_decay"})
-
-
+# Constructor options: kept out of the param groups (and dropped from loaded ones, where upstream saved them).
 _OPTION_KEYS = frozenset(
     {
-        "offload_fraction", "cpu_optimizer_cls", "gpu_optimizer_cls", "param_update_in_fp32", "pin_cpu_grads",
-        "pin_cpu_params", "overlap_cpu_optimizer_d2h_h2d", "bucket_size_numel",
+        "offload_fraction",
+        "cpu_optimizer_cls",
+        "gpu_optimizer_cls",
+        "param_update_in_fp32",
+        "pin_cpu_grads",
+        "pin_cpu_params",
+        "overlap_cpu_optimizer_d2h_h2d",
+        "bucket_size_numel",
     }
 )
 
@@ -53,31 +60,6 @@ def _check_optimizer_cls(cls: Any, name: str) -> type[torch.optim.Optimizer]:
     return cls
 
 
-def split_params(params: list[torch.Tensor], offload_fraction: float, on_device: list[bool]) -> list[bool]:
-    """Which parameters go to the host: Megatron Core's greedy prefix rule, reproduced exactly.
-
-    Walk the parameters in param_groups order and offload each device parameter while the offloaded element
-    count is still below ``offload_fraction × (elements of all device parameters)``. The parameter that crosses
-    the threshold is offloaded whole, so the split overshoots by less than one tensor; 0.0 offloads nothing and
-    1.0 everything. Parameters not on the compute device are not counted and are never "offloaded".
-
-    Args:
-        params: the parameters in param_groups order.
-        offload_fraction: requested fraction in [0, 1].
-        on_device: per parameter, whether it lives on the compute device.
-
-    Returns:
-        Per parameter, whether it is offloaded.
-    """
-    threshold = offload_fraction * sum(p.numel() for p, d in zip(params, on_device) if d)
-    offloaded, out = 0, []
-    for p, d in zip(params, on_device):
-        take = d and offloaded < threshold
-        offloaded += p.numel() if take else 0
-        out.append(take)
-    return out
-
-
 class HybridDeviceOptimizer(torch.optim.Optimizer):
     """Update ``offload_fraction`` of the parameters on the CPU and the rest on the device, in one optimizer.
 
@@ -88,7 +70,8 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
 
     Args:
         params: parameters or param-group dicts, as for any torch optimizer.
-        offload_fraction: fraction of device-parameter elements updated on the CPU, in [0, 1] (rule: :func:`split_params`).
+        offload_fraction: fraction of device-parameter elements updated on the CPU, in [0, 1]
+            (which ones: :func:`offload.optimizer_buckets.split_params`).
         cpu_optimizer_cls: optimizer class for the host buckets; default ``torch.optim.AdamW`` with ``fused=True``.
         gpu_optimizer_cls: optimizer class for the device part; default ``torch.optim.AdamW``.
         param_update_in_fp32: keep fp32 masters (host and device) for non-fp32 parameters.
@@ -198,15 +181,15 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         self._params = [p for _, p in flat]
         on_device = [p.device.type == compute.type for p in self._params]
         offload = split_params(self._params, self.offload_fraction, on_device)
-        self._device_numel = sum(p.numel() for p, d in zip(self._params, on_device) if d)
-        self._offloaded_numel = sum(p.numel() for p, o in zip(self._params, offload) if o)
+        self._device_numel = sum(p.numel() for p, d in zip(self._params, on_device, strict=True) if d)
+        self._offloaded_numel = sum(p.numel() for p, o in zip(self._params, offload, strict=True) if o)
         # Where each parameter's update happens: ("bucket", bucket, k) | ("device", inner) | ("resident", param).
         self._slot: list[tuple] = [None] * len(flat)
         self._masters: dict[int, torch.Tensor] = {}
         device_groups: dict[int, list] = defaultdict(list)
         resident_groups: dict[int, list] = defaultdict(list)
         offloaded = []
-        for i, ((gi, p), d, o) in enumerate(zip(flat, on_device, offload)):
+        for i, ((gi, p), d, o) in enumerate(zip(flat, on_device, offload, strict=True)):
             if o:
                 offloaded.append((i, gi, p))
             elif d:
@@ -288,7 +271,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             b.optimizer.param_groups[0].update(hyper[b.group_index])
         for opt in (self.device_optimizer, self.resident_optimizer):
             if opt is not None:
-                for sub, gi in zip(opt.param_groups, opt._hdo_group_index):
+                for sub, gi in zip(opt.param_groups, opt._hdo_group_index, strict=True):
                     sub.update(hyper[gi])
 
     def _refresh_stale_copies(self) -> None:
@@ -304,50 +287,6 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         for i, v in self._device_versions.items():
             if self._params[i]._version != v:
                 self._masters[i].copy_(self._params[i].detach())
-
-    def _copy_grads_to_host(self, bucket: Bucket, grads: list) -> list[int]:
-        """Issue bucket ``bucket``'s gradient copies on the D2H stream; returns the members without a grad."""
-        missing = [k for k, g in enumerate(grads) if g is None]
-        if missing:
-            for k in missing:
-                bucket.grad_views[k].zero_()
-            present = [k for k in range(len(grads)) if grads[k] is not None]
-            dst, src = [bucket.grad_views[k] for k in present], [grads[k] for k in present]
-        else:
-            dst, src = bucket.grad_views, grads
-        if dst:
-            torch._foreach_copy_(dst, src, non_blocking=device.is_pinned(bucket.flat_grad))
-        bucket.d2h_done.record(self._d2h)
-        return missing
-
-    def _step_bucket(self, bucket: Bucket, missing: list[int]) -> None:
-        """Run one bucket's CPU optimizer and issue its H2D copy."""
-        # Host waits only for this bucket's gradients; later buckets' copies keep flowing meanwhile.
-        bucket.d2h_done.synchronize()
-        # The previous step's H2D copy reads the flat master: it must be done before we overwrite it.
-        bucket.h2d_done.synchronize()
-        keep = None
-        if missing:
-            # Members without a grad are skipped like torch skips them: their weights and moments are restored.
-            keep = [(k, bucket.param_views[k].clone(), bucket.member_state(k, clone=True)) for k in missing]
-        bucket.optimizer.step()
-        members, views = bucket.members, bucket.param_views
-        if keep is not None:
-            for k, value, state in keep:
-                bucket.param_views[k].copy_(value)
-                for key, live in bucket.member_state(k, clone=False).items():
-                    if key in state and bucket.is_per_element(bucket.flat_state()[key]):
-                        live.copy_(state[key])
-                    elif bucket.is_per_element(bucket.flat_state().get(key)):
-                        live.zero_()  # state created in this very step: a fresh member starts at zero
-            skipped = set(missing)
-            members = [p for k, p in enumerate(members) if k not in skipped]
-            views = [v for k, v in enumerate(views) if k not in skipped]
-        with device.on_stream(self._h2d):
-            if members:
-                torch._foreach_copy_(members, views, non_blocking=device.is_pinned(bucket.flat_param))
-            bucket.h2d_done.record(self._h2d)
-        bucket.versions = [p._version for p in bucket.members]
 
     def _step_in_place(self, opt: torch.optim.Optimizer | None, with_masters: bool) -> None:
         if opt is None:
@@ -395,14 +334,14 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         missing = {}
         with device.on_stream(self._d2h):
             for b in self._buckets:
-                missing[id(b)] = self._copy_grads_to_host(b, [grad_of(p) for p in b.members])
+                missing[id(b)] = b.copy_grads_in([grad_of(p) for p in b.members], self._d2h)
         # The device part is asynchronous on a GPU: it runs while the host steps the buckets below.
         self._step_in_place(self.device_optimizer, with_masters=True)
         self._step_in_place(self.resident_optimizer, with_masters=False)
         for b in self._buckets:
             if len(missing[id(b)]) == len(b.members):
                 continue  # no member has a grad this step: nothing to do, as torch would do nothing
-            self._step_bucket(b, missing[id(b)])
+            b.step_and_copy_back(missing[id(b)], self._h2d)
             # The next forward reads these weights: the compute stream (not the host) waits for the copy.
             compute.wait_event(b.h2d_done)
         self._rebuild_state()
@@ -444,7 +383,12 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         """
         groups, start = [], 0
         for g in self.param_groups:
-            groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": list(range(start, start + len(g["params"])))})
+            groups.append(
+                {
+                    **{k: v for k, v in g.items() if k != "params"},
+                    "params": list(range(start, start + len(g["params"]))),
+                }
+            )
             start += len(g["params"])
         return {"state": export_param_states(self, clone=True), "param_groups": groups}
 
@@ -458,7 +402,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             ValueError: the state dict has a different group/parameter layout or state shapes (another model).
         """
         states = validate_state_dict(self, state_dict)
-        for group, saved in zip(self.param_groups, state_dict["param_groups"]):
+        for group, saved in zip(self.param_groups, state_dict["param_groups"], strict=True):
             # Upstream checkpoints carry the constructor options (and classes) in every group: not ours to take.
             group.update({k: v for k, v in saved.items() if k != "params" and k not in _OPTION_KEYS})
         self.refresh_from_model()
@@ -504,7 +448,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             p.grad = torch.zeros_like(p)
         self.step()
         with torch.no_grad():
-            for (p, g), value in zip(grads, saved):
+            for (p, g), value in zip(grads, saved, strict=True):
                 p.copy_(value)
                 p.grad = g
             for opt in self.sub_optimizers:
@@ -530,30 +474,3 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             The total norm before clipping, as a 0-dim tensor.
         """
         return clip_grad_norm_(self._params, max_norm, norm_type, process_group)
-
-
-def clip_grad_norm_(params, max_norm: float, norm_type: float = 2.0, process_group=None) -> torch.Tensor:
-    """Global-norm clipping over tensors on any mix of devices (``decoupled_grad`` preferred over ``.grad``).
-
-    Returns:
-        The total norm before clipping (a 0-dim fp32 tensor on the first gradient's device).
-    """
-    grads = [g for g in (grad_of(p) for p in params) if g is not None]
-    if not grads:
-        return torch.zeros(())
-    by_device: dict[torch.device, list] = defaultdict(list)
-    for g in grads:
-        by_device[g.device].append(g)
-    home = grads[0].device
-    inf = norm_type == float("inf")
-    parts = [torch.linalg.vector_norm(torch.stack(torch._foreach_norm(gs, norm_type)).float(), norm_type).to(home)
-             for gs in by_device.values()]
-    total = torch.stack(parts).max() if inf else torch.stack(parts).pow(norm_type).sum()
-    if process_group is not None:
-        op = torch.distributed.ReduceOp.MAX if inf else torch.distributed.ReduceOp.SUM
-        torch.distributed.all_reduce(total, op=op, group=process_group)
-    total = total if inf else total.pow(1.0 / norm_type)
-    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    for gs in by_device.values():
-        torch._foreach_mul_(gs, coef.to(gs[0].device))
-    return total

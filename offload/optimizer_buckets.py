@@ -87,6 +87,50 @@ class Bucket:
             torch._foreach_copy_(dst, [self.members[k].detach() for k in ks])
         self.versions = [p._version for p in self.members]
 
+    def copy_grads_in(self, grads: list, d2h_stream) -> list[int]:
+        """Issue this bucket's gradient copies on the D2H stream; returns the members without a grad."""
+        missing = [k for k, g in enumerate(grads) if g is None]
+        if missing:
+            for k in missing:
+                self.grad_views[k].zero_()
+            present = [k for k in range(len(grads)) if grads[k] is not None]
+            dst, src = [self.grad_views[k] for k in present], [grads[k] for k in present]
+        else:
+            dst, src = self.grad_views, grads
+        if dst:
+            torch._foreach_copy_(dst, src, non_blocking=device.is_pinned(self.flat_grad))
+        self.d2h_done.record(d2h_stream)
+        return missing
+
+    def step_and_copy_back(self, missing: list[int], h2d_stream) -> None:
+        """Run one bucket's CPU optimizer and issue its H2D copy."""
+        # Host waits only for this bucket's gradients; later buckets' copies keep flowing meanwhile.
+        self.d2h_done.synchronize()
+        # The previous step's H2D copy reads the flat master: it must be done before we overwrite it.
+        self.h2d_done.synchronize()
+        keep = None
+        if missing:
+            # Members without a grad are skipped like torch skips them: their weights and moments are restored.
+            keep = [(k, self.param_views[k].clone(), self.member_state(k, clone=True)) for k in missing]
+        self.optimizer.step()
+        members, views = self.members, self.param_views
+        if keep is not None:
+            for k, value, state in keep:
+                self.param_views[k].copy_(value)
+                for key, live in self.member_state(k, clone=False).items():
+                    if key in state and self.is_per_element(self.flat_state()[key]):
+                        live.copy_(state[key])
+                    elif self.is_per_element(self.flat_state().get(key)):
+                        live.zero_()  # state created in this very step: a fresh member starts at zero
+            skipped = set(missing)
+            members = [p for k, p in enumerate(members) if k not in skipped]
+            views = [v for k, v in enumerate(views) if k not in skipped]
+        with device.on_stream(h2d_stream):
+            if members:
+                torch._foreach_copy_(members, views, non_blocking=device.is_pinned(self.flat_param))
+            self.h2d_done.record(h2d_stream)
+        self.versions = [p._version for p in self.members]
+
 
 def build_bucket(
     group_index: int,
@@ -116,8 +160,8 @@ def build_bucket(
     flat_param = device.empty_host((total,), master_dtype, pin=pin_params)
     flat_grad = device.empty_host((total,), master_dtype, pin=pin_grads)
     flat_grad.zero_()
-    param_views = [flat_param[o : o + p.numel()].view(p.shape) for o, p in zip(offsets, members)]
-    grad_views = [flat_grad[o : o + p.numel()].view(p.shape) for o, p in zip(offsets, members)]
+    param_views = [flat_param[o : o + p.numel()].view(p.shape) for o, p in zip(offsets, members, strict=True)]
+    grad_views = [flat_grad[o : o + p.numel()].view(p.shape) for o, p in zip(offsets, members, strict=True)]
     flat_param.grad = flat_grad
     bucket = Bucket(
         group_index=group_index,
@@ -162,3 +206,28 @@ def plan_buckets(
         plans[-1][1].append((index, p))
         size += p.numel()
     return plans
+
+
+def split_params(params: list[torch.Tensor], offload_fraction: float, on_device: list[bool]) -> list[bool]:
+    """Which parameters go to the host: Megatron Core's greedy prefix rule, reproduced exactly.
+
+    Walk the parameters in param_groups order and offload each device parameter while the offloaded element
+    count is still below ``offload_fraction × (elements of all device parameters)``. The parameter that crosses
+    the threshold is offloaded whole, so the split overshoots by less than one tensor; 0.0 offloads nothing and
+    1.0 everything. Parameters not on the compute device are not counted and are never "offloaded".
+
+    Args:
+        params: the parameters in param_groups order.
+        offload_fraction: requested fraction in [0, 1].
+        on_device: per parameter, whether it lives on the compute device.
+
+    Returns:
+        Per parameter, whether it is offloaded.
+    """
+    threshold = offload_fraction * sum(p.numel() for p, d in zip(params, on_device, strict=True) if d)
+    offloaded, out = 0, []
+    for p, d in zip(params, on_device, strict=True):
+        take = d and offloaded < threshold
+        offloaded += p.numel() if take else 0
+        out.append(take)
+    return out

@@ -59,7 +59,7 @@ def validate_state_dict(opt: HybridDeviceOptimizer, state_dict: Any) -> dict[int
             f"has {len(opt.param_groups)}. Build the optimizer with the same param groups as the saved run."
         )
     id_map, start = {}, 0
-    for g, (saved, ours) in enumerate(zip(saved_groups, opt.param_groups)):
+    for g, (saved, ours) in enumerate(zip(saved_groups, opt.param_groups, strict=True)):
         if len(saved["params"]) != len(ours["params"]):
             raise ValueError(
                 f"optimizer state dict from a different model: param group {g} has {len(saved['params'])} "

@@ -284,19 +284,24 @@ def render_rules_markdown() -> str:
         "(Megatron-LM `validate_args`, only for Megatron-LM command lines), or `advisory` (not enforced upstream;",
         "our own advice). Where upstream raises, the message is upstream's text, verbatim.",
         "",
-        "Targets: " + ", ".join(f"`megatron-core=={t.label}` ({t.bridge})" for t in TARGETS.values())
+        "Targets: "
+        + ", ".join(f"`megatron-core=={t.label}` ({t.bridge})" for t in TARGETS.values())
         + f". Default: `{DEFAULT_TARGET}`.",
         "",
         "| id | severity | origin | versions | summary |",
         "|---|---|---|---|---|",
     ]
     for rule in all_rules():
-        lines.append(f"| [`{rule.id}`](#{rule.id.lower()}) | {rule.severity} | {rule.origin} | "
-                     f"{versions_text(rule.applies_to)} | {rule.summary} |")
+        lines.append(
+            f"| [`{rule.id}`](#{rule.id.lower()}) | {rule.severity} | {rule.origin} | "
+            f"{versions_text(rule.applies_to)} | {rule.summary} |"
+        )
     for rule in all_rules():
         lines += ["", f"## {rule.id}", "", rule.summary, ""]
-        lines.append(f"- **severity**: {rule.severity} · **origin**: {rule.origin} · "
-                     f"**versions**: {versions_text(rule.applies_to)}")
+        lines.append(
+            f"- **severity**: {rule.severity} · **origin**: {rule.origin} · "
+            f"**versions**: {versions_text(rule.applies_to)}"
+        )
         lines.append(f"- **enforced in**: {rule.stage}" + (f" (`{rule.exception}`)" if rule.exception else ""))
         lines.append("- **keys**: " + ", ".join(f"`{k}`" for k in rule.keys))
         label = "upstream message" if rule.upstream else "message (ours)"
@@ -305,7 +310,10 @@ def render_rules_markdown() -> str:
             lines.append(f"- **exact upstream text**: `{rule.upstream_text or '(empty)'}`")
         lines.append("- **fix**: " + (", ".join(f"`{f}`" for f in rule.fix) if rule.fix else "none (see why)"))
         if rule.shadowed_by:
-            lines.append("- **hidden when**: " + ", ".join(f"`{s}`" for s in rule.shadowed_by)
-                         + " fires (upstream stops there first)")
+            lines.append(
+                "- **hidden when**: "
+                + ", ".join(f"`{s}`" for s in rule.shadowed_by)
+                + " fires (upstream stops there first)"
+            )
         lines += ["", f"Why: {rule.why}"]
     return "\n".join(lines) + "\n"

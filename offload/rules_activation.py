@@ -91,14 +91,19 @@ def _fg_modules_invalid(ctx: Context):
     if not invalid:
         return None
     keep = [x for x in m.offload_modules if x in allowed] or ["core_attn"]
-    return Match({"invalid": _set_repr(invalid), "allowed": _set_repr(allowed)},
-                 fix=["model.offload_modules=[" + ",".join(keep) + "]"])
+    return Match(
+        {"invalid": _set_repr(invalid), "allowed": _set_repr(allowed)},
+        fix=["model.offload_modules=[" + ",".join(keep) + "]"],
+    )
 
 
 def _fg_valid_modules(ctx: Context) -> bool:
     m = ctx.model
-    return bool(m.fine_grained_activation_offloading and m.offload_modules
-                and not set(m.offload_modules) - _allowed_modules(ctx))
+    return bool(
+        m.fine_grained_activation_offloading
+        and m.offload_modules
+        and not set(m.offload_modules) - _allowed_modules(ctx)
+    )
 
 
 def _fg_attn_proj(ctx: Context):
@@ -125,8 +130,11 @@ def _fg_delta(ctx: Context) -> bool:
 
 def _fg_fused_group_mlp(ctx: Context) -> bool:
     m = ctx.model
-    return (_fg_valid_modules(ctx) and "fused_group_mlp" in m.offload_modules
-            and not m.extras().get("use_transformer_engine_op_fuser", False))
+    return (
+        _fg_valid_modules(ctx)
+        and "fused_group_mlp" in m.offload_modules
+        and not m.extras().get("use_transformer_engine_op_fuser", False)
+    )
 
 
 def _paged_stash(ctx: Context) -> bool:
@@ -185,18 +193,30 @@ def _weights_deprecated(ctx: Context):
 
 def _te_all_layers(ctx: Context):
     m = ctx.model
-    if (m.cpu_offloading and m.num_layers is not None and ctx.te_offload_path == "v2"
-            and m.cpu_offloading_activations and m.cpu_offloading_num_layers > m.num_layers - 1):
+    if (
+        m.cpu_offloading
+        and m.num_layers is not None
+        and ctx.te_offload_path == "v2"
+        and m.cpu_offloading_activations
+        and m.cpu_offloading_num_layers > m.num_layers - 1
+    ):
         return Match({"fix_layers": _safe_layers(m.num_layers)})
     return None
 
 
 def _no_overlap(ctx: Context):
     m = ctx.model
-    if (m.cpu_offloading and m.num_layers is not None and m.num_layers >= 2 and ctx.te_offload_path == "v2"
-            and m.cpu_offloading_activations and m.cpu_offloading_num_layers == m.num_layers - 1):
-        return Match(fix=[f"model.cpu_offloading_num_layers={_safe_layers(m.num_layers)}"] if m.num_layers >= 3
-                     else None)
+    if (
+        m.cpu_offloading
+        and m.num_layers is not None
+        and m.num_layers >= 2
+        and ctx.te_offload_path == "v2"
+        and m.cpu_offloading_activations
+        and m.cpu_offloading_num_layers == m.num_layers - 1
+    ):
+        return Match(
+            fix=[f"model.cpu_offloading_num_layers={_safe_layers(m.num_layers)}"] if m.num_layers >= 3 else None
+        )
     return None
 
 
@@ -211,8 +231,12 @@ def _double_buffering(ctx: Context) -> bool:
 def _bridge_local_cuda_graph(ctx: Context) -> bool:
     m = ctx.model
     scope = m.cuda_graph_scope if isinstance(m.cuda_graph_scope, list) else [m.cuda_graph_scope]
-    return (ctx.frontend != "megatron-lm" and m.cpu_offloading and ctx.cuda_graph_impl == "local"
-            and "full_iteration" not in scope)
+    return (
+        ctx.frontend != "megatron-lm"
+        and m.cpu_offloading
+        and ctx.cuda_graph_impl == "local"
+        and "full_iteration" not in scope
+    )
 
 
 def _bridge_cudagraph_assert(ctx: Context) -> bool:
@@ -223,8 +247,11 @@ def _bridge_cudagraph_assert(ctx: Context) -> bool:
 def _fg_te_impl(frontend: str):
     def check(ctx: Context):
         m = ctx.model
-        if (ctx.frontend == "megatron-lm") == (frontend == "megatron-lm") and m.fine_grained_activation_offloading \
-                and m.transformer_impl != "transformer_engine":
+        if (
+            (ctx.frontend == "megatron-lm") == (frontend == "megatron-lm")
+            and m.fine_grained_activation_offloading
+            and m.transformer_impl != "transformer_engine"
+        ):
             return Match({"impl": m.transformer_impl})
         return None
 
@@ -251,8 +278,10 @@ def _fg_nvte(frontend: str):
 def _zero_layers(ctx: Context):
     m = ctx.model
     if m.cpu_offloading and m.cpu_offloading_num_layers == 0 and (m.num_layers is None or m.num_layers >= 1):
-        return Match({"path": ctx.te_offload_path},
-                     fix=["model.cpu_offloading_num_layers=1"] if (m.num_layers or 0) >= 2 else None)
+        return Match(
+            {"path": ctx.te_offload_path},
+            fix=["model.cpu_offloading_num_layers=1"] if (m.num_layers or 0) >= 2 else None,
+        )
     return None
 
 
@@ -267,279 +296,424 @@ _K = "model.cpu_offloading_num_layers"
 ACTIVATION_RULES: tuple[Rule, ...] = (
     # ---- MCore TransformerConfig.__post_init__, in code order
     Rule(
-        id="ACT-NUM-LAYERS", severity="error", origin="mcore", stage=TC, exception="ValueError",
+        id="ACT-NUM-LAYERS",
+        severity="error",
+        origin="mcore",
+        stage=TC,
+        exception="ValueError",
         summary="`cpu_offloading_num_layers` must be in 0 … num_layers − 1 when activation offloading is on.",
         keys=(_OFFLOAD, _K, "model.num_layers"),
         message="CPU offloading can be done only for layers less than {num_layers}",
         why="MCore compares the count with the model's total num_layers (not per pipeline stage); the valid range "
-            "is 0…num_layers−1 inclusive (the skill's `[0, num_layers-1)` wording is off by one). TE v2 also wants "
-            "at least one layer, better two, left on the GPU.",
-        fix=(_K + "={fix_layers}",), check=_num_layers,
+        "is 0…num_layers−1 inclusive (the skill's `[0, num_layers-1)` wording is off by one). TE v2 also wants "
+        "at least one layer, better two, left on the GPU.",
+        fix=(_K + "={fix_layers}",),
+        check=_num_layers,
     ),
     Rule(
-        id="ACT-PP", severity="error", origin="mcore", stage=TC, exception="ValueError",
+        id="ACT-PP",
+        severity="error",
+        origin="mcore",
+        stage=TC,
+        exception="ValueError",
         summary="Layer-level activation offloading needs pipeline parallel size 1.",
         keys=(_OFFLOAD, "model.pipeline_model_parallel_size"),
         message="Currently there is no support for Pipeline parallelism with CPU offloading",
         why="Both TE offload schedulers assume all forwards then all backwards of one micro-batch; a pipeline "
-            "interleaves them. If the model needs PP > 1 to fit, use optimizer offloading "
-            "(optimizer.optimizer_cpu_offload=true) or fine-grained activation offloading instead. Note: on real "
-            "MCore `pipeline_dtype must be specified` fires first when pipeline_dtype is unset; Bridge's "
-            "mixed-precision setup fills it in, so Bridge users see this message.",
-        fix=("model.pipeline_model_parallel_size=1",), check=_pp,
+        "interleaves them. If the model needs PP > 1 to fit, use optimizer offloading "
+        "(optimizer.optimizer_cpu_offload=true) or fine-grained activation offloading instead. Note: on real "
+        "MCore `pipeline_dtype must be specified` fires first when pipeline_dtype is unset; Bridge's "
+        "mixed-precision setup fills it in, so Bridge users see this message.",
+        fix=("model.pipeline_model_parallel_size=1",),
+        check=_pp,
     ),
     Rule(
-        id="ACT-RECOMPUTE", severity="error", origin="mcore", stage=TC, exception="ValueError",
+        id="ACT-RECOMPUTE",
+        severity="error",
+        origin="mcore",
+        stage=TC,
+        exception="ValueError",
         summary="Layer-level activation offloading cannot be combined with activation recomputation.",
         keys=(_OFFLOAD, "model.recompute_granularity"),
         message="CPU offloading does not work when activation recomputation is enabled",
         why="Recomputed layers discard activations that the offload hooks expect to move; upstream forbids the "
-            "combination outright (any granularity, full or selective).",
-        fix=("model.recompute_granularity=null",), check=_recompute,
+        "combination outright (any granularity, full or selective).",
+        fix=("model.recompute_granularity=null",),
+        check=_recompute,
     ),
     Rule(
-        id="ACT-FINE-GRAINED", severity="error", origin="mcore", stage=TC, exception="AssertionError",
+        id="ACT-FINE-GRAINED",
+        severity="error",
+        origin="mcore",
+        stage=TC,
+        exception="AssertionError",
         summary="Layer-level and fine-grained activation offloading are mutually exclusive.",
         keys=(_OFFLOAD, "model.fine_grained_activation_offloading"),
         message="fine_grained_activation_offloading cannot be enabled with cpu_offloading.",
         why="Both install saved-tensor hooks around overlapping regions and count groups differently; upstream "
-            "asserts. Pick one: fine-grained works with PP > 1, layer-level needs PP = 1.",
-        fix=("model.fine_grained_activation_offloading=false",), check=_fine_grained,
+        "asserts. Pick one: fine-grained works with PP > 1, layer-level needs PP = 1.",
+        fix=("model.fine_grained_activation_offloading=false",),
+        check=_fine_grained,
     ),
     Rule(
-        id="ACT-FG-MODULES-EMPTY", severity="error", origin="mcore", stage=TC, exception="AssertionError",
+        id="ACT-FG-MODULES-EMPTY",
+        severity="error",
+        origin="mcore",
+        stage=TC,
+        exception="AssertionError",
         summary="Fine-grained offloading needs a non-empty `offload_modules`.",
         keys=("model.fine_grained_activation_offloading", "model.offload_modules"),
         message="model.offload_modules is empty (upstream: bare `assert self.offload_modules is not None and "
-                "len(self.offload_modules) > 0`, no message)",
-        upstream=False, upstream_text="",
+        "len(self.offload_modules) > 0`, no message)",
+        upstream=False,
+        upstream_text="",
         why="Fine-grained offloading offloads the inputs of the listed submodules; with none listed upstream "
-            "fails a bare assert whose message is empty.",
-        fix=("model.offload_modules=[core_attn]",), check=_fg_modules_empty,
+        "fails a bare assert whose message is empty.",
+        fix=("model.offload_modules=[core_attn]",),
+        check=_fg_modules_empty,
     ),
     Rule(
-        id="ACT-FG-MODULES-INVALID", severity="error", origin="mcore", stage=TC, exception="AssertionError",
+        id="ACT-FG-MODULES-INVALID",
+        severity="error",
+        origin="mcore",
+        stage=TC,
+        exception="AssertionError",
         summary="`offload_modules` entries must be from the allowed set (grows by release).",
         keys=("model.fine_grained_activation_offloading", "model.offload_modules"),
         message="Invalid choices for offload_modules: {invalid}. Allowed modules are: {allowed}",
         why="0.16 allows attn_norm, qkv_linear, core_attn, attn_proj, mlp_norm, expert_fc1, moe_act; 0.19 adds "
-            "fused_group_mlp; main adds gdp_qkv. (Upstream prints Python sets, whose order varies run to run; we "
-            "print them sorted.)",
-        fix=None, check=_fg_modules_invalid,
+        "fused_group_mlp; main adds gdp_qkv. (Upstream prints Python sets, whose order varies run to run; we "
+        "print them sorted.)",
+        fix=None,
+        check=_fg_modules_invalid,
     ),
     Rule(
-        id="ACT-FG-ATTN-PROJ", severity="error", origin="mcore", stage=TC, exception="ValueError",
+        id="ACT-FG-ATTN-PROJ",
+        severity="error",
+        origin="mcore",
+        stage=TC,
+        exception="ValueError",
         summary="Offloading `attn_proj` requires offloading `core_attn` too.",
         keys=("model.offload_modules",),
         message="attn_proj cannot be set to offload_modules alone without core_attn because the input of "
-                "attn_proj is the output of core_attn, which is needed in core_attn.backward().",
+        "attn_proj is the output of core_attn, which is needed in core_attn.backward().",
         why="The tensor would be needed on the GPU by core_attn's backward anyway.",
-        fix=None, check=_fg_attn_proj,
+        fix=None,
+        check=_fg_attn_proj,
     ),
     Rule(
-        id="ACT-FG-MIN-TENSOR-SIZE", severity="error", origin="mcore", stage=TC, exception="AssertionError",
+        id="ACT-FG-MIN-TENSOR-SIZE",
+        severity="error",
+        origin="mcore",
+        stage=TC,
+        exception="AssertionError",
         summary="`min_offloaded_tensor_size` must be ≥ 0 (checked from 0.19).",
         keys=("model.min_offloaded_tensor_size",),
         message="min_offloaded_tensor_size must be non-negative.",
         why="0.16.1 does not check it (a negative value simply offloads every tensor).",
-        fix=("model.min_offloaded_tensor_size=1048576",), applies_to=">=0.19", check=_fg_min_size,
+        fix=("model.min_offloaded_tensor_size=1048576",),
+        applies_to=">=0.19",
+        check=_fg_min_size,
     ),
     Rule(
-        id="ACT-FG-FRACTION-RANGE", severity="error", origin="mcore", stage=TC, exception="AssertionError",
+        id="ACT-FG-FRACTION-RANGE",
+        severity="error",
+        origin="mcore",
+        stage=TC,
+        exception="AssertionError",
         summary="`activation_offload_fraction` must be in [0, 1] (field exists from 0.19).",
         keys=("model.activation_offload_fraction",),
         message="activation_offload_fraction must be in range [0, 1].",
         why="It is the fraction of eligible offload groups (in execution order), not of bytes.",
-        fix=("model.activation_offload_fraction={clamped}",), applies_to=">=0.19", check=_fg_fraction,
+        fix=("model.activation_offload_fraction={clamped}",),
+        applies_to=">=0.19",
+        check=_fg_fraction,
     ),
     Rule(
-        id="ACT-FG-DELTA-BYTES", severity="error", origin="mcore", stage=TC, exception="AssertionError",
+        id="ACT-FG-DELTA-BYTES",
+        severity="error",
+        origin="mcore",
+        stage=TC,
+        exception="AssertionError",
         summary="`delta_offload_bytes_across_pp_ranks` must be ≥ 0 (field exists from 0.19).",
         keys=("model.delta_offload_bytes_across_pp_ranks",),
         message="delta_offload_bytes_across_pp_ranks must be non-negative.",
         why="It reduces the offloaded bytes on later pipeline ranks; a negative delta is meaningless.",
-        fix=("model.delta_offload_bytes_across_pp_ranks=0",), applies_to=">=0.19", check=_fg_delta,
+        fix=("model.delta_offload_bytes_across_pp_ranks=0",),
+        applies_to=">=0.19",
+        check=_fg_delta,
     ),
     Rule(
-        id="ACT-FG-FUSED-GROUP-MLP", severity="error", origin="mcore", stage=TC, exception="ValueError",
+        id="ACT-FG-FUSED-GROUP-MLP",
+        severity="error",
+        origin="mcore",
+        stage=TC,
+        exception="ValueError",
         summary="Offloading `fused_group_mlp` needs `use_transformer_engine_op_fuser`.",
         keys=("model.offload_modules", "model.use_transformer_engine_op_fuser"),
         message="fused_group_mlp requires use_transformer_engine_op_fuser.",
         why="The fused grouped MLP only exists with TE's op fuser.",
-        fix=("model.use_transformer_engine_op_fuser=true",), applies_to=">=0.19", check=_fg_fused_group_mlp,
+        fix=("model.use_transformer_engine_op_fuser=true",),
+        applies_to=">=0.19",
+        check=_fg_fused_group_mlp,
     ),
     Rule(
-        id="ACT-PAGED-STASH", severity="error", origin="mcore", stage=TC, exception="ValueError",
+        id="ACT-PAGED-STASH",
+        severity="error",
+        origin="mcore",
+        stage=TC,
+        exception="ValueError",
         summary="`moe_paged_stash` cannot be combined with layer-level activation offloading (0.19+).",
         keys=(_OFFLOAD, "model.moe_paged_stash"),
         message="moe_paged_stash cannot be enabled with cpu_offloading.",
         why="Paged stashing manages the MoE activations itself; the field does not exist in 0.16.",
-        fix=("model.moe_paged_stash=false",), applies_to=">=0.19", check=_paged_stash,
+        fix=("model.moe_paged_stash=false",),
+        applies_to=">=0.19",
+        check=_paged_stash,
     ),
     Rule(
-        id="ACT-CUDA-GRAPH-ENABLE-AND-IMPL", severity="error", origin="mcore", stage=TC, exception="AssertionError",
+        id="ACT-CUDA-GRAPH-ENABLE-AND-IMPL",
+        severity="error",
+        origin="mcore",
+        stage=TC,
+        exception="AssertionError",
         summary="The deprecated `enable_cuda_graph` cannot be combined with `cuda_graph_impl`.",
         keys=("model.enable_cuda_graph", "model.cuda_graph_impl"),
         message="Do not use enable_cuda_graph or external_cuda_graph with cuda_graph_impl.",
         why="`enable_cuda_graph=True` is the old spelling of `cuda_graph_impl=local`; set only one.",
-        fix=("model.enable_cuda_graph=false",), check=_enable_with_impl,
+        fix=("model.enable_cuda_graph=false",),
+        check=_enable_with_impl,
     ),
     Rule(
-        id="ACT-CUDA-GRAPH-DEPRECATED", severity="warning", origin="mcore", stage=TC,
+        id="ACT-CUDA-GRAPH-DEPRECATED",
+        severity="warning",
+        origin="mcore",
+        stage=TC,
         summary="`enable_cuda_graph` is deprecated; MCore turns it into `cuda_graph_impl=local`.",
         keys=("model.enable_cuda_graph",),
         message="enable_cuda_graph is deprecated, use cuda_graph_impl=local instead.",
         why="The CUDA-graph rules below then apply as for cuda_graph_impl=local.",
-        fix=("model.enable_cuda_graph=false", "model.cuda_graph_impl=local"), check=_enable_deprecated,
+        fix=("model.enable_cuda_graph=false", "model.cuda_graph_impl=local"),
+        check=_enable_deprecated,
     ),
     Rule(
-        id="ACT-CUDA-GRAPH-IMPL", severity="error", origin="mcore", stage=TC, exception="AssertionError",
+        id="ACT-CUDA-GRAPH-IMPL",
+        severity="error",
+        origin="mcore",
+        stage=TC,
+        exception="AssertionError",
         summary="`cuda_graph_impl` must be one of the release's implementations (`full_iteration` only from 0.19).",
         keys=("model.cuda_graph_impl",),
         message="Invalid cuda graph implementation: {impl}",
         why="0.16 knows none / local / transformer_engine; 0.19 adds full_iteration. So `full_iteration` with "
-            "activation offloading is fine on 0.19 and an AssertionError on 0.16.",
-        fix=("model.cuda_graph_impl=none",), check=_impl_invalid,
+        "activation offloading is fine on 0.19 and an AssertionError on 0.16.",
+        fix=("model.cuda_graph_impl=none",),
+        check=_impl_invalid,
     ),
     Rule(
-        id="ACT-CUDA-GRAPH", severity="error", origin="mcore", stage=TC, exception="ValueError",
+        id="ACT-CUDA-GRAPH",
+        severity="error",
+        origin="mcore",
+        stage=TC,
+        exception="ValueError",
         summary="Activation offloading is incompatible with CUDA graphs (except `full_iteration` on 0.19+).",
         keys=(_OFFLOAD, "model.cuda_graph_impl", "model.enable_cuda_graph"),
         message="CUDA graphs not supported with CPU offloading.",
         why="Per-layer graph capture cannot contain the offload hooks' stream syncs. On 0.19+ the whole-iteration "
-            "graph (cuda_graph_impl=full_iteration) is the one allowed combination. Optimizer offloading has no "
-            "CUDA-graph restriction.",
-        fix=("model.cuda_graph_impl=none",), check=_cuda_graph,
+        "graph (cuda_graph_impl=full_iteration) is the one allowed combination. Optimizer offloading has no "
+        "CUDA-graph restriction.",
+        fix=("model.cuda_graph_impl=none",),
+        check=_cuda_graph,
     ),
     # ---- Transformer Engine (runs at model build, after config construction)
     Rule(
-        id="ACT-NOTHING-TO-OFFLOAD", severity="error", origin="te", stage=STAGE_TE, exception="ValueError",
+        id="ACT-NOTHING-TO-OFFLOAD",
+        severity="error",
+        origin="te",
+        stage=STAGE_TE,
+        exception="ValueError",
         summary="`cpu_offloading_activations` and `cpu_offloading_weights` both off: TE refuses at model build.",
         keys=("model.cpu_offloading_activations", "model.cpu_offloading_weights", _OFFLOAD),
         message="CPU Offloading is enabled while it is not mentioned what to offload (weights/activations)",
         why="MCore does not check this; TE raises deep inside model construction (Megatron-Bridge#2684). On the "
-            "legacy v1 path (TE < 2.10 or NVTE_CPU_OFFLOAD_V1=1) it fires even with cpu_offloading off, because "
-            "MCore's TransformerBlock always calls TE's factory. The TE version and path come from --env "
-            "te_version=… / NVTE_CPU_OFFLOAD_V1=… (default TE 2.18, v2).",
-        fix=("model.cpu_offloading_activations=true",), check=_nothing_to_offload,
+        "legacy v1 path (TE < 2.10 or NVTE_CPU_OFFLOAD_V1=1) it fires even with cpu_offloading off, because "
+        "MCore's TransformerBlock always calls TE's factory. The TE version and path come from --env "
+        "te_version=… / NVTE_CPU_OFFLOAD_V1=… (default TE 2.18, v2).",
+        fix=("model.cpu_offloading_activations=true",),
+        check=_nothing_to_offload,
     ),
     Rule(
-        id="ACT-WEIGHTS-DEPRECATED", severity="warning", origin="te", stage=STAGE_TE,
+        id="ACT-WEIGHTS-DEPRECATED",
+        severity="warning",
+        origin="te",
+        stage=STAGE_TE,
         summary="Weight offloading is deprecated in TE and does nothing.",
         keys=("model.cpu_offloading_weights",),
         message="Offloading weights is deprecated. Using offload_weights=True does not have any effect.",
         why="TE deprecated weight offloading in April 2025 (both v1 and v2). With activations off too, TE returns "
-            "a no-op context: nothing at all is offloaded.",
-        fix=("model.cpu_offloading_weights=false",), check=_weights_deprecated,
+        "a no-op context: nothing at all is offloaded.",
+        fix=("model.cpu_offloading_weights=false",),
+        check=_weights_deprecated,
     ),
     Rule(
-        id="ACT-TE-ALL-LAYERS", severity="error", origin="te", stage=STAGE_TE, exception="AssertionError",
+        id="ACT-TE-ALL-LAYERS",
+        severity="error",
+        origin="te",
+        stage=STAGE_TE,
+        exception="AssertionError",
         summary="TE v2 cannot offload every layer (the last layer is never offloaded).",
         keys=(_K, "model.num_layers"),
         message="Cannot offload all layers without manual synchronization - last layer is not offloaded.",
         why="TE v2 asserts num_layers ≤ model_layers − 1. MCore's range check rejects the same configs first.",
-        fix=(_K + "={fix_layers}",), shadowed_by=("ACT-NUM-LAYERS",), check=_te_all_layers,
+        fix=(_K + "={fix_layers}",),
+        shadowed_by=("ACT-NUM-LAYERS",),
+        check=_te_all_layers,
     ),
     Rule(
-        id="ACT-NO-OVERLAP", severity="warning", origin="te", stage=STAGE_TE,
+        id="ACT-NO-OVERLAP",
+        severity="warning",
+        origin="te",
+        stage=STAGE_TE,
         summary="Offloading num_layers − 1 layers leaves no room to overlap transfers with compute (TE v2).",
         keys=(_K, "model.num_layers"),
         message="Offloading num_layers == model_layers - 1 is not recommended, it prevents overlapping of "
-                "computation and offload/reload.",
+        "computation and offload/reload.",
         why="TE v2 keeps at most model_layers − k activation sets on the GPU and stalls to enforce it; with one "
-            "layer left every offload/reload waits. Use num_layers − 2 or fewer.",
-        fix=None, check=_no_overlap,
+        "layer left every offload/reload waits. Use num_layers − 2 or fewer.",
+        fix=None,
+        check=_no_overlap,
     ),
     Rule(
-        id="ACT-DOUBLE-BUFFERING", severity="warning", origin="te", stage=STAGE_TE, upstream=False,
+        id="ACT-DOUBLE-BUFFERING",
+        severity="warning",
+        origin="te",
+        stage=STAGE_TE,
+        upstream=False,
         summary="`cpu_offloading_double_buffering` is ignored by TE ≥ 2.10 (v2 path).",
         keys=("model.cpu_offloading_double_buffering",),
         message="model.cpu_offloading_double_buffering=true has no effect: TE's default (v2) offload path ignores "
-                "double buffering (documented as deprecated); only the legacy v1 path (NVTE_CPU_OFFLOAD_V1=1) uses it.",
+        "double buffering (documented as deprecated); only the legacy v1 path (NVTE_CPU_OFFLOAD_V1=1) uses it.",
         why="TE v2 documents the argument as deprecated and never reads it; MCore still passes it through.",
-        fix=("model.cpu_offloading_double_buffering=false",), check=_double_buffering,
+        fix=("model.cpu_offloading_double_buffering=false",),
+        check=_double_buffering,
     ),
     # ---- Megatron Bridge guards
     Rule(
-        id="ACT-BRIDGE-LOCAL-CUDA-GRAPH", severity="error", origin="bridge", stage=STAGE_BRIDGE,
-        exception="ValueError", applies_to=">=0.19",
+        id="ACT-BRIDGE-LOCAL-CUDA-GRAPH",
+        severity="error",
+        origin="bridge",
+        stage=STAGE_BRIDGE,
+        exception="ValueError",
+        applies_to=">=0.19",
         summary="Bridge 0.6+ accepts cuda_graph_impl=local only for full-iteration capture.",
         keys=("model.cuda_graph_impl", "model.cuda_graph_scope", _OFFLOAD),
         message='Megatron Bridge supports model.cuda_graph_impl="local" only for full-iteration CUDA graphs. Use '
-                'model.cuda_graph_impl="transformer_engine" for scoped CUDA graph capture such as "attn" or "mlp".',
+        'model.cuda_graph_impl="transformer_engine" for scoped CUDA graph capture such as "attn" or "mlp".',
         why="Bridge 0.6 checks this in ConfigContainer.validate before MCore builds the model, so with activation "
-            "offloading this is the message a Bridge user sees first (reported here for offload configs only).",
-        fix=("model.cuda_graph_impl=none",), check=_bridge_local_cuda_graph,
+        "offloading this is the message a Bridge user sees first (reported here for offload configs only).",
+        fix=("model.cuda_graph_impl=none",),
+        check=_bridge_local_cuda_graph,
     ),
     Rule(
-        id="ACT-BRIDGE-CUDAGRAPH-ASSERT", severity="error", origin="bridge", stage=STAGE_BRIDGE,
+        id="ACT-BRIDGE-CUDAGRAPH-ASSERT",
+        severity="error",
+        origin="bridge",
+        stage=STAGE_BRIDGE,
         exception="AssertionError",
         summary="Bridge's TE-autocast layer asserts no activation offloading under the local CUDA-graph manager.",
         keys=("model.enable_cuda_graph", _OFFLOAD),
         message="Cudagraphs not supported",
         why="gpt_full_te_layer_autocast_spec.py asserts `not config.cpu_offloading and "
-            "config.recompute_granularity is None` when enable_cuda_graph is set in training; MCore's config check "
-            "rejects the same configs earlier, so this is listed for completeness.",
-        fix=("model.enable_cuda_graph=false",), shadowed_by=("ACT-CUDA-GRAPH", "ACT-CUDA-GRAPH-ENABLE-AND-IMPL"),
+        "config.recompute_granularity is None` when enable_cuda_graph is set in training; MCore's config check "
+        "rejects the same configs earlier, so this is listed for completeness.",
+        fix=("model.enable_cuda_graph=false",),
+        shadowed_by=("ACT-CUDA-GRAPH", "ACT-CUDA-GRAPH-ENABLE-AND-IMPL"),
         check=_bridge_cudagraph_assert,
     ),
     Rule(
-        id="ACT-FG-TE-IMPL", severity="error", origin="bridge", stage=STAGE_BRIDGE, exception="ValueError",
+        id="ACT-FG-TE-IMPL",
+        severity="error",
+        origin="bridge",
+        stage=STAGE_BRIDGE,
+        exception="ValueError",
         summary="Fine-grained offloading needs transformer_impl=transformer_engine (Bridge).",
         keys=("model.fine_grained_activation_offloading", "model.transformer_impl"),
         message="Fine-grained activation offloading is only supported with transformer_engine implementation. "
-                "Current transformer_impl: {impl}",
+        "Current transformer_impl: {impl}",
         why="Bridge's `_validate_fine_grained_activation_offloading`; the offload boundaries live in TE modules.",
-        fix=("model.transformer_impl=transformer_engine",), check=_fg_te_impl("bridge"),
+        fix=("model.transformer_impl=transformer_engine",),
+        check=_fg_te_impl("bridge"),
     ),
     Rule(
-        id="ACT-FG-NVTE-V1", severity="error", origin="bridge", stage=STAGE_BRIDGE, exception="ValueError",
+        id="ACT-FG-NVTE-V1",
+        severity="error",
+        origin="bridge",
+        stage=STAGE_BRIDGE,
+        exception="ValueError",
         summary="Fine-grained offloading on TE ≥ 2.10 needs NVTE_CPU_OFFLOAD_V1=1 (Bridge).",
         keys=("model.fine_grained_activation_offloading", "env.NVTE_CPU_OFFLOAD_V1", "env.te_version"),
         message="For fine-grained activation offloading with TE >= 2.10.0, NVTE_CPU_OFFLOAD_V1 environment variable "
-                "should be set to 1 to avoid offloading weights.",
+        "should be set to 1 to avoid offloading weights.",
         why="Fine-grained offloading drives TE's legacy (v1) offload globals; TE ≥ 2.10 defaults to v2. Export "
-            "NVTE_CPU_OFFLOAD_V1=1 in the job environment (pass --env NVTE_CPU_OFFLOAD_V1=1 to validate that "
-            "environment; TE version via --env te_version=X.Y, default 2.18 as pinned by Bridge HEAD).",
-        fix=None, check=_fg_nvte("bridge"),
+        "NVTE_CPU_OFFLOAD_V1=1 in the job environment (pass --env NVTE_CPU_OFFLOAD_V1=1 to validate that "
+        "environment; TE version via --env te_version=X.Y, default 2.18 as pinned by Bridge HEAD).",
+        fix=None,
+        check=_fg_nvte("bridge"),
     ),
     Rule(
-        id="ACT-MLM-FG-TE-IMPL", severity="error", origin="megatron-lm", stage=STAGE_MLM, exception="AssertionError",
+        id="ACT-MLM-FG-TE-IMPL",
+        severity="error",
+        origin="megatron-lm",
+        stage=STAGE_MLM,
+        exception="AssertionError",
         summary="Fine-grained offloading needs --transformer-impl transformer_engine (Megatron-LM).",
         keys=("model.fine_grained_activation_offloading", "model.transformer_impl"),
         message="Fine-grained activation offloading is only supported with transformer_engine implementation",
         why="Megatron-LM's validate_args, same rule as Bridge's with its own text.",
-        fix=("model.transformer_impl=transformer_engine",), check=_fg_te_impl("megatron-lm"),
+        fix=("model.transformer_impl=transformer_engine",),
+        check=_fg_te_impl("megatron-lm"),
     ),
     Rule(
-        id="ACT-MLM-FG-NVTE-V1", severity="error", origin="megatron-lm", stage=STAGE_MLM,
+        id="ACT-MLM-FG-NVTE-V1",
+        severity="error",
+        origin="megatron-lm",
+        stage=STAGE_MLM,
         exception="AssertionError",
         summary="Fine-grained offloading on TE ≥ 2.10 needs NVTE_CPU_OFFLOAD_V1=1 (Megatron-LM).",
         keys=("model.fine_grained_activation_offloading", "env.NVTE_CPU_OFFLOAD_V1", "env.te_version"),
         message="For fine-grained activation offloading with TE >= 2.10.0, NVTE_CPU_OFFLOAD_V1 should be set to 1 "
-                "to avoid offloading weights.",
+        "to avoid offloading weights.",
         why="Megatron-LM's validate_args reads the variable from the launching environment.",
-        fix=None, check=_fg_nvte("megatron-lm"),
+        fix=None,
+        check=_fg_nvte("megatron-lm"),
     ),
     # ---- advisory
     Rule(
-        id="ACT-ZERO-LAYERS", severity="warning", origin="advisory", upstream=False,
+        id="ACT-ZERO-LAYERS",
+        severity="warning",
+        origin="advisory",
+        upstream=False,
         summary="Activation offloading on with `cpu_offloading_num_layers: 0` offloads nothing.",
         keys=(_OFFLOAD, _K),
         message="model.cpu_offloading is on but model.cpu_offloading_num_layers is 0: no layer is offloaded.",
         why="MCore accepts 0 (the range is inclusive); TE v2 then offloads nothing, and the legacy v1 scheduler "
-            "indexes an empty layer window on the first commit (KeyError, from reading the code). Upstream does "
-            "not flag it.",
-        fix=None, check=_zero_layers,
+        "indexes an empty layer window on the first commit (KeyError, from reading the code). Upstream does "
+        "not flag it.",
+        fix=None,
+        check=_zero_layers,
     ),
     Rule(
-        id="ACT-NUM-LAYERS-INERT", severity="info", origin="advisory", upstream=False,
+        id="ACT-NUM-LAYERS-INERT",
+        severity="info",
+        origin="advisory",
+        upstream=False,
         summary="`cpu_offloading_num_layers` set while `cpu_offloading` is off has no effect in Bridge.",
         keys=(_OFFLOAD, _K),
         message="model.cpu_offloading_num_layers is set but model.cpu_offloading is off: nothing is offloaded.",
         why="Megatron-LM switches cpu_offloading on when --cpu-offloading-num-layers > 0; Bridge does not, and "
-            "MCore only validates the count when offloading is on (e.g. Bridge's gpt_oss perf recipe sets 95 "
-            "layers without enabling it). Set model.cpu_offloading=true to enable it.",
-        fix=None, check=_num_layers_inert,
+        "MCore only validates the count when offloading is on (e.g. Bridge's gpt_oss perf recipe sets 95 "
+        "layers without enabling it). Set model.cpu_offloading=true to enable it.",
+        fix=None,
+        check=_num_layers_inert,
     ),
 )

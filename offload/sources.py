@@ -90,8 +90,9 @@ def parse_text(text: str, where: str = "<text>") -> tuple[dict[str, Any], Any]:
             raise ConfigError(f"{where}: malformed YAML: {str(exc).splitlines()[0]}") from None
         data = to_plain(tree) if tree is not None else {}
     if not isinstance(data, dict):
-        raise ConfigError(f"{where}: the top level must be a mapping of sections (model:, optimizer:, …), "
-                          f"got {type(data).__name__}")
+        raise ConfigError(
+            f"{where}: the top level must be a mapping of sections (model:, optimizer:, …), got {type(data).__name__}"
+        )
     return data, tree
 
 
@@ -103,9 +104,11 @@ def read_source(source: str, stdin: Any = None) -> tuple[str, str]:
     """
     if source == "-":
         return (stdin or sys.stdin).read(), "<stdin>"
-    looks_inline = "\n" in source or source.lstrip().startswith("{") or (":" in source and not Path(source).exists()
-                                                                          and not source.endswith((".yaml", ".yml",
-                                                                                                   ".json")))
+    looks_inline = (
+        "\n" in source
+        or source.lstrip().startswith("{")
+        or (":" in source and not Path(source).exists() and not source.endswith((".yaml", ".yml", ".json")))
+    )
     if looks_inline:
         return source, "<text>"
     path = Path(source)
@@ -160,13 +163,16 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
             node = child
         if override.type == OverrideType.DEL:
             if leaf not in node:
-                raise ConfigError(f"override {override.input_line!r}: {override.key_or_group} is not set, "
-                                  "nothing to delete")
+                raise ConfigError(
+                    f"override {override.input_line!r}: {override.key_or_group} is not set, nothing to delete"
+                )
             del node[leaf]
             continue
         if override.type == OverrideType.ADD and leaf in node:
-            raise ConfigError(f"override {override.input_line!r}: {override.key_or_group} is already set; "
-                              f"use {override.key_or_group}=VALUE (or ++{override.key_or_group}=VALUE)")
+            raise ConfigError(
+                f"override {override.input_line!r}: {override.key_or_group} is already set; "
+                f"use {override.key_or_group}=VALUE (or ++{override.key_or_group}=VALUE)"
+            )
         value = override.value()
         node[leaf] = None if isinstance(value, str) and value in {"None"} else value
     return raw
@@ -273,7 +279,8 @@ def parse_megatron_argv(argv: list[str]) -> dict[str, Any]:
     vp_layers = model.pop("num_layers_per_virtual_pipeline_stage", None)
     if vp_layers and model.get("num_layers") and model.get("pipeline_model_parallel_size", 1) > 1:
         model["virtual_pipeline_model_parallel_size"] = model["num_layers"] // (
-            model["pipeline_model_parallel_size"] * vp_layers)
+            model["pipeline_model_parallel_size"] * vp_layers
+        )
     raw["frontend"] = "megatron-lm"
     return raw
 
@@ -301,16 +308,20 @@ def recipe_config(name: str) -> dict[str, Any]:
         error = None
     if spec is None or not spec.submodule_search_locations:
         detail = f"{error.__class__.__name__}: {str(error).splitlines()[0]}" if error else "not installed"
-        raise ConfigError(f"--recipe needs megatron-bridge importable here ({detail}); run inside your Bridge "
-                          "environment, or dump the config with ConfigContainer.to_yaml() and validate that file")
+        raise ConfigError(
+            f"--recipe needs megatron-bridge importable here ({detail}); run inside your Bridge "
+            "environment, or dump the config with ConfigContainer.to_yaml() and validate that file"
+        )
     # Find the module that defines the recipe by reading the sources, then import only that module: the
     # recipes package's own __init__ imports every model family (VLM data loaders included), which drags in
     # optional dependencies a config check does not need.
     root = Path(next(iter(spec.submodule_search_locations)))
     hits = sorted(p for p in root.rglob("*.py") if f"def {name}(" in p.read_text(encoding="utf-8", errors="ignore"))
     if not hits:
-        raise ConfigError(f"--recipe {name}: no such recipe in megatron.bridge.recipes "
-                          "(names look like qwen3_30b_a3b_pretrain_config)")
+        raise ConfigError(
+            f"--recipe {name}: no such recipe in megatron.bridge.recipes "
+            "(names look like qwen3_30b_a3b_pretrain_config)"
+        )
     if "megatron.bridge.recipes" not in sys.modules:
         package = types.ModuleType("megatron.bridge.recipes")
         package.__path__ = [str(root)]
@@ -319,13 +330,17 @@ def recipe_config(name: str) -> dict[str, Any]:
     try:
         factory = getattr(importlib.import_module(module_name), name)
     except Exception as exc:
-        raise ConfigError(f"--recipe {name}: importing {module_name} failed ({exc.__class__.__name__}: "
-                          f"{str(exc).splitlines()[0] if str(exc) else ''})") from None
+        raise ConfigError(
+            f"--recipe {name}: importing {module_name} failed ({exc.__class__.__name__}: "
+            f"{str(exc).splitlines()[0] if str(exc) else ''})"
+        ) from None
     try:
         container = factory()
     except Exception as exc:  # e.g. a recipe that reads its HF config from the hub, offline
-        raise ConfigError(f"--recipe {name}: building the recipe failed ({exc.__class__.__name__}: "
-                          f"{str(exc).splitlines()[0] if str(exc) else ''})") from None
+        raise ConfigError(
+            f"--recipe {name}: building the recipe failed ({exc.__class__.__name__}: "
+            f"{str(exc).splitlines()[0] if str(exc) else ''})"
+        ) from None
     if not hasattr(container, "to_yaml"):
         raise ConfigError(f"--recipe {name}: the recipe returned {type(container).__name__}, not a ConfigContainer")
     import tempfile
@@ -380,8 +395,14 @@ def build_config(raw: dict[str, Any], where: str = "<config>", tree: Any = None)
         raise ConfigError(f"{place}: {dotted} = {value!r}: {err['msg'].lower()}{more}") from None
 
 
-def load(source: str | None = None, overrides: list[str] | None = None, *, argv: list[str] | None = None,
-         recipe: str | None = None, stdin: Any = None) -> LoadedConfig:
+def load(
+    source: str | None = None,
+    overrides: list[str] | None = None,
+    *,
+    argv: list[str] | None = None,
+    recipe: str | None = None,
+    stdin: Any = None,
+) -> LoadedConfig:
     """Load a config from a file/text/stdin, a Bridge recipe, or Megatron-LM argv, then apply overrides.
 
     Args:

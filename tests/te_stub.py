@@ -14,6 +14,7 @@ import importlib.abc
 import importlib.machinery
 import sys
 import types
+import typing
 
 
 class _DummyMeta(type):
@@ -37,7 +38,7 @@ class _Dummy(metaclass=_DummyMeta):
 
 
 class _StubModule(types.ModuleType):
-    __path__: list[str] = []
+    __path__: typing.ClassVar[list[str]] = []
 
     def __getattr__(self, name: str):
         if name.startswith("__"):

@@ -37,7 +37,7 @@ def train(model, opt, steps: int, seed: int = 1, scheduler=None) -> None:
 
 
 def max_diff(a: torch.nn.Module, b: torch.nn.Module) -> float:
-    return max((x - y).abs().max().item() for x, y in zip(a.parameters(), b.parameters()))
+    return max((x - y).abs().max().item() for x, y in zip(a.parameters(), b.parameters(), strict=True))
 
 
 @pytest.mark.parametrize("steps", [1, 10])
@@ -47,8 +47,11 @@ def max_diff(a: torch.nn.Module, b: torch.nn.Module) -> float:
 def test_matches_torch_adamw_with_lr_scheduler(fraction, overlap, two_groups, steps):
     ours, ref = make_model(), make_model()
     opt = HybridDeviceOptimizer(
-        groups_of(ours, two_groups), offload_fraction=fraction, overlap_cpu_optimizer_d2h_h2d=overlap,
-        bucket_size_numel=300, **HYPER,
+        groups_of(ours, two_groups),
+        offload_fraction=fraction,
+        overlap_cpu_optimizer_d2h_h2d=overlap,
+        bucket_size_numel=300,
+        **HYPER,
     )
     ref_opt = torch.optim.AdamW(groups_of(ref, two_groups), **HYPER)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
@@ -93,8 +96,12 @@ def test_default_cpu_optimizer_is_fused_adamw():
 def test_any_optimizer_class_on_either_side():
     ours, ref = make_model(), make_model()
     opt = HybridDeviceOptimizer(
-        ours.parameters(), offload_fraction=0.5, cpu_optimizer_cls=torch.optim.SGD,
-        gpu_optimizer_cls=torch.optim.SGD, lr=0.1, momentum=0.9,
+        ours.parameters(),
+        offload_fraction=0.5,
+        cpu_optimizer_cls=torch.optim.SGD,
+        gpu_optimizer_cls=torch.optim.SGD,
+        lr=0.1,
+        momentum=0.9,
     )
     train(ours, opt, 5)
     train(ref, torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9), 5)
@@ -160,7 +167,7 @@ def test_decoupled_grad_takes_precedence(fraction):
     ours, ref = make_model(), make_model()
     opt = HybridDeviceOptimizer(ours.parameters(), offload_fraction=fraction, **HYPER)
     ref_opt = torch.optim.AdamW(ref.parameters(), **HYPER)
-    for p, q in zip(ours.parameters(), ref.parameters()):
+    for p, q in zip(ours.parameters(), ref.parameters(), strict=True):
         g = torch.randn_like(p)
         p.decoupled_grad, p.grad, q.grad = g, torch.full_like(p, 100.0), g.clone()
     opt.step()
@@ -175,12 +182,12 @@ def test_bf16_params_with_fp32_masters_track_an_fp32_reference():
     opt = HybridDeviceOptimizer(ours.parameters(), offload_fraction=0.5, param_update_in_fp32=True, **HYPER)
     ref_opt = torch.optim.AdamW(ref.parameters(), **HYPER)
     for _ in range(5):
-        for p, q in zip(ours.parameters(), ref.parameters()):
+        for p, q in zip(ours.parameters(), ref.parameters(), strict=True):
             g = torch.randn_like(q)
             p.grad, q.grad = g.to(torch.bfloat16), g.to(torch.bfloat16).float()
         opt.step()
         ref_opt.step()
-    for p, q in zip(ours.parameters(), ref.parameters()):
+    for p, q in zip(ours.parameters(), ref.parameters(), strict=True):
         assert p.dtype == torch.bfloat16 and opt.state[p]["master_param"].dtype == torch.float32
         torch.testing.assert_close(opt.state[p]["master_param"], q, atol=1e-6, rtol=0)
         torch.testing.assert_close(p, q.to(torch.bfloat16), atol=0, rtol=0)
@@ -194,7 +201,7 @@ def test_clip_grad_norm_matches_torch_over_both_parts():
     norm = opt.clip_grad_norm_(0.5)
     ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
     torch.testing.assert_close(norm, ref_norm)
-    for p, q in zip(ours.parameters(), ref.parameters()):
+    for p, q in zip(ours.parameters(), ref.parameters(), strict=True):
         torch.testing.assert_close(p.grad, q.grad)
     assert clip_grad_norm_([torch.zeros(2, requires_grad=True)], 1.0).item() == 0.0
 
@@ -210,7 +217,7 @@ def test_model_weights_loaded_after_construction_are_not_reverted():
 def test_refresh_from_model_sees_writes_through_data():
     model, donor = make_model(), make_model(seed=5)
     opt = HybridDeviceOptimizer(model.parameters(), offload_fraction=0.5, lr=0.0)
-    for p, q in zip(model.parameters(), donor.parameters()):
+    for p, q in zip(model.parameters(), donor.parameters(), strict=True):
         p.data.copy_(q.data)  # .data writes bypass the version counter
     opt.refresh_from_model()
     train(model, opt, 1)
@@ -259,7 +266,7 @@ def test_non_tensor_params_are_rejected():
 
 @pytest.mark.parametrize("cls", [torch.optim.AdamW([torch.zeros(1)]), dict, "AdamW"])
 def test_optimizer_class_that_is_not_a_torch_optimizer_is_rejected(cls):
-    with pytest.raises(TypeError, match="cpu_optimizer_cls.*not a torch.optim.Optimizer"):
+    with pytest.raises(TypeError, match=r"cpu_optimizer_cls.*not a torch\.optim\.Optimizer"):
         HybridDeviceOptimizer(make_model().parameters(), cpu_optimizer_cls=cls)
     with pytest.raises(TypeError, match="gpu_optimizer_cls"):
         HybridDeviceOptimizer(make_model().parameters(), gpu_optimizer_cls=cls)

@@ -58,8 +58,11 @@ def test_saved_form_does_not_depend_on_fraction_overlap_or_buckets():
     for fraction, overlap, bucket in [(0.0, False, 10), (0.5, True, 300), (1.0, True, 1 << 22), (0.3, False, 1)]:
         model = make_model()
         opt = HybridDeviceOptimizer(
-            groups_of(model, True), offload_fraction=fraction, overlap_cpu_optimizer_d2h_h2d=overlap,
-            bucket_size_numel=bucket, **HYPER,
+            groups_of(model, True),
+            offload_fraction=fraction,
+            overlap_cpu_optimizer_d2h_h2d=overlap,
+            bucket_size_numel=bucket,
+            **HYPER,
         )
         run(model, opt, batches(3))
         dicts.append(opt.state_dict())
@@ -96,8 +99,11 @@ def test_state_dict_matches_torch_adamw_and_loads_from_it():
 def test_saved_file_loads_with_weights_only_and_has_no_classes(tmp_path):
     model = make_model()
     opt = HybridDeviceOptimizer(
-        model.parameters(), offload_fraction=0.5, cpu_optimizer_cls=torch.optim.AdamW,
-        gpu_optimizer_cls=torch.optim.AdamW, lr=1e-3,
+        model.parameters(),
+        offload_fraction=0.5,
+        cpu_optimizer_cls=torch.optim.AdamW,
+        gpu_optimizer_cls=torch.optim.AdamW,
+        lr=1e-3,
     )
     run(model, opt, batches(1))
     torch.save(opt.state_dict(), tmp_path / "o.pt")
@@ -147,7 +153,7 @@ def test_load_refreshes_host_copies_from_the_model():
     sd = opt.state_dict()
     donor = make_model(seed=8)
     with torch.no_grad():
-        for p, q in zip(model.parameters(), donor.parameters()):
+        for p, q in zip(model.parameters(), donor.parameters(), strict=True):
             p.data.copy_(q.data)  # invisible to version counters
     opt.load_state_dict(sd)
     run(model, opt, batches(1))  # lr 0: weights must stay the donor's
@@ -172,7 +178,9 @@ def test_state_dict_from_a_different_model_is_rejected():
         torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 16), torch.nn.ReLU(), torch.nn.Linear(16, 5)
     )
     wider_opt = HybridDeviceOptimizer(wider.parameters(), offload_fraction=0.5, lr=1e-3)
-    with pytest.raises(ValueError, match=r"parameter 4 has shape \(5, 16\) but its saved 'exp_avg' has shape \(4, 16\)"):
+    with pytest.raises(
+        ValueError, match=r"parameter 4 has shape \(5, 16\) but its saved 'exp_avg' has shape \(4, 16\)"
+    ):
         wider_opt.load_state_dict(good)
     two = HybridDeviceOptimizer(groups_of(make_model(), True), offload_fraction=0.5, lr=1e-3)
     with pytest.raises(ValueError, match="1 param groups, this optimizer has 2"):

@@ -20,8 +20,12 @@ def upstream_setup(fraction: float, overlap: bool, two_groups: bool):
     fake_dev_params(model)  # SHIM-IS-CUDA
     with upstream_hdo_shims():
         opt = UpstreamHDO(
-            groups_of(model, two_groups), offload_fraction=fraction, overlap_cpu_optimizer_d2h_h2d=overlap,
-            pin_cpu_grads=False, **CLASSES, **HYPER,  # SHIM-PIN needs pin_cpu_grads=False
+            groups_of(model, two_groups),
+            offload_fraction=fraction,
+            overlap_cpu_optimizer_d2h_h2d=overlap,
+            pin_cpu_grads=False,
+            **CLASSES,
+            **HYPER,  # SHIM-PIN needs pin_cpu_grads=False
         )
     return model, opt
 
@@ -45,8 +49,12 @@ def test_same_split_and_same_parameters_after_10_steps(fraction, overlap, two_gr
     up_model, up = upstream_setup(fraction, overlap, two_groups)
     ours_model = make_model()
     ours = HybridDeviceOptimizer(
-        groups_of(ours_model, two_groups), offload_fraction=fraction, overlap_cpu_optimizer_d2h_h2d=overlap,
-        bucket_size_numel=300, **CLASSES, **HYPER,
+        groups_of(ours_model, two_groups),
+        offload_fraction=fraction,
+        overlap_cpu_optimizer_d2h_h2d=overlap,
+        bucket_size_numel=300,
+        **CLASSES,
+        **HYPER,
     )
     up_split = [p in up.gpu_params_map_cpu_copy for p in up_model.parameters()]
     assert [ours.is_offloaded(p) for p in ours_model.parameters()] == up_split
@@ -54,7 +62,7 @@ def test_same_split_and_same_parameters_after_10_steps(fraction, overlap, two_gr
 
     train(up_model, up, 10, shims=True)
     train(ours_model, ours, 10, shims=False)
-    for a, b in zip(up_model.parameters(), ours_model.parameters()):
+    for a, b in zip(up_model.parameters(), ours_model.parameters(), strict=True):
         torch.testing.assert_close(b.detach(), a.detach(), atol=1e-6, rtol=0)
 
 
@@ -72,5 +80,5 @@ def test_upstream_checkpoint_loads_and_continues_identically():
 
     train(up_model, up, 4, shims=True)
     train(ours_model, ours, 4, shims=False)
-    for a, b in zip(up_model.parameters(), ours_model.parameters()):
+    for a, b in zip(up_model.parameters(), ours_model.parameters(), strict=True):
         torch.testing.assert_close(b.detach(), a.detach(), atol=1e-6, rtol=0)

@@ -27,7 +27,10 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     model = DDP(make_model())
     opt = ZeroRedundancyOptimizer(
-        model.parameters(), optimizer_class=HybridDeviceOptimizer, offload_fraction=0.5, bucket_size_numel=300,
+        model.parameters(),
+        optimizer_class=HybridDeviceOptimizer,
+        offload_fraction=0.5,
+        bucket_size_numel=300,
         **HYPER,
     )
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
@@ -66,5 +69,5 @@ def test_zero_with_hybrid_inner_optimizer_matches_single_process(tmp_path):
     assert sum(r["total"] for r in results) == sum(p.numel() for p in ref.parameters())
     assert all(0 < r["offloaded"] <= r["total"] for r in results)
     for r in results:
-        for p, q in zip(r["params"], ref.parameters()):
+        for p, q in zip(r["params"], ref.parameters(), strict=True):
             torch.testing.assert_close(p, q.detach(), atol=1e-6, rtol=1e-5)

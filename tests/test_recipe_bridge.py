@@ -37,8 +37,14 @@ main(sys.argv[1:])
 def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
     paths = [str(ROOT / p) if not os.path.isabs(p) else p for p in BRIDGE_PATH.split(":")]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(paths), HF_HUB_OFFLINE="1")
-    return subprocess.run([sys.executable, "-c", _RUN.format(root=str(ROOT)), *args], capture_output=True,
-                          text=True, env=env, timeout=300, cwd=ROOT)
+    return subprocess.run(
+        [sys.executable, "-c", _RUN.format(root=str(ROOT)), *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+        cwd=ROOT,
+    )
 
 
 def test_recipe_builds_real_container_and_validates_clean():
@@ -51,8 +57,16 @@ def test_recipe_builds_real_container_and_validates_clean():
 
 
 def test_recipe_with_activation_offload_reports_upstream_pp_error():
-    proc = run_cli("validate", "--recipe", "gpt3_175b_pretrain_config", "--set", "model.cpu_offloading=true",
-                   "--set", "model.cpu_offloading_num_layers=4", "--json")
+    proc = run_cli(
+        "validate",
+        "--recipe",
+        "gpt3_175b_pretrain_config",
+        "--set",
+        "model.cpu_offloading=true",
+        "--set",
+        "model.cpu_offloading_num_layers=4",
+        "--json",
+    )
     report = json.loads(proc.stdout)
     assert proc.returncode == 1, proc.stderr[-2000:]
     messages = [f["message"] for f in report["findings"] if f["severity"] == "error"]

@@ -1,0 +1,207 @@
+"""Differential test: our verdicts and messages vs constructing the real megatron-core configs, per version.
+
+For several hundred seeded generated configs, ``tests/mcore_oracle.py`` (one subprocess per installed
+megatron-core, importing it once) evaluates three upstream stages for real: ``TransformerConfig``,
+``OptimizerConfig`` and the optimizer factory's offload asserts. Upstream stops at its first failing check,
+so for each stage we compare the first error our catalogue reports for that stage (catalogue order = upstream
+code order) with what upstream raised: same verdict, same exception type, same message. Any disagreement fails.
+
+Generation choices (documented in docs/rules.md's preamble and docs/cpu-offloading.md):
+- ``pipeline_dtype`` is always set when PP > 1. Real MCore first raises "When using pipeline parallelism,
+  pipeline_dtype must be specified" otherwise; Bridge's mixed-precision setup fills the field in before the
+  model config is finalised, so Bridge users never see that message and the catalogue has no rule for it.
+- Only the keys the catalogue reasons about vary; everything else stays at upstream defaults. Combinations
+  whose first upstream error comes from checks outside this project's scope are not generated: fine-grained
+  offloading together with CUDA graphs (0.19 has a dozen graph/offload-module checks), ``moe_paged_stash``
+  without ``cpu_offloading`` (needs ``moe_expert_rank_capacity_factor`` and a flex dispatcher), recompute
+  other than well-formed full/selective, recompute together with CUDA graphs without ``cpu_offloading``
+  (MCore's own graph/recompute checks), precision-aware optimizer without optimizer offload (without TE,
+  0.19 raises "requires FusedAdam from TransformerEngine").
+- Sets in upstream messages print in hash-seed order; both sides are compared with set contents sorted.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from offload.rules import STAGE_OPTIMIZER_CONFIG, STAGE_OPTIMIZER_FACTORY, STAGE_TRANSFORMER_CONFIG, TARGETS
+from offload.sources import build_config
+from offload.validate import first_error, validate
+
+ROOT = Path(__file__).resolve().parent.parent
+SEED = 20261202
+N_CASES = 400
+
+pytestmark = pytest.mark.megatron
+
+
+def _installed_versions() -> list[tuple[str, dict[str, str]]]:
+    """(label, extra env) for every megatron-core we can run: the venv's, and the one under .mcore/."""
+    found = []
+    base_env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    found.append(("0.16.1", base_env))
+    newer = ROOT / ".mcore" / "0.19.2"
+    if (newer / "megatron" / "core").is_dir():
+        found.append(("0.19.2", {**base_env, "PYTHONPATH": str(newer)}))
+    return found
+
+
+def generate_case(rng: random.Random, case_id: int) -> dict:
+    """One random config: TransformerConfig kwargs (``model``) and OptimizerConfig kwargs (``optimizer``)."""
+    num_layers = rng.choice([2, 4, 8, 12])
+    m: dict = {"num_layers": num_layers}
+    offload = rng.random() < 0.7
+    if offload:
+        m["cpu_offloading"] = True
+    if offload or rng.random() < 0.3:
+        m["cpu_offloading_num_layers"] = rng.choice([-1, 0, 1, num_layers - 2, num_layers - 1, num_layers,
+                                                      num_layers + 3])
+    if rng.random() < 0.25:
+        m["pipeline_model_parallel_size"] = 2
+        m["pipeline_dtype"] = rng.choice(["fp32", "bf16"])
+    recompute = rng.choice([None, None, None, "full", "selective"])
+    if recompute == "full":
+        m.update(recompute_granularity="full", recompute_method=rng.choice(["uniform", "block"]),
+                 recompute_num_layers=1)
+    elif recompute == "selective":
+        m["recompute_granularity"] = "selective"
+    fine_grained = rng.random() < 0.3
+    if fine_grained:
+        m["fine_grained_activation_offloading"] = True
+        m["offload_modules"] = rng.choice([[], ["core_attn"], ["attn_proj"], ["core_attn", "attn_proj"], ["foo"],
+                                           ["fused_group_mlp"], ["qkv_linear", "mlp_norm"], ["expert_fc1", "bar"],
+                                           ["attn_norm", "moe_act"]])
+        if rng.random() < 0.2:
+            m["min_offloaded_tensor_size"] = -1
+        if rng.random() < 0.25:
+            m["activation_offload_fraction"] = rng.choice([1.5, -0.1, 0.5, 0.0])
+        if rng.random() < 0.1:
+            m["delta_offload_bytes_across_pp_ranks"] = -1
+    if offload and rng.random() < 0.15:
+        m["moe_paged_stash"] = True
+    if offload or not (fine_grained or recompute):
+        graphs = rng.choice(["none", "none", "none", "local", "transformer_engine", "full_iteration", "magic",
+                             "enable", "enable+impl"])
+        if graphs == "enable":
+            m["enable_cuda_graph"] = True
+        elif graphs == "enable+impl":
+            m["enable_cuda_graph"] = True
+            m["cuda_graph_impl"] = rng.choice(["local", "full_iteration"])
+        elif graphs != "none":
+            m["cuda_graph_impl"] = graphs
+    for key in ("cpu_offloading_activations", "cpu_offloading_weights", "cpu_offloading_double_buffering"):
+        if rng.random() < 0.2:
+            m[key] = not (key == "cpu_offloading_activations")
+
+    o: dict = {}
+    if rng.random() < 0.6:
+        o["optimizer_cpu_offload"] = True
+        if rng.random() < 0.3:
+            o["use_precision_aware_optimizer"] = True
+    o["optimizer_offload_fraction"] = rng.choice([0.0, 0.25, 0.5, 1.0, 1.5, -0.2])
+    if rng.random() < 0.25:
+        o["decoupled_weight_decay"] = False
+    o["optimizer"] = rng.choice(["adam", "adam", "adam", "sgd"])
+    if rng.random() < 0.5:
+        o["use_distributed_optimizer"] = True
+    if rng.random() < 0.15:
+        o["skip_megatron_wrapping"] = True
+    for key in ("use_torch_optimizer_for_cpu_offload", "overlap_cpu_optimizer_d2h_h2d"):
+        if rng.random() < 0.2:
+            o[key] = True
+    return {"id": case_id, "model": m, "optimizer": o}
+
+
+def _normalize(message: str | None) -> str | None:
+    if message is None:
+        return None
+    return re.sub(r"\{([^{}]*)\}", lambda mo: "{" + ", ".join(sorted(mo.group(1).split(", "))) + "}", message)
+
+
+def _ours(finding) -> dict | None:
+    if finding is None:
+        return None
+    return {"type": finding.exception, "message": _normalize(finding.upstream_message)}
+
+
+def _theirs(outcome) -> dict | None:
+    if outcome is None:
+        return None
+    return {"type": outcome["type"], "message": _normalize(outcome["message"])}
+
+
+def compare(case: dict, real: dict, label: str) -> tuple[int, list[str]]:
+    """Compare one case at one version: returns (stage comparisons made, disagreement descriptions)."""
+    config = build_config({"model": case["model"], "optimizer": case["optimizer"]})
+    report = validate(config, target=f"megatron-core=={label}")
+    problems, comparisons = [], 0
+    stages = [("transformer", STAGE_TRANSFORMER_CONFIG), ("optimizer_config", STAGE_OPTIMIZER_CONFIG)]
+    if real["optimizer_config"] is None:  # the factory runs only on an accepted OptimizerConfig
+        stages.append(("factory", STAGE_OPTIMIZER_FACTORY))
+    for key, stage in stages:
+        outcome = real[key]
+        ours = _ours(first_error(report, stage))
+        if outcome == "not-run":
+            # Not callable on CPU for this config; our factory-stage rules must then have nothing to say.
+            theirs = None
+        else:
+            theirs = _theirs(outcome)
+        comparisons += 1
+        if ours != theirs:
+            problems.append(f"case {case['id']} {key}: ours={ours} real={theirs} config={case}")
+    return comparisons, problems
+
+
+@pytest.fixture(scope="module")
+def cases() -> list[dict]:
+    rng = random.Random(SEED)
+    return [generate_case(rng, i) for i in range(N_CASES)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("label,env", _installed_versions(), ids=lambda v: v if isinstance(v, str) else "")
+def test_catalogue_agrees_with_real_megatron_core(label, env, cases, differential_log):
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "mcore_oracle.py")],
+                          input=json.dumps({"cases": cases}), capture_output=True, text=True, env=env, timeout=300,
+                          cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    oracle = json.loads(proc.stdout)
+    assert oracle["version"].startswith(label), oracle["version"]
+    total, problems = 0, []
+    for case, real in zip(cases, oracle["results"], strict=True):
+        n, bad = compare(case, real, label)
+        total += n
+        problems += bad
+    differential_log.append((f"megatron-core {label}", len(cases), total, len(problems)))
+    print(f"differential megatron-core {label}: {len(cases)} cases, {total} comparisons, "
+          f"{len(problems)} disagreements")
+    # The generated cases must actually exercise the rules, not just pass.
+    failing = sum(1 for r in oracle["results"] if r["transformer"] is not None)
+    assert failing > N_CASES // 4, f"only {failing} cases fail TransformerConfig: the generator is too tame"
+    assert not problems, "\n".join(problems[:20])
+
+
+@pytest.mark.parametrize("label,env", _installed_versions(), ids=lambda v: v if isinstance(v, str) else "")
+def test_version_gated_fields_match_the_real_dataclasses(label, env):
+    """Fields our rules treat as 0.19+ are absent from the 0.16.1 TransformerConfig and present in 0.19.2."""
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "mcore_oracle.py")],
+                          input=json.dumps({"cases": []}), capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    fields = set(json.loads(proc.stdout)["transformer_fields"])
+    newer = {"moe_paged_stash", "activation_offload_fraction", "delta_offload_bytes_across_pp_ranks",
+             "cpu_offloading_retain_pinned_cpu_buffers"}
+    assert TARGETS[label]
+    if label == "0.16.1":
+        assert not newer & fields
+    else:
+        assert newer <= fields
+    assert {"cpu_offloading", "cpu_offloading_num_layers", "fine_grained_activation_offloading",
+            "min_offloaded_tensor_size", "offload_modules"} <= fields
