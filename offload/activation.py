@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from offload import device
-from offload.activation_pass import BackwardStep, Pass, fold_view, unpack
+from offload.activation_pass import BackwardStep, Pass, ViewSpec, fold_view, unpack
 from offload.activation_pool import HostBufferPool, ReloadBuffers
 from offload.activation_schedule import OffloadStats, Schedule
 
@@ -88,30 +88,42 @@ class Eligibility:
         self.device = compute_device
         self.min_tensor_size = min_tensor_size
 
-    def skip_reason(self, tensor: torch.Tensor, base: torch.Tensor | None = None) -> str | None:
-        """``None`` if ``tensor`` should be offloaded, else the reason it stays.
+    def skip_reason(self, tensor: torch.Tensor) -> str | None:
+        """``None`` if ``tensor`` should be offloaded, else the reason it stays."""
+        return self.classify(tensor)[0]
 
-        ``base`` is what would be copied (``fold_view(tensor)[0]``, computed here when not given).
+    def classify(self, tensor: torch.Tensor) -> tuple[str | None, torch.Tensor, ViewSpec | None]:
+        """``(reason or None, what to copy, how to rebuild the view)``; the hot path of the pack hook.
+
+        Cheap checks come first; the Python-level ``isinstance`` checks (``nn.Parameter`` has a metaclass) run
+        only for tensor subclasses, since a plain ``torch.Tensor`` can be neither a parameter nor a fake tensor.
         """
         if _keep_depth[0]:
-            return "opt_out"
-        if base is None:
-            base = fold_view(tensor)[0]
-        if isinstance(tensor, nn.Parameter) or isinstance(tensor._base, nn.Parameter):
-            return "parameter"  # weights live on the device anyway; copying them only costs bandwidth
-        if isinstance(base, nn.Buffer) or any(
-            getattr(t, attr, False) for t in (tensor, base) for attr in (_DO_NOT_OFFLOAD, "_TE_do_not_offload")
-        ):
-            return "buffer"
-        if isinstance(tensor, torch._subclasses.FakeTensor):
-            return "fake"
+            return "opt_out", tensor, None
+        plain = type(tensor) is torch.Tensor
+        if not plain and isinstance(tensor, nn.Parameter):
+            return "parameter", tensor, None  # weights live on the device anyway; copying costs bandwidth
+        raw = tensor._base
+        if raw is not None and type(raw) is not torch.Tensor and isinstance(raw, nn.Parameter):
+            return "parameter", tensor, None  # a view of a weight (e.g. ``w.t()`` saved by a matmul)
+        if _marked(tensor) or (raw is not None and _marked(raw)):
+            return "buffer", tensor, None
+        if not plain and isinstance(tensor, torch._subclasses.FakeTensor):
+            return "fake", tensor, None
         if tensor.device != self.device:
-            return "other_device"
+            return "other_device", tensor, None
         if tensor.numel() < self.min_tensor_size:
-            return "small"
+            return "small", tensor, None
+        base, view = fold_view(tensor)
         if not _dense(base):
-            return "non_contiguous"  # overlapping or gappy storage: a strided host copy cannot mirror it
-        return None
+            return "non_contiguous", tensor, None  # overlapping or gappy storage: a host copy cannot mirror it
+        return None, base, view
+
+
+def _marked(tensor: torch.Tensor) -> bool:
+    """Marked by :func:`mark_not_offload` (``offload_layers`` marks buffers), TE's, or made by ``nn.Buffer``."""
+    attrs = tensor.__dict__
+    return bool(attrs) and (_DO_NOT_OFFLOAD in attrs or "_TE_do_not_offload" in attrs or "_is_buffer" in attrs)
 
 
 def _dense(tensor: torch.Tensor) -> bool:

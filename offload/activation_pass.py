@@ -26,7 +26,7 @@ from offload.activation_schedule import (
 if TYPE_CHECKING:
     from offload.activation import OffloadContext
 
-_ViewSpec = tuple[torch.Size, tuple[int, ...], int]
+ViewSpec = tuple[torch.Size, tuple[int, ...], int]
 
 
 @dataclass(frozen=True)
@@ -35,7 +35,7 @@ class SavedHandle:
 
     store: LayerStore
     slot: int
-    view: _ViewSpec | None
+    view: ViewSpec | None
 
     def load(self) -> torch.Tensor:
         return self.store.load(self.slot, self.view)
@@ -46,7 +46,16 @@ def unpack(packed: object) -> torch.Tensor:
     return packed.load() if isinstance(packed, SavedHandle) else packed  # type: ignore[return-value]
 
 
-def fold_view(tensor: torch.Tensor) -> tuple[torch.Tensor, _ViewSpec | None]:
+def storage_key(tensor: torch.Tensor) -> tuple[object, ...]:
+    """Identity of a tensor's data: two saved tensors with the same key hold the same bytes.
+
+    Object ids would not do: the alias we keep does not keep the original Python object alive, so its id
+    can be reused by an unrelated tensor; the storage is kept alive, so its address cannot.
+    """
+    return (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tensor.shape, tensor.stride(), tensor.dtype)
+
+
+def fold_view(tensor: torch.Tensor) -> tuple[torch.Tensor, ViewSpec | None]:
     """The tensor to copy (the view's base) and how to rebuild ``tensor`` from it (``None``: it is the base)."""
     base = tensor._base
     if base is None or base.dtype != tensor.dtype:
@@ -60,6 +69,16 @@ def fold_view(tensor: torch.Tensor) -> tuple[torch.Tensor, _ViewSpec | None]:
     return base, (tensor.size(), tensor.stride(), offset)
 
 
+def _without_graph(tensor: torch.Tensor) -> torch.Tensor:
+    """What to keep for a tensor that stays: itself, detached if it has a ``grad_fn``.
+
+    Why: a saved output returned as-is from a pack hook makes a cycle (tensor → grad_fn → saved tensor), so a
+    forward whose backward never runs would hold its activations until the garbage collector runs. Autograd
+    re-attaches the saved tensor's grad_fn on unpack, so detaching changes nothing else.
+    """
+    return tensor.detach() if tensor.grad_fn is not None else tensor
+
+
 class LayerStore:
     """The saved tensors of one offloaded layer in one pass, and its round trip through host memory."""
 
@@ -69,7 +88,7 @@ class LayerStore:
         self.phase = LayerPhase.NOT_OFFLOADED
         self.freed = False
         self.nbytes = 0
-        self._index: dict[int, int] = {}  # id(base) -> slot: the same tensor saved twice is copied once
+        self._index: dict[tuple[object, ...], int] = {}  # the same tensor saved twice is copied once
         self._on_device: list[torch.Tensor] = []  # forward copies, kept until the D2H copies finish
         self._host: list[torch.Tensor] = []
         self._reloaded: list[torch.Tensor] = []
@@ -81,7 +100,8 @@ class LayerStore:
     # forward ---------------------------------------------------------------------------------------------
     def push(self, base: torch.Tensor) -> tuple[int, bool]:
         """The slot holding ``base``'s host copy, starting the copy if it is new; returns ``(slot, is_new)``."""
-        slot = self._index.get(id(base))
+        key = storage_key(base)
+        slot = self._index.get(key)
         if slot is not None:
             return slot, False
         if self.phase is LayerPhase.NOT_OFFLOADED:
@@ -98,7 +118,7 @@ class LayerStore:
             host.copy_(base, non_blocking=device.is_pinned(host))
         # Why: one event after the last copy; the stream is ordered, so it covers all earlier copies.
         self._offload_done = ctx.stream.record_event()
-        self._index[id(base)] = slot
+        self._index[key] = slot
         # A detached alias keeps the storage alive until release without a reference cycle through grad_fn.
         self._on_device.append(base.detach())
         self._host.append(host)
@@ -153,13 +173,14 @@ class LayerStore:
         self.owner.residency.add(self.layer, self.nbytes)
         self.owner.record("bwd", "reload_late" if late else "reload_start", self.layer, at)
 
-    def load(self, slot: int, view: _ViewSpec | None) -> torch.Tensor:
+    def load(self, slot: int, view: ViewSpec | None) -> torch.Tensor:
         """The unpack hook's answer for copy ``slot``, rebuilt as the view that was saved."""
         if self.freed:
             raise RuntimeError(
-                f"activation offload: the saved activations of layer {self.layer} were freed when its backward "
-                "finished; a second backward through the same graph (retain_graph=True) is not supported for "
-                "offloaded layers. Run the forward again, or exclude the region with keep_on_device()."
+                f"activation offload: the host copies of layer {self.layer} went back to the pool when its backward "
+                "finished; with retain_pinned_cpu_buffers=True a second backward through the same graph "
+                "(retain_graph=True or create_graph=True) is not supported, because the next iteration reuses "
+                "those buffers. Run the forward again, or build the context without retain_pinned_cpu_buffers."
             )
         self.owner.ensure_end_callback()
         if self.phase is LayerPhase.RELEASED:
@@ -177,16 +198,27 @@ class LayerStore:
         return tensor if view is None else tensor.as_strided(*view)
 
     def free(self, at: int) -> list[torch.Tensor]:
-        """Forget everything once the layer's backward is over; returns the host buffers for the pool."""
+        """The layer's backward is over: drop the device copies; returns host buffers the pool may reuse.
+
+        Host copies are kept (and die with the graph) unless the pool retains them for the next iteration, so
+        a retained graph (``retain_graph=True``, ``create_graph=True``) can unpack again with a late reload.
+        """
         if self.freed:
             return []
-        self.freed = True
         if self._double_buffered and self.owner.ctx.reload_buffers is not None:
             self.owner.ctx.reload_buffers.give_back(self.layer)
-        host, self._host = self._host, []
-        self._on_device, self._reloaded, self._reload_events, self._index = [], [], [], {}
-        if host:
+        self._double_buffered = False
+        if self._host:
             self.owner.record("bwd", "free", self.layer, at)
+        if self.phase is LayerPhase.OFFLOAD_STARTED:
+            self.release(at)
+        elif self.phase in (LayerPhase.RELOAD_STARTED, LayerPhase.RELOADED):
+            self._set_phase(LayerPhase.RELEASED)
+        self._reloaded, self._reload_events, self._index = [], [], {}
+        if not self.owner.ctx.pool.retain:
+            return []
+        self.freed = True
+        host, self._host = self._host, []
         return host
 
     def _set_phase(self, new: LayerPhase) -> None:
@@ -204,7 +236,7 @@ class Pass:
         self.layer = -1
         self.backward_layer = ctx.schedule.model_layers
         self._stores: dict[int, LayerStore] = {}
-        self._resident_seen: dict[int, set[int]] = {}
+        self._resident_seen: dict[int, set[tuple[object, ...]]] = {}
         self._backward_seen: set[int] = set()
         self._end_queued = False
         self.finished = False
@@ -222,14 +254,13 @@ class Pass:
 
     def push(self, tensor: torch.Tensor) -> object:
         """The pack hook: a handle for an offloaded tensor, the tensor itself otherwise."""
-        base, view = fold_view(tensor)
-        reason = self.ctx.eligibility.skip_reason(tensor, base)
+        reason, base, view = self.ctx.eligibility.classify(tensor)
         if reason is not None:
             self.stats.skipped[reason] += 1
-            return tensor
+            return _without_graph(tensor)
         if not self.ctx.schedule.is_offloaded(self.layer):
             self._count_resident(base)
-            return tensor
+            return _without_graph(tensor)
         store = self._stores.get(self.layer)
         if store is None:
             store = self._stores[self.layer] = LayerStore(self, self.layer)
@@ -241,8 +272,9 @@ class Pass:
     def _count_resident(self, base: torch.Tensor) -> None:
         seen = self._resident_seen.setdefault(self.layer, set())
         self.stats.tensors_resident += 1
-        if id(base) not in seen:
-            seen.add(id(base))
+        key = storage_key(base)
+        if key not in seen:
+            seen.add(key)
             self.residency.add(self.layer, base.numel() * base.element_size())
 
     # backward --------------------------------------------------------------------------------------------

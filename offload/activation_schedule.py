@@ -35,8 +35,9 @@ _TRANSITIONS: dict[LayerPhase, tuple[LayerPhase, ...]] = {
     LayerPhase.NOT_OFFLOADED: (LayerPhase.OFFLOAD_STARTED,),
     LayerPhase.OFFLOAD_STARTED: (LayerPhase.RELEASED,),
     LayerPhase.RELEASED: (LayerPhase.RELOAD_STARTED,),
-    LayerPhase.RELOAD_STARTED: (LayerPhase.RELOADED,),
-    LayerPhase.RELOADED: (),
+    LayerPhase.RELOAD_STARTED: (LayerPhase.RELOADED, LayerPhase.RELEASED),
+    # After the layer's backward the device copies go; the host copies stay for a retained graph.
+    LayerPhase.RELOADED: (LayerPhase.RELEASED,),
 }
 
 
@@ -141,14 +142,19 @@ class Residency:
     def __init__(self, stats: OffloadStats) -> None:
         self._stats = stats
         self._bytes: dict[int, int] = {}
+        self._total = 0
 
     def add(self, layer: int, nbytes: int) -> None:
         self._bytes[layer] = self._bytes.get(layer, 0) + nbytes
-        self._stats.peak_resident_bytes = max(self._stats.peak_resident_bytes, sum(self._bytes.values()))
-        self._stats.peak_resident_layers = max(self._stats.peak_resident_layers, len(self._bytes))
+        self._total += nbytes
+        stats = self._stats
+        if self._total > stats.peak_resident_bytes:
+            stats.peak_resident_bytes = self._total
+        if len(self._bytes) > stats.peak_resident_layers:
+            stats.peak_resident_layers = len(self._bytes)
 
     def drop(self, layer: int) -> None:
-        self._bytes.pop(layer, None)
+        self._total -= self._bytes.pop(layer, 0)
 
     def layers(self) -> list[int]:
         return sorted(self._bytes)

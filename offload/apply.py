@@ -202,7 +202,7 @@ def _recommended(cfg: OffloadConfig, raw: dict[str, Any], planner: dict[str, Any
     except ImportError as exc:  # pragma: no cover - the planner ships with the package
         raise ApplyError(f"mode=recommended needs offload.plan ({exc}); pick a mode explicitly") from None
     rec = plan.recommend_for_config(cfg, raw=raw, **(planner or {}))
-    data = rec.to_dict() if hasattr(rec, "to_dict") else dict(rec)
+    data = rec.to_json()
     return str(data["mode"]), list(data.get("overrides") or [])
 
 

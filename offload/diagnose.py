@@ -235,7 +235,7 @@ KNOWN: tuple[FailureMode, ...] = (
     ),
     FailureMode(
         "precision_aware_required", "Megatron-LM optimizer offload needs the precision-aware optimizer",
-        (r"optimizer cpu offload must be used in conjunction with",),
+        (r"optimizer cpu offload must be used in conjunction with `?--use-precision-aware-optimizer",),
         "Megatron-LM's validate_args requires --use-precision-aware-optimizer with --optimizer-cpu-offload",
         "check the launch flags for --use-precision-aware-optimizer",
         ("optimizer.use_precision_aware_optimizer=true",),
@@ -254,8 +254,8 @@ KNOWN: tuple[FailureMode, ...] = (
         (r"skip_megatron_wrapping=True is incompatible with optimizer_cpu_offload",),
         "get_megatron_optimizer(skip_megatron_wrapping=True) cannot wrap the HybridDeviceOptimizer",
         "look for skip_megatron_wrapping=True where your code builds the optimizer",
-        (),
-        ("call get_megatron_optimizer without skip_megatron_wrapping, or set optimizer.optimizer_cpu_offload=false",),
+        ("optimizer.optimizer_cpu_offload=false",),
+        ("or keep offloading and call get_megatron_optimizer without skip_megatron_wrapping=True",),
     ),
     # --- failures with no single message
     FailureMode(
@@ -515,15 +515,21 @@ def match_text(text: str, config: OffloadConfig | None = None) -> list[Diagnosis
 # ---------------------------------------------------------------------------------------------- before / after
 
 
-def _memory(config: OffloadConfig) -> dict[str, Any] | None:
-    """The planner's per-GPU memory estimate for a config, or None when it cannot size it."""
-    try:
-        from offload import memory
-    except ImportError:
-        return None
-    estimate = memory.estimate_for_config(config)
-    data = estimate.to_dict() if hasattr(estimate, "to_dict") else dict(estimate)
-    return data
+def _memory(config: OffloadConfig) -> dict[str, Any]:
+    """The planner's per-GPU memory estimate for a config (worst pipeline stage), host memory and step time.
+
+    Raises:
+        ValueError / KeyError: the config lacks the model sizes the estimator needs.
+    """
+    from offload.memory import estimate_memory
+    from offload.plan import resolve_inputs
+    from offload.timing import estimate_time
+
+    inputs = resolve_inputs(config)
+    est = estimate_memory(inputs.model, inputs.setup, inputs.gpu.host_ram_gb)
+    timing = estimate_time(est, inputs.gpu, overlap=inputs.overlap)
+    return {"memory_gb": est.breakdown_gb(), "host_gb": round(est.host_gb, 3),
+            "step_time_factor": round(timing.step_time_factor, 3)}
 
 
 def compare_configs(before: OffloadConfig, after: OffloadConfig) -> dict[str, Any]:
@@ -533,11 +539,8 @@ def compare_configs(before: OffloadConfig, after: OffloadConfig) -> dict[str, An
     out: dict[str, Any] = {"changed": changed}
     try:
         mem_before, mem_after = _memory(before), _memory(after)
-    except Exception as exc:  # the model may lack sizes; say so instead of failing the diagnosis
-        out["memory_note"] = f"memory prediction unavailable: {exc}"
-        return out
-    if mem_before is None or mem_after is None:
-        out["memory_note"] = "memory prediction unavailable (no planner)"
+    except (ValueError, KeyError, TypeError) as exc:  # e.g. no model sizes: say so, keep the diagnosis
+        out["memory_note"] = f"memory prediction unavailable: {str(exc).strip(chr(39))}"
         return out
     tb = mem_before.get("memory_gb", {}).get("total")
     ta = mem_after.get("memory_gb", {}).get("total")

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -192,15 +191,17 @@ def cpu_compat_shims() -> Iterator[None]:
 # ---------------------------------------------------------------------------------------------------------
 # a tiny real GPTModel
 # ---------------------------------------------------------------------------------------------------------
-def ensure_model_parallel(port: int = 29533) -> None:
-    """Initialise ``torch.distributed`` (gloo, world size 1) and Megatron's parallel state, once per process."""
+def ensure_model_parallel() -> None:
+    """Initialise ``torch.distributed`` (world size 1) and Megatron's parallel state, once per process.
+
+    An in-memory store is used, so no port is opened and parallel test processes cannot collide.
+    """
     from megatron.core import parallel_state
 
     if not torch.distributed.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(port))
         backend = "nccl" if torch.cuda.is_available() else "gloo"
-        torch.distributed.init_process_group(backend, rank=0, world_size=1)
+        store = torch.distributed.HashStore()
+        torch.distributed.init_process_group(backend, store=store, rank=0, world_size=1)
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(1, 1)
 

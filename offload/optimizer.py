@@ -172,8 +172,8 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         return cls(groups, **kwargs)
 
     def _sub_group(self, group_index: int, params: list[torch.Tensor]) -> dict[str, Any]:
-        hyper = {k: v for k, v in self.param_groups[group_index].items() if k != "params"}
-        return {**hyper, "params": params}
+        group = self.param_groups[group_index]
+        return {**{k: v for k, v in group.items() if k != "params" and k not in _OPTION_KEYS}, "params": params}
 
     def _build(self) -> None:
         compute = device.compute_device()

@@ -284,6 +284,15 @@ def render_rules_markdown() -> str:
         "(Megatron-LM `validate_args`, only for Megatron-LM command lines), or `advisory` (not enforced upstream;",
         "our own advice). Where upstream raises, the message is upstream's text, verbatim.",
         "",
+        "How the catalogue is checked: `tests/test_differential.py` generates several hundred seeded configs and",
+        "constructs the real `TransformerConfig`, `OptimizerConfig` and the optimizer factory's offload asserts",
+        "(`_get_megatron_optimizer_based_on_param_groups`, with only the CUDA-needing `HybridDeviceOptimizer`",
+        "constructor replaced by a sentinel) under megatron-core 0.16.1 and 0.19.2; for each stage the first error",
+        "reported here must equal upstream's (verdict, exception type, message). Generated configs always set",
+        "`pipeline_dtype` when PP > 1: real MCore otherwise first raises `When using pipeline parallelism,",
+        "pipeline_dtype must be specified`, which Bridge's mixed-precision setup prevents, so no rule covers it.",
+        "TE, Bridge and Megatron-LM rules are taken from their source (reference §3.4, §4, §5.6), not run here.",
+        "",
         "Targets: "
         + ", ".join(f"`megatron-core=={t.label}` ({t.bridge})" for t in TARGETS.values())
         + f". Default: `{DEFAULT_TARGET}`.",

@@ -31,10 +31,14 @@ def _on(ctx: Context) -> bool:
 
 
 def _unknown_keys(ctx: Context):
-    return [
-        Match({"given": given, "hint": hint}, fix=None, keys=[given, hint])
-        for given, hint in unknown_offload_keys(ctx.raw or {})
-    ]
+    matches = []
+    for given, hint in unknown_offload_keys(ctx.raw or {}):
+        section, _, key = given.partition(".")
+        value = (ctx.raw.get(section) or {}).get(key)
+        text = "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
+        # Move the value to the key it was meant for (Hydra: delete the typo, add the real key).
+        matches.append(Match({"given": given, "hint": hint}, fix=[f"~{given}", f"{hint}={text}"], keys=[given, hint]))
+    return matches
 
 
 CONFIG_RULES: tuple[Rule, ...] = (

@@ -167,7 +167,7 @@ def check_expression(expr: str) -> str:
         raise TestSuiteError(f"-k expression {expr!r} starts with '-', which pytest would read as an option")
     if not _K_ALLOWED.match(expr):
         bad = sorted({c for c in expr if not re.match(r"[A-Za-z0-9_ .\-\[\]()/:]", c)})
-        raise TestSuiteError(f"-k expression {expr!r} contains {''.join(bad)!r}: only names, spaces, "
+        raise TestSuiteError(f"-k expression {expr!r} contains {', '.join(repr(c) for c in bad)}: only names, spaces, "
                              "'and'/'or'/'not', parentheses, '[]', '.', '-', '/' and ':' are allowed")
     try:
         from _pytest.mark.expression import Expression

@@ -98,9 +98,17 @@ def cpu_adam_rate(threads: int, per_core: float | None = None, calibration: str 
     return threads * per_core
 
 
-def estimate_time(est: MemoryEstimate, gpu: GpuPreset, *, overlap: bool = True, cpu_threads: int = 1,
-                  cpu_params_per_s_per_core: float | None = None, baseline_s: float | None = None,
-                  mfu: float | None = None, calibration: str | None = None) -> TimeEstimate:
+def estimate_time(
+    est: MemoryEstimate,
+    gpu: GpuPreset,
+    *,
+    overlap: bool = True,
+    cpu_threads: int = 1,
+    cpu_params_per_s_per_core: float | None = None,
+    baseline_s: float | None = None,
+    mfu: float | None = None,
+    calibration: str | None = None,
+) -> TimeEstimate:
     """Extra step time of the offload settings in ``est.setup`` on ``gpu``.
 
     Args:
@@ -144,6 +152,8 @@ def estimate_time(est: MemoryEstimate, gpu: GpuPreset, *, overlap: bool = True, 
         exposed = max(0.0, copy - per_layer_fwd) + max(0.0, copy - 2 * per_layer_fwd)
         out.activation_extra_s = k * exposed * mb
         if exposed > 0:
-            out.notes.append(f"activation copies ({copy * 1e3:.1f} ms per layer) exceed a layer's forward "
-                             f"({per_layer_fwd * 1e3:.1f} ms): not fully hidden")
+            out.notes.append(
+                f"activation copies ({copy * 1e3:.1f} ms per layer) exceed a layer's forward "
+                f"({per_layer_fwd * 1e3:.1f} ms): not fully hidden"
+            )
     return out

@@ -96,9 +96,18 @@ def _finding(rule: Rule, match: Match) -> Finding:
     upstream_message = None
     if rule.upstream or rule.upstream_text is not None:
         upstream_message = rule.upstream_text.format(**values) if rule.upstream_text is not None else message
-    return Finding(rule=rule.id, severity=rule.severity, origin=rule.origin,
-                   keys=list(match.keys if match.keys is not None else rule.keys), message=message, fix=fix,
-                   why=rule.why, stage=rule.stage, upstream_message=upstream_message, exception=rule.exception)
+    return Finding(
+        rule=rule.id,
+        severity=rule.severity,
+        origin=rule.origin,
+        keys=list(match.keys if match.keys is not None else rule.keys),
+        message=message,
+        fix=fix,
+        why=rule.why,
+        stage=rule.stage,
+        upstream_message=upstream_message,
+        exception=rule.exception,
+    )
 
 
 def validate(config: OffloadConfig, raw: dict[str, Any] | None = None, target: str | Target = DEFAULT_TARGET) -> Report:

@@ -49,10 +49,10 @@ def _outcome(fn):
 def main() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        import torch
         import megatron.core
         import megatron.core.optimizer as mopt
         import megatron.core.optimizer.optimizer_config as mopt_config
+        import torch
         from megatron.core.optimizer import OptimizerConfig
         from megatron.core.transformer import TransformerConfig
 
@@ -100,14 +100,35 @@ def main() -> None:
             skip = False
         if run_factory:
             extra = {"skip_megatron_wrapping": True} if skip else {}
-            groups = [{"params": [torch.nn.Parameter(torch.zeros(4))], "wd_mult": 1.0, "lr_mult": 1.0,
-                       "is_expert_parallel": False, "is_decoupled_lr": False}]
+            groups = [
+                {
+                    "params": [torch.nn.Parameter(torch.zeros(4))],
+                    "wd_mult": 1.0,
+                    "lr_mult": 1.0,
+                    "is_expert_parallel": False,
+                    "is_decoupled_lr": False,
+                }
+            ]
             factory_outcome = _outcome(lambda c=config, g=groups, e=extra: factory(c, [], g, **e))
-        results.append({"id": case["id"], "transformer": transformer, "optimizer_config": optimizer_config,
-                        "factory": factory_outcome, "dropped": dropped})
+        results.append(
+            {
+                "id": case["id"],
+                "transformer": transformer,
+                "optimizer_config": optimizer_config,
+                "factory": factory_outcome,
+                "dropped": dropped,
+            }
+        )
 
-    json.dump({"version": megatron.core.__version__, "transformer_fields": sorted(tc_fields),
-               "optimizer_fields": sorted(oc_fields), "results": results}, sys.stdout)
+    json.dump(
+        {
+            "version": megatron.core.__version__,
+            "transformer_fields": sorted(tc_fields),
+            "optimizer_fields": sorted(oc_fields),
+            "results": results,
+        },
+        sys.stdout,
+    )
 
 
 if __name__ == "__main__":

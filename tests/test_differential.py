@@ -32,7 +32,13 @@ from pathlib import Path
 
 import pytest
 
-from offload.rules import STAGE_OPTIMIZER_CONFIG, STAGE_OPTIMIZER_FACTORY, STAGE_TRANSFORMER_CONFIG, TARGETS
+from offload.rules import (
+    STAGE_OPTIMIZER_CONFIG,
+    STAGE_OPTIMIZER_FACTORY,
+    STAGE_TRANSFORMER_CONFIG,
+    TARGETS,
+    all_rules,
+)
 from offload.sources import build_config
 from offload.validate import first_error, validate
 
@@ -62,34 +68,47 @@ def generate_case(rng: random.Random, case_id: int) -> dict:
     if offload:
         m["cpu_offloading"] = True
     if offload or rng.random() < 0.3:
-        m["cpu_offloading_num_layers"] = rng.choice([-1, 0, 1, num_layers - 2, num_layers - 1, num_layers,
-                                                      num_layers + 3])
+        m["cpu_offloading_num_layers"] = rng.choice(
+            [-1, 0, 1, num_layers - 2, num_layers - 1, num_layers, num_layers + 3]
+        )
     if rng.random() < 0.25:
         m["pipeline_model_parallel_size"] = 2
         m["pipeline_dtype"] = rng.choice(["fp32", "bf16"])
     recompute = rng.choice([None, None, None, "full", "selective"])
     if recompute == "full":
-        m.update(recompute_granularity="full", recompute_method=rng.choice(["uniform", "block"]),
-                 recompute_num_layers=1)
+        m.update(
+            recompute_granularity="full", recompute_method=rng.choice(["uniform", "block"]), recompute_num_layers=1
+        )
     elif recompute == "selective":
         m["recompute_granularity"] = "selective"
     fine_grained = rng.random() < 0.3
     if fine_grained:
         m["fine_grained_activation_offloading"] = True
-        m["offload_modules"] = rng.choice([[], ["core_attn"], ["attn_proj"], ["core_attn", "attn_proj"], ["foo"],
-                                           ["fused_group_mlp"], ["qkv_linear", "mlp_norm"], ["expert_fc1", "bar"],
-                                           ["attn_norm", "moe_act"]])
+        m["offload_modules"] = rng.choice(
+            [
+                [],
+                ["core_attn"],
+                ["attn_proj"],
+                ["core_attn", "attn_proj"],
+                ["foo"],
+                ["fused_group_mlp"],
+                ["qkv_linear", "mlp_norm"],
+                ["expert_fc1", "bar"],
+                ["attn_norm", "moe_act"],
+            ]
+        )
         if rng.random() < 0.2:
             m["min_offloaded_tensor_size"] = -1
-        if rng.random() < 0.25:
+        if rng.random() < 0.5:
             m["activation_offload_fraction"] = rng.choice([1.5, -0.1, 0.5, 0.0])
         if rng.random() < 0.1:
             m["delta_offload_bytes_across_pp_ranks"] = -1
     if offload and rng.random() < 0.15:
         m["moe_paged_stash"] = True
     if offload or not (fine_grained or recompute):
-        graphs = rng.choice(["none", "none", "none", "local", "transformer_engine", "full_iteration", "magic",
-                             "enable", "enable+impl"])
+        graphs = rng.choice(
+            ["none", "none", "none", "local", "transformer_engine", "full_iteration", "magic", "enable", "enable+impl"]
+        )
         if graphs == "enable":
             m["enable_cuda_graph"] = True
         elif graphs == "enable+impl":
@@ -99,7 +118,7 @@ def generate_case(rng: random.Random, case_id: int) -> dict:
             m["cuda_graph_impl"] = graphs
     for key in ("cpu_offloading_activations", "cpu_offloading_weights", "cpu_offloading_double_buffering"):
         if rng.random() < 0.2:
-            m[key] = not (key == "cpu_offloading_activations")
+            m[key] = key != "cpu_offloading_activations"
 
     o: dict = {}
     if rng.random() < 0.6:
@@ -138,8 +157,11 @@ def _theirs(outcome) -> dict | None:
     return {"type": outcome["type"], "message": _normalize(outcome["message"])}
 
 
-def compare(case: dict, real: dict, label: str) -> tuple[int, list[str]]:
-    """Compare one case at one version: returns (stage comparisons made, disagreement descriptions)."""
+def compare(case: dict, real: dict, label: str, covered: set[str] | None = None) -> tuple[int, list[str]]:
+    """Compare one case at one version: returns (stage comparisons made, disagreement descriptions).
+
+    ``covered`` collects the ids of rules whose error matched a real upstream error.
+    """
     config = build_config({"model": case["model"], "optimizer": case["optimizer"]})
     report = validate(config, target=f"megatron-core=={label}")
     problems, comparisons = [], 0
@@ -148,60 +170,112 @@ def compare(case: dict, real: dict, label: str) -> tuple[int, list[str]]:
         stages.append(("factory", STAGE_OPTIMIZER_FACTORY))
     for key, stage in stages:
         outcome = real[key]
-        ours = _ours(first_error(report, stage))
-        if outcome == "not-run":
-            # Not callable on CPU for this config; our factory-stage rules must then have nothing to say.
-            theirs = None
-        else:
-            theirs = _theirs(outcome)
+        mine = first_error(report, stage)
+        ours = _ours(mine)
+        # "not-run": not callable on CPU for this config; our factory-stage rules must then have nothing to say.
+        theirs = None if outcome == "not-run" else _theirs(outcome)
         comparisons += 1
         if ours != theirs:
             problems.append(f"case {case['id']} {key}: ours={ours} real={theirs} config={case}")
+        elif mine is not None and covered is not None:
+            covered.add(mine.rule)
     return comparisons, problems
+
+
+# A few directed cases, one per rule that random draws reach only rarely as the *first* upstream error.
+DIRECTED: list[dict] = [
+    {
+        "num_layers": 4,
+        "fine_grained_activation_offloading": True,
+        "offload_modules": ["core_attn"],
+        "delta_offload_bytes_across_pp_ranks": -1,
+    },
+    {
+        "num_layers": 4,
+        "fine_grained_activation_offloading": True,
+        "offload_modules": ["core_attn"],
+        "activation_offload_fraction": 2.0,
+    },
+    {
+        "num_layers": 4,
+        "fine_grained_activation_offloading": True,
+        "offload_modules": ["core_attn"],
+        "min_offloaded_tensor_size": -5,
+    },
+    {"num_layers": 4, "cpu_offloading": True, "cpu_offloading_num_layers": 1, "moe_paged_stash": True},
+    {"num_layers": 4, "cpu_offloading": True, "cpu_offloading_num_layers": 1, "cuda_graph_impl": "full_iteration"},
+]
 
 
 @pytest.fixture(scope="module")
 def cases() -> list[dict]:
     rng = random.Random(SEED)
-    return [generate_case(rng, i) for i in range(N_CASES)]
+    generated = [generate_case(rng, i) for i in range(N_CASES)]
+    directed = [{"id": N_CASES + i, "model": m, "optimizer": {}} for i, m in enumerate(DIRECTED)]
+    return generated + directed
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("label,env", _installed_versions(), ids=lambda v: v if isinstance(v, str) else "")
 def test_catalogue_agrees_with_real_megatron_core(label, env, cases, differential_log):
-    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "mcore_oracle.py")],
-                          input=json.dumps({"cases": cases}), capture_output=True, text=True, env=env, timeout=300,
-                          cwd=ROOT)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "mcore_oracle.py")],
+        input=json.dumps({"cases": cases}),
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+        cwd=ROOT,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     oracle = json.loads(proc.stdout)
     assert oracle["version"].startswith(label), oracle["version"]
-    total, problems = 0, []
+    total, problems, covered = 0, [], set()
     for case, real in zip(cases, oracle["results"], strict=True):
-        n, bad = compare(case, real, label)
+        n, bad = compare(case, real, label, covered)
         total += n
         problems += bad
     differential_log.append((f"megatron-core {label}", len(cases), total, len(problems)))
-    print(f"differential megatron-core {label}: {len(cases)} cases, {total} comparisons, "
-          f"{len(problems)} disagreements")
+    print(f"differential megatron-core {label}: {len(cases)} cases, {total} comparisons, {len(problems)} disagreements")
     # The generated cases must actually exercise the rules, not just pass.
     failing = sum(1 for r in oracle["results"] if r["transformer"] is not None)
-    assert failing > N_CASES // 4, f"only {failing} cases fail TransformerConfig: the generator is too tame"
+    assert failing > len(cases) // 4, f"only {failing} cases fail TransformerConfig: the generator is too tame"
     assert not problems, "\n".join(problems[:20])
+    # Every error rule of the three stages that applies to this version was confirmed by real code at least once.
+    target = TARGETS[label]
+    stages = {STAGE_TRANSFORMER_CONFIG, STAGE_OPTIMIZER_CONFIG, STAGE_OPTIMIZER_FACTORY}
+    expected = {r.id for r in all_rules() if r.stage in stages and r.severity == "error" and r.applies(target)}
+    assert expected - covered == set(), f"rules never confirmed against megatron-core {label}"
 
 
 @pytest.mark.parametrize("label,env", _installed_versions(), ids=lambda v: v if isinstance(v, str) else "")
 def test_version_gated_fields_match_the_real_dataclasses(label, env):
     """Fields our rules treat as 0.19+ are absent from the 0.16.1 TransformerConfig and present in 0.19.2."""
-    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "mcore_oracle.py")],
-                          input=json.dumps({"cases": []}), capture_output=True, text=True, env=env, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "mcore_oracle.py")],
+        input=json.dumps({"cases": []}),
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     fields = set(json.loads(proc.stdout)["transformer_fields"])
-    newer = {"moe_paged_stash", "activation_offload_fraction", "delta_offload_bytes_across_pp_ranks",
-             "cpu_offloading_retain_pinned_cpu_buffers"}
+    newer = {
+        "moe_paged_stash",
+        "activation_offload_fraction",
+        "delta_offload_bytes_across_pp_ranks",
+        "cpu_offloading_retain_pinned_cpu_buffers",
+    }
     assert TARGETS[label]
     if label == "0.16.1":
         assert not newer & fields
     else:
         assert newer <= fields
-    assert {"cpu_offloading", "cpu_offloading_num_layers", "fine_grained_activation_offloading",
-            "min_offloaded_tensor_size", "offload_modules"} <= fields
+    assert {
+        "cpu_offloading",
+        "cpu_offloading_num_layers",
+        "fine_grained_activation_offloading",
+        "min_offloaded_tensor_size",
+        "offload_modules",
+    } <= fields

@@ -34,9 +34,13 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
         **HYPER,
     )
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    norms = []
     for x in batches():
         opt.zero_grad()
         model(x.chunk(world)[rank]).pow(2).mean().backward()  # DDP averages: equals the full-batch mean
+        full_norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])
+        # each rank's inner optimizer holds one shard: the global norm needs the sum over ranks
+        norms.append((opt.optim.clip_grad_norm_(1e9, process_group=dist.group.WORLD), full_norm))
         opt.step()
         sched.step()
     local = opt.optim
@@ -46,6 +50,7 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
             "offloaded": local.offloaded_numel,
             "total": local.total_numel,
             "type": type(local).__name__,
+            "norms": norms,
         },
         os.path.join(out_dir, f"rank{rank}.pt"),
     )
@@ -68,6 +73,9 @@ def test_zero_with_hybrid_inner_optimizer_matches_single_process(tmp_path):
     # each rank owns a shard, and each shard is split by the inner optimizer
     assert sum(r["total"] for r in results) == sum(p.numel() for p in ref.parameters())
     assert all(0 < r["offloaded"] <= r["total"] for r in results)
+    for r in results:
+        for sharded, full in r["norms"]:
+            torch.testing.assert_close(sharded, full)
     for r in results:
         for p, q in zip(r["params"], ref.parameters(), strict=True):
             torch.testing.assert_close(p, q.detach(), atol=1e-6, rtol=1e-5)

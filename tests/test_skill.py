@@ -59,7 +59,9 @@ def _frontmatter_and_body(text: str) -> tuple[dict, str]:
 
 def _rows(text: str) -> list[list[str]]:
     """The cells of every Markdown table row (header and separator rows included)."""
-    return [[c.strip() for c in line.strip().strip("|").split(" | ")] for line in text.splitlines() if line.startswith("|")]
+    return [
+        [c.strip() for c in line.strip().strip("|").split(" | ")] for line in text.splitlines() if line.startswith("|")
+    ]
 
 
 def _section(path: Path, name: str) -> str:
@@ -99,11 +101,12 @@ def test_generated_sections_are_fresh():
 
 
 def test_freshness_check_catches_a_changed_default(monkeypatch):
+    assert skilldocs.stale(only={"parameters"}) == []
     # A default changes in the code but nobody regenerates: the check must say which sections are stale.
     info = SECTIONS["optimizer"].model_fields["optimizer_offload_fraction"]
     monkeypatch.setattr(info, "default", 0.25)
     assert field_default("optimizer.optimizer_offload_fraction") == 0.25
-    stale = skilldocs.stale()
+    stale = skilldocs.stale(only={"parameters"})
     assert "SKILL.md#parameters" in stale and "docs/parameters.md#parameters" in stale
     with pytest.raises(AssertionError):
         test_parameter_defaults_match_the_config_model()
@@ -158,6 +161,18 @@ def test_failure_modes_match_the_diagnosis_catalogue():
     assert found and found[0].failure == "pp_constraint"
 
 
+def test_bridge_selector_in_skill_is_covered_by_the_test_tool():
+    from offload import testsuite
+
+    text = SKILL.read_text()
+    command = re.search(r"python -m pytest (\S+) -k \"([^\"]+)\" -q", text)
+    assert command, "SKILL.md shows the Megatron Bridge pytest command"
+    assert command[1] in testsuite.BRIDGE_TEST_FILES
+    tool_terms = set(testsuite.BRIDGE_SELECTOR.split(" or "))
+    assert set(command[2].split(" or ")) <= tool_terms
+    assert "selects no test" in text
+
+
 # ---------------------------------------------------------------------------------------------- tools and commands
 
 
@@ -168,7 +183,11 @@ def test_every_mcp_tool_is_in_the_skill_and_vice_versa():
     table = {r[0].strip("`") for r in _rows(_section(SKILL, "tools")) if r[0].startswith("`")}
     text = SKILL.read_text() + (ROOT / "README.md").read_text()
     mentioned = set(re.findall(r"mcp__mbridge-offload__(\w+)", text))
-    mentioned |= set(re.findall(r"`(\w+_(?:config|mode|offload|tests|failure))`", text))
+    from offload.diagnose import KNOWN
+
+    # Config fields and failure ids share the look of a tool name; they are not tools.
+    fields = {f for section in SECTIONS.values() for f in section.model_fields} | {m.id for m in KNOWN}
+    mentioned |= set(re.findall(r"`(\w+_(?:config|mode|offload|tests|failure))`", text)) - fields
     assert table == served == set(CLI_EQUIVALENTS)
     assert mentioned <= served, f"named in SKILL.md/README but not served: {mentioned - served}"
 
@@ -194,9 +213,9 @@ def _commands(path: Path) -> list[list[str]]:
             continue
         if not fenced:
             continue
-        words = shlex.split(line, comments=True)
-        if words and words[0] in ("mbridge-offload", ".venv/bin/mbridge-offload", "$(BIN)/mbridge-offload"):
-            found.append(words[1:])
+        line = line.strip().removeprefix("$ ")
+        if line.startswith(("mbridge-offload ", ".venv/bin/mbridge-offload ", "$(BIN)/mbridge-offload ")):
+            found.append(shlex.split(line, comments=True)[1:])
     return found
 
 
@@ -223,6 +242,17 @@ def test_every_command_shown_runs(doc):
             assert code in (0, 1), f"{doc}: `mbridge-offload {shlex.join(argv)}` exits {code}"
             if "--json" in argv:
                 json.loads(out)
+
+
+def test_walkthrough_blocks_are_captured_output():
+    text = (ROOT / "docs/walkthrough.md").read_text()
+    blocks = re.findall(r"<!-- BEGIN GENERATED: ([\w-]+) -->\n(.*?)<!-- END GENERATED: \1 -->", text, re.S)
+    from tools.doc_walkthrough import CAPTURES
+
+    assert [name for name, _ in blocks] == list(CAPTURES)
+    for name, body in blocks:
+        assert "captured by `python -m tools.doc_walkthrough`" in body, name
+        assert f"$ {CAPTURES[name][0]}" in body and "(exit code " in body, name
 
 
 def test_cli_equivalents_name_real_subcommands():
@@ -319,10 +349,13 @@ def test_plugin_manifest_points_at_the_skill_and_the_server():
 
 def test_architecture_names_only_modules_that_exist():
     text = (ROOT / "docs/architecture.md").read_text()
-    named = set(re.findall(r"\b((?:offload|tools|benchmarks|tests)/[\w/]+\.py)\b", text))
-    named |= {f"offload/{m}.py" for m in re.findall(r"`offload\.(\w+)`", text)}
-    assert len(named) > 10
-    missing = sorted(p for p in named if not (ROOT / p).exists())
+    pathed = set(re.findall(r"\b((?:offload|tools|benchmarks|tests)/[\w/]+\.py)\b", text))
+    dotted = {f"offload/{m}.py" for m in re.findall(r"`offload\.(\w+)`", text)}
+    bare = set(re.findall(r"(?<![/\w])(\w+\.py)\b", text))
+    assert len(pathed | dotted | bare) > 20
+    missing = sorted(p for p in pathed | dotted if not (ROOT / p).exists())
+    homes = ("offload", "tools", "benchmarks", "tests")
+    missing += sorted(b for b in bare if not any((ROOT / home / b).exists() for home in homes))
     assert not missing, f"docs/architecture.md names modules that do not exist: {missing}"
 
 

@@ -51,9 +51,11 @@ def render_tools() -> str:
     for tool in server_tools():
         hints = tool.annotations
         read_only = bool(hints and hints.read_only_hint)
-        first = (tool.title or (tool.description or "").strip().splitlines()[0]) if (tool.title or tool.description) else ""
+        first = (
+            (tool.title or (tool.description or "").strip().splitlines()[0]) if (tool.title or tool.description) else ""
+        )
         cli = CLI_EQUIVALENTS.get(tool.name, "(none)")
-        lines.append(f"| `{tool.name}` | {_cell(first)} | {'no' if read_only else 'yes'} | `{cli}` |")
+        lines.append(f"| `{tool.name}` | {_cell(first)} | {'no' if read_only else 'yes'} | `{_cell(cli)}` |")
     return "\n".join(lines)
 
 

@@ -154,7 +154,10 @@ GROUPS: list[tuple[str, list[str]]] = [
             "model.fine_grained_offloading_max_inflight_offloads",
         ],
     ),
-    ("Optimizer offloading", [k for k in OFFLOAD_KEYS if k.startswith("optimizer.")] + ["optimizer.skip_megatron_wrapping"]),
+    (
+        "Optimizer offloading",
+        [k for k in OFFLOAD_KEYS if k.startswith("optimizer.")] + ["optimizer.skip_megatron_wrapping"],
+    ),
     ("Keys the offload rules read", [k for k in RELATED_KEYS if k not in OFFLOAD_KEYS]),
 ]
 

@@ -34,7 +34,7 @@ def sections(text: str) -> dict[str, str]:
     return {m["name"]: m["body"].removeprefix(_NOTE) for m in _SECTION.finditer(text)}
 
 
-def fill(text: str, name: str, body: str) -> str:
+def fill(text: str, name: str, body: str, note: str = _NOTE) -> str:
     """``text`` with the body of section ``name`` replaced by ``body``.
 
     Raises:
@@ -47,7 +47,7 @@ def fill(text: str, name: str, body: str) -> str:
         if m["name"] != name:
             return m[0]
         found = True
-        return m["begin"] + _NOTE + body.rstrip("\n") + "\n" + m["end"]
+        return m["begin"] + note + body.rstrip("\n") + "\n" + m["end"]
 
     out = _SECTION.sub(swap, text)
     if not found:
@@ -111,12 +111,17 @@ def render_file(path: str, text: str, skipped: list[str] | None = None) -> str:
     return text
 
 
-def stale(root: Path = ROOT) -> list[str]:
-    """``path#section`` for every generated section whose committed body differs from a fresh rendering."""
+def stale(root: Path = ROOT, only: set[str] | None = None) -> list[str]:
+    """``path#section`` for every generated section whose committed body differs from a fresh rendering.
+
+    ``only`` limits the check to some section names (e.g. ``{"parameters"}``).
+    """
     out: list[str] = []
     for path, renderers in GENERATED.items():
         current = sections((root / path).read_text())
         for name, render in renderers.items():
+            if only is not None and name not in only:
+                continue
             if current.get(name, "").rstrip("\n") != render().rstrip("\n"):
                 out.append(f"{path}#{name}")
     return out

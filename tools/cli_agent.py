@@ -1,0 +1,182 @@
+"""CLI subcommands ``apply``, ``test``, ``diagnose`` and ``serve`` (the agent-facing half of ``mbridge-offload``)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from tools.common import EXIT_BAD_INPUT, EXIT_FINDINGS, EXIT_OK, UsageError, emit
+
+
+def add_parsers(sub: Any) -> None:
+    p = sub.add_parser("apply", help="switch an offload mode on/off in a config (dry run unless --output/--in-place)")
+    p.add_argument("config", help="YAML/JSON config path, or - for stdin")
+    p.add_argument("--mode", required=True, choices=("optimizer", "activation", "both", "none", "recommended"))
+    p.add_argument("--fraction", type=float, help="optimizer_offload_fraction, in (0, 1]")
+    p.add_argument("--num-layers", type=int, help="cpu_offloading_num_layers")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="Hydra-style override applied before the mode (not written)")
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--output", help="write the edited config to this path")
+    where.add_argument("--in-place", action="store_true", help="overwrite CONFIG, keeping CONFIG.bak")
+    p.add_argument("--format", choices=("yaml", "overrides"), default="yaml")
+    p.add_argument("--allowed-root", help="an extra directory --output may point into")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(handler=cmd_apply)
+
+    p = sub.add_parser("test", help="run the offload tests (ours, a Bridge checkout's, or the parity suite)")
+    p.add_argument("-k", dest="k", help="pytest -k expression")
+    p.add_argument("--bridge-repo", help="Megatron Bridge checkout to run its offload tests")
+    p.add_argument("--suite", choices=("unit", "parity"), default="unit")
+    p.add_argument("--config", help="parity: config whose offload settings are trained")
+    p.add_argument("--steps", type=int, help="parity: steps per run")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds (default 600)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(handler=cmd_test)
+
+    p = sub.add_parser("diagnose", help="explain an offload failure from an error message or log")
+    p.add_argument("--log", help="log file")
+    p.add_argument("--error", help="error text")
+    p.add_argument("--config", help="config of the failing run")
+    p.add_argument("--before", help="config before the change")
+    p.add_argument("--after", help="config after the change")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(handler=cmd_diagnose)
+
+    p = sub.add_parser("serve", help="run the MCP server")
+    p.add_argument("--transport", choices=("stdio", "streamable-http"), default="stdio")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8765)
+    p.set_defaults(handler=cmd_serve, json=False)
+
+
+# ---------------------------------------------------------------------------------------------- apply
+
+
+def _human_apply(d: dict[str, Any]) -> str:
+    lines = []
+    for c in d["changes"]:
+        lines.append(f"{c['key']}: {c['old']!r} -> {c['new']!r}  ({c['why']})")
+    if not d["changes"]:
+        lines += d.get("notes", [])
+    for f in d["findings"]:
+        lines.append(f"{f['severity']}: {f['rule']}: {f['message']}")
+    if d.get("diff"):
+        lines += ["", d["diff"].rstrip("\n")]
+    if d.get("refused"):
+        lines.append(d["refused"])
+    if d["written"]:
+        lines.append(f"written: {d['written']}")
+    elif not d.get("refused"):
+        lines.append("dry run: nothing written (pass --output FILE or --in-place)")
+    return "\n".join(lines)
+
+
+def cmd_apply(args: argparse.Namespace) -> int:
+    from offload.apply import apply_offload
+    from offload.sources import ConfigError
+
+    try:
+        result = apply_offload(args.config, args.mode, fraction=args.fraction, num_layers=args.num_layers,
+                               overrides=args.overrides, output=args.output, in_place=args.in_place,
+                               output_format=args.format, allowed_root=args.allowed_root)
+    except ConfigError as exc:
+        raise UsageError(str(exc)) from None
+    data = result.to_dict()
+    if args.format == "overrides" and not args.json:
+        sys.stdout.write("".join(o + "\n" for o in result.overrides))
+    else:
+        emit(data, args.json, _human_apply)
+    return EXIT_OK if result.ok and not result.refused else EXIT_FINDINGS
+
+
+# ---------------------------------------------------------------------------------------------- test
+
+
+def _human_test(d: dict[str, Any]) -> str:
+    lines = [f"{t['outcome']:8} {t['nodeid']}" for t in d["tests"]]
+    for f in d["failures"]:
+        lines += [f"--- {f['nodeid']}", f["message"] or ""]
+    lines += d["notes"]
+    lines.append(f"{d['passed']} passed, {d['failed']} failed, {d['skipped']} skipped, {d['errors']} errors "
+                 f"in {d['duration_s']:.1f} s")
+    return "\n".join(lines)
+
+
+def cmd_test(args: argparse.Namespace) -> int:
+    from offload.testsuite import TestSuiteError, run_tests
+
+    def progress(done: int, total: int | None, message: str) -> None:
+        if not args.json:
+            sys.stderr.write(f"[{done}/{total if total is not None else '?'}] {message}\n")
+
+    try:
+        result = run_tests(k=args.k, bridge_repo=args.bridge_repo, suite=args.suite, timeout_s=args.timeout,
+                           on_progress=progress, config=args.config, steps=args.steps)
+    except TestSuiteError as exc:
+        raise UsageError(str(exc)) from None
+    emit(result.to_dict(), args.json, _human_test)
+    return EXIT_OK if result.ok else EXIT_FINDINGS
+
+
+# ---------------------------------------------------------------------------------------------- diagnose
+
+
+def _human_diagnose(d: dict[str, Any]) -> str:
+    lines = []
+    for m in d["matches"]:
+        lines += [f"{m['failure']}: {m['title']}", f"  cause:   {m['cause']}", f"  confirm: {m['confirm']}"]
+        if m["fix"]:
+            lines.append(f"  fix:     {' '.join(m['fix'])}")
+        lines += [f"  also:    {a}" for a in m["actions"]]
+    for f in d["findings"]:
+        lines.append(f"{f['severity']}: {f['rule']}: {f['message']}")
+    if d.get("comparison"):
+        for c in d["comparison"]["changed"]:
+            lines.append(f"changed {c['key']}: {c['before']!r} -> {c['after']!r}")
+        mem = d["comparison"].get("memory_gb")
+        if mem and mem.get("delta_total") is not None:
+            lines.append(f"predicted per-GPU memory change: {mem['delta_total']:+.2f} GB")
+        if d["comparison"].get("memory_note"):
+            lines.append(d["comparison"]["memory_note"])
+    lines += d["notes"]
+    return "\n".join(lines) or "no known failure matched"
+
+
+def cmd_diagnose(args: argparse.Namespace) -> int:
+    from offload.diagnose import diagnose
+    from offload.sources import ConfigError, load
+
+    if not any((args.log, args.error, args.config, args.before, args.after)):
+        raise UsageError("diagnose needs --error TEXT, --log FILE, --config FILE, or --before/--after FILE")
+    if (args.before is None) != (args.after is None):
+        raise UsageError("pass both --before and --after, or neither")
+    log = None
+    if args.log:
+        try:
+            with open(args.log, encoding="utf-8", errors="replace") as handle:
+                log = handle.read()
+        except OSError as exc:
+            raise UsageError(f"--log {args.log}: {exc.strerror or exc}") from None
+    try:
+        cfg = load(args.config) if args.config else None
+        before = load(args.before).config if args.before else None
+        after = load(args.after).config if args.after else None
+    except ConfigError as exc:
+        raise UsageError(str(exc)) from None
+    report = diagnose(error=args.error, log=log, config=cfg.config if cfg else None, raw=cfg.raw if cfg else None,
+                      before=before, after=after)
+    emit(report.to_dict(), args.json, _human_diagnose)
+    return EXIT_OK
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from tools.server import run
+
+    try:
+        run(args.transport, args.host, args.port)
+    except OSError as exc:  # port in use
+        sys.stderr.write(f"mbridge-offload serve: {exc}\n")
+        return EXIT_BAD_INPUT
+    return EXIT_OK
