@@ -15,7 +15,7 @@ and reports the median step time, the number of saved tensors per step, the over
 against ``none``, and ratios against ``save_on_cpu``. On CPU a "copy to host" is a memcpy within RAM, so
 only the Python/hook part is meaningful; transfer costs need the GPU script. Run:
 
-    .venv/bin/python benchmarks/cpu_activation.py            # ~1 minute on 2 cores
+    .venv/bin/python benchmarks/cpu_activation.py            # about 30 s on 2 cores
     .venv/bin/python benchmarks/cpu_activation.py --quick    # seconds; a smoke test
 """
 
@@ -142,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     warnings.filterwarnings("ignore", message="Offloading num_layers == model_layers - 1")
     torch.set_num_threads(args.threads)
-    repeats, warmup = (5, 1) if args.quick else (60, 5)
+    repeats, warmup = (5, 1) if args.quick else (200, 10)
 
     layers = make_model(args.hidden, args.heads)
     x = torch.randn(args.batch, args.seq, args.hidden, requires_grad=True)

@@ -7,7 +7,6 @@ layer 0 of every forward with grad enabled, so several forwards may be in flight
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -309,9 +308,6 @@ class Pass:
         for i in self.residency.layers():
             if i > layer:
                 self.residency.drop(i)
-
-
-BackwardHook = Callable[[tuple[torch.Tensor | None, ...]], None]
 
 
 class BackwardStep:

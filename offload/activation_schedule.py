@@ -19,6 +19,9 @@ import enum
 from collections import Counter
 from dataclasses import dataclass, field
 
+DEFAULT_MIN_TENSOR_SIZE = 256 * 1024
+"""Elements; Transformer Engine's threshold (about 1 MB in fp32). Smaller saved tensors stay on the device."""
+
 
 class LayerPhase(enum.Enum):
     """Where one offloaded layer is in its round trip (TE v2's ``OffloadableLayerState`` plus ``reloaded``)."""

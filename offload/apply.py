@@ -21,6 +21,7 @@ This module never imports torch.
 
 from __future__ import annotations
 
+import copy
 import difflib
 import io
 import json
@@ -308,13 +309,27 @@ def _set_in_tree(tree: Any, dotted: str, value: Any, related: str | None) -> Non
     keys = list(section.keys())
     position = keys.index(related) + 1 if related in keys else len(keys)
     if position == len(keys) and keys:
-        # A comment between this section and the next one is stored on the section's last key; move it to the new
-        # last key so it stays just above the next section.
+        # Comment lines between this section and the next are stored on the section's last key, after that key's
+        # own end-of-line comment; move those lines to the new last key so they stay above the next section.
         last = keys[-1]
-        trailing = section.ca.items.pop(last, None)
+        entry = section.ca.items.get(last)
+        token = entry[2] if entry and len(entry) > 2 else None
         section.insert(position, key, value)
-        if trailing is not None:
-            section.ca.items[key] = trailing
+        if token is not None:
+            text = token.value
+            if text.lstrip(" ").startswith("#"):  # the last key's own end-of-line comment comes first
+                eol, _, rest = text.partition("\n")
+                eol += "\n"
+            else:
+                eol, rest = "", text
+            if rest:
+                moved = copy.copy(token)
+                moved.value = "\n" + rest if eol else rest
+                section.ca.items[key] = [None, None, moved, None]
+                if eol:
+                    token.value = eol
+                else:
+                    entry[2] = None
         return
     section.insert(position, key, value)
 

@@ -13,7 +13,7 @@ validator's findings are added. With two configs, :func:`compare_configs` lists 
 changed and the planner's predicted per-GPU memory before and after.
 
 Example:
-    >>> report = diagnose(error="ValueError: Currently there is no support for Pipeline parallelism with CPU offloading")
+    >>> report = diagnose(error="Currently there is no support for Pipeline parallelism with CPU offloading")
     >>> report.matches[0].fix
     ['model.cpu_offloading=false', 'optimizer.optimizer_cpu_offload=true', ...]
 
@@ -93,7 +93,7 @@ class DiagnoseReport:
         }
 
 
-# ---------------------------------------------------------------------------------------------- fixes that read the config
+# ------------------------------------------------------------------------------------- fixes that read the config
 
 
 def _fraction(cfg: OffloadConfig | None) -> float | None:
@@ -133,8 +133,11 @@ def _activation_on(cfg: OffloadConfig) -> bool:
 
 
 def _partial_optimizer(cfg: OffloadConfig) -> bool:
-    return cfg.optimizer.optimizer_cpu_offload and cfg.optimizer.optimizer_offload_fraction < 1.0 and \
-        not cfg.model.cpu_offloading
+    return (
+        cfg.optimizer.optimizer_cpu_offload
+        and cfg.optimizer.optimizer_offload_fraction < 1.0
+        and not cfg.model.cpu_offloading
+    )
 
 
 def _no_offload(cfg: OffloadConfig) -> bool:
@@ -142,30 +145,41 @@ def _no_offload(cfg: OffloadConfig) -> bool:
 
 
 def _full_optimizer(cfg: OffloadConfig) -> bool:
-    return cfg.optimizer.optimizer_cpu_offload and cfg.optimizer.optimizer_offload_fraction >= 1.0 and \
-        not cfg.model.cpu_offloading
+    return (
+        cfg.optimizer.optimizer_cpu_offload
+        and cfg.optimizer.optimizer_offload_fraction >= 1.0
+        and not cfg.model.cpu_offloading
+    )
 
 
 _OOM = (r"CUDA out of memory", r"OutOfMemoryError", r"CUDA error: out of memory", r"\bOOM\b", r"out of memory")
-_SWITCH_TO_OPTIMIZER = ("model.cpu_offloading=false", "optimizer.optimizer_cpu_offload=true",
-                        "optimizer.optimizer_offload_fraction=0.5", "optimizer.overlap_cpu_optimizer_d2h_h2d=true")
+_SWITCH_TO_OPTIMIZER = (
+    "model.cpu_offloading=false",
+    "optimizer.optimizer_cpu_offload=true",
+    "optimizer.optimizer_offload_fraction=0.5",
+    "optimizer.overlap_cpu_optimizer_d2h_h2d=true",
+)
 
 # ---------------------------------------------------------------------------------------------- the catalogue
 
 KNOWN: tuple[FailureMode, ...] = (
     # --- the upstream config errors (also matched from the rule catalogue; these carry the confirm step)
     FailureMode(
-        "pp_constraint", "Activation offloading with pipeline parallelism",
+        "pp_constraint",
+        "Activation offloading with pipeline parallelism",
         (r"Currently there is no support for Pipeline parallelism with CPU offloading",),
         "layer-level activation offloading (model.cpu_offloading) is used with pipeline_model_parallel_size > 1; "
         "Megatron Core refuses the combination",
         "check model.pipeline_model_parallel_size in the config (or --pipeline-model-parallel-size)",
         _SWITCH_TO_OPTIMIZER,
-        ("alternatively keep activation offload and set model.pipeline_model_parallel_size=1 if the model fits on "
-         "one stage (see `mbridge-offload estimate`)",),
+        (
+            "alternatively keep activation offload and set model.pipeline_model_parallel_size=1 if the model fits on "
+            "one stage (see `mbridge-offload estimate`)",
+        ),
     ),
     FailureMode(
-        "recompute_constraint", "Activation offloading with recomputation",
+        "recompute_constraint",
+        "Activation offloading with recomputation",
         (r"CPU offloading does not work when activation recomputation is enabled",),
         "model.cpu_offloading is combined with activation recomputation (recompute_granularity is not null)",
         "check model.recompute_granularity",
@@ -173,7 +187,8 @@ KNOWN: tuple[FailureMode, ...] = (
         ("or keep recompute and switch activation offload off (model.cpu_offloading=false)",),
     ),
     FailureMode(
-        "fine_grained_constraint", "Layer-level and fine-grained activation offloading together",
+        "fine_grained_constraint",
+        "Layer-level and fine-grained activation offloading together",
         (r"fine_grained_activation_offloading cannot be enabled with cpu_offloading",),
         "both activation-offload mechanisms are on; their saved-tensor hooks and schedules would corrupt each other",
         "check model.fine_grained_activation_offloading and model.cpu_offloading",
@@ -181,7 +196,8 @@ KNOWN: tuple[FailureMode, ...] = (
         ("or keep fine-grained offloading (works with PP>1) and set model.cpu_offloading=false",),
     ),
     FailureMode(
-        "cuda_graph_constraint", "Activation offloading with CUDA graphs",
+        "cuda_graph_constraint",
+        "Activation offloading with CUDA graphs",
         (r"CUDA graphs not supported with CPU offloading", r"Cudagraphs not supported"),
         "CUDA graphs (cuda_graph_impl other than none/full_iteration, or Bridge's local CUDA-graph manager) are on "
         "together with model.cpu_offloading",
@@ -190,14 +206,16 @@ KNOWN: tuple[FailureMode, ...] = (
         ("or keep CUDA graphs and use optimizer offloading instead (unaffected by CUDA graphs)",),
     ),
     FailureMode(
-        "layer_range", "Too many offloaded layers",
+        "layer_range",
+        "Too many offloaded layers",
         (r"CPU offloading can be done only for layers less than (?P<n>\d+)",),
         "model.cpu_offloading_num_layers is not below model.num_layers (at least one layer must stay on the GPU)",
         "compare model.cpu_offloading_num_layers with model.num_layers",
         _fix_layer_range,
     ),
     FailureMode(
-        "te_nothing_to_offload", "Activation offload with nothing to offload",
+        "te_nothing_to_offload",
+        "Activation offload with nothing to offload",
         (r"CPU Offloading is enabled while it is not mentioned what to offload",),
         "model.cpu_offloading is on but cpu_offloading_activations and cpu_offloading_weights are both false; "
         "Transformer Engine raises this during model construction (Megatron-Bridge#2684)",
@@ -206,8 +224,12 @@ KNOWN: tuple[FailureMode, ...] = (
         references=("NVIDIA-NeMo/Megatron-Bridge#2684",),
     ),
     FailureMode(
-        "te_missing", "Activation offloading without Transformer Engine",
-        (r"CPU Offloading is enabled when TE is not present", r"CPU Offloading cannot be enabled while TE is not present"),
+        "te_missing",
+        "Activation offloading without Transformer Engine",
+        (
+            r"CPU Offloading is enabled when TE is not present",
+            r"CPU Offloading cannot be enabled while TE is not present",
+        ),
         "layer-level activation offload is implemented by Transformer Engine; it is missing or "
         "model.transformer_impl is not transformer_engine",
         "python -c 'import transformer_engine.pytorch' in the training environment; check model.transformer_impl",
@@ -215,26 +237,33 @@ KNOWN: tuple[FailureMode, ...] = (
         ("or switch activation offload off: model.cpu_offloading=false",),
     ),
     FailureMode(
-        "te_signature", "get_cpu_offload_context called with the wrong arguments",
-        (r"get_cpu_offload_context\(\) takes from \d+ to \d+ positional arguments but \d+ were given",
-         r"get_cpu_offload_context\(\) got an unexpected keyword argument"),
+        "te_signature",
+        "get_cpu_offload_context called with the wrong arguments",
+        (
+            r"get_cpu_offload_context\(\) takes from \d+ to \d+ positional arguments but \d+ were given",
+            r"get_cpu_offload_context\(\) got an unexpected keyword argument",
+        ),
         "Megatron Core's version dispatch passes arguments Transformer Engine's version does not take "
         "(TE 1.8/1.9 with older MCore, or a TE version string such as '0.1.0+te2.9.0' that MCore mis-parses)",
         "pip show transformer-engine megatron-core; compare with the pairing in Megatron Bridge's uv.lock",
         (),
-        ("upgrade megatron-core (dispatch fixed by NVIDIA/Megatron-LM PR #996) or install the transformer-engine "
-         "version your megatron-core release was tested with",),
+        (
+            "upgrade megatron-core (dispatch fixed by NVIDIA/Megatron-LM PR #996) or install the transformer-engine "
+            "version your megatron-core release was tested with",
+        ),
         ("NVIDIA/Megatron-LM#1018", "NVIDIA/Megatron-LM#1041"),
     ),
     FailureMode(
-        "decoupled_weight_decay", "Optimizer offload needs AdamW mode",
+        "decoupled_weight_decay",
+        "Optimizer offload needs AdamW mode",
         (r"CPU offloading only supported with decoupled_weight_decay enabled",),
         "optimizer.optimizer_cpu_offload with decoupled_weight_decay=false; the CPU optimizer is torch AdamW",
         "check optimizer.decoupled_weight_decay",
         ("optimizer.decoupled_weight_decay=true",),
     ),
     FailureMode(
-        "precision_aware_required", "Megatron-LM optimizer offload needs the precision-aware optimizer",
+        "precision_aware_required",
+        "Megatron-LM optimizer offload needs the precision-aware optimizer",
         (r"optimizer cpu offload must be used in conjunction with `?--use-precision-aware-optimizer",),
         "Megatron-LM's validate_args requires --use-precision-aware-optimizer with --optimizer-cpu-offload",
         "check the launch flags for --use-precision-aware-optimizer",
@@ -242,7 +271,8 @@ KNOWN: tuple[FailureMode, ...] = (
         ("on the Megatron-LM command line add --use-precision-aware-optimizer",),
     ),
     FailureMode(
-        "mfsdp_v2", "Megatron-FSDP v2 does not support optimizer offload",
+        "mfsdp_v2",
+        "Megatron-FSDP v2 does not support optimizer offload",
         (r"MFSDP v2 does not (currently )?support optimizer CPU offload",),
         "optimizer.optimizer_cpu_offload with Megatron-FSDP v2",
         "check ddp.use_megatron_fsdp and the FSDP version",
@@ -250,7 +280,8 @@ KNOWN: tuple[FailureMode, ...] = (
         ("or use the distributed optimizer instead of Megatron-FSDP v2 (ddp.use_megatron_fsdp=false)",),
     ),
     FailureMode(
-        "skip_megatron_wrapping", "skip_megatron_wrapping with optimizer offload",
+        "skip_megatron_wrapping",
+        "skip_megatron_wrapping with optimizer offload",
         (r"skip_megatron_wrapping=True is incompatible with optimizer_cpu_offload",),
         "get_megatron_optimizer(skip_megatron_wrapping=True) cannot wrap the HybridDeviceOptimizer",
         "look for skip_megatron_wrapping=True where your code builds the optimizer",
@@ -259,7 +290,8 @@ KNOWN: tuple[FailureMode, ...] = (
     ),
     # --- failures with no single message
     FailureMode(
-        "oom_activation_offload", "OOM with activation offloading",
+        "oom_activation_offload",
+        "OOM with activation offloading",
         _OOM,
         "activation offload requires PP=1, so every GPU holds all layers' weights, gradients and optimizer states; "
         "for large (30B+, MoE) models these alone exceed the GPU (Qwen3-30B-A3B: 70.3 GB at PP=1 on an 80 GB H100)",
@@ -269,7 +301,8 @@ KNOWN: tuple[FailureMode, ...] = (
         when=_activation_on,
     ),
     FailureMode(
-        "oom_partial_optimizer_offload", "OOM at partial optimizer offload",
+        "oom_partial_optimizer_offload",
+        "OOM at partial optimizer offload",
         _OOM,
         "optimizer.optimizer_offload_fraction is below 1.0 and the GPU-resident share of the Adam states is still "
         "too large (each 25 % moved saved ~3.8 GB on Qwen3-30B-A3B)",
@@ -280,28 +313,40 @@ KNOWN: tuple[FailureMode, ...] = (
         when=_partial_optimizer,
     ),
     FailureMode(
-        "oom_full_optimizer_offload", "OOM with all optimizer states offloaded",
+        "oom_full_optimizer_offload",
+        "OOM with all optimizer states offloaded",
         _OOM,
         "with optimizer_offload_fraction=1.0 the remaining GPU memory is weights, gradients and activations; more "
         "optimizer offload cannot help",
         "look at the allocator snapshot or `mbridge-offload estimate`: activations and weights dominate",
         ("model.recompute_granularity=selective",),
         ("or raise tensor/pipeline parallelism, or lower train.micro_batch_size",),
-        when=_full_optimizer, without_config=False,
+        when=_full_optimizer,
+        without_config=False,
     ),
     FailureMode(
-        "oom_no_offload", "OOM without offloading",
+        "oom_no_offload",
+        "OOM without offloading",
         _OOM,
         "nothing is offloaded yet; optimizer states (12 bytes/param with fp32 masters) are the cheapest to move",
         "`mbridge-offload recommend CONFIG` predicts the memory before/after",
-        ("optimizer.optimizer_cpu_offload=true", "optimizer.optimizer_offload_fraction=0.5",
-         "optimizer.overlap_cpu_optimizer_d2h_h2d=true"),
-        when=_no_offload, without_config=False,
+        (
+            "optimizer.optimizer_cpu_offload=true",
+            "optimizer.optimizer_offload_fraction=0.5",
+            "optimizer.overlap_cpu_optimizer_d2h_h2d=true",
+        ),
+        when=_no_offload,
+        without_config=False,
     ),
     FailureMode(
-        "slowdown", "Step time much slower with offloading",
-        (r"\b(?P<x>\d+(?:\.\d+)?)\s*x\s*(?:slower|slowdown)", r"\bslow(?:er|down|s down)?\b",
-         r"throughput (?:regression|drop)", r"(?:step|iteration) time (?:went up|increased|doubled|grew)"),
+        "slowdown",
+        "Step time much slower with offloading",
+        (
+            r"\b(?P<x>\d+(?:\.\d+)?)\s*x\s*(?:slower|slowdown)",
+            r"\bslow(?:er|down|s down)?\b",
+            r"throughput (?:regression|drop)",
+            r"(?:step|iteration) time (?:went up|increased|doubled|grew)",
+        ),
         "the CPU Adam step dominates: the penalty is roughly linear in optimizer_offload_fraction (1.9x at 25 %, "
         "4.2x at 100 % on Qwen3-30B-A3B); D2H/H2D overlap wins only ~7 % back",
         "compare step times at two fractions; profile the optimizer step (CPU time vs copies)",
@@ -309,18 +354,26 @@ KNOWN: tuple[FailureMode, ...] = (
         ("more CPU cores per GPU (OMP_NUM_THREADS) speed the CPU step up",),
     ),
     FailureMode(
-        "no_saving", "Optimizer offload saves no memory",
-        (r"(?:no|zero) (?:memory )?(?:saving|reduction|difference)", r"memory (?:unchanged|did not (?:drop|change))",
-         r"did not reduce (?:gpu )?memory"),
+        "no_saving",
+        "Optimizer offload saves no memory",
+        (
+            r"(?:no|zero) (?:memory )?(?:saving|reduction|difference)",
+            r"memory (?:unchanged|did not (?:drop|change))",
+            r"did not reduce (?:gpu )?memory",
+        ),
         "optimizer.optimizer_cpu_offload is on but optimizer_offload_fraction is 0.0 (Bridge's default), so the "
         "HybridDeviceOptimizer keeps every state on the GPU",
         "check optimizer.optimizer_offload_fraction in the effective config (`mbridge-offload validate`)",
         ("optimizer.optimizer_offload_fraction=0.5",),
     ),
     FailureMode(
-        "resume_loss_jump", "Loss jumps after resuming from a checkpoint",
-        (r"loss (?:jumps?|jumped|spikes?|spiked|explodes?|exploded|diverge)",
-         r"after (?:resum|restart|load)\w*.{0,40}loss", r"loss.{0,40}after (?:resum|restart|load)"),
+        "resume_loss_jump",
+        "Loss jumps after resuming from a checkpoint",
+        (
+            r"loss (?:jumps?|jumped|spikes?|spiked|explodes?|exploded|diverge)",
+            r"after (?:resum|restart|load)\w*.{0,40}loss",
+            r"loss.{0,40}after (?:resum|restart|load)",
+        ),
         "the HybridDeviceOptimizer's CPU/fp32 master copies or its Adam step counter were not restored: stale masters "
         "after a model-only load (Megatron-Bridge#3949), precision-aware + offload resume (Megatron-LM#1842), stale "
         "'step' in DP-reshardable loads",
@@ -331,9 +384,13 @@ KNOWN: tuple[FailureMode, ...] = (
         ("NVIDIA/Megatron-LM#1842", "NVIDIA-NeMo/Megatron-Bridge#3949"),
     ),
     FailureMode(
-        "checkpoint_save_assert", "AssertionError saving a checkpoint with optimizer offload",
-        (r"gbuf_local_end - gbuf_local_start", r"AssertionError.{0,200}(?:save|checkpoint)",
-         r"(?:save|checkpoint).{0,200}AssertionError"),
+        "checkpoint_save_assert",
+        "AssertionError saving a checkpoint with optimizer offload",
+        (
+            r"gbuf_local_end - gbuf_local_start",
+            r"AssertionError.{0,200}(?:save|checkpoint)",
+            r"(?:save|checkpoint).{0,200}AssertionError",
+        ),
         "torch AdamW's 0-dim 'step' tensor went through the per-bucket shape assertion of the distributed "
         "optimizer's save path (fixed in megatron-core 0.18.0, Megatron-LM PR #2874)",
         "the traceback ends in distrib_optimizer.py's state save; check `pip show megatron-core`",
@@ -342,18 +399,22 @@ KNOWN: tuple[FailureMode, ...] = (
         ("NVIDIA-NeMo/Megatron-Bridge#1942", "NVIDIA/Megatron-LM#1872"),
     ),
     FailureMode(
-        "weights_only_load", "torch.load(weights_only=True) rejects the optimizer checkpoint",
+        "weights_only_load",
+        "torch.load(weights_only=True) rejects the optimizer checkpoint",
         (r"Weights only load failed", r"WeightsUnpickler error", r"Unsupported global: GLOBAL torch\.optim"),
         "PyTorch >= 2.6 loads with weights_only=True by default, and the HybridDeviceOptimizer's param groups "
         "carry the optimizer classes (cpu_optimizer_cls/gpu_optimizer_cls) as pickled objects",
         "the error names a GLOBAL like torch.optim.adamw.AdamW",
         (),
-        ("for a checkpoint you trust: torch.serialization.add_safe_globals([torch.optim.AdamW, torch.optim.SGD]) "
-         "before loading, or torch.load(..., weights_only=False)",),
+        (
+            "for a checkpoint you trust: torch.serialization.add_safe_globals([torch.optim.AdamW, torch.optim.SGD]) "
+            "before loading, or torch.load(..., weights_only=False)",
+        ),
         ("NovaSky-AI/SkyRL#1401",),
     ),
     FailureMode(
-        "fp32_master_keyerror", "KeyError restoring fp32 masters",
+        "fp32_master_keyerror",
+        "KeyError restoring fp32 masters",
         (r"_update_fp32_params_by_new_state",),
         "native-fp32 parameters have no separate fp32 master, and older megatron-core looked them up anyway "
         "(fixed by Megatron-LM PR #5929)",
@@ -363,9 +424,18 @@ KNOWN: tuple[FailureMode, ...] = (
         ("NovaSky-AI/SkyRL#1401",),
     ),
     FailureMode(
-        "pinned_memory", "Pinned host memory could not be allocated",
-        (r"pin_memory", r"cudaHostAlloc", r"cudaErrorInvalidValue", r"memlock", r"RLIMIT_MEMLOCK", r"ulimit -l",
-         r"cannot (?:allocate|register) (?:pinned|page-locked)", r"page-locked"),
+        "pinned_memory",
+        "Pinned host memory could not be allocated",
+        (
+            r"pin_memory",
+            r"cudaHostAlloc",
+            r"cudaErrorInvalidValue",
+            r"memlock",
+            r"RLIMIT_MEMLOCK",
+            r"ulimit -l",
+            r"cannot (?:allocate|register) (?:pinned|page-locked)",
+            r"page-locked",
+        ),
         "offloaded optimizer states, CPU grads and activation buffers are pinned (page-locked); the container's "
         "memlock limit or the host RAM is too small for them",
         "`ulimit -l` inside the container (should be unlimited); `free -g` during the run",
@@ -374,7 +444,8 @@ KNOWN: tuple[FailureMode, ...] = (
         ("verl-project/verl#6690",),
     ),
     FailureMode(
-        "host_oom", "The host ran out of memory",
+        "host_oom",
+        "The host ran out of memory",
         (r"Cannot allocate memory", r"oom-kill", r"Out of memory: Killed process", r"\bKilled\b"),
         "offloaded state lives in host RAM (~16 bytes per offloaded parameter, pinned) shared by all GPUs of the node",
         "`dmesg | grep -i oom` on the node; `mbridge-offload estimate` reports host_gb",
@@ -382,7 +453,8 @@ KNOWN: tuple[FailureMode, ...] = (
         ("give the job more host memory or fewer GPUs per node",),
     ),
     FailureMode(
-        "fsdp_save_hang", "Checkpoint save hangs with Megatron-FSDP and optimizer offload",
+        "fsdp_save_hang",
+        "Checkpoint save hangs with Megatron-FSDP and optimizer offload",
         (r"hang.{0,80}(?:save|checkpoint)", r"(?:save|checkpoint).{0,80}hang"),
         "Megatron-FSDP's optimizer checkpoint save with optimizer_cpu_offload=True can hang (Megatron-LM#4910)",
         "the hang is in the optimizer state save; it does not happen with checkpoint.save_optim=false",
@@ -403,7 +475,7 @@ def _normalise(text: str) -> str:
 def _line_around(text: str, start: int, end: int) -> str:
     left = text.rfind("\n", 0, start) + 1
     right = text.find("\n", end)
-    return text[left: right if right != -1 else len(text)].strip()[:300]
+    return text[left : right if right != -1 else len(text)].strip()[:300]
 
 
 def _template_regex(template: str) -> str:
@@ -474,11 +546,17 @@ def _from_rules(text: str, covered: set[str]) -> list[Diagnosis]:
             continue
         seen.add(rule.id)
         evidence = _line_around(hit.string, hit.start(), hit.end())
-        found.append(Diagnosis(
-            failure=rule.id, title=rule.summary, cause=rule.why,
-            confirm=f"check {', '.join(rule.keys)} in the effective config (`mbridge-offload validate CONFIG`)",
-            fix=_format_fix(rule.fix, {k: v for k, v in hit.groupdict().items() if v is not None}),
-            evidence=evidence, source=f"rule:{rule.id}"))
+        found.append(
+            Diagnosis(
+                failure=rule.id,
+                title=rule.summary,
+                cause=rule.why,
+                confirm=f"check {', '.join(rule.keys)} in the effective config (`mbridge-offload validate CONFIG`)",
+                fix=_format_fix(rule.fix, {k: v for k, v in hit.groupdict().items() if v is not None}),
+                evidence=evidence,
+                source=f"rule:{rule.id}",
+            )
+        )
     return found
 
 
@@ -503,8 +581,19 @@ def match_text(text: str, config: OffloadConfig | None = None) -> list[Diagnosis
         fix = list(mode.fix(config, hit)) if callable(mode.fix) else list(mode.fix)
         evidence = _line_around(hit.string, hit.start(), hit.end())
         covered.update(EXPLAINS_RULES.get(mode.id, ()))
-        matches.append(Diagnosis(mode.id, mode.title, mode.cause, mode.confirm, fix, list(mode.actions),
-                                 evidence, "known", list(mode.references)))
+        matches.append(
+            Diagnosis(
+                mode.id,
+                mode.title,
+                mode.cause,
+                mode.confirm,
+                fix,
+                list(mode.actions),
+                evidence,
+                "known",
+                list(mode.references),
+            )
+        )
     matches += _from_rules(text, covered)
     # A config error explains a crash better than the generic symptoms that may also match its log.
     specific = [m for m in matches if not m.failure.startswith(("oom_", "slowdown", "host_oom"))]
@@ -528,8 +617,11 @@ def _memory(config: OffloadConfig) -> dict[str, Any]:
     inputs = resolve_inputs(config)
     est = estimate_memory(inputs.model, inputs.setup, inputs.gpu.host_ram_gb)
     timing = estimate_time(est, inputs.gpu, overlap=inputs.overlap)
-    return {"memory_gb": est.breakdown_gb(), "host_gb": round(est.host_gb, 3),
-            "step_time_factor": round(timing.step_time_factor, 3)}
+    return {
+        "memory_gb": est.breakdown_gb(),
+        "host_gb": round(est.host_gb, 3),
+        "step_time_factor": round(timing.step_time_factor, 3),
+    }
 
 
 def compare_configs(before: OffloadConfig, after: OffloadConfig) -> dict[str, Any]:
@@ -548,8 +640,7 @@ def compare_configs(before: OffloadConfig, after: OffloadConfig) -> dict[str, An
     if tb is not None and ta is not None:
         out["memory_gb"]["delta_total"] = round(ta - tb, 3)
     out["host_gb"] = {"before": mem_before.get("host_gb"), "after": mem_after.get("host_gb")}
-    out["step_time_factor"] = {"before": mem_before.get("step_time_factor"),
-                               "after": mem_after.get("step_time_factor")}
+    out["step_time_factor"] = {"before": mem_before.get("step_time_factor"), "after": mem_after.get("step_time_factor")}
     return out
 
 
@@ -559,9 +650,14 @@ def _findings(config: OffloadConfig, raw: dict[str, Any] | None) -> list[dict[st
     return list(validate(config, raw).to_dict().get("findings", []))
 
 
-def diagnose(error: str | None = None, log: str | None = None, config: OffloadConfig | None = None,
-             raw: dict[str, Any] | None = None, before: OffloadConfig | None = None,
-             after: OffloadConfig | None = None) -> DiagnoseReport:
+def diagnose(
+    error: str | None = None,
+    log: str | None = None,
+    config: OffloadConfig | None = None,
+    raw: dict[str, Any] | None = None,
+    before: OffloadConfig | None = None,
+    after: OffloadConfig | None = None,
+) -> DiagnoseReport:
     """Match an error message and/or a log excerpt against the known failure modes.
 
     Args:
@@ -583,8 +679,10 @@ def diagnose(error: str | None = None, log: str | None = None, config: OffloadCo
         if not text:
             report.matches = match_text("out of memory", after) if _got_smaller(before, after) else []
     if text and not report.matches:
-        report.notes.append("no known offload failure matched; pass the config (and the log around the first "
-                            "error) for more, or run `mbridge-offload validate CONFIG`")
+        report.notes.append(
+            "no known offload failure matched; pass the config (and the log around the first "
+            "error) for more, or run `mbridge-offload validate CONFIG`"
+        )
     return report
 
 
@@ -592,7 +690,9 @@ def _got_smaller(before: OffloadConfig, after: OffloadConfig) -> bool:
     """Did the change offload less than before (the usual reason a commit brings an OOM)?"""
     b, a = before, after
     less_opt = (b.optimizer.optimizer_cpu_offload and b.optimizer.optimizer_offload_fraction) > (
-        a.optimizer.optimizer_cpu_offload and a.optimizer.optimizer_offload_fraction)
+        a.optimizer.optimizer_cpu_offload and a.optimizer.optimizer_offload_fraction
+    )
     less_act = (b.model.cpu_offloading and b.model.cpu_offloading_num_layers) > (
-        a.model.cpu_offloading and a.model.cpu_offloading_num_layers)
+        a.model.cpu_offloading and a.model.cpu_offloading_num_layers
+    )
     return bool(less_opt or less_act)

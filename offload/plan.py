@@ -390,6 +390,9 @@ def resolve_inputs(
         if mc.cpu_offloading:
             values["activation_offload_layers"] = mc.cpu_offloading_num_layers
         ddp_raw = (raw or {}).get("ddp") or {}
+        opt_raw = (raw or {}).get("optimizer") or {}
+        if raw is not None and "use_distributed_optimizer" not in {*ddp_raw, *opt_raw}:
+            values.pop("use_distributed_optimizer")  # not given: the Bridge-recipe default (on)
         if isinstance(ddp_raw, dict) and "grad_reduce_in_fp32" in ddp_raw:
             values["grad_reduce_in_fp32"] = bool(c.ddp.grad_reduce_in_fp32)  # else the Bridge-recipe default
         if mc.sequence_parallel is False and (values.get("tp") or 1) > 1:
@@ -437,7 +440,8 @@ def resolve_inputs(
         overlap = (
             c.optimizer.overlap_cpu_optimizer_d2h_h2d if c is not None and c.optimizer.optimizer_cpu_offload else True
         )
-    check_setup(spec, setup)
+    # Offload settings already in the config are checked by the estimator; the planner starts without them.
+    check_setup(spec, replace(setup, optimizer_offload_fraction=0.0, activation_offload_layers=0))
     return Inputs(spec, setup, preset, constraints, overlap)
 
 

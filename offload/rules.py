@@ -4,8 +4,9 @@ Modelled on ruff's registry: each :class:`Rule` has a stable ``id``, a ``severit
 refuses or crashes, ``warning`` = runs but silently does nothing or something surprising, ``info``), an
 ``origin`` (``mcore``, ``te``, ``bridge``, ``megatron-lm``, ``advisory``), the upstream message verbatim
 where upstream raises one, the keys it reads, a ``why``, a ``fix`` (Hydra-style overrides, or none), and the
-megatron-core releases it applies to. The rules themselves live in :mod:`offload.rules_activation` and
-:mod:`offload.rules_optimizer`, in upstream code order; :func:`all_rules` assembles them.
+megatron-core releases it applies to. The rules themselves live in :mod:`offload.rules_activation` (MCore
+``TransformerConfig``), :mod:`offload.rules_activation_build` (TE, Bridge, Megatron-LM, advisory) and
+:mod:`offload.rules_optimizer`, each in upstream code order; :func:`all_rules` assembles them.
 
 Versions. A rule's ``applies_to`` is a specifier on megatron-core (``">=0.19"``; empty = every target). The
 supported targets are the releases whose behaviour this catalogue was checked against by running real code
@@ -246,9 +247,10 @@ class Rule:
 def all_rules() -> tuple[Rule, ...]:
     """Every rule, activation rules first, each group in upstream code order."""
     from offload.rules_activation import ACTIVATION_RULES
+    from offload.rules_activation_build import BUILD_RULES
     from offload.rules_optimizer import CONFIG_RULES, OPTIMIZER_RULES
 
-    rules = (*CONFIG_RULES, *ACTIVATION_RULES, *OPTIMIZER_RULES)
+    rules = (*CONFIG_RULES, *ACTIVATION_RULES, *BUILD_RULES, *OPTIMIZER_RULES)
     ids = [r.id for r in rules]
     duplicates = {i for i in ids if ids.count(i) > 1}
     if duplicates:

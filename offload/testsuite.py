@@ -16,6 +16,7 @@ Two traps this module exists to avoid:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -48,7 +49,7 @@ BRIDGE_SELECTOR = "cpu_offload or offload or HybridDevice"
 
 _K_ALLOWED = re.compile(r"^[A-Za-z0-9_ .\-\[\]()/:]+$")
 
-_PLUGIN = '''
+_PLUGIN = """
 import json, sys
 MARK = %r
 
@@ -79,11 +80,12 @@ def pytest_runtest_logreport(report):
         message = str(report.longrepr[2])[:300]
     _emit({"event": "test", "nodeid": report.nodeid, "outcome": outcome,
            "duration_s": round(report.duration, 4), "message": message})
-'''
+"""
 
 
 class TestSuiteError(ValueError):
     """Bad input for a test run (an unsafe -k expression, a path that is not a Bridge checkout, ...)."""
+
     __test__ = False  # not a pytest test class
 
 
@@ -96,8 +98,7 @@ class TestOutcome:
     message: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {"nodeid": self.nodeid, "outcome": self.outcome, "duration_s": self.duration_s,
-                "message": self.message}
+        return {"nodeid": self.nodeid, "outcome": self.outcome, "duration_s": self.duration_s, "message": self.message}
 
 
 @dataclass
@@ -121,8 +122,13 @@ class TestRunResult:
 
     @property
     def ok(self) -> bool:
-        return (self.exit_code == 0 and not self.timed_out and not self.nothing_selected
-                and self.failed == 0 and self.errors == 0)
+        return (
+            self.exit_code == 0
+            and not self.timed_out
+            and not self.nothing_selected
+            and self.failed == 0
+            and self.errors == 0
+        )
 
     @property
     def failures(self) -> list[TestOutcome]:
@@ -167,8 +173,10 @@ def check_expression(expr: str) -> str:
         raise TestSuiteError(f"-k expression {expr!r} starts with '-', which pytest would read as an option")
     if not _K_ALLOWED.match(expr):
         bad = sorted({c for c in expr if not re.match(r"[A-Za-z0-9_ .\-\[\]()/:]", c)})
-        raise TestSuiteError(f"-k expression {expr!r} contains {', '.join(repr(c) for c in bad)}: only names, spaces, "
-                             "'and'/'or'/'not', parentheses, '[]', '.', '-', '/' and ':' are allowed")
+        raise TestSuiteError(
+            f"-k expression {expr!r} contains {', '.join(repr(c) for c in bad)}: only names, spaces, "
+            "'and'/'or'/'not', parentheses, '[]', '.', '-', '/' and ':' are allowed"
+        )
     try:
         from _pytest.mark.expression import Expression
 
@@ -188,12 +196,15 @@ def bridge_files(repo: str | os.PathLike[str]) -> list[str]:
     """
     root = Path(repo).expanduser()
     if not root.is_dir():
-        raise TestSuiteError(f"bridge_repo {str(repo)!r} is not a directory; pass the root of a Megatron Bridge "
-                             "checkout (the folder with src/megatron/bridge and tests/unit_tests)")
+        raise TestSuiteError(
+            f"bridge_repo {str(repo)!r} is not a directory; pass the root of a Megatron Bridge "
+            "checkout (the folder with src/megatron/bridge and tests/unit_tests)"
+        )
     found = [f for f in BRIDGE_TEST_FILES if (root / f).is_file()]
     if not found:
-        raise TestSuiteError(f"bridge_repo {str(repo)!r} has none of {', '.join(BRIDGE_TEST_FILES)}; is it a "
-                             "Megatron Bridge checkout?")
+        raise TestSuiteError(
+            f"bridge_repo {str(repo)!r} has none of {', '.join(BRIDGE_TEST_FILES)}; is it a Megatron Bridge checkout?"
+        )
     return found
 
 
@@ -208,19 +219,27 @@ def _python_for(repo: Path | None) -> str:
 # ---------------------------------------------------------------------------------------------- running
 
 
-def _stream(command: list[str], cwd: Path, env: dict[str, str], timeout_s: float,
-            on_line: Callable[[str], None]) -> tuple[int | None, bool, list[str]]:
+def _stream(
+    command: list[str], cwd: Path, env: dict[str, str], timeout_s: float, on_line: Callable[[str], None]
+) -> tuple[int | None, bool, list[str]]:
     """Run ``command``, feed each stdout line to ``on_line``; kill the process group at the deadline."""
-    proc = subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            stdin=subprocess.DEVNULL, text=True, bufsize=1, start_new_session=True)
+    proc = subprocess.Popen(
+        command,
+        cwd=cwd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        text=True,
+        bufsize=1,
+        start_new_session=True,
+    )
     timed_out = threading.Event()
 
     def _kill() -> None:
         timed_out.set()
-        try:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
 
     timer = threading.Timer(timeout_s, _kill)
     timer.daemon = True
@@ -244,12 +263,30 @@ def _stream(command: list[str], cwd: Path, env: dict[str, str], timeout_s: float
     return (None if timed_out.is_set() else proc.returncode), timed_out.is_set(), tail
 
 
-def _pytest_run(suite: str, cwd: Path, files: list[str], expr: str | None, python: str, timeout_s: float,
-                on_progress: ProgressFn | None, extra_pythonpath: list[str]) -> TestRunResult:
+def _pytest_run(
+    suite: str,
+    cwd: Path,
+    files: list[str],
+    expr: str | None,
+    python: str,
+    timeout_s: float,
+    on_progress: ProgressFn | None,
+    extra_pythonpath: list[str],
+) -> TestRunResult:
     with tempfile.TemporaryDirectory(prefix="mbo-tests-") as tmp:
         (Path(tmp) / "mbridge_offload_progress.py").write_text(_PLUGIN % MARK, encoding="utf-8")
-        command = [python, "-m", "pytest", *files, "-p", "mbridge_offload_progress", "-p", "no:cacheprovider",
-                   "-q", "--color=no"]
+        command = [
+            python,
+            "-m",
+            "pytest",
+            *files,
+            "-p",
+            "mbridge_offload_progress",
+            "-p",
+            "no:cacheprovider",
+            "-q",
+            "--color=no",
+        ]
         if expr:
             command += ["-k", expr]
         env = dict(os.environ)
@@ -264,7 +301,7 @@ def _pytest_run(suite: str, cwd: Path, files: list[str], expr: str | None, pytho
             if at == -1:
                 return
             try:
-                event = json.loads(line[at + len(MARK):])
+                event = json.loads(line[at + len(MARK) :])
             except json.JSONDecodeError:
                 return
             if event.get("event") == "collected":
@@ -272,11 +309,16 @@ def _pytest_run(suite: str, cwd: Path, files: list[str], expr: str | None, pytho
                 if on_progress:
                     on_progress(0, result.selected, f"collected {result.selected} tests")
                 return
-            outcome = TestOutcome(event["nodeid"], event["outcome"], event.get("duration_s", 0.0),
-                                  event.get("message"))
+            outcome = TestOutcome(event["nodeid"], event["outcome"], event.get("duration_s", 0.0), event.get("message"))
             result.tests.append(outcome)
-            bucket = {"passed": "passed", "xfailed": "skipped", "skipped": "skipped", "xpassed": "passed",
-                      "failed": "failed", "error": "errors"}.get(outcome.outcome, "errors")
+            bucket = {
+                "passed": "passed",
+                "xfailed": "skipped",
+                "skipped": "skipped",
+                "xpassed": "passed",
+                "failed": "failed",
+                "error": "errors",
+            }.get(outcome.outcome, "errors")
             counts[bucket] += 1
             if on_progress:
                 on_progress(len(result.tests), result.selected, f"{outcome.outcome}: {outcome.nodeid}")
@@ -285,23 +327,56 @@ def _pytest_run(suite: str, cwd: Path, files: list[str], expr: str | None, pytho
         code, timed_out, tail = _stream(command, cwd, env, timeout_s, on_line)
         result.duration_s = time.monotonic() - start
     result.exit_code, result.timed_out, result.output_tail = code, timed_out, "\n".join(tail[-20:])
-    result.passed, result.failed, result.skipped, result.errors = (counts["passed"], counts["failed"],
-                                                                   counts["skipped"], counts["errors"])
+    result.passed, result.failed, result.skipped, result.errors = (
+        counts["passed"],
+        counts["failed"],
+        counts["skipped"],
+        counts["errors"],
+    )
     if timed_out:
         result.notes.append(f"stopped after the {timeout_s:g} s timeout; {len(result.tests)} tests had finished")
     elif code == 5 or (code == 0 and not result.tests):
         result.nothing_selected = True
-        result.notes.append(f"no tests ran: the selection {expr!r} matched nothing in {', '.join(files)} "
-                            "(pytest exit code 5); this is not a pass")
+        result.notes.append(
+            f"no tests ran: the selection {expr!r} matched nothing in {', '.join(files)} "
+            "(pytest exit code 5); this is not a pass"
+        )
     elif code not in (0, 1):
-        result.notes.append(f"pytest exited with code {code} (2 = interrupted/collection error, 3 = internal "
-                            "error, 4 = usage error); see output_tail")
+        result.notes.append(
+            f"pytest exited with code {code} (2 = interrupted/collection error, 3 = internal "
+            "error, 4 = usage error); see output_tail"
+        )
     return result
 
 
-def run_tests(k: str | None = None, bridge_repo: str | os.PathLike[str] | None = None, suite: str = "unit",
-              timeout_s: float = 600.0, on_progress: ProgressFn | None = None, config: str | None = None,
-              steps: int | None = None) -> TestRunResult:
+def check_test_path(path: str) -> str:
+    """A test file or folder of this project, relative to its root (``tests/test_apply.py``, ``tests``).
+
+    Raises:
+        TestSuiteError: a path outside ``tests/`` or one that does not exist.
+    """
+    tests_dir = (PROJECT_ROOT / "tests").resolve()
+    node, sep, rest = path.partition("::")
+    target = (PROJECT_ROOT / node).resolve()
+    if not (target == tests_dir or target.is_relative_to(tests_dir)):
+        raise TestSuiteError(f"path {path!r} is outside this project's tests/ folder; pass e.g. tests/test_apply.py")
+    if not target.exists():
+        raise TestSuiteError(f"path {path!r} does not exist; test files are tests/test_*.py")
+    if sep and not re.match(r"^[\w\[\]\-.:]+$", rest):
+        raise TestSuiteError(f"path {path!r}: the node id part {rest!r} may hold only names, '::', '[]', '-' and '.'")
+    return str(target.relative_to(PROJECT_ROOT)) + (sep + rest if sep else "")
+
+
+def run_tests(
+    k: str | None = None,
+    bridge_repo: str | os.PathLike[str] | None = None,
+    suite: str = "unit",
+    timeout_s: float = 600.0,
+    on_progress: ProgressFn | None = None,
+    config: str | None = None,
+    steps: int | None = None,
+    path: str | None = None,
+) -> TestRunResult:
     """Run a test suite and report every result.
 
     Args:
@@ -314,37 +389,52 @@ def run_tests(k: str | None = None, bridge_repo: str | os.PathLike[str] | None =
         on_progress: ``fn(done, total_or_None, message)`` after each finished test.
         config: for ``parity``: the config whose offload settings are trained (path or text).
         steps: for ``parity``: training steps per run.
+        path: for ``unit``: one test file, folder or node id under ``tests/`` instead of the whole folder.
 
     Raises:
         TestSuiteError: bad input (unsafe expression, missing repo, unknown suite, nested run).
     """
     depth = int(os.environ.get(DEPTH_ENV, "0") or 0)
     if depth >= 1:
-        raise TestSuiteError("refusing to start a test run from inside a test run (run_unit_tests was called by a "
-                             "test that run_unit_tests started); select fewer tests")
+        raise TestSuiteError(
+            "refusing to start a test run from inside a test run (run_unit_tests was called by a "
+            "test that run_unit_tests started); select fewer tests"
+        )
     if suite not in ("unit", "parity"):
         raise TestSuiteError(f"suite {suite!r} is not one of unit, parity")
     if timeout_s <= 0:
         raise TestSuiteError(f"timeout_s is {timeout_s}; pass a positive number of seconds")
     expr = check_expression(k) if k is not None else None
     if suite == "parity":
-        if bridge_repo is not None or expr is not None:
-            raise TestSuiteError("suite=parity takes a config (and steps), not k or bridge_repo")
+        if bridge_repo is not None or expr is not None or path is not None:
+            raise TestSuiteError("suite=parity takes a config (and steps), not k, path or bridge_repo")
         return _parity_run(config, steps, timeout_s, on_progress)
     if bridge_repo is not None:
+        if path is not None:
+            raise TestSuiteError("path selects one of this project's test files; with bridge_repo use k instead")
         root = Path(bridge_repo).expanduser().resolve()
         files = bridge_files(root)
-        return _pytest_run("bridge", root, files, expr or BRIDGE_SELECTOR, _python_for(root), timeout_s,
-                           on_progress, [])
+        return _pytest_run(
+            "bridge", root, files, expr or BRIDGE_SELECTOR, _python_for(root), timeout_s, on_progress, []
+        )
     tests_dir = PROJECT_ROOT / "tests"
     if not tests_dir.is_dir():
         raise TestSuiteError(f"this installation has no tests folder ({tests_dir}); run from a source checkout")
-    return _pytest_run("unit", PROJECT_ROOT, ["tests"], expr, sys.executable, timeout_s, on_progress,
-                       [str(PROJECT_ROOT)])
+    return _pytest_run(
+        "unit",
+        PROJECT_ROOT,
+        [check_test_path(path)] if path else ["tests"],
+        expr,
+        sys.executable,
+        timeout_s,
+        on_progress,
+        [str(PROJECT_ROOT)],
+    )
 
 
-def _parity_run(config: str | None, steps: int | None, timeout_s: float,
-                on_progress: ProgressFn | None) -> TestRunResult:
+def _parity_run(
+    config: str | None, steps: int | None, timeout_s: float, on_progress: ProgressFn | None
+) -> TestRunResult:
     command = [sys.executable, "-m", "offload.verify", "--json", "--progress"]
     if config is not None:
         command += ["--config", config]
@@ -360,7 +450,7 @@ def _parity_run(config: str | None, steps: int | None, timeout_s: float,
     def on_line(line: str) -> None:
         if line.startswith(MARK):
             try:
-                event = json.loads(line[len(MARK):])
+                event = json.loads(line[len(MARK) :])
             except json.JSONDecodeError:
                 return
             if on_progress and event.get("event") == "progress":
@@ -380,15 +470,17 @@ def _parity_run(config: str | None, steps: int | None, timeout_s: float,
         except json.JSONDecodeError:
             final = {}
     if not final:
-        result.notes.append("the parity run produced no result" + (" (timeout)" if timed_out else "")
-                            + "; see output_tail")
+        result.notes.append(
+            "the parity run produced no result" + (" (timeout)" if timed_out else "") + "; see output_tail"
+        )
         result.errors = 1
         return result
     result.details = final
     for check in final.get("checks", []):
         outcome = "passed" if check["ok"] else "failed"
-        result.tests.append(TestOutcome(f"parity::{check['name']}", outcome, 0.0,
-                                        None if check["ok"] else check.get("detail")))
+        result.tests.append(
+            TestOutcome(f"parity::{check['name']}", outcome, 0.0, None if check["ok"] else check.get("detail"))
+        )
     result.passed = sum(t.outcome == "passed" for t in result.tests)
     result.failed = sum(t.outcome == "failed" for t in result.tests)
     result.selected = len(result.tests)

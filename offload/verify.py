@@ -43,9 +43,14 @@ class Settings:
     notes: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"optimizer_offload_fraction": self.optimizer_fraction, "overlap_cpu_optimizer_d2h_h2d": self.overlap,
-                "activation_offload_layers": self.activation_layers, "tiny_model_layers": TINY_LAYERS,
-                "source": self.source, "notes": self.notes}
+        return {
+            "optimizer_offload_fraction": self.optimizer_fraction,
+            "overlap_cpu_optimizer_d2h_h2d": self.overlap,
+            "activation_offload_layers": self.activation_layers,
+            "tiny_model_layers": TINY_LAYERS,
+            "source": self.source,
+            "notes": self.notes,
+        }
 
 
 def settings_from_config(config: Any | None) -> Settings:
@@ -61,8 +66,10 @@ def settings_from_config(config: Any | None) -> Settings:
         layers = max(1, min(TINY_LAYERS - 1, round(model.cpu_offloading_num_layers / total * TINY_LAYERS)))
         notes.append(f"{model.cpu_offloading_num_layers} of {total} layers → {layers} of {TINY_LAYERS} here")
     if fraction == 0.0 and layers == 0:
-        notes.append("the config offloads nothing (optimizer_cpu_offload off or fraction 0.0, cpu_offloading off): "
-                     "both runs are identical")
+        notes.append(
+            "the config offloads nothing (optimizer_cpu_offload off or fraction 0.0, cpu_offloading off): "
+            "both runs are identical"
+        )
     return Settings(float(fraction), bool(opt.overlap_cpu_optimizer_d2h_h2d), layers, "config", notes)
 
 
@@ -80,11 +87,18 @@ class _TorchTinyLM:
         torch.manual_seed(seed)
         self.embed = torch.nn.Embedding(vocab, hidden).to(device)
         self.blocks = torch.nn.ModuleList(
-            torch.nn.Sequential(torch.nn.LayerNorm(hidden), torch.nn.Linear(hidden, 4 * hidden), torch.nn.GELU(),
-                                torch.nn.Linear(4 * hidden, hidden)) for _ in range(layers)).to(device)
+            torch.nn.Sequential(
+                torch.nn.LayerNorm(hidden),
+                torch.nn.Linear(hidden, 4 * hidden),
+                torch.nn.GELU(),
+                torch.nn.Linear(4 * hidden, hidden),
+            )
+            for _ in range(layers)
+        ).to(device)
         self.head = torch.nn.Linear(hidden, vocab).to(device)
-        self.context, self.sync = get_cpu_offload_context(offload_layers > 0, offload_layers, layers,
-                                                          min_tensor_size=MIN_TENSOR_SIZE)
+        self.context, self.sync = get_cpu_offload_context(
+            offload_layers > 0, offload_layers, layers, min_tensor_size=MIN_TENSOR_SIZE
+        )
 
     def parameters(self) -> list[Any]:
         return [*self.embed.parameters(), *self.blocks.parameters(), *self.head.parameters()]
@@ -109,9 +123,17 @@ class _MegatronTinyGPT:
     def __init__(self, offload_layers: int, seed: int) -> None:
         from offload.megatron import build_tiny_gpt
 
-        self.model = build_tiny_gpt(num_layers=TINY_LAYERS, hidden=64, heads=4, vocab=128, seq=32,
-                                    cpu_offloading=offload_layers > 0, cpu_offloading_num_layers=offload_layers,
-                                    min_tensor_size=MIN_TENSOR_SIZE, seed=seed)
+        self.model = build_tiny_gpt(
+            num_layers=TINY_LAYERS,
+            hidden=64,
+            heads=4,
+            vocab=128,
+            seq=32,
+            cpu_offloading=offload_layers > 0,
+            cpu_offloading_num_layers=offload_layers,
+            min_tensor_size=MIN_TENSOR_SIZE,
+            seed=seed,
+        )
 
     def parameters(self) -> list[Any]:
         return list(self.model.parameters())
@@ -137,8 +159,12 @@ def _megatron_available() -> tuple[bool, str]:
 # ---------------------------------------------------------------------------------------------- the run
 
 
-def _train(make_model: Callable[[], Any], make_opt: Callable[[list[Any]], Any], batches: list[dict[str, Any]],
-           progress: Callable[[str], None]) -> dict[str, Any]:
+def _train(
+    make_model: Callable[[], Any],
+    make_opt: Callable[[list[Any]], Any],
+    batches: list[dict[str, Any]],
+    progress: Callable[[str], None],
+) -> dict[str, Any]:
     model = make_model()
     opt = make_opt(model.parameters())
     losses, times, offloaded = [], [], []
@@ -156,8 +182,13 @@ def _train(make_model: Callable[[], Any], make_opt: Callable[[list[Any]], Any], 
     return {"losses": losses, "times": times, "bytes_offloaded": offloaded, "optimizer": opt}
 
 
-def run_parity(config: Any | None = None, steps: int = 30, seed: int = 1234, use_megatron: bool | None = None,
-               on_progress: ProgressFn | None = None) -> dict[str, Any]:
+def run_parity(
+    config: Any | None = None,
+    steps: int = 30,
+    seed: int = 1234,
+    use_megatron: bool | None = None,
+    on_progress: ProgressFn | None = None,
+) -> dict[str, Any]:
     """Train with and without the config's offload settings and compare.
 
     Args:
@@ -216,10 +247,17 @@ def run_parity(config: Any | None = None, steps: int = 30, seed: int = 1234, use
     hyper = {"lr": 1e-3, "weight_decay": 0.01, "betas": (0.9, 0.999), "eps": 1e-8}
     with shim():
         baseline = _train(make(0), lambda ps: torch.optim.AdamW(ps, **hyper), batches, progress)
-        offload = _train(make(settings.activation_layers),
-                         lambda ps: HybridDeviceOptimizer(ps, offload_fraction=settings.optimizer_fraction,
-                                                          overlap_cpu_optimizer_d2h_h2d=settings.overlap, **hyper),
-                         batches, progress)
+        offload = _train(
+            make(settings.activation_layers),
+            lambda ps: HybridDeviceOptimizer(
+                ps,
+                offload_fraction=settings.optimizer_fraction,
+                overlap_cpu_optimizer_d2h_h2d=settings.overlap,
+                **hyper,
+            ),
+            batches,
+            progress,
+        )
     deltas = [abs(a - b) for a, b in zip(baseline["losses"], offload["losses"], strict=True)]
     max_delta = max(deltas)
     opt = offload["optimizer"]
@@ -233,17 +271,30 @@ def run_parity(config: Any | None = None, steps: int = 30, seed: int = 1234, use
     if megatron:
         model_name = "megatron-core GPTModel (tiny)"
     else:
-        model_name = "torch MLP stack" + ("" if use_megatron is False else f" (megatron-core not importable: {why_not})")
+        model_name = "torch MLP stack" + (
+            "" if use_megatron is False else f" (megatron-core not importable: {why_not})"
+        )
     checks = [
-        {"name": "loss_delta", "ok": max_delta < LOSS_BAR,
-         "detail": f"max |loss(offload) − loss(baseline)| = {max_delta:.2e} over {steps} steps (bar {LOSS_BAR:g})"},
-        {"name": "optimizer_split", "ok": abs(achieved - settings.optimizer_fraction) <= largest_share + 1e-9,
-         "detail": f"requested {settings.optimizer_fraction:g}, achieved {achieved:.4f} (whole tensors: within "
-                   f"{largest_share:.3f})"},
+        {
+            "name": "loss_delta",
+            "ok": max_delta < LOSS_BAR,
+            "detail": f"max |loss(offload) − loss(baseline)| = {max_delta:.2e} over {steps} steps (bar {LOSS_BAR:g})",
+        },
+        {
+            "name": "optimizer_split",
+            "ok": abs(achieved - settings.optimizer_fraction) <= largest_share + 1e-9,
+            "detail": f"requested {settings.optimizer_fraction:g}, achieved {achieved:.4f} (whole tensors: within "
+            f"{largest_share:.3f})",
+        },
     ]
     if settings.activation_layers:
-        checks.append({"name": "activation_offloaded", "ok": act_bytes > 0,
-                       "detail": f"{act_bytes} bytes offloaded per step from {settings.activation_layers} layers"})
+        checks.append(
+            {
+                "name": "activation_offloaded",
+                "ok": act_bytes > 0,
+                "detail": f"{act_bytes} bytes offloaded per step from {settings.activation_layers} layers",
+            }
+        )
     return {
         "ok": all(c["ok"] for c in checks),
         "checks": checks,
@@ -279,14 +330,20 @@ def main(argv: list[str] | None = None) -> int:
         if args.progress:
             from offload.testsuite import MARK
 
-            sys.stdout.write("\n" + MARK + json.dumps({"event": "progress", "done": done, "total": total,
-                                                       "message": message}) + "\n")
+            sys.stdout.write(
+                "\n" + MARK + json.dumps({"event": "progress", "done": done, "total": total, "message": message}) + "\n"
+            )
             sys.stdout.flush()
 
     try:
         config = load(args.config).config if args.config else None
-        result = run_parity(config, steps=args.steps, seed=args.seed,
-                            use_megatron=False if args.torch_model else None, on_progress=progress)
+        result = run_parity(
+            config,
+            steps=args.steps,
+            seed=args.seed,
+            use_megatron=False if args.torch_model else None,
+            on_progress=progress,
+        )
     except (ConfigError, ValueError) as exc:
         result = {"ok": False, "checks": [], "error": str(exc)}
     if args.json:

@@ -82,9 +82,13 @@ def test_output_keeps_comments_order_and_untouched_values_and_validates(config_f
     result = apply_offload(str(config_file), "optimizer", fraction=0.75, output=out)
     assert result.written == str(out)
     text = out.read_text()
-    for line in ("# Qwen3-style pretraining, partial ConfigContainer dump.", "num_layers: 28  # keep in sync",
-                 "lr: 0.0003   # peak LR", "# the optimizer offload knobs go here",
-                 "recompute_granularity: full  # saves activation memory"):
+    for line in (
+        "# Qwen3-style pretraining, partial ConfigContainer dump.",
+        "num_layers: 28  # keep in sync",
+        "lr: 0.0003   # peak LR",
+        "# the optimizer offload knobs go here",
+        "recompute_granularity: full  # saves activation memory",
+    ):
         assert line in text
     # Untouched lines are byte-identical and in the same order.
     original = [line for line in BRIDGE_YAML.splitlines()]
@@ -151,11 +155,19 @@ def test_in_place_keeps_a_backup_and_second_run_is_a_no_op(config_file: Path) ->
 
 def test_refuses_to_write_a_config_the_validator_rejects(tmp_path: Path) -> None:
     bad = tmp_path / "bad.yaml"
-    bad.write_text(BRIDGE_YAML.replace("  bf16: true\n", "  bf16: true\n  fine_grained_activation_offloading: true\n"
-                                       "  offload_modules: [core_attn]\n"))
+    bad.write_text(
+        BRIDGE_YAML.replace(
+            "  bf16: true\n",
+            "  bf16: true\n  fine_grained_activation_offloading: true\n  offload_modules: [core_attn]\n",
+        )
+    )
     # Optimizer mode does not touch the fine-grained + layer-level conflict once activation offload is on.
-    bad.write_text(bad.read_text().replace("pipeline_model_parallel_size: 1", "pipeline_model_parallel_size: 1\n"
-                                           "  cpu_offloading: true\n  cpu_offloading_num_layers: 2"))
+    bad.write_text(
+        bad.read_text().replace(
+            "pipeline_model_parallel_size: 1",
+            "pipeline_model_parallel_size: 1\n  cpu_offloading: true\n  cpu_offloading_num_layers: 2",
+        )
+    )
     out = tmp_path / "out.yaml"
     result = apply_offload(str(bad), "optimizer", fraction=0.5, output=out)
     assert not result.ok
@@ -192,18 +204,26 @@ def test_inline_text_and_json_inputs(tmp_path: Path) -> None:
     src.write_text(json.dumps({"model": {"num_layers": 8}, "optimizer": {"lr": 0.001}}))
     result = apply_offload(str(src), "optimizer", output=tmp_path / "c2.json")
     data = json.loads((tmp_path / "c2.json").read_text())
-    assert data["optimizer"] == {"lr": 0.001, "optimizer_cpu_offload": True, "optimizer_offload_fraction": 0.5,
-                                 "overlap_cpu_optimizer_d2h_h2d": True}
+    assert data["optimizer"] == {
+        "lr": 0.001,
+        "optimizer_cpu_offload": True,
+        "optimizer_offload_fraction": 0.5,
+        "overlap_cpu_optimizer_d2h_h2d": True,
+    }
     assert result.ok
 
 
 def test_none_mode_switches_both_off(tmp_path: Path) -> None:
     path = tmp_path / "on.yaml"
-    path.write_text("model:\n  num_layers: 8\n  cpu_offloading: true  # on\n  cpu_offloading_num_layers: 2\n"
-                    "optimizer:\n  optimizer_cpu_offload: true\n  optimizer_offload_fraction: 0.5\n")
+    path.write_text(
+        "model:\n  num_layers: 8\n  cpu_offloading: true  # on\n  cpu_offloading_num_layers: 2\n"
+        "optimizer:\n  optimizer_cpu_offload: true\n  optimizer_offload_fraction: 0.5\n"
+    )
     result = apply_offload(str(path), "none")
-    assert {c.key: c.new for c in result.changes} == {"optimizer.optimizer_cpu_offload": False,
-                                                      "model.cpu_offloading": False}
+    assert {c.key: c.new for c in result.changes} == {
+        "optimizer.optimizer_cpu_offload": False,
+        "model.cpu_offloading": False,
+    }
     assert re.search(r"^  cpu_offloading: false +# on$", result.text, re.MULTILINE)
 
 
@@ -212,3 +232,27 @@ def test_malformed_yaml_is_a_config_error(tmp_path: Path) -> None:
     path.write_text("model:\n  num_layers: [8\n")
     with pytest.raises(ConfigError, match="malformed YAML"):
         apply_offload(str(path), "optimizer")
+
+
+@pytest.mark.parametrize(
+    ("before", "after"),
+    [
+        (
+            "optimizer:\n  lr: 0.0001  # peak\n\n# ddp section\nddp:\n  x: 1\n",
+            "optimizer:\n  lr: 0.0001  # peak\n  optimizer_cpu_offload: true\n  optimizer_offload_fraction: 0.25\n\n"
+            "# ddp section\nddp:\n  x: 1\n",
+        ),
+        (
+            "optimizer:\n  lr: 0.0001\n  # block\nddp:\n  x: 1\n",
+            "optimizer:\n  lr: 0.0001\n  optimizer_cpu_offload: true\n  optimizer_offload_fraction: 0.25\n  # block\n"
+            "ddp:\n  x: 1\n",
+        ),
+        (
+            "optimizer:\n  lr: 0.0001\n\nddp:\n  x: 1\n",
+            "optimizer:\n  lr: 0.0001\n  optimizer_cpu_offload: true\n  optimizer_offload_fraction: 0.25\n"
+            "\nddp:\n  x: 1\n",
+        ),
+    ],
+)
+def test_comments_and_blank_lines_between_sections_stay_above_the_next_section(before: str, after: str) -> None:
+    assert apply_offload(before, "optimizer", fraction=0.25).text == after

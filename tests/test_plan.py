@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
@@ -81,6 +82,34 @@ def test_recommend_for_bridge_yaml_revalidates_overrides():
     except ImportError:
         pytest.skip("rule catalogue not present")
     assert any("rule catalogue" in r for r in rec.rationale)
+
+
+def test_recommend_replans_a_config_whose_activation_offload_upstream_rejects(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    text = Path("examples/qwen3_30b_a3b_pretrain.yaml").read_text()
+    bad.write_text(
+        text.replace(
+            "recompute_granularity: null",
+            "recompute_granularity: null\n  cpu_offloading: true\n  cpu_offloading_num_layers: 24",
+        )
+    )
+    loaded = sources.load(str(bad))
+    assert loaded.config.model.cpu_offloading and loaded.config.model.pipeline_model_parallel_size == 2
+    with pytest.raises(ValueError, match="Pipeline parallelism"):
+        inputs = plan.resolve_inputs(loaded.config, loaded.raw, num_gpus=16)
+        estimate_memory(inputs.model, inputs.setup)
+    rec = plan.recommend_for_inputs(loaded.config, loaded.raw, num_gpus=16, gpu_memory_gb=48)
+    assert rec.mode == "optimizer"
+    assert not any(o.startswith("model.cpu_offloading=") for o in rec.overrides)
+
+
+def test_partial_yaml_without_optimizer_keys_gets_bridge_defaults(tmp_path):
+    cfg = tmp_path / "m.yaml"
+    cfg.write_text("model:\n  num_layers: 4\n  hidden_size: 256\n  num_attention_heads: 4\n  vocab_size: 1000\n")
+    loaded = sources.load(str(cfg))
+    inputs = plan.resolve_inputs(loaded.config, loaded.raw)
+    assert inputs.setup.use_distributed_optimizer and inputs.setup.grad_reduce_in_fp32
+    assert inputs.model.ffn_hidden_size == 1024 and inputs.model.tied_embeddings
 
 
 # ------------------------------------------------------------------------------------ time model

@@ -133,7 +133,6 @@ def test_recommend_activation_for_small_model(capsys):
         (["--model", "llama3-8b", "--optimizer-offload-fraction", "1.5"], "1.5: it must be in [0.0, 1.0]"),
         (["--model", "llama3-8b", "--num-gpus", "12", "--tp", "8"], "not divisible by TP·PP·CP = 8"),
         (["--model", "llama3-8b", "--gpu", "v100"], "unknown GPU preset 'v100'"),
-        (["--model", "llama3-8b", "--pp", "2", "--activation-offload-layers", "4"], "Pipeline parallelism"),
         ([], "no model"),
     ],
 )
@@ -143,6 +142,14 @@ def test_bad_input_exits_2_with_one_line(capsys, command, argv, message):
     assert code == 2
     assert message in json.loads(out)["error"]
     assert err.count("\n") == 1 and message in err
+
+
+def test_estimate_refuses_activation_offload_with_pp_but_recommend_replans(capsys):
+    argv = ["--model", "llama3-8b", "--pp", "2", "--activation-offload-layers", "4", "--json"]
+    code, out, _ = run(["estimate", *argv], capsys)
+    assert code == 2 and "Pipeline parallelism" in json.loads(out)["error"]
+    code, out, _ = run(["recommend", *argv], capsys)
+    assert code == 0 and json.loads(out)["mode"] in ("none", "optimizer")
 
 
 def test_human_output_is_a_table(capsys):

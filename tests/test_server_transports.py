@@ -45,8 +45,7 @@ def _env() -> dict[str, str]:
 async def test_stdio_session_lists_tools_calls_each_and_survives_a_bad_input(tmp_path: Path) -> None:
     config = tmp_path / "pretrain.yaml"
     config.write_text(CONFIG, encoding="utf-8")
-    params = StdioServerParameters(command=sys.executable, args=["-m", "tools.server"], cwd=str(tmp_path),
-                                   env=_env())
+    params = StdioServerParameters(command=sys.executable, args=["-m", "tools.server"], cwd=str(tmp_path), env=_env())
     async with Client(params) as client:
         tools = {t.name: t for t in (await client.list_tools()).tools}
         assert set(tools) == TOOLS
@@ -69,8 +68,10 @@ async def test_stdio_session_lists_tools_calls_each_and_survives_a_bad_input(tmp
         assert not applied.is_error
         assert "+  optimizer_cpu_offload: true" in applied.structured_content["diff"]
 
-        diagnosed = await client.call_tool("diagnose_failure", {
-            "error": "ValueError: CPU offloading does not work when activation recomputation is enabled"})
+        diagnosed = await client.call_tool(
+            "diagnose_failure",
+            {"error": "ValueError: CPU offloading does not work when activation recomputation is enabled"},
+        )
         assert diagnosed.structured_content["matches"][0]["fix"] == ["model.recompute_granularity=null"]
 
         tests = await client.call_tool("run_unit_tests", {"k": "-x"})  # rejected before anything runs
@@ -100,9 +101,24 @@ def _wait_for_port(port: int, proc: subprocess.Popen, timeout: float = 20.0) -> 
 @pytest.mark.anyio
 async def test_streamable_http_on_a_free_local_port(tmp_path: Path) -> None:
     port = _free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "tools", "serve", "--transport", "streamable-http", "--host",
-                             "127.0.0.1", "--port", str(port)], cwd=tmp_path, env=_env(),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "tools",
+            "serve",
+            "--transport",
+            "streamable-http",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+        ],
+        cwd=tmp_path,
+        env=_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         _wait_for_port(port, proc)
         async with Client(f"http://127.0.0.1:{port}/mcp") as client:
@@ -111,7 +127,9 @@ async def test_streamable_http_on_a_free_local_port(tmp_path: Path) -> None:
             result = await client.call_tool("diagnose_failure", {"error": "CUDA out of memory"})
             assert not result.is_error
             assert [m["failure"] for m in result.structured_content["matches"]] == [
-                "oom_activation_offload", "oom_partial_optimizer_offload"]
+                "oom_activation_offload",
+                "oom_partial_optimizer_offload",
+            ]
     finally:
         proc.terminate()
         proc.wait(timeout=10)

@@ -310,3 +310,19 @@ def test_validate_imports_neither_torch_nor_megatron_and_is_fast():
     assert heavy == []
     assert json.loads(proc.stdout)["ok"] is True
     assert wall < 2.0  # generous for a loaded CI box; docs/benchmarks-validate.md records the measured figure
+
+
+def test_recipe_without_megatron_bridge_is_bad_input(capsys):
+    import importlib.util
+
+    if importlib.util.find_spec("megatron.bridge") is not None:
+        pytest.skip("megatron-bridge is importable here; tests/test_recipe_bridge.py covers --recipe")
+    code, payload = run_cli(capsys, "--recipe", "qwen3_30b_a3b_pretrain_config")
+    assert code == 2
+    assert "megatron-bridge" in payload["error"] and "\n" not in payload["error"]
+
+
+def test_exactly_one_source_is_required(capsys):
+    code, payload = run_cli(capsys)
+    assert code == 2
+    assert "exactly one of CONFIG" in payload["error"]

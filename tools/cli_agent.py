@@ -15,8 +15,14 @@ def add_parsers(sub: Any) -> None:
     p.add_argument("--mode", required=True, choices=("optimizer", "activation", "both", "none", "recommended"))
     p.add_argument("--fraction", type=float, help="optimizer_offload_fraction, in (0, 1]")
     p.add_argument("--num-layers", type=int, help="cpu_offloading_num_layers")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="Hydra-style override applied before the mode (not written)")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="Hydra-style override applied before the mode (not written)",
+    )
     where = p.add_mutually_exclusive_group()
     where.add_argument("--output", help="write the edited config to this path")
     where.add_argument("--in-place", action="store_true", help="overwrite CONFIG, keeping CONFIG.bak")
@@ -28,6 +34,7 @@ def add_parsers(sub: Any) -> None:
     p = sub.add_parser("test", help="run the offload tests (ours, a Bridge checkout's, or the parity suite)")
     p.add_argument("-k", dest="k", help="pytest -k expression")
     p.add_argument("--bridge-repo", help="Megatron Bridge checkout to run its offload tests")
+    p.add_argument("--path", help="one test file/folder under tests/ instead of all of them")
     p.add_argument("--suite", choices=("unit", "parity"), default="unit")
     p.add_argument("--config", help="parity: config whose offload settings are trained")
     p.add_argument("--steps", type=int, help="parity: steps per run")
@@ -78,9 +85,17 @@ def cmd_apply(args: argparse.Namespace) -> int:
     from offload.sources import ConfigError
 
     try:
-        result = apply_offload(args.config, args.mode, fraction=args.fraction, num_layers=args.num_layers,
-                               overrides=args.overrides, output=args.output, in_place=args.in_place,
-                               output_format=args.format, allowed_root=args.allowed_root)
+        result = apply_offload(
+            args.config,
+            args.mode,
+            fraction=args.fraction,
+            num_layers=args.num_layers,
+            overrides=args.overrides,
+            output=args.output,
+            in_place=args.in_place,
+            output_format=args.format,
+            allowed_root=args.allowed_root,
+        )
     except ConfigError as exc:
         raise UsageError(str(exc)) from None
     data = result.to_dict()
@@ -99,8 +114,10 @@ def _human_test(d: dict[str, Any]) -> str:
     for f in d["failures"]:
         lines += [f"--- {f['nodeid']}", f["message"] or ""]
     lines += d["notes"]
-    lines.append(f"{d['passed']} passed, {d['failed']} failed, {d['skipped']} skipped, {d['errors']} errors "
-                 f"in {d['duration_s']:.1f} s")
+    lines.append(
+        f"{d['passed']} passed, {d['failed']} failed, {d['skipped']} skipped, {d['errors']} errors "
+        f"in {d['duration_s']:.1f} s"
+    )
     return "\n".join(lines)
 
 
@@ -112,8 +129,16 @@ def cmd_test(args: argparse.Namespace) -> int:
             sys.stderr.write(f"[{done}/{total if total is not None else '?'}] {message}\n")
 
     try:
-        result = run_tests(k=args.k, bridge_repo=args.bridge_repo, suite=args.suite, timeout_s=args.timeout,
-                           on_progress=progress, config=args.config, steps=args.steps)
+        result = run_tests(
+            k=args.k,
+            bridge_repo=args.bridge_repo,
+            suite=args.suite,
+            timeout_s=args.timeout,
+            on_progress=progress,
+            config=args.config,
+            steps=args.steps,
+            path=args.path,
+        )
     except TestSuiteError as exc:
         raise UsageError(str(exc)) from None
     emit(result.to_dict(), args.json, _human_test)
@@ -165,8 +190,14 @@ def cmd_diagnose(args: argparse.Namespace) -> int:
         after = load(args.after).config if args.after else None
     except ConfigError as exc:
         raise UsageError(str(exc)) from None
-    report = diagnose(error=args.error, log=log, config=cfg.config if cfg else None, raw=cfg.raw if cfg else None,
-                      before=before, after=after)
+    report = diagnose(
+        error=args.error,
+        log=log,
+        config=cfg.config if cfg else None,
+        raw=cfg.raw if cfg else None,
+        before=before,
+        after=after,
+    )
     emit(report.to_dict(), args.json, _human_diagnose)
     return EXIT_OK
 

@@ -84,6 +84,11 @@ def _inputs(args: argparse.Namespace):
         value = getattr(args, name)
         if value is not None and value < 1:
             raise UsageError(f"--{name.replace('_', '-')} is {value}: it must be at least 1")
+    fraction = args.optimizer_offload_fraction
+    if fraction is not None and not 0.0 <= fraction <= 1.0:
+        raise UsageError(f"--optimizer-offload-fraction is {fraction}: it must be in [0.0, 1.0]")
+    if args.activation_offload_layers is not None and args.activation_offload_layers < 0:
+        raise UsageError(f"--activation-offload-layers is {args.activation_offload_layers}: it must be at least 0")
     flags = dict(
         model=args.model,
         gpu=args.gpu,

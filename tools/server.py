@@ -39,10 +39,13 @@ optimizer.optimizer_offload_fraction=0.5. Fixes come back as override lists you 
 
 mcp = MCPServer("mbridge-offload", version=__version__, instructions=INSTRUCTIONS)
 
-ConfigArg = Annotated[str, Field(description="a Bridge YAML/JSON config: a file path, or the YAML/JSON text itself",
-                                 min_length=1)]
-OverridesArg = Annotated[list[str], Field(description="Hydra-style overrides applied first, e.g. "
-                                                      "['optimizer.optimizer_offload_fraction=0.5']")]
+ConfigArg = Annotated[
+    str, Field(description="a Bridge YAML/JSON config: a file path, or the YAML/JSON text itself", min_length=1)
+]
+OverridesArg = Annotated[
+    list[str],
+    Field(description="Hydra-style overrides applied first, e.g. ['optimizer.optimizer_offload_fraction=0.5']"),
+]
 
 
 # ---------------------------------------------------------------------------------------------- models
@@ -153,7 +156,8 @@ class DiagnoseOutput(BaseModel):
     matches: list[MatchModel]
     findings: list[FindingModel]
     comparison: dict[str, Any] | None = Field(
-        None, description="with before/after: changed offload keys and predicted per-GPU memory")
+        None, description="with before/after: changed offload keys and predicted per-GPU memory"
+    )
     notes: list[str]
 
 
@@ -191,21 +195,27 @@ def _tool_errors(fn):
 def _recommend(loaded: Any, flags: dict[str, Any]) -> dict[str, Any]:
     from offload import plan
 
-    rec = plan.recommend_for_inputs(config=loaded.config if loaded else None, raw=loaded.raw if loaded else None,
-                                    **flags)
+    rec = plan.recommend_for_inputs(
+        config=loaded.config if loaded else None, raw=loaded.raw if loaded else None, **flags
+    )
     return rec.to_json()
 
 
 # ---------------------------------------------------------------------------------------------- tools
 
 
-@mcp.tool(title="Validate a CPU-offloading config",
-          annotations=ToolAnnotations(read_only_hint=True, destructive_hint=False, idempotent_hint=True,
-                                      open_world_hint=False))
+@mcp.tool(
+    title="Validate a CPU-offloading config",
+    annotations=ToolAnnotations(
+        read_only_hint=True, destructive_hint=False, idempotent_hint=True, open_world_hint=False
+    ),
+)
 @_tool_errors
-def validate_config(config: ConfigArg, overrides: OverridesArg = [],  # noqa: B006 - pydantic copies defaults
-                    target: Annotated[str, Field(description="megatron-core release to check against")] =
-                    "megatron-core==0.19.2") -> ValidateOutput:
+def validate_config(
+    config: ConfigArg,
+    overrides: OverridesArg = [],  # noqa: B006 - pydantic copies defaults
+    target: Annotated[str, Field(description="megatron-core release to check against")] = "megatron-core==0.19.2",
+) -> ValidateOutput:
     """Check a Megatron Bridge config's offload settings against every upstream rule.
 
     Returns findings with the upstream message, the keys involved and the fix as overrides.
@@ -219,17 +229,22 @@ def validate_config(config: ConfigArg, overrides: OverridesArg = [],  # noqa: B0
     except ValueError as exc:
         raise ToolError(f"target {target!r}: {exc}") from None
     data = report.to_dict()
-    return ValidateOutput(ok=report.ok, findings=data["findings"], config=effective_values(loaded.config),
-                          source=loaded.source)
+    return ValidateOutput(
+        ok=report.ok, findings=data["findings"], config=effective_values(loaded.config), source=loaded.source
+    )
 
 
-@mcp.tool(title="Recommend an offload mode",
-          annotations=ToolAnnotations(read_only_hint=True, destructive_hint=False, idempotent_hint=True,
-                                      open_world_hint=False))
+@mcp.tool(
+    title="Recommend an offload mode",
+    annotations=ToolAnnotations(
+        read_only_hint=True, destructive_hint=False, idempotent_hint=True, open_world_hint=False
+    ),
+)
 @_tool_errors
 def recommend_mode(
-    config: Annotated[str | None, Field(description="optional config (path or text); its model and parallelism "
-                                                    "are used")] = None,
+    config: Annotated[
+        str | None, Field(description="optional config (path or text); its model and parallelism are used")
+    ] = None,
     overrides: OverridesArg = [],  # noqa: B006
     model: Annotated[str | None, Field(description="model preset, e.g. qwen3-30b-a3b, llama3-8b")] = None,
     gpu: Annotated[str | None, Field(description="GPU preset, e.g. h100-80gb, h200-141gb")] = None,
@@ -248,12 +263,25 @@ def recommend_mode(
 
     Returns the overrides, per-GPU memory before/after, whether it fits, the step-time factor and why.
     """
-    flags = {"model": model, "gpu": gpu, "gpu_memory_gb": gpu_memory_gb, "num_gpus": num_gpus, "tp": tp, "pp": pp,
-             "ep": ep, "etp": etp, "cp": cp, "vpp": vpp, "seq_length": seq_length,
-             "micro_batch_size": micro_batch_size}
+    flags = {
+        "model": model,
+        "gpu": gpu,
+        "gpu_memory_gb": gpu_memory_gb,
+        "num_gpus": num_gpus,
+        "tp": tp,
+        "pp": pp,
+        "ep": ep,
+        "etp": etp,
+        "cp": cp,
+        "vpp": vpp,
+        "seq_length": seq_length,
+        "micro_batch_size": micro_batch_size,
+    }
     if config is None and model is None:
-        raise ToolError("no model: pass model (a preset such as qwen3-30b-a3b or llama3-8b) or config (a Bridge "
-                        "YAML path or text with the model section)")
+        raise ToolError(
+            "no model: pass model (a preset such as qwen3-30b-a3b or llama3-8b) or config (a Bridge "
+            "YAML path or text with the model section)"
+        )
     loaded = _load(config, overrides) if config is not None else None
     if loaded is None and overrides:
         raise ToolError("overrides need a config to apply to; pass config (path or YAML text) too")
@@ -264,24 +292,34 @@ def recommend_mode(
     return RecommendOutput.model_validate(data)
 
 
-@mcp.tool(title="Apply an offload mode to a config",
-          annotations=ToolAnnotations(read_only_hint=False, destructive_hint=False, idempotent_hint=True,
-                                      open_world_hint=False))
+@mcp.tool(
+    title="Apply an offload mode to a config",
+    annotations=ToolAnnotations(
+        read_only_hint=False, destructive_hint=False, idempotent_hint=True, open_world_hint=False
+    ),
+)
 @_tool_errors
 def apply_offload(
     config: ConfigArg,
-    mode: Annotated[Literal["optimizer", "activation", "both", "none", "recommended"],
-                    Field(description="what to switch on; 'recommended' asks the planner")],
-    fraction: Annotated[float | None, Field(gt=0, le=1, description="optimizer_offload_fraction (optimizer/both)")]
-    = None,
+    mode: Annotated[
+        Literal["optimizer", "activation", "both", "none", "recommended"],
+        Field(description="what to switch on; 'recommended' asks the planner"),
+    ],
+    fraction: Annotated[
+        float | None, Field(gt=0, le=1, description="optimizer_offload_fraction (optimizer/both)")
+    ] = None,
     num_layers: Annotated[int | None, Field(ge=1, description="cpu_offloading_num_layers (activation/both)")] = None,
     overrides: OverridesArg = [],  # noqa: B006
     output: Annotated[str | None, Field(description="write the edited config to this new path")] = None,
     in_place: Annotated[bool, Field(description="overwrite the config file (a .bak backup is kept)")] = False,
     format: Annotated[Literal["yaml", "overrides"], Field(description="what a write contains")] = "yaml",
-    allowed_root: Annotated[str | None, Field(description="an extra directory writes may go to (by default only "
-                                                          "the config's directory and the working directory)")]
-    = None,
+    allowed_root: Annotated[
+        str | None,
+        Field(
+            description="an extra directory writes may go to (by default only "
+            "the config's directory and the working directory)"
+        ),
+    ] = None,
 ) -> ApplyOutput:
     """Edit a config to enable (or disable) CPU offloading, resolving the conflicts the mode implies.
 
@@ -290,26 +328,44 @@ def apply_offload(
     """
     from offload.apply import apply_offload as run_apply
 
-    result = run_apply(config, mode, fraction=fraction, num_layers=num_layers, overrides=overrides, output=output,
-                       in_place=in_place, output_format=format, allowed_root=allowed_root)
+    result = run_apply(
+        config,
+        mode,
+        fraction=fraction,
+        num_layers=num_layers,
+        overrides=overrides,
+        output=output,
+        in_place=in_place,
+        output_format=format,
+        allowed_root=allowed_root,
+    )
     data = result.to_dict()
     data.pop("why", None)
     return ApplyOutput.model_validate(data)
 
 
-@mcp.tool(title="Run the offload unit tests",
-          annotations=ToolAnnotations(read_only_hint=True, destructive_hint=False, idempotent_hint=True,
-                                      open_world_hint=False))
+@mcp.tool(
+    title="Run the offload unit tests",
+    annotations=ToolAnnotations(
+        read_only_hint=True, destructive_hint=False, idempotent_hint=True, open_world_hint=False
+    ),
+)
 def run_unit_tests(
     ctx: Context,
     k: Annotated[str | None, Field(description="pytest -k expression, e.g. 'apply or diagnose'")] = None,
-    bridge_repo: Annotated[str | None, Field(description="a Megatron Bridge checkout: run its offload tests "
-                                                         "instead of ours")] = None,
-    suite: Annotated[Literal["unit", "parity"], Field(description="unit = pytest; parity = tiny-GPT loss parity "
-                                                                  "with vs without offload")] = "unit",
+    bridge_repo: Annotated[
+        str | None, Field(description="a Megatron Bridge checkout: run its offload tests instead of ours")
+    ] = None,
+    suite: Annotated[
+        Literal["unit", "parity"],
+        Field(description="unit = pytest; parity = tiny-GPT loss parity with vs without offload"),
+    ] = "unit",
     config: Annotated[str | None, Field(description="parity: the config whose offload settings to train")] = None,
     steps: Annotated[int | None, Field(ge=2, le=500, description="parity: training steps per run")] = None,
     timeout_s: Annotated[float, Field(gt=0, le=3600, description="wall-clock limit")] = 600,
+    path: Annotated[
+        str | None, Field(description="one test file/folder/node id under tests/, e.g. tests/test_apply.py")
+    ] = None,
 ) -> TestRunOutput:
     """Run tests in a subprocess and report counts, durations and failing node ids with the failure text.
 
@@ -328,16 +384,27 @@ def run_unit_tests(
             logger.debug("progress report failed", exc_info=True)
 
     try:
-        result = run_tests(k=k, bridge_repo=bridge_repo, suite=suite, timeout_s=timeout_s, on_progress=progress,
-                           config=config, steps=steps)
+        result = run_tests(
+            k=k,
+            bridge_repo=bridge_repo,
+            suite=suite,
+            timeout_s=timeout_s,
+            on_progress=progress,
+            config=config,
+            steps=steps,
+            path=path,
+        )
     except (TestSuiteError, ConfigError) as exc:
         raise ToolError(str(exc)) from None
     return TestRunOutput.model_validate(result.to_dict())
 
 
-@mcp.tool(title="Diagnose an offload failure",
-          annotations=ToolAnnotations(read_only_hint=True, destructive_hint=False, idempotent_hint=True,
-                                      open_world_hint=False))
+@mcp.tool(
+    title="Diagnose an offload failure",
+    annotations=ToolAnnotations(
+        read_only_hint=True, destructive_hint=False, idempotent_hint=True, open_world_hint=False
+    ),
+)
 @_tool_errors
 def diagnose_failure(
     error: Annotated[str | None, Field(description="the error message or traceback")] = None,
@@ -353,16 +420,23 @@ def diagnose_failure(
     from offload.diagnose import diagnose
 
     if not any((error, log, config, before, after)):
-        raise ToolError("nothing to diagnose: pass error (the message), log (an excerpt), and/or config, or "
-                        "before and after configs")
+        raise ToolError(
+            "nothing to diagnose: pass error (the message), log (an excerpt), and/or config, or "
+            "before and after configs"
+        )
     if (before is None) != (after is None):
         raise ToolError("pass both before and after (two configs around the change), or neither")
     loaded = _load(config, None) if config else None
     b = _load(before, None, "before") if before else None
     a = _load(after, None, "after") if after else None
-    report = diagnose(error=error, log=log, config=loaded.config if loaded else None,
-                      raw=loaded.raw if loaded else None, before=b.config if b else None,
-                      after=a.config if a else None)
+    report = diagnose(
+        error=error,
+        log=log,
+        config=loaded.config if loaded else None,
+        raw=loaded.raw if loaded else None,
+        before=b.config if b else None,
+        after=a.config if a else None,
+    )
     return DiagnoseOutput.model_validate(report.to_dict())
 
 
