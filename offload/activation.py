@@ -211,6 +211,8 @@ class OffloadContext:
         if self._hooks is not None:
             hooks, self._hooks = self._hooks, None
             hooks.__exit__(exc_type, exc, tb)
+        if exc_type is not None:
+            self.reset()  # the forward is abandoned: the next one starts again at layer 0
 
     def sync(self, tensor: torch.Tensor) -> torch.Tensor:
         """The ``sync_fn``: mark ``tensor`` as the output of the layer that just ran; returns it unchanged.
@@ -232,7 +234,7 @@ class OffloadContext:
             self._pass = None
 
     def reset(self) -> None:
-        """Forget the layer count (e.g. after a forward that raised midway)."""
+        """Forget the layer count (done automatically when a layer raises inside the context)."""
         self._layer, self._pass = -1, None
 
     def reset_buffers(self) -> None:

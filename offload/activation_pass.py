@@ -95,6 +95,7 @@ class LayerStore:
         self._waited: list[bool] = []
         self._offload_done: object | None = None
         self._double_buffered = False
+        self._backward_done = False
 
     # forward ---------------------------------------------------------------------------------------------
     def push(self, base: torch.Tensor) -> tuple[int, bool]:
@@ -150,9 +151,11 @@ class LayerStore:
         self._set_phase(LayerPhase.RELOAD_STARTED)
         ctx = self.owner.ctx
         specs = [(h.shape, h.stride(), h.dtype) for h in self._host]
-        targets = ctx.reload_buffers.take(self.layer, specs) if ctx.reload_buffers is not None else None
+        # A reload after the layer's backward (a retained graph) has no later free to return a shared set.
+        double = ctx.reload_buffers is not None and not self._backward_done
+        targets = ctx.reload_buffers.take(self.layer, specs) if double else None
         self._double_buffered = targets is not None
-        if ctx.reload_buffers is not None:
+        if double:
             self.owner.stats.double_buffer_hits += int(targets is not None)
             self.owner.stats.double_buffer_misses += int(targets is None)
         if targets is None:
@@ -207,6 +210,7 @@ class LayerStore:
         if self._double_buffered and self.owner.ctx.reload_buffers is not None:
             self.owner.ctx.reload_buffers.give_back(self.layer)
         self._double_buffered = False
+        self._backward_done = True
         if self._host:
             self.owner.record("bwd", "free", self.layer, at)
         if self.phase is LayerPhase.OFFLOAD_STARTED:

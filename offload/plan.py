@@ -24,7 +24,17 @@ from offload.memory import GB, MemoryEstimate, ModelSpec, Setup, check_setup, es
 from offload.timing import TimeEstimate, estimate_time
 
 FRACTION_STEP = 0.05
-DEFAULT_MARGIN = 0.05  # keep 5 % of HBM free for fragmentation and peaks the model does not see
+DEFAULT_MARGIN = 0.05  # dense: keep 5 % of HBM free for fragmentation and peaks the model does not see
+# MoE: the model assumes balanced routing, but Megatron's default dropless routing sends a varying, often
+# several-fold, share of tokens to the busiest local expert, and the variable-shape expert buffers fragment the
+# caching allocator; keep 30 % free (upstream's own runs of Qwen3-30B-A3B at a predicted ~60 GB of 80 GB were
+# made with optimizer offload, and Bridge lowered offload settings "to lower chance of oom", PR #1028).
+MOE_MARGIN = 0.30
+
+
+def default_margin(m: ModelSpec) -> float:
+    """The fraction of HBM the planner keeps free by default: ``MOE_MARGIN`` for MoE, else ``DEFAULT_MARGIN``."""
+    return MOE_MARGIN if m.is_moe else DEFAULT_MARGIN
 
 
 @dataclass(frozen=True)
@@ -190,7 +200,7 @@ def recommend(
     gpu: GpuPreset,
     constraints: Constraints | None = None,
     *,
-    margin: float = DEFAULT_MARGIN,
+    margin: float | None = None,
     time_kwargs: dict | None = None,
 ) -> Recommendation:
     """Pick the smallest offload that brings the worst pipeline stage under ``gpu.hbm_gb × (1 − margin)``.
@@ -200,7 +210,7 @@ def recommend(
         s: the run; its offload settings are ignored (the search starts from no offload).
         gpu: HBM size, link and host figures.
         constraints: CUDA graphs, fine-grained offloading, paged stash (block activation offload).
-        margin: the fraction of HBM kept free.
+        margin: the fraction of HBM kept free; ``None`` = ``default_margin(m)`` (5 % dense, 30 % MoE).
         time_kwargs: passed to ``estimate_time`` (``baseline_s``, ``cpu_threads``, ...).
 
     Raises:
@@ -217,6 +227,7 @@ def recommend(
     time_kwargs = time_kwargs or {}
     base = replace(s, optimizer_offload_fraction=0.0, activation_offload_layers=0)
     check_setup(m, base)
+    margin = default_margin(m) if margin is None else margin
     budget = budget_gb(gpu, margin)
     host_ram = gpu.host_ram_gb
     before = estimate_memory(m, base, host_ram)
@@ -476,7 +487,7 @@ def recommend_for_inputs(
     config: OffloadConfig | None = None,
     raw: dict[str, Any] | None = None,
     *,
-    margin: float = DEFAULT_MARGIN,
+    margin: float | None = None,
     time_kwargs: dict | None = None,
     **flags: Any,
 ) -> Recommendation:

@@ -290,6 +290,17 @@ def test_double_buffering_falls_back_when_more_than_two_reloads_are_alive() -> N
     handle.remove()
 
 
+def test_a_layer_that_raises_resets_the_layer_count() -> None:
+    layers = make_layers()
+    handle = offload_layers(layers, num_layers=2, min_tensor_size=MIN_SIZE)
+    with pytest.raises(RuntimeError):
+        layers[0](torch.randn(B, S, D))
+        layers[1](torch.randn(B, S, D + 1))  # shape error inside layer 1
+    run(layers, torch.randn(B, S, D)).sum().backward()
+    assert handle.stats.points("release") == {0: 2, 1: 3}
+    handle.remove()
+
+
 def test_remove_uninstalls_the_hooks() -> None:
     layers = make_layers()
     handle = offload_layers(layers, num_layers=2, min_tensor_size=MIN_SIZE)
@@ -349,8 +360,7 @@ def test_changed_shapes_with_retained_buffers_are_refused() -> None:
     run(layers, torch.randn(B, S, D)).sum().backward()
     with pytest.raises(ValueError, match="CPU buffer shape does not match the offloaded tensor shape"):
         run(layers, torch.randn(B + 1, S, D))
-    handle.context.reset()
-    handle.context.reset_buffers()  # the documented way out
+    handle.context.reset_buffers()  # the documented way out (the failed forward already reset the layer count)
     run(layers, torch.randn(B + 1, S, D)).sum().backward()
     handle.remove()
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -133,3 +135,42 @@ async def test_streamable_http_on_a_free_local_port(tmp_path: Path) -> None:
     finally:
         proc.terminate()
         proc.wait(timeout=10)
+
+
+def test_server_import_and_config_tools_never_import_torch_or_megatron() -> None:
+    script = (
+        "import sys, anyio\n"
+        "from mcp import Client\n"
+        "from tools.server import mcp\n"
+        "assert 'torch' not in sys.modules, 'imported at module import'\n"
+        "async def main():\n"
+        "    async with Client(mcp) as c:\n"
+        "        r = await c.call_tool('validate_config', {'config': 'examples/qwen3_30b_a3b_pretrain.yaml'})\n"
+        "        assert not r.is_error\n"
+        "        r = await c.call_tool('recommend_mode', {'model': 'llama3-8b', 'gpu': 'h100-80gb'})\n"
+        "        assert not r.is_error\n"
+        "anyio.run(main)\n"
+        "print(sorted(m for m in ('torch', 'megatron', 'megatron.core') if m in sys.modules))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script], cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+
+
+def _expand(text: str) -> str:
+    """Claude Code's ``${VAR}`` / ``${VAR:-default}`` expansion in .mcp.json."""
+    return re.sub(r"\$\{(\w+)(?::-([^}]*))?\}", lambda m: os.environ.get(m.group(1), m.group(2) or ""), text)
+
+
+@pytest.mark.anyio
+async def test_the_repository_mcp_json_starts_the_server() -> None:
+    spec = json.loads((ROOT / ".mcp.json").read_text())["mcpServers"]["mbridge-offload"]
+    command = _expand(spec["command"])
+    if not (ROOT / command).exists():
+        pytest.skip(f"{command} does not exist here (run `make setup`)")
+    env = {**os.environ, **{k: _expand(v) for k, v in spec.get("env", {}).items()}}
+    params = StdioServerParameters(command=command, args=spec["args"], cwd=str(ROOT), env=env)
+    async with Client(params) as client:
+        assert {t.name for t in (await client.list_tools()).tools} == TOOLS

@@ -48,7 +48,9 @@ def add_parsers(sub: Any) -> None:
     rec = sub.add_parser("recommend", help="the smallest offload that fits: none, optimizer, activation or both")
     _add_common(rec)
     rec.add_argument("config", nargs="?", metavar="CONFIG", help="Bridge YAML/JSON (same as --model-config)")
-    rec.add_argument("--margin", type=float, default=0.05, help="fraction of GPU memory kept free (0.05)")
+    rec.add_argument(
+        "--margin", type=float, default=None, help="fraction of GPU memory kept free (default 0.05 dense, 0.30 MoE)"
+    )
     rec.set_defaults(handler=run_recommend)
     cal = sub.add_parser("calibrate", help="time torch's fused CPU AdamW here and store params/s")
     cal.add_argument(
@@ -132,16 +134,17 @@ def _inputs(args: argparse.Namespace):
 # ---------------------------------------------------------------------------------------------- estimate
 
 
-def estimate_payload(inputs: Any, time_kwargs: dict[str, Any], margin: float = 0.05) -> dict[str, Any]:
+def estimate_payload(inputs: Any, time_kwargs: dict[str, Any], margin: float | None = None) -> dict[str, Any]:
     """The ``estimate`` JSON object (contract keys first, then details)."""
     from offload.memory import GB, estimate_memory
-    from offload.plan import budget_gb
+    from offload.plan import budget_gb, default_margin
     from offload.timing import estimate_time
 
     m, s, gpu = inputs.model, inputs.setup, inputs.gpu
     est = estimate_memory(m, s, gpu.host_ram_gb)
     t = estimate_time(est, gpu, overlap=inputs.overlap, **time_kwargs)
-    budget = budget_gb(gpu, margin)
+    # "fits" means under the planner's budget, so that estimate and recommend never disagree.
+    budget = budget_gb(gpu, default_margin(m) if margin is None else margin)
     return {
         "memory_gb": est.breakdown_gb(),
         "host_gb": round(est.host_gb, 3),
@@ -252,7 +255,7 @@ def _human_recommend(d: dict[str, Any]) -> str:
 def run_recommend(args: argparse.Namespace) -> int:
     from offload import plan
 
-    if not 0.0 <= args.margin < 1.0:
+    if args.margin is not None and not 0.0 <= args.margin < 1.0:
         raise UsageError(f"--margin is {args.margin}: it must be in [0, 1)")
     inputs, loaded, time_kwargs = _inputs(args)
     try:
