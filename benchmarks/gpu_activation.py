@@ -153,6 +153,7 @@ def main(argv: list[str] | None = None) -> int:
         sink: list = []
         rows[f"ours k={k}"] = run_variant(model, tokens, ours(model, k, sink), steps)
         stats = sink[-1]
+        rows[f"ours k={k}"]["offloaded_bytes"] = stats.bytes_offloaded if stats else 0
         rows[f"ours k={k}"]["offloaded_gib"] = round(stats.bytes_offloaded / 2**30, 3) if stats else 0.0
         rows[f"ours k={k}"]["peak_resident_layers"] = stats.peak_resident_layers if stats else None
 

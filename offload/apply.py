@@ -202,7 +202,10 @@ def _recommended(cfg: OffloadConfig, raw: dict[str, Any], planner: dict[str, Any
         from offload import plan
     except ImportError as exc:  # pragma: no cover - the planner ships with the package
         raise ApplyError(f"mode=recommended needs offload.plan ({exc}); pick a mode explicitly") from None
-    rec = plan.recommend_for_config(cfg, raw=raw, **(planner or {}))
+    try:
+        rec = plan.recommend_for_config(cfg, raw=raw, **(planner or {}))
+    except (KeyError, ValueError, TypeError) as exc:  # no model sizes, unknown preset, a setup Megatron rejects
+        raise ApplyError(f"mode=recommended: the planner cannot size this config: {str(exc).strip(chr(39))}") from None
     data = rec.to_json()
     return str(data["mode"]), list(data.get("overrides") or [])
 
@@ -454,6 +457,8 @@ def apply_offload(
     """
     if output is not None and in_place:
         raise ApplyError("pass either output or in_place, not both")
+    if planner and mode != "recommended":
+        raise ApplyError(f"GPU/planner settings ({', '.join(planner)}) only apply to mode=recommended")
     if output_format not in ("yaml", "overrides"):
         raise ApplyError(f"format {output_format!r} is not one of yaml, overrides")
     text, where = read_source(source)

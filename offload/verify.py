@@ -120,7 +120,7 @@ class _TorchTinyLM:
 
 
 class _MegatronTinyGPT:
-    def __init__(self, offload_layers: int, seed: int) -> None:
+    def __init__(self, offload_layers: int, seed: int, device: Any) -> None:
         from offload.megatron import build_tiny_gpt
 
         self.model = build_tiny_gpt(
@@ -133,7 +133,7 @@ class _MegatronTinyGPT:
             cpu_offloading_num_layers=offload_layers,
             min_tensor_size=MIN_TENSOR_SIZE,
             seed=seed,
-        )
+        ).to(device)  # built on the CPU (use_cpu_initialization); train where the offload has somewhere to go
 
     def parameters(self) -> list[Any]:
         return list(self.model.parameters())
@@ -220,7 +220,7 @@ def run_parity(
     if megatron:
         from offload.megatron import cpu_compat_shims, tiny_batch
 
-        batches = [tiny_batch(2, 32, 128, seed=seed + i) for i in range(steps)]
+        batches = [{k: v.to(device) for k, v in tiny_batch(2, 32, 128, seed=seed + i).items()} for i in range(steps)]
         shim = cpu_compat_shims
     else:
         import contextlib
@@ -241,7 +241,7 @@ def run_parity(
 
     def make(offload_layers: int) -> Callable[[], Any]:
         if megatron:
-            return lambda: _MegatronTinyGPT(offload_layers, seed)
+            return lambda: _MegatronTinyGPT(offload_layers, seed, device)
         return lambda: _TorchTinyLM(TINY_LAYERS, 64, 128, offload_layers, seed, device)
 
     hyper = {"lr": 1e-3, "weight_decay": 0.01, "betas": (0.9, 0.999), "eps": 1e-8}

@@ -8,6 +8,7 @@ buffer, a permuted (dense, non-contiguous) product, and tensors below the size t
 from __future__ import annotations
 
 import copy
+import sys
 import warnings
 
 import pytest
@@ -415,3 +416,23 @@ def test_double_backward_matches_no_offload() -> None:
         if handle is not None:
             handle.remove()
     assert torch.equal(grads[0][0], grads[1][0]) and torch.equal(grads[0][1], grads[1][1])
+
+
+def test_gpu_benchmark_falls_back_to_a_tiny_cpu_run(tmp_path, capsys, monkeypatch) -> None:
+    if torch.cuda.is_available():
+        pytest.skip("on a GPU machine the script runs the real configuration")
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_activation.py"
+    spec = importlib.util.spec_from_file_location("gpu_activation", path)
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "gpu_activation", module)  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    assert module.main(["--json", str(tmp_path / "out.json")]) == 0
+    assert "No CUDA device" in capsys.readouterr().out
+    rows = json.loads((tmp_path / "out.json").read_text())["rows"]
+    assert set(rows) == {"none", "ours k=0", "ours k=1", "ours k=3", "save_on_cpu"}
+    assert all(row["loss_bitwise_equal"] for row in rows.values())
+    assert rows["ours k=3"]["offloaded_bytes"] == 3 * rows["ours k=1"]["offloaded_bytes"] > 0

@@ -256,3 +256,19 @@ def test_malformed_yaml_is_a_config_error(tmp_path: Path) -> None:
 )
 def test_comments_and_blank_lines_between_sections_stay_above_the_next_section(before: str, after: str) -> None:
     assert apply_offload(before, "optimizer", fraction=0.25).text == after
+
+
+def test_recommended_mode_applies_the_planners_choice(tmp_path: Path) -> None:
+    example = Path(__file__).resolve().parents[1] / "examples" / "qwen3_30b_a3b_pretrain.yaml"
+    result = apply_offload(str(example), "recommended", planner={"gpu_memory_gb": 40})
+    assert result.mode == "optimizer"
+    assert "the planner chose mode=optimizer" in result.notes
+    assert result.overrides == ["optimizer.optimizer_offload_fraction=1.0"]
+    assert result.ok
+
+
+def test_recommended_mode_needs_model_sizes(config_file: Path) -> None:
+    with pytest.raises(ApplyError, match="planner cannot size this config"):
+        apply_offload("optimizer:\n  lr: 0.001\n", "recommended")
+    with pytest.raises(ApplyError, match="only apply to mode=recommended"):
+        apply_offload(str(config_file), "optimizer", planner={"gpu": "h100-80gb"})

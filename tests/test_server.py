@@ -105,6 +105,8 @@ async def test_bad_inputs_are_tool_errors_and_the_server_keeps_answering(client,
     assert pp.is_error and "pipeline_model_parallel_size=1, but it is 2" in pp.content[0].text
     schema = await client.call_tool("apply_offload", {"config": str(config_file), "mode": "optimizer", "fraction": 2})
     assert schema.is_error and "fraction" in schema.content[0].text
+    gpu = await client.call_tool("apply_offload", {"config": str(config_file), "mode": "recommended", "gpu": "tpu-v9"})
+    assert gpu.is_error and "tpu-v9" in gpu.content[0].text
     nothing = await client.call_tool("diagnose_failure", {})
     assert nothing.is_error and "nothing to diagnose" in nothing.content[0].text
     model = await client.call_tool("recommend_mode", {"model": "gpt-9"})
@@ -145,6 +147,12 @@ async def test_apply_offload_dry_run_then_write(client, config_file: Path) -> No
     )
     assert wrote.structured_content["written"] == str(out)
     assert "num_layers: 16  # decoder layers" in out.read_text()
+    planned = await client.call_tool(
+        "apply_offload", {"config": str(config_file), "mode": "recommended", "gpu_memory_gb": 4, "num_gpus": 2}
+    )
+    assert not planned.is_error
+    assert planned.structured_content["mode"] in ("optimizer", "both")
+    assert any("planner chose" in n for n in planned.structured_content["notes"])
 
 
 @pytest.mark.anyio

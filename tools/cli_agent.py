@@ -28,6 +28,9 @@ def add_parsers(sub: Any) -> None:
     where.add_argument("--in-place", action="store_true", help="overwrite CONFIG, keeping CONFIG.bak")
     p.add_argument("--format", choices=("yaml", "overrides"), default="yaml")
     p.add_argument("--allowed-root", help="an extra directory --output may point into")
+    p.add_argument("--gpu", help="--mode recommended: GPU preset (default h100-80gb)")
+    p.add_argument("--gpu-memory-gb", type=float, help="--mode recommended: GPU memory instead of a preset")
+    p.add_argument("--num-gpus", type=int, help="--mode recommended: number of GPUs")
     p.add_argument("--json", action="store_true")
     p.set_defaults(handler=cmd_apply)
 
@@ -95,9 +98,17 @@ def cmd_apply(args: argparse.Namespace) -> int:
             in_place=args.in_place,
             output_format=args.format,
             allowed_root=args.allowed_root,
+            planner={
+                k: v
+                for k, v in {"gpu": args.gpu, "gpu_memory_gb": args.gpu_memory_gb, "num_gpus": args.num_gpus}.items()
+                if v is not None
+            }
+            or None,
         )
     except ConfigError as exc:
         raise UsageError(str(exc)) from None
+    except (KeyError, ValueError) as exc:  # the planner: unknown GPU preset, a setup Megatron rejects
+        raise UsageError(str(exc).strip("'\"")) from None
     data = result.to_dict()
     if args.format == "overrides" and not args.json:
         sys.stdout.write("".join(o + "\n" for o in result.overrides))

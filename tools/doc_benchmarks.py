@@ -1,7 +1,7 @@
 """docs/benchmarks.md: one page that gathers the benchmark fragments the other parts write.
 
 Each part of the project keeps its own measurements in ``docs/benchmarks-<part>.md`` (written by its benchmark
-script or by hand from its output). The index includes every fragment verbatim, headings shifted one level down,
+script or by hand from its output). The index includes every fragment verbatim, headings shifted two levels down,
 and shows every plot under ``docs/img/``. Nothing here computes or rounds a number.
 """
 
@@ -22,13 +22,13 @@ FRAGMENTS: list[tuple[str, str]] = [
 
 
 def _shift_headings(text: str) -> str:
-    """Every Markdown heading one level deeper, outside code fences, so a fragment nests under its section."""
+    """Every Markdown heading two levels deeper, outside code fences, so a fragment nests under its ``##`` section."""
     out, fenced = [], False
     for line in text.splitlines():
         if line.lstrip().startswith("```"):
             fenced = not fenced
-        if not fenced and re.match(r"#{1,5} ", line):
-            line = "#" + line
+        if not fenced and re.match(r"#{1,4} ", line):
+            line = "##" + line
         out.append(line)
     return "\n".join(out)
 
@@ -50,6 +50,7 @@ def render_index(docs: Path = DOCS) -> str:
     parts.append("## Plots")
     parts.append("")
     if images:
+        parts += ["Predictions of the planner's memory model, not measurements; see [planner.md](planner.md).", ""]
         for image in images:
             parts.append(f"![{image.stem}](img/{image.name})")
             parts.append("")

@@ -20,6 +20,7 @@ from pathlib import Path
 from tools.skilldocs import ROOT, fill
 
 DOC = ROOT / "docs/walkthrough.md"
+GUIDE = ROOT / "docs/cpu-offloading.md"
 EXAMPLE = ROOT / "examples/qwen3_30b_a3b_pretrain.yaml"
 MAX_LINES = 80
 NOTE = "<!-- real output, captured by `python -m tools.doc_walkthrough`; rerun it, do not edit by hand -->\n"
@@ -56,6 +57,18 @@ CAPTURES: dict[str, list[str]] = {
         'mbridge-offload diagnose --error "ValueError: Currently there is no support for Pipeline parallelism '
         'with CPU offloading"'
     ],
+}
+
+_QWEN = "mbridge-offload estimate --model qwen3-30b-a3b --gpu h100-80gb --num-gpus 16 --tp 2 --pp 2 --ep 4"
+_LLAMA = "mbridge-offload estimate --model llama3-8b --gpu h100-80gb --num-gpus 8 --tp 2 --seq-length 16384"
+
+# The worked examples of docs/cpu-offloading.md (its appended part).
+GUIDE_CAPTURES: dict[str, list[str]] = {
+    "guide-qwen-0": [_QWEN],
+    "guide-qwen-50": [f"{_QWEN} --optimizer-offload-fraction 0.5"],
+    "guide-qwen-100": [f"{_QWEN} --optimizer-offload-fraction 1.0"],
+    "guide-llama-0": [_LLAMA],
+    "guide-llama-3": [f"{_LLAMA} --activation-offload-layers 3"],
 }
 
 # The scratch folder: the bundled example (qwen3.yaml), the same without its three optimizer-offload lines
@@ -116,19 +129,20 @@ def run(command: str, cwd: Path) -> str:
     return "\n".join(["```console", f"$ {command}", *lines, f"(exit code {result.returncode})", "```"])
 
 
-def capture() -> dict[str, str]:
+def capture(captures: dict[str, list[str]]) -> dict[str, str]:
     with tempfile.TemporaryDirectory() as tmp:
         cwd = Path(tmp)
         prepare(cwd)
-        return {name: "\n".join(run(c, cwd) for c in commands) for name, commands in CAPTURES.items()}
+        return {name: "\n".join(run(c, cwd) for c in commands) for name, commands in captures.items()}
 
 
 def main() -> None:
-    text = DOC.read_text()
-    for name, body in capture().items():
-        text = fill(text, name, body, NOTE)
-    DOC.write_text(text)
-    print(f"captured {len(CAPTURES)} blocks into {DOC.relative_to(ROOT)}")
+    for doc, captures in ((DOC, CAPTURES), (GUIDE, GUIDE_CAPTURES)):
+        text = doc.read_text()
+        for name, body in capture(captures).items():
+            text = fill(text, name, body, NOTE)
+        doc.write_text(text)
+        print(f"captured {len(captures)} blocks into {doc.relative_to(ROOT)}")
 
 
 if __name__ == "__main__":

@@ -36,6 +36,7 @@ GENERATORS: dict[str, Callable[[], str]] = {
     "SKILL.md": _marked("SKILL.md"),
     "docs/parameters.md": _marked("docs/parameters.md"),
     "docs/benchmarks.md": _marked("docs/benchmarks.md"),
+    "docs/cpu-offloading.md": _marked("docs/cpu-offloading.md"),
 }
 
 

@@ -313,6 +313,9 @@ def apply_offload(
     output: Annotated[str | None, Field(description="write the edited config to this new path")] = None,
     in_place: Annotated[bool, Field(description="overwrite the config file (a .bak backup is kept)")] = False,
     format: Annotated[Literal["yaml", "overrides"], Field(description="what a write contains")] = "yaml",
+    gpu: Annotated[str | None, Field(description="mode=recommended: GPU preset, e.g. h100-80gb")] = None,
+    gpu_memory_gb: Annotated[float | None, Field(gt=0, description="mode=recommended: GPU memory (GB)")] = None,
+    num_gpus: Annotated[int | None, Field(ge=1, description="mode=recommended: number of GPUs")] = None,
     allowed_root: Annotated[
         str | None,
         Field(
@@ -328,6 +331,14 @@ def apply_offload(
     """
     from offload.apply import apply_offload as run_apply
 
+    planner = {"gpu": gpu, "gpu_memory_gb": gpu_memory_gb, "num_gpus": num_gpus}
+    try:
+        from offload.hardware import gpu_preset
+
+        if gpu is not None:
+            gpu_preset(gpu)
+    except KeyError as exc:
+        raise ToolError(str(exc).strip("'\"")) from None
     result = run_apply(
         config,
         mode,
@@ -338,6 +349,7 @@ def apply_offload(
         in_place=in_place,
         output_format=format,
         allowed_root=allowed_root,
+        planner={k: v for k, v in planner.items() if v is not None} or None,
     )
     data = result.to_dict()
     data.pop("why", None)

@@ -76,6 +76,12 @@ def render_tools() -> str:
     return render()
 
 
+def render_schedule() -> str:
+    from tools.doc_guide import render_schedule as render
+
+    return render()
+
+
 def render_benchmarks() -> str:
     from tools.doc_benchmarks import render_index
 
@@ -91,6 +97,7 @@ GENERATED: dict[str, dict[str, Callable[[], str]]] = {
     },
     "docs/parameters.md": {"parameters": render_parameters_doc},
     "docs/benchmarks.md": {"benchmarks": render_benchmarks},
+    "docs/cpu-offloading.md": {"activation-schedule": render_schedule},
 }
 
 
