@@ -137,6 +137,13 @@ def test_parameter_tables_cover_the_config_model():
     assert set(_documented_defaults(ROOT / "docs/parameters.md")) == set(all_keys())
 
 
+def test_every_field_has_a_meaning():
+    from tools.doc_params import MEANINGS
+
+    assert [k for k in all_keys() if not MEANINGS.get(k)] == [], "add the meaning to tools/doc_params.py"
+    assert [k for k in MEANINGS if k not in all_keys()] == [], "a documented field left the config model"
+
+
 def test_skill_states_the_bridge_and_megatron_lm_fraction_defaults():
     text = SKILL.read_text()
     assert field_default("optimizer.optimizer_offload_fraction") == 0.0
