@@ -97,7 +97,11 @@ def test_links_in_skill_point_at_files_that_exist():
 
 
 def test_generated_sections_are_fresh():
+    from tools.doc_card import render_card
+
     assert skilldocs.stale() == [], "run `make docs` (python -m tools.gendocs)"
+    card = (ROOT / "card.yaml").read_text()
+    assert render_card(card) == card, "card.yaml measured_results is stale: run `make docs`"
 
 
 def test_freshness_check_catches_a_changed_default(monkeypatch):

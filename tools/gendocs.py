@@ -31,12 +31,19 @@ def _marked(rel: str) -> Callable[[], str]:
     return generate
 
 
+def _card() -> str:
+    from tools.doc_card import render_card
+
+    return render_card((ROOT / "card.yaml").read_text(encoding="utf-8"))
+
+
 GENERATORS: dict[str, Callable[[], str]] = {
     "docs/rules.md": _rules,
     "SKILL.md": _marked("SKILL.md"),
     "docs/parameters.md": _marked("docs/parameters.md"),
     "docs/benchmarks.md": _marked("docs/benchmarks.md"),
     "docs/cpu-offloading.md": _marked("docs/cpu-offloading.md"),
+    "card.yaml": _card,
 }
 
 
