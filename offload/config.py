@@ -18,9 +18,10 @@ never imports torch.
 from __future__ import annotations
 
 import difflib
+import typing
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 _DTYPE_ALIASES = {
     "float32": "fp32",
@@ -34,6 +35,10 @@ _DTYPE_ALIASES = {
     "uint8": "fp8",
     "fp8": "fp8",
 }
+
+
+def _accepts_none(annotation: Any) -> bool:
+    return annotation is None or type(None) in typing.get_args(annotation) or annotation is Any
 
 
 def normalize_dtype(value: Any) -> str | None:
@@ -59,6 +64,19 @@ class Section(BaseModel):
     """A config namespace: typed known fields, unknown keys kept as extras."""
 
     model_config = ConfigDict(extra="allow", validate_default=False, protected_namespaces=())
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data: Any) -> Any:
+        # Bridge's to_yaml() writes `null` for fields whose dataclass default is None in that release (e.g.
+        # offload_modules in 0.3.x); where our field takes no None, null means "the default".
+        if isinstance(data, dict):
+            return {
+                k: v
+                for k, v in data.items()
+                if not (v is None and k in cls.model_fields and not _accepts_none(cls.model_fields[k].annotation))
+            }
+        return data
 
     def extras(self) -> dict[str, Any]:
         return dict(self.__pydantic_extra__ or {})
