@@ -38,10 +38,6 @@ CAPTURES: dict[str, list[str]] = {
     "act-pp2": ["mbridge-offload apply run.yaml --mode activation --num-layers 4 --output run.act2.yaml"],
     "tests-ours": ['mbridge-offload test -k "matches_torch_adamw or bitwise_equal" --json'],
     "tests-bridge": ["mbridge-offload test --bridge-repo . --json"],
-    "qwen-recommend": [
-        "mbridge-offload recommend --model qwen3-30b-a3b --gpu h100-80gb --num-gpus 16 --tp 2 --pp 2 --ep 4 "
-        "--micro-batch-size 3"
-    ],
     "qwen-recommend-default": [
         "mbridge-offload recommend --model qwen3-30b-a3b --gpu h100-80gb --num-gpus 16 --tp 2 --pp 2 --ep 4"
     ],
