@@ -210,6 +210,28 @@ def _recommended(cfg: OffloadConfig, raw: dict[str, Any], planner: dict[str, Any
     return str(data["mode"]), list(data.get("overrides") or [])
 
 
+def _requested_edits(overrides: list[str], effective_raw: dict[str, Any]) -> dict[str, Any]:
+    """``{section.key: value}`` for the caller's overrides, read back from the overridden config.
+
+    Raises:
+        ApplyError: a deletion (``~key``) or a key deeper than ``section.key``: apply cannot write those.
+    """
+    from hydra.core.override_parser.types import OverrideType
+
+    from offload.sources import parse_overrides
+
+    out: dict[str, Any] = {}
+    for override in parse_overrides(list(overrides)):
+        parts = override.key_or_group.split(".")
+        if override.type == OverrideType.DEL or len(parts) != 2:
+            raise ApplyError(
+                f"override {override.input_line!r}: apply writes section.key=VALUE overrides into the file; "
+                "remove or edit other keys by hand"
+            )
+        out[override.key_or_group] = effective_raw[parts[0]][parts[1]]
+    return out
+
+
 def plan_edits(
     cfg: OffloadConfig,
     raw: dict[str, Any],
@@ -439,7 +461,7 @@ def apply_offload(
         mode: ``optimizer``, ``activation``, ``both``, ``none`` or ``recommended`` (ask the planner).
         fraction: ``optimizer_offload_fraction`` for optimizer modes, in (0, 1].
         num_layers: ``cpu_offloading_num_layers`` for activation modes.
-        overrides: Hydra-style overrides applied to the config before the mode (they are not written).
+        overrides: Hydra-style ``KEY=VALUE`` overrides (``section.key``) applied before the mode and written with it.
         output: write the result to this new path.
         in_place: overwrite ``source`` (a file), keeping ``<name>.bak`` of the original.
         output_format: ``yaml`` writes the edited config; ``overrides`` writes the override list, one per line.
@@ -467,6 +489,7 @@ def apply_offload(
         raise ApplyError("in_place needs a config file path; inline text has no file to edit (pass output=PATH)")
     raw, tree = parse_text(text, where)
     is_json = tree is None
+    base_cfg = build_config(json.loads(json.dumps(raw)), where, tree)
     effective_raw = json.loads(json.dumps(raw))
     apply_overrides(effective_raw, list(overrides or []))
     cfg = build_config(effective_raw, where, tree if not overrides else None)
@@ -475,16 +498,23 @@ def apply_offload(
     resolved_mode, wanted = plan_edits(
         cfg, effective_raw, mode, fraction=fraction, num_layers=num_layers, planner=planner, notes=notes
     )
+    # The caller's own overrides are edits too: written with the mode, so the file validates on its own.
+    for key, value in _requested_edits(overrides or [], effective_raw).items():
+        if key in wanted and wanted[key][0] != value:
+            notes.append(
+                f"override {key}={format_value(value)} conflicts with mode={resolved_mode}, which needs "
+                f"{key}={format_value(wanted[key][0])}: the mode's value is written"
+            )
+        wanted.setdefault(key, (value, "requested override"))
     changes = [
-        Change(key, get_value(cfg, key), value, why)
+        Change(key, get_value(base_cfg, key), value, why)
         for key, (value, why) in wanted.items()
-        if get_value(cfg, key) != value or (value is None and get_value(cfg, key) is not None)
+        if get_value(base_cfg, key) != value or (value is None and get_value(base_cfg, key) is not None)
     ]
     new_text = _render(text, tree, changes, is_json, json.loads(json.dumps(raw))) if changes else text
     override_list = [f"{c.key}={format_value(c.new)}" for c in changes]
 
     new_raw, _ = parse_text(new_text, where)
-    apply_overrides(new_raw, list(overrides or []))
     new_cfg = build_config(new_raw, where)
     ok, findings = _validate(new_cfg, new_raw)
 

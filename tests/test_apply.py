@@ -272,3 +272,36 @@ def test_recommended_mode_needs_model_sizes(config_file: Path) -> None:
         apply_offload("optimizer:\n  lr: 0.001\n", "recommended")
     with pytest.raises(ApplyError, match="only apply to mode=recommended"):
         apply_offload(str(config_file), "optimizer", planner={"gpu": "h100-80gb"})
+
+
+def test_requested_overrides_are_written_so_the_file_validates_alone(tmp_path: Path) -> None:
+    path = tmp_path / "pp2.yaml"
+    path.write_text(BRIDGE_YAML.replace("pipeline_model_parallel_size: 1", "pipeline_model_parallel_size: 2"))
+    out = tmp_path / "out.yaml"
+    result = apply_offload(
+        str(path),
+        "activation",
+        num_layers=4,
+        overrides=["model.pipeline_model_parallel_size=1"],
+        output=str(out),
+        allowed_root=tmp_path,
+    )
+    assert result.written == str(out)
+    assert {c.key: c.new for c in result.changes}["model.pipeline_model_parallel_size"] == 1
+    written = load(str(out))
+    assert written.config.model.pipeline_model_parallel_size == 1
+    assert validate(written.config, written.raw).ok
+    assert "# keep in sync with the checkpoint" in out.read_text()
+
+
+def test_an_override_the_mode_must_undo_is_reported(config_file: Path) -> None:
+    result = apply_offload(
+        str(config_file), "activation", num_layers=4, overrides=["model.recompute_granularity=selective"]
+    )
+    assert {c.key: c.new for c in result.changes}["model.recompute_granularity"] is None
+    assert any("conflicts with mode=activation" in note for note in result.notes)
+
+
+def test_deleting_overrides_are_refused(config_file: Path) -> None:
+    with pytest.raises(ApplyError, match="remove or edit other keys by hand"):
+        apply_offload(str(config_file), "optimizer", overrides=["~train.micro_batch_size"])

@@ -26,17 +26,16 @@ SUBCOMMAND_MODULES = ("tools.cli_validate", "tools.cli_plan", "tools.cli_agent")
 def build_parser() -> argparse.ArgumentParser:
     import importlib
 
-    parser = _Parser(prog="mbridge-offload", description=__doc__.splitlines()[0])
+    parser = _Parser(
+        prog="mbridge-offload",
+        description="Validate, plan, apply and verify CPU offloading for Megatron Bridge / Megatron Core. "
+        "Every subcommand takes --json and then prints exactly one JSON object; exit 0 = ok, 1 = errors found, "
+        "2 = bad input.",
+    )
     parser.add_argument("--version", action="version", version=f"mbridge-offload {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     for name in SUBCOMMAND_MODULES:
-        try:
-            module = importlib.import_module(name)
-        except ModuleNotFoundError as exc:
-            if exc.name != name:  # a missing dependency inside the module is a real error
-                raise
-            continue  # a subcommand module not written yet (parallel development): its commands are absent
-        module.add_parsers(sub)
+        importlib.import_module(name).add_parsers(sub)
     return parser
 
 
