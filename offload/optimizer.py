@@ -354,20 +354,8 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         if entries == self._state_entries:
             return
         self._state_entries = entries
-        self.state = defaultdict(dict)
-        for i, p in enumerate(self._params):
-            slot = self._slot[i]
-            if slot[0] == "bucket":
-                entry = slot[1].member_state(slot[2], clone=False)
-                master = slot[1].param_views[slot[2]]
-            else:
-                opt = self.device_optimizer if slot[0] == "device" else self.resident_optimizer
-                entry = dict(opt.state.get(slot[1], {}))
-                master = slot[1]
-            if entry:
-                if self._master_dtype(p) != p.dtype:
-                    entry["master_param"] = master
-                self.state[p] = entry
+        live = export_param_states(self, clone=False)
+        self.state = defaultdict(dict, {self._params[i]: entry for i, entry in live.items()})
 
     def _sync_hdo_state_to_sub_optimizers(self) -> None:
         """Write ``self.state`` (e.g. tensors Megatron's DistributedOptimizer assigned) into the sub-optimizers."""
