@@ -21,7 +21,7 @@ def add_parsers(sub: Any) -> None:
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="Hydra-style override applied before the mode (not written)",
+        help="Hydra-style section.key=VALUE override, applied with the mode and written with it (repeatable)",
     )
     where = p.add_mutually_exclusive_group()
     where.add_argument("--output", help="write the edited config to this path")
