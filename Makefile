@@ -36,14 +36,14 @@ $(BRIDGE)/.ready: | setup
 	touch $@
 
 test-bridge: bridge-env
-	MBRIDGE_OFFLOAD_BRIDGE_PATH="$(BRIDGE)/0.3.1:$(BRIDGE)/deps" $(BIN)/python -m pytest -q tests/test_recipe_bridge.py
+	MBRIDGE_OFFLOAD_BRIDGE_PATH="$(BRIDGE)/0.3.1:$(BRIDGE)/deps" $(BIN)/python -m pytest -q tests/config/test_recipe_bridge.py
 
 lint: setup
 	$(BIN)/ruff check offload tools tests benchmarks
 	$(BIN)/ruff format --check offload tools tests benchmarks
 
 docs: setup
-	$(BIN)/python -m tools.gendocs
+	$(BIN)/python -m mbridge_offload_tools.docgen
 
 bench: setup
 	$(BIN)/python benchmarks/cpu_optimizer.py

@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from offload.activation import offload_layers
+from mbridge_offload.runtime.activation import offload_layers
 
 LAYERS = 12
 

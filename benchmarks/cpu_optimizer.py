@@ -30,7 +30,7 @@ from collections.abc import Callable
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from offload.optimizer import HybridDeviceOptimizer
+from mbridge_offload.runtime.optimizer.hybrid import HybridDeviceOptimizer
 
 HYPER = {"lr": 1e-3, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
 SMALL_SIZES = (256, 1024, 4096, 16384)  # cycled: biases, norms, small projections

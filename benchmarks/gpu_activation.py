@@ -38,8 +38,8 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from offload import device
-from offload.activation import offload_layers
+from mbridge_offload.runtime import device
+from mbridge_offload.runtime.activation import offload_layers
 
 
 @dataclass(frozen=True)

@@ -26,8 +26,8 @@ import traceback
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from offload import device
-from offload.optimizer import HybridDeviceOptimizer
+from mbridge_offload.runtime import device
+from mbridge_offload.runtime.optimizer.hybrid import HybridDeviceOptimizer
 
 HYPER = {"lr": 1e-3, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
 SMALL = (1024, 4096, 16384)

@@ -1,7 +1,7 @@
 """Measure the MCP server's latency as a client sees it: start to first ``list_tools``, and tool call times.
 
-A separate client process (this script) starts ``python -m tools.server`` over stdio, as Claude Code or Codex
-would, and times:
+A separate client process (this script) starts ``python -m mbridge_offload_tools.server`` over stdio, as Claude Code
+or Codex would, and times:
 - start → first ``list_tools`` answer (process spawn, imports, initialize handshake, tools/list), ``--starts`` times;
 - ``validate_config`` and ``recommend_mode`` calls on the example config, after one warm-up call each
   (the first call imports the library: reported separately as ``first_call_ms``).
@@ -36,7 +36,9 @@ CALLS = {
 def _params() -> StdioServerParameters:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [env.get("PYTHONPATH")])])
-    return StdioServerParameters(command=sys.executable, args=["-m", "tools.server"], cwd=str(ROOT), env=env)
+    return StdioServerParameters(
+        command=sys.executable, args=["-m", "mbridge_offload_tools.server"], cwd=str(ROOT), env=env
+    )
 
 
 def _summary(samples_s: list[float]) -> dict[str, float]:

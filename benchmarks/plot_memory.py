@@ -23,10 +23,10 @@ import matplotlib.pyplot as plt
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from offload.hardware import gpu_preset  # noqa: E402
-from offload.memory import Setup, estimate_memory  # noqa: E402
-from offload.plan import budget_gb  # noqa: E402
-from offload.presets import model_preset  # noqa: E402
+from mbridge_offload.plan.hardware import gpu_preset  # noqa: E402
+from mbridge_offload.plan.memory import Setup, estimate_memory  # noqa: E402
+from mbridge_offload.plan.planner import budget_gb  # noqa: E402
+from mbridge_offload.plan.presets import model_preset  # noqa: E402
 
 PARTS = ("weights", "gradients", "optimizer", "activations", "other")
 COLORS = ("#4c72b0", "#55a868", "#c44e52", "#8172b2", "#999999")

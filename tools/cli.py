@@ -9,8 +9,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from offload import __version__
-from tools.common import EXIT_BAD_INPUT, UsageError, fail
+from mbridge_offload import __version__
+from mbridge_offload_tools.common import EXIT_BAD_INPUT, UsageError, fail
 
 
 class _Parser(argparse.ArgumentParser):
@@ -20,7 +20,11 @@ class _Parser(argparse.ArgumentParser):
         fail(f"{self.prog}: {message}", "--json" in sys.argv)
 
 
-SUBCOMMAND_MODULES = ("tools.cli_validate", "tools.cli_plan", "tools.cli_agent")
+SUBCOMMAND_MODULES = (
+    "mbridge_offload_tools.cli_validate",
+    "mbridge_offload_tools.cli_plan",
+    "mbridge_offload_tools.cli_agent",
+)
 
 
 def build_parser() -> argparse.ArgumentParser:

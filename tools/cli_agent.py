@@ -6,7 +6,7 @@ import argparse
 import sys
 from typing import Any
 
-from tools.common import EXIT_BAD_INPUT, EXIT_FINDINGS, EXIT_OK, UsageError, emit
+from mbridge_offload_tools.common import EXIT_BAD_INPUT, EXIT_FINDINGS, EXIT_OK, UsageError, emit
 
 
 def add_parsers(sub: Any) -> None:
@@ -84,8 +84,8 @@ def _human_apply(d: dict[str, Any]) -> str:
 
 
 def cmd_apply(args: argparse.Namespace) -> int:
-    from offload.apply import apply_offload
-    from offload.sources import ConfigError
+    from mbridge_offload.actions.apply import apply_offload
+    from mbridge_offload.config.sources import ConfigError
 
     try:
         result = apply_offload(
@@ -133,7 +133,7 @@ def _human_test(d: dict[str, Any]) -> str:
 
 
 def cmd_test(args: argparse.Namespace) -> int:
-    from offload.testsuite import TestSuiteError, run_tests
+    from mbridge_offload.actions.testsuite import TestSuiteError, run_tests
 
     def progress(done: int, total: int | None, message: str) -> None:
         if not args.json:
@@ -181,8 +181,8 @@ def _human_diagnose(d: dict[str, Any]) -> str:
 
 
 def cmd_diagnose(args: argparse.Namespace) -> int:
-    from offload.diagnose import diagnose
-    from offload.sources import ConfigError, load
+    from mbridge_offload.actions.diagnose import diagnose
+    from mbridge_offload.config.sources import ConfigError, load
 
     if not any((args.log, args.error, args.config, args.before, args.after)):
         raise UsageError("diagnose needs --error TEXT, --log FILE, --config FILE, or --before/--after FILE")
@@ -214,7 +214,7 @@ def cmd_diagnose(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from tools.server import run
+    from mbridge_offload_tools.server import run
 
     try:
         run(args.transport, args.host, args.port)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from tools.common import EXIT_OK, UsageError, emit
+from mbridge_offload_tools.common import EXIT_OK, UsageError, emit
 
 
 def _add_common(p: argparse.ArgumentParser) -> None:
@@ -69,7 +69,8 @@ def add_parsers(sub: Any) -> None:
 
 
 def _inputs(args: argparse.Namespace):
-    from offload import plan, sources
+    from mbridge_offload.config import sources
+    from mbridge_offload.plan import planner as plan
 
     path = args.model_config or getattr(args, "config", None)
     if args.model_config and getattr(args, "config", None):
@@ -136,9 +137,9 @@ def _inputs(args: argparse.Namespace):
 
 def estimate_payload(inputs: Any, time_kwargs: dict[str, Any], margin: float | None = None) -> dict[str, Any]:
     """The ``estimate`` JSON object (contract keys first, then details)."""
-    from offload.memory import GB, estimate_memory
-    from offload.plan import budget_gb, default_margin
-    from offload.timing import estimate_time
+    from mbridge_offload.plan.memory import GB, estimate_memory
+    from mbridge_offload.plan.planner import budget_gb, default_margin
+    from mbridge_offload.plan.timing import estimate_time
 
     m, s, gpu = inputs.model, inputs.setup, inputs.gpu
     est = estimate_memory(m, s, gpu.host_ram_gb)
@@ -253,7 +254,7 @@ def _human_recommend(d: dict[str, Any]) -> str:
 
 
 def run_recommend(args: argparse.Namespace) -> int:
-    from offload import plan
+    from mbridge_offload.plan import planner as plan
 
     if args.margin is not None and not 0.0 <= args.margin < 1.0:
         raise UsageError(f"--margin is {args.margin}: it must be in [0, 1)")
@@ -273,12 +274,14 @@ def run_recommend(args: argparse.Namespace) -> int:
 
 
 def run_calibrate(args: argparse.Namespace) -> int:
-    from offload import calibrate
+    from mbridge_offload.plan import calibration as calibrate
 
     if args.numel < 1024 or args.steps < 1 or (args.threads is not None and args.threads < 1):
         raise UsageError("--numel must be at least 1024, --steps and --threads at least 1")
     try:
-        result = calibrate.measure(numel=args.numel, steps=args.steps, threads=args.threads)
+        from mbridge_offload.runtime.adam_throughput import measure
+
+        result = measure(numel=args.numel, steps=args.steps, threads=args.threads)
     except ImportError as exc:
         raise UsageError(f"calibrate needs torch ({exc}); install mbridge-offload[runtime]") from None
     result["path"] = str(calibrate.save(result, args.output))

@@ -10,7 +10,7 @@ import argparse
 import shlex
 from typing import Any
 
-from tools.common import EXIT_BAD_INPUT, EXIT_FINDINGS, EXIT_OK, emit, fail
+from mbridge_offload_tools.common import EXIT_BAD_INPUT, EXIT_FINDINGS, EXIT_OK, emit, fail
 
 
 def add_parsers(sub: Any) -> None:
@@ -70,9 +70,9 @@ def _parse_env(items: list[str], as_json: bool) -> dict[str, str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from offload.rules import DEFAULT_TARGET, parse_target
-    from offload.sources import ConfigError, load
-    from offload.validate import validate
+    from mbridge_offload.config.rules.base import DEFAULT_TARGET, parse_target
+    from mbridge_offload.config.sources import ConfigError, load
+    from mbridge_offload.config.validate import validate
 
     as_json = args.json
     given = [x for x in (args.config, args.recipe, args.megatron_args) if x is not None]

@@ -23,7 +23,7 @@ from mcp.server.mcpserver.exceptions import ToolError
 from mcp.types import ToolAnnotations
 from pydantic import BaseModel, Field
 
-from offload import __version__
+from mbridge_offload import __version__
 
 logger = logging.getLogger(__name__)
 
@@ -165,7 +165,7 @@ class DiagnoseOutput(BaseModel):
 
 
 def _load(config: str, overrides: list[str] | None, what: str = "config"):
-    from offload.sources import ConfigError, load
+    from mbridge_offload.config.sources import ConfigError, load
 
     try:
         return load(config, overrides or [])
@@ -179,8 +179,8 @@ def _tool_errors(fn):
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
-        from offload.sources import ConfigError
-        from offload.testsuite import TestSuiteError
+        from mbridge_offload.actions.testsuite import TestSuiteError
+        from mbridge_offload.config.sources import ConfigError
 
         try:
             return fn(*args, **kwargs)
@@ -193,7 +193,7 @@ def _tool_errors(fn):
 
 
 def _recommend(loaded: Any, flags: dict[str, Any]) -> dict[str, Any]:
-    from offload import plan
+    from mbridge_offload.plan import planner as plan
 
     rec = plan.recommend_for_inputs(
         config=loaded.config if loaded else None, raw=loaded.raw if loaded else None, **flags
@@ -220,8 +220,8 @@ def validate_config(
 
     Returns findings with the upstream message, the keys involved and the fix as overrides.
     """
-    from offload.config import effective_values
-    from offload.validate import validate
+    from mbridge_offload.config.schema import effective_values
+    from mbridge_offload.config.validate import validate
 
     loaded = _load(config, overrides)
     try:
@@ -329,11 +329,11 @@ def apply_offload(
     Always returns the unified diff, the override list and each change with its reason; writes only with output
     or in_place, atomically, and never a config that fails validation. Comments and key order are preserved.
     """
-    from offload.apply import apply_offload as run_apply
+    from mbridge_offload.actions.apply import apply_offload as run_apply
 
     planner = {"gpu": gpu, "gpu_memory_gb": gpu_memory_gb, "num_gpus": num_gpus}
     try:
-        from offload.hardware import gpu_preset
+        from mbridge_offload.plan.hardware import gpu_preset
 
         if gpu is not None:
             gpu_preset(gpu)
@@ -376,7 +376,7 @@ def run_unit_tests(
     steps: Annotated[int | None, Field(ge=2, le=500, description="parity: training steps per run")] = None,
     timeout_s: Annotated[float, Field(gt=0, le=3600, description="wall-clock limit")] = 600,
     path: Annotated[
-        str | None, Field(description="one test file/folder/node id under tests/, e.g. tests/test_apply.py")
+        str | None, Field(description="one test file/folder/node id under tests/, e.g. tests/actions/test_apply.py")
     ] = None,
 ) -> TestRunOutput:
     """Run tests in a subprocess and report counts, durations and failing node ids with the failure text.
@@ -386,8 +386,8 @@ def run_unit_tests(
     """
     import anyio.from_thread
 
-    from offload.sources import ConfigError
-    from offload.testsuite import TestSuiteError, run_tests
+    from mbridge_offload.actions.testsuite import TestSuiteError, run_tests
+    from mbridge_offload.config.sources import ConfigError
 
     def progress(done: int, total: int | None, message: str) -> None:
         try:
@@ -429,7 +429,7 @@ def diagnose_failure(
 
     With before/after configs it also lists the offload keys that changed and the predicted memory change.
     """
-    from offload.diagnose import diagnose
+    from mbridge_offload.actions.diagnose import diagnose
 
     if not any((error, log, config, before, after)):
         raise ToolError(

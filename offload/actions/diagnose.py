@@ -1,0 +1,291 @@
+"""Explain a failed or disappointing offload run: match an error or log against the known failure modes.
+
+Two sources of knowledge:
+- every upstream error message in the rule catalogue (``config/rules/``): a log line that quotes one is
+  matched back to its rule, and the rule's fix is returned as overrides;
+- the failures that have no single message — OOM with activation offload, OOM at partial optimizer offload, a
+  >4x slowdown, a loss jump after resume, ``weights_only`` load failures, pinned-memory / memlock limits, the
+  Transformer Engine ``get_cpu_offload_context`` TypeError, checkpoint-save assertions — each with a cause, a way
+  to confirm it and a fix; the catalogue is data in :mod:`mbridge_offload.actions.failures`.
+
+With the config, matches are narrowed (an OOM with ``cpu_offloading`` on is the activation-offload OOM) and the
+validator's findings are added. With two configs, :func:`compare_configs` lists the offload-related keys that
+changed and the planner's predicted per-GPU memory before and after.
+
+Example:
+    >>> report = diagnose(error="Currently there is no support for Pipeline parallelism with CPU offloading")
+    >>> report.matches[0].fix
+    ['model.cpu_offloading=false', 'optimizer.optimizer_cpu_offload=true', ...]
+
+Plain Python: no torch.
+"""
+
+from __future__ import annotations
+
+import re
+import string
+from dataclasses import dataclass, field
+from typing import Any
+
+from mbridge_offload.actions.failures import EXPLAINS_RULES, KNOWN
+from mbridge_offload.config.schema import OffloadConfig, effective_values
+
+
+@dataclass
+class Diagnosis:
+    failure: str
+    title: str
+    cause: str
+    confirm: str
+    fix: list[str]
+    actions: list[str] = field(default_factory=list)
+    evidence: str | None = None
+    source: str = "known"
+    references: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "failure": self.failure,
+            "title": self.title,
+            "cause": self.cause,
+            "confirm": self.confirm,
+            "fix": self.fix,
+            "actions": self.actions,
+            "evidence": self.evidence,
+            "source": self.source,
+            "references": self.references,
+        }
+
+
+@dataclass
+class DiagnoseReport:
+    matches: list[Diagnosis]
+    findings: list[dict[str, Any]] = field(default_factory=list)
+    comparison: dict[str, Any] | None = None
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "matches": [m.to_dict() for m in self.matches],
+            "findings": self.findings,
+            "comparison": self.comparison,
+            "notes": self.notes,
+        }
+
+
+# ---------------------------------------------------------------------------------------------- matching
+
+
+def _normalise(text: str) -> str:
+    return re.sub(r"\s+", " ", text)
+
+
+def _line_around(text: str, start: int, end: int) -> str:
+    left = text.rfind("\n", 0, start) + 1
+    right = text.find("\n", end)
+    return text[left : right if right != -1 else len(text)].strip()[:300]
+
+
+def _template_regex(template: str) -> str:
+    """A rule's ``str.format`` message template → a regex with one named group per field."""
+    parts: list[str] = []
+    seen: set[str] = set()
+    for literal, name, _spec, _conv in string.Formatter().parse(template):
+        parts.append(re.escape(_normalise(literal)))
+        if name is not None:
+            group = re.sub(r"\W", "_", name) or "value"
+            parts.append(f"(?P<{group}>.+?)" if group not in seen and group[0].isalpha() else ".+?")
+            seen.add(group)
+    regex = "".join(parts).rstrip("\\.")
+    return regex.replace(r"\ ", r"\s+")
+
+
+def _rule_modes() -> list[tuple[Any, re.Pattern[str]]]:
+    try:
+        from mbridge_offload.config.rules.catalogue import all_rules
+    except ImportError:
+        return []
+    out = []
+    for rule in all_rules():
+        if not rule.upstream or rule.severity != "error":
+            continue
+        for text in {rule.message, rule.upstream_text} - {None}:
+            try:
+                out.append((rule, re.compile(_template_regex(text), re.IGNORECASE)))
+            except re.error:  # pragma: no cover - a template we cannot turn into a regex
+                continue
+    return out
+
+
+def _format_fix(templates: tuple[str, ...] | None, values: dict[str, Any]) -> list[str]:
+    fixes = []
+    for template in templates or ():
+        try:
+            fixes.append(template.format(**values))
+        except (KeyError, IndexError, ValueError):
+            continue  # needs a value only the config has; validate(config) gives the concrete one
+    return fixes
+
+
+def _from_rules(text: str, covered: set[str]) -> list[Diagnosis]:
+    found: list[Diagnosis] = []
+    seen: set[str] = set(covered)
+    flat = _normalise(text)
+    for rule, regex in _rule_modes():
+        if rule.id in seen:
+            continue
+        hit = regex.search(text) or regex.search(flat)
+        if not hit:
+            continue
+        seen.add(rule.id)
+        evidence = _line_around(hit.string, hit.start(), hit.end())
+        found.append(
+            Diagnosis(
+                failure=rule.id,
+                title=rule.summary,
+                cause=rule.why,
+                confirm=f"check {', '.join(rule.keys)} in the effective config (`mbridge-offload validate CONFIG`)",
+                fix=_format_fix(rule.fix, {k: v for k, v in hit.groupdict().items() if v is not None}),
+                evidence=evidence,
+                source=f"rule:{rule.id}",
+            )
+        )
+    return found
+
+
+def match_text(text: str, config: OffloadConfig | None = None) -> list[Diagnosis]:
+    """Every known failure mode the text shows, most specific first."""
+    text = text or ""
+    flat = _normalise(text)
+    matches: list[Diagnosis] = []
+    covered: set[str] = set()
+    for mode in KNOWN:
+        if config is None and not mode.without_config:
+            continue
+        if mode.when is not None and config is not None and not mode.when(config):
+            continue
+        hit = None
+        for pattern in mode.patterns:
+            hit = re.search(pattern, text, re.IGNORECASE) or re.search(pattern, flat, re.IGNORECASE)
+            if hit:
+                break
+        if hit is None:
+            continue
+        fix = list(mode.fix(config, hit)) if callable(mode.fix) else list(mode.fix)
+        evidence = _line_around(hit.string, hit.start(), hit.end())
+        covered.update(EXPLAINS_RULES.get(mode.id, ()))
+        matches.append(
+            Diagnosis(
+                mode.id,
+                mode.title,
+                mode.cause,
+                mode.confirm,
+                fix,
+                list(mode.actions),
+                evidence,
+                "known",
+                list(mode.references),
+            )
+        )
+    matches += _from_rules(text, covered)
+    # A config error explains a crash better than the generic symptoms that may also match its log.
+    specific = [m for m in matches if not m.failure.startswith(("oom_", "slowdown", "host_oom"))]
+    generic = [m for m in matches if m not in specific]
+    return specific + generic
+
+
+# ---------------------------------------------------------------------------------------------- before / after
+
+
+def _memory(config: OffloadConfig) -> dict[str, Any]:
+    """The planner's per-GPU memory estimate for a config (worst pipeline stage), host memory and step time.
+
+    Raises:
+        ValueError / KeyError: the config lacks the model sizes the estimator needs.
+    """
+    from mbridge_offload.plan.memory import estimate_memory
+    from mbridge_offload.plan.planner import resolve_inputs
+    from mbridge_offload.plan.timing import estimate_time
+
+    inputs = resolve_inputs(config)
+    est = estimate_memory(inputs.model, inputs.setup, inputs.gpu.host_ram_gb)
+    timing = estimate_time(est, inputs.gpu, overlap=inputs.overlap)
+    return {
+        "memory_gb": est.breakdown_gb(),
+        "host_gb": round(est.host_gb, 3),
+        "step_time_factor": round(timing.step_time_factor, 3),
+    }
+
+
+def compare_configs(before: OffloadConfig, after: OffloadConfig) -> dict[str, Any]:
+    """The offload-related keys that differ, and the predicted per-GPU memory change."""
+    old, new = effective_values(before), effective_values(after)
+    changed = [{"key": k, "before": old[k], "after": new[k]} for k in old if old[k] != new[k]]
+    out: dict[str, Any] = {"changed": changed}
+    try:
+        mem_before, mem_after = _memory(before), _memory(after)
+    except (ValueError, KeyError, TypeError) as exc:  # e.g. no model sizes: say so, keep the diagnosis
+        out["memory_note"] = f"memory prediction unavailable: {str(exc).strip(chr(39))}"
+        return out
+    tb = mem_before.get("memory_gb", {}).get("total")
+    ta = mem_after.get("memory_gb", {}).get("total")
+    out["memory_gb"] = {"before": mem_before.get("memory_gb"), "after": mem_after.get("memory_gb")}
+    if tb is not None and ta is not None:
+        out["memory_gb"]["delta_total"] = round(ta - tb, 3)
+    out["host_gb"] = {"before": mem_before.get("host_gb"), "after": mem_after.get("host_gb")}
+    out["step_time_factor"] = {"before": mem_before.get("step_time_factor"), "after": mem_after.get("step_time_factor")}
+    return out
+
+
+def _findings(config: OffloadConfig, raw: dict[str, Any] | None) -> list[dict[str, Any]]:
+    from mbridge_offload.config.validate import validate
+
+    return list(validate(config, raw).to_dict().get("findings", []))
+
+
+def diagnose(
+    error: str | None = None,
+    log: str | None = None,
+    config: OffloadConfig | None = None,
+    raw: dict[str, Any] | None = None,
+    before: OffloadConfig | None = None,
+    after: OffloadConfig | None = None,
+) -> DiagnoseReport:
+    """Match an error message and/or a log excerpt against the known failure modes.
+
+    Args:
+        error: the error text (one line or a traceback).
+        log: a log excerpt.
+        config: the config of the failing run; narrows matches and adds the validator's findings.
+        raw: the raw dict of ``config`` (for rules that read unknown keys).
+        before, after: two configs around a change; adds ``comparison`` (offload diff, predicted memory).
+
+    Returns:
+        DiagnoseReport; ``matches`` is empty when nothing known matched (the notes say so).
+    """
+    text = "\n".join(t for t in (error, log) if t)
+    report = DiagnoseReport(matches=match_text(text, config or after) if text else [])
+    if config is not None:
+        report.findings = _findings(config, raw)
+    if before is not None and after is not None:
+        report.comparison = compare_configs(before, after)
+        if not text:
+            report.matches = match_text("out of memory", after) if _got_smaller(before, after) else []
+    if text and not report.matches:
+        report.notes.append(
+            "no known offload failure matched; pass the config (and the log around the first "
+            "error) for more, or run `mbridge-offload validate CONFIG`"
+        )
+    return report
+
+
+def _got_smaller(before: OffloadConfig, after: OffloadConfig) -> bool:
+    """Did the change offload less than before (the usual reason a commit brings an OOM)?"""
+    b, a = before, after
+    less_opt = (b.optimizer.optimizer_cpu_offload and b.optimizer.optimizer_offload_fraction) > (
+        a.optimizer.optimizer_cpu_offload and a.optimizer.optimizer_offload_fraction
+    )
+    less_act = (b.model.cpu_offloading and b.model.cpu_offloading_num_layers) > (
+        a.model.cpu_offloading and a.model.cpu_offloading_num_layers
+    )
+    return bool(less_opt or less_act)

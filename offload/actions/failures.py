@@ -1,0 +1,425 @@
+"""The catalogue of known offload failure modes that ``mbridge_offload.actions.diagnose`` matches logs against.
+
+Each :class:`FailureMode` is data: the patterns that recognise it in an error or log, the cause, how to confirm
+it, and the fix as overrides (or a function of the config that computes them), plus other actions and the
+upstream issues that report it. Sources: the upstream skill's failure table and the user problems collected in
+``docs/cpu-offloading.md``. The upstream error *messages* are matched from the rule catalogue (``config/rules/``);
+the entries here that also explain one of those say which in :data:`EXPLAINS_RULES`.
+
+Plain Python: no torch.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from mbridge_offload.config.schema import OffloadConfig
+
+FixFn = Callable[[OffloadConfig | None, "re.Match[str]"], list[str]]
+
+
+@dataclass(frozen=True)
+class FailureMode:
+    """A known way an offload run fails, with what to tell the user."""
+
+    id: str
+    title: str
+    patterns: tuple[str, ...]
+    cause: str
+    confirm: str
+    fix: tuple[str, ...] | FixFn = ()
+    actions: tuple[str, ...] = ()
+    references: tuple[str, ...] = ()
+    # Only match when this holds for the given config (None config: always).
+    when: Callable[[OffloadConfig], bool] | None = None
+    # Without a config, report this one only if it is one of the likely readings (not every OOM variant).
+    without_config: bool = True
+
+
+# ------------------------------------------------------------------------------------- fixes that read the config
+
+
+def _fraction(cfg: OffloadConfig | None) -> float | None:
+    if cfg is None or not cfg.optimizer.optimizer_cpu_offload:
+        return None
+    return cfg.optimizer.optimizer_offload_fraction
+
+
+def _fix_oom_partial(cfg: OffloadConfig | None, _m: re.Match[str]) -> list[str]:
+    current = _fraction(cfg) or 0.5
+    higher = min(1.0, round(current + 0.25, 2))
+    fix = ["optimizer.optimizer_cpu_offload=true", f"optimizer.optimizer_offload_fraction={higher}"]
+    if higher >= 0.5:
+        fix.append("optimizer.overlap_cpu_optimizer_d2h_h2d=true")
+    return fix
+
+
+def _fix_slowdown(cfg: OffloadConfig | None, _m: re.Match[str]) -> list[str]:
+    current = _fraction(cfg)
+    lower = 0.5 if current is None else max(0.25, round(current - 0.25, 2))
+    if cfg is not None and cfg.model.cpu_offloading and not cfg.optimizer.optimizer_cpu_offload:
+        layers = max(1, cfg.model.cpu_offloading_num_layers // 2)
+        return [f"model.cpu_offloading_num_layers={layers}"]
+    return [f"optimizer.optimizer_offload_fraction={lower}", "optimizer.overlap_cpu_optimizer_d2h_h2d=true"]
+
+
+def _fix_layer_range(cfg: OffloadConfig | None, m: re.Match[str]) -> list[str]:
+    try:
+        total = int(m.group("n"))
+    except (IndexError, ValueError, TypeError):
+        total = cfg.model.num_layers if cfg is not None and cfg.model.num_layers else None
+    return [f"model.cpu_offloading_num_layers={total - 1}"] if total else []
+
+
+def _activation_on(cfg: OffloadConfig) -> bool:
+    return cfg.model.cpu_offloading
+
+
+def _partial_optimizer(cfg: OffloadConfig) -> bool:
+    return (
+        cfg.optimizer.optimizer_cpu_offload
+        and cfg.optimizer.optimizer_offload_fraction < 1.0
+        and not cfg.model.cpu_offloading
+    )
+
+
+def _no_offload(cfg: OffloadConfig) -> bool:
+    return not cfg.model.cpu_offloading and not cfg.optimizer.optimizer_cpu_offload
+
+
+def _full_optimizer(cfg: OffloadConfig) -> bool:
+    return (
+        cfg.optimizer.optimizer_cpu_offload
+        and cfg.optimizer.optimizer_offload_fraction >= 1.0
+        and not cfg.model.cpu_offloading
+    )
+
+
+_OOM = (r"CUDA out of memory", r"OutOfMemoryError", r"CUDA error: out of memory", r"\bOOM\b", r"out of memory")
+_SWITCH_TO_OPTIMIZER = (
+    "model.cpu_offloading=false",
+    "optimizer.optimizer_cpu_offload=true",
+    "optimizer.optimizer_offload_fraction=0.5",
+    "optimizer.overlap_cpu_optimizer_d2h_h2d=true",
+)
+
+# ---------------------------------------------------------------------------------------------- the catalogue
+
+KNOWN: tuple[FailureMode, ...] = (
+    # --- the upstream config errors (also matched from the rule catalogue; these carry the confirm step)
+    FailureMode(
+        "pp_constraint",
+        "Activation offloading with pipeline parallelism",
+        (r"Currently there is no support for Pipeline parallelism with CPU offloading",),
+        "layer-level activation offloading (model.cpu_offloading) is used with pipeline_model_parallel_size > 1; "
+        "Megatron Core refuses the combination",
+        "check model.pipeline_model_parallel_size in the config (or --pipeline-model-parallel-size)",
+        _SWITCH_TO_OPTIMIZER,
+        (
+            "alternatively keep activation offload and set model.pipeline_model_parallel_size=1 if the model fits on "
+            "one stage (see `mbridge-offload estimate`)",
+        ),
+    ),
+    FailureMode(
+        "recompute_constraint",
+        "Activation offloading with recomputation",
+        (r"CPU offloading does not work when activation recomputation is enabled",),
+        "model.cpu_offloading is combined with activation recomputation (recompute_granularity is not null)",
+        "check model.recompute_granularity",
+        ("model.recompute_granularity=null",),
+        ("or keep recompute and switch activation offload off (model.cpu_offloading=false)",),
+    ),
+    FailureMode(
+        "fine_grained_constraint",
+        "Layer-level and fine-grained activation offloading together",
+        (r"fine_grained_activation_offloading cannot be enabled with cpu_offloading",),
+        "both activation-offload mechanisms are on; their saved-tensor hooks and schedules would corrupt each other",
+        "check model.fine_grained_activation_offloading and model.cpu_offloading",
+        ("model.fine_grained_activation_offloading=false",),
+        ("or keep fine-grained offloading (works with PP>1) and set model.cpu_offloading=false",),
+    ),
+    FailureMode(
+        "cuda_graph_constraint",
+        "Activation offloading with CUDA graphs",
+        (r"CUDA graphs not supported with CPU offloading", r"Cudagraphs not supported"),
+        "CUDA graphs (cuda_graph_impl other than none/full_iteration, or Bridge's local CUDA-graph manager) are on "
+        "together with model.cpu_offloading",
+        "check model.cuda_graph_impl and model.enable_cuda_graph",
+        ("model.cuda_graph_impl=none",),
+        ("or keep CUDA graphs and use optimizer offloading instead (unaffected by CUDA graphs)",),
+    ),
+    FailureMode(
+        "layer_range",
+        "Too many offloaded layers",
+        (r"CPU offloading can be done only for layers less than (?P<n>\d+)",),
+        "model.cpu_offloading_num_layers is not below model.num_layers (at least one layer must stay on the GPU)",
+        "compare model.cpu_offloading_num_layers with model.num_layers",
+        _fix_layer_range,
+    ),
+    FailureMode(
+        "te_nothing_to_offload",
+        "Activation offload with nothing to offload",
+        (r"CPU Offloading is enabled while it is not mentioned what to offload",),
+        "model.cpu_offloading is on but cpu_offloading_activations and cpu_offloading_weights are both false; "
+        "Transformer Engine raises this during model construction (Megatron-Bridge#2684)",
+        "check model.cpu_offloading_activations and model.cpu_offloading_weights",
+        ("model.cpu_offloading_activations=true",),
+        references=("NVIDIA-NeMo/Megatron-Bridge#2684",),
+    ),
+    FailureMode(
+        "te_missing",
+        "Activation offloading without Transformer Engine",
+        (
+            r"CPU Offloading is enabled when TE is not present",
+            r"CPU Offloading cannot be enabled while TE is not present",
+        ),
+        "layer-level activation offload is implemented by Transformer Engine; it is missing or "
+        "model.transformer_impl is not transformer_engine",
+        "python -c 'import transformer_engine.pytorch' in the training environment; check model.transformer_impl",
+        ("model.transformer_impl=transformer_engine",),
+        ("or switch activation offload off: model.cpu_offloading=false",),
+    ),
+    FailureMode(
+        "te_signature",
+        "get_cpu_offload_context called with the wrong arguments",
+        (
+            r"get_cpu_offload_context\(\) takes from \d+ to \d+ positional arguments but \d+ were given",
+            r"get_cpu_offload_context\(\) got an unexpected keyword argument",
+        ),
+        "Megatron Core's version dispatch passes arguments Transformer Engine's version does not take "
+        "(TE 1.8/1.9 with older MCore, or a TE version string such as '0.1.0+te2.9.0' that MCore mis-parses)",
+        "pip show transformer-engine megatron-core; compare with the pairing in Megatron Bridge's uv.lock",
+        (),
+        (
+            "upgrade megatron-core (dispatch fixed by NVIDIA/Megatron-LM PR #996) or install the transformer-engine "
+            "version your megatron-core release was tested with",
+        ),
+        ("NVIDIA/Megatron-LM#1018", "NVIDIA/Megatron-LM#1041"),
+    ),
+    FailureMode(
+        "decoupled_weight_decay",
+        "Optimizer offload needs AdamW mode",
+        (r"CPU offloading only supported with decoupled_weight_decay enabled",),
+        "optimizer.optimizer_cpu_offload with decoupled_weight_decay=false; the CPU optimizer is torch AdamW",
+        "check optimizer.decoupled_weight_decay",
+        ("optimizer.decoupled_weight_decay=true",),
+    ),
+    FailureMode(
+        "precision_aware_required",
+        "Megatron-LM optimizer offload needs the precision-aware optimizer",
+        (r"optimizer cpu offload must be used in conjunction with `?--use-precision-aware-optimizer",),
+        "Megatron-LM's validate_args requires --use-precision-aware-optimizer with --optimizer-cpu-offload",
+        "check the launch flags for --use-precision-aware-optimizer",
+        ("optimizer.use_precision_aware_optimizer=true",),
+        ("on the Megatron-LM command line add --use-precision-aware-optimizer",),
+    ),
+    FailureMode(
+        "mfsdp_v2",
+        "Megatron-FSDP v2 does not support optimizer offload",
+        (r"MFSDP v2 does not (currently )?support optimizer CPU offload",),
+        "optimizer.optimizer_cpu_offload with Megatron-FSDP v2",
+        "check ddp.use_megatron_fsdp and the FSDP version",
+        ("optimizer.optimizer_cpu_offload=false",),
+        ("or use the distributed optimizer instead of Megatron-FSDP v2 (ddp.use_megatron_fsdp=false)",),
+    ),
+    FailureMode(
+        "skip_megatron_wrapping",
+        "skip_megatron_wrapping with optimizer offload",
+        (r"skip_megatron_wrapping=True is incompatible with optimizer_cpu_offload",),
+        "get_megatron_optimizer(skip_megatron_wrapping=True) cannot wrap the HybridDeviceOptimizer",
+        "look for skip_megatron_wrapping=True where your code builds the optimizer",
+        ("optimizer.optimizer_cpu_offload=false",),
+        ("or keep offloading and call get_megatron_optimizer without skip_megatron_wrapping=True",),
+    ),
+    # --- failures with no single message
+    FailureMode(
+        "oom_activation_offload",
+        "OOM with activation offloading",
+        _OOM,
+        "activation offload requires PP=1, so every GPU holds all layers' weights, gradients and optimizer states; "
+        "for large (30B+, MoE) models these alone exceed the GPU (Qwen3-30B-A3B: 70.3 GB at PP=1 on an 80 GB H100)",
+        "compare torch.cuda.max_memory_allocated() with the GPU size; run `mbridge-offload estimate` with this config",
+        _SWITCH_TO_OPTIMIZER,
+        ("then raise model.pipeline_model_parallel_size (optimizer offload works with PP>1)",),
+        when=_activation_on,
+    ),
+    FailureMode(
+        "oom_partial_optimizer_offload",
+        "OOM at partial optimizer offload",
+        _OOM,
+        "optimizer.optimizer_offload_fraction is below 1.0 and the GPU-resident share of the Adam states is still "
+        "too large (each 25 % moved saved ~3.8 GB on Qwen3-30B-A3B)",
+        "compare the peak memory with the fraction; `mbridge-offload estimate --optimizer-offload-fraction F` for "
+        "a few fractions",
+        _fix_oom_partial,
+        ("or add pipeline parallelism (model.pipeline_model_parallel_size)",),
+        when=_partial_optimizer,
+    ),
+    FailureMode(
+        "oom_full_optimizer_offload",
+        "OOM with all optimizer states offloaded",
+        _OOM,
+        "with optimizer_offload_fraction=1.0 the remaining GPU memory is weights, gradients and activations; more "
+        "optimizer offload cannot help",
+        "look at the allocator snapshot or `mbridge-offload estimate`: activations and weights dominate",
+        ("model.recompute_granularity=selective",),
+        ("or raise tensor/pipeline parallelism, or lower train.micro_batch_size",),
+        when=_full_optimizer,
+        without_config=False,
+    ),
+    FailureMode(
+        "oom_no_offload",
+        "OOM without offloading",
+        _OOM,
+        "nothing is offloaded yet; optimizer states (12 bytes/param with fp32 masters) are the cheapest to move",
+        "`mbridge-offload recommend CONFIG` predicts the memory before/after",
+        (
+            "optimizer.optimizer_cpu_offload=true",
+            "optimizer.optimizer_offload_fraction=0.5",
+            "optimizer.overlap_cpu_optimizer_d2h_h2d=true",
+        ),
+        when=_no_offload,
+        without_config=False,
+    ),
+    FailureMode(
+        "slowdown",
+        "Step time much slower with offloading",
+        (
+            r"\b(?P<x>\d+(?:\.\d+)?)\s*x\s*(?:slower|slowdown)",
+            r"\bslow(?:er|down|s down)?\b",
+            r"throughput (?:regression|drop)",
+            r"(?:step|iteration) time (?:went up|increased|doubled|grew)",
+        ),
+        "the CPU Adam step dominates: the penalty is roughly linear in optimizer_offload_fraction (1.9x at 25 %, "
+        "4.2x at 100 % on Qwen3-30B-A3B); D2H/H2D overlap wins only ~7 % back",
+        "compare step times at two fractions; profile the optimizer step (CPU time vs copies)",
+        _fix_slowdown,
+        ("more CPU cores per GPU (OMP_NUM_THREADS) speed the CPU step up",),
+    ),
+    FailureMode(
+        "no_saving",
+        "Optimizer offload saves no memory",
+        (
+            r"(?:no|zero) (?:memory )?(?:saving|reduction|difference)",
+            r"memory (?:unchanged|did not (?:drop|change))",
+            r"did not reduce (?:gpu )?memory",
+        ),
+        "optimizer.optimizer_cpu_offload is on but optimizer_offload_fraction is 0.0 (Bridge's default), so the "
+        "HybridDeviceOptimizer keeps every state on the GPU",
+        "check optimizer.optimizer_offload_fraction in the effective config (`mbridge-offload validate`)",
+        ("optimizer.optimizer_offload_fraction=0.5",),
+    ),
+    FailureMode(
+        "resume_loss_jump",
+        "Loss jumps after resuming from a checkpoint",
+        (
+            r"loss (?:jumps?|jumped|spikes?|spiked|explodes?|exploded|diverge)",
+            r"after (?:resum|restart|load)\w*.{0,40}loss",
+            r"loss.{0,40}after (?:resum|restart|load)",
+        ),
+        "the HybridDeviceOptimizer's CPU/fp32 master copies or its Adam step counter were not restored: stale masters "
+        "after a model-only load (Megatron-Bridge#3949), precision-aware + offload resume (Megatron-LM#1842), stale "
+        "'step' in DP-reshardable loads",
+        "resume once with checkpoint.load_optim=false (--no-load-optim): if the jump disappears, the optimizer "
+        "state restore is at fault",
+        ("checkpoint.load_optim=false",),
+        ("upgrade Megatron Bridge (PR #4082 syncs all fp32 master copies after load) / megatron-core",),
+        ("NVIDIA/Megatron-LM#1842", "NVIDIA-NeMo/Megatron-Bridge#3949"),
+    ),
+    FailureMode(
+        "checkpoint_save_assert",
+        "AssertionError saving a checkpoint with optimizer offload",
+        (
+            r"gbuf_local_end - gbuf_local_start",
+            r"AssertionError.{0,200}(?:save|checkpoint)",
+            r"(?:save|checkpoint).{0,200}AssertionError",
+        ),
+        "torch AdamW's 0-dim 'step' tensor went through the per-bucket shape assertion of the distributed "
+        "optimizer's save path (fixed in megatron-core 0.18.0, Megatron-LM PR #2874)",
+        "the traceback ends in distrib_optimizer.py's state save; check `pip show megatron-core`",
+        ("checkpoint.save_optim=false",),
+        ("upgrade to megatron-core >= 0.18.0 / Megatron Bridge >= 0.5.0",),
+        ("NVIDIA-NeMo/Megatron-Bridge#1942", "NVIDIA/Megatron-LM#1872"),
+    ),
+    FailureMode(
+        "weights_only_load",
+        "torch.load(weights_only=True) rejects the optimizer checkpoint",
+        (r"Weights only load failed", r"WeightsUnpickler error", r"Unsupported global: GLOBAL torch\.optim"),
+        "PyTorch >= 2.6 loads with weights_only=True by default, and the HybridDeviceOptimizer's param groups "
+        "carry the optimizer classes (cpu_optimizer_cls/gpu_optimizer_cls) as pickled objects",
+        "the error names a GLOBAL like torch.optim.adamw.AdamW",
+        (),
+        (
+            "for a checkpoint you trust: torch.serialization.add_safe_globals([torch.optim.AdamW, torch.optim.SGD]) "
+            "before loading, or torch.load(..., weights_only=False)",
+        ),
+        ("NovaSky-AI/SkyRL#1401",),
+    ),
+    FailureMode(
+        "fp32_master_keyerror",
+        "KeyError restoring fp32 masters",
+        (r"_update_fp32_params_by_new_state",),
+        "native-fp32 parameters have no separate fp32 master, and older megatron-core looked them up anyway "
+        "(fixed by Megatron-LM PR #5929)",
+        "the traceback ends in hybrid_optimizer.py _update_fp32_params_by_new_state with a KeyError",
+        (),
+        ("upgrade megatron-core past PR #5929",),
+        ("NovaSky-AI/SkyRL#1401",),
+    ),
+    FailureMode(
+        "pinned_memory",
+        "Pinned host memory could not be allocated",
+        (
+            r"pin_memory",
+            r"cudaHostAlloc",
+            r"cudaErrorInvalidValue",
+            r"memlock",
+            r"RLIMIT_MEMLOCK",
+            r"ulimit -l",
+            r"cannot (?:allocate|register) (?:pinned|page-locked)",
+            r"page-locked",
+        ),
+        "offloaded optimizer states, CPU grads and activation buffers are pinned (page-locked); the container's "
+        "memlock limit or the host RAM is too small for them",
+        "`ulimit -l` inside the container (should be unlimited); `free -g` during the run",
+        ("optimizer.pin_cpu_grads=false", "optimizer.pin_cpu_params=false"),
+        ("or run the container with --ulimit memlock=-1, or lower optimizer_offload_fraction",),
+        ("verl-project/verl#6690",),
+    ),
+    FailureMode(
+        "host_oom",
+        "The host ran out of memory",
+        (r"Cannot allocate memory", r"oom-kill", r"Out of memory: Killed process", r"\bKilled\b"),
+        "offloaded state lives in host RAM (~16 bytes per offloaded parameter, pinned) shared by all GPUs of the node",
+        "`dmesg | grep -i oom` on the node; `mbridge-offload estimate` reports host_gb",
+        _fix_slowdown,
+        ("give the job more host memory or fewer GPUs per node",),
+    ),
+    FailureMode(
+        "fsdp_save_hang",
+        "Checkpoint save hangs with Megatron-FSDP and optimizer offload",
+        (r"hang.{0,80}(?:save|checkpoint)", r"(?:save|checkpoint).{0,80}hang"),
+        "Megatron-FSDP's optimizer checkpoint save with optimizer_cpu_offload=True can hang (Megatron-LM#4910)",
+        "the hang is in the optimizer state save; it does not happen with checkpoint.save_optim=false",
+        ("checkpoint.save_optim=false",),
+        ("or use the distributed optimizer instead of Megatron-FSDP",),
+        ("NVIDIA/Megatron-LM#4910",),
+    ),
+)
+
+
+# Known entries that explain a catalogue rule's message (with a confirm step the rule does not have).
+EXPLAINS_RULES: dict[str, tuple[str, ...]] = {
+    "pp_constraint": ("ACT-PP",),
+    "recompute_constraint": ("ACT-RECOMPUTE",),
+    "fine_grained_constraint": ("ACT-FINE-GRAINED",),
+    "cuda_graph_constraint": ("ACT-CUDA-GRAPH", "ACT-BRIDGE-CUDAGRAPH-ASSERT"),
+    "layer_range": ("ACT-NUM-LAYERS",),
+    "te_nothing_to_offload": ("ACT-NOTHING-TO-OFFLOAD",),
+    "decoupled_weight_decay": ("OPT-DECOUPLED-WD",),
+    "precision_aware_required": ("OPT-MLM-PRECISION-AWARE",),
+    "mfsdp_v2": ("OPT-MFSDP-V2", "OPT-BRIDGE-MFSDP-V2"),
+    "skip_megatron_wrapping": ("OPT-SKIP-WRAPPING",),
+}

@@ -1,0 +1,243 @@
+"""The rule catalogue: every check on a CPU-offloading config, as data plus a small check function.
+
+Modelled on ruff's registry: each :class:`Rule` has a stable ``id``, a ``severity`` (``error`` = upstream
+refuses or crashes, ``warning`` = runs but silently does nothing or something surprising, ``info``), an
+``origin`` (``mcore``, ``te``, ``bridge``, ``megatron-lm``, ``advisory``), the upstream message verbatim
+where upstream raises one, the keys it reads, a ``why``, a ``fix`` (Hydra-style overrides, or none), and the
+megatron-core releases it applies to. The rules themselves live in :mod:`mbridge_offload.config.rules.activation` (MCore
+``TransformerConfig``), :mod:`mbridge_offload.config.rules.activation_build` (TE, Bridge, Megatron-LM, advisory) and
+:mod:`mbridge_offload.config.rules.optimizer`, each in upstream code order;
+:mod:`mbridge_offload.config.rules.catalogue` assembles them.
+
+Versions. A rule's ``applies_to`` is a specifier on megatron-core (``">=0.19"``; empty = every target). The
+supported targets are the releases whose behaviour this catalogue was checked against by running real code
+(``tests/config/test_differential.py``): 0.16.1 and 0.19.2, plus ``main`` (HEAD d98e8a64dd, read, not run). Megatron
+Bridge versions are paired with them (0.16.x ↔ Bridge 0.3.x, 0.19.x ↔ Bridge 0.6.x, main ↔ Bridge HEAD).
+
+Plain Python: no torch, no megatron.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from mbridge_offload.config.schema import OffloadConfig
+
+Severity = Literal["error", "warning", "info"]
+Origin = Literal["mcore", "te", "bridge", "megatron-lm", "advisory"]
+
+SEVERITIES: tuple[str, ...] = ("error", "warning", "info")
+ORIGINS: tuple[str, ...] = ("mcore", "te", "bridge", "megatron-lm", "advisory")
+
+# Where upstream enforces a rule. The differential test compares the first error per stage with real code.
+STAGE_TRANSFORMER_CONFIG = "TransformerConfig.__post_init__"
+STAGE_OPTIMIZER_CONFIG = "OptimizerConfig.__post_init__"
+STAGE_OPTIMIZER_FACTORY = "get_megatron_optimizer"
+STAGE_TE = "Transformer Engine get_cpu_offload_context (model build)"
+STAGE_BRIDGE = "Megatron Bridge ConfigContainer.validate / layer build"
+STAGE_MLM = "Megatron-LM validate_args"
+STAGE_ADVISORY = "not enforced upstream"
+
+# ---------------------------------------------------------------------------------------------- versions
+
+Version = tuple[int, int, int]
+
+
+@dataclass(frozen=True)
+class Target:
+    """The upstream release a config is validated against."""
+
+    package: str
+    version: Version
+    label: str
+    bridge: str
+
+    def __str__(self) -> str:
+        return f"{self.package}=={self.label}"
+
+
+TARGETS: dict[str, Target] = {
+    "0.16.1": Target("megatron-core", (0, 16, 1), "0.16.1", "megatron-bridge 0.3.x"),
+    "0.19.2": Target("megatron-core", (0, 19, 2), "0.19.2", "megatron-bridge 0.6.x"),
+    # HEAD as read for the reference (NVIDIA/Megatron-LM d98e8a64dd); ordered after every release.
+    "main": Target("megatron-core", (0, 20, 0), "main", "megatron-bridge HEAD"),
+}
+_TARGET_ALIASES = {"0.16": "0.16.1", "0.19": "0.19.2", "head": "main"}
+DEFAULT_TARGET = "megatron-core==0.19.2"
+
+
+def parse_target(text: str | Target) -> Target:
+    """``"megatron-core==0.16.1"`` (or ``0.16``, ``0.19.2``, ``main``) → :class:`Target`.
+
+    Raises:
+        ValueError: an unparsable or unsupported target; the message lists the supported ones.
+    """
+    if isinstance(text, Target):
+        return text
+    spec = str(text).strip()
+    package, sep, version = spec.partition("==")
+    if not sep:
+        package, version = "megatron-core", spec
+    package, version = package.strip().lower().replace("_", "-"), version.strip().lower()
+    key = _TARGET_ALIASES.get(version, version)
+    if package not in {"megatron-core", "mcore"} or key not in TARGETS:
+        supported = ", ".join(f"megatron-core=={name}" for name in TARGETS)
+        raise ValueError(f"unsupported target {spec!r}: use one of {supported}")
+    return TARGETS[key]
+
+
+def _version(text: str) -> Version:
+    parts = [int(p) for p in re.findall(r"\d+", text)[:3]]
+    return tuple(parts + [0] * (3 - len(parts)))  # type: ignore[return-value]
+
+
+_OPS: dict[str, Callable[[Version, Version], bool]] = {
+    ">=": lambda a, b: a >= b,
+    "<=": lambda a, b: a <= b,
+    "==": lambda a, b: a == b,
+    "!=": lambda a, b: a != b,
+    ">": lambda a, b: a > b,
+    "<": lambda a, b: a < b,
+}
+
+
+def spec_contains(spec: str, version: Version) -> bool:
+    """``spec_contains(">=0.19,<0.20", (0, 19, 2))`` → True. An empty spec contains every version."""
+    for clause in filter(None, (c.strip() for c in spec.split(","))):
+        op = next(o for o in (">=", "<=", "==", "!=", ">", "<") if clause.startswith(o))
+        if not _OPS[op](version, _version(clause[len(op) :])):
+            return False
+    return True
+
+
+# ---------------------------------------------------------------------------------------------- context
+
+
+@dataclass
+class Context:
+    """What a check function sees: the typed config, the raw dict, the target and environment facts."""
+
+    config: OffloadConfig
+    raw: dict[str, Any]
+    target: Target
+
+    @property
+    def model(self):
+        return self.config.model
+
+    @property
+    def opt(self):
+        return self.config.optimizer
+
+    @property
+    def frontend(self) -> str:
+        return self.config.env.get("frontend", "bridge")
+
+    @property
+    def te_version(self) -> Version:
+        # Megatron Bridge HEAD pins transformer-engine 2.18.0 (uv.lock).
+        return _version(str(self.config.env.get("te_version", "2.18.0")))
+
+    @property
+    def nvte_cpu_offload_v1(self) -> bool:
+        return str(self.config.env.get("NVTE_CPU_OFFLOAD_V1", "0")) == "1"
+
+    @property
+    def te_offload_path(self) -> str:
+        """``v1`` (legacy, TE < 2.10 or NVTE_CPU_OFFLOAD_V1=1) or ``v2`` (TE ≥ 2.10 default)."""
+        return "v1" if self.te_version < (2, 10, 0) or self.nvte_cpu_offload_v1 else "v2"
+
+    @property
+    def cuda_graph_impl(self) -> str:
+        """The implementation MCore ends up with: the deprecated ``enable_cuda_graph`` maps to ``local``."""
+        impl = self.model.cuda_graph_impl
+        if self.model.enable_cuda_graph and impl == "none":
+            return "local"
+        return impl
+
+    @property
+    def allowed_cuda_graph_impls(self) -> tuple[str, ...]:
+        if self.target.version >= (0, 19, 0):
+            return ("none", "transformer_engine", "local", "full_iteration")
+        return ("none", "transformer_engine", "local")
+
+    @property
+    def distributed_optimizer(self) -> bool:
+        # Bridge keeps optimizer.* and ddp.* use_distributed_optimizer in sync (either one switches it on).
+        if self.frontend == "megatron-lm":
+            return self.opt.use_distributed_optimizer
+        return self.opt.use_distributed_optimizer or self.config.ddp.use_distributed_optimizer
+
+
+# ---------------------------------------------------------------------------------------------- rules
+
+
+@dataclass
+class Match:
+    """One hit of a rule: values for the message/fix templates, or an explicit message/fix/keys."""
+
+    values: dict[str, Any] = field(default_factory=dict)
+    message: str | None = None
+    fix: list[str] | None = None
+    keys: list[str] | None = None
+
+
+CheckResult = bool | Match | Iterable[Match] | None
+
+
+@dataclass(frozen=True)
+class Rule:
+    """A check: data plus a small function.
+
+    Attributes:
+        id: stable identifier (``ACT-PP``).
+        severity: ``error`` | ``warning`` | ``info``.
+        origin: who enforces it (``mcore``, ``te``, ``bridge``, ``megatron-lm``) or ``advisory``.
+        summary: one line for docs.
+        keys: the dotted config keys it reads.
+        why: our explanation (never in ``message``).
+        check: ``Context -> bool | Match | [Match] | None``.
+        message: the upstream message verbatim (a ``str.format`` template) where upstream raises or warns;
+            for advisory rules our own one-line message.
+        upstream: True when ``message`` is upstream's text.
+        upstream_text: the exact ``str(exception)`` upstream produces, when it differs from ``message``
+            (a bare ``assert`` has no text, so the report shows a readable line instead).
+        exception: the exception class upstream raises (``ValueError``, ``AssertionError``), if any.
+        stage: where upstream enforces it.
+        fix: override templates that resolve it (formatted with the match values), or None.
+        applies_to: specifier on megatron-core versions; empty = all.
+        shadowed_by: rules that, when they fire, make this one unreachable upstream (hidden then).
+    """
+
+    id: str
+    severity: Severity
+    origin: Origin
+    summary: str
+    keys: tuple[str, ...]
+    why: str
+    check: Callable[[Context], CheckResult]
+    message: str
+    upstream: bool = True
+    upstream_text: str | None = None
+    exception: str | None = None
+    stage: str = STAGE_ADVISORY
+    fix: tuple[str, ...] | None = None
+    applies_to: str = ""
+    shadowed_by: tuple[str, ...] = ()
+
+    def applies(self, target: Target) -> bool:
+        return spec_contains(self.applies_to, target.version)
+
+    def run(self, ctx: Context) -> list[Match]:
+        """The matches of this rule on ``ctx`` (empty when it does not fire)."""
+        result = self.check(ctx)
+        if result is None or result is False:
+            return []
+        if result is True:
+            return [Match()]
+        if isinstance(result, Match):
+            return [result]
+        return list(result)

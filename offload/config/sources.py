@@ -1,0 +1,434 @@
+"""Read configs from where users keep them: Bridge YAML, JSON, Hydra-style overrides, Megatron-LM argv.
+
+Everything ends as a plain nested ``dict`` (the *raw* config, unknown keys included) and an
+``OffloadConfig`` built from it. Parsing uses real parsers: ruamel.yaml (round-trip, so line numbers are
+known for error messages), ``json``, Hydra's own override grammar, and ``argparse`` for Megatron-LM flags.
+No torch import on this path.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+from mbridge_offload.config.schema import SECTIONS, OffloadConfig
+
+
+class ConfigError(ValueError):
+    """Bad input: the config cannot be read or does not type-check. The message is one actionable line."""
+
+
+@dataclass
+class LoadedConfig:
+    raw: dict[str, Any]
+    config: OffloadConfig
+    source: str
+    overrides: list[str] = field(default_factory=list)
+
+
+# ---------------------------------------------------------------------------------------------- text
+
+
+def _yaml():
+    from ruamel.yaml import YAML
+
+    yaml = YAML(typ="rt")
+    yaml.preserve_quotes = True
+    return yaml
+
+
+def to_plain(node: Any) -> Any:
+    """ruamel's round-trip containers → plain dicts, lists and scalars."""
+    if isinstance(node, dict):
+        return {str(k): to_plain(v) for k, v in node.items()}
+    if isinstance(node, list | tuple):
+        return [to_plain(v) for v in node]
+    tagged_value = getattr(node, "value", None)
+    if type(node).__name__ == "TaggedScalar":  # unknown !!tags: keep the scalar
+        return tagged_value
+    if isinstance(node, bool) or node is None:
+        return node
+    if isinstance(node, int):
+        return int(node)
+    if isinstance(node, float):
+        return float(node)
+    if isinstance(node, str):
+        return str(node)
+    return node
+
+
+def parse_text(text: str, where: str = "<text>") -> tuple[dict[str, Any], Any]:
+    """Parse YAML or JSON text. Returns ``(plain dict, round-trip tree or None)``.
+
+    Raises:
+        ConfigError: malformed text, or a top level that is not a mapping.
+    """
+    stripped = text.lstrip()
+    if stripped.startswith("{"):
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"{where}:{exc.lineno}:{exc.colno}: malformed JSON: {exc.msg}") from None
+        tree = None
+    else:
+        from ruamel.yaml.error import MarkedYAMLError, YAMLError
+
+        try:
+            tree = _yaml().load(io.StringIO(text))
+        except MarkedYAMLError as exc:
+            mark = exc.problem_mark
+            loc = f"{where}:{mark.line + 1}:{mark.column + 1}" if mark else where
+            raise ConfigError(f"{loc}: malformed YAML: {exc.problem or exc.context}") from None
+        except YAMLError as exc:
+            raise ConfigError(f"{where}: malformed YAML: {str(exc).splitlines()[0]}") from None
+        data = to_plain(tree) if tree is not None else {}
+    if not isinstance(data, dict):
+        raise ConfigError(
+            f"{where}: the top level must be a mapping of sections (model:, optimizer:, …), got {type(data).__name__}"
+        )
+    return data, tree
+
+
+def read_source(source: str, stdin: Any = None) -> tuple[str, str]:
+    """``(text, where)`` for a file path, ``-`` (stdin) or inline YAML/JSON text.
+
+    Raises:
+        ConfigError: a path that does not exist or cannot be read.
+    """
+    if source == "-":
+        return (stdin or sys.stdin).read(), "<stdin>"
+    looks_inline = (
+        "\n" in source
+        or source.lstrip().startswith("{")
+        or (":" in source and not Path(source).exists() and not source.endswith((".yaml", ".yml", ".json")))
+    )
+    if looks_inline:
+        return source, "<text>"
+    path = Path(source)
+    if not path.exists():
+        raise ConfigError(f"{source}: no such file; pass a Bridge YAML/JSON path, '-' for stdin, or inline YAML text")
+    if path.is_dir():
+        raise ConfigError(f"{source}: is a directory; pass the config file inside it")
+    try:
+        return path.read_text(encoding="utf-8"), str(path)
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{source}: cannot be read ({exc.__class__.__name__}: {exc})") from None
+
+
+# ---------------------------------------------------------------------------------------------- overrides
+
+
+def parse_overrides(overrides: list[str]) -> list[Any]:
+    """Parse Hydra-style overrides with Hydra's grammar (``a.b=1``, ``+a.b=1``, ``++a.b=1``, ``~a.b``)."""
+    if not overrides:
+        return []
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    parser = OverridesParser.create()
+    parsed = []
+    for text in overrides:
+        try:
+            parsed.append(parser.parse_overrides([text])[0])
+        except HydraException as exc:
+            first = str(exc).splitlines()[0]
+            raise ConfigError(f"override {text!r}: {first}; expected KEY=VALUE, +KEY=VALUE or ~KEY") from None
+    return parsed
+
+
+def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply Hydra-style overrides to a plain config dict (in place) and return it.
+
+    Raises:
+        ConfigError: unparsable override, ``+key`` on a key that exists, ``~key`` on one that does not.
+    """
+    if not overrides:
+        return raw  # Hydra's parser costs ~70 ms to import; keep plain `validate FILE` fast
+    from hydra.core.override_parser.types import OverrideType
+
+    for override in parse_overrides(overrides):
+        *parents, leaf = override.key_or_group.split(".")
+        node = raw
+        for part in parents:
+            child = node.get(part)
+            if child is None:
+                child = node[part] = {}
+            if not isinstance(child, dict):
+                raise ConfigError(f"override {override.input_line!r}: {part!r} is not a section")
+            node = child
+        if override.type == OverrideType.DEL:
+            if leaf not in node:
+                raise ConfigError(
+                    f"override {override.input_line!r}: {override.key_or_group} is not set, nothing to delete"
+                )
+            del node[leaf]
+            continue
+        if override.type == OverrideType.ADD and leaf in node:
+            raise ConfigError(
+                f"override {override.input_line!r}: {override.key_or_group} is already set; "
+                f"use {override.key_or_group}=VALUE (or ++{override.key_or_group}=VALUE)"
+            )
+        value = override.value()
+        node[leaf] = None if isinstance(value, str) and value in {"None"} else value
+    return raw
+
+
+# ---------------------------------------------------------------------------------------------- Megatron-LM argv
+
+# flag → (dotted key, kind). kind: "true"/"false" store a bool, or a type for a value.
+_MLM_FLAGS: dict[str, tuple[str, Any]] = {
+    "--optimizer-cpu-offload": ("optimizer.optimizer_cpu_offload", "true"),
+    "--optimizer-offload-fraction": ("optimizer.optimizer_offload_fraction", float),
+    "--use-torch-optimizer-for-cpu-offload": ("optimizer.use_torch_optimizer_for_cpu_offload", "true"),
+    "--overlap-cpu-optimizer-d2h-h2d": ("optimizer.overlap_cpu_optimizer_d2h_h2d", "true"),
+    "--no-pin-cpu-grads": ("optimizer.pin_cpu_grads", "false"),
+    "--no-pin-cpu-params": ("optimizer.pin_cpu_params", "false"),
+    "--use-precision-aware-optimizer": ("optimizer.use_precision_aware_optimizer", "true"),
+    "--use-distributed-optimizer": ("optimizer.use_distributed_optimizer", "true"),
+    "--optimizer": ("optimizer.optimizer", str),
+    "--lr": ("optimizer.lr", float),
+    "--weight-decay": ("optimizer.weight_decay", float),
+    "--adam-beta1": ("optimizer.adam_beta1", float),
+    "--adam-beta2": ("optimizer.adam_beta2", float),
+    "--adam-eps": ("optimizer.adam_eps", float),
+    "--clip-grad": ("optimizer.clip_grad", float),
+    "--main-params-dtype": ("optimizer.main_params_dtype", str),
+    "--exp-avg-dtype": ("optimizer.exp_avg_dtype", str),
+    "--exp-avg-sq-dtype": ("optimizer.exp_avg_sq_dtype", str),
+    "--cpu-offloading-num-layers": ("model.cpu_offloading_num_layers", int),
+    "--fine-grained-activation-offloading": ("model.fine_grained_activation_offloading", "true"),
+    "--offload-modules": ("model.offload_modules", "list"),
+    "--min-offloaded-tensor-size": ("model.min_offloaded_tensor_size", int),
+    "--moe-paged-stash": ("model.moe_paged_stash", "true"),
+    "--num-layers": ("model.num_layers", int),
+    "--hidden-size": ("model.hidden_size", int),
+    "--ffn-hidden-size": ("model.ffn_hidden_size", int),
+    "--num-attention-heads": ("model.num_attention_heads", int),
+    "--num-query-groups": ("model.num_query_groups", int),
+    "--seq-length": ("model.seq_length", int),
+    "--num-experts": ("model.num_moe_experts", int),
+    "--moe-ffn-hidden-size": ("model.moe_ffn_hidden_size", int),
+    "--moe-router-topk": ("model.moe_router_topk", int),
+    "--tensor-model-parallel-size": ("model.tensor_model_parallel_size", int),
+    "--pipeline-model-parallel-size": ("model.pipeline_model_parallel_size", int),
+    "--num-layers-per-virtual-pipeline-stage": ("model.num_layers_per_virtual_pipeline_stage", int),
+    "--context-parallel-size": ("model.context_parallel_size", int),
+    "--expert-model-parallel-size": ("model.expert_model_parallel_size", int),
+    "--expert-tensor-parallel-size": ("model.expert_tensor_parallel_size", int),
+    "--sequence-parallel": ("model.sequence_parallel", "true"),
+    "--recompute-granularity": ("model.recompute_granularity", str),
+    "--recompute-method": ("model.recompute_method", str),
+    "--recompute-num-layers": ("model.recompute_num_layers", int),
+    "--cuda-graph-impl": ("model.cuda_graph_impl", str),
+    "--transformer-impl": ("model.transformer_impl", str),
+    "--swiglu": ("model.gated_linear_unit", "true"),
+    "--bf16": ("model.bf16", "true"),
+    "--fp16": ("model.fp16", "true"),
+    "--micro-batch-size": ("train.micro_batch_size", int),
+    "--global-batch-size": ("train.global_batch_size", int),
+    "--train-iters": ("train.train_iters", int),
+}
+
+# Megatron-LM's CLI defaults where they differ from the dataclass (megatron/training/arguments.py).
+MLM_CLI_DEFAULTS: dict[str, Any] = {"optimizer.optimizer_offload_fraction": 1.0}
+
+
+def parse_megatron_argv(argv: list[str]) -> dict[str, Any]:
+    """Megatron-LM ``pretrain_gpt.py`` flags → a raw config dict, with Megatron-LM's own derivations.
+
+    - ``--optimizer-offload-fraction`` defaults to 1.0 on the CLI (the dataclass default is 0.0).
+    - ``--cpu-offloading-num-layers N`` with N > 0 switches ``cpu_offloading`` on (Bridge does not do this).
+    - ``--bf16``/``--fp16`` apply to the optimizer too; ``--use-distributed-optimizer`` to ddp too.
+    Unknown flags are ignored.
+    """
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    for flag, (key, kind) in _MLM_FLAGS.items():
+        dest = key.replace(".", "__")
+        if kind == "true":
+            parser.add_argument(flag, dest=dest, action="store_const", const=True, default=None)
+        elif kind == "false":
+            parser.add_argument(flag, dest=dest, action="store_const", const=False, default=None)
+        elif kind == "list":
+            parser.add_argument(flag, dest=dest, nargs="*", default=None)
+        else:
+            parser.add_argument(flag, dest=dest, type=kind, default=None)
+    try:
+        ns, _unknown = parser.parse_known_args(argv)
+    except SystemExit:
+        raise ConfigError(f"cannot parse Megatron-LM arguments {' '.join(argv)!r}") from None
+    raw: dict[str, Any] = {}
+    values = {k.replace("__", "."): v for k, v in vars(ns).items() if v is not None}
+    for key, default in MLM_CLI_DEFAULTS.items():
+        values.setdefault(key, default)
+    for dotted, value in values.items():
+        section, _, key = dotted.partition(".")
+        raw.setdefault(section, {})[key] = value
+    model, optimizer = raw.setdefault("model", {}), raw.setdefault("optimizer", {})
+    if model.get("cpu_offloading_num_layers", 0) > 0:
+        model["cpu_offloading"] = True
+    for precision in ("bf16", "fp16"):
+        if model.get(precision):
+            optimizer[precision] = True
+    if optimizer.get("use_distributed_optimizer"):
+        raw.setdefault("ddp", {})["use_distributed_optimizer"] = True
+    vp_layers = model.pop("num_layers_per_virtual_pipeline_stage", None)
+    if vp_layers and model.get("num_layers") and model.get("pipeline_model_parallel_size", 1) > 1:
+        model["virtual_pipeline_model_parallel_size"] = model["num_layers"] // (
+            model["pipeline_model_parallel_size"] * vp_layers
+        )
+    raw["frontend"] = "megatron-lm"
+    return raw
+
+
+# ---------------------------------------------------------------------------------------------- Bridge recipes
+
+
+def recipe_config(name: str) -> dict[str, Any]:
+    """Build a Megatron Bridge recipe's real ``ConfigContainer`` (e.g. ``qwen3_30b_a3b_pretrain_config``).
+
+    Needs megatron-bridge importable (the user's training environment).
+
+    Raises:
+        ConfigError: megatron-bridge missing, or no recipe of that name.
+    """
+    import importlib
+    import importlib.util
+    import types
+
+    try:
+        spec = importlib.util.find_spec("megatron.bridge.recipes")
+    except Exception as exc:  # ImportError, or TE's RuntimeError for its empty meta package
+        spec, error = None, exc
+    else:
+        error = None
+    if spec is None or not spec.submodule_search_locations:
+        detail = f"{error.__class__.__name__}: {str(error).splitlines()[0]}" if error else "not installed"
+        raise ConfigError(
+            f"--recipe needs megatron-bridge importable here ({detail}); run inside your Bridge "
+            "environment, or dump the config with ConfigContainer.to_yaml() and validate that file"
+        )
+    # Find the module that defines the recipe by reading the sources, then import only that module: the
+    # recipes package's own __init__ imports every model family (VLM data loaders included), which drags in
+    # optional dependencies a config check does not need.
+    root = Path(next(iter(spec.submodule_search_locations)))
+    hits = sorted(p for p in root.rglob("*.py") if f"def {name}(" in p.read_text(encoding="utf-8", errors="ignore"))
+    if not hits:
+        raise ConfigError(
+            f"--recipe {name}: no such recipe in megatron.bridge.recipes "
+            "(names look like qwen3_30b_a3b_pretrain_config)"
+        )
+    if "megatron.bridge.recipes" not in sys.modules:
+        package = types.ModuleType("megatron.bridge.recipes")
+        package.__path__ = [str(root)]
+        sys.modules["megatron.bridge.recipes"] = package
+    module_name = "megatron.bridge.recipes." + ".".join(hits[0].relative_to(root).with_suffix("").parts)
+    try:
+        factory = getattr(importlib.import_module(module_name), name)
+    except Exception as exc:
+        raise ConfigError(
+            f"--recipe {name}: importing {module_name} failed ({exc.__class__.__name__}: "
+            f"{str(exc).splitlines()[0] if str(exc) else ''})"
+        ) from None
+    try:
+        container = factory()
+    except Exception as exc:  # e.g. a recipe that reads its HF config from the hub, offline
+        raise ConfigError(
+            f"--recipe {name}: building the recipe failed ({exc.__class__.__name__}: "
+            f"{str(exc).splitlines()[0] if str(exc) else ''})"
+        ) from None
+    if not hasattr(container, "to_yaml"):
+        raise ConfigError(f"--recipe {name}: the recipe returned {type(container).__name__}, not a ConfigContainer")
+    import tempfile
+
+    # The same path a user's file takes: Bridge's own YAML dump, then our reader.
+    with tempfile.TemporaryDirectory() as tmp:
+        dump = Path(tmp) / f"{name}.yaml"
+        container.to_yaml(str(dump))
+        data, _ = parse_text(dump.read_text(encoding="utf-8"), where=f"recipe:{name}")
+    return data
+
+
+# ---------------------------------------------------------------------------------------------- typed model
+
+
+def _line_of(tree: Any, loc: tuple[Any, ...]) -> int | None:
+    node = tree
+    line = None
+    for part in loc:
+        lc = getattr(node, "lc", None)
+        if lc is None or not isinstance(node, dict) or part not in node:
+            break
+        try:
+            line = lc.key(part)[0] + 1
+        except (KeyError, TypeError):
+            break
+        node = node[part]
+    return line
+
+
+def build_config(raw: dict[str, Any], where: str = "<config>", tree: Any = None) -> OffloadConfig:
+    """Type-check a raw config.
+
+    Raises:
+        ConfigError: a section that is not a mapping, or a known key with a value of the wrong type; the
+            message names the key, the value, what was expected and (for files) the line.
+    """
+    for name in SECTIONS:
+        if name in raw and raw[name] is not None and not isinstance(raw[name], dict):
+            raise ConfigError(f"{where}: section {name!r} must be a mapping, got {raw[name]!r}")
+    data = {k: (v if v is not None else {}) if k in SECTIONS else v for k, v in raw.items()}
+    try:
+        return OffloadConfig.model_validate(data)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        loc = tuple(err["loc"][:2]) if err["loc"] and err["loc"][0] in SECTIONS else tuple(err["loc"][:1])
+        dotted = ".".join(str(p) for p in loc)
+        line = _line_of(tree, loc) if tree is not None else None
+        place = f"{where}:{line}" if line else where
+        value = err.get("input")
+        more = f" (and {exc.error_count() - 1} more)" if exc.error_count() > 1 else ""
+        raise ConfigError(f"{place}: {dotted} = {value!r}: {err['msg'].lower()}{more}") from None
+
+
+def load(
+    source: str | None = None,
+    overrides: list[str] | None = None,
+    *,
+    argv: list[str] | None = None,
+    recipe: str | None = None,
+    stdin: Any = None,
+) -> LoadedConfig:
+    """Load a config from a file/text/stdin, a Bridge recipe, or Megatron-LM argv, then apply overrides.
+
+    Args:
+        source: a YAML/JSON path, ``-`` for stdin, or inline YAML/JSON text. ``None`` = empty config.
+        overrides: Hydra-style overrides applied after loading.
+        argv: Megatron-LM command-line flags (instead of ``source``).
+        recipe: a Megatron Bridge recipe function name (instead of ``source``).
+
+    Raises:
+        ConfigError: any bad input, with a one-line message.
+    """
+    overrides = list(overrides or [])
+    tree = None
+    if argv is not None:
+        raw, where = parse_megatron_argv(argv), "<argv>"
+    elif recipe is not None:
+        raw, where = recipe_config(recipe), f"recipe:{recipe}"
+    elif source is not None:
+        text, where = read_source(source, stdin=stdin)
+        raw, tree = parse_text(text, where)
+    else:
+        raw, where = {}, "<empty>"
+    apply_overrides(raw, overrides)
+    frontend = raw.pop("frontend", "bridge")
+    config = build_config(raw, where, tree if not overrides else None)
+    config.env.setdefault("frontend", str(frontend))
+    return LoadedConfig(raw=raw, config=config, source=where, overrides=overrides)

@@ -1,0 +1,143 @@
+"""``validate``: run every rule of the catalogue on a config and return a :class:`Report`.
+
+Validation is lint: each finding names the rule, the keys, upstream's own message (where upstream raises)
+and the overrides that fix it. No torch, no megatron on this path.
+
+Example:
+    >>> from mbridge_offload.config.sources import load
+    >>> loaded = load("examples/qwen3_30b_a3b_pretrain.yaml")
+    >>> report = validate(loaded.config, loaded.raw)
+    >>> report.ok
+    True
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from mbridge_offload.config.rules.base import DEFAULT_TARGET, Context, Match, Rule, Target, parse_target
+from mbridge_offload.config.rules.catalogue import all_rules
+from mbridge_offload.config.schema import OffloadConfig, effective_values
+
+
+@dataclass
+class Finding:
+    """One hit of one rule.
+
+    ``message`` is upstream's text where upstream raises or warns (``upstream_message`` then holds the exact
+    exception text, which differs only for bare asserts); ``why`` is our explanation.
+    """
+
+    rule: str
+    severity: str
+    origin: str
+    keys: list[str]
+    message: str
+    fix: list[str] | None
+    why: str
+    stage: str
+    upstream_message: str | None = None
+    exception: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "rule": self.rule,
+            "severity": self.severity,
+            "origin": self.origin,
+            "keys": list(self.keys),
+            "message": self.message,
+            "fix": list(self.fix) if self.fix is not None else None,
+            "why": self.why,
+            "stage": self.stage,
+            "upstream_message": self.upstream_message,
+            "exception": self.exception,
+        }
+
+
+@dataclass
+class Report:
+    """The result of :func:`validate`. ``ok`` is True when no finding has severity ``error``."""
+
+    findings: list[Finding]
+    config: dict[str, Any]
+    target: Target
+    env: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return not self.errors
+
+    @property
+    def errors(self) -> list[Finding]:
+        return [f for f in self.findings if f.severity == "error"]
+
+    def by_rule(self, rule_id: str) -> list[Finding]:
+        return [f for f in self.findings if f.rule == rule_id]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "ok": self.ok,
+            "findings": [f.to_dict() for f in self.findings],
+            "config": dict(self.config),
+            "target": str(self.target),
+            "env": dict(self.env),
+        }
+
+
+def _finding(rule: Rule, match: Match) -> Finding:
+    values = match.values
+    message = match.message or rule.message.format(**values)
+    if match.fix is not None:
+        fix: list[str] | None = list(match.fix)
+    elif rule.fix is not None:
+        fix = [f.format(**values) for f in rule.fix]
+    else:
+        fix = None
+    upstream_message = None
+    if rule.upstream or rule.upstream_text is not None:
+        upstream_message = rule.upstream_text.format(**values) if rule.upstream_text is not None else message
+    return Finding(
+        rule=rule.id,
+        severity=rule.severity,
+        origin=rule.origin,
+        keys=list(match.keys if match.keys is not None else rule.keys),
+        message=message,
+        fix=fix,
+        why=rule.why,
+        stage=rule.stage,
+        upstream_message=upstream_message,
+        exception=rule.exception,
+    )
+
+
+def validate(config: OffloadConfig, raw: dict[str, Any] | None = None, target: str | Target = DEFAULT_TARGET) -> Report:
+    """Run every rule that applies to ``target`` on ``config``.
+
+    Args:
+        config: the typed config (``mbridge_offload.config.sources.load(...).config``).
+        raw: the raw dict it came from; enables did-you-mean warnings for misspelled offload keys.
+        target: the upstream release, e.g. ``"megatron-core==0.16.1"`` (default: newest supported).
+
+    Returns:
+        A :class:`Report`; findings in catalogue order (upstream code order within each group).
+
+    Raises:
+        ValueError: an unsupported ``target``.
+    """
+    tgt = parse_target(target)
+    ctx = Context(config=config, raw=raw or {}, target=tgt)
+    hits: list[tuple[Rule, Finding]] = []
+    for rule in all_rules():
+        if not rule.applies(tgt):
+            continue
+        hits.extend((rule, _finding(rule, match)) for match in rule.run(ctx))
+    fired = {rule.id for rule, _ in hits}
+    findings = [f for rule, f in hits if not fired.intersection(rule.shadowed_by)]
+    values = effective_values(config)
+    return Report(findings=findings, config=values, target=tgt, env=dict(config.env))
+
+
+def first_error(report: Report, stage: str) -> Finding | None:
+    """The first error a given upstream stage would raise (upstream stops at its first failing check)."""
+    return next((f for f in report.errors if f.stage == stage), None)

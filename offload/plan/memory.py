@@ -1,0 +1,657 @@
+"""Per-GPU and host memory model of Megatron training, with and without CPU offloading.
+
+For each pipeline stage the model lists the tensors one GPU holds — parameter shards (dense parts split by TP,
+experts by EP and expert-TP, embedding on the first stage, output layer on the last), gradients, optimizer state
+(sharded by the distributed optimizer over the dense data-parallel group ``DP·CP`` or the expert data-parallel
+group), and the activations each transformer layer saves for backward — and reports the worst stage. Offloading is
+modelled as the upstream code does it:
+
+- ``HybridDeviceOptimizer`` (HDO) inside the distributed optimizer, Bridge's default non precision-aware path:
+  the fp32 main-param shards stay on the GPU (they are the DistributedOptimizer's own tensors); HDO clones the
+  offloaded ones to the CPU and runs their Adam step there, so the GPU loses only their two Adam moments (8 B).
+  With ``use_precision_aware_optimizer`` HDO owns the fp32 masters, so the masters move too (12 B).
+  The split is HDO's greedy numel prefix over whole tensors (``greedy_offload``).
+- Layer-level activation offload (TE ``get_cpu_offload_context``, v2): at most ``model_layers − k`` layers of
+  *eligible* saved tensors (≥ 256 Ki elements) stay resident; smaller ones never move.
+
+Activation bytes follow Korthikanti et al. (2022) in Megatron's variant (``18 + 4·ffn/h`` bytes per ``s·b·h`` for
+a GeLU MLP with dropout, flash attention so no ``5·a·s/h`` term), generalised tensor by tensor to SwiGLU, GQA,
+MLA, MoE, QK-norm, no-dropout models, TP with or without SP, and CP. Sizes are bytes; ``GB`` = 10⁹ bytes.
+Never imports torch. See ``docs/planner.md`` for every formula.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+
+GB = 1e9
+# TE v2 offloads a saved tensor only from this many elements up (transformer_engine/pytorch/cpu_offload.py).
+TE_MIN_OFFLOAD_NUMEL = 256 * 1024
+# Megatron pads the vocabulary to a multiple of make_vocab_size_divisible_by × TP.
+VOCAB_DIVISIBLE_BY = 128
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
+
+
+@dataclass(frozen=True)
+class MLASpec:
+    """Multi-latent attention shapes (DeepSeek-V2/V3); ``q_lora_rank=None`` = no query compression."""
+
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_head_dim: int
+    qk_pos_emb_head_dim: int
+    v_head_dim: int
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """The architecture, in Megatron ``TransformerConfig`` terms."""
+
+    name: str
+    num_layers: int
+    hidden_size: int
+    ffn_hidden_size: int
+    num_attention_heads: int
+    num_query_groups: int
+    kv_channels: int
+    vocab_size: int
+    seq_length: int = 4096
+    gated_linear_unit: bool = True
+    tied_embeddings: bool = False
+    add_bias_linear: bool = False
+    qk_layernorm: bool = False
+    dropout: float = 0.0
+    num_moe_experts: int | None = None
+    moe_ffn_hidden_size: int | None = None
+    moe_router_topk: int = 2
+    moe_shared_expert_intermediate_size: int | None = None
+    first_k_dense: int = 0
+    mla: MLASpec | None = None
+    # Expert-TP the public Bridge recipe uses (MCore's own default is ETP = TP).
+    default_etp: int | None = None
+
+    @property
+    def is_moe(self) -> bool:
+        return bool(self.num_moe_experts)
+
+    def is_moe_layer(self, index: int) -> bool:
+        return self.is_moe and index >= self.first_k_dense
+
+
+@dataclass(frozen=True)
+class Setup:
+    """Parallelism, batch, precision and offload settings of one run (Bridge recipe defaults)."""
+
+    num_gpus: int = 8
+    tp: int = 1
+    pp: int = 1
+    vpp: int | None = None
+    cp: int = 1
+    ep: int = 1
+    etp: int | None = None
+    sequence_parallel: bool | None = None  # None: on when TP > 1, as Bridge recipes set it
+    seq_length: int | None = None
+    micro_batch_size: int = 1
+    global_batch_size: int | None = None
+    params_dtype: str = "bf16"
+    grad_reduce_in_fp32: bool = True  # Bridge recipes set ddp.grad_reduce_in_fp32=True
+    use_distributed_optimizer: bool = True
+    use_precision_aware_optimizer: bool = False
+    main_params_dtype: str = "fp32"
+    exp_avg_dtype: str = "fp32"
+    exp_avg_sq_dtype: str = "fp32"
+    store_param_remainders: bool = True
+    recompute_granularity: str | None = None
+    recompute_method: str | None = None
+    recompute_num_layers: int | None = None
+    recompute_modules: tuple[str, ...] = ("core_attn",)
+    optimizer_offload_fraction: float = 0.0
+    activation_offload_layers: int = 0
+    overhead_gb: float = 2.0  # CUDA context, cuBLAS/NCCL workspaces, allocator slack
+
+    def resolved_etp(self, model: ModelSpec) -> int:
+        if self.etp is not None:
+            return self.etp
+        return model.default_etp if model.default_etp is not None else self.tp
+
+    @property
+    def sp(self) -> bool:
+        return self.tp > 1 if self.sequence_parallel is None else self.sequence_parallel
+
+    @property
+    def dp(self) -> int:
+        return self.num_gpus // (self.tp * self.pp * self.cp)
+
+    def expert_dp(self, model: ModelSpec) -> int:
+        return self.num_gpus // (self.pp * self.ep * self.resolved_etp(model))
+
+    def num_microbatches(self) -> int | None:
+        if self.global_batch_size is None:
+            return None
+        return max(1, self.global_batch_size // (self.micro_batch_size * self.dp))
+
+
+def check_setup(model: ModelSpec, setup: Setup) -> None:
+    """Reject what Megatron would reject, with the key, the value and the fix.
+
+    Raises:
+        ValueError: one line naming the violated constraint.
+    """
+    s = setup
+    for name, value in (
+        ("num_gpus", s.num_gpus),
+        ("tp", s.tp),
+        ("pp", s.pp),
+        ("cp", s.cp),
+        ("ep", s.ep),
+        ("micro_batch_size", s.micro_batch_size),
+    ):
+        if value < 1:
+            raise ValueError(f"{name} is {value}: it must be at least 1")
+    etp = s.resolved_etp(model)
+    if s.num_gpus % (s.tp * s.pp * s.cp):
+        raise ValueError(f"num_gpus {s.num_gpus} is not divisible by TP·PP·CP = {s.tp * s.pp * s.cp}")
+    if model.num_attention_heads % s.tp:
+        raise ValueError(f"TP {s.tp} does not divide num_attention_heads {model.num_attention_heads}")
+    if model.mla is None and model.num_query_groups % s.tp:
+        raise ValueError(f"TP {s.tp} does not divide num_query_groups {model.num_query_groups}")
+    if model.num_layers < s.pp:
+        raise ValueError(f"PP {s.pp} exceeds num_layers {model.num_layers}")
+    if s.vpp is not None and (s.vpp < 1 or s.pp == 1 or model.num_layers % (s.pp * s.vpp)):
+        raise ValueError(f"VPP {s.vpp} needs PP > 1 and num_layers {model.num_layers} divisible by PP·VPP")
+    seq = s.seq_length or model.seq_length
+    if seq % s.cp or (s.cp > 1 and seq % (2 * s.cp)):
+        raise ValueError(f"seq_length {seq} must be divisible by 2·CP = {2 * s.cp}")
+    if model.is_moe:
+        if model.num_moe_experts % s.ep:
+            raise ValueError(f"EP {s.ep} does not divide num_moe_experts {model.num_moe_experts}")
+        if s.num_gpus % (s.pp * s.ep * etp):
+            raise ValueError(f"num_gpus {s.num_gpus} is not divisible by PP·EP·ETP = {s.pp * s.ep * etp}")
+    elif s.ep > 1:
+        raise ValueError(f"EP {s.ep} given for dense model {model.name}: expert parallelism needs MoE layers")
+    if not 0.0 <= s.optimizer_offload_fraction <= 1.0:
+        raise ValueError(f"optimizer_offload_fraction is {s.optimizer_offload_fraction}: it must be in [0.0, 1.0]")
+    k = s.activation_offload_layers
+    if k:
+        if k < 0 or k >= model.num_layers:
+            raise ValueError(f"CPU offloading can be done only for layers less than {model.num_layers} (got {k})")
+        if s.pp > 1:
+            raise ValueError(
+                "Currently there is no support for Pipeline parallelism with CPU offloading "
+                f"(PP is {s.pp}; set PP=1 or use optimizer offloading)"
+            )
+        if s.recompute_granularity is not None:
+            raise ValueError(
+                "CPU offloading does not work when activation recomputation is enabled "
+                f"(recompute_granularity={s.recompute_granularity}; set it to null)"
+            )
+
+
+# ------------------------------------------------------------------------------------------- parameters
+
+
+@dataclass(frozen=True)
+class Tensor:
+    """One tensor on one GPU: ``numel`` elements; ``expert`` = sharded over expert DP; ``decay`` = weight decay."""
+
+    name: str
+    numel: int
+    expert: bool = False
+    decay: bool = True
+    nbytes_per: int = 2  # activations only: bytes per element
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.nbytes_per
+
+
+def padded_vocab(model: ModelSpec, tp: int) -> int:
+    multiple = VOCAB_DIVISIBLE_BY * tp
+    return math.ceil(model.vocab_size / multiple) * multiple
+
+
+def _attention_params(m: ModelSpec, tp: int) -> list[Tensor]:
+    h, bias = m.hidden_size, m.add_bias_linear
+    out: list[Tensor] = [Tensor("input_layernorm", h, decay=False)]
+    if m.mla is not None:
+        a = m.num_attention_heads
+        qk = m.mla.qk_head_dim + m.mla.qk_pos_emb_head_dim
+        if m.mla.q_lora_rank:
+            # The down-projections are "duplicated" across TP in MCore; the up-projections are column-parallel.
+            out += [
+                Tensor("q_down_proj", h * m.mla.q_lora_rank),
+                Tensor("q_layernorm", m.mla.q_lora_rank, decay=False),
+                Tensor("q_up_proj", m.mla.q_lora_rank * a * qk // tp),
+            ]
+        else:
+            out.append(Tensor("q_proj", h * a * qk // tp))
+        out += [
+            Tensor("kv_down_proj", h * (m.mla.kv_lora_rank + m.mla.qk_pos_emb_head_dim)),
+            Tensor("kv_layernorm", m.mla.kv_lora_rank, decay=False),
+            Tensor("kv_up_proj", m.mla.kv_lora_rank * a * (m.mla.qk_head_dim + m.mla.v_head_dim) // tp),
+            Tensor("proj", a * m.mla.v_head_dim * h // tp),
+        ]
+        return out
+    q = m.num_attention_heads * m.kv_channels
+    kv = m.num_query_groups * m.kv_channels
+    out.append(Tensor("linear_qkv", h * (q + 2 * kv) // tp))
+    if bias:
+        out.append(Tensor("linear_qkv_bias", (q + 2 * kv) // tp, decay=False))
+    if m.qk_layernorm:
+        out += [Tensor("q_layernorm", m.kv_channels, decay=False), Tensor("k_layernorm", m.kv_channels, decay=False)]
+    out.append(Tensor("linear_proj", q * h // tp))
+    if bias:
+        out.append(Tensor("linear_proj_bias", h, decay=False))
+    return out
+
+
+def _mlp_params(m: ModelSpec, ffn: int, shard: int, expert: bool, prefix: str) -> list[Tensor]:
+    h, gate = m.hidden_size, 2 if m.gated_linear_unit else 1
+    out = [Tensor(f"{prefix}fc1", h * gate * ffn // shard, expert), Tensor(f"{prefix}fc2", ffn * h // shard, expert)]
+    if m.add_bias_linear:
+        out += [
+            Tensor(f"{prefix}fc1_bias", gate * ffn // shard, expert, decay=False),
+            Tensor(f"{prefix}fc2_bias", h, expert, decay=False),
+        ]
+    return out
+
+
+def layer_params(m: ModelSpec, s: Setup, index: int) -> list[Tensor]:
+    """The parameter shards of transformer layer ``index`` held by one GPU."""
+    out = _attention_params(m, s.tp)
+    out.append(Tensor("pre_mlp_layernorm", m.hidden_size, decay=False))
+    if not m.is_moe_layer(index):
+        return out + _mlp_params(m, m.ffn_hidden_size, s.tp, False, "mlp.")
+    out.append(Tensor("router", m.hidden_size * m.num_moe_experts))
+    etp = s.resolved_etp(m)
+    for e in range(m.num_moe_experts // s.ep):
+        out += _mlp_params(m, m.moe_ffn_hidden_size, etp, True, f"expert{e}.")
+    if m.moe_shared_expert_intermediate_size:
+        out += _mlp_params(m, m.moe_shared_expert_intermediate_size, s.tp, False, "shared_expert.")
+    return out
+
+
+def stage_layers(m: ModelSpec, s: Setup) -> list[range]:
+    """Layer indices of each pipeline stage (the first ``L mod PP`` stages take one more)."""
+    base, extra = divmod(m.num_layers, s.pp)
+    ranges, start = [], 0
+    for stage in range(s.pp):
+        n = base + (1 if stage < extra else 0)
+        ranges.append(range(start, start + n))
+        start += n
+    return ranges
+
+
+def stage_params(m: ModelSpec, s: Setup, stage: int) -> list[Tensor]:
+    """All parameter shards of one GPU of pipeline stage ``stage``, in model (``named_parameters``) order."""
+    vocab_shard = padded_vocab(m, s.tp) * m.hidden_size // s.tp
+    out: list[Tensor] = []
+    if stage == 0:
+        out.append(Tensor("embedding", vocab_shard))
+    for index in stage_layers(m, s)[stage]:
+        out += layer_params(m, s, index)
+    if stage == s.pp - 1:
+        out.append(Tensor("final_layernorm", m.hidden_size, decay=False))
+        # Untied: a separate output layer. Tied with PP > 1: the last stage keeps its own copy of the embedding.
+        if not m.tied_embeddings or s.pp > 1:
+            out.append(Tensor("output_layer", vocab_shard))
+    return out
+
+
+def total_params(m: ModelSpec) -> int:
+    """Unsharded parameter count (no vocab padding), for reports."""
+    one = Setup(num_gpus=1)
+    n = m.vocab_size * m.hidden_size * (1 if m.tied_embeddings else 2) + m.hidden_size
+    for index in range(m.num_layers):
+        n += sum(t.numel for t in layer_params(m, replace(one, ep=1, etp=1), index))
+    return n
+
+
+# ------------------------------------------------------------------------------------------- optimizer
+
+
+def optimizer_param_order(params: list[Tensor]) -> list[Tensor]:
+    """HDO walks param groups in order, params in group order. MCore groups by (weight decay, expert, ...) in order
+    of first appearance; dense and expert params live in two separate optimizers (ChainedOptimizer)."""
+    groups: dict[bool, list[Tensor]] = {}
+    for t in params:
+        groups.setdefault(t.decay, []).append(t)
+    return [t for group in groups.values() for t in group]
+
+
+def greedy_offload(numels: list[int], fraction: float) -> int:
+    """Elements HDO puts on the CPU: whole tensors, in order, while the running total is below
+    ``fraction × total`` (the tensor that crosses the threshold goes too; 1.0 → all)."""
+    threshold = fraction * sum(numels)
+    offloaded = 0
+    for n in numels:
+        if offloaded >= threshold:
+            break
+        offloaded += n
+    return offloaded
+
+
+def _shards(params: list[Tensor], m: ModelSpec, s: Setup, expert: bool) -> list[int]:
+    """Numel of each optimizer-owned shard: DP·CP for dense params, expert DP for experts (DistOpt only)."""
+    d = (s.expert_dp(m) if expert else s.dp * s.cp) if s.use_distributed_optimizer else 1
+    return [math.ceil(t.numel / d) for t in optimizer_param_order(params) if t.expert == expert]
+
+
+def next_pow2(n: int) -> int:
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+@dataclass
+class OptimizerMemory:
+    gpu_bytes: int
+    host_bytes: int  # steady state: pinned clones and grad buffers (power-of-two rounded) + pageable moments
+    host_transient_bytes: int  # the first HDO, built on the full local params, clones them before DistOpt rebuilds
+    shard_numel: int
+    offloaded_numel: int
+
+
+def optimizer_memory(m: ModelSpec, s: Setup, params: list[Tensor]) -> OptimizerMemory:
+    """Optimizer-state bytes on the GPU and the host for one GPU's parameters."""
+    f = s.optimizer_offload_fraction
+    param_bytes = DTYPE_BYTES[s.params_dtype]
+    moments = DTYPE_BYTES[s.exp_avg_dtype] + DTYPE_BYTES[s.exp_avg_sq_dtype]
+    if s.use_precision_aware_optimizer and s.use_distributed_optimizer:
+        if s.main_params_dtype == "fp32" and s.store_param_remainders and param_bytes == 2:
+            master = 2  # only the 16 low bits the bf16 param lacks (TE FusedAdam store_param_remainders)
+        else:
+            master = DTYPE_BYTES[s.main_params_dtype]
+    else:
+        master, moments = 4, 8  # fp32 main params; exp_avg dtypes only apply to the precision-aware path
+    gpu = host = transient = shard_total = off_total = 0
+    for expert in (False, True):
+        shards = _shards(params, m, s, expert)
+        if not shards:
+            continue
+        total = sum(shards)
+        shard_total += total
+        if f <= 0.0:
+            gpu += total * (master + moments)
+            continue
+        offloaded = greedy_offload(shards, f)
+        off_total += offloaded
+        # HDO always runs with param_update_in_fp32=True under the MCore factory: fp32 CPU params and fp32 states.
+        if s.use_precision_aware_optimizer:
+            gpu += (total - offloaded) * (4 + 8)  # HDO owns fp32 masters and states of the GPU part
+        else:
+            gpu += total * 4 + (total - offloaded) * 8  # DistOpt keeps every fp32 main-param shard on the GPU
+        pinned = 0
+        for n in _prefix(shards, offloaded):
+            pinned += 2 * next_pow2(4 * n)  # fp32 clone (pin_cpu_params) + fp32 grad buffer (pin_cpu_grads)
+        host += pinned + offloaded * 8  # torch AdamW's zeros_like moments are pageable: no rounding
+        # Transient: the factory's first HDO clones `f` of the full local bf16 params (pinned) plus fp32 copies.
+        local = [t.numel for t in optimizer_param_order(params) if t.expert == expert]
+        transient += sum(
+            next_pow2(param_bytes * n) + next_pow2(4 * n) for n in _prefix(local, greedy_offload(local, f))
+        )
+    return OptimizerMemory(gpu, host, transient, shard_total, off_total)
+
+
+def _prefix(numels: list[int], offloaded: int) -> list[int]:
+    out, acc = [], 0
+    for n in numels:
+        if acc >= offloaded:
+            break
+        out.append(n)
+        acc += n
+    return out
+
+
+# ------------------------------------------------------------------------------------------- activations
+
+
+def layer_activations(m: ModelSpec, s: Setup, index: int) -> list[Tensor]:
+    """Tensors one GPU saves for backward in transformer layer ``index`` for one micro-batch (no recompute)."""
+    seq = s.seq_length or m.seq_length
+    tokens = seq * s.micro_batch_size // s.cp  # tokens per GPU along the sequence after CP
+    t_sp = tokens // s.tp if s.sp else tokens  # tokens in the sequence-parallel regions (norms, residual)
+    h, tp = m.hidden_size, s.tp
+    out = [Tensor("input_norm_in", t_sp * h)]
+    if m.mla is not None:
+        a, mla = m.num_attention_heads, m.mla
+        qk = mla.qk_head_dim + mla.qk_pos_emb_head_dim
+        out.append(Tensor("qkv_in", t_sp * h))
+        if mla.q_lora_rank:
+            out += [Tensor("q_down_out", tokens * mla.q_lora_rank), Tensor("q_up_in", tokens * mla.q_lora_rank)]
+        out += [
+            Tensor("kv_down_out", tokens * (mla.kv_lora_rank + mla.qk_pos_emb_head_dim)),
+            Tensor("kv_up_in", tokens * mla.kv_lora_rank),
+            Tensor("q", tokens * a * qk // tp),
+            Tensor("k", tokens * a * qk // tp),
+            Tensor("v", tokens * a * mla.v_head_dim // tp),
+            Tensor("attn_out", tokens * a * mla.v_head_dim // tp),
+        ]
+        heads = a // tp
+    else:
+        q = m.num_attention_heads * m.kv_channels // tp
+        kv = m.num_query_groups * m.kv_channels // tp
+        out += [
+            Tensor("qkv_in", t_sp * h),
+            Tensor("q", tokens * q),
+            Tensor("k", tokens * kv),
+            Tensor("v", tokens * kv),
+            Tensor("attn_out", tokens * q),
+        ]  # flash output = proj input, saved once
+        if m.qk_layernorm:
+            out += [Tensor("q_norm_in", tokens * q), Tensor("k_norm_in", tokens * kv)]
+        heads = m.num_attention_heads // tp
+    out.append(Tensor("softmax_lse", tokens * heads, nbytes_per=4))
+    if m.dropout > 0:
+        out.append(Tensor("attn_dropout_mask", t_sp * h, nbytes_per=1))
+    out.append(Tensor("mlp_norm_in", t_sp * h))
+    gate = 2 if m.gated_linear_unit else 1
+    if not m.is_moe_layer(index):
+        ffn = m.ffn_hidden_size // tp
+        out += [Tensor("fc1_in", t_sp * h), Tensor("fc1_out", tokens * gate * ffn), Tensor("act_out", tokens * ffn)]
+    else:
+        etp = s.resolved_etp(m)
+        routed = t_sp * m.moe_router_topk * etp  # balanced routing: each GPU receives its own tokens × top-k
+        ffn = m.moe_ffn_hidden_size // etp
+        out += [
+            Tensor("router_in", t_sp * h),
+            Tensor("router_probs", t_sp * m.num_moe_experts, nbytes_per=4),
+            Tensor("expert_fc1_in", routed * h),
+            Tensor("expert_fc1_out", routed * gate * ffn),
+            Tensor("expert_act_out", routed * ffn),
+        ]
+        if m.moe_shared_expert_intermediate_size:
+            sh = m.moe_shared_expert_intermediate_size // tp
+            out += [Tensor("shared_fc1_out", tokens * gate * sh), Tensor("shared_act_out", tokens * sh)]
+    if m.dropout > 0:
+        out.append(Tensor("mlp_dropout_mask", t_sp * h, nbytes_per=1))
+    return out
+
+
+# Which saved tensors each selective-recompute module drops (MCore recompute_modules).
+_RECOMPUTE_DROPS = {
+    "core_attn": {"softmax_lse"},  # flash attention stores no scores: only its statistics go
+    "layernorm": {"qkv_in", "fc1_in", "router_in"},
+    "mlp": {"fc1_out", "act_out"},
+    "moe_act": {"expert_act_out", "shared_act_out"},
+    "moe": {"expert_fc1_in", "expert_fc1_out", "expert_act_out", "router_probs"},
+    "shared_experts": {"shared_fc1_out", "shared_act_out"},
+    "mla_up_proj": {"q", "k", "v", "q_up_in", "kv_up_in"},
+}
+
+
+def _stored(acts: list[Tensor], s: Setup) -> list[Tensor]:
+    if s.recompute_granularity != "selective":
+        return acts
+    drops = set().union(*(_RECOMPUTE_DROPS.get(name, set()) for name in s.recompute_modules))
+    return [t for t in acts if t.name not in drops]
+
+
+def in_flight(s: Setup, stage: int) -> float:
+    """Micro-batches whose activations stage ``stage`` holds at its peak under 1F1B (PP − stage), with
+    Megatron's interleaved-schedule penalty ``1 + (PP−1)/(PP·VPP)`` on the first stage."""
+    if s.pp == 1:
+        return 1.0
+    n: float = s.pp - stage
+    if s.vpp:
+        n += (s.pp - 1 - stage) / s.vpp
+    mbs = s.num_microbatches()
+    return min(n, mbs) if mbs is not None else n
+
+
+@dataclass
+class ActivationMemory:
+    gpu_bytes: int
+    offloadable_bytes: int  # eligible bytes per layer set that activation offload moves (one micro-batch)
+    host_bytes: int
+
+
+def stage_activations(m: ModelSpec, s: Setup, stage: int) -> ActivationMemory:
+    """Peak activation bytes on one GPU of ``stage`` (transformer layers, embedding input, output layer + loss)."""
+    seq = s.seq_length or m.seq_length
+    tokens = seq * s.micro_batch_size // s.cp
+    t_sp = tokens // s.tp if s.sp else tokens
+    h = m.hidden_size
+    layers = list(stage_layers(m, s)[stage])
+    per_layer = [_stored(layer_activations(m, s, i), s) for i in layers]
+    full = [sum(t.nbytes for t in acts) for acts in per_layer]
+    layer_input = 2 * t_sp * h
+    if s.recompute_granularity == "full":
+        n = s.recompute_num_layers or 1
+        if s.recompute_method == "block":
+            kept = sum(full[n:]) + layer_input * min(n, len(layers))
+            working = max(full[:n], default=0)
+        else:  # uniform: only the input of every group of n layers, n layers rebuilt at a time in backward
+            kept = layer_input * math.ceil(len(layers) / n)
+            working = sum(sorted(full, reverse=True)[:n])
+        block = kept
+    else:
+        block, working = sum(full), 0
+    eligible = [sum(t.nbytes for t in acts if t.numel >= TE_MIN_OFFLOAD_NUMEL) for acts in per_layer]
+    host = 0
+    k = s.activation_offload_layers
+    if k:
+        # TE v2 keeps at most model_layers − k layers of eligible tensors resident; small ones stay.
+        block -= sum(sorted(eligible, reverse=True)[: min(k, len(layers))])
+        host = sum(next_pow2(t.nbytes) for acts in per_layer[:k] for t in acts if t.numel >= TE_MIN_OFFLOAD_NUMEL)
+    total = block * in_flight(s, stage) + working
+    if stage == 0:
+        extra = 8 * tokens  # int64 token ids
+        if m.dropout > 0:
+            extra += t_sp * h  # embedding dropout mask
+        total += extra * in_flight(s, stage)
+    if stage == s.pp - 1:
+        # Final norm input and output-layer input (bf16) plus fp32 logits for the loss: 4·sbh + 4·sb·V/t.
+        total += 2 * t_sp * h + 2 * t_sp * h + 4 * tokens * padded_vocab(m, s.tp) // s.tp
+    return ActivationMemory(int(total), max(eligible, default=0), host)
+
+
+# ------------------------------------------------------------------------------------------- estimate
+
+
+@dataclass
+class StageMemory:
+    stage: int
+    weights: int
+    gradients: int
+    optimizer: int
+    activations: int
+    other: int
+    host: int
+    host_transient: int
+    shard_numel: int
+    offloaded_numel: int
+    params: int
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.gradients + self.optimizer + self.activations + self.other
+
+
+@dataclass
+class MemoryEstimate:
+    model: ModelSpec
+    setup: Setup
+    stages: list[StageMemory]
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def worst(self) -> StageMemory:
+        return max(self.stages, key=lambda st: (st.total, -st.stage))
+
+    @property
+    def offloaded_fraction(self) -> float:
+        w = self.worst
+        return w.offloaded_numel / w.shard_numel if w.shard_numel else 0.0
+
+    def breakdown_gb(self) -> dict[str, float]:
+        w = self.worst
+        parts = {
+            "weights": w.weights,
+            "gradients": w.gradients,
+            "optimizer": w.optimizer,
+            "activations": w.activations,
+            "other": w.other,
+            "total": w.total,
+        }
+        return {k: round(v / GB, 3) for k, v in parts.items()}
+
+    @property
+    def host_gb(self) -> float:
+        return max(st.host for st in self.stages) / GB
+
+    @property
+    def host_peak_gb(self) -> float:
+        return max(st.host + st.host_transient for st in self.stages) / GB
+
+
+def estimate_memory(m: ModelSpec, s: Setup, host_ram_gb: float | None = None) -> MemoryEstimate:
+    """Per-GPU memory of every pipeline stage; ``.worst`` is the stage that decides whether the run fits.
+
+    Args:
+        m: the architecture.
+        s: parallelism, batch, precision and offload settings.
+        host_ram_gb: host RAM per GPU; a warning is added when the host side needs more.
+
+    Raises:
+        ValueError: for a setup Megatron would reject (see ``check_setup``).
+
+    Example:
+        >>> from mbridge_offload.plan.presets import model_preset
+        >>> est = estimate_memory(model_preset("llama3-8b"), Setup(num_gpus=8, tp=2))
+        >>> est.breakdown_gb()["weights"] > 7
+        True
+    """
+    check_setup(m, s)
+    param_bytes = DTYPE_BYTES[s.params_dtype]
+    grad_bytes = 4 if s.grad_reduce_in_fp32 else param_bytes
+    stages = []
+    for stage in range(s.pp):
+        params = stage_params(m, s, stage)
+        numel = sum(t.numel for t in params)
+        opt = optimizer_memory(m, s, params)
+        act = stage_activations(m, s, stage)
+        other = int(s.overhead_gb * GB)
+        if not s.use_precision_aware_optimizer and not s.grad_reduce_in_fp32:
+            other += 4 * opt.shard_numel  # main_param.grad = shard_grad.float(): a transient fp32 copy
+        stages.append(
+            StageMemory(
+                stage,
+                numel * param_bytes,
+                numel * grad_bytes,
+                opt.gpu_bytes,
+                act.gpu_bytes,
+                other,
+                opt.host_bytes + act.host_bytes,
+                opt.host_transient_bytes,
+                opt.shard_numel,
+                opt.offloaded_numel,
+                numel,
+            )
+        )
+    est = MemoryEstimate(m, s, stages)
+    if host_ram_gb is not None and est.host_peak_gb > host_ram_gb:
+        est.warnings.append(
+            f"host memory per GPU peaks at {est.host_peak_gb:.1f} GB (pinned, power-of-two "
+            f"rounded), above the {host_ram_gb:.0f} GB of host RAM per GPU"
+        )
+    return est

@@ -1,0 +1,22 @@
+"""Layer-level activation offloading: Transformer Engine's context call shape, and a hook-based wrapper."""
+
+from mbridge_offload.runtime.activation.context import (
+    DEFAULT_MIN_TENSOR_SIZE,
+    OffloadContext,
+    OffloadStats,
+    get_cpu_offload_context,
+)
+from mbridge_offload.runtime.activation.eligibility import Eligibility, keep_on_device, mark_not_offload
+from mbridge_offload.runtime.activation.layers import OffloadHandle, offload_layers
+
+__all__ = [
+    "DEFAULT_MIN_TENSOR_SIZE",
+    "Eligibility",
+    "OffloadContext",
+    "OffloadHandle",
+    "OffloadStats",
+    "get_cpu_offload_context",
+    "keep_on_device",
+    "mark_not_offload",
+    "offload_layers",
+]

@@ -1,0 +1,226 @@
+"""Layer-level activation offloading with Transformer Engine's call shape.
+
+``get_cpu_offload_context(...)`` returns ``(context, sync_fn)``: enter ``context`` around each layer's forward
+and pass each layer's output through ``sync_fn``, exactly as Megatron Core's ``TransformerBlock`` does with
+TE. Inside the context, ``torch.autograd.graph.saved_tensors_hooks`` sees every tensor autograd saves; the
+ones that qualify (see :class:`Eligibility`) in the first ``num_layers`` layers are copied to host memory as
+they are saved (on a side stream on CUDA), dropped from the device when layer ``L − k + i`` starts, and
+copied back when backward reaches layer ``L − 1 − k + i`` (the schedule is in ``schedule.py``; the
+per-pass mechanics in ``passes.py``). On CPU the same state machine runs with plain copies.
+
+The runtime follows TE v2 (``transformer_engine/pytorch/cpu_offload.py``): same errors, same schedule, same
+size threshold by default. Unlike TE, ``double_buffering`` is a real option, views are folded onto their base
+whatever their coverage, several forwards may run before their backwards, and every pass is accounted.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections import deque
+from collections.abc import Callable
+from types import TracebackType
+
+import torch
+
+from mbridge_offload.runtime import device
+from mbridge_offload.runtime.activation.eligibility import Eligibility
+from mbridge_offload.runtime.activation.passes import BackwardStep, Pass, unpack
+from mbridge_offload.runtime.activation.pool import HostBufferPool, ReloadBuffers
+from mbridge_offload.runtime.activation.schedule import DEFAULT_MIN_TENSOR_SIZE, OffloadStats, Schedule
+
+__all__ = ["OffloadContext", "get_cpu_offload_context"]
+
+
+class _DisabledContext(contextlib.nullcontext):
+    """What ``enabled=False`` returns: a no-op context that still answers ``inside_context``."""
+
+    inside_context = False
+
+
+class OffloadContext:
+    """The context entered around each layer's forward; ``sync`` is the matching ``sync_fn``.
+
+    Build it with :func:`get_cpu_offload_context`. Accounting: :attr:`stats` (the last pass whose backward
+    finished), :attr:`history` (recent passes), :attr:`current` (the pass whose forward is running).
+    """
+
+    def __init__(
+        self,
+        schedule: Schedule,
+        eligibility: Eligibility,
+        double_buffering: bool = False,
+        retain_pinned_cpu_buffers: bool = False,
+        pin_memory: bool = True,
+        history: int = 16,
+    ) -> None:
+        self.schedule = schedule
+        self.eligibility = eligibility
+        self.device = eligibility.device
+        self.stream = device.new_stream()
+        self.pool = HostBufferPool(retain=retain_pinned_cpu_buffers, pin=pin_memory)
+        self.reload_buffers = ReloadBuffers(self.device) if double_buffering else None
+        self.history: deque[OffloadStats] = deque(maxlen=history)
+        self._inside = False
+        self._hooks: torch.autograd.graph.saved_tensors_hooks | None = None
+        self._layer = -1
+        self._pass: Pass | None = None
+
+    @property
+    def inside_context(self) -> bool:
+        """True while a layer's forward runs inside the context (Megatron Core's linear layers read it)."""
+        return self._inside
+
+    @property
+    def stats(self) -> OffloadStats | None:
+        return self.history[-1] if self.history else None
+
+    @property
+    def current(self) -> OffloadStats | None:
+        return self._pass.stats if self._pass is not None else None
+
+    def __enter__(self) -> OffloadContext:
+        if self._inside:
+            raise RuntimeError(
+                "activation offload: the offload context was entered twice without leaving it; enter it once "
+                "around each layer's forward (nested layers must not each enter it)."
+            )
+        self._inside = True
+        if not torch.is_grad_enabled():
+            return self  # evaluation: nothing is saved, the layer count is left alone
+        self._layer = (self._layer + 1) % self.schedule.model_layers
+        if self._layer == 0 or self._pass is None:
+            self._pass = Pass(self)
+        self._pass.enter_layer(self._layer)
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pass.push, unpack)
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self._inside = False
+        if self._hooks is not None:
+            hooks, self._hooks = self._hooks, None
+            hooks.__exit__(exc_type, exc, tb)
+        if exc_type is not None:
+            self.reset()  # the forward is abandoned: the next one starts again at layer 0
+
+    def sync(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The ``sync_fn``: mark ``tensor`` as the output of the layer that just ran; returns it unchanged.
+
+        Its ``grad_fn`` gets a pre-hook that tells the schedule when backward reaches this layer.
+        """
+        if not (torch.is_grad_enabled() and isinstance(tensor, torch.Tensor) and tensor.requires_grad):
+            return tensor
+        if self._pass is None or self._inside:
+            return tensor
+        if tensor.grad_fn is None:
+            tensor = tensor.view_as(tensor)  # a leaf has no node to hook; an alias gives it one
+        tensor.grad_fn.register_prehook(BackwardStep(self._pass, self._layer))
+        return tensor
+
+    def pass_finished(self, finished: Pass) -> None:
+        self.history.append(finished.stats)
+        if self._pass is finished:
+            self._pass = None
+
+    def reset(self) -> None:
+        """Forget the layer count (done automatically when a layer raises inside the context)."""
+        self._layer, self._pass = -1, None
+
+    def reset_buffers(self) -> None:
+        """Drop the retained host buffers, so that new shapes are accepted."""
+        self.pool.clear()
+
+
+def get_cpu_offload_context(
+    enabled: bool = False,
+    num_layers: int = 1,
+    model_layers: int = 1,
+    offload_activations: bool = True,
+    offload_weights: bool = False,
+    double_buffering: bool = False,
+    retain_pinned_cpu_buffers: bool = False,
+    *,
+    min_tensor_size: int = DEFAULT_MIN_TENSOR_SIZE,
+    pin_memory: bool = True,
+) -> tuple[OffloadContext | _DisabledContext, Callable[[torch.Tensor], torch.Tensor]]:
+    """Activation offloading for a sequence of layers, with Transformer Engine's signature.
+
+    Args:
+        enabled: turn offloading on; when False a no-op context and the identity are returned.
+        num_layers: ``k``, how many of the first layers to offload (``0 ≤ k ≤ model_layers − 1``).
+        model_layers: ``L``, how many layers enter the context per forward.
+        offload_activations: offload saved activations (the only thing offloaded).
+        offload_weights: deprecated as in TE; has no effect beyond a ``DeprecationWarning``.
+        double_buffering: reload into two persistent device buffer sets instead of fresh memory.
+        retain_pinned_cpu_buffers: keep host buffers and reuse them next iteration (shapes must not change).
+        min_tensor_size: saved tensors with fewer elements stay on the device.
+        pin_memory: page-lock host buffers (where CUDA is present).
+
+    Returns:
+        ``(context, sync_fn)``.
+
+    Raises:
+        ValueError: nothing to offload, ``num_layers`` out of range, or a bad ``min_tensor_size``.
+
+    Example:
+        >>> context, sync_fn = get_cpu_offload_context(True, 2, len(layers), min_tensor_size=1024)
+        >>> for layer in layers:
+        ...     with context:
+        ...         x = layer(x)
+        ...     x = sync_fn(x)
+        >>> x.sum().backward()
+        >>> context.stats.bytes_offloaded
+    """
+    if not enabled:
+        return _DisabledContext(), _identity
+    if not offload_activations and not offload_weights:
+        raise ValueError("CPU Offloading is enabled while it is not mentioned what to offload (weights/activations)")
+    if offload_weights:
+        warnings.warn(
+            "Offloading weights is deprecated. Using offload_weights=True does not have any effect.",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        if not offload_activations:
+            return _DisabledContext(), _identity
+    _check_layers(num_layers, model_layers)
+    return _build(num_layers, model_layers, double_buffering, retain_pinned_cpu_buffers, min_tensor_size, pin_memory)
+
+
+def _build(
+    num_layers: int, model_layers: int, double: bool, retain: bool, min_size: int, pin: bool
+) -> tuple[OffloadContext, Callable[[torch.Tensor], torch.Tensor]]:
+    ctx = OffloadContext(
+        Schedule(model_layers, num_layers),
+        Eligibility(device.compute_device(), min_size),
+        double_buffering=double,
+        retain_pinned_cpu_buffers=retain,
+        pin_memory=pin,
+    )
+    return ctx, ctx.sync
+
+
+def _check_layers(num_layers: int, model_layers: int) -> None:
+    if model_layers < 1:
+        raise ValueError(f"model_layers is {model_layers}; it must be at least 1")
+    if num_layers < 0:
+        raise ValueError(f"num_layers is {num_layers}; it must be between 0 and model_layers - 1")
+    if num_layers > model_layers - 1:
+        raise ValueError(
+            "Cannot offload all layers without manual synchronization - last layer is not offloaded. "
+            f"num_layers is {num_layers} and model_layers is {model_layers}; set num_layers to at most "
+            f"{model_layers - 1}."
+        )
+    if num_layers == model_layers - 1 and num_layers > 0:
+        warnings.warn(
+            "Offloading num_layers == model_layers - 1 is not recommended, it prevents overlapping of "
+            "computation and offload/reload.",
+            stacklevel=3,
+        )
+
+
+def _identity(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor

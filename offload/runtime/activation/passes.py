@@ -1,0 +1,319 @@
+"""One pass of activation offloading: the saved tensors of one forward, until its backward is over.
+
+A :class:`Pass` owns one :class:`LayerStore` per layer. The context (``context.py``) creates a pass at
+layer 0 of every forward with grad enabled, so several forwards may be in flight before their backwards
+(gradient accumulation): each saved tensor's handle points at its own pass and layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from mbridge_offload.runtime import device
+from mbridge_offload.runtime.activation.eligibility import Eligibility, ViewSpec
+from mbridge_offload.runtime.activation.pool import HostBufferPool, ReloadBuffers, empty_strided
+from mbridge_offload.runtime.activation.schedule import (
+    LayerPhase,
+    OffloadStats,
+    Residency,
+    Schedule,
+    ScheduleEvent,
+    check_transition,
+)
+
+
+class PassOwner(Protocol):
+    """What a pass needs of the context that owns it (``context.OffloadContext``), without importing it."""
+
+    schedule: Schedule
+    eligibility: Eligibility
+    pool: HostBufferPool
+    reload_buffers: ReloadBuffers | None
+
+    def pass_finished(self, finished: Pass) -> None: ...
+
+
+@dataclass(frozen=True)
+class SavedHandle:
+    """What autograd keeps for an offloaded saved tensor: where its copy is, and how to rebuild the view."""
+
+    store: LayerStore
+    slot: int
+    view: ViewSpec | None
+
+    def load(self) -> torch.Tensor:
+        return self.store.load(self.slot, self.view)
+
+
+def unpack(packed: object) -> torch.Tensor:
+    """The unpack hook: offloaded tensors come back from their layer store, the rest are returned as saved."""
+    return packed.load() if isinstance(packed, SavedHandle) else packed  # type: ignore[return-value]
+
+
+def storage_key(tensor: torch.Tensor) -> tuple[object, ...]:
+    """Identity of a tensor's data: two saved tensors with the same key hold the same bytes.
+
+    Object ids would not do: the alias we keep does not keep the original Python object alive, so its id
+    can be reused by an unrelated tensor; the storage is kept alive, so its address cannot.
+    """
+    return (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tensor.shape, tensor.stride(), tensor.dtype)
+
+
+def _without_graph(tensor: torch.Tensor) -> torch.Tensor:
+    """What to keep for a tensor that stays: itself, detached if it has a ``grad_fn``.
+
+    Why: a saved output returned as-is from a pack hook makes a cycle (tensor → grad_fn → saved tensor), so a
+    forward whose backward never runs would hold its activations until the garbage collector runs. Autograd
+    re-attaches the saved tensor's grad_fn on unpack, so detaching changes nothing else.
+    """
+    return tensor.detach() if tensor.grad_fn is not None else tensor
+
+
+class LayerStore:
+    """The saved tensors of one offloaded layer in one pass, and its round trip through host memory."""
+
+    def __init__(self, owner: Pass, layer: int) -> None:
+        self.owner = owner
+        self.layer = layer
+        self.phase = LayerPhase.NOT_OFFLOADED
+        self.freed = False
+        self.nbytes = 0
+        self._index: dict[tuple[object, ...], int] = {}  # the same tensor saved twice is copied once
+        self._on_device: list[torch.Tensor] = []  # forward copies, kept until the D2H copies finish
+        self._host: list[torch.Tensor] = []
+        self._reloaded: list[torch.Tensor] = []
+        self._reload_events: list[object] = []
+        self._waited: list[bool] = []
+        self._offload_done: object | None = None
+        self._double_buffered = False
+        self._backward_done = False
+
+    # forward ---------------------------------------------------------------------------------------------
+    def push(self, base: torch.Tensor) -> tuple[int, bool]:
+        """The slot holding ``base``'s host copy, starting the copy if it is new; returns ``(slot, is_new)``."""
+        key = storage_key(base)
+        slot = self._index.get(key)
+        if slot is not None:
+            return slot, False
+        if self.phase is LayerPhase.NOT_OFFLOADED:
+            self._set_phase(LayerPhase.OFFLOAD_STARTED)
+            self.owner.record("fwd", "offload_start", self.layer, self.layer)
+        ctx = self.owner.ctx
+        slot = len(self._host)
+        host, new = ctx.pool.acquire(self.layer, slot, base.shape, base.stride(), base.dtype)
+        # Why: the side stream must not read ``base`` before the compute stream has finished producing it.
+        ready = device.new_event()
+        ready.record(device.current_stream())
+        ctx.stream.wait_event(ready)
+        with torch.no_grad(), device.on_stream(ctx.stream):
+            host.copy_(base, non_blocking=device.is_pinned(host))
+        # Why: one event after the last copy; the stream is ordered, so it covers all earlier copies.
+        self._offload_done = ctx.stream.record_event()
+        self._index[key] = slot
+        # A detached alias keeps the storage alive until release without a reference cycle through grad_fn.
+        self._on_device.append(base.detach())
+        self._host.append(host)
+        nbytes = base.numel() * base.element_size()
+        self.nbytes += nbytes
+        stats = self.owner.stats
+        stats.bytes_offloaded += nbytes
+        stats.copies_offloaded += 1
+        stats.host_buffers_allocated += int(new)
+        self.owner.residency.add(self.layer, nbytes)
+        return slot, True
+
+    def release(self, at: int) -> None:
+        """Drop the device copies once the D2H copies are done (forward of layer ``L − k + i``)."""
+        if self.phase is not LayerPhase.OFFLOAD_STARTED:
+            return  # nothing was offloaded in this layer
+        self._set_phase(LayerPhase.RELEASED)
+        # Why: the compute stream may reuse this memory as soon as we drop it, so it waits for the copies.
+        if self._offload_done is not None:
+            device.current_stream().wait_event(self._offload_done)
+        self._on_device = []
+        self.owner.residency.drop(self.layer)
+        self.owner.record("fwd", "release", self.layer, at)
+
+    # backward --------------------------------------------------------------------------------------------
+    def start_reload(self, at: int, late: bool = False) -> None:
+        """Issue the H2D copies (backward of layer ``L − 1 − k + i``, or on first use when ``late``)."""
+        if self.phase is not LayerPhase.RELEASED:
+            return  # never released (forward stopped early, or nothing saved): the device copies are still here
+        self._set_phase(LayerPhase.RELOAD_STARTED)
+        ctx = self.owner.ctx
+        specs = [(h.shape, h.stride(), h.dtype) for h in self._host]
+        # A reload after the layer's backward (a retained graph) has no later free to return a shared set.
+        double = ctx.reload_buffers is not None and not self._backward_done
+        targets = ctx.reload_buffers.take(self.layer, specs) if double else None
+        self._double_buffered = targets is not None
+        if double:
+            self.owner.stats.double_buffer_hits += int(targets is not None)
+            self.owner.stats.double_buffer_misses += int(targets is None)
+        if targets is None:
+            # Why: allocate on the compute stream, so the caching allocator keeps the memory in its pool.
+            targets = [empty_strided(spec, ctx.device) for spec in specs]
+        # Why: the copies overwrite memory the compute stream may have used until now.
+        ctx.stream.wait_stream(device.current_stream())
+        events = []
+        with torch.no_grad(), device.on_stream(ctx.stream):
+            for host, dst in zip(self._host, targets, strict=True):
+                dst.copy_(host, non_blocking=device.is_pinned(host))
+                device.record_stream(dst, ctx.stream)
+                events.append(ctx.stream.record_event())
+        self._reloaded, self._reload_events = targets, events
+        self._waited = [False] * len(targets)
+        self.owner.stats.bytes_reloaded += self.nbytes
+        self.owner.residency.add(self.layer, self.nbytes)
+        self.owner.record("bwd", "reload_late" if late else "reload_start", self.layer, at)
+
+    def load(self, slot: int, view: ViewSpec | None) -> torch.Tensor:
+        """The unpack hook's answer for copy ``slot``, rebuilt as the view that was saved."""
+        if self.freed:
+            raise RuntimeError(
+                f"activation offload: the host copies of layer {self.layer} went back to the pool when its backward "
+                "finished; with retain_pinned_cpu_buffers=True a second backward through the same graph "
+                "(retain_graph=True or create_graph=True) is not supported, because the next iteration reuses "
+                "those buffers. Run the forward again, or build the context without retain_pinned_cpu_buffers."
+            )
+        self.owner.ensure_end_callback()
+        if self.phase is LayerPhase.RELEASED:
+            self.start_reload(self.owner.backward_layer, late=True)
+        if self.phase is LayerPhase.OFFLOAD_STARTED:
+            tensor = self._on_device[slot]
+        else:
+            if not self._waited[slot]:
+                # Why: wait only for this tensor's copy, so the rest of the layer keeps loading behind compute.
+                device.current_stream().wait_event(self._reload_events[slot])
+                self._waited[slot] = True
+            if self.phase is LayerPhase.RELOAD_STARTED:
+                self._set_phase(LayerPhase.RELOADED)
+            tensor = self._reloaded[slot]
+        return tensor if view is None else tensor.as_strided(*view)
+
+    def free(self, at: int) -> list[torch.Tensor]:
+        """The layer's backward is over: drop the device copies; returns host buffers the pool may reuse.
+
+        Host copies are kept (and die with the graph) unless the pool retains them for the next iteration, so
+        a retained graph (``retain_graph=True``, ``create_graph=True``) can unpack again with a late reload.
+        """
+        if self.freed:
+            return []
+        if self._double_buffered and self.owner.ctx.reload_buffers is not None:
+            self.owner.ctx.reload_buffers.give_back(self.layer)
+        self._double_buffered = False
+        self._backward_done = True
+        if self._host:
+            self.owner.record("bwd", "free", self.layer, at)
+        if self.phase is LayerPhase.OFFLOAD_STARTED:
+            self.release(at)
+        elif self.phase in (LayerPhase.RELOAD_STARTED, LayerPhase.RELOADED):
+            self._set_phase(LayerPhase.RELEASED)
+        self._reloaded, self._reload_events, self._index = [], [], {}
+        if not self.owner.ctx.pool.retain:
+            return []
+        self.freed = True
+        host, self._host = self._host, []
+        return host
+
+    def _set_phase(self, new: LayerPhase) -> None:
+        check_transition(self.layer, self.phase, new)
+        self.phase = new
+
+
+class Pass:
+    """One forward with grad enabled, and its backward."""
+
+    def __init__(self, ctx: PassOwner) -> None:
+        self.ctx = ctx
+        self.stats = OffloadStats()
+        self.residency = Residency(self.stats)
+        self.layer = -1
+        self.backward_layer = ctx.schedule.model_layers
+        self._stores: dict[int, LayerStore] = {}
+        self._resident_seen: dict[int, set[tuple[object, ...]]] = {}
+        self._backward_seen: set[int] = set()
+        self._end_queued = False
+        self.finished = False
+
+    def record(self, phase: str, action: str, layer: int, at: int) -> None:
+        self.stats.events.append(ScheduleEvent(phase, action, layer, at))
+
+    # forward ---------------------------------------------------------------------------------------------
+    def enter_layer(self, layer: int) -> None:
+        """Layer ``layer`` starts forward: release the offloaded layers whose window ends here."""
+        self.layer = layer
+        for old in self.ctx.schedule.releases_when_entering(layer):
+            if old in self._stores:
+                self._stores[old].release(at=layer)
+
+    def push(self, tensor: torch.Tensor) -> object:
+        """The pack hook: a handle for an offloaded tensor, the tensor itself otherwise."""
+        reason, base, view = self.ctx.eligibility.classify(tensor)
+        if reason is not None:
+            self.stats.skipped[reason] += 1
+            return _without_graph(tensor)
+        if not self.ctx.schedule.is_offloaded(self.layer):
+            self._count_resident(base)
+            return _without_graph(tensor)
+        store = self._stores.get(self.layer)
+        if store is None:
+            store = self._stores[self.layer] = LayerStore(self, self.layer)
+        slot, is_new = store.push(base)
+        self.stats.tensors_offloaded += 1
+        self.stats.tensors_deduplicated += int(not is_new)
+        return SavedHandle(store, slot, view)
+
+    def _count_resident(self, base: torch.Tensor) -> None:
+        seen = self._resident_seen.setdefault(self.layer, set())
+        self.stats.tensors_resident += 1
+        key = storage_key(base)
+        if key not in seen:
+            seen.add(key)
+            self.residency.add(self.layer, base.numel() * base.element_size())
+
+    # backward --------------------------------------------------------------------------------------------
+    def backward_reached(self, layer: int) -> None:
+        """The gradient reached layer ``layer``'s output: later layers are done, start the scheduled reloads."""
+        self.ensure_end_callback()
+        if layer in self._backward_seen:
+            return
+        self._backward_seen.add(layer)
+        self.backward_layer = layer
+        self._free_layers_above(layer, at=layer)
+        for i in self.ctx.schedule.reloads_when_backward_reaches(layer):
+            if i in self._stores:
+                self._stores[i].start_reload(at=layer)
+
+    def ensure_end_callback(self) -> None:
+        if not self._end_queued:
+            self._end_queued = True
+            # Why: layer 0 has no later sync point; the engine calls this once the whole backward is done.
+            torch.autograd.Variable._execution_engine.queue_callback(self.backward_end)
+
+    def backward_end(self) -> None:
+        self._free_layers_above(-1, at=-1)
+        self.finished = True
+        self.ctx.pass_finished(self)
+
+    def _free_layers_above(self, layer: int, at: int) -> None:
+        for i in [i for i in self._stores if i > layer]:
+            self.ctx.pool.give_back(self._stores.pop(i).free(at))
+        for i in [i for i in self._resident_seen if i > layer]:
+            del self._resident_seen[i]
+        for i in self.residency.layers():
+            if i > layer:
+                self.residency.drop(i)
+
+
+class BackwardStep:
+    """The ``grad_fn`` pre-hook that ``sync_fn`` registers on a layer's output."""
+
+    def __init__(self, owner: Pass, layer: int) -> None:
+        self.owner = owner
+        self.layer = layer
+
+    def __call__(self, grad_outputs: tuple[torch.Tensor | None, ...]) -> None:
+        self.owner.backward_reached(self.layer)

@@ -1,0 +1,233 @@
+"""Flat host buckets: the offloaded part of :class:`mbridge_offload.runtime.optimizer.hybrid.HybridDeviceOptimizer`.
+
+A bucket is a run of consecutive offloaded parameters of one param group and one master dtype. Its host side is
+two flat 1-D tensors (the master copy and the gradient buffer) plus one CPU optimizer whose only parameter is the
+flat master, so one fused ``torch.optim.AdamW`` call updates every parameter of the bucket. Each member parameter
+is a view ``flat[offset:offset + numel].view(shape)``; the optimizer's per-element state (``exp_avg``, ...) is
+laid out the same way, which is how it is cut back into per-parameter state for checkpoints.
+
+Flattening is exact for element-wise optimizers (Adam, AdamW, SGD, Adagrad, RMSprop, ...): each element's update
+depends only on that element. Optimizers with per-tensor statistics (LAMB's trust ratio, Adafactor, Muon) would see
+one tensor per bucket; use ``bucket_size_numel=1`` to give each parameter its own bucket for those.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from mbridge_offload.runtime import device
+
+_MISSING = object()
+
+
+def grad_of(param: torch.Tensor) -> torch.Tensor | None:
+    """The gradient the optimizer should use: ``decoupled_grad`` when the attribute exists (Megatron's
+    precision-aware path), else ``.grad`` — the same precedence as Megatron Core's HybridDeviceOptimizer."""
+    grad = getattr(param, "decoupled_grad", _MISSING)
+    return param.grad if grad is _MISSING else grad
+
+
+@dataclass
+class Bucket:
+    """One flat host buffer set and the CPU optimizer that updates it."""
+
+    group_index: int
+    indices: list[int]  # global parameter indices (param_groups order, as in torch state dicts)
+    members: list[torch.Tensor]  # the model parameters (on the compute device)
+    offsets: list[int]
+    flat_param: torch.Tensor  # host master copy, 1-D
+    flat_grad: torch.Tensor  # host gradient buffer, 1-D
+    param_views: list[torch.Tensor]
+    grad_views: list[torch.Tensor]
+    optimizer: torch.optim.Optimizer
+    d2h_done: object = field(default_factory=device.new_event)
+    h2d_done: object = field(default_factory=device.new_event)
+    versions: list[int] = field(default_factory=list)  # members' ``_version`` right after our last write
+
+    @property
+    def numel(self) -> int:
+        return self.flat_param.numel()
+
+    def is_per_element(self, value: object) -> bool:
+        """Whether an optimizer state value is laid out like the flat master (else it is a scalar such as step)."""
+        return isinstance(value, torch.Tensor) and value.dim() == 1 and value.numel() == self.numel
+
+    def member_view(self, flat: torch.Tensor, k: int) -> torch.Tensor:
+        member = self.members[k]
+        return flat[self.offsets[k] : self.offsets[k] + member.numel()].view(member.shape)
+
+    def flat_state(self) -> dict:
+        return self.optimizer.state.get(self.flat_param, {})
+
+    def member_state(self, k: int, clone: bool) -> dict:
+        """Member ``k``'s optimizer state: slices of the per-element tensors, copies of the scalars.
+
+        ``clone=False`` returns views that stay live (for ``optimizer.state``); ``clone=True`` returns
+        independent tensors (for ``state_dict()``: saving a view would save the whole flat storage).
+        """
+        out = {}
+        for key, value in self.flat_state().items():
+            if self.is_per_element(value):
+                view = self.member_view(value, k)
+                out[key] = view.clone() if clone else view
+            elif isinstance(value, torch.Tensor):
+                out[key] = value.clone() if clone else value
+            else:
+                out[key] = value
+        return out
+
+    def refresh_members(self, ks: list[int] | None = None) -> None:
+        """Copy model weights into the host master (all members, or members ``ks``)."""
+        ks = range(len(self.members)) if ks is None else ks
+        dst = [self.param_views[k] for k in ks]
+        if dst:
+            torch._foreach_copy_(dst, [self.members[k].detach() for k in ks])
+        self.versions = [p._version for p in self.members]
+
+    def copy_grads_in(self, grads: list, d2h_stream) -> list[int]:
+        """Issue this bucket's gradient copies on the D2H stream; returns the members without a grad."""
+        missing = [k for k, g in enumerate(grads) if g is None]
+        if missing:
+            for k in missing:
+                self.grad_views[k].zero_()
+            present = [k for k in range(len(grads)) if grads[k] is not None]
+            dst, src = [self.grad_views[k] for k in present], [grads[k] for k in present]
+        else:
+            dst, src = self.grad_views, grads
+        if dst:
+            torch._foreach_copy_(dst, src, non_blocking=device.is_pinned(self.flat_grad))
+        self.d2h_done.record(d2h_stream)
+        return missing
+
+    def step_and_copy_back(self, missing: list[int], h2d_stream) -> None:
+        """Run one bucket's CPU optimizer and issue its H2D copy."""
+        # Host waits only for this bucket's gradients; later buckets' copies keep flowing meanwhile.
+        self.d2h_done.synchronize()
+        # The previous step's H2D copy reads the flat master: it must be done before we overwrite it.
+        self.h2d_done.synchronize()
+        keep = None
+        if missing:
+            # Members without a grad are skipped like torch skips them: their weights and moments are restored.
+            keep = [(k, self.param_views[k].clone(), self.member_state(k, clone=True)) for k in missing]
+        self.optimizer.step()
+        members, views = self.members, self.param_views
+        if keep is not None:
+            for k, value, state in keep:
+                self.param_views[k].copy_(value)
+                for key, live in self.member_state(k, clone=False).items():
+                    if key in state and self.is_per_element(self.flat_state()[key]):
+                        live.copy_(state[key])
+                    elif self.is_per_element(self.flat_state().get(key)):
+                        live.zero_()  # state created in this very step: a fresh member starts at zero
+            skipped = set(missing)
+            members = [p for k, p in enumerate(members) if k not in skipped]
+            views = [v for k, v in enumerate(views) if k not in skipped]
+        with device.on_stream(h2d_stream):
+            if members:
+                torch._foreach_copy_(members, views, non_blocking=device.is_pinned(self.flat_param))
+            self.h2d_done.record(h2d_stream)
+        self.versions = [p._version for p in self.members]
+
+
+def build_bucket(
+    group_index: int,
+    entries: list[tuple[int, torch.Tensor]],
+    master_dtype: torch.dtype,
+    pin_params: bool,
+    pin_grads: bool,
+    make_optimizer: Callable[[torch.Tensor], torch.optim.Optimizer],
+) -> Bucket:
+    """Allocate one bucket's flat buffers, fill the master from the model weights and build its optimizer.
+
+    Args:
+        group_index: index of the param group every entry belongs to.
+        entries: ``(global_index, param)`` pairs, in order.
+        master_dtype: dtype of the host master and gradient buffer (fp32 with ``param_update_in_fp32``).
+        pin_params / pin_grads: page-lock the buffers (only has an effect when CUDA is present).
+        make_optimizer: builds the CPU optimizer over the flat master.
+
+    Returns:
+        The bucket, with ``flat_param.grad`` bound to ``flat_grad`` once and for all.
+    """
+    members = [p for _, p in entries]
+    offsets, total = [], 0
+    for p in members:
+        offsets.append(total)
+        total += p.numel()
+    flat_param = device.empty_host((total,), master_dtype, pin=pin_params)
+    flat_grad = device.empty_host((total,), master_dtype, pin=pin_grads)
+    flat_grad.zero_()
+    param_views = [flat_param[o : o + p.numel()].view(p.shape) for o, p in zip(offsets, members, strict=True)]
+    grad_views = [flat_grad[o : o + p.numel()].view(p.shape) for o, p in zip(offsets, members, strict=True)]
+    flat_param.grad = flat_grad
+    bucket = Bucket(
+        group_index=group_index,
+        indices=[i for i, _ in entries],
+        members=members,
+        offsets=offsets,
+        flat_param=flat_param,
+        flat_grad=flat_grad,
+        param_views=param_views,
+        grad_views=grad_views,
+        optimizer=make_optimizer(flat_param),
+    )
+    with torch.no_grad():
+        bucket.refresh_members()
+    return bucket
+
+
+def plan_buckets(
+    offloaded: list[tuple[int, int, torch.Tensor]], bucket_size_numel: int, master_dtype_of: Callable
+) -> list[tuple[int, list[tuple[int, torch.Tensor]]]]:
+    """Cut the offloaded parameters, in order, into buckets.
+
+    A bucket closes when the group, the master dtype or ``requires_grad`` changes (so frozen parameters share
+    no bucket with trained ones), or when adding the next parameter would pass ``bucket_size_numel``; a
+    parameter larger than the bucket size gets a bucket of its own.
+
+    Args:
+        offloaded: ``(global_index, group_index, param)`` triples in param_groups order.
+        bucket_size_numel: target elements per bucket.
+        master_dtype_of: param -> dtype of its host master.
+
+    Returns:
+        ``(group_index, [(global_index, param), ...])`` per bucket.
+    """
+    plans: list[tuple[int, list[tuple[int, torch.Tensor]]]] = []
+    key, size = None, 0
+    for index, group_index, p in offloaded:
+        k = (group_index, master_dtype_of(p), p.requires_grad)
+        if k != key or (size > 0 and size + p.numel() > bucket_size_numel):
+            plans.append((group_index, []))
+            key, size = k, 0
+        plans[-1][1].append((index, p))
+        size += p.numel()
+    return plans
+
+
+def split_params(params: list[torch.Tensor], offload_fraction: float, on_device: list[bool]) -> list[bool]:
+    """Which parameters go to the host: Megatron Core's greedy prefix rule, reproduced exactly.
+
+    Walk the parameters in param_groups order and offload each device parameter while the offloaded element
+    count is still below ``offload_fraction × (elements of all device parameters)``. The parameter that crosses
+    the threshold is offloaded whole, so the split overshoots by less than one tensor; 0.0 offloads nothing and
+    1.0 everything. Parameters not on the compute device are not counted and are never "offloaded".
+
+    Args:
+        params: the parameters in param_groups order.
+        offload_fraction: requested fraction in [0, 1].
+        on_device: per parameter, whether it lives on the compute device.
+
+    Returns:
+        Per parameter, whether it is offloaded.
+    """
+    threshold = offload_fraction * sum(p.numel() for p, d in zip(params, on_device, strict=True) if d)
+    offloaded, out = 0, []
+    for p, d in zip(params, on_device, strict=True):
+        take = d and offloaded < threshold
+        offloaded += p.numel() if take else 0
+        out.append(take)
+    return out

@@ -1,0 +1,464 @@
+"""``HybridDeviceOptimizer``: a drop-in for Megatron Core's optimizer CPU offload, bucketed and resumable.
+
+A fraction of the parameters (by element count, see :func:`buckets.split_params`) is updated on
+the host: their gradients are copied into flat host buffers, one CPU optimizer call per bucket updates a flat
+master copy, and the result is copied back into the model weights. The rest is updated where it lives by the device
+optimizer, which runs while the host works. Checkpoints are plain per-parameter torch state dicts, independent of
+the split.
+
+Schedule of one ``step()`` (streams on CUDA; on CPU the same calls run as plain copies)::
+
+    compute  |== device optimizer ==|                  wait(h2d[0]) wait(h2d[1]) ... -> next forward
+    d2h      |g0|g1|g2|...                             (grads of bucket i -> flat host grad i)
+    host         [cpu step 0][cpu step 1][cpu step 2]  (each starts when its own grads have landed)
+    h2d                      |w0|        |w1|       |w2|  (bucket i's weights back while bucket i+1 steps)
+
+See ``docs/optimizer-runtime.md`` for the split rule, the bucket layout and the checkpoint format.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from mbridge_offload.runtime import device
+from mbridge_offload.runtime.optimizer.buckets import Bucket, build_bucket, grad_of, plan_buckets, split_params
+from mbridge_offload.runtime.optimizer.clip import clip_grad_norm_
+from mbridge_offload.runtime.optimizer.state import export_param_states, import_param_states, validate_state_dict
+
+DEFAULT_BUCKET_SIZE_NUMEL = 1 << 22  # 4 Mi elements: 16 MiB of fp32 master, small enough to pipeline well
+# Implementation selectors of torch optimizers: never copied between the HDO groups and the sub-optimizers'
+# defaults, so each side keeps its own fast path (fused CPU AdamW, TE/foreach on the GPU).
+_SELECTOR_KEYS = frozenset({"fused", "foreach", "capturable", "differentiable", "decoupled_weight_decay"})
+# Constructor options: kept out of the param groups (and dropped from loaded ones, where upstream saved them).
+_OPTION_KEYS = frozenset(
+    {
+        "offload_fraction",
+        "cpu_optimizer_cls",
+        "gpu_optimizer_cls",
+        "param_update_in_fp32",
+        "pin_cpu_grads",
+        "pin_cpu_params",
+        "overlap_cpu_optimizer_d2h_h2d",
+        "bucket_size_numel",
+    }
+)
+
+
+def _check_optimizer_cls(cls: Any, name: str) -> type[torch.optim.Optimizer]:
+    if cls is None:
+        return torch.optim.AdamW
+    if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
+        what = repr(cls) if isinstance(cls, (type, str)) else f"an instance of {type(cls).__name__}"
+        raise TypeError(
+            f"`{name}` is {what}, which is not a torch.optim.Optimizer subclass; pass an optimizer class such as "
+            "torch.optim.AdamW (the class, not an instance)."
+        )
+    return cls
+
+
+class HybridDeviceOptimizer(torch.optim.Optimizer):
+    """Update ``offload_fraction`` of the parameters on the CPU and the rest on the device, in one optimizer.
+
+    Same constructor as ``megatron.core.optimizer.cpu_offloading.HybridDeviceOptimizer``. Offloaded parameters are
+    grouped into flat host buckets (one fused CPU optimizer call per bucket); copies run on dedicated D2H/H2D
+    streams with one event per bucket, and the compute stream only waits (on the GPU, not the host) for the
+    weights to be back. On a machine without CUDA the "device" is the CPU and the same path runs with plain copies.
+
+    Args:
+        params: parameters or param-group dicts, as for any torch optimizer.
+        offload_fraction: fraction of device-parameter elements updated on the CPU, in [0, 1]
+            (which ones: :func:`buckets.split_params`).
+        cpu_optimizer_cls: optimizer class for the host buckets; default ``torch.optim.AdamW`` with ``fused=True``.
+        gpu_optimizer_cls: optimizer class for the device part; default ``torch.optim.AdamW``.
+        param_update_in_fp32: keep fp32 masters (host and device) for non-fp32 parameters.
+        pin_cpu_grads / pin_cpu_params: page-lock the host gradient buffers / master copies (CUDA only).
+        overlap_cpu_optimizer_d2h_h2d: pipeline the copies on side streams; off, they run on the compute stream.
+        bucket_size_numel: target elements per host bucket (default 4 Mi); ``1`` gives every parameter its own.
+        **defaults: hyper-parameters (lr, betas, eps, weight_decay, ...) for the param groups and sub-optimizers.
+
+    Raises:
+        ValueError: ``offload_fraction`` outside [0, 1] or a bad ``bucket_size_numel``.
+        TypeError: a non-tensor parameter or an optimizer class that is not a ``torch.optim.Optimizer``.
+
+    Example:
+        >>> model = torch.nn.Linear(4, 4)
+        >>> opt = HybridDeviceOptimizer(model.parameters(), offload_fraction=0.5, lr=1e-3, weight_decay=0.01)
+        >>> model(torch.randn(2, 4)).sum().backward()
+        >>> opt.step(); opt.zero_grad()
+        >>> round(opt.offloaded_fraction, 2)
+        0.8
+    """
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+        offload_fraction: float = 0.5,
+        cpu_optimizer_cls: type[torch.optim.Optimizer] | None = None,
+        gpu_optimizer_cls: type[torch.optim.Optimizer] | None = None,
+        param_update_in_fp32: bool = False,
+        pin_cpu_grads: bool = True,
+        pin_cpu_params: bool = True,
+        overlap_cpu_optimizer_d2h_h2d: bool = True,
+        bucket_size_numel: int = DEFAULT_BUCKET_SIZE_NUMEL,
+        **defaults: Any,
+    ) -> None:
+        if isinstance(offload_fraction, bool) or not isinstance(offload_fraction, (int, float)):
+            raise TypeError(f"`offload_fraction` is {offload_fraction!r}; it must be a number in [0, 1].")
+        if not 0.0 <= float(offload_fraction) <= 1.0:
+            raise ValueError(
+                f"`offload_fraction` is {offload_fraction}, outside [0, 1]: it is the fraction of parameter "
+                "elements updated on the CPU; use 0.0 for none and 1.0 for all."
+            )
+        if isinstance(bucket_size_numel, bool) or not isinstance(bucket_size_numel, int) or bucket_size_numel < 1:
+            raise ValueError(f"`bucket_size_numel` is {bucket_size_numel!r}; it must be a positive integer.")
+        self.offload_fraction = float(offload_fraction)
+        self.cpu_optimizer_cls = _check_optimizer_cls(cpu_optimizer_cls, "cpu_optimizer_cls")
+        self.gpu_optimizer_cls = _check_optimizer_cls(gpu_optimizer_cls, "gpu_optimizer_cls")
+        self._inject_fused = cpu_optimizer_cls is None  # torch's fused CPU AdamW is the default fast path
+        self.param_update_in_fp32 = param_update_in_fp32
+        self.pin_cpu_grads, self.pin_cpu_params = pin_cpu_grads, pin_cpu_params
+        self.overlap_cpu_optimizer_d2h_h2d = overlap_cpu_optimizer_d2h_h2d
+        self.bucket_size_numel = bucket_size_numel
+        self._hyper_defaults = dict(defaults)
+        self._built = False
+        params = list(params)
+        for i, p in enumerate(params if params and not isinstance(params[0], dict) else []):
+            if not isinstance(p, torch.Tensor):
+                raise TypeError(f"parameter {i} is a {type(p).__name__}, not a torch.Tensor: pass model.parameters().")
+        super().__init__(params, dict(defaults))
+        # The param groups hold hyper-parameters only (no classes, no offload options), so that checkpoints load
+        # with weights_only=True and do not depend on the split. ``defaults`` still carries every constructor
+        # argument because Megatron's DistributedOptimizer re-creates the optimizer as ``cls(params, **defaults)``.
+        self.defaults = {
+            **defaults,
+            "offload_fraction": self.offload_fraction,
+            "cpu_optimizer_cls": cpu_optimizer_cls,
+            "gpu_optimizer_cls": gpu_optimizer_cls,
+            "param_update_in_fp32": param_update_in_fp32,
+            "pin_cpu_grads": pin_cpu_grads,
+            "pin_cpu_params": pin_cpu_params,
+            "overlap_cpu_optimizer_d2h_h2d": overlap_cpu_optimizer_d2h_h2d,
+            "bucket_size_numel": bucket_size_numel,
+        }
+        self._build()
+
+    # ------------------------------------------------------------------ construction
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a group (torch semantics); existing state is kept and the split is recomputed."""
+        for p in param_group["params"] if isinstance(param_group.get("params"), (list, tuple)) else []:
+            if not isinstance(p, torch.Tensor):
+                raise TypeError(f"a parameter is a {type(p).__name__}, not a torch.Tensor: pass model.parameters().")
+        full, self.defaults = self.defaults, self._hyper_defaults  # fill groups with hyper-parameters only
+        try:
+            super().add_param_group(param_group)
+        finally:
+            self.defaults = full
+        if self._built:
+            states = export_param_states(self, clone=True)
+            self._build()
+            import_param_states(self, states)
+
+    def _master_dtype(self, p: torch.Tensor) -> torch.dtype:
+        return torch.float32 if self.param_update_in_fp32 and p.dtype != torch.float32 else p.dtype
+
+    def _make_sub_optimizer(self, cls: type[torch.optim.Optimizer], groups: list[dict], host: bool):
+        kwargs = {}
+        if host and self._inject_fused and not any("fused" in g or "foreach" in g for g in groups):
+            kwargs["fused"] = True
+        return cls(groups, **kwargs)
+
+    def _sub_group(self, group_index: int, params: list[torch.Tensor]) -> dict[str, Any]:
+        group = self.param_groups[group_index]
+        return {**{k: v for k, v in group.items() if k != "params" and k not in _OPTION_KEYS}, "params": params}
+
+    def _build(self) -> None:
+        compute = device.compute_device()
+        flat = [(gi, p) for gi, g in enumerate(self.param_groups) for p in g["params"]]
+        self._params = [p for _, p in flat]
+        on_device = [p.device.type == compute.type for p in self._params]
+        offload = split_params(self._params, self.offload_fraction, on_device)
+        self._device_numel = sum(p.numel() for p, d in zip(self._params, on_device, strict=True) if d)
+        self._offloaded_numel = sum(p.numel() for p, o in zip(self._params, offload, strict=True) if o)
+        # Where each parameter's update happens: ("bucket", bucket, k) | ("device", inner) | ("resident", param).
+        self._slot: list[tuple] = [None] * len(flat)
+        self._masters: dict[int, torch.Tensor] = {}
+        device_groups: dict[int, list] = defaultdict(list)
+        resident_groups: dict[int, list] = defaultdict(list)
+        offloaded = []
+        for i, ((gi, p), d, o) in enumerate(zip(flat, on_device, offload, strict=True)):
+            if o:
+                offloaded.append((i, gi, p))
+            elif d:
+                inner = p
+                if self._master_dtype(p) != p.dtype:
+                    inner = self._masters[i] = p.detach().clone().float()
+                device_groups[gi].append(inner)
+                self._slot[i] = ("device", inner)
+            else:
+                # Already on the host (a CUDA run with some CPU params): updated in place, nothing to copy.
+                resident_groups[gi].append(p)
+                self._slot[i] = ("resident", p)
+
+        def host_opt(gi: int):
+            return lambda flat_param: self._make_sub_optimizer(
+                self.cpu_optimizer_cls, [self._sub_group(gi, [flat_param])], host=True
+            )
+
+        self._buckets: list[Bucket] = []
+        for gi, entries in plan_buckets(offloaded, self.bucket_size_numel, self._master_dtype):
+            dtype = self._master_dtype(entries[0][1])
+            bucket = build_bucket(gi, entries, dtype, self.pin_cpu_params, self.pin_cpu_grads, host_opt(gi))
+            for k, (i, _) in enumerate(entries):
+                self._slot[i] = ("bucket", bucket, k)
+            self._buckets.append(bucket)
+        self.device_optimizer = self._group_optimizer(self.gpu_optimizer_cls, device_groups, host=False)
+        self.resident_optimizer = self._group_optimizer(self.cpu_optimizer_cls, resident_groups, host=True)
+        self._d2h = device.new_stream() if self.overlap_cpu_optimizer_d2h_h2d else device.current_stream()
+        self._h2d = device.new_stream() if self.overlap_cpu_optimizer_d2h_h2d else device.current_stream()
+        self._device_versions = {i: self._params[i]._version for i in self._masters}
+        self._state_entries = -1
+        self._built = True
+        self._rebuild_state()
+
+    def _group_optimizer(self, cls, groups: dict[int, list], host: bool):
+        if not groups:
+            return None
+        gis = sorted(groups)
+        opt = self._make_sub_optimizer(cls, [self._sub_group(gi, groups[gi]) for gi in gis], host=host)
+        opt._hdo_group_index = gis  # which HDO group each of its groups mirrors
+        return opt
+
+    # ------------------------------------------------------------------ reporting
+    @property
+    def offloaded_numel(self) -> int:
+        """Elements of the parameters updated on the CPU."""
+        return self._offloaded_numel
+
+    @property
+    def total_numel(self) -> int:
+        """Elements of all device parameters (the denominator of ``offload_fraction``)."""
+        return self._device_numel
+
+    @property
+    def offloaded_fraction(self) -> float:
+        """The achieved split, ``offloaded_numel / total_numel`` (0.0 for an empty optimizer)."""
+        return self._offloaded_numel / self._device_numel if self._device_numel else 0.0
+
+    def is_offloaded(self, param: torch.Tensor) -> bool:
+        """Whether ``param`` is updated on the CPU."""
+        return any(p is param and self._slot[i][0] == "bucket" for i, p in enumerate(self._params))
+
+    @property
+    def sub_optimizers(self) -> list[torch.optim.Optimizer]:
+        """The bucket CPU optimizers, then the device optimizer (and the host-resident one, if any)."""
+        subs = [b.optimizer for b in self._buckets]
+        return subs + [o for o in (self.device_optimizer, self.resident_optimizer) if o is not None]
+
+    @property
+    def num_buckets(self) -> int:
+        return len(self._buckets)
+
+    # ------------------------------------------------------------------ the step
+    def _push_hyperparameters(self) -> None:
+        """Copy lr/wd/... from the HDO groups (what schedulers and users change) into every sub-optimizer."""
+        skip = _SELECTOR_KEYS | _OPTION_KEYS  # wrappers such as ZeroRedundancyOptimizer copy options into groups
+        hyper = [{k: v for k, v in g.items() if k != "params" and k not in skip} for g in self.param_groups]
+        for b in self._buckets:
+            b.optimizer.param_groups[0].update(hyper[b.group_index])
+        for opt in (self.device_optimizer, self.resident_optimizer):
+            if opt is not None:
+                for sub, gi in zip(opt.param_groups, opt._hdo_group_index, strict=True):
+                    sub.update(hyper[gi])
+
+    def _refresh_stale_copies(self) -> None:
+        """Re-copy weights that were written outside the optimizer (e.g. a model-only checkpoint load).
+
+        Best effort through the tensors' version counters; writes through ``.data`` are not seen, which is why
+        :meth:`refresh_from_model` exists.
+        """
+        for b in self._buckets:
+            stale = [k for k, p in enumerate(b.members) if p._version != b.versions[k]]
+            if stale:
+                b.refresh_members(stale)
+        for i, v in self._device_versions.items():
+            if self._params[i]._version != v:
+                self._masters[i].copy_(self._params[i].detach())
+
+    def _step_in_place(self, opt: torch.optim.Optimizer | None, with_masters: bool) -> None:
+        if opt is None:
+            return
+        swapped = []
+        if with_masters:
+            for i, master in self._masters.items():
+                g = grad_of(self._params[i])
+                master.grad = None if g is None else g.to(master.dtype)
+        for group in opt.param_groups:
+            for p in group["params"]:
+                # Megatron's precision-aware path leaves the grad in ``decoupled_grad``; torch optimizers read .grad.
+                if hasattr(p, "decoupled_grad") and p.grad is not p.decoupled_grad:
+                    swapped.append((p, p.grad))
+                    p.grad = p.decoupled_grad
+        opt.step()
+        for p, g in swapped:
+            p.grad = g
+        if with_masters and self._masters:
+            params = [self._params[i] for i in self._masters]
+            torch._foreach_copy_(params, list(self._masters.values()))
+            self._device_versions = {i: self._params[i]._version for i in self._masters}
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """One update of every parameter that has a gradient (parameters without one are skipped, as in torch).
+
+        Args:
+            closure: optional callable that re-evaluates the model and returns the loss (run with grad enabled).
+
+        Returns:
+            The closure's loss, or None.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._push_hyperparameters()
+        self._refresh_stale_copies()
+        compute = device.current_stream()
+        # Backward wrote the grads on the compute stream; both side streams start after it, and neither waits
+        # for the device optimizer enqueued below (it touches only the non-offloaded parameters).
+        self._d2h.wait_stream(compute)
+        self._h2d.wait_stream(compute)
+        missing = {}
+        with device.on_stream(self._d2h):
+            for b in self._buckets:
+                missing[id(b)] = b.copy_grads_in([grad_of(p) for p in b.members], self._d2h)
+        # The device part is asynchronous on a GPU: it runs while the host steps the buckets below.
+        self._step_in_place(self.device_optimizer, with_masters=True)
+        self._step_in_place(self.resident_optimizer, with_masters=False)
+        for b in self._buckets:
+            if len(missing[id(b)]) == len(b.members):
+                continue  # no member has a grad this step: nothing to do, as torch would do nothing
+            b.step_and_copy_back(missing[id(b)], self._h2d)
+            # The next forward reads these weights: the compute stream (not the host) waits for the copy.
+            compute.wait_event(b.h2d_done)
+        self._rebuild_state()
+        return loss
+
+    # ------------------------------------------------------------------ state
+    def _rebuild_state(self) -> None:
+        """``self.state``: the union of sub-optimizer states keyed by the original params (live views)."""
+        entries = sum(len(o.state) for o in self.sub_optimizers)
+        if entries == self._state_entries:
+            return
+        self._state_entries = entries
+        live = export_param_states(self, clone=False)
+        self.state = defaultdict(dict, {self._params[i]: entry for i, entry in live.items()})
+
+    def _sync_hdo_state_to_sub_optimizers(self) -> None:
+        """Write ``self.state`` (e.g. tensors Megatron's DistributedOptimizer assigned) into the sub-optimizers."""
+        states = {i: dict(self.state[p]) for i, p in enumerate(self._params) if self.state.get(p)}
+        import_param_states(self, states)
+
+    def state_dict(self) -> dict[str, Any]:
+        """A torch-format state dict: per-parameter state keyed by index, the same for any split or bucketing.
+
+        Returns:
+            ``{"state": {index: {"step", "exp_avg", ..., ["master_param"]}}, "param_groups": [...]}`` with plain
+            tensors, numbers and tuples only, so ``torch.load(..., weights_only=True)`` reads it.
+        """
+        groups, start = [], 0
+        for g in self.param_groups:
+            groups.append(
+                {
+                    **{k: v for k, v in g.items() if k != "params"},
+                    "params": list(range(start, start + len(g["params"]))),
+                }
+            )
+            start += len(g["params"])
+        return {"state": export_param_states(self, clone=True), "param_groups": groups}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a state dict saved by this class (any split) or by a plain torch optimizer of the same model.
+
+        Load the model weights first: host copies and masters are refreshed from them, then the saved
+        ``master_param`` (when present) overrides the master.
+
+        Raises:
+            ValueError: the state dict has a different group/parameter layout or state shapes (another model).
+        """
+        states = validate_state_dict(self, state_dict)
+        for group, saved in zip(self.param_groups, state_dict["param_groups"], strict=True):
+            # Upstream checkpoints carry the constructor options (and classes) in every group: not ours to take.
+            group.update({k: v for k, v in saved.items() if k != "params" and k not in _OPTION_KEYS})
+        self.refresh_from_model()
+        import_param_states(self, states)
+
+    def refresh_from_model(self) -> None:
+        """Re-copy every host copy and fp32 master from the current model weights.
+
+        Call it after loading model weights without the optimizer (a fine-tune start, ``--no-load-optim``; the
+        Megatron Bridge #4082 case), otherwise the first step would write the stale copies back. Version-counter
+        checks in ``step()`` catch most in-place loads on their own; this is the explicit, complete form.
+        """
+        with torch.no_grad():
+            for b in self._buckets:
+                b.refresh_members()
+            for i, master in self._masters.items():
+                master.copy_(self._params[i].detach())
+            self._device_versions = {i: self._params[i]._version for i in self._masters}
+
+    def update_fp32_param_by_new_param(self) -> None:
+        """Upstream's name (Megatron's DistributedOptimizer calls it); same as :meth:`refresh_from_model`."""
+        self.refresh_from_model()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear ``.grad`` and ``decoupled_grad`` of the model parameters (the host buffers need no clearing)."""
+        super().zero_grad(set_to_none)
+        for p in self._params:
+            if getattr(p, "decoupled_grad", None) is not None:
+                if set_to_none:
+                    p.decoupled_grad = None
+                else:
+                    p.decoupled_grad.zero_()
+
+    def dummy_step(self) -> None:
+        """Materialize the optimizer state (zeros, ``step`` 0) without changing any weight.
+
+        Megatron's DistributedOptimizer calls this before loading state in place. Unlike upstream's, it leaves the
+        parameters and the lr schedule untouched.
+        """
+        saved = [p.detach().clone() for p in self._params]
+        grads = [(p, p.grad) for p in self._params]
+        for p in self._params:
+            p.grad = torch.zeros_like(p)
+        self.step()
+        with torch.no_grad():
+            for (p, g), value in zip(grads, saved, strict=True):
+                p.copy_(value)
+                p.grad = g
+            for opt in self.sub_optimizers:
+                for st in opt.state.values():
+                    for v in st.values():
+                        if isinstance(v, torch.Tensor):
+                            v.zero_()
+            self.refresh_from_model()
+        device.synchronize()
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, process_group=None) -> torch.Tensor:
+        """Clip the gradients of all parameters (host-updated and device-updated) by their global norm.
+
+        Call it between backward and ``step()``. Norms are computed per device and combined, and summed over
+        ``process_group`` when given (for optimizers that hold one shard of the model per rank).
+
+        Args:
+            max_norm: the largest allowed total norm.
+            norm_type: p of the p-norm (``inf`` for the max norm).
+            process_group: optional torch.distributed group whose ranks hold disjoint parameter shards.
+
+        Returns:
+            The total norm before clipping, as a 0-dim tensor.
+        """
+        return clip_grad_norm_(self._params, max_norm, norm_type, process_group)

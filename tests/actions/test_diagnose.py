@@ -1,0 +1,172 @@
+"""offload/actions/diagnose.py: known failure modes, matched from real error text, narrowed by the config."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from mbridge_offload.actions.diagnose import KNOWN, diagnose
+from mbridge_offload.config.rules.catalogue import all_rules
+from mbridge_offload.config.sources import load
+
+PP2_TRACEBACK = """\
+[rank0]: Traceback (most recent call last):
+[rank0]:   File "megatron/core/transformer/transformer_config.py", line 1304, in __post_init__
+[rank0]:     raise ValueError(
+[rank0]: ValueError: Currently there is no support for Pipeline parallelism with CPU offloading
+"""
+
+OOM = (
+    "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 1.50 GiB. GPU 0 has a total capacity of "
+    "79.10 GiB of which 1.02 GiB is free."
+)
+
+
+def _yaml(tmp_path: Path, name: str, body: str) -> Path:
+    path = tmp_path / name
+    path.write_text("# run config\n" + body, encoding="utf-8")
+    return path
+
+
+def _ids(report) -> list[str]:
+    return [m.failure for m in report.matches]
+
+
+def test_pp_error_in_a_traceback_gives_cause_confirm_and_override_fix() -> None:
+    report = diagnose(log=PP2_TRACEBACK)
+    top = report.matches[0]
+    assert top.failure == "pp_constraint"
+    assert "pipeline_model_parallel_size" in top.confirm
+    assert top.fix[:2] == ["model.cpu_offloading=false", "optimizer.optimizer_cpu_offload=true"]
+    assert "no support for Pipeline parallelism" in top.evidence
+
+
+@pytest.mark.parametrize("rule", [r for r in all_rules() if r.upstream and r.severity == "error"], ids=lambda r: r.id)
+def test_every_upstream_error_message_in_the_catalogue_is_recognised(rule) -> None:
+    text = re.sub(r"\{[^}]*\}", "7", rule.message)
+    report = diagnose(error=f"ValueError: {text}")
+    assert report.matches, f"{rule.id}: {text!r} not matched"
+    assert all(m.cause for m in report.matches)
+
+
+def test_layer_range_fix_uses_the_number_in_the_message() -> None:
+    report = diagnose(error="ValueError: CPU offloading can be done only for layers less than 48")
+    assert report.matches[0].fix == ["model.cpu_offloading_num_layers=47"]
+
+
+def test_oom_without_config_lists_the_two_offload_readings() -> None:
+    assert _ids(diagnose(error=OOM)) == ["oom_activation_offload", "oom_partial_optimizer_offload"]
+
+
+def test_oom_with_activation_offload_config_points_to_optimizer_offload(tmp_path: Path) -> None:
+    cfg = load(
+        str(
+            _yaml(
+                tmp_path,
+                "act.yaml",
+                "model:\n  num_layers: 48\n  cpu_offloading: true\n  cpu_offloading_num_layers: 24\n",
+            )
+        )
+    ).config
+    report = diagnose(error=OOM, config=cfg)
+    assert _ids(report) == ["oom_activation_offload"]
+    assert "optimizer.optimizer_cpu_offload=true" in report.matches[0].fix
+
+
+def test_oom_at_partial_optimizer_offload_raises_the_fraction(tmp_path: Path) -> None:
+    cfg = load(
+        str(
+            _yaml(
+                tmp_path, "opt.yaml", "optimizer:\n  optimizer_cpu_offload: true\n  optimizer_offload_fraction: 0.25\n"
+            )
+        )
+    ).config
+    report = diagnose(error=OOM, config=cfg)
+    assert _ids(report) == ["oom_partial_optimizer_offload"]
+    assert "optimizer.optimizer_offload_fraction=0.5" in report.matches[0].fix
+
+
+def test_slowdown_at_full_offload_lowers_the_fraction(tmp_path: Path) -> None:
+    cfg = load(
+        str(
+            _yaml(
+                tmp_path, "full.yaml", "optimizer:\n  optimizer_cpu_offload: true\n  optimizer_offload_fraction: 1.0\n"
+            )
+        )
+    ).config
+    report = diagnose(log="step time is 4.2x slower than the baseline", config=cfg)
+    assert _ids(report) == ["slowdown"]
+    assert report.matches[0].fix == [
+        "optimizer.optimizer_offload_fraction=0.75",
+        "optimizer.overlap_cpu_optimizer_d2h_h2d=true",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("text", "failure"),
+    [
+        (
+            "TypeError: get_cpu_offload_context() takes from 0 to 4 positional arguments but 5 were given",
+            "te_signature",
+        ),
+        (
+            "_pickle.UnpicklingError: Weights only load failed. WeightsUnpickler error: Unsupported global: "
+            "GLOBAL torch.optim.adamw.AdamW was not an allowed global by default.",
+            "weights_only_load",
+        ),
+        (
+            "RuntimeError: CUDA error: invalid argument ... cudaHostAlloc failed; check ulimit -l (memlock)",
+            "pinned_memory",
+        ),
+        (
+            "iteration 101 | lm loss 10.2 -- loss jumped from 0.31 after resuming from the checkpoint",
+            "resume_loss_jump",
+        ),
+        (
+            "ValueError: CPU Offloading is enabled while it is not mentioned what to offload (weights/activations)",
+            "te_nothing_to_offload",
+        ),
+        ("KeyError in _update_fp32_params_by_new_state", "fp32_master_keyerror"),
+        ("I enabled optimizer_cpu_offload but see no memory saving", "no_saving"),
+    ],
+)
+def test_failures_without_one_upstream_message(text: str, failure: str) -> None:
+    assert diagnose(error=text).matches[0].failure == failure
+
+
+def test_every_known_failure_has_cause_confirm_and_a_fix_or_action() -> None:
+    for mode in KNOWN:
+        assert mode.cause and mode.confirm, mode.id
+        assert mode.fix or mode.actions, mode.id
+
+
+def test_config_adds_validator_findings(tmp_path: Path) -> None:
+    loaded = load(
+        str(
+            _yaml(
+                tmp_path,
+                "pp.yaml",
+                "model:\n  num_layers: 8\n  cpu_offloading: true\n  pipeline_model_parallel_size: 2\n",
+            )
+        )
+    )
+    report = diagnose(error=PP2_TRACEBACK, config=loaded.config, raw=loaded.raw)
+    assert "ACT-PP" in [f["rule"] for f in report.findings]
+
+
+def test_before_after_lists_the_offload_diff_and_reads_it_as_an_oom_risk(tmp_path: Path) -> None:
+    body = "model:\n  num_layers: 48\noptimizer:\n  optimizer_cpu_offload: true\n  optimizer_offload_fraction: {}\n"
+    before = load(str(_yaml(tmp_path, "before.yaml", body.format(0.75)))).config
+    after = load(str(_yaml(tmp_path, "after.yaml", body.format(0.25)))).config
+    report = diagnose(before=before, after=after)
+    assert report.comparison["changed"] == [
+        {"key": "optimizer.optimizer_offload_fraction", "before": 0.75, "after": 0.25}
+    ]
+    assert _ids(report) == ["oom_partial_optimizer_offload"]
+
+
+def test_unknown_text_matches_nothing_and_says_so() -> None:
+    report = diagnose(error="segmentation fault in libfoo")
+    assert report.matches == [] and "no known offload failure matched" in report.notes[0]

@@ -1,0 +1,121 @@
+"""The pydantic config model: upstream defaults, extras kept, dtype spellings, did-you-mean helper."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from mbridge_offload.config.schema import (
+    OFFLOAD_KEYS,
+    OffloadConfig,
+    effective_values,
+    field_default,
+    normalize_dtype,
+    suggest_key,
+    unknown_offload_keys,
+)
+
+
+def test_defaults_are_the_upstream_dataclass_defaults():
+    # MCore model_parallel_config.py / transformer_config.py / optimizer_config.py (reference §3.1, §4, §5.6)
+    expected = {
+        "model.cpu_offloading": False,
+        "model.cpu_offloading_num_layers": 0,
+        "model.cpu_offloading_activations": True,
+        "model.cpu_offloading_weights": False,
+        "model.cpu_offloading_double_buffering": False,
+        "model.cpu_offloading_retain_pinned_cpu_buffers": False,
+        "model.fine_grained_activation_offloading": False,
+        "model.offload_modules": [],
+        "model.min_offloaded_tensor_size": 1024 * 1024,
+        "model.activation_offload_fraction": 1.0,
+        "optimizer.optimizer_cpu_offload": False,
+        "optimizer.optimizer_offload_fraction": 0.0,
+        "optimizer.use_torch_optimizer_for_cpu_offload": False,
+        "optimizer.overlap_cpu_optimizer_d2h_h2d": False,
+        "optimizer.pin_cpu_grads": True,
+        "optimizer.pin_cpu_params": True,
+        "optimizer.decoupled_weight_decay": True,
+        "optimizer.use_distributed_optimizer": False,
+        "model.cuda_graph_impl": "none",
+        "model.transformer_impl": "transformer_engine",
+    }
+    for key, value in expected.items():
+        assert field_default(key) == value, key
+    assert effective_values(OffloadConfig())["optimizer.optimizer_offload_fraction"] == 0.0
+
+
+@pytest.mark.megatron
+@pytest.mark.filterwarnings("ignore")
+def test_defaults_match_real_megatron_core():
+    import dataclasses
+
+    from megatron.core.optimizer import OptimizerConfig
+    from megatron.core.transformer import TransformerConfig
+
+    real = {f"model.{f.name}": f for f in dataclasses.fields(TransformerConfig)}
+    real |= {f"optimizer.{f.name}": f for f in dataclasses.fields(OptimizerConfig)}
+    for key in OFFLOAD_KEYS:
+        if key not in real:  # 0.19-only fields are absent from the venv's 0.16.1
+            continue
+        f = real[key]
+        default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+        assert field_default(key) == default, key
+
+
+def test_unknown_keys_and_targets_are_kept_not_errors():
+    cfg = OffloadConfig.model_validate(
+        {"model": {"_target_": "x.Provider", "rotary_base": 10000}, "checkpoint": {"save": "/tmp"}}
+    )
+    assert cfg.model.extras()["rotary_base"] == 10000
+    assert cfg.model_extra["checkpoint"] == {"save": "/tmp"}
+
+
+def test_wrong_type_is_a_validation_error():
+    with pytest.raises(ValidationError):
+        OffloadConfig.model_validate({"optimizer": {"optimizer_offload_fraction": "half"}})
+
+
+@pytest.mark.parametrize(
+    "spelling,short",
+    [
+        ("bf16", "bf16"),
+        ("torch.bfloat16", "bf16"),
+        ("float32", "fp32"),
+        ({"_target_": "torch.float16"}, "fp16"),
+        (None, None),
+    ],
+)
+def test_dtype_spellings_normalise(spelling, short):
+    assert normalize_dtype(spelling) == short
+
+
+def test_bad_dtype_names_the_value():
+    with pytest.raises(ValueError, match="'int7'"):
+        normalize_dtype("int7")
+
+
+def test_null_spellings_of_recompute_mean_off():
+    for text in ("null", "None", "none"):
+        cfg = OffloadConfig.model_validate({"model": {"recompute_granularity": text}})
+        assert cfg.model.recompute_granularity is None
+
+
+def test_did_you_mean_for_offload_typos_only():
+    assert suggest_key("optimizer", "optimizer_offload_fracton") == "optimizer.optimizer_offload_fraction"
+    assert suggest_key("model", "cpu_offload") == "model.cpu_offloading"
+    assert suggest_key("model", "rotary_base") is None
+    raw = {"model": {"cpu_ofloading": True, "rotary_base": 1}, "optimizer": {"lr": 1e-3}}
+    assert unknown_offload_keys(raw) == [("model.cpu_ofloading", "model.cpu_offloading")]
+
+
+def test_the_guide_states_the_model_defaults():
+    import json
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "cpu-offloading.md").read_text(encoding="utf-8")
+    rows = re.findall(r"^\| `((?:model|optimizer)\.\w+)` \| `([^`]*)` \|", text, flags=re.M)
+    assert len(rows) >= 12
+    for key, shown in rows:
+        assert json.loads(shown) == field_default(key), key

@@ -1,0 +1,99 @@
+"""Reading configs: Bridge YAML/JSON, stdin, Hydra overrides, Megatron-LM argv; one-line bad-input errors."""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+import pytest
+
+from mbridge_offload.config.sources import ConfigError, apply_overrides, load, parse_megatron_argv
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_bundled_example_loads():
+    loaded = load(str(ROOT / "examples" / "qwen3_30b_a3b_pretrain.yaml"))
+    assert loaded.config.model.num_layers == 48
+    assert loaded.config.optimizer.optimizer_offload_fraction == 0.5
+    assert loaded.config.env["frontend"] == "bridge"
+
+
+def test_partial_yaml_and_json(tmp_path):
+    (tmp_path / "a.yaml").write_text("optimizer:\n  optimizer_cpu_offload: true\n")
+    assert load(str(tmp_path / "a.yaml")).config.optimizer.optimizer_cpu_offload is True
+    (tmp_path / "b.json").write_text(json.dumps({"model": {"cpu_offloading": True}}))
+    assert load(str(tmp_path / "b.json")).config.model.cpu_offloading is True
+
+
+def test_stdin():
+    loaded = load("-", stdin=io.StringIO("model:\n  num_layers: 4\n"))
+    assert loaded.config.model.num_layers == 4 and loaded.source == "<stdin>"
+
+
+def test_hydra_overrides_set_add_delete_and_null():
+    raw = {"model": {"recompute_granularity": "full", "num_layers": 4}}
+    apply_overrides(
+        raw, ["model.recompute_granularity=null", "+optimizer.optimizer_offload_fraction=0.5", "~model.num_layers"]
+    )
+    assert raw == {"model": {"recompute_granularity": None}, "optimizer": {"optimizer_offload_fraction": 0.5}}
+
+
+def test_override_errors_are_one_line():
+    with pytest.raises(ConfigError) as exc:
+        apply_overrides({"model": {"num_layers": 4}}, ["+model.num_layers=8"])
+    assert "already set" in str(exc.value) and "\n" not in str(exc.value)
+    with pytest.raises(ConfigError, match="nothing to delete"):
+        apply_overrides({}, ["~model.cpu_offloading"])
+
+
+def test_megatron_lm_argv_derivations():
+    raw = parse_megatron_argv(
+        [
+            "--optimizer-cpu-offload",
+            "--cpu-offloading-num-layers",
+            "4",
+            "--num-layers",
+            "8",
+            "--bf16",
+            "--use-distributed-optimizer",
+            "--some-unknown-flag",
+        ]
+    )
+    assert raw["model"]["cpu_offloading"] is True  # derived from --cpu-offloading-num-layers > 0
+    assert raw["optimizer"]["optimizer_offload_fraction"] == 1.0  # Megatron-LM CLI default
+    assert raw["optimizer"]["bf16"] is True
+    assert raw["ddp"]["use_distributed_optimizer"] is True
+    loaded = load(argv=["--optimizer-cpu-offload"])
+    assert loaded.config.env["frontend"] == "megatron-lm"
+
+
+def test_wrong_type_names_key_value_and_line(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("model:\n  num_layers: 4\noptimizer:\n  optimizer_offload_fraction: half\n")
+    with pytest.raises(ConfigError) as exc:
+        load(str(path))
+    message = str(exc.value)
+    assert message.startswith(f"{path}:4: optimizer.optimizer_offload_fraction = 'half'")
+    assert "\n" not in message
+
+
+def test_malformed_and_missing_inputs(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: [1, 2\n")
+    with pytest.raises(ConfigError, match="malformed YAML"):
+        load(str(bad))
+    with pytest.raises(ConfigError, match="no such file"):
+        load(str(tmp_path / "missing.yaml"))
+    top = tmp_path / "list.yaml"
+    top.write_text("- 1\n- 2\n")
+    with pytest.raises(ConfigError, match="top level must be a mapping"):
+        load(str(top))
+
+
+def test_section_that_is_not_a_mapping(tmp_path):
+    path = tmp_path / "s.yaml"
+    path.write_text("model: 3\n")
+    with pytest.raises(ConfigError, match="section 'model' must be a mapping"):
+        load(str(path))

@@ -1,0 +1,199 @@
+"""``estimate`` / ``recommend`` / ``calibrate`` on the command line: the JSON contract, exit codes, human tables."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mbridge_offload_tools import cli_plan
+from mbridge_offload_tools.common import UsageError, fail
+
+ROOT = Path(__file__).resolve().parents[2]
+QWEN_RUN = [
+    "--model",
+    "qwen3-30b-a3b",
+    "--num-gpus",
+    "16",
+    "--tp",
+    "2",
+    "--pp",
+    "2",
+    "--ep",
+    "4",
+    "--etp",
+    "1",
+    "--global-batch-size",
+    "8",
+]
+QWEN = [*QWEN_RUN, "--gpu", "h100-80gb"]
+
+
+def run(argv: list[str], capsys) -> tuple[int, str, str]:
+    """Run one subcommand the way mbridge_offload_tools.cli does (UsageError → exit 2 with one line)."""
+    parser = argparse.ArgumentParser(prog="mbridge-offload")
+    cli_plan.add_parsers(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    try:
+        code = args.handler(args)
+    except UsageError as exc:
+        with pytest.raises(SystemExit) as stop:
+            fail(str(exc), getattr(args, "json", False))
+        code = stop.value.code
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_estimate_json_has_the_contract_keys(capsys):
+    code, out, _ = run(["estimate", *QWEN_RUN, "--gpu", "h200-141gb", "--json"], capsys)
+    assert code == 0
+    data = json.loads(out)
+    assert set(data["memory_gb"]) >= {"weights", "gradients", "optimizer", "activations", "other", "total"}
+    assert {"host_gb", "offloaded_fraction", "step_time_factor", "fits"} <= set(data)
+    assert data["fits"] is True and data["offloaded_fraction"] == 0.0 and data["step_time_factor"] == 1.0
+    parts = sum(v for k, v in data["memory_gb"].items() if k != "total")
+    assert parts == pytest.approx(data["memory_gb"]["total"], abs=0.01)
+
+
+@pytest.mark.parametrize("fraction,measured", [(0.25, 3.8), (0.5, 7.6), (0.75, 11.6), (1.0, 15.3)])
+def test_estimate_predicts_upstream_qwen3_savings(capsys, fraction, measured):
+    _, base, _ = run(["estimate", *QWEN, "--json"], capsys)
+    _, off, _ = run(["estimate", *QWEN, "--optimizer-offload-fraction", str(fraction), "--json"], capsys)
+    saved = json.loads(base)["memory_gb"]["total"] - json.loads(off)["memory_gb"]["total"]
+    assert saved == pytest.approx(measured, rel=0.15)
+    assert json.loads(off)["offloaded_fraction"] >= fraction
+    assert json.loads(off)["host_gb"] > 0
+
+
+def test_recommend_json_for_qwen_on_h100_is_optimizer(capsys):
+    code, out, _ = run(["recommend", *QWEN, "--json"], capsys)
+    assert code == 0
+    data = json.loads(out)
+    assert {"mode", "overrides", "memory_gb", "fits", "step_time_factor", "rationale"} <= set(data)
+    assert data["mode"] == "optimizer" and data["fits"]
+    assert set(data["memory_gb"]) == {"before", "after"}
+    assert any(o.startswith("optimizer.optimizer_offload_fraction=") for o in data["overrides"])
+    assert data["step_time_factor"] > 1
+
+
+def test_recommend_reads_a_bridge_yaml(capsys):
+    code, out, _ = run(
+        [
+            "recommend",
+            str(ROOT / "examples/qwen3_30b_a3b_pretrain.yaml"),
+            "--num-gpus",
+            "16",
+            "--gpu-memory-gb",
+            "48",
+            "--json",
+        ],
+        capsys,
+    )
+    assert code == 0
+    assert json.loads(out)["mode"] == "optimizer"
+
+
+def test_recommend_none_for_a_fitting_config(capsys):
+    code, out, _ = run(["recommend", "--model", "qwen3-0.6b", "--num-gpus", "1", "--json"], capsys)
+    assert code == 0 and json.loads(out)["mode"] == "none" and json.loads(out)["overrides"] == []
+
+
+def test_recommend_activation_for_small_model(capsys):
+    code, out, _ = run(
+        [
+            "recommend",
+            "--model",
+            "qwen3-0.6b",
+            "--num-gpus",
+            "1",
+            "--seq-length",
+            "16384",
+            "--micro-batch-size",
+            "4",
+            "--json",
+        ],
+        capsys,
+    )
+    data = json.loads(out)
+    assert code == 0
+    assert data["mode"] == "activation"
+    assert any(o.startswith("model.cpu_offloading_num_layers=") for o in data["overrides"])
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--model", "nope"], "unknown model preset 'nope'"),
+        (["--model", "llama3-8b", "--num-gpus", "0"], "--num-gpus is 0"),
+        (["--model", "llama3-8b", "--tp", "3", "--num-gpus", "3"], "TP 3 does not divide num_attention_heads 32"),
+        (["--model", "llama3-8b", "--optimizer-offload-fraction", "1.5"], "1.5: it must be in [0.0, 1.0]"),
+        (["--model", "llama3-8b", "--num-gpus", "12", "--tp", "8"], "not divisible by TP·PP·CP = 8"),
+        (["--model", "llama3-8b", "--gpu", "v100"], "unknown GPU preset 'v100'"),
+        ([], "no model"),
+    ],
+)
+@pytest.mark.parametrize("command", ["estimate", "recommend"])
+def test_bad_input_exits_2_with_one_line(capsys, command, argv, message):
+    code, out, err = run([command, *argv, "--json"], capsys)
+    assert code == 2
+    assert message in json.loads(out)["error"]
+    assert err.count("\n") == 1 and message in err
+
+
+def test_estimate_refuses_activation_offload_with_pp_but_recommend_replans(capsys):
+    argv = ["--model", "llama3-8b", "--pp", "2", "--activation-offload-layers", "4", "--json"]
+    code, out, _ = run(["estimate", *argv], capsys)
+    assert code == 2 and "Pipeline parallelism" in json.loads(out)["error"]
+    code, out, _ = run(["recommend", *argv], capsys)
+    assert code == 0 and json.loads(out)["mode"] in ("none", "optimizer")
+
+
+def test_human_output_is_a_table(capsys):
+    code, out, _ = run(["estimate", *QWEN, "--optimizer-offload-fraction", "0.5"], capsys)
+    assert code == 0
+    for word in ("weights", "gradients", "optimizer", "activations", "total", "fits", "step time"):
+        assert word in out
+    code, out, _ = run(["recommend", *QWEN_RUN, "--gpu-memory-gb", "56"], capsys)
+    assert "mode: optimizer" in out and "overrides:" in out and "->" in out
+
+
+def test_estimate_and_recommend_never_import_torch():
+    code = (
+        "import sys\nfrom tools import cli_plan\nimport argparse\n"
+        "p=argparse.ArgumentParser(); cli_plan.add_parsers(p.add_subparsers())\n"
+        "for c in ('estimate','recommend'):\n"
+        "    a=p.parse_args([c,'--model','llama3-8b','--json']); a.handler(a)\n"
+        "assert 'torch' not in sys.modules, 'torch imported'\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+
+
+def test_calibrate_writes_params_per_second(capsys, tmp_path):
+    pytest.importorskip("torch")
+    target = tmp_path / "cal.json"
+    code, out, _ = run(
+        ["calibrate", "--output", str(target), "--numel", "262144", "--steps", "1", "--threads", "1", "--json"], capsys
+    )
+    assert code == 0
+    stored = json.loads(target.read_text())
+    assert stored["cpu_adam_params_per_s_per_core"] > 1e6
+    assert json.loads(out)["path"] == str(target)
+
+
+def test_main_cli_registers_plan_subcommands():
+    done = subprocess.run(
+        [sys.executable, "-m", "tools", "estimate", "--model", "llama3-8b", "--json"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    if "ModuleNotFoundError" in done.stderr:
+        pytest.skip("another subcommand module of mbridge_offload_tools.cli is not present yet")
+    assert done.returncode == 0, done.stderr
+    assert "memory_gb" in json.loads(done.stdout)

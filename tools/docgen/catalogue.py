@@ -1,0 +1,82 @@
+"""The tables of SKILL.md that restate a catalogue: constraints (rules), failure modes (diagnose), MCP tools.
+
+Each renderer reads the live object — the rule catalogue's ``all_rules()``, the diagnosis catalogue, the tools
+the MCP server registers — so the skill cannot drift from the code; ``tests/tools/test_docs.py`` checks
+the committed text.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+# MCP tool → the CLI command that does the same (contract in ../shared/design.md).
+CLI_EQUIVALENTS: dict[str, str] = {
+    "validate_config": "mbridge-offload validate CONFIG [--set KEY=VALUE ...]",
+    "recommend_mode": "mbridge-offload recommend [CONFIG] [--model NAME --gpu PRESET --num-gpus N ...]",
+    "apply_offload": "mbridge-offload apply CONFIG --mode optimizer|activation|both|none [--output FILE | --in-place]",
+    "run_unit_tests": "mbridge-offload test [-k EXPR] [--bridge-repo PATH]",
+    "diagnose_failure": "mbridge-offload diagnose --error TEXT | --log FILE [--config FILE]",
+}
+
+
+def _cell(text: Any) -> str:
+    """One Markdown table cell: no newlines, no bare pipes."""
+    return " ".join(str(text).split()).replace("|", "\\|")
+
+
+def render_constraints() -> str:
+    """Every rule of the catalogue as one table row, in catalogue order."""
+    from mbridge_offload.config.rules.catalogue import all_rules
+
+    lines = ["| rule | severity | origin | keys | constraint | fix |", "|---|---|---|---|---|---|"]
+    for rule in all_rules():
+        keys = ", ".join(f"`{k}`" for k in rule.keys)
+        fix = ", ".join(f"`{f}`" for f in rule.fix) if rule.fix else "—"
+        lines.append(
+            f"| [`{rule.id}`](docs/rules.md#{rule.id.lower()}) | {rule.severity} | {rule.origin} | {keys} | "
+            f"{_cell(rule.summary)} | {_cell(fix)} |"
+        )
+    return "\n".join(lines)
+
+
+def server_tools() -> list[Any]:
+    """The tools the MCP server registers, listed in-process (no transport)."""
+    from mbridge_offload_tools.server import mcp
+
+    return list(asyncio.run(mcp.list_tools()))
+
+
+def render_tools() -> str:
+    lines = ["| MCP tool | what it does | writes? | CLI equivalent |", "|---|---|---|---|"]
+    for tool in server_tools():
+        hints = tool.annotations
+        read_only = bool(hints and hints.read_only_hint)
+        first = (
+            (tool.title or (tool.description or "").strip().splitlines()[0]) if (tool.title or tool.description) else ""
+        )
+        cli = CLI_EQUIVALENTS.get(tool.name, "(none)")
+        lines.append(f"| `{tool.name}` | {_cell(first)} | {'no' if read_only else 'yes'} | `{_cell(cli)}` |")
+    return "\n".join(lines)
+
+
+def failure_modes() -> list[Any]:
+    """The diagnosis catalogue (``mbridge_offload.actions.diagnose.KNOWN``)."""
+    from mbridge_offload.actions.diagnose import KNOWN
+
+    return list(KNOWN)
+
+
+def render_diagnosis() -> str:
+    lines = ["| failure | what you see | cause | confirm | fix |", "|---|---|---|---|---|"]
+    for mode in failure_modes():
+        fix = ", ".join(f"`{f}`" for f in mode.fix) if isinstance(mode.fix, tuple) else "computed from the config"
+        lines.append(
+            f"| `{mode.id}` | {_cell(mode.title)} | {_cell(mode.cause)} | {_cell(mode.confirm)} | {_cell(fix or '—')} |"
+        )
+    lines += [
+        "",
+        "Besides these, every upstream error message of the rule catalogue is matched back to its rule, "
+        "and its fix returned.",
+    ]
+    return "\n".join(lines)

@@ -1,0 +1,200 @@
+"""The house as the code has it: modules by room, who imports whom, and the functions that grew too long.
+
+Read from the source with ``ast`` (nothing is imported), so the checks in ``tests/test_house.py`` and the generated
+part of ``docs/architecture.md`` see the same facts: every import counts, at module level, inside a function, or
+under ``TYPE_CHECKING``.
+"""
+
+from __future__ import annotations
+
+import ast
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+# installed import name → source folder (pyproject.toml's package-dir)
+PACKAGES = {"mbridge_offload": "offload", "mbridge_offload_tools": "tools"}
+MAX_FUNCTION_LINES = 80
+
+# The rooms, and which other rooms each may import. ``tools → actions → plan → config``; the runtime serves the
+# actions (parity check) and imports no agent code; the config side never imports torch.
+ROOMS: dict[str, tuple[str, ...]] = {
+    "mbridge_offload.config": (),
+    "mbridge_offload.plan": ("mbridge_offload.config",),
+    "mbridge_offload.runtime": (),
+    "mbridge_offload.actions": ("mbridge_offload.plan", "mbridge_offload.config", "mbridge_offload.runtime"),
+    "mbridge_offload_tools": (
+        "mbridge_offload.actions",
+        "mbridge_offload.plan",
+        "mbridge_offload.config",
+        "mbridge_offload.runtime",
+    ),
+}
+TORCH_FREE_ROOMS = ("mbridge_offload.config", "mbridge_offload.plan")
+
+
+@dataclass(frozen=True)
+class Module:
+    name: str  # dotted import name
+    path: Path
+    doc: str  # first line of the module docstring
+    imports: frozenset[str]  # project modules (and ``torch``) this one imports, anywhere in it
+    torch_at_top: bool  # imports torch at module level (not lazily inside a function)
+
+
+def _module_name(path: Path) -> str:
+    rel = path.relative_to(ROOT)
+    for name, folder in PACKAGES.items():
+        if rel.parts[0] == folder:
+            parts = [name, *rel.with_suffix("").parts[1:]]
+            return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+    raise ValueError(path)
+
+
+def _resolve(name: str, known: set[str]) -> str | None:
+    """The longest known module that ``name`` (``pkg.mod`` or ``pkg.mod.attr``) refers to."""
+    while name:
+        if name in known:
+            return name
+        name = name.rpartition(".")[0]
+    return None
+
+
+def modules(root: Path = ROOT) -> dict[str, Module]:
+    paths = sorted(p for folder in PACKAGES.values() for p in (root / folder).rglob("*.py"))
+    known = {_module_name(p) for p in paths}
+    out: dict[str, Module] = {}
+    for path in paths:
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        found: set[str] = set()
+        torch_top = False
+        for node in ast.walk(tree):
+            names: list[str] = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                names = [f"{node.module}.{a.name}" for a in node.names] + [node.module]
+            for n in names:
+                if n.split(".")[0] == "torch":
+                    found.add("torch")
+                    torch_top = torch_top or node in tree.body
+                elif (target := _resolve(n, known)) is not None:
+                    found.add(target)
+        name = _module_name(path)
+        found.discard(name)
+        doc = (ast.get_docstring(tree) or "").strip().splitlines()
+        out[name] = Module(name, path, doc[0] if doc else "", frozenset(found), torch_top)
+    return out
+
+
+def _drop_parents(mods: dict[str, Module]) -> dict[str, set[str]]:
+    """Edges without ``pkg/__init__`` re-export links (a package importing its own children is not a circle)."""
+    edges: dict[str, set[str]] = {}
+    for m in mods.values():
+        edges[m.name] = {t for t in m.imports if t != "torch" and not t.startswith(m.name + ".")}
+        # importing ``pkg.child`` also runs ``pkg``; count it only when ``pkg`` is not an ancestor of the importer
+        edges[m.name] -= {t for t in edges[m.name] if m.name.startswith(t + ".")}
+    return edges
+
+
+def import_cycles(mods: dict[str, Module] | None = None) -> list[list[str]]:
+    """Every strongly connected set of more than one module (Tarjan), as sorted lists."""
+    edges = _drop_parents(mods or modules())
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    cycles: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in edges.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                cycles.append(sorted(comp))
+
+    for v in sorted(edges):
+        if v not in index:
+            visit(v)
+    return cycles
+
+
+def room_of(name: str) -> str | None:
+    for room in sorted(ROOMS, key=len, reverse=True):
+        if name == room or name.startswith(room + "."):
+            return room
+    return None
+
+
+def wrong_arrows(mods: dict[str, Module] | None = None) -> list[str]:
+    """``a → b`` for every import that points against the rooms' direction, or torch in a torch-free room."""
+    bad = []
+    for m in (mods or modules()).values():
+        here = room_of(m.name)
+        if here is None:
+            continue
+        for target in sorted(m.imports):
+            if target == "torch":
+                if here in TORCH_FREE_ROOMS:
+                    bad.append(f"{m.name} → torch (the {here} room never imports torch)")
+                continue
+            there = room_of(target)
+            if there not in (None, here) and there not in ROOMS[here]:
+                bad.append(f"{m.name} → {target}")
+    return bad
+
+
+def long_functions(limit: int = MAX_FUNCTION_LINES, root: Path = ROOT) -> list[str]:
+    """``path:line name (N lines)`` for every function or method longer than ``limit`` lines."""
+    out = []
+    for folder in (*PACKAGES.values(), "benchmarks"):
+        for path in sorted((root / folder).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+                if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                    n = (node.end_lineno or node.lineno) - node.lineno + 1
+                    if n > limit:
+                        out.append(f"{path.relative_to(root)}:{node.lineno} {node.name} ({n} lines)")
+    return out
+
+
+def render_rooms() -> str:
+    """The module map of docs/architecture.md: every module by room, with its docstring's first line."""
+    mods = modules()
+    lines = ["| module | what it is |", "|---|---|"]
+    for name in sorted(mods, key=lambda n: (mods[n].path.parts, n)):
+        m = mods[name]
+        if m.path.name == "__init__.py" and not m.doc:
+            continue
+        rel = m.path.relative_to(ROOT).as_posix()
+        doc = m.doc.replace("|", r"\|")
+        lines.append(f"| `{rel}` | {doc} |")
+    return "\n".join(lines) + "\n"
+
+
+def render_arrows() -> str:
+    """Which room imports which, counted from the code."""
+    mods = modules()
+    counts: dict[tuple[str, str], int] = {}
+    for m in mods.values():
+        here = room_of(m.name)
+        for t in m.imports:
+            there = "torch" if t == "torch" else room_of(t)
+            if here and there and there != here:
+                counts[(here, there)] = counts.get((here, there), 0) + 1
+    lines = ["| from room | imports | import statements |", "|---|---|---|"]
+    lines += [f"| `{a}` | `{b}` | {n} |" for (a, b), n in sorted(counts.items())]
+    return "\n".join(lines) + "\n"
