@@ -25,9 +25,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
+from mbridge_offload.config.upstream import TE_MIN_OFFLOAD_NUMEL, hdo_offload_mask
+
 GB = 1e9
-# TE v2 offloads a saved tensor only from this many elements up (transformer_engine/pytorch/cpu_offload.py).
-TE_MIN_OFFLOAD_NUMEL = 256 * 1024
 # Megatron pads the vocabulary to a multiple of make_vocab_size_divisible_by × TP.
 VOCAB_DIVISIBLE_BY = 128
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
@@ -323,13 +323,7 @@ def optimizer_param_order(params: list[Tensor]) -> list[Tensor]:
 def greedy_offload(numels: list[int], fraction: float) -> int:
     """Elements HDO puts on the CPU: whole tensors, in order, while the running total is below
     ``fraction × total`` (the tensor that crosses the threshold goes too; 1.0 → all)."""
-    threshold = fraction * sum(numels)
-    offloaded = 0
-    for n in numels:
-        if offloaded >= threshold:
-            break
-        offloaded += n
-    return offloaded
+    return sum(n for n, host in zip(numels, hdo_offload_mask(numels, fraction), strict=True) if host)
 
 
 def _shards(params: list[Tensor], m: ModelSpec, s: Setup, expert: bool) -> list[int]:

@@ -92,16 +92,6 @@ def empty_host(shape: torch.Size | tuple[int, ...], dtype: torch.dtype, pin: boo
     return torch.empty(shape, dtype=dtype, device="cpu", pin_memory=pin and has_cuda())
 
 
-def to_host(src: torch.Tensor, pin: bool = True) -> torch.Tensor:
-    """A host copy of ``src``; pinned and non-blocking where CUDA makes that possible.
-
-    On CPU this still copies, so that code which frees ``src`` afterwards behaves as on a GPU.
-    """
-    dst = empty_host(src.shape, src.dtype, pin=pin)
-    dst.copy_(src, non_blocking=dst.is_pinned())
-    return dst
-
-
 def is_pinned(tensor: torch.Tensor) -> bool:
     return has_cuda() and tensor.is_pinned()
 

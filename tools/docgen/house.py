@@ -17,11 +17,12 @@ PACKAGES = {"mbridge_offload": "offload", "mbridge_offload_tools": "tools"}
 MAX_FUNCTION_LINES = 80
 
 # The rooms, and which other rooms each may import. ``tools → actions → plan → config``; the runtime serves the
-# actions (parity check) and imports no agent code; the config side never imports torch.
+# actions (parity check), imports no agent code and reads upstream facts from the config room
+# (``config/upstream.py``); the config side never imports torch.
 ROOMS: dict[str, tuple[str, ...]] = {
     "mbridge_offload.config": (),
     "mbridge_offload.plan": ("mbridge_offload.config",),
-    "mbridge_offload.runtime": (),
+    "mbridge_offload.runtime": ("mbridge_offload.config",),
     "mbridge_offload.actions": ("mbridge_offload.plan", "mbridge_offload.config", "mbridge_offload.runtime"),
     "mbridge_offload_tools": (
         "mbridge_offload.actions",

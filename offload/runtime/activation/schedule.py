@@ -19,7 +19,9 @@ import enum
 from collections import Counter
 from dataclasses import dataclass, field
 
-DEFAULT_MIN_TENSOR_SIZE = 256 * 1024
+from mbridge_offload.config.upstream import TE_MIN_OFFLOAD_NUMEL
+
+DEFAULT_MIN_TENSOR_SIZE = TE_MIN_OFFLOAD_NUMEL  # TE v2 default; see config/upstream.py
 """Elements; Transformer Engine's threshold (about 1 MB in fp32). Smaller saved tensors stay on the device."""
 
 
@@ -83,11 +85,6 @@ class Schedule:
     def reloads_when_backward_reaches(self, layer: int) -> list[int]:
         first = layer - (self.model_layers - 1 - self.num_layers)
         return [first] if 0 <= first < self.num_layers else []
-
-    @property
-    def max_resident_layers(self) -> int:
-        """The invariant: layers whose offloadable activations may be on the device at once."""
-        return self.model_layers - self.num_layers
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from mbridge_offload.config.upstream import hdo_offload_mask
 from mbridge_offload.runtime import device
 
 _MISSING = object()
@@ -224,10 +225,5 @@ def split_params(params: list[torch.Tensor], offload_fraction: float, on_device:
     Returns:
         Per parameter, whether it is offloaded.
     """
-    threshold = offload_fraction * sum(p.numel() for p, d in zip(params, on_device, strict=True) if d)
-    offloaded, out = 0, []
-    for p, d in zip(params, on_device, strict=True):
-        take = d and offloaded < threshold
-        offloaded += p.numel() if take else 0
-        out.append(take)
-    return out
+    numels = [p.numel() if d else 0 for p, d in zip(params, on_device, strict=True)]
+    return [d and host for d, host in zip(on_device, hdo_offload_mask(numels, offload_fraction), strict=True)]
