@@ -182,6 +182,66 @@ def _train(
     return {"losses": losses, "times": times, "bytes_offloaded": offloaded, "optimizer": opt}
 
 
+def _batches(megatron: bool, steps: int, seed: int, device: Any) -> tuple[list[dict[str, Any]], Callable[[], Any]]:
+    """The same token batches for both runs, and the context the model needs on this machine."""
+    import contextlib
+
+    import torch
+
+    if megatron:
+        from mbridge_offload.runtime.megatron import cpu_compat_shims, tiny_batch
+
+        batches = [{k: v.to(device) for k, v in tiny_batch(2, 32, 128, seed=seed + i).items()} for i in range(steps)]
+        return batches, cpu_compat_shims
+    generator = torch.Generator().manual_seed(seed)
+    batches = []
+    for _ in range(steps):
+        tokens = torch.randint(0, 128, (2, 33), generator=generator)
+        batches.append({"input_ids": tokens[:, :-1].to(device), "labels": tokens[:, 1:].to(device)})
+    return batches, contextlib.nullcontext
+
+
+def _choose_model(use_megatron: bool | None) -> tuple[bool, str]:
+    """Whether to train megatron-core's GPTModel, and the model's name for the report."""
+    available, why_not = _megatron_available() if use_megatron is not False else (False, "not requested")
+    megatron = available if use_megatron is None else use_megatron
+    if megatron and not available:
+        raise ValueError(f"megatron-core is not importable here ({why_not})")
+    if megatron:
+        return True, "megatron-core GPTModel (tiny)"
+    suffix = "" if use_megatron is False else f" (megatron-core not importable: {why_not})"
+    return False, "torch MLP stack" + suffix
+
+
+def _checks(settings: Settings, max_delta: float, steps: int, opt: Any, baseline_opt: Any, act_bytes: int) -> list:
+    """The pass/fail checks of a parity run: loss parity, the optimizer split achieved, activations offloaded."""
+    achieved = float(opt.offloaded_fraction)
+    numels = [p.numel() for group in baseline_opt.param_groups for p in group["params"]]
+    largest_share = max(numels) / sum(numels) if numels else 0.0
+    checks = [
+        {
+            "name": "loss_delta",
+            "ok": max_delta < LOSS_BAR,
+            "detail": f"max |loss(offload) − loss(baseline)| = {max_delta:.2e} over {steps} steps (bar {LOSS_BAR:g})",
+        },
+        {
+            "name": "optimizer_split",
+            "ok": abs(achieved - settings.optimizer_fraction) <= largest_share + 1e-9,
+            "detail": f"requested {settings.optimizer_fraction:g}, achieved {achieved:.4f} (whole tensors: within "
+            f"{largest_share:.3f})",
+        },
+    ]
+    if settings.activation_layers:
+        checks.append(
+            {
+                "name": "activation_offloaded",
+                "ok": act_bytes > 0,
+                "detail": f"{act_bytes} bytes offloaded per step from {settings.activation_layers} layers",
+            }
+        )
+    return checks
+
+
 def run_parity(
     config: Any | None = None,
     steps: int = 30,
@@ -212,32 +272,15 @@ def run_parity(
     if steps < 2:
         raise ValueError(f"steps is {steps}: parity needs at least 2 steps")
     settings = settings_from_config(config)
-    available, why_not = _megatron_available() if use_megatron is not False else (False, "not requested")
-    megatron = available if use_megatron is None else use_megatron
-    if megatron and not available:
-        raise ValueError(f"megatron-core is not importable here ({why_not})")
+    megatron, model_name = _choose_model(use_megatron)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if megatron:
-        from mbridge_offload.runtime.megatron import cpu_compat_shims, tiny_batch
-
-        batches = [{k: v.to(device) for k, v in tiny_batch(2, 32, 128, seed=seed + i).items()} for i in range(steps)]
-        shim = cpu_compat_shims
-    else:
-        import contextlib
-
-        generator = torch.Generator().manual_seed(seed)
-        batches = []
-        for _ in range(steps):
-            tokens = torch.randint(0, 128, (2, 33), generator=generator)
-            batches.append({"input_ids": tokens[:, :-1].to(device), "labels": tokens[:, 1:].to(device)})
-        shim = contextlib.nullcontext
-    total = 2 * steps
+    batches, shim = _batches(megatron, steps, seed, device)
     done = [0]
 
     def progress(message: str) -> None:
         done[0] += 1
         if on_progress:
-            on_progress(done[0], total, message)
+            on_progress(done[0], 2 * steps, message)
 
     def make(offload_layers: int) -> Callable[[], Any]:
         if megatron:
@@ -258,49 +301,21 @@ def run_parity(
             batches,
             progress,
         )
-    deltas = [abs(a - b) for a, b in zip(baseline["losses"], offload["losses"], strict=True)]
-    max_delta = max(deltas)
-    opt = offload["optimizer"]
-    achieved = float(opt.offloaded_fraction)
-    numels = [p.numel() for group in baseline["optimizer"].param_groups for p in group["params"]]
-    largest_share = max(numels) / sum(numels) if numels else 0.0
+    max_delta = max(abs(a - b) for a, b in zip(baseline["losses"], offload["losses"], strict=True))
     per_step = offload["bytes_offloaded"][1:] or offload["bytes_offloaded"]
     act_bytes = int(sum(per_step) / len(per_step))
+    checks = _checks(settings, max_delta, steps, offload["optimizer"], baseline["optimizer"], act_bytes)
     # Medians: the first steps of whichever run goes first pay one-off warm-up costs.
     ratio = statistics.median(offload["times"]) / max(statistics.median(baseline["times"]), 1e-12)
-    if megatron:
-        model_name = "megatron-core GPTModel (tiny)"
-    else:
-        model_name = "torch MLP stack" + (
-            "" if use_megatron is False else f" (megatron-core not importable: {why_not})"
-        )
-    checks = [
-        {
-            "name": "loss_delta",
-            "ok": max_delta < LOSS_BAR,
-            "detail": f"max |loss(offload) − loss(baseline)| = {max_delta:.2e} over {steps} steps (bar {LOSS_BAR:g})",
-        },
-        {
-            "name": "optimizer_split",
-            "ok": abs(achieved - settings.optimizer_fraction) <= largest_share + 1e-9,
-            "detail": f"requested {settings.optimizer_fraction:g}, achieved {achieved:.4f} (whole tensors: within "
-            f"{largest_share:.3f})",
-        },
-    ]
-    if settings.activation_layers:
-        checks.append(
-            {
-                "name": "activation_offloaded",
-                "ok": act_bytes > 0,
-                "detail": f"{act_bytes} bytes offloaded per step from {settings.activation_layers} layers",
-            }
-        )
     return {
         "ok": all(c["ok"] for c in checks),
         "checks": checks,
         "max_loss_delta": max_delta,
         "loss_bar": LOSS_BAR,
-        "optimizer_split": {"requested": settings.optimizer_fraction, "achieved": round(achieved, 6)},
+        "optimizer_split": {
+            "requested": settings.optimizer_fraction,
+            "achieved": round(float(offload["optimizer"].offloaded_fraction), 6),
+        },
         "activation_bytes_offloaded_per_step": act_bytes,
         "step_time_ratio": round(ratio, 3),
         "steps": steps,
