@@ -301,6 +301,13 @@ def run_parity(
             batches,
             progress,
         )
+    return _report(settings, baseline, offload, steps, model_name, str(device))
+
+
+def _report(
+    settings: Settings, baseline: dict[str, Any], offload: dict[str, Any], steps: int, model: str, device: str
+) -> dict[str, Any]:
+    """The parity result: checks, loss delta, split achieved, activation bytes per step, step-time ratio."""
     max_delta = max(abs(a - b) for a, b in zip(baseline["losses"], offload["losses"], strict=True))
     per_step = offload["bytes_offloaded"][1:] or offload["bytes_offloaded"]
     act_bytes = int(sum(per_step) / len(per_step))
@@ -319,8 +326,8 @@ def run_parity(
         "activation_bytes_offloaded_per_step": act_bytes,
         "step_time_ratio": round(ratio, 3),
         "steps": steps,
-        "model": model_name,
-        "device": str(device),
+        "model": model,
+        "device": device,
         "settings": settings.to_dict(),
         "losses": {"baseline": baseline["losses"], "offload": offload["losses"]},
     }
