@@ -57,6 +57,21 @@ def export_param_states(opt: HybridDeviceOptimizer, clone: bool) -> dict[int, di
     return out
 
 
+def saved_param_states(opt: HybridDeviceOptimizer) -> dict[int, dict[str, Any]]:
+    """Every parameter's state for ``state_dict()``: references to the live tensors, not copies.
+
+    Per-element tensors (``exp_avg``, ``master_param``, ...) are the live tensors or views into a bucket's flat
+    state. Only the scalar tensors (``step``) are copied, because a bucket keeps one for all its members and an
+    optimizer that loads the dict steps each parameter's ``step`` in place: a shared one would count N times.
+    """
+    out = export_param_states(opt, clone=False)
+    for state in out.values():
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor) and (key in _SCALAR_KEYS or value.dim() == 0):
+                state[key] = value.clone()
+    return out
+
+
 def validate_state_dict(opt: HybridDeviceOptimizer, state_dict: Any) -> dict[int, dict[str, Any]]:
     """Check that ``state_dict`` fits this optimizer's parameters; map its states to global indices.
 
@@ -128,7 +143,12 @@ def import_param_states(opt: HybridDeviceOptimizer, states: dict[int, dict[str, 
     ``master_param`` entries are copied into the masters; the rest goes through each sub-optimizer's own
     ``load_state_dict`` so that dtype and device placement follow torch's rules for that optimizer.
     """
-    states = {i: dict(s) for i, s in states.items()}
+    # Copies, not the caller's tensors: torch's own load keeps a same-device tensor as is, and a state dict of
+    # ours (or an upstream one) may hold views that other members or another optimizer still step in place.
+    states = {
+        i: {k: v.detach().clone() if isinstance(v, torch.Tensor) else v for k, v in s.items()}
+        for i, s in states.items()
+    }
     with torch.no_grad():
         for i, s in states.items():
             master = s.pop("master_param", None)
