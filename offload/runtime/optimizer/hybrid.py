@@ -18,9 +18,11 @@ See ``docs/optimizer-runtime.md`` for the split rule, the bucket layout and the 
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+import weakref
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -28,6 +30,7 @@ import torch
 from mbridge_offload.runtime import device
 from mbridge_offload.runtime.optimizer.buckets import Bucket, build_bucket, grad_of, plan_buckets, split_params
 from mbridge_offload.runtime.optimizer.clip import clip_grad_norm_
+from mbridge_offload.runtime.optimizer.grad_hooks import GradCopyHooks
 from mbridge_offload.runtime.optimizer.state import (
     export_param_states,
     import_param_states,
@@ -156,6 +159,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         self.bucket_size_numel = bucket_size_numel
         self._hyper_defaults = dict(defaults)
         self._built = False
+        self._hooks: GradCopyHooks | None = None
         params = list(params)
         for i, p in enumerate(params if params and not isinstance(params[0], dict) else []):
             if not isinstance(p, torch.Tensor):
@@ -256,9 +260,39 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         self._d2h = device.new_stream() if self.overlap_cpu_optimizer_d2h_h2d else device.current_stream()
         self._h2d = device.new_stream() if self.overlap_cpu_optimizer_d2h_h2d else device.current_stream()
         self._device_versions = {i: self._params[i]._version for i in self._masters}
+        self._install_hooks()
         self._state_entries = -1
         self._built = True
         self._rebuild_state()
+
+    def _install_hooks(self) -> None:
+        """With overlap on, gradient copies start in backward (post-accumulate-grad hooks, see ``grad_hooks``)."""
+        if self._hooks is not None:
+            self._hooks.remove()
+            self._hooks = None
+        if self.overlap_cpu_optimizer_d2h_h2d and self._buckets:
+            self._hooks = GradCopyHooks(self._buckets, self._d2h)
+            # Unregister when this optimizer is dropped (Megatron's DistributedOptimizer replaces the one it got).
+            weakref.finalize(self, self._hooks.remove)
+
+    def remove_hooks(self) -> None:
+        """Unregister the gradient hooks; ``step()`` then copies every gradient itself (same result)."""
+        if self._hooks is not None:
+            self._hooks.remove()
+            self._hooks = None
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside start no gradient copies: use it for all but the last micro-batch.
+
+        Without it accumulation is still correct (each hook copies the running sum, the last copy wins); it only
+        saves the earlier micro-batches' transfers, like Megatron DDP's ``no_sync()`` for its reduce-scatter.
+        """
+        if self._hooks is None:
+            yield
+            return
+        with self._hooks.no_sync():
+            yield
 
     def _group_optimizer(self, cls, groups: dict[int, list], host: bool):
         if not groups:
@@ -369,8 +403,10 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         self._h2d.wait_stream(compute)
         missing = {}
         with device.on_stream(self._d2h):
-            for b in self._buckets:
-                missing[id(b)] = b.copy_grads_in([grad_of(p) for p in b.members], self._d2h)
+            for bi, b in enumerate(self._buckets):
+                grads = [grad_of(p) for p in b.members]
+                current = self._hook_copied(bi, grads)
+                missing[id(b)] = b.copy_grads_in(grads, self._d2h, current)
         # The device part is asynchronous on a GPU: it runs while the host steps the buckets below.
         self._step_in_place(self.device_optimizer, with_masters=True)
         self._step_in_place(self.resident_optimizer, with_masters=False)
@@ -380,8 +416,16 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             b.step_and_copy_back(missing[id(b)], self._h2d)
             # The next forward reads these weights: the compute stream (not the host) waits for the copy.
             compute.wait_event(b.h2d_done)
+        if self._hooks is not None:
+            self._hooks.reset()  # consumed: the next backward's copies start afresh
         self._rebuild_state()
         return loss
+
+    def _hook_copied(self, bi: int, grads: list) -> set[int]:
+        """Members of bucket ``bi`` whose gradient a backward hook already copied, unchanged since."""
+        if self._hooks is None:
+            return set()
+        return {k for k, g in enumerate(grads) if g is not None and self._hooks.is_current(bi, k, g)}
 
     # ------------------------------------------------------------------ state
     def _rebuild_state(self) -> None:
@@ -471,6 +515,8 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear ``.grad`` and ``decoupled_grad`` of the model parameters (the host buffers need no clearing)."""
         super().zero_grad(set_to_none)
+        if self._hooks is not None:
+            self._hooks.reset()
         for p in self._params:
             if getattr(p, "decoupled_grad", None) is not None:
                 if set_to_none:
