@@ -202,6 +202,45 @@ def scenario(setup: str, tmp: str) -> dict:
     return out
 
 
+def bridge_scenario() -> dict:
+    """Megatron Bridge's ``setup_optimizer`` (training/optim.py) with our install: it builds ours, and trains.
+
+    Bridge imports Transformer Engine unconditionally, so the labelled TE import stub of tests/support/te_stub.py
+    is installed after megatron-core (which keeps HAVE_TE=False) and after the models are built (megatron-core's
+    layers must not see the stub), before Bridge is imported.
+    """
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig
+
+    from mbridge_offload.runtime.megatron import build_tiny_gpt
+    from mbridge_offload.runtime.optimizer import HybridDeviceOptimizer
+    from tests.support import te_stub
+
+    models = {}
+    for offload in (False, True):
+        model = build_tiny_gpt(2, 64, 4, 128, 32)
+        models[offload] = DistributedDataParallel(model.config, DistributedDataParallelConfig(), model)
+    te_stub.install("2.12.0")
+    from megatron.bridge.training.config import SchedulerConfig
+    from megatron.bridge.training.optim import setup_optimizer
+
+    out = {}
+    for offload, model in models.items():
+        config = OptimizerConfig(
+            lr=1e-3, min_lr=0.0, weight_decay=0.01, optimizer_cpu_offload=offload, optimizer_offload_fraction=0.5
+        )
+        sched = SchedulerConfig(lr_decay_style="constant", start_weight_decay=0.01, end_weight_decay=0.01)
+        sched.lr_warmup_steps, sched.lr_decay_steps, sched.wd_incr_steps = 0, 10, 10  # ConfigContainer sets these
+        opt, _ = setup_optimizer(config, sched, [model], use_gloo_process_groups=True)
+        hdo = inner(opt)
+        out[f"offload_{offload}_ours"] = isinstance(hdo, HybridDeviceOptimizer)
+        out[f"offload_{offload}_groups"] = len(hdo.param_groups)  # Bridge's no-weight-decay overrides: 2 groups
+        train(model, opt, 0, 3)
+        out[f"offload_{offload}_weights"] = weights(model)
+    out["vs_plain"] = max_diff(out.pop("offload_True_weights"), out.pop("offload_False_weights"))
+    return out
+
+
 def rank_main(rank: int, world: int, store_path: str, out_path: str) -> None:
     warnings.simplefilter("ignore")
     store = torch.distributed.FileStore(store_path, world)
@@ -233,8 +272,11 @@ def rank_main(rank: int, world: int, store_path: str, out_path: str) -> None:
     with cpu_compat_shims(), CudaOnCpu():
         with install_optimizer_offload() as installed:
             result["patched_modules"] = sorted(m.__name__ for m in installed.patched)
-            for setup in ("fp32", "do"):
-                result[setup] = scenario(setup, tmp)
+            if os.environ.get("MBRIDGE_OFFLOAD_WORKER_BRIDGE") == "1":
+                result["bridge"] = bridge_scenario()
+            else:
+                for setup in ("fp32", "do"):
+                    result[setup] = scenario(setup, tmp)
         import megatron.core.optimizer as mopt
 
         result["restored"] = mopt.HybridDeviceOptimizer is installed.upstream
