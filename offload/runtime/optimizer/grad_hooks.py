@@ -57,7 +57,9 @@ class GradCopyHooks:
     def copy_one(self, bi: int, k: int, grad: torch.Tensor) -> None:
         """Issue member ``k`` of bucket ``bi``'s copy on the D2H stream and remember what was copied."""
         bucket = self.buckets[bi]
-        # Autograd wrote this gradient on the compute stream: the copy must not start before that write.
+        # Autograd wrote this gradient on the compute stream: the copy must not start before that write. Later
+        # writes to it on the compute stream (the next micro-batch, clipping) may overlap this read; that copy is
+        # then stale, the version check in step() sees it, and the re-copy queues behind it on this same stream.
         self.d2h.wait_stream(device.current_stream())
         with device.on_stream(self.d2h):
             bucket.grad_views[k].copy_(grad, non_blocking=device.is_pinned(bucket.flat_grad))
