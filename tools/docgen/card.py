@@ -23,7 +23,7 @@ MEASURED: list[tuple[str, str, str, str, dict[str, tuple[str, int]]]] = [
         "benchmarks/cpu_optimizer.py",
         "GPT-like fp32 parameter set (~110 M elements), one intra-op thread; one step per fraction vs its floor",
         {
-            **{f"ours_vs_floor_fraction_{f}": (f"f = {f}", 5) for f in ("0.00", "0.25", "0.50", "0.75", "1.00")},
+            **{f"ours_vs_floor_fraction_{f}": (f"f = {f}", 6) for f in ("0.00", "0.25", "0.50", "0.75", "1.00")},
             "state_dict_s_fraction_1": ("fraction 1.0", 4),
             "state_dict_copied_percent_fraction_1": ("fraction 1.0", 3),
             "fused_adamw_in_place_s_per_step": ("(a) fused AdamW in place (no offload)", 1),
