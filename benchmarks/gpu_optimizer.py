@@ -5,7 +5,8 @@ wall time (synchronized), the host time until ``step()`` returns, ``max_memory_a
 and parity with plain GPU AdamW on the same parameters and gradients; when megatron-core is importable, the same
 for megatron-core's ``HybridDeviceOptimizer`` at each fraction (overlap on), and a 5-step training run through
 ``get_megatron_optimizer`` + ``DistributedOptimizer`` with ours installed (:func:`install_optimizer_offload`),
-compared with the same run without offload. It writes the table to ``--output``.
+compared with the same run without offload; and forward + backward + step of an MLP at fraction 1.0 with overlap off
+vs on, where the gradient copies start in backward hooks. It writes the table to ``--output``.
 
     python benchmarks/gpu_optimizer.py                              # on a CUDA machine; writes the table
     python benchmarks/gpu_optimizer.py --quick --output /tmp/o.md   # tiny sizes (what runs without a GPU)
@@ -143,6 +144,37 @@ def megatron_check(dev: torch.device, quick: bool) -> str:
         return f"ERROR: {type(exc).__name__}: {exc} | {' / '.join(tb[-3:])}"
 
 
+def backward_overlap_check(dev: torch.device, quick: bool, steps: int) -> str:
+    """Forward + backward + step of an MLP at fraction 1.0, overlap off vs on (gradient copies in backward hooks)."""
+    width, layers = (64, 4) if quick else (4096, 8)  # ~134 M params on a GPU
+
+    def run(overlap: bool) -> tuple[float, list[torch.Tensor]]:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)]).to(dev)
+        opt = HybridDeviceOptimizer(
+            model.parameters(), offload_fraction=1.0, overlap_cpu_optimizer_d2h_h2d=overlap, **HYPER
+        )
+        gen = torch.Generator(device=dev).manual_seed(1)
+        times = []
+        for _ in range(steps + 1):  # the first iteration warms up
+            x = torch.randn(64, width, device=dev, generator=gen)
+            device.synchronize()
+            t0 = time.perf_counter()
+            opt.zero_grad()
+            model(x).pow(2).mean().backward()
+            opt.step()
+            device.synchronize()
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times[1:]), [p.detach().clone() for p in model.parameters()]
+
+    (off, ref), (on, ours) = run(False), run(True)
+    same = all(torch.equal(a, b) for a, b in zip(ref, ours, strict=True))
+    return (
+        f"fraction 1.0, forward+backward+step: overlap off {off:.4f} s, on {on:.4f} s ({off / on:.2f}x); "
+        f"weights {'bit-identical' if same else 'DIFFER'}"
+    )
+
+
 def upstream_hdo():
     """megatron-core's own HybridDeviceOptimizer class, or None where it is not installed."""
     try:
@@ -177,7 +209,7 @@ def measure_rows(dev: torch.device, sizes: tuple, steps: int) -> tuple[list, dic
     return rows, ref
 
 
-def render(rows: list, ref: dict, header: list[str], megatron: str, upstream_note: str) -> str:
+def render(rows: list, ref: dict, header: list[str], megatron: str, upstream_note: str, hooks: str) -> str:
     lines = [*header, ""]
     lines.append(
         "| optimizer | achieved fraction | overlap | step s (synced) | host s | vs no offload | peak MiB"
@@ -191,7 +223,7 @@ def render(rows: list, ref: dict, header: list[str], megatron: str, upstream_not
         )
     worst = max(d for *_, d in rows)
     lines += ["", f"parity: {'OK' if worst <= 1e-5 else 'FAIL'} (worst {worst:.1e}, tolerance 1e-5, same grads)"]
-    lines += [f"megatron-core HDO: {upstream_note}", f"megatron: {megatron}"]
+    lines += [f"megatron-core HDO: {upstream_note}", f"megatron: {megatron}", f"backward hooks: {hooks}"]
     return "\n".join(lines) + "\n"
 
 
@@ -222,7 +254,8 @@ def main(argv: list[str] | None = None) -> int:
         upstream_note = "not installed"
     else:
         upstream_note = "measured above" if device.has_cuda() else "skipped: it needs CUDA streams"
-    text = render(rows, ref, header, megatron_check(dev, quick), upstream_note)
+    hooks = backward_overlap_check(dev, quick, args.steps)
+    text = render(rows, ref, header, megatron_check(dev, quick), upstream_note, hooks)
     with open(args.output, "w") as fh:
         fh.write(text)
     print(text)

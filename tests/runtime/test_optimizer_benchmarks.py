@@ -30,6 +30,7 @@ def test_gpu_optimizer_script_falls_back_to_a_tiny_cpu_run_and_writes_its_table(
     rows = [line for line in text.splitlines() if line.startswith("| ours ")]
     assert len(rows) == 10  # 5 fractions x overlap off/on
     assert "parity: OK" in text
+    assert "backward hooks: fraction 1.0" in text and "weights bit-identical" in text
 
 
 def test_cpu_optimizer_quick_run_writes_every_fraction_and_the_state_dict_table(tmp_path, monkeypatch):
