@@ -78,6 +78,8 @@ def test_checkpoints_through_megatron_resume_bit_exactly_across_fractions(label,
     for f2 in (0.0, 1.0):
         assert r["fp32"][f"resume_torch_0.5_to_{f2}_bit_exact"], r["fp32"][f"resume_torch_0.5_to_{f2}_diff"]
         assert r["do"][f"resume_dist_ckpt_0.5_to_{f2}_bit_exact"], r["do"][f"resume_dist_ckpt_0.5_to_{f2}_diff"]
+        # the legacy save_parameter_state / load_parameter_state, which writes optimizer.state[param][key] directly
+        assert r["do"][f"resume_dp_zero_0.5_to_{f2}_bit_exact"], r["do"][f"resume_dp_zero_0.5_to_{f2}_diff"]
     # dist-checkpointing's load reached the DistributedOptimizer's HDO hook, once per load.
     assert r["sync_hook_calls"] == 2
 

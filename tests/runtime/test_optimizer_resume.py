@@ -152,3 +152,21 @@ def test_each_parameter_gets_its_own_step_counter():
     run(model, opt, batches(1))
     steps = [st["step"] for st in opt.state_dict()["state"].values()]
     assert len({s.untyped_storage().data_ptr() for s in steps}) == len(steps)
+
+
+@pytest.mark.parametrize("fraction", [0.0, 0.5, 1.0])
+def test_writing_state_entries_reaches_the_sub_optimizers(fraction):
+    """Megatron's DistributedOptimizer loads by assigning ``optimizer.state[param][key] = tensor``."""
+    source, model = make_model(), make_model()
+    src_opt, opt = hdo(source, fraction), hdo(model, fraction)
+    run(source, src_opt, batches(3))
+    run(model, opt, batches(1, seed=9))  # other moments and step count
+    model.load_state_dict(source.state_dict())
+    opt.refresh_from_model()
+    for p, q in zip(model.parameters(), source.parameters(), strict=True):
+        for key, value in src_opt.state[q].items():
+            opt.state[p][key] = value.clone()
+    xs = batches(2, seed=6)
+    run(source, src_opt, xs)
+    run(model, opt, xs)
+    assert same_bits(model, source)

@@ -147,6 +147,20 @@ def dist_ckpt_round_trip(model, opt, setup: str, fraction: float, ckpt_dir: str)
     return model2, opt2
 
 
+def dp_zero_round_trip(model, opt, setup: str, fraction: float, path: str):
+    """Megatron's legacy distributed-optimizer checkpoint: ``state_dict()`` plus ``save_parameter_state`` (gathered
+    on DP rank 0 over gloo), loaded with ``load_state_dict`` + ``load_parameter_state``, which writes each loaded
+    tensor into ``optimizer.state[param][key]`` (no sync hook on this path)."""
+    common = opt.state_dict()
+    opt.save_parameter_state(path)
+    torch.distributed.barrier()
+    model2, opt2 = build(setup, fraction, seed=999)
+    model2.load_state_dict(model.state_dict())
+    opt2.load_state_dict(common)
+    opt2.load_parameter_state(path)
+    return model2, opt2
+
+
 def torch_state_round_trip(model, opt, setup: str, fraction: float | None, path: str):
     """Megatron's (non-distributed) optimizer ``state_dict`` through torch.save, loaded at ``fraction``."""
     torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, path)
@@ -180,7 +194,7 @@ def scenario(setup: str, tmp: str) -> dict:
         # Without the distributed optimizer, megatron-core's FP32Optimizer.sharded_state_dict(is_loading=True) calls
         # init_state_fn, which its factory sets to None for optimizer_cpu_offload (upstream's HDO fails the same
         # way): that set-up checkpoints through the optimizer's torch state_dict instead.
-        for kind in ("torch",) if setup == "fp32" else ("dist_ckpt",):
+        for kind in ("torch",) if setup == "fp32" else ("dist_ckpt", "dp_zero"):
             model, opt = build(setup, 0.5)
             train(model, opt, 0, SPLIT_AT)
             path = os.path.join(tmp, f"{setup}_{kind}_{f2}")
@@ -188,6 +202,8 @@ def scenario(setup: str, tmp: str) -> dict:
             torch.distributed.barrier()
             if kind == "dist_ckpt":
                 model2, opt2 = dist_ckpt_round_trip(model, opt, setup, f2, path)
+            elif kind == "dp_zero":
+                model2, opt2 = dp_zero_round_trip(model, opt, setup, f2, os.path.join(path, "param_state.pt"))
             else:
                 model2, opt2 = torch_state_round_trip(model, opt, setup, f2, f"{path}_{rank}.pt")
             train(model2, opt2, SPLIT_AT, STEPS)

@@ -32,6 +32,7 @@ from mbridge_offload.runtime.optimizer.buckets import Bucket, build_bucket, grad
 from mbridge_offload.runtime.optimizer.clip import clip_grad_norm_
 from mbridge_offload.runtime.optimizer.grad_hooks import GradCopyHooks
 from mbridge_offload.runtime.optimizer.state import (
+    LiveParamState,
     export_param_states,
     import_param_states,
     saved_param_states,
@@ -435,7 +436,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             return
         self._state_entries = entries
         live = export_param_states(self, clone=False)
-        self.state = defaultdict(dict, {self._params[i]: entry for i, entry in live.items()})
+        self.state = defaultdict(LiveParamState, {self._params[i]: LiveParamState(entry) for i, entry in live.items()})
 
     def _sync_hdo_state_to_sub_optimizers(self) -> None:
         """Write ``self.state`` (e.g. tensors Megatron's DistributedOptimizer assigned) into the sub-optimizers."""

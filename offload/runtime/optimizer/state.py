@@ -33,6 +33,27 @@ class HybridDeviceOptimizer(Protocol):
 _SCALAR_KEYS = frozenset({"step"})
 
 
+class LiveParamState(dict):
+    """One parameter's entry of ``HybridDeviceOptimizer.state``: its values are the live tensors (sub-optimizer
+    state, or views into a bucket's flat state), and assigning a tensor to an existing key copies it into them.
+
+    Megatron's DistributedOptimizer loads a checkpoint by assigning ``optimizer.state[param][key] = tensor``
+    (``_set_main_param_and_optimizer_states``), and not every load path calls ``_sync_hdo_state_to_sub_optimizers``
+    afterwards (the legacy ``load_parameter_state`` does not). Upstream's HDO shares its sub-optimizers' dicts, so
+    such writes land; copying in place gives ours the same effect. A new key (or another shape) is stored as given
+    and reaches the sub-optimizers through ``_sync_hdo_state_to_sub_optimizers``.
+    """
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        current = self.get(key)
+        live = isinstance(current, torch.Tensor) and isinstance(value, torch.Tensor) and current is not value
+        if live and current.shape == value.shape:
+            with torch.no_grad():
+                current.copy_(value)
+            return
+        super().__setitem__(key, value)
+
+
 def _is_per_element(key: str, value: Any, param: torch.Tensor) -> bool:
     return key not in _SCALAR_KEYS and isinstance(value, torch.Tensor) and value.shape == param.shape
 
