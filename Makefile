@@ -36,7 +36,7 @@ $(BRIDGE)/.ready: | setup
 	touch $@
 
 test-bridge: bridge-env
-	MBRIDGE_OFFLOAD_BRIDGE_PATH="$(BRIDGE)/0.3.1:$(BRIDGE)/deps" $(BIN)/python -m pytest -q tests/config/test_recipe_bridge.py
+	MBRIDGE_OFFLOAD_BRIDGE_PATH="$(BRIDGE)/0.3.1:$(BRIDGE)/deps" $(BIN)/python -m pytest -q tests/config/test_recipe_bridge.py tests/runtime/test_optimizer_megatron.py -k "recipe or bridge"
 
 lint: setup
 	$(BIN)/ruff check offload tools tests benchmarks

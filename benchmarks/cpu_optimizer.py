@@ -1,19 +1,19 @@
-"""CPU benchmark of the offloaded optimizer path against the work it cannot avoid.
+"""CPU benchmark of HybridDeviceOptimizer against its floor at every fraction; writes docs/benchmarks-optimizer.md.
 
-On a CPU-only machine the offloaded path still copies every gradient into the flat host buffers and every updated
-weight back into the model (that is the code a GPU machine runs, minus the PCIe). For a mix of many small tensors
-plus a few large ones it times, in one run, per optimizer step (gradients already present):
+On a CPU-only machine the offloaded path still copies every offloaded gradient into the flat host buffers and every
+updated weight back into the model (the code a GPU machine runs, minus the PCIe), and the rest is updated in place.
+So the work it cannot avoid at fraction f is
 
-    (a) one fused torch.optim.AdamW over all parameters, in place      (no offload; context only)
-    (b) HybridDeviceOptimizer, offload_fraction=1.0, overlap on         (ours)
-    (c) one fused AdamW per parameter + per-parameter copies            (upstream's overlap scheme, baseline)
-    (d) one grad copy into flat buffers, one fused AdamW over the flat
-        buffers, one copy back                                          (the floor for (b))
+    floor(f) = f x (copy + fused-AdamW offload floor) + (1 - f) x (in-place fused AdamW)
 
-and then (b) and (c) for several small-tensor counts. Run:
+with both terms measured over all parameters in the same run: the offload floor is one ``_foreach_copy_`` of all
+gradients into views of one flat buffer, one fused AdamW over it and one copy back; in place is one fused AdamW over
+the parameters. The parameters are a GPT-like mix of ~100 M fp32 elements; one intra-op thread (the ratio is the
+point, and one thread keeps it steady on a shared machine). It also measures ``state_dict()``: the time and the bytes
+it copies (references cost none). Run (about 2-3 minutes here):
 
-    .venv/bin/python benchmarks/cpu_optimizer.py            # full run (~1-2 min on 2 cores)
-    .venv/bin/python benchmarks/cpu_optimizer.py --quick    # seconds; a smoke test
+    .venv/bin/python benchmarks/cpu_optimizer.py                 # writes docs/benchmarks-optimizer.md
+    .venv/bin/python benchmarks/cpu_optimizer.py --quick --output /tmp/b.md   # seconds; a smoke test
 """
 
 from __future__ import annotations
@@ -25,29 +25,46 @@ import os
 import platform
 import sys
 import time
-from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from mbridge_offload.runtime.optimizer.hybrid import HybridDeviceOptimizer
 
+ROOT = Path(__file__).resolve().parents[1]
 HYPER = {"lr": 1e-3, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
-SMALL_SIZES = (256, 1024, 4096, 16384)  # cycled: biases, norms, small projections
+FRACTIONS = (0.0, 0.25, 0.5, 0.75, 1.0)
+TARGET = 1.2
 
 
-def make_params(n_small: int, n_large: int, large_numel: int, seed: int = 0) -> list[torch.nn.Parameter]:
+def gpt_shapes(hidden: int, layers: int, vocab: int) -> list[tuple[int, ...]]:
+    """Parameter shapes of a GPT (embedding, per layer: 2 norms, QKV, proj, 2 MLP matrices, biases; final norm)."""
+    shapes: list[tuple[int, ...]] = [(vocab, hidden)]
+    for _ in range(layers):
+        shapes += [(hidden,), (hidden,), (3 * hidden, hidden), (3 * hidden,), (hidden, hidden), (hidden,)]
+        shapes += [(hidden,), (hidden,), (4 * hidden, hidden), (4 * hidden,), (hidden, 4 * hidden), (hidden,)]
+    return [*shapes, (hidden,), (hidden,)]
+
+
+def make_grads(shapes: list[tuple[int, ...]], seed: int = 0) -> list[torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
-    shapes = [(SMALL_SIZES[i % len(SMALL_SIZES)],) for i in range(n_small)] + [(large_numel,)] * n_large
+    return [torch.randn(s, generator=gen) * 1e-3 for s in shapes]
+
+
+def params_like(grads: list[torch.Tensor]) -> list[torch.nn.Parameter]:
+    """Own weights per variant (another variant's writes would look like a model load), shared read-only grads."""
     params = []
-    for shape in shapes:
-        p = torch.nn.Parameter(torch.randn(shape, generator=gen) * 0.02)
-        p.grad = torch.randn(shape, generator=gen) * 1e-3
+    for g in grads:
+        p = torch.nn.Parameter(torch.full_like(g, 0.02))
+        p.grad = g
         params.append(p)
     return params
 
 
-class FusedInPlace:  # (a)
+class InPlace:
+    """One fused AdamW over all parameters, in place: the (1 - f) term of the floor."""
+
     def __init__(self, params):
         self.opt = torch.optim.AdamW(params, fused=True, **HYPER)
 
@@ -55,30 +72,13 @@ class FusedInPlace:  # (a)
         self.opt.step()
 
 
-class PerParamScheme:  # (c): one CPU optimizer per parameter, as upstream builds with overlap on
+class OffloadFloor:
+    """Flat grad copy + one fused AdamW over the flat buffer + copy back: the f term of the floor."""
+
     def __init__(self, params):
-        self.params = params
-        self.host = [p.detach().clone() for p in params]
-        self.grads = [torch.empty_like(p) for p in params]
-        for h, g in zip(self.host, self.grads, strict=True):
-            h.grad = g
-        self.opts = [torch.optim.AdamW([h], fused=True, **HYPER) for h in self.host]
-
-    @torch.no_grad()
-    def step(self):
-        for p, g in zip(self.params, self.grads, strict=True):
-            g.copy_(p.grad)
-        for p, h, opt in zip(self.params, self.host, self.opts, strict=True):
-            opt.step()
-            p.copy_(h)
-
-
-class Floor:  # (d): the unavoidable work, as plainly as possible
-    def __init__(self, params):
-        total = sum(p.numel() for p in params)
         self.params = params
         self.flat = torch.cat([p.detach().reshape(-1) for p in params])
-        self.flat.grad = torch.empty(total)
+        self.flat.grad = torch.empty_like(self.flat)
         offsets = torch.tensor([0] + [p.numel() for p in params]).cumsum(0).tolist()
         spans = list(zip(offsets[:-1], offsets[1:], params, strict=True))
         self.param_views = [self.flat[a:b].view(p.shape) for a, b, p in spans]
@@ -87,91 +87,208 @@ class Floor:  # (d): the unavoidable work, as plainly as possible
 
     @torch.no_grad()
     def step(self):
-        torch._foreach_copy_(self.grad_views, [p.grad for p in self.params])  # one grad copy into flat buffers
-        self.opt.step()  # one fused AdamW over the flat buffer
-        torch._foreach_copy_(self.params, self.param_views)  # one copy back
-
-
-class Ours:  # (b)
-    def __init__(self, params):
-        self.opt = HybridDeviceOptimizer(params, offload_fraction=1.0, overlap_cpu_optimizer_d2h_h2d=True, **HYPER)
-
-    def step(self):
+        torch._foreach_copy_(self.grad_views, [p.grad for p in self.params])
         self.opt.step()
+        torch._foreach_copy_(self.params, self.param_views)
 
 
-def time_variants(makers: dict[str, Callable], n_small: int, n_large: int, large_numel: int, reps: int) -> dict:
-    """Best-of-``reps`` seconds per step for each variant, all built from the same parameters and gradients.
+class PerParamScheme:
+    """Upstream's overlap scheme, for context: one fused CPU AdamW per parameter, per-parameter copies."""
 
-    The variants are timed in rotation (a, b, c, d, a, b, ...) so that load from other processes on a shared machine
-    hits all of them alike, and the minimum is reported because such noise only ever adds time. Each variant
-    takes one warm-up step first, which materializes its state.
-    """
-    shared = make_params(n_small, n_large, large_numel)
-    runners = {}
-    for name, make in makers.items():
-        # Own weights per variant (another variant's in-place writes would look like a model load to (b) and
-        # trigger its refresh), shared read-only gradients.
-        params = [torch.nn.Parameter(p.detach().clone()) for p in shared]
-        for p, q in zip(params, shared, strict=True):
-            p.grad = q.grad
-        runners[name] = make(params)
+    def __init__(self, params):
+        self.params = params
+        self.host = [p.detach().clone() for p in params]
+        for h in self.host:
+            h.grad = torch.empty_like(h)
+        self.opts = [torch.optim.AdamW([h], fused=True, **HYPER) for h in self.host]
+
+    @torch.no_grad()
+    def step(self):
+        for p, h in zip(self.params, self.host, strict=True):
+            h.grad.copy_(p.grad)
+        for p, h, opt in zip(self.params, self.host, self.opts, strict=True):
+            opt.step()
+            p.copy_(h)
+
+
+def hdo_maker(fraction: float):
+    def make(params):
+        return HybridDeviceOptimizer(params, offload_fraction=fraction, overlap_cpu_optimizer_d2h_h2d=True, **HYPER)
+
+    return make
+
+
+def best_times(makers: dict, grads: list[torch.Tensor], reps: int) -> tuple[dict[str, float], dict]:
+    """Best-of-``reps`` seconds per step of each variant, timed in rotation (noise from other jobs hits all alike
+    and only ever adds time), after one warm-up step each that materializes the state. Returns the runners too."""
+    runners = {name: make(params_like(grads)) for name, make in makers.items()}
     for runner in runners.values():
         runner.step()
     times: dict[str, list[float]] = {name: [] for name in runners}
     for _ in range(reps):
         for name, runner in runners.items():
-            t0 = time.perf_counter()
+            # CPU time of this (the only compute) thread: on a machine shared with other jobs the wall clock also
+            # counts the time the thread waits for a core, which says nothing about the optimizer.
+            t0 = time.thread_time()
             runner.step()
-            times[name].append(time.perf_counter() - t0)
-    del runners, params, shared
-    gc.collect()
-    return {name: min(ts) for name, ts in times.items()}
+            times[name].append(time.thread_time() - t0)
+    return {name: min(ts) for name, ts in times.items()}, runners
+
+
+def live_storages(opt: HybridDeviceOptimizer) -> set[int]:
+    ptrs = {b.flat_param.untyped_storage().data_ptr() for b in opt._buckets}
+    for sub in opt.sub_optimizers:
+        for st in sub.state.values():
+            ptrs |= {v.untyped_storage().data_ptr() for v in st.values() if isinstance(v, torch.Tensor)}
+    return ptrs
+
+
+def measure_state_dict(opt: HybridDeviceOptimizer, reps: int) -> dict[str, float]:
+    """Time of ``state_dict()`` (best of reps) and the bytes it copied vs the bytes of state it returns."""
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        sd = opt.state_dict()
+        times.append(time.perf_counter() - t0)
+    live = live_storages(opt)
+    tensors = [v for st in sd["state"].values() for v in st.values() if isinstance(v, torch.Tensor)]
+    total = sum(v.nbytes for v in tensors)
+    copied = sum(v.nbytes for v in tensors if v.untyped_storage().data_ptr() not in live)
+    return {"seconds": min(times), "state_bytes": total, "copied_bytes": copied}
+
+
+def run(hidden: int, layers: int, vocab: int, reps: int) -> dict:
+    grads = make_grads(gpt_shapes(hidden, layers, vocab))
+    result: dict = {"numel": sum(g.numel() for g in grads), "tensors": len(grads), "fractions": {}}
+    for f in FRACTIONS:
+        makers = {"in_place": InPlace, "offload_floor": OffloadFloor, "hdo": hdo_maker(f)}
+        if f == 1.0:
+            makers["per_param"] = PerParamScheme
+        t, runners = best_times(makers, grads, reps)
+        # The split is whole tensors (Megatron's greedy prefix), so the floor uses the fraction actually offloaded.
+        achieved = runners["hdo"].offloaded_fraction
+        floor = achieved * t["offload_floor"] + (1 - achieved) * t["in_place"]
+        result["fractions"][f] = {**t, "achieved": achieved, "floor": floor, "ratio": t["hdo"] / floor}
+        if f in (0.5, 1.0):
+            result[f"state_dict_{f}"] = measure_state_dict(runners["hdo"], reps)
+        if f == 1.0:
+            result["context"] = t
+        del runners
+        gc.collect()
+    return result
+
+
+def render(r: dict, reps: int, elapsed: float, command: str) -> str:
+    """The Markdown fragment (docs/benchmarks-optimizer.md): every figure comes from ``r``, nothing typed in."""
+    now = datetime.datetime.now(datetime.timezone.utc)
+    threads = torch.get_num_threads()
+    lines = [
+        "# Optimizer offload benchmark (CPU)",
+        "",
+        f"**Measured on CPU, {threads} thread{'s' if threads > 1 else ''}, this machine** (no GPU): "
+        f"{now:%Y-%m-%d %H:%M} UTC, by `benchmarks/cpu_optimizer.py` in one run of {elapsed:.0f} s. Machine: "
+        f"`{platform.processor() or platform.machine()}`, {os.cpu_count()} cores (shared with other jobs), "
+        f"torch {torch.__version__}, Python {platform.python_version()}. Each variant is timed in rotation with the "
+        f"others and the best of {reps} steps is kept (after one warm-up step); times are the CPU time of the one "
+        "compute thread (`time.thread_time`), so waiting for a core on the shared machine is not counted. Ratios are "
+        "the point; absolute times depend on the machine. Nothing here is measured on a GPU (see "
+        "`benchmarks/gpu_optimizer.py`).",
+        "",
+        "Reproduce:",
+        "",
+        "```bash",
+        f"{command}",
+        "```",
+        "",
+        "## What is measured",
+        "",
+        f"A GPT-like set of {r['tensors']} fp32 parameters, {r['numel'] / 1e6:.1f} M elements (embedding, per layer "
+        "QKV/proj/MLP matrices, biases and norms), gradients already present; AdamW with lr 1e-3, betas (0.9, 0.95), "
+        "weight decay 0.1. One `step()` of `HybridDeviceOptimizer(offload_fraction=f, overlap on)` is compared with "
+        "its floor, the work it cannot avoid at that fraction:",
+        "",
+        "    floor(f) = f x (copy + fused-AdamW offload floor) + (1 - f) x (in-place fused AdamW)",
+        "",
+        "with f the fraction actually offloaded (the split is whole tensors, Megatron's greedy prefix, so it can",
+        "land above the requested one),",
+        "where the offload floor is one `_foreach_copy_` of all gradients into views of one flat buffer, one fused "
+        "AdamW over it and one copy back, and in place is one fused AdamW over the parameters, both over all "
+        "parameters and timed in the same rotation. On CPU the offloaded part still does every copy a GPU machine "
+        "does, minus the PCIe transfer.",
+        "",
+        "## Every fraction against its floor",
+        "",
+        "| fraction | achieved | HDO s/step | floor s/step | in place s/step | offload floor s/step | HDO / floor |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for f, t in r["fractions"].items():
+        cells = [
+            f"{t['achieved']:.3f}",
+            f"{t['hdo']:.4f}",
+            f"{t['floor']:.4f}",
+            f"{t['in_place']:.4f}",
+            f"{t['offload_floor']:.4f}",
+        ]
+        lines.append(f"| f = {f:.2f} | " + " | ".join(cells) + f" | {t['ratio']:.2f}x |")
+    worst = max(t["ratio"] for t in r["fractions"].values())
+    verdict = "within" if worst <= TARGET else "NOT within"
+    lines += ["", f"Worst ratio {worst:.2f}x: every fraction {verdict} the {TARGET}x target.", ""]
+    lines += _context_and_state_dict(r)
+    return "\n".join(lines) + "\n"
+
+
+def _context_and_state_dict(r: dict) -> list[str]:
+    c = r["context"]
+    rows = [
+        ("(a) fused AdamW in place (no offload)", c["in_place"]),
+        ("(b) HybridDeviceOptimizer, fraction 1.0, overlap", c["hdo"]),
+        ("(c) per-parameter optimizers (upstream scheme)", c["per_param"]),
+        ("(d) floor: flat copy + one fused AdamW + copy back", c["offload_floor"]),
+    ]
+    lines = [
+        "## Fraction 1.0 in context",
+        "",
+        "(c) is the scheme upstream builds with overlap on: one fused CPU AdamW per parameter, per-parameter copies.",
+        "",
+        "| variant | s/step | vs (d) |",
+        "|---|---|---|",
+    ]
+    lines += [f"| {name} | {t:.4f} | {t / c['offload_floor']:.2f}x |" for name, t in rows]
+    lines += [
+        "",
+        "## `state_dict()`: references, not copies",
+        "",
+        "Bytes of optimizer state the returned dict holds, the bytes `state_dict()` copied to build it (only the",
+        "4-byte per-parameter `step` counters; the rest are the live tensors or views into the flat buckets), and",
+        "its time (best of the same number of calls).",
+        "",
+        "| fraction | state MiB | copied MiB | copied % | state_dict() s |",
+        "|---|---|---|---|---|",
+    ]
+    for f in (0.5, 1.0):
+        s = r[f"state_dict_{f}"]
+        pct = 100 * s["copied_bytes"] / s["state_bytes"]
+        mib = s["state_bytes"] / 2**20, s["copied_bytes"] / 2**20
+        lines.append(f"| fraction {f} | {mib[0]:.1f} | {mib[1]:.4f} | {pct:.4f} % | {s['seconds']:.4f} |")
+    return lines
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="tiny sizes, for a smoke test")
+    ap.add_argument("--quick", action="store_true", help="a ~2 M-parameter model and 2 reps: a smoke test")
     ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
+    ap.add_argument("--output", default=str(ROOT / "docs" / "benchmarks-optimizer.md"), help="Markdown to write")
     args = ap.parse_args(argv)
-    if args.quick:
-        n_small, n_large, large, counts, reps = 200, 2, 200_000, (50, 200), 2
-    else:
-        n_small, n_large, large, counts, reps = 4000, 4, 6_000_000, (250, 1000, 4000, 8000), args.reps
-    small_numel = sum(SMALL_SIZES[i % len(SMALL_SIZES)] for i in range(n_small))
-    total = small_numel + n_large * large
-    print(f"# CPU optimizer benchmark — {datetime.date.today().isoformat()}")
-    print(
-        f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
-        f"{torch.get_num_threads()} intra-op threads, CUDA {'yes' if torch.cuda.is_available() else 'no'}"
-    )
-    print(
-        f"mix: {n_small} small tensors ({small_numel / 1e6:.1f} M) + {n_large} x {large / 1e6:.1f} M"
-        f" = {total / 1e6:.1f} M params, fp32"
-    )
-    print(f"best of {reps} steps per variant, variants timed in rotation, after one warm-up step each\n")
-    variants = {
-        "(a) fused AdamW in place (no offload)": FusedInPlace,
-        "(b) HybridDeviceOptimizer, fraction 1.0, overlap": Ours,
-        "(c) per-parameter optimizers (upstream scheme)": PerParamScheme,
-        "(d) floor: flat copy + one fused AdamW + copy back": Floor,
-    }
-    t = {k[:3]: v for k, v in time_variants(variants, n_small, n_large, large, reps).items()}
-    print("| variant | s/step | vs (d) |")
-    print("|---|---|---|")
-    for name in variants:
-        print(f"| {name} | {t[name[:3]]:.4f} | {t[name[:3]] / t['(d)']:.2f}x |")
-    print(
-        f"\n(b)/(d) = {t['(b)'] / t['(d)']:.2f} (target <= 1.2); (c)/(b) = {t['(c)'] / t['(b)']:.2f}x (target >= 1.5)\n"
-    )
-    print("Scaling with the number of small tensors (large tensors unchanged):\n")
-    print("| small tensors | total M params | (b) s/step | (c) s/step | (d) s/step | (c)/(b) | (b)/(d) |")
-    print("|---|---|---|---|---|---|---|")
-    for n in counts:
-        r = time_variants({"b": Ours, "c": PerParamScheme, "d": Floor}, n, n_large, large, reps)
-        m = (sum(SMALL_SIZES[i % len(SMALL_SIZES)] for i in range(n)) + n_large * large) / 1e6
-        ratios = f"{r['c'] / r['b']:.2f}x | {r['b'] / r['d']:.2f}"
-        print(f"| {n} | {m:.1f} | {r['b']:.4f} | {r['c']:.4f} | {r['d']:.4f} | {ratios} |")
+    torch.set_num_threads(args.threads)
+    size = (64, 2, 1000) if args.quick else (768, 12, 32000)  # ~2 M / ~110 M parameters
+    reps = 2 if args.quick else args.reps
+    t0 = time.perf_counter()
+    result = run(*size, reps)
+    command = ".venv/bin/python benchmarks/cpu_optimizer.py" + (" --quick" if args.quick else "")
+    text = render(result, reps, time.perf_counter() - t0, command)
+    Path(args.output).write_text(text)
+    print(text)
 
 
 if __name__ == "__main__":

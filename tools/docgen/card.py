@@ -21,8 +21,11 @@ MEASURED: list[tuple[str, str, str, str, dict[str, tuple[str, int]]]] = [
         "hybrid_device_optimizer_step_cpu",
         "docs/benchmarks-optimizer.md",
         "benchmarks/cpu_optimizer.py",
-        "fp32 parameter mix of thousands of small tensors plus 4 x 6 M elements; one step; fraction 1.0, overlap on",
+        "GPT-like fp32 parameter set (~110 M elements), one intra-op thread; one step per fraction vs its floor",
         {
+            **{f"ours_vs_floor_fraction_{f}": (f"f = {f}", 6) for f in ("0.00", "0.25", "0.50", "0.75", "1.00")},
+            "state_dict_s_fraction_1": ("fraction 1.0", 4),
+            "state_dict_copied_percent_fraction_1": ("fraction 1.0", 3),
             "fused_adamw_in_place_s_per_step": ("(a) fused AdamW in place (no offload)", 1),
             "ours_fraction_1_overlap_s_per_step": ("(b) HybridDeviceOptimizer, fraction 1.0, overlap", 1),
             "per_parameter_upstream_scheme_s_per_step": ("(c) per-parameter optimizers (upstream scheme)", 1),

@@ -88,18 +88,23 @@ class Bucket:
             torch._foreach_copy_(dst, [self.members[k].detach() for k in ks])
         self.versions = [p._version for p in self.members]
 
-    def copy_grads_in(self, grads: list, d2h_stream) -> list[int]:
-        """Issue this bucket's gradient copies on the D2H stream; returns the members without a grad."""
+    def copy_grads_in(self, grads: list, d2h_stream, current: set[int] | frozenset = frozenset()) -> list[int]:
+        """Issue this bucket's gradient copies on the D2H stream; returns the members without a grad.
+
+        Members in ``current`` are already in the host buffer (a backward hook copied them, see ``grad_hooks``).
+        """
         missing = [k for k, g in enumerate(grads) if g is None]
-        if missing:
-            for k in missing:
-                self.grad_views[k].zero_()
-            present = [k for k in range(len(grads)) if grads[k] is not None]
-            dst, src = [self.grad_views[k] for k in present], [grads[k] for k in present]
-        else:
+        for k in missing:
+            self.grad_views[k].zero_()
+        todo = [k for k in range(len(grads)) if grads[k] is not None and k not in current]
+        if len(todo) == len(grads):
             dst, src = self.grad_views, grads
+        else:
+            dst, src = [self.grad_views[k] for k in todo], [grads[k] for k in todo]
         if dst:
             torch._foreach_copy_(dst, src, non_blocking=device.is_pinned(self.flat_grad))
+        # Recorded after this bucket's last copy on the D2H stream (hook copies were issued there earlier), so the
+        # host waiting on it sees every gradient of the bucket.
         self.d2h_done.record(d2h_stream)
         return missing
 

@@ -18,8 +18,11 @@ See ``docs/optimizer-runtime.md`` for the split rule, the bucket layout and the 
 
 from __future__ import annotations
 
+import contextlib
+import inspect
+import weakref
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -27,7 +30,14 @@ import torch
 from mbridge_offload.runtime import device
 from mbridge_offload.runtime.optimizer.buckets import Bucket, build_bucket, grad_of, plan_buckets, split_params
 from mbridge_offload.runtime.optimizer.clip import clip_grad_norm_
-from mbridge_offload.runtime.optimizer.state import export_param_states, import_param_states, validate_state_dict
+from mbridge_offload.runtime.optimizer.grad_hooks import GradCopyHooks
+from mbridge_offload.runtime.optimizer.state import (
+    LiveParamState,
+    export_param_states,
+    import_param_states,
+    saved_param_states,
+    validate_state_dict,
+)
 
 DEFAULT_BUCKET_SIZE_NUMEL = 1 << 22  # 4 Mi elements: 16 MiB of fp32 master, small enough to pipeline well
 # Implementation selectors of torch optimizers: never copied between the HDO groups and the sub-optimizers'
@@ -46,6 +56,32 @@ _OPTION_KEYS = frozenset(
         "bucket_size_numel",
     }
 )
+
+
+# Kernel selectors: injected into the sub-optimizers only when the caller chose none.
+_KERNEL_KEYS = frozenset({"fused", "foreach"})
+
+
+def _accepts_fused(cls: type[torch.optim.Optimizer]) -> bool:
+    """Whether ``cls(params, fused=True)`` is accepted (torch's Adam, AdamW, SGD, Adagrad ... in torch >= 2.4)."""
+    try:
+        return "fused" in inspect.signature(cls.__init__).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def _constructor_defaults(cls: type[torch.optim.Optimizer]) -> dict[str, Any]:
+    """The hyper-parameters ``cls`` fills a param group with when the caller leaves them out."""
+    try:
+        params = inspect.signature(cls.__init__).parameters.values()
+    except (TypeError, ValueError):
+        return {}
+    skip = {"self", "params"} | _KERNEL_KEYS
+    return {
+        p.name: p.default
+        for p in params
+        if p.name not in skip and p.default is not inspect.Parameter.empty and p.kind is p.POSITIONAL_OR_KEYWORD
+    }
 
 
 def _check_optimizer_cls(cls: Any, name: str) -> type[torch.optim.Optimizer]:
@@ -118,13 +154,13 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         self.offload_fraction = float(offload_fraction)
         self.cpu_optimizer_cls = _check_optimizer_cls(cpu_optimizer_cls, "cpu_optimizer_cls")
         self.gpu_optimizer_cls = _check_optimizer_cls(gpu_optimizer_cls, "gpu_optimizer_cls")
-        self._inject_fused = cpu_optimizer_cls is None  # torch's fused CPU AdamW is the default fast path
         self.param_update_in_fp32 = param_update_in_fp32
         self.pin_cpu_grads, self.pin_cpu_params = pin_cpu_grads, pin_cpu_params
         self.overlap_cpu_optimizer_d2h_h2d = overlap_cpu_optimizer_d2h_h2d
         self.bucket_size_numel = bucket_size_numel
         self._hyper_defaults = dict(defaults)
         self._built = False
+        self._hooks: GradCopyHooks | None = None
         params = list(params)
         for i, p in enumerate(params if params and not isinstance(params[0], dict) else []):
             if not isinstance(p, torch.Tensor):
@@ -166,8 +202,13 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         return torch.float32 if self.param_update_in_fp32 and p.dtype != torch.float32 else p.dtype
 
     def _make_sub_optimizer(self, cls: type[torch.optim.Optimizer], groups: list[dict], host: bool):
+        # Both parts default to torch's fused kernel (CPU and CUDA have one for Adam/AdamW/SGD): it is the fastest
+        # path on either side, and the same kernel on both sides makes a resume at another fraction bit-exact.
+        # A kernel the caller chose (``fused``/``foreach`` in the groups or defaults) is left alone.
         kwargs = {}
-        if host and self._inject_fused and not any("fused" in g or "foreach" in g for g in groups):
+        chosen = any(k in g for g in groups for k in _KERNEL_KEYS)
+        params = [p for g in groups for p in g["params"]]
+        if not chosen and _accepts_fused(cls) and all(p.is_floating_point() for p in params):
             kwargs["fused"] = True
         return cls(groups, **kwargs)
 
@@ -220,9 +261,39 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         self._d2h = device.new_stream() if self.overlap_cpu_optimizer_d2h_h2d else device.current_stream()
         self._h2d = device.new_stream() if self.overlap_cpu_optimizer_d2h_h2d else device.current_stream()
         self._device_versions = {i: self._params[i]._version for i in self._masters}
+        self._install_hooks()
         self._state_entries = -1
         self._built = True
         self._rebuild_state()
+
+    def _install_hooks(self) -> None:
+        """With overlap on, gradient copies start in backward (post-accumulate-grad hooks, see ``grad_hooks``)."""
+        if self._hooks is not None:
+            self._hooks.remove()
+            self._hooks = None
+        if self.overlap_cpu_optimizer_d2h_h2d and self._buckets:
+            self._hooks = GradCopyHooks(self._buckets, self._d2h)
+            # Unregister when this optimizer is dropped (Megatron's DistributedOptimizer replaces the one it got).
+            weakref.finalize(self, self._hooks.remove)
+
+    def remove_hooks(self) -> None:
+        """Unregister the gradient hooks; ``step()`` then copies every gradient itself (same result)."""
+        if self._hooks is not None:
+            self._hooks.remove()
+            self._hooks = None
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside start no gradient copies: use it for all but the last micro-batch.
+
+        Without it accumulation is still correct (each hook copies the running sum, the last copy wins); it only
+        saves the earlier micro-batches' transfers, like Megatron DDP's ``no_sync()`` for its reduce-scatter.
+        """
+        if self._hooks is None:
+            yield
+            return
+        with self._hooks.no_sync():
+            yield
 
     def _group_optimizer(self, cls, groups: dict[int, list], host: bool):
         if not groups:
@@ -333,8 +404,10 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         self._h2d.wait_stream(compute)
         missing = {}
         with device.on_stream(self._d2h):
-            for b in self._buckets:
-                missing[id(b)] = b.copy_grads_in([grad_of(p) for p in b.members], self._d2h)
+            for bi, b in enumerate(self._buckets):
+                grads = [grad_of(p) for p in b.members]
+                current = self._hook_copied(bi, grads)
+                missing[id(b)] = b.copy_grads_in(grads, self._d2h, current)
         # The device part is asynchronous on a GPU: it runs while the host steps the buckets below.
         self._step_in_place(self.device_optimizer, with_masters=True)
         self._step_in_place(self.resident_optimizer, with_masters=False)
@@ -344,8 +417,16 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             b.step_and_copy_back(missing[id(b)], self._h2d)
             # The next forward reads these weights: the compute stream (not the host) waits for the copy.
             compute.wait_event(b.h2d_done)
+        if self._hooks is not None:
+            self._hooks.reset()  # consumed: the next backward's copies start afresh
         self._rebuild_state()
         return loss
+
+    def _hook_copied(self, bi: int, grads: list) -> set[int]:
+        """Members of bucket ``bi`` whose gradient a backward hook already copied, unchanged since."""
+        if self._hooks is None:
+            return set()
+        return {k for k, g in enumerate(grads) if g is not None and self._hooks.is_current(bi, k, g)}
 
     # ------------------------------------------------------------------ state
     def _rebuild_state(self) -> None:
@@ -355,30 +436,48 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             return
         self._state_entries = entries
         live = export_param_states(self, clone=False)
-        self.state = defaultdict(dict, {self._params[i]: entry for i, entry in live.items()})
+        self.state = defaultdict(LiveParamState, {self._params[i]: LiveParamState(entry) for i, entry in live.items()})
 
     def _sync_hdo_state_to_sub_optimizers(self) -> None:
         """Write ``self.state`` (e.g. tensors Megatron's DistributedOptimizer assigned) into the sub-optimizers."""
         states = {i: dict(self.state[p]) for i, p in enumerate(self._params) if self.state.get(p)}
         import_param_states(self, states)
 
+    def _saved_group(self, gi: int) -> dict[str, Any]:
+        """Group ``gi`` as a plain torch optimizer needs it: every hyper-parameter, not only the ones passed in.
+
+        Filled from the sub-optimizer that steps the group (torch completed its defaults there), else from the
+        class's constructor defaults; the HDO group's own values win. ``fused`` comes along like torch saves it,
+        so a plain optimizer that loads the checkpoint keeps running the same kernel (a bit-exact resume).
+        """
+        full = _constructor_defaults(self.cpu_optimizer_cls if self._buckets else self.gpu_optimizer_cls)
+        subs = [b.optimizer.param_groups[0] for b in self._buckets if b.group_index == gi]
+        for opt in (self.device_optimizer, self.resident_optimizer):
+            if opt is not None:
+                subs += [g for g, i in zip(opt.param_groups, opt._hdo_group_index, strict=True) if i == gi]
+        if subs:
+            full.update({k: v for k, v in subs[0].items() if k != "params"})
+        full.update({k: v for k, v in self.param_groups[gi].items() if k != "params"})
+        return full
+
     def state_dict(self) -> dict[str, Any]:
         """A torch-format state dict: per-parameter state keyed by index, the same for any split or bucketing.
+
+        Like torch's own ``Optimizer.state_dict()``, it holds references to the live state, not copies: a host
+        bucket's per-parameter entries are views into its flat state (``torch.save`` writes each flat storage
+        once), so the call costs no memory and no copy time. Save it (or deep-copy it) before the next ``step()``.
+        Every param group carries the full hyper-parameters (``betas``, ``eps``, ...), so a plain
+        ``torch.optim.AdamW`` loads the checkpoint when offloading is turned off.
 
         Returns:
             ``{"state": {index: {"step", "exp_avg", ..., ["master_param"]}}, "param_groups": [...]}`` with plain
             tensors, numbers and tuples only, so ``torch.load(..., weights_only=True)`` reads it.
         """
         groups, start = [], 0
-        for g in self.param_groups:
-            groups.append(
-                {
-                    **{k: v for k, v in g.items() if k != "params"},
-                    "params": list(range(start, start + len(g["params"]))),
-                }
-            )
+        for gi, g in enumerate(self.param_groups):
+            groups.append({**self._saved_group(gi), "params": list(range(start, start + len(g["params"])))})
             start += len(g["params"])
-        return {"state": export_param_states(self, clone=True), "param_groups": groups}
+        return {"state": saved_param_states(self), "param_groups": groups}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state dict saved by this class (any split) or by a plain torch optimizer of the same model.
@@ -417,6 +516,8 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear ``.grad`` and ``decoupled_grad`` of the model parameters (the host buffers need no clearing)."""
         super().zero_grad(set_to_none)
+        if self._hooks is not None:
+            self._hooks.reset()
         for p in self._params:
             if getattr(p, "decoupled_grad", None) is not None:
                 if set_to_none:

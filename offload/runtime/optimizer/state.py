@@ -33,6 +33,27 @@ class HybridDeviceOptimizer(Protocol):
 _SCALAR_KEYS = frozenset({"step"})
 
 
+class LiveParamState(dict):
+    """One parameter's entry of ``HybridDeviceOptimizer.state``: its values are the live tensors (sub-optimizer
+    state, or views into a bucket's flat state), and assigning a tensor to an existing key copies it into them.
+
+    Megatron's DistributedOptimizer loads a checkpoint by assigning ``optimizer.state[param][key] = tensor``
+    (``_set_main_param_and_optimizer_states``), and not every load path calls ``_sync_hdo_state_to_sub_optimizers``
+    afterwards (the legacy ``load_parameter_state`` does not). Upstream's HDO shares its sub-optimizers' dicts, so
+    such writes land; copying in place gives ours the same effect. A new key (or another shape) is stored as given
+    and reaches the sub-optimizers through ``_sync_hdo_state_to_sub_optimizers``.
+    """
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        current = self.get(key)
+        live = isinstance(current, torch.Tensor) and isinstance(value, torch.Tensor) and current is not value
+        if live and current.shape == value.shape:
+            with torch.no_grad():
+                current.copy_(value)
+            return
+        super().__setitem__(key, value)
+
+
 def _is_per_element(key: str, value: Any, param: torch.Tensor) -> bool:
     return key not in _SCALAR_KEYS and isinstance(value, torch.Tensor) and value.shape == param.shape
 
@@ -54,6 +75,21 @@ def export_param_states(opt: HybridDeviceOptimizer, clone: bool) -> dict[int, di
             if opt._master_dtype(p) != p.dtype:
                 state["master_param"] = master
             out[i] = state
+    return out
+
+
+def saved_param_states(opt: HybridDeviceOptimizer) -> dict[int, dict[str, Any]]:
+    """Every parameter's state for ``state_dict()``: references to the live tensors, not copies.
+
+    Per-element tensors (``exp_avg``, ``master_param``, ...) are the live tensors or views into a bucket's flat
+    state. Only the scalar tensors (``step``) are copied, because a bucket keeps one for all its members and an
+    optimizer that loads the dict steps each parameter's ``step`` in place: a shared one would count N times.
+    """
+    out = export_param_states(opt, clone=False)
+    for state in out.values():
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor) and (key in _SCALAR_KEYS or value.dim() == 0):
+                state[key] = value.clone()
     return out
 
 
@@ -128,7 +164,12 @@ def import_param_states(opt: HybridDeviceOptimizer, states: dict[int, dict[str, 
     ``master_param`` entries are copied into the masters; the rest goes through each sub-optimizer's own
     ``load_state_dict`` so that dtype and device placement follow torch's rules for that optimizer.
     """
-    states = {i: dict(s) for i, s in states.items()}
+    # Copies, not the caller's tensors: torch's own load keeps a same-device tensor as is, and a state dict of
+    # ours (or an upstream one) may hold views that other members or another optimizer still step in place.
+    states = {
+        i: {k: v.detach().clone() if isinstance(v, torch.Tensor) else v for k, v in s.items()}
+        for i, s in states.items()
+    }
     with torch.no_grad():
         for i, s in states.items():
             master = s.pop("master_param", None)

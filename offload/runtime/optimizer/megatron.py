@@ -1,0 +1,86 @@
+"""Install our ``HybridDeviceOptimizer`` into megatron-core's optimizer factory (``optimizer_cpu_offload``).
+
+megatron-core (0.16.1 and 0.19.2 alike) builds the hybrid optimizer in one place,
+``megatron/core/optimizer/__init__.py`` ``_get_megatron_optimizer_based_on_param_groups``, by calling the module
+global ``HybridDeviceOptimizer`` when ``OptimizerConfig.optimizer_cpu_offload`` is set. The
+``DistributedOptimizer`` (``megatron/core/optimizer/distrib_optimizer.py``) holds its own module global of the same
+name: it re-creates the optimizer over its shard groups as ``HybridDeviceOptimizer(params=..., **defaults)``, and
+its ``isinstance(..., HybridDeviceOptimizer)`` checks route checkpointing through ``sub_optimizers``,
+``dummy_step``, ``update_fp32_param_by_new_param`` and ``_sync_hdo_state_to_sub_optimizers``.
+:func:`install_optimizer_offload` rebinds that name, in every loaded ``megatron.*`` module that imported upstream's
+class (megatron-core, and Megatron Bridge's modules when they are imported first), to ours; ``remove()`` restores
+upstream's. Upstream's class itself stays where it is, in ``cpu_offloading/hybrid_optimizer.py``.
+
+Example:
+    >>> from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    >>> with install_optimizer_offload():
+    ...     opt = get_megatron_optimizer(OptimizerConfig(lr=1e-3, optimizer_cpu_offload=True,
+    ...                                                  optimizer_offload_fraction=0.5), [ddp_model])
+"""
+
+from __future__ import annotations
+
+import sys
+from types import ModuleType
+
+from mbridge_offload.runtime.optimizer.hybrid import HybridDeviceOptimizer
+
+__all__ = ["OptimizerOffloadInstall", "install_optimizer_offload"]
+
+# Where megatron-core binds the class it builds and checks (0.16.1 and 0.19.2): imported here so that the
+# rebinding covers them even when the caller has not imported them yet.
+_FACTORY_MODULES = ("megatron.core.optimizer", "megatron.core.optimizer.distrib_optimizer")
+_UPSTREAM_HOME = "megatron.core.optimizer.cpu_offloading.hybrid_optimizer"
+
+
+class OptimizerOffloadInstall:
+    """The rebindings :func:`install_optimizer_offload` made; ``remove()`` (or leaving ``with``) undoes them."""
+
+    def __init__(self) -> None:
+        import importlib
+
+        for name in _FACTORY_MODULES:
+            importlib.import_module(name)
+        self.upstream = importlib.import_module(_UPSTREAM_HOME).HybridDeviceOptimizer
+        self.patched: list[ModuleType] = []
+
+    def apply(self) -> OptimizerOffloadInstall:
+        for name, module in list(sys.modules.items()):
+            if module is None or name == _UPSTREAM_HOME or not (name == "megatron" or name.startswith("megatron.")):
+                continue
+            if getattr(module, "HybridDeviceOptimizer", None) is self.upstream:
+                module.HybridDeviceOptimizer = HybridDeviceOptimizer
+                self.patched.append(module)
+        return self
+
+    @property
+    def active(self) -> bool:
+        return bool(self.patched)
+
+    def remove(self) -> None:
+        for module in self.patched:
+            module.HybridDeviceOptimizer = self.upstream
+        self.patched = []
+
+    def __enter__(self) -> OptimizerOffloadInstall:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.remove()
+
+
+def install_optimizer_offload() -> OptimizerOffloadInstall:
+    """Make megatron-core's ``get_megatron_optimizer`` build our ``HybridDeviceOptimizer``.
+
+    Call it once before building the optimizer (``setup_model_and_optimizer`` in Megatron-LM or Bridge); with
+    ``optimizer.optimizer_cpu_offload=True`` the factory then constructs ours, with or without the distributed
+    optimizer. Import Megatron Bridge's training modules before calling it if they are used, so their copies of
+    the name are rebound too. Without ``optimizer_cpu_offload`` nothing changes.
+
+    Returns:
+        The installation; use it as a context manager or call ``remove()`` to restore upstream's class.
+
+    Raises:
+        ImportError: megatron-core is not installed.
+    """
+    return OptimizerOffloadInstall().apply()
