@@ -100,7 +100,7 @@ class LayerStore:
             return slot, False
         if self.phase is LayerPhase.NOT_OFFLOADED:
             self._set_phase(LayerPhase.OFFLOAD_STARTED)
-            self.owner.record("fwd", "offload_start", self.layer, self.layer)
+            self.owner.log_event("fwd", "offload_start", self.layer, self.layer)
         ctx = self.owner.ctx
         slot = len(self._host)
         host, new = ctx.pool.acquire(self.layer, slot, base.shape, base.stride(), base.dtype)
@@ -135,7 +135,7 @@ class LayerStore:
             device.current_stream().wait_event(self._offload_done)
         self._on_device = []
         self.owner.residency.drop(self.layer)
-        self.owner.record("fwd", "release", self.layer, at)
+        self.owner.log_event("fwd", "release", self.layer, at)
 
     # backward --------------------------------------------------------------------------------------------
     def start_reload(self, at: int, late: bool = False) -> None:
@@ -167,7 +167,7 @@ class LayerStore:
         self._waited = [False] * len(targets)
         self.owner.stats.bytes_reloaded += self.nbytes
         self.owner.residency.add(self.layer, self.nbytes)
-        self.owner.record("bwd", "reload_late" if late else "reload_start", self.layer, at)
+        self.owner.log_event("bwd", "reload_late" if late else "reload_start", self.layer, at)
 
     def load(self, slot: int, view: ViewSpec | None) -> torch.Tensor:
         """The unpack hook's answer for copy ``slot``, rebuilt as the view that was saved."""
@@ -206,7 +206,7 @@ class LayerStore:
         self._double_buffered = False
         self._backward_done = True
         if self._host:
-            self.owner.record("bwd", "free", self.layer, at)
+            self.owner.log_event("bwd", "free", self.layer, at)
         if self.phase is LayerPhase.OFFLOAD_STARTED:
             self.release(at)
         elif self.phase in (LayerPhase.RELOAD_STARTED, LayerPhase.RELOADED):
@@ -238,7 +238,8 @@ class Pass:
         self._end_queued = False
         self.finished = False
 
-    def record(self, phase: str, action: str, layer: int, at: int) -> None:
+    def log_event(self, phase: str, action: str, layer: int, at: int) -> None:
+        """Append one schedule event to this pass's accounting (not a stream event)."""
         self.stats.events.append(ScheduleEvent(phase, action, layer, at))
 
     # forward ---------------------------------------------------------------------------------------------
