@@ -83,6 +83,7 @@ class LayerStore:
         self.nbytes = 0
         self._index: dict[tuple[object, ...], int] = {}  # the same tensor saved twice is copied once
         self._on_device: list[torch.Tensor] = []  # forward copies, kept until the D2H copies finish
+        self._ready: list[object] = []  # per saved tensor: recorded on the compute stream when it was saved
         self._host: list[torch.Tensor] = []
         self._reloaded: list[torch.Tensor] = []
         self._reload_events: list[object] = []
@@ -93,28 +94,51 @@ class LayerStore:
 
     # forward ---------------------------------------------------------------------------------------------
     def push(self, base: torch.Tensor) -> tuple[int, bool]:
-        """The slot holding ``base``'s host copy, starting the copy if it is new; returns ``(slot, is_new)``."""
+        """The slot holding ``base``, starting its copy if it is new (unless the schedule is manual and the
+        layer's offload has not been started); returns ``(slot, is_new)``."""
         key = storage_key(base)
         slot = self._index.get(key)
         if slot is not None:
             return slot, False
-        if self.phase is LayerPhase.NOT_OFFLOADED:
-            self._set_phase(LayerPhase.OFFLOAD_STARTED)
-            self.owner.log_event("fwd", "offload_start", self.layer, self.layer)
-        ctx = self.owner.ctx
-        slot = len(self._host)
-        host, new = ctx.pool.acquire(self.layer, slot, base.shape, base.stride(), base.dtype)
+        slot = len(self._on_device)
         # Why: the side stream must not read ``base`` before the compute stream has finished producing it.
         ready = device.new_event()
         ready.record(device.current_stream())
-        ctx.stream.wait_event(ready)
+        self._index[key] = slot
+        # A detached alias keeps the storage alive until release without a reference cycle through grad_fn.
+        self._on_device.append(base.detach())
+        self._ready.append(ready)
+        self.owner.residency.add(self.layer, base.numel() * base.element_size())
+        if not self.owner.ctx.schedule.manual or self.phase is LayerPhase.OFFLOAD_STARTED:
+            self.start_offload()
+        return slot, True
+
+    def start_offload(self) -> None:
+        """Issue the device→host copies of the saved tensors not copied yet (at push, or by the manual controller).
+
+        Raises:
+            RuntimeError: the layer's device copies were already released (its offload is over).
+        """
+        if self.phase is LayerPhase.NOT_OFFLOADED:
+            self._set_phase(LayerPhase.OFFLOAD_STARTED)
+            self.owner.log_event("fwd", "offload_start", self.layer, self.owner.layer)
+        elif self.phase is not LayerPhase.OFFLOAD_STARTED:
+            raise RuntimeError(
+                f"activation offload: layer {self.layer} is {self.phase.value}; its offload can start only before "
+                "its device copies are released"
+            )
+        for slot in range(len(self._host), len(self._on_device)):
+            self._copy_out(slot)
+
+    def _copy_out(self, slot: int) -> None:
+        ctx, base = self.owner.ctx, self._on_device[slot]
+        host, new = ctx.pool.acquire(self.layer, slot, base.shape, base.stride(), base.dtype)
+        # Why: wait for the event recorded when the tensor was saved, not for everything queued since.
+        ctx.stream.wait_event(self._ready[slot])
         with torch.no_grad(), device.on_stream(ctx.stream):
             host.copy_(base, non_blocking=device.is_pinned(host))
         # Why: one event after the last copy; the stream is ordered, so it covers all earlier copies.
         self._offload_done = ctx.stream.record_event()
-        self._index[key] = slot
-        # A detached alias keeps the storage alive until release without a reference cycle through grad_fn.
-        self._on_device.append(base.detach())
         self._host.append(host)
         nbytes = base.numel() * base.element_size()
         self.nbytes += nbytes
@@ -122,8 +146,6 @@ class LayerStore:
         stats.bytes_offloaded += nbytes
         stats.copies_offloaded += 1
         stats.host_buffers_allocated += int(new)
-        self.owner.residency.add(self.layer, nbytes)
-        return slot, True
 
     def release(self, at: int) -> None:
         """Drop the device copies once the D2H copies are done (forward of layer ``L − k + i``)."""
@@ -133,7 +155,7 @@ class LayerStore:
         # Why: the compute stream may reuse this memory as soon as we drop it, so it waits for the copies.
         if self._offload_done is not None:
             device.current_stream().wait_event(self._offload_done)
-        self._on_device = []
+        self._on_device, self._ready = [], []
         self.owner.residency.drop(self.layer)
         self.owner.log_event("fwd", "release", self.layer, at)
 
@@ -181,8 +203,8 @@ class LayerStore:
         self.owner.ensure_end_callback()
         if self.phase is LayerPhase.RELEASED:
             self.start_reload(self.owner.backward_layer, late=True)
-        if self.phase is LayerPhase.OFFLOAD_STARTED:
-            tensor = self._on_device[slot]
+        if self.phase in (LayerPhase.NOT_OFFLOADED, LayerPhase.OFFLOAD_STARTED):
+            tensor = self._on_device[slot]  # never released (a manual layer never offloaded, or not yet)
         else:
             if not self._waited[slot]:
                 # Why: wait only for this tensor's copy, so the rest of the layer keeps loading behind compute.
@@ -283,6 +305,8 @@ class Pass:
             return
         self._backward_seen.add(layer)
         self.backward_layer = layer
+        if self.ctx.schedule.manual:
+            return  # the manual controller starts reloads; frees wait for the end of this backward
         self._free_layers_above(layer, at=layer)
         for i in self.ctx.schedule.reloads_when_backward_reaches(layer):
             if i in self._stores:
@@ -295,9 +319,22 @@ class Pass:
             torch.autograd.Variable._execution_engine.queue_callback(self.backward_end)
 
     def backward_end(self) -> None:
-        self._free_layers_above(-1, at=-1)
+        if self.ctx.schedule.manual:
+            # Manual schedules may run one backward per layer (TE's example): free the layers this one reached.
+            self._end_queued = False
+            for i in sorted(self._backward_seen & set(self._stores)):
+                self.ctx.pool.give_back(self._stores.pop(i).free(at=-1))
+            self._backward_seen.clear()
+            if self._stores:
+                return
+        else:
+            self._free_layers_above(-1, at=-1)
         self.finished = True
         self.ctx.pass_finished(self)
+
+    def store(self, layer: int) -> LayerStore | None:
+        """The offloaded state of ``layer`` in this pass (None if it saved nothing eligible)."""
+        return self._stores.get(layer)
 
     def _free_layers_above(self, layer: int, at: int) -> None:
         for i in [i for i in self._stores if i > layer]:
