@@ -89,25 +89,50 @@ class OffloadContext:
                 "around each layer's forward (nested layers must not each enter it)."
             )
         self._inside = True
+        try:
+            self._enter_layer()
+        except BaseException:
+            self._abandon()  # a failed entry must not leave the context entered (or its hooks installed)
+            raise
+        return self
+
+    def _enter_layer(self) -> None:
         if not torch.is_grad_enabled():
-            return self  # evaluation: nothing is saved, the layer count is left alone
+            return  # evaluation: nothing is saved, the layer count is left alone
+        if self._pass is not None and self._pass.forward_abandoned():
+            # The previous forward stopped between layers (an exception outside the context): its graph is gone,
+            # so this layer starts a new forward rather than continuing the count.
+            self.reset()
         self._layer = (self._layer + 1) % self.schedule.model_layers
         if self._layer == 0 or self._pass is None:
             self._pass = self.last_pass = Pass(self)
         self._pass.enter_layer(self._layer)
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pass.push, unpack)
-        self._hooks.__enter__()
-        return self
+        hooks = torch.autograd.graph.saved_tensors_hooks(self._pass.push, unpack)
+        hooks.__enter__()
+        self._hooks = hooks
 
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self._inside = False
-        if self._hooks is not None:
-            hooks, self._hooks = self._hooks, None
-            hooks.__exit__(exc_type, exc, tb)
+        hooks, self._hooks = self._hooks, None
+        try:
+            if hooks is not None:
+                hooks.__exit__(exc_type, exc, tb)
+        except BaseException:
+            self.reset()
+            raise
         if exc_type is not None:
             self.reset()  # the forward is abandoned: the next one starts again at layer 0
+
+    def _abandon(self) -> None:
+        self._inside = False
+        hooks, self._hooks = self._hooks, None
+        try:
+            if hooks is not None:
+                hooks.__exit__(None, None, None)
+        finally:
+            self.reset()
 
     def sync(self, tensor: torch.Tensor) -> torch.Tensor:
         """The ``sync_fn``: mark ``tensor`` as the output of the layer that just ran; returns it unchanged.
@@ -120,7 +145,9 @@ class OffloadContext:
             return tensor
         if tensor.grad_fn is None:
             tensor = tensor.view_as(tensor)  # a leaf has no node to hook; an alias gives it one
-        tensor.grad_fn.register_prehook(BackwardStep(self._pass, self._layer))
+        step = BackwardStep(self._pass, self._layer)
+        tensor.grad_fn.register_prehook(step)
+        self._pass.anchor(step)
         return tensor
 
     def pass_finished(self, finished: Pass) -> None:

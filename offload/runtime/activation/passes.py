@@ -7,6 +7,7 @@ layer 0 of every forward with grad enabled, so several forwards may be in flight
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -259,6 +260,20 @@ class Pass:
         self._backward_seen: set[int] = set()
         self._end_queued = False
         self.finished = False
+        self._anchors: list[weakref.ref] = []  # objects only this pass's autograd graph keeps alive
+
+    def anchor(self, obj: object) -> None:
+        """Remember ``obj`` (held by the graph: a saved-tensor handle, a grad_fn hook) to tell if the graph died."""
+        self._anchors = [*self._anchors[-1:], weakref.ref(obj)]
+
+    def forward_abandoned(self) -> bool:
+        """True if this pass's forward stopped part-way and its graph was freed (nothing can run its backward).
+
+        Why: an exception between layers (outside the context) never reaches ``__exit__``; without this the
+        next forward would continue the old layer count and offload the wrong layers.
+        """
+        in_progress = 0 <= self.layer < self.ctx.schedule.model_layers - 1
+        return in_progress and bool(self._anchors) and all(ref() is None for ref in self._anchors)
 
     def log_event(self, phase: str, action: str, layer: int, at: int) -> None:
         """Append one schedule event to this pass's accounting (not a stream event)."""
@@ -280,14 +295,19 @@ class Pass:
             return _without_graph(tensor)
         if not self.ctx.schedule.is_offloaded(self.layer):
             self._count_resident(base)
-            return _without_graph(tensor)
+            kept = _without_graph(tensor)
+            if kept is not tensor:
+                self.anchor(kept)  # a detached alias only the graph holds
+            return kept
         store = self._stores.get(self.layer)
         if store is None:
             store = self._stores[self.layer] = LayerStore(self, self.layer)
         slot, is_new = store.push(base)
         self.stats.tensors_offloaded += 1
         self.stats.tensors_deduplicated += int(not is_new)
-        return SavedHandle(store, slot, view)
+        handle = SavedHandle(store, slot, view)
+        self.anchor(handle)
+        return handle
 
     def _count_resident(self, base: torch.Tensor) -> None:
         seen = self._resident_seen.setdefault(self.layer, set())
