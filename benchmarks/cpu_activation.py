@@ -172,6 +172,7 @@ def main(argv: list[str] | None = None) -> int:
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}",
         "threads": args.threads,
+        "load_average_1min": round(os.getloadavg()[0], 2),  # other jobs on the machine make the timings noisy
         "shape": {"layers": LAYERS, "hidden": args.hidden, "seq": args.seq, "batch": args.batch},
         "repeats": repeats,
         "saved_tensors_per_step": saved,
@@ -228,7 +229,8 @@ def render_docs(result: dict, quick: bool) -> str:
     lines = [
         "### CPU: hook overhead per saved tensor (CPU-measured; no device, no transfer)",
         "",
-        f"**Measured on the CPU** ({result['machine']}, {result['threads']} torch thread(s)), {result['date']}, "
+        f"**Measured on the CPU** ({result['machine']}, {result['threads']} torch thread(s), 1-minute load "
+        f"average {result.get('load_average_1min', '?')} at the end of the run), {result['date']}, "
         f"by `benchmarks/cpu_activation.py --write-docs{' --quick' if quick else ''}` in the same run that wrote "
         f"this section. {'A --quick run: 5 repeats, a smoke test, not a measurement. ' if quick else ''}"
         f"Model: {shape['layers']}-layer pre-norm transformer stack (hidden {shape['hidden']}, seq {shape['seq']}, "
