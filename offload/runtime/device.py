@@ -32,7 +32,11 @@ Event = "torch.cuda.Event | ordering.CpuEvent"
 
 
 def new_stream(name: str = "side") -> torch.cuda.Stream | ordering.CpuStream:
-    """A side stream: ``torch.cuda.Stream`` with CUDA, else a :class:`ordering.CpuStream` named ``name``."""
+    """A side stream: ``torch.cuda.Stream`` with CUDA, else an ``ordering.CpuStream``.
+
+    Args:
+        name: the CPU stream's name in ordering error messages (unused with CUDA).
+    """
     return torch.cuda.Stream() if has_cuda() else ordering.CpuStream(name)
 
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import threading
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -129,21 +130,30 @@ _streams: weakref.WeakSet[CpuStream] = weakref.WeakSet()
 _names: dict[int, str] = {}  # kept after a stream dies, for messages about work it did
 HOST = CpuStream("host")
 COMPUTE = CpuStream("compute")
-_current: list[CpuStream] = [COMPUTE]
+_local = threading.local()  # the current stream is per thread, as torch.cuda's is
+
+
+def _stack() -> list[CpuStream]:
+    stack = getattr(_local, "stack", None)
+    if stack is None:
+        stack = _local.stack = [COMPUTE]
+    return stack
 
 
 def current_stream() -> CpuStream:
-    return _current[-1]
+    """The stream work is issued on in this thread (``COMPUTE`` unless inside :func:`on_stream`)."""
+    return _stack()[-1]
 
 
 @contextlib.contextmanager
 def on_stream(stream: CpuStream) -> Iterator[None]:
     """Issue the enclosed work on ``stream``."""
-    _current.append(stream)
+    stack = _stack()
+    stack.append(stream)
     try:
         yield
     finally:
-        _current.pop()
+        stack.pop()
 
 
 def synchronize() -> None:

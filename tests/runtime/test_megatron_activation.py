@@ -225,3 +225,15 @@ def test_adapter_binds_megatrons_seventh_argument_as_retain_not_manual() -> None
         assert not context.pool.retain
         with pytest.raises(TypeError):
             installed._factory(True, 1, 2, True, False, False, False, None)  # not a shape MCore uses
+
+
+def test_gpt_step_is_stream_ordered() -> None:
+    """Every copy of a real GPTModel's offloaded step is ordered (``ordering.recording`` raises otherwise)."""
+    from mbridge_offload.runtime.ordering import recording
+
+    model, reference = gpt(cpu_offloading=True, cpu_offloading_num_layers=2), gpt()
+    with recording() as rec:
+        model(**tiny_batch(BATCH, SEQ, VOCAB)).mean().backward()
+    reference(**tiny_batch(BATCH, SEQ, VOCAB)).mean().backward()
+    assert rec.operations > 100 and model.decoder.offload_context.stats.bytes_reloaded > 0
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(model.parameters(), reference.parameters(), strict=True))
