@@ -166,12 +166,29 @@ def synchronize() -> None:
 # the access checker
 # ---------------------------------------------------------------------------------------------------------
 @dataclass
+class _Entry:
+    """One access to the bytes ``[lo, hi)`` of a storage: operation ``(sid, n)``, a write or a read."""
+
+    lo: int
+    hi: int
+    sid: int
+    n: int
+    write: bool
+
+    def overlaps(self, lo: int, hi: int) -> bool:
+        return self.lo < hi and lo < self.hi
+
+
+@dataclass
 class _Access:
-    """What is known about one storage: where it lives, its last write, later reads, its allocation stream."""
+    """What is known about one storage: where it lives, the accesses not yet superseded, its allocation stream.
+
+    Accesses are kept per byte range, so copies into disjoint views of one buffer (the members of a bucket)
+    do not order each other, as on a GPU.
+    """
 
     host: bool
-    write: Op | None = None
-    reads: dict[int, int] = field(default_factory=dict)
+    entries: list[_Entry] = field(default_factory=list)
     alloc: CpuStream | None = None
     recorded: set[int] = field(default_factory=set)
     label: str = ""
@@ -195,6 +212,16 @@ def mark_host(tensor: torch.Tensor) -> None:
     if key is not None and key not in _host_storages:
         _host_storages.add(key)
         weakref.finalize(tensor.untyped_storage(), _host_storages.discard, key)
+
+
+def _span(tensor: torch.Tensor) -> tuple[int, int]:
+    """The bytes ``[lo, hi)`` of its storage a tensor (or view) can touch."""
+    size = tensor.element_size()
+    lo = tensor.storage_offset() * size
+    if tensor.numel() == 0:
+        return lo, lo
+    extent = 1 + sum((n - 1) * abs(st) for n, st in zip(tensor.shape, tensor.stride(), strict=True))
+    return lo, lo + extent * size
 
 
 def _tensors(value: object) -> list[torch.Tensor]:
@@ -226,9 +253,10 @@ class OrderingRecorder(TorchDispatchMode):
         """``tensor`` is a (pinned) host buffer, written by the host now."""
         mark_host(tensor)
         access = self._access(tensor)
-        access.host, access.alloc, access.reads = True, HOST, {}
+        access.host, access.alloc = True, HOST
         access.label = f"host buffer {tuple(tensor.shape)}"
-        access.write = HOST.issue()
+        sid, n = HOST.issue()
+        access.entries = [_Entry(0, tensor.untyped_storage().nbytes(), sid, n, True)]
 
     def is_host(self, tensor: torch.Tensor) -> bool:
         key = _key(tensor)
@@ -278,32 +306,38 @@ class OrderingRecorder(TorchDispatchMode):
         return current_stream()
 
     def _check_read(self, tensor: torch.Tensor, stream: CpuStream, op: Op, func: object) -> None:
-        access = self._access(tensor)
-        if access.write is not None and not stream.knows(access.write):
-            self._fail(
-                f"{func} on {stream.name} reads {access.label} before its write on "
-                f"{_stream_name(access.write[0])} is ordered before it (wait on the copy's event first)"
-            )
-        access.reads[stream.id] = max(access.reads.get(stream.id, 0), op[1])
+        access, (lo, hi) = self._access(tensor), _span(tensor)
+        for e in access.entries:
+            if e.write and e.overlaps(lo, hi) and not stream.knows((e.sid, e.n)):
+                self._fail(
+                    f"{func} on {stream.name} reads {access.label} before its write on "
+                    f"{_stream_name(e.sid)} is ordered before it (wait on the copy's event first)"
+                )
+        for e in access.entries:
+            if not e.write and (e.lo, e.hi, e.sid) == (lo, hi, stream.id):
+                e.n = op[1]  # the same reader again: one entry per range and stream
+                return
+        access.entries.append(_Entry(lo, hi, stream.id, op[1], False))
 
     def _check_write(self, tensor: torch.Tensor, stream: CpuStream, op: Op, func: object) -> None:
-        access = self._access(tensor)
-        earlier = [access.write] if access.write is not None else []
-        earlier += [(sid, n) for sid, n in access.reads.items() if sid != stream.id]
-        for prior in earlier:
-            if not stream.knows(prior):
+        access, (lo, hi) = self._access(tensor), _span(tensor)
+        for e in access.entries:
+            if e.overlaps(lo, hi) and e.sid != stream.id and not stream.knows((e.sid, e.n)):
+                kind = "a write" if e.write else "a read"
                 self._fail(
-                    f"{func} on {stream.name} overwrites {access.label} while an access on "
-                    f"{_stream_name(prior[0])} may still use it (wait for it before writing)"
+                    f"{func} on {stream.name} overwrites {access.label} while {kind} on "
+                    f"{_stream_name(e.sid)} may still use it (wait for it before writing)"
                 )
-        access.write, access.reads = op, {}
+        # Everything this write covers is ordered before it now: later checks need only the write.
+        access.entries = [e for e in access.entries if not (lo <= e.lo and e.hi <= hi)]
+        access.entries.append(_Entry(lo, hi, stream.id, op[1], True))
 
     def _allocated(self, tensor: torch.Tensor, stream: CpuStream, op: Op) -> None:
         access = self._access(tensor, fresh=True)
         access.host = stream is HOST
         access.label = f"{'host' if access.host else 'device'} buffer {tuple(tensor.shape)}"
         access.alloc = stream
-        access.write = op
+        access.entries = [_Entry(0, tensor.untyped_storage().nbytes(), stream.id, op[1], True)]
 
     def _access(self, tensor: torch.Tensor, fresh: bool = False) -> _Access:
         key = _key(tensor)
@@ -324,9 +358,7 @@ class OrderingRecorder(TorchDispatchMode):
         alloc = access.alloc
         if alloc is None or alloc is HOST:
             return
-        others = [access.write] if access.write is not None else []
-        others += list(access.reads.items())
-        for sid, n in others:
+        for sid, n in [(e.sid, e.n) for e in access.entries]:
             if sid != alloc.id and sid not in access.recorded and not alloc.knows((sid, n)):
                 # Why: raised at the next operation; a finalizer cannot raise into the code that freed it.
                 self._pending.append(

@@ -41,6 +41,7 @@ TARGETS: dict[str, list[str]] = {
     "runtime/activation/*.py": ["tests/runtime/test_ordering.py"],
     "runtime/optimizer/buckets.py": ["tests/runtime/test_ordering.py"],
     "runtime/optimizer/hybrid.py": ["tests/runtime/test_ordering.py"],
+    "runtime/optimizer/grad_hooks.py": ["tests/runtime/test_ordering.py"],  # h15a's gradient-copy hooks, if present
 }
 TIMEOUT_S = 120
 # Statements whose removal no schedule can observe, with the reason; they are still run and reported. Keyed by
