@@ -59,6 +59,20 @@ def on_stream(stream: torch.cuda.Stream | ordering.CpuStream) -> Iterator[None]:
             yield
 
 
+@contextlib.contextmanager
+def speculative() -> Iterator[None]:
+    """Copies whose owner re-validates the data later (a no-op with CUDA; see ``ordering.speculative``).
+
+    Use it only where a racing write is detected and the copy redone (e.g. by a version check); the CPU
+    ordering check then lets later writes race with these copies, and still checks everything else.
+    """
+    if has_cuda():
+        yield
+    else:
+        with ordering.speculative():
+            yield
+
+
 def record_stream(tensor: torch.Tensor, stream: torch.cuda.Stream | ordering.CpuStream) -> None:
     """Tell the caching allocator that ``tensor`` is in use on ``stream`` (booked by the CPU ordering check)."""
     if isinstance(stream, ordering.CpuStream):

@@ -156,6 +156,28 @@ def on_stream(stream: CpuStream) -> Iterator[None]:
         stack.pop()
 
 
+def _is_speculative() -> bool:
+    return getattr(_local, "speculative", 0) > 0
+
+
+@contextlib.contextmanager
+def speculative() -> Iterator[None]:
+    """Mark the copies issued inside as speculative: their owner checks later whether the data they moved is
+    still current (e.g. a gradient copy started in a backward hook, re-made in ``step()`` when the gradient's
+    version changed), so a later write that races with them is not a violation. They must still be ordered
+    after the writes they read, and a freed source still needs ``record_stream``.
+
+    Example:
+        >>> with device.on_stream(side), ordering.speculative():
+        ...     host_slot.copy_(grad, non_blocking=True)
+    """
+    _local.speculative = getattr(_local, "speculative", 0) + 1
+    try:
+        yield
+    finally:
+        _local.speculative -= 1
+
+
 def synchronize() -> None:
     """The host waits for every stream (``torch.cuda.synchronize``)."""
     for stream in list(_streams):
@@ -174,6 +196,7 @@ class _Entry:
     sid: int
     n: int
     write: bool
+    speculative: bool = False  # made under ``speculative()``: later writes need not wait for it
 
     def overlaps(self, lo: int, hi: int) -> bool:
         return self.lo < hi and lo < self.hi
@@ -313,15 +336,18 @@ class OrderingRecorder(TorchDispatchMode):
                     f"{func} on {stream.name} reads {access.label} before its write on "
                     f"{_stream_name(e.sid)} is ordered before it (wait on the copy's event first)"
                 )
+        spec = _is_speculative()
         for e in access.entries:
-            if not e.write and (e.lo, e.hi, e.sid) == (lo, hi, stream.id):
+            if not e.write and (e.lo, e.hi, e.sid, e.speculative) == (lo, hi, stream.id, spec):
                 e.n = op[1]  # the same reader again: one entry per range and stream
                 return
-        access.entries.append(_Entry(lo, hi, stream.id, op[1], False))
+        access.entries.append(_Entry(lo, hi, stream.id, op[1], False, spec))
 
     def _check_write(self, tensor: torch.Tensor, stream: CpuStream, op: Op, func: object) -> None:
         access, (lo, hi) = self._access(tensor), _span(tensor)
         for e in access.entries:
+            if e.speculative:
+                continue  # its result is re-validated by its owner, so a racing write only makes it stale
             if e.overlaps(lo, hi) and e.sid != stream.id and not stream.knows((e.sid, e.n)):
                 kind = "a write" if e.write else "a read"
                 self._fail(
@@ -330,7 +356,7 @@ class OrderingRecorder(TorchDispatchMode):
                 )
         # Everything this write covers is ordered before it now: later checks need only the write.
         access.entries = [e for e in access.entries if not (lo <= e.lo and e.hi <= hi)]
-        access.entries.append(_Entry(lo, hi, stream.id, op[1], True))
+        access.entries.append(_Entry(lo, hi, stream.id, op[1], True, _is_speculative()))
 
     def _allocated(self, tensor: torch.Tensor, stream: CpuStream, op: Op) -> None:
         access = self._access(tensor, fresh=True)
