@@ -32,12 +32,16 @@ import sys
 import time
 import warnings
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import torch
 from torch import nn
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from benchmarks.doc_fragment import DOCS, table, write_section
 from mbridge_offload.runtime.activation import offload_layers
+
+DOC = DOCS / "benchmarks-activation.md"
 
 LAYERS = 12
 
@@ -139,6 +143,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--threads", type=int, default=1, help="torch threads (1 keeps timings stable)")
     parser.add_argument("--json", help="also write the results as JSON here")
+    parser.add_argument(
+        "--write-docs",
+        nargs="?",
+        const=str(DOC),
+        default=None,
+        metavar="FILE",
+        help=f"write this run's section of the fragment (default {DOC.relative_to(DOC.parents[1])})",
+    )
     args = parser.parse_args(argv)
     warnings.filterwarnings("ignore", message="Offloading num_layers == model_layers - 1")
     torch.set_num_threads(args.threads)
@@ -160,6 +172,7 @@ def main(argv: list[str] | None = None) -> int:
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}",
         "threads": args.threads,
+        "load_average_1min": round(os.getloadavg()[0], 2),  # other jobs on the machine make the timings noisy
         "shape": {"layers": LAYERS, "hidden": args.hidden, "seq": args.seq, "batch": args.batch},
         "repeats": repeats,
         "saved_tensors_per_step": saved,
@@ -184,10 +197,58 @@ def main(argv: list[str] | None = None) -> int:
             f"{per_tensor[name]:>11.2f}{(f'{ratio:.2f}' if ratio is not None else '-'):>15}"
         )
     print("ours_k11 per step:", json.dumps(result["ours_k11_offloaded"]))
+    if args.write_docs:
+        write_section(Path(args.write_docs), "cpu_activation.py", render_docs(result, args.quick))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)
     return 0
+
+
+WHAT = {
+    "none": "no hooks",
+    "identity_hooks": "`saved_tensors_hooks(lambda t: t, lambda t: t)` (PyTorch's own hook cost)",
+    "save_on_cpu": "`save_on_cpu(pin_memory=False)`: on CPU `tensor.cpu()` is a no-op, so hook cost only",
+    "save_on_cpu_cp": "`save_on_cpu(pin_memory=True)`: copies **every** saved tensor (weights included)",
+    "ours_k0": "`offload_layers(num_layers=0)`: per-layer context, classification, accounting, no copy",
+    "ours_skip": "`num_layers=11`, threshold above every tensor: every tensor classified, none copied",
+    "ours_k11": "`num_layers=11, min_tensor_size=1024`: 11 of 12 layers copied out and back",
+}
+
+
+def render_docs(result: dict, quick: bool) -> str:
+    """This run's section of ``docs/benchmarks-activation.md``: how it was measured, and the table."""
+    shape, off = result["shape"], result["ours_k11_offloaded"]
+    order = sorted(result["median_step_ms"], key=result["median_step_ms"].get)
+    rows = [
+        [f"`{name}`", WHAT.get(name, ""), f"{result['median_step_ms'][name]:.3f}",
+         f"{result['step_time_vs_none'][name]:.3f}", f"{result['overhead_us_per_saved_tensor'][name]:.2f}",
+         "–" if result["overhead_vs_save_on_cpu"][name] is None else f"{result['overhead_vs_save_on_cpu'][name]:.2f}"]
+        for name in order
+    ]  # fmt: skip
+    lines = [
+        "### CPU: hook overhead per saved tensor (CPU-measured; no device, no transfer)",
+        "",
+        f"**Measured on the CPU** ({result['machine']}, {result['threads']} torch thread(s), 1-minute load "
+        f"average {result.get('load_average_1min', '?')} at the end of the run), {result['date']}, "
+        f"by `benchmarks/cpu_activation.py --write-docs{' --quick' if quick else ''}` in the same run that wrote "
+        f"this section. {'A --quick run: 5 repeats, a smoke test, not a measurement. ' if quick else ''}"
+        f"Model: {shape['layers']}-layer pre-norm transformer stack (hidden {shape['hidden']}, seq {shape['seq']}, "
+        f"batch {shape['batch']}); forward + backward; **{result['saved_tensors_per_step']} saved tensors per "
+        f"step**; median of {result['repeats']} steps per variant, variants interleaved. Overhead per saved "
+        "tensor = (variant step − `none` step) / saved tensors. On the CPU a copy to host is a memcpy inside RAM: "
+        "these rows measure Python and hook costs, not PCIe transfers.",
+        "",
+        table(
+            ["variant", "what it does", "step ms", "× none", "µs per saved tensor", "× `save_on_cpu`"], rows, "llrrrr"
+        ),
+        "",
+        f"`ours_k11` per step: {off['tensors']} saved tensors answered from {off['copies']} host copies "
+        f"({off['bytes']:,} bytes out and the same back); skipped: "
+        + ", ".join(f"{n} {reason}" for reason, n in sorted(off["skipped"].items()))
+        + ".",
+    ]
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -5,6 +5,8 @@ SDPA attention) at sequence length 4096, micro-batch 1, forward + backward per s
 
     none          no offload
     ours k=...    offload_layers(model.layers, num_layers=k)   for k in --ks (default 0 4 8 12 16 18)
+    ours-te-shape our get_cpu_offload_context(True, k, L), entered per layer with sync_fn, as TE's is
+    TE k=...      Transformer Engine's get_cpu_offload_context, the same way (where TE is installed)
     save_on_cpu   torch.autograd.graph.save_on_cpu(pin_memory=True) around the whole stack
 
 For each: peak allocated device memory over the timed steps (torch.cuda.max_memory_allocated), median step
@@ -13,6 +15,9 @@ time, bytes offloaded per step (ours), and whether the loss equals the no-offloa
 
     .venv/bin/python benchmarks/gpu_activation.py                    # GPU machine
     .venv/bin/python benchmarks/gpu_activation.py --json out.json    # also write the results
+
+With ``--write-docs`` it writes its section of ``docs/benchmarks-activation.md`` (labelled GPU-measured only
+when it ran on a GPU). ``benchmarks/gpu_all.py`` runs it together with ``gpu_optimizer.py`` in one call.
 
 Without CUDA it falls back to a tiny CPU configuration (2 steps per variant, a smoke test of the script;
 its numbers mean nothing) and says so.
@@ -23,6 +28,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import functools
 import json
 import os
 import platform
@@ -32,14 +38,18 @@ import time
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from benchmarks.doc_fragment import DOCS, table, write_section
 from mbridge_offload.runtime import device
 from mbridge_offload.runtime.activation import offload_layers
+
+DOC = DOCS / "benchmarks-activation.md"
 
 
 @dataclass(frozen=True)
@@ -84,9 +94,15 @@ class GPT(nn.Module):
 
     def forward(self, tokens: torch.Tensor, wrap: Callable[[], contextlib.AbstractContextManager]) -> torch.Tensor:
         x = self.embed(tokens)
+        pair = getattr(wrap, "context_and_sync", None)  # TE's call shape: enter per layer, sync each output
         with wrap():
             for layer in self.layers:
-                x = layer(x)
+                if pair is None:
+                    x = layer(x)
+                    continue
+                with pair[0]:
+                    x = layer(x)
+                x = pair[1](x)
         logits = self.head(self.norm(x)).float()
         return F.cross_entropy(logits.view(-1, logits.shape[-1]), tokens.view(-1))
 
@@ -101,6 +117,37 @@ def ours(model: GPT, k: int, sink: list) -> Iterator[Callable[[], contextlib.Abs
     finally:
         sink.append(handle.stats)
         handle.remove()
+
+
+class _LayerContext:
+    """A ``wrap`` for GPT.forward that carries a ``(context, sync_fn)`` pair (TE's, or ours in TE's shape)."""
+
+    def __init__(self, pair: tuple) -> None:
+        self.context_and_sync = pair[:2]
+
+    def __call__(self) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def te_shape(model: GPT, k: int, factory: Callable, sink: list) -> Iterator[_LayerContext]:
+    """``factory(True, k, L)`` — Transformer Engine's ``get_cpu_offload_context`` or ours — around each layer."""
+    pair = factory(True, k, len(model.layers))
+    try:
+        yield _LayerContext(pair)
+    finally:
+        sink.append(getattr(pair[0], "stats", None))
+
+
+def upstream_te() -> Callable | None:
+    """Transformer Engine's ``get_cpu_offload_context`` where TE is installed (and a GPU is there), else None."""
+    if not device.has_cuda():
+        return None
+    try:
+        from transformer_engine.pytorch import get_cpu_offload_context as te_factory
+    except Exception:  # TE missing or broken: the comparison is skipped and the table says so
+        return None
+    return te_factory
 
 
 def run_variant(model: GPT, tokens: torch.Tensor, setup: contextlib.AbstractContextManager, steps: int) -> dict:
@@ -126,11 +173,52 @@ def run_variant(model: GPT, tokens: torch.Tensor, setup: contextlib.AbstractCont
     }
 
 
+def measure_all(model: GPT, tokens: torch.Tensor, ks: list[int], steps: int) -> dict[str, dict]:
+    """Every variant: no offload, ours (hooks and TE's call shape), upstream TE where installed, save_on_cpu."""
+    from mbridge_offload.runtime.activation import get_cpu_offload_context as ours_factory
+
+    min_size = 256 * 1024 if device.has_cuda() else 1024
+    te_factory = upstream_te()
+    rows: dict[str, dict] = {"none": run_variant(model, tokens, contextlib.nullcontext(contextlib.nullcontext), steps)}
+    for k in ks:
+        sink: list = []
+        rows[f"ours k={k}"] = run_variant(model, tokens, ours(model, k, sink), steps)
+        _add_stats(rows[f"ours k={k}"], sink[-1])
+        if k == 0:
+            continue  # TE's shape with k = 0 offloads nothing either; the hook variant covers it
+        factory = functools.partial(ours_factory, min_tensor_size=min_size)
+        sink = []
+        rows[f"ours-te-shape k={k}"] = run_variant(model, tokens, te_shape(model, k, factory, sink), steps)
+        _add_stats(rows[f"ours-te-shape k={k}"], sink[-1])
+        if te_factory is not None:
+            rows[f"TE k={k}"] = run_variant(model, tokens, te_shape(model, k, te_factory, []), steps)
+
+    def soc() -> contextlib.AbstractContextManager:
+        return torch.autograd.graph.save_on_cpu(pin_memory=True)
+
+    rows["save_on_cpu"] = run_variant(model, tokens, contextlib.nullcontext(soc), steps)
+    return rows
+
+
+def _add_stats(row: dict, stats: object) -> None:
+    row["offloaded_bytes"] = stats.bytes_offloaded if stats else 0
+    row["offloaded_gib"] = round(stats.bytes_offloaded / 2**30, 3) if stats else 0.0
+    row["peak_resident_layers"] = stats.peak_resident_layers if stats else None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ks", type=int, nargs="*", default=None)
     parser.add_argument("--steps", type=int, default=None)
     parser.add_argument("--json", help="also write the results as JSON here")
+    parser.add_argument(
+        "--write-docs",
+        nargs="?",
+        const=str(DOC),
+        default=None,
+        metavar="FILE",
+        help="write this run's section of docs/benchmarks-activation.md (or FILE)",
+    )
     args = parser.parse_args(argv)
     warnings.filterwarnings("ignore", message="Offloading num_layers == model_layers - 1")
 
@@ -147,20 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     params = sum(p.numel() for p in model.parameters())
     tokens = torch.randint(0, shape.vocab, (shape.batch, shape.seq), device=dev)
 
-    rows: dict[str, dict] = {}
-    rows["none"] = run_variant(model, tokens, contextlib.nullcontext(contextlib.nullcontext), steps)
-    for k in ks:
-        sink: list = []
-        rows[f"ours k={k}"] = run_variant(model, tokens, ours(model, k, sink), steps)
-        stats = sink[-1]
-        rows[f"ours k={k}"]["offloaded_bytes"] = stats.bytes_offloaded if stats else 0
-        rows[f"ours k={k}"]["offloaded_gib"] = round(stats.bytes_offloaded / 2**30, 3) if stats else 0.0
-        rows[f"ours k={k}"]["peak_resident_layers"] = stats.peak_resident_layers if stats else None
-
-    def soc() -> contextlib.AbstractContextManager:
-        return torch.autograd.graph.save_on_cpu(pin_memory=True)
-
-    rows["save_on_cpu"] = run_variant(model, tokens, contextlib.nullcontext(soc), steps)
+    rows = measure_all(model, tokens, ks, steps)
 
     base = rows["none"]
     base_loss = base["_loss"]
@@ -177,17 +252,50 @@ def main(argv: list[str] | None = None) -> int:
         "steps": steps,
         "rows": rows,
     }
-    print(f"{result['device']}, torch {result['torch']}, {result['params_b']} B params, {asdict(shape)}")
-    print(f"{'variant':<14}{'step ms':>10}{'x none':>8}{'peak GiB':>10}{'x none':>8}{'offl GiB':>10}{'loss ==':>9}")
-    for name, row in rows.items():
-        print(
-            f"{name:<14}{row['step_ms']:>10.1f}{row['time_vs_none']:>8.3f}{row['peak_gib']:>10.3f}"
-            f"{(row['memory_vs_none'] or 0):>8.3f}{row.get('offloaded_gib', 0):>10.3f}{row['loss_bitwise_equal']!s:>9}"
-        )
+    report(result)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)
+    if args.write_docs:
+        write_section(Path(args.write_docs), "gpu_activation.py", render_docs(result, cuda))
     return 0
+
+
+def report(result: dict) -> None:
+    print(f"{result['device']}, torch {result['torch']}, {result['params_b']} B params, {result['shape']}")
+    print(f"{'variant':<22}{'step ms':>10}{'x none':>8}{'peak GiB':>10}{'x none':>8}{'offl GiB':>10}{'loss ==':>9}")
+    for name, row in result["rows"].items():
+        print(
+            f"{name:<22}{row['step_ms']:>10.1f}{row['time_vs_none']:>8.3f}{row['peak_gib']:>10.3f}"
+            f"{(row['memory_vs_none'] or 0):>8.3f}{row.get('offloaded_gib', 0):>10.3f}{row['loss_bitwise_equal']!s:>9}"
+        )
+
+
+def render_docs(result: dict, cuda: bool) -> str:
+    """This run's section of ``docs/benchmarks-activation.md``, labelled GPU-measured only when it was."""
+    label = f"GPU-measured on {result['device']}" if cuda else "CPU smoke run of the GPU script: NOT a measurement"
+    rows = [
+        [f"`{name}`", f"{r['step_ms']:.1f}", f"{r['time_vs_none']:.3f}", f"{r['peak_gib']:.3f}",
+         "–" if r["memory_vs_none"] is None else f"{r['memory_vs_none']:.3f}", f"{r.get('offloaded_gib', 0):.3f}",
+         "yes" if r["loss_bitwise_equal"] else "no"]
+        for name, r in result["rows"].items()
+    ]  # fmt: skip
+    te = any(name.startswith("TE ") for name in result["rows"])
+    return "\n".join(
+        [
+            f"### GPU: peak memory and step time vs k ({label})",
+            "",
+            f"**{label}**, torch {result['torch']}, {result['date']}, by `benchmarks/gpu_activation.py "
+            f"--write-docs` (or `benchmarks/gpu_all.py`) in the same run that wrote this section. Model: GPT-like "
+            f"stack, {result['params_b']} B parameters, {result['shape']}; median of {result['steps']} steps after "
+            "one warm-up step; peak = `torch.cuda.max_memory_allocated` over the timed steps. `ours k` = "
+            "`offload_layers`, `ours-te-shape k` = our `get_cpu_offload_context` entered per layer as TE's is, "
+            + ("`TE k` = Transformer Engine's own `get_cpu_offload_context`." if te else
+               "no `TE` rows: Transformer Engine was not installed on this machine."),
+            "",
+            table(["variant", "step ms", "× none", "peak GiB", "× none", "offloaded GiB", "loss bitwise = none"], rows),
+        ]
+    )  # fmt: skip
 
 
 if __name__ == "__main__":

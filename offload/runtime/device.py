@@ -1,8 +1,10 @@
 """The one place that knows whether CUDA is there.
 
-Streams, events, pinned allocation and memory counters behind one small interface. On CPU the same calls
-run: streams are no-ops, events are always complete, "pinned" tensors are ordinary host tensors, and a
-copy is a plain (synchronous) copy, so every schedule built on top is exercised without a GPU.
+Streams, events, pinned allocation and memory counters behind one small interface. With CUDA these are the
+``torch.cuda`` objects, untouched. On CPU the same calls return ``ordering.CpuStream`` / ``ordering.CpuEvent``,
+which keep CUDA's happens-before as vector clocks; inside ``ordering.recording()`` every tensor access is
+checked against it (host buffers count as pinned, their copies as asynchronous), so a missing wait or record
+fails a CPU test. Outside it the copies are plain synchronous copies.
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
+
+from mbridge_offload.runtime import ordering
 
 
 def has_cuda() -> bool:
@@ -23,77 +27,85 @@ def compute_device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if has_cuda() else torch.device("cpu")
 
 
-class _NullEvent:
-    """An event that is always complete (CPU work is synchronous)."""
-
-    def record(self, stream: object | None = None) -> None:
-        return None
-
-    def wait(self, stream: object | None = None) -> None:
-        return None
-
-    def synchronize(self) -> None:
-        return None
-
-    def query(self) -> bool:
-        return True
+Stream = "torch.cuda.Stream | ordering.CpuStream"
+Event = "torch.cuda.Event | ordering.CpuEvent"
 
 
-class _NullStream:
-    """A stream whose work is already done when it is issued."""
+def new_stream(name: str = "side") -> torch.cuda.Stream | ordering.CpuStream:
+    """A side stream: ``torch.cuda.Stream`` with CUDA, else an ``ordering.CpuStream``.
 
-    def wait_stream(self, other: object) -> None:
-        return None
-
-    def wait_event(self, event: object) -> None:
-        return None
-
-    def record_event(self, event: object | None = None) -> _NullEvent:
-        return event if isinstance(event, _NullEvent) else _NullEvent()
-
-    def synchronize(self) -> None:
-        return None
+    Args:
+        name: the CPU stream's name in ordering error messages (unused with CUDA).
+    """
+    return torch.cuda.Stream() if has_cuda() else ordering.CpuStream(name)
 
 
-Stream = "torch.cuda.Stream | _NullStream"
-Event = "torch.cuda.Event | _NullEvent"
+def current_stream() -> torch.cuda.Stream | ordering.CpuStream:
+    return torch.cuda.current_stream() if has_cuda() else ordering.current_stream()
 
 
-def new_stream() -> torch.cuda.Stream | _NullStream:
-    return torch.cuda.Stream() if has_cuda() else _NullStream()
-
-
-def current_stream() -> torch.cuda.Stream | _NullStream:
-    return torch.cuda.current_stream() if has_cuda() else _NullStream()
-
-
-def new_event() -> torch.cuda.Event | _NullEvent:
-    return torch.cuda.Event() if has_cuda() else _NullEvent()
+def new_event() -> torch.cuda.Event | ordering.CpuEvent:
+    return torch.cuda.Event() if has_cuda() else ordering.CpuEvent()
 
 
 @contextlib.contextmanager
-def on_stream(stream: torch.cuda.Stream | _NullStream) -> Iterator[None]:
-    """Issue the enclosed work on ``stream`` (a no-op on CPU)."""
-    if isinstance(stream, _NullStream):
-        yield
+def on_stream(stream: torch.cuda.Stream | ordering.CpuStream) -> Iterator[None]:
+    """Issue the enclosed work on ``stream``."""
+    if isinstance(stream, ordering.CpuStream):
+        with ordering.on_stream(stream):
+            yield
     else:
         with torch.cuda.stream(stream):
             yield
 
 
-def record_stream(tensor: torch.Tensor, stream: torch.cuda.Stream | _NullStream) -> None:
-    """Tell the caching allocator that ``tensor`` is in use on ``stream`` (no-op on CPU)."""
-    if not isinstance(stream, _NullStream) and tensor.is_cuda:
+@contextlib.contextmanager
+def speculative() -> Iterator[None]:
+    """Copies whose owner re-validates the data later (a no-op with CUDA; see ``ordering.speculative``).
+
+    Use it only where a racing write is detected and the copy redone (e.g. by a version check); the CPU
+    ordering check then lets later writes race with these copies, and still checks everything else.
+    """
+    if has_cuda():
+        yield
+    else:
+        with ordering.speculative():
+            yield
+
+
+def record_stream(tensor: torch.Tensor, stream: torch.cuda.Stream | ordering.CpuStream) -> None:
+    """Tell the caching allocator that ``tensor`` is in use on ``stream`` (booked by the CPU ordering check)."""
+    if isinstance(stream, ordering.CpuStream):
+        recorder = ordering.active()
+        if recorder is not None:
+            recorder.record_stream(tensor, stream)
+    elif tensor.is_cuda:
         tensor.record_stream(stream)
 
 
 def empty_host(shape: torch.Size | tuple[int, ...], dtype: torch.dtype, pin: bool = True) -> torch.Tensor:
     """A host tensor, page-locked when CUDA is present and ``pin`` is set."""
-    return torch.empty(shape, dtype=dtype, device="cpu", pin_memory=pin and has_cuda())
+    return _host(torch.empty(shape, dtype=dtype, device="cpu", pin_memory=pin and has_cuda()), pin)
 
 
 def is_pinned(tensor: torch.Tensor) -> bool:
-    return has_cuda() and tensor.is_pinned()
+    """Whether copies to/from ``tensor`` may be asynchronous (pinned; under the CPU ordering check, a host buffer)."""
+    if has_cuda():
+        return tensor.is_pinned()
+    recorder = ordering.active()
+    return recorder is not None and recorder.is_host(tensor)
+
+
+def _host(tensor: torch.Tensor, pin: bool) -> torch.Tensor:
+    """Book a new host buffer with the CPU ordering check (pinned ones only: pageable copies are synchronous)."""
+    if not pin or has_cuda():
+        return tensor
+    recorder = ordering.active()
+    if recorder is not None:
+        recorder.register_host(tensor)
+    else:
+        ordering.mark_host(tensor)  # a recording started later still knows it is a host buffer
+    return tensor
 
 
 @dataclass(frozen=True)
@@ -115,12 +127,15 @@ def reset_peak(device: torch.device | None = None) -> None:
 
 
 def synchronize() -> None:
+    """The host waits for all queued device work."""
     if has_cuda():
         torch.cuda.synchronize()
+    else:
+        ordering.synchronize()
 
 
 def empty_host_strided(
     shape: torch.Size | tuple[int, ...], stride: tuple[int, ...], dtype: torch.dtype, pin: bool = True
 ) -> torch.Tensor:
     """A host tensor with the given strides (to mirror a dense, non-contiguous device tensor), pinned as above."""
-    return torch.empty_strided(shape, stride, dtype=dtype, device="cpu", pin_memory=pin and has_cuda())
+    return _host(torch.empty_strided(shape, stride, dtype=dtype, device="cpu", pin_memory=pin and has_cuda()), pin)

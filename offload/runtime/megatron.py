@@ -4,8 +4,9 @@ Megatron Core takes its layer-level offload context from Transformer Engine: ``t
 ``get_cpu_offload_context`` from ``megatron.core.extensions.transformer_engine`` only ``if HAVE_TE``, else
 leaves it ``None`` and asserts "CPU Offloading is enabled when TE is not present" in
 ``TransformerBlock.__init__``. :func:`install_activation_offload` rebinds that module global to our runtime
-(``runtime.activation.get_cpu_offload_context``, same positional signature as MCore's TE wrapper, with or without
-``retain_pinned_cpu_buffers``), so the block calls it exactly as it calls TE.
+(``runtime.activation.get_cpu_offload_context`` behind an adapter that binds MCore's wrapper shape by name: six
+positional arguments in 0.16.1, seven with ``retain_pinned_cpu_buffers`` in 0.19.2, while TE ≥ 2.10 — and our
+runtime — put ``manual_synchronization`` seventh), so the block calls it exactly as it calls TE.
 
 The block then stores the live context in ``config._cpu_offloading_context``. Its one reader is
 ``tensor_parallel/layers.py`` (Column/RowParallelLinear), which, inside the context, tags the linear input
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -40,6 +42,22 @@ __all__ = [
 ]
 
 
+def _mcore_wrapper_shape(
+    enabled: bool,
+    num_layers: int,
+    model_layers: int,
+    activation_offloading: bool = True,
+    weight_offloading: bool = False,
+    double_buffering: bool = False,
+    retain_pinned_cpu_buffers: bool = False,
+) -> None:
+    """The signature of ``megatron.core.extensions.transformer_engine.get_cpu_offload_context`` (0.16.1 has no
+    ``retain_pinned_cpu_buffers``; 0.19.2 adds it seventh); used only to bind MCore's calls by name."""
+
+
+_MCORE_WRAPPER = inspect.signature(_mcore_wrapper_shape)
+
+
 # ---------------------------------------------------------------------------------------------------------
 # install / uninstall
 # ---------------------------------------------------------------------------------------------------------
@@ -52,6 +70,7 @@ class ActivationOffloadInstall:
 
         self.min_tensor_size = min_tensor_size
         self.contexts: list[activation.OffloadContext] = []
+        self.calls: list[dict[str, Any]] = []  # the arguments of each call MCore made, by name
         self._block_module = transformer_block
         self._layers_module = layers
         self._saved_factory = transformer_block.get_cpu_offload_context
@@ -78,25 +97,29 @@ class ActivationOffloadInstall:
     def __exit__(self, *exc: object) -> None:
         self.remove()
 
-    def _factory(
-        self,
-        enabled: bool,
-        num_layers: int,
-        model_layers: int,
-        offload_activations: bool = True,
-        offload_weights: bool = False,
-        double_buffering: bool = False,
-        retain_pinned_cpu_buffers: bool = False,
-    ) -> tuple[Any, Callable[[torch.Tensor], torch.Tensor]]:
-        """What ``TransformerBlock.__init__`` calls in place of MCore's TE wrapper (same positional order)."""
+    def _factory(self, *args: Any, **kwargs: Any) -> tuple[Any, Callable[[torch.Tensor], torch.Tensor]]:
+        """What ``TransformerBlock.__init__`` calls in place of MCore's TE wrapper (MCore's shape, adapted).
+
+        Megatron Core calls its own wrapper, not TE's function: ``(enabled, num_layers, model_layers,
+        activation_offloading, weight_offloading, double_buffering[, retain_pinned_cpu_buffers])`` — six
+        positional arguments in 0.16.1, seven in 0.19.2 (``retain_pinned_cpu_buffers`` seventh, where TE ≥ 2.10
+        has ``manual_synchronization``). The arguments are bound by name, so ours gets each one where it belongs.
+
+        Raises:
+            TypeError: a call of another shape (more arguments, or unknown names).
+        """
+        bound = _MCORE_WRAPPER.bind(*args, **kwargs)
+        bound.apply_defaults()
+        self.calls.append({**bound.arguments, "positional": len(args)})
+        a = bound.arguments
         context, sync_fn = activation.get_cpu_offload_context(
-            enabled,
-            num_layers,
-            model_layers,
-            offload_activations,
-            offload_weights,
-            double_buffering,
-            retain_pinned_cpu_buffers,
+            a["enabled"],
+            a["num_layers"],
+            a["model_layers"],
+            offload_activations=a["activation_offloading"],
+            offload_weights=a["weight_offloading"],
+            double_buffering=a["double_buffering"],
+            retain_pinned_cpu_buffers=a["retain_pinned_cpu_buffers"],
             min_tensor_size=self.min_tensor_size,
         )
         if isinstance(context, activation.OffloadContext):

@@ -430,9 +430,17 @@ def test_gpu_benchmark_falls_back_to_a_tiny_cpu_run(tmp_path, capsys, monkeypatc
     module = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, "gpu_activation", module)  # dataclasses look their module up
     spec.loader.exec_module(module)
-    assert module.main(["--json", str(tmp_path / "out.json")]) == 0
+    doc = tmp_path / "fragment.md"
+    doc.write_text("# hand-written intro\n")
+    assert module.main(["--json", str(tmp_path / "out.json"), "--write-docs", str(doc)]) == 0
     assert "No CUDA device" in capsys.readouterr().out
     rows = json.loads((tmp_path / "out.json").read_text())["rows"]
-    assert set(rows) == {"none", "ours k=0", "ours k=1", "ours k=3", "save_on_cpu"}
+    assert set(rows) == {
+        "none", "ours k=0", "ours k=1", "ours k=3", "ours-te-shape k=1", "ours-te-shape k=3", "save_on_cpu"
+    }  # fmt: skip
+    text = doc.read_text()
+    assert text.startswith("# hand-written intro") and "NOT a measurement" in text and "GPU-measured" not in text
+    assert text.count("<!-- begin: gpu_activation.py") == 1 and "`ours-te-shape k=3`" in text
+    assert rows["ours-te-shape k=3"]["offloaded_bytes"] == rows["ours k=3"]["offloaded_bytes"]
     assert all(row["loss_bitwise_equal"] for row in rows.values())
     assert rows["ours k=3"]["offloaded_bytes"] == 3 * rows["ours k=1"]["offloaded_bytes"] > 0

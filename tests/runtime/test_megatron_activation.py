@@ -5,7 +5,12 @@ Real megatron-core 0.16.1 (local layer spec) under the two labelled shims of ``c
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -168,3 +173,67 @@ def test_megatron_linear_layers_never_see_a_live_context() -> None:
     linear = model.decoder.layers[0].mlp.linear_fc1
     assert linear.config._cpu_offloading_context is None
     model(**tiny_batch(BATCH, SEQ, VOCAB)).mean().backward()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Megatron's call shape: 0.16.1 (six positional arguments) and 0.19.2 (seven, retain_pinned_cpu_buffers last)
+# ---------------------------------------------------------------------------------------------------------
+ROOT = Path(__file__).resolve().parents[2]
+MCORE_NEW = ROOT / ".mcore" / "0.19.2"
+
+
+def _run_in_mcore(pythonpath: Path | None) -> dict:
+    env = dict(os.environ)
+    if pythonpath is not None:
+        env["PYTHONPATH"] = os.pathsep.join([str(pythonpath), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "support" / "mcore_activation.py")],
+        capture_output=True, text=True, timeout=300, env=env, cwd=ROOT,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize(
+    ("pythonpath", "version", "positional"),
+    [
+        pytest.param(None, "0.16.1", 6, id="0.16.1"),
+        pytest.param(
+            MCORE_NEW, "0.19.2", 7, id="0.19.2",
+            marks=pytest.mark.skipif(not MCORE_NEW.exists(), reason="make setup installs .mcore/0.19.2"),
+        ),
+    ],
+)  # fmt: skip
+def test_each_megatron_core_calls_the_adapter_in_its_own_shape(pythonpath, version, positional) -> None:
+    """A real GPTModel of each version builds our context from its own call and trains equal to no offload."""
+    report = _run_in_mcore(pythonpath)
+    assert report["version"].startswith(version)
+    for result in report["results"]:
+        (call,) = result["calls"]
+        assert call["positional"] == positional
+        assert (call["enabled"], call["num_layers"], call["model_layers"]) == (True, 2, 4)
+        assert result["equal_to_no_offload"] and result["bytes_offloaded"] > 0
+        assert result["retain"] is call["retain_pinned_cpu_buffers"] is (result["case"] == "retain")
+    assert [r["case"] for r in report["results"]] == (["default", "retain"] if version == "0.19.2" else ["default"])
+
+
+def test_adapter_binds_megatrons_seventh_argument_as_retain_not_manual() -> None:
+    with install_activation_offload(min_tensor_size=MIN_SIZE) as installed:
+        context, _ = installed._factory(True, 1, 2, True, False, False, True)  # MCore 0.19.2's shape
+        assert isinstance(context, OffloadContext) and context.pool.retain and not context.schedule.manual
+        context, _ = installed._factory(True, 1, 2, True, False, False)  # MCore 0.16.1's shape
+        assert not context.pool.retain
+        with pytest.raises(TypeError):
+            installed._factory(True, 1, 2, True, False, False, False, None)  # not a shape MCore uses
+
+
+def test_gpt_step_is_stream_ordered() -> None:
+    """Every copy of a real GPTModel's offloaded step is ordered (``ordering.recording`` raises otherwise)."""
+    from mbridge_offload.runtime.ordering import recording
+
+    model, reference = gpt(cpu_offloading=True, cpu_offloading_num_layers=2), gpt()
+    with recording() as rec:
+        model(**tiny_batch(BATCH, SEQ, VOCAB)).mean().backward()
+    reference(**tiny_batch(BATCH, SEQ, VOCAB)).mean().backward()
+    assert rec.operations > 100 and model.decoder.offload_context.stats.bytes_reloaded > 0
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(model.parameters(), reference.parameters(), strict=True))

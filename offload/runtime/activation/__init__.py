@@ -2,6 +2,7 @@
 
 from mbridge_offload.runtime.activation.context import (
     DEFAULT_MIN_TENSOR_SIZE,
+    ManualController,
     OffloadContext,
     OffloadStats,
     get_cpu_offload_context,
@@ -12,6 +13,7 @@ from mbridge_offload.runtime.activation.layers import OffloadHandle, offload_lay
 __all__ = [
     "DEFAULT_MIN_TENSOR_SIZE",
     "Eligibility",
+    "ManualController",
     "OffloadContext",
     "OffloadHandle",
     "OffloadStats",

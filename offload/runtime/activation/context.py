@@ -20,16 +20,17 @@ import warnings
 from collections import deque
 from collections.abc import Callable
 from types import TracebackType
+from typing import Any
 
 import torch
 
 from mbridge_offload.runtime import device
 from mbridge_offload.runtime.activation.eligibility import Eligibility
-from mbridge_offload.runtime.activation.passes import BackwardStep, Pass, unpack
+from mbridge_offload.runtime.activation.passes import BackwardStep, LayerStore, Pass, unpack
 from mbridge_offload.runtime.activation.pool import HostBufferPool, ReloadBuffers
-from mbridge_offload.runtime.activation.schedule import DEFAULT_MIN_TENSOR_SIZE, OffloadStats, Schedule
+from mbridge_offload.runtime.activation.schedule import DEFAULT_MIN_TENSOR_SIZE, LayerPhase, OffloadStats, Schedule
 
-__all__ = ["OffloadContext", "get_cpu_offload_context"]
+__all__ = ["ManualController", "OffloadContext", "get_cpu_offload_context"]
 
 
 class _DisabledContext(contextlib.nullcontext):
@@ -53,11 +54,12 @@ class OffloadContext:
         retain_pinned_cpu_buffers: bool = False,
         pin_memory: bool = True,
         history: int = 16,
+        stream: object | None = None,
     ) -> None:
         self.schedule = schedule
         self.eligibility = eligibility
         self.device = eligibility.device
-        self.stream = device.new_stream()
+        self.stream = stream if stream is not None else device.new_stream("offload")
         self.pool = HostBufferPool(retain=retain_pinned_cpu_buffers, pin=pin_memory)
         self.reload_buffers = ReloadBuffers(self.device) if double_buffering else None
         self.history: deque[OffloadStats] = deque(maxlen=history)
@@ -65,6 +67,7 @@ class OffloadContext:
         self._hooks: torch.autograd.graph.saved_tensors_hooks | None = None
         self._layer = -1
         self._pass: Pass | None = None
+        self.last_pass: Pass | None = None  # the pass of the latest forward (the manual controller acts on it)
 
     @property
     def inside_context(self) -> bool:
@@ -86,25 +89,50 @@ class OffloadContext:
                 "around each layer's forward (nested layers must not each enter it)."
             )
         self._inside = True
+        try:
+            self._enter_layer()
+        except BaseException:
+            self._abandon()  # a failed entry must not leave the context entered (or its hooks installed)
+            raise
+        return self
+
+    def _enter_layer(self) -> None:
         if not torch.is_grad_enabled():
-            return self  # evaluation: nothing is saved, the layer count is left alone
+            return  # evaluation: nothing is saved, the layer count is left alone
+        if self._pass is not None and self._pass.forward_abandoned():
+            # The previous forward stopped between layers (an exception outside the context): its graph is gone,
+            # so this layer starts a new forward rather than continuing the count.
+            self.reset()
         self._layer = (self._layer + 1) % self.schedule.model_layers
         if self._layer == 0 or self._pass is None:
-            self._pass = Pass(self)
+            self._pass = self.last_pass = Pass(self)
         self._pass.enter_layer(self._layer)
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pass.push, unpack)
-        self._hooks.__enter__()
-        return self
+        hooks = torch.autograd.graph.saved_tensors_hooks(self._pass.push, unpack)
+        hooks.__enter__()
+        self._hooks = hooks
 
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self._inside = False
-        if self._hooks is not None:
-            hooks, self._hooks = self._hooks, None
-            hooks.__exit__(exc_type, exc, tb)
+        hooks, self._hooks = self._hooks, None
+        try:
+            if hooks is not None:
+                hooks.__exit__(exc_type, exc, tb)
+        except BaseException:
+            self.reset()
+            raise
         if exc_type is not None:
             self.reset()  # the forward is abandoned: the next one starts again at layer 0
+
+    def _abandon(self) -> None:
+        self._inside = False
+        hooks, self._hooks = self._hooks, None
+        try:
+            if hooks is not None:
+                hooks.__exit__(None, None, None)
+        finally:
+            self.reset()
 
     def sync(self, tensor: torch.Tensor) -> torch.Tensor:
         """The ``sync_fn``: mark ``tensor`` as the output of the layer that just ran; returns it unchanged.
@@ -117,7 +145,9 @@ class OffloadContext:
             return tensor
         if tensor.grad_fn is None:
             tensor = tensor.view_as(tensor)  # a leaf has no node to hook; an alias gives it one
-        tensor.grad_fn.register_prehook(BackwardStep(self._pass, self._layer))
+        step = BackwardStep(self._pass, self._layer)
+        tensor.grad_fn.register_prehook(step)
+        self._pass.anchor(step)
         return tensor
 
     def pass_finished(self, finished: Pass) -> None:
@@ -134,36 +164,112 @@ class OffloadContext:
         self.pool.clear()
 
 
+class ManualController:
+    """What ``manual_synchronization=True`` returns third: the caller starts each layer's offload steps.
+
+    Same methods as Transformer Engine's ``ManualOffloadSynchronizer`` (TE ≥ 2.10). A layer none of them is
+    called for is not offloaded: its saved tensors stay on the device. Layers are numbered as the context
+    counts them (``0 … model_layers − 1`` in forward order).
+
+    Example:
+        >>> ctx, sync, manual = get_cpu_offload_context(True, model_layers=n, manual_synchronization=True)
+        >>> for i, layer in enumerate(layers):
+        ...     with ctx:
+        ...         out[i] = layer(inp[i])
+        ...     out[i] = sync(out[i]); manual.start_offload_layer(i)
+        >>> for i in range(n): manual.release_activation_forward_gpu_memory(i)
+        >>> for i in reversed(range(n)): manual.start_reload_layer(i)
+    """
+
+    def __init__(self, context: OffloadContext) -> None:
+        self.context = context
+
+    def start_offload_layer(self, layer_id: int) -> None:
+        """Start the device→host copies of layer ``layer_id``'s saved tensors (on the offload stream)."""
+        store = self._store(layer_id)
+        if store is not None:
+            store.start_offload()
+
+    def release_activation_forward_gpu_memory(self, layer_id: int) -> None:
+        """Drop layer ``layer_id``'s device copies; the compute stream first waits for their offload.
+
+        Raises:
+            RuntimeError: the layer's offload was not started (TE: invalid state).
+        """
+        store = self._store(layer_id)
+        if store is None:
+            return
+        if store.phase is not LayerPhase.OFFLOAD_STARTED:
+            raise RuntimeError(
+                f"activation offload: release_activation_forward_gpu_memory({layer_id}) needs a started offload; "
+                f"layer {layer_id} is {store.phase.value} (call start_offload_layer first)"
+            )
+        store.release(at=-1)
+
+    def start_reload_layer(self, layer_id: int) -> None:
+        """Start the host→device copies of layer ``layer_id``; each saved tensor waits only for its own copy.
+
+        Raises:
+            RuntimeError: the layer was not released (TE: invalid state).
+        """
+        store = self._store(layer_id)
+        if store is None:
+            return
+        if store.phase is not LayerPhase.RELEASED:
+            raise RuntimeError(
+                f"activation offload: start_reload_layer({layer_id}) needs a released layer; layer {layer_id} is "
+                f"{store.phase.value} (call release_activation_forward_gpu_memory first)"
+            )
+        store.start_reload(at=-1)
+
+    def _store(self, layer_id: int) -> LayerStore | None:
+        if not 0 <= layer_id < self.context.schedule.model_layers:
+            raise ValueError(f"layer_id is {layer_id}; it must be in [0, {self.context.schedule.model_layers})")
+        last = self.context.last_pass
+        return last.store(layer_id) if last is not None else None
+
+
 def get_cpu_offload_context(
     enabled: bool = False,
-    num_layers: int = 1,
+    num_layers: int | None = 1,
     model_layers: int = 1,
     offload_activations: bool = True,
     offload_weights: bool = False,
     double_buffering: bool = False,
+    manual_synchronization: bool = False,
     retain_pinned_cpu_buffers: bool = False,
+    offload_stream: object | None = None,
     *,
     min_tensor_size: int = DEFAULT_MIN_TENSOR_SIZE,
     pin_memory: bool = True,
-) -> tuple[OffloadContext | _DisabledContext, Callable[[torch.Tensor], torch.Tensor]]:
-    """Activation offloading for a sequence of layers, with Transformer Engine's signature.
+) -> tuple[Any, ...]:
+    """Activation offloading for a sequence of layers, with Transformer Engine ≥ 2.10's signature.
+
+    The positional order is TE 2.10's (``…, double_buffering, manual_synchronization,
+    retain_pinned_cpu_buffers, offload_stream``); Megatron Core's own wrapper puts ``retain_pinned_cpu_buffers``
+    seventh, which :func:`mbridge_offload.runtime.megatron.install_activation_offload` adapts.
 
     Args:
         enabled: turn offloading on; when False a no-op context and the identity are returned.
-        num_layers: ``k``, how many of the first layers to offload (``0 ≤ k ≤ model_layers − 1``).
+        num_layers: ``k``, how many of the first layers to offload (``0 ≤ k ≤ model_layers − 1``); ignored
+            with ``manual_synchronization``.
         model_layers: ``L``, how many layers enter the context per forward.
         offload_activations: offload saved activations (the only thing offloaded).
         offload_weights: deprecated as in TE; has no effect beyond a ``DeprecationWarning``.
-        double_buffering: reload into two persistent device buffer sets instead of fresh memory.
+        double_buffering: reload into two persistent device buffer sets instead of fresh memory (TE ignores it).
+        manual_synchronization: no automatic schedule; a :class:`ManualController` is returned third.
         retain_pinned_cpu_buffers: keep host buffers and reuse them next iteration (shapes must not change).
+        offload_stream: the stream for the copies (only with ``manual_synchronization``, as in TE).
         min_tensor_size: saved tensors with fewer elements stay on the device.
         pin_memory: page-lock host buffers (where CUDA is present).
 
     Returns:
-        ``(context, sync_fn)``.
+        ``(context, sync_fn)``, or ``(context, sync_fn, controller)`` with ``manual_synchronization`` (the
+        controller is None when offloading is off).
 
     Raises:
-        ValueError: nothing to offload, ``num_layers`` out of range, or a bad ``min_tensor_size``.
+        ValueError: nothing to offload, ``num_layers`` out of range, an ``offload_stream`` without manual
+            synchronization, or a bad ``min_tensor_size``.
 
     Example:
         >>> context, sync_fn = get_cpu_offload_context(True, 2, len(layers), min_tensor_size=1024)
@@ -174,8 +280,9 @@ def get_cpu_offload_context(
         >>> x.sum().backward()
         >>> context.stats.bytes_offloaded
     """
+    off = (_DisabledContext(), _identity, None) if manual_synchronization else (_DisabledContext(), _identity)
     if not enabled:
-        return _DisabledContext(), _identity
+        return off
     if not offload_activations and not offload_weights:
         raise ValueError("CPU Offloading is enabled while it is not mentioned what to offload (weights/activations)")
     if offload_weights:
@@ -185,22 +292,37 @@ def get_cpu_offload_context(
             stacklevel=2,
         )
         if not offload_activations:
-            return _DisabledContext(), _identity
-    _check_layers(num_layers, model_layers)
+            return off
+    if offload_stream is not None and not manual_synchronization:
+        raise ValueError("offload_stream can be provided only if manual_synchronization is True")
+    if manual_synchronization:
+        if model_layers < 1:
+            raise ValueError(f"model_layers is {model_layers}; it must be at least 1")
+        context = _context(Schedule(model_layers, model_layers, manual=True), double_buffering,
+                           retain_pinned_cpu_buffers, min_tensor_size, pin_memory, offload_stream)  # fmt: skip
+        return context, context.sync, ManualController(context)
+    _check_layers(num_layers if num_layers is not None else 1, model_layers)
     return _build(num_layers, model_layers, double_buffering, retain_pinned_cpu_buffers, min_tensor_size, pin_memory)
 
 
 def _build(
     num_layers: int, model_layers: int, double: bool, retain: bool, min_size: int, pin: bool
 ) -> tuple[OffloadContext, Callable[[torch.Tensor], torch.Tensor]]:
-    ctx = OffloadContext(
-        Schedule(model_layers, num_layers),
+    ctx = _context(Schedule(model_layers, num_layers), double, retain, min_size, pin)
+    return ctx, ctx.sync
+
+
+def _context(
+    schedule: Schedule, double: bool, retain: bool, min_size: int, pin: bool, stream: object | None = None
+) -> OffloadContext:
+    return OffloadContext(
+        schedule,
         Eligibility(device.compute_device(), min_size),
         double_buffering=double,
         retain_pinned_cpu_buffers=retain,
         pin_memory=pin,
+        stream=stream,
     )
-    return ctx, ctx.sync
 
 
 def _check_layers(num_layers: int, model_layers: int) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 
 import torch
@@ -47,7 +48,12 @@ class _LayerHooks:
         self.context.__enter__()
 
     def leave(self, module: nn.Module, args: tuple[object, ...], output: object) -> object:
-        self.context.__exit__(None, None, None)
+        # Why: with always_call, torch runs this hook from inside its ``except`` when the layer raised; the
+        # context must see the exception to start the next forward at layer 0.
+        exc = sys.exc_info() if output is None else (None, None, None)
+        self.context.__exit__(*exc)
+        if exc[0] is not None:
+            return None
         if isinstance(output, torch.Tensor):
             return self.context.sync(output)
         if isinstance(output, tuple) and output and isinstance(output[0], torch.Tensor):

@@ -7,6 +7,7 @@ layer 0 of every forward with grad enabled, so several forwards may be in flight
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -83,6 +84,7 @@ class LayerStore:
         self.nbytes = 0
         self._index: dict[tuple[object, ...], int] = {}  # the same tensor saved twice is copied once
         self._on_device: list[torch.Tensor] = []  # forward copies, kept until the D2H copies finish
+        self._ready: list[object] = []  # per saved tensor: recorded on the compute stream when it was saved
         self._host: list[torch.Tensor] = []
         self._reloaded: list[torch.Tensor] = []
         self._reload_events: list[object] = []
@@ -93,28 +95,51 @@ class LayerStore:
 
     # forward ---------------------------------------------------------------------------------------------
     def push(self, base: torch.Tensor) -> tuple[int, bool]:
-        """The slot holding ``base``'s host copy, starting the copy if it is new; returns ``(slot, is_new)``."""
+        """The slot holding ``base``, starting its copy if it is new (unless the schedule is manual and the
+        layer's offload has not been started); returns ``(slot, is_new)``."""
         key = storage_key(base)
         slot = self._index.get(key)
         if slot is not None:
             return slot, False
-        if self.phase is LayerPhase.NOT_OFFLOADED:
-            self._set_phase(LayerPhase.OFFLOAD_STARTED)
-            self.owner.record("fwd", "offload_start", self.layer, self.layer)
-        ctx = self.owner.ctx
-        slot = len(self._host)
-        host, new = ctx.pool.acquire(self.layer, slot, base.shape, base.stride(), base.dtype)
+        slot = len(self._on_device)
         # Why: the side stream must not read ``base`` before the compute stream has finished producing it.
         ready = device.new_event()
         ready.record(device.current_stream())
-        ctx.stream.wait_event(ready)
+        self._index[key] = slot
+        # A detached alias keeps the storage alive until release without a reference cycle through grad_fn.
+        self._on_device.append(base.detach())
+        self._ready.append(ready)
+        self.owner.residency.add(self.layer, base.numel() * base.element_size())
+        if not self.owner.ctx.schedule.manual or self.phase is LayerPhase.OFFLOAD_STARTED:
+            self.start_offload()
+        return slot, True
+
+    def start_offload(self) -> None:
+        """Issue the device→host copies of the saved tensors not copied yet (at push, or by the manual controller).
+
+        Raises:
+            RuntimeError: the layer's device copies were already released (its offload is over).
+        """
+        if self.phase is LayerPhase.NOT_OFFLOADED:
+            self._set_phase(LayerPhase.OFFLOAD_STARTED)
+            self.owner.log_event("fwd", "offload_start", self.layer, self.owner.layer)
+        elif self.phase is not LayerPhase.OFFLOAD_STARTED:
+            raise RuntimeError(
+                f"activation offload: layer {self.layer} is {self.phase.value}; its offload can start only before "
+                "its device copies are released"
+            )
+        for slot in range(len(self._host), len(self._on_device)):
+            self._copy_out(slot)
+
+    def _copy_out(self, slot: int) -> None:
+        ctx, base = self.owner.ctx, self._on_device[slot]
+        host, new = ctx.pool.acquire(self.layer, slot, base.shape, base.stride(), base.dtype)
+        # Why: wait for the event recorded when the tensor was saved, not for everything queued since.
+        ctx.stream.wait_event(self._ready[slot])
         with torch.no_grad(), device.on_stream(ctx.stream):
             host.copy_(base, non_blocking=device.is_pinned(host))
         # Why: one event after the last copy; the stream is ordered, so it covers all earlier copies.
         self._offload_done = ctx.stream.record_event()
-        self._index[key] = slot
-        # A detached alias keeps the storage alive until release without a reference cycle through grad_fn.
-        self._on_device.append(base.detach())
         self._host.append(host)
         nbytes = base.numel() * base.element_size()
         self.nbytes += nbytes
@@ -122,8 +147,6 @@ class LayerStore:
         stats.bytes_offloaded += nbytes
         stats.copies_offloaded += 1
         stats.host_buffers_allocated += int(new)
-        self.owner.residency.add(self.layer, nbytes)
-        return slot, True
 
     def release(self, at: int) -> None:
         """Drop the device copies once the D2H copies are done (forward of layer ``L − k + i``)."""
@@ -133,9 +156,9 @@ class LayerStore:
         # Why: the compute stream may reuse this memory as soon as we drop it, so it waits for the copies.
         if self._offload_done is not None:
             device.current_stream().wait_event(self._offload_done)
-        self._on_device = []
+        self._on_device, self._ready = [], []
         self.owner.residency.drop(self.layer)
-        self.owner.record("fwd", "release", self.layer, at)
+        self.owner.log_event("fwd", "release", self.layer, at)
 
     # backward --------------------------------------------------------------------------------------------
     def start_reload(self, at: int, late: bool = False) -> None:
@@ -167,7 +190,7 @@ class LayerStore:
         self._waited = [False] * len(targets)
         self.owner.stats.bytes_reloaded += self.nbytes
         self.owner.residency.add(self.layer, self.nbytes)
-        self.owner.record("bwd", "reload_late" if late else "reload_start", self.layer, at)
+        self.owner.log_event("bwd", "reload_late" if late else "reload_start", self.layer, at)
 
     def load(self, slot: int, view: ViewSpec | None) -> torch.Tensor:
         """The unpack hook's answer for copy ``slot``, rebuilt as the view that was saved."""
@@ -181,8 +204,8 @@ class LayerStore:
         self.owner.ensure_end_callback()
         if self.phase is LayerPhase.RELEASED:
             self.start_reload(self.owner.backward_layer, late=True)
-        if self.phase is LayerPhase.OFFLOAD_STARTED:
-            tensor = self._on_device[slot]
+        if self.phase in (LayerPhase.NOT_OFFLOADED, LayerPhase.OFFLOAD_STARTED):
+            tensor = self._on_device[slot]  # never released (a manual layer never offloaded, or not yet)
         else:
             if not self._waited[slot]:
                 # Why: wait only for this tensor's copy, so the rest of the layer keeps loading behind compute.
@@ -206,7 +229,7 @@ class LayerStore:
         self._double_buffered = False
         self._backward_done = True
         if self._host:
-            self.owner.record("bwd", "free", self.layer, at)
+            self.owner.log_event("bwd", "free", self.layer, at)
         if self.phase is LayerPhase.OFFLOAD_STARTED:
             self.release(at)
         elif self.phase in (LayerPhase.RELOAD_STARTED, LayerPhase.RELOADED):
@@ -237,8 +260,23 @@ class Pass:
         self._backward_seen: set[int] = set()
         self._end_queued = False
         self.finished = False
+        self._anchors: list[weakref.ref] = []  # objects only this pass's autograd graph keeps alive
 
-    def record(self, phase: str, action: str, layer: int, at: int) -> None:
+    def anchor(self, obj: object) -> None:
+        """Remember ``obj`` (held by the graph: a saved-tensor handle, a grad_fn hook) to tell if the graph died."""
+        self._anchors = [*self._anchors[-1:], weakref.ref(obj)]
+
+    def forward_abandoned(self) -> bool:
+        """True if this pass's forward stopped part-way and its graph was freed (nothing can run its backward).
+
+        Why: an exception between layers (outside the context) never reaches ``__exit__``; without this the
+        next forward would continue the old layer count and offload the wrong layers.
+        """
+        in_progress = 0 <= self.layer < self.ctx.schedule.model_layers - 1
+        return in_progress and bool(self._anchors) and all(ref() is None for ref in self._anchors)
+
+    def log_event(self, phase: str, action: str, layer: int, at: int) -> None:
+        """Append one schedule event to this pass's accounting (not a stream event)."""
         self.stats.events.append(ScheduleEvent(phase, action, layer, at))
 
     # forward ---------------------------------------------------------------------------------------------
@@ -257,14 +295,19 @@ class Pass:
             return _without_graph(tensor)
         if not self.ctx.schedule.is_offloaded(self.layer):
             self._count_resident(base)
-            return _without_graph(tensor)
+            kept = _without_graph(tensor)
+            if kept is not tensor:
+                self.anchor(kept)  # a detached alias only the graph holds
+            return kept
         store = self._stores.get(self.layer)
         if store is None:
             store = self._stores[self.layer] = LayerStore(self, self.layer)
         slot, is_new = store.push(base)
         self.stats.tensors_offloaded += 1
         self.stats.tensors_deduplicated += int(not is_new)
-        return SavedHandle(store, slot, view)
+        handle = SavedHandle(store, slot, view)
+        self.anchor(handle)
+        return handle
 
     def _count_resident(self, base: torch.Tensor) -> None:
         seen = self._resident_seen.setdefault(self.layer, set())
@@ -282,6 +325,8 @@ class Pass:
             return
         self._backward_seen.add(layer)
         self.backward_layer = layer
+        if self.ctx.schedule.manual:
+            return  # the manual controller starts reloads; frees wait for the end of this backward
         self._free_layers_above(layer, at=layer)
         for i in self.ctx.schedule.reloads_when_backward_reaches(layer):
             if i in self._stores:
@@ -294,9 +339,22 @@ class Pass:
             torch.autograd.Variable._execution_engine.queue_callback(self.backward_end)
 
     def backward_end(self) -> None:
-        self._free_layers_above(-1, at=-1)
+        if self.ctx.schedule.manual:
+            # Manual schedules may run one backward per layer (TE's example): free the layers this one reached.
+            self._end_queued = False
+            for i in sorted(self._backward_seen & set(self._stores)):
+                self.ctx.pool.give_back(self._stores.pop(i).free(at=-1))
+            self._backward_seen.clear()
+            if self._stores:
+                return
+        else:
+            self._free_layers_above(-1, at=-1)
         self.finished = True
         self.ctx.pass_finished(self)
+
+    def store(self, layer: int) -> LayerStore | None:
+        """The offloaded state of ``layer`` in this pass (None if it saved nothing eligible)."""
+        return self._stores.get(layer)
 
     def _free_layers_above(self, layer: int, at: int) -> None:
         for i in [i for i in self._stores if i > layer]:

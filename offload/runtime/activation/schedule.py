@@ -62,13 +62,15 @@ class Schedule:
     Args:
         model_layers: ``L``, the number of layers entering the context per forward.
         num_layers: ``k``, how many of the first layers are offloaded (``0 ≤ k ≤ L − 1``).
+        manual: no automatic release or reload (TE's ``manual_synchronization``); ``num_layers`` is ignored.
     """
 
     model_layers: int
     num_layers: int
+    manual: bool = False  # TE's manual_synchronization: every layer is tracked, the caller starts each step
 
     def is_offloaded(self, layer: int) -> bool:
-        return layer < self.num_layers
+        return self.manual or layer < self.num_layers
 
     def release_at(self, layer: int) -> int:
         """Forward layer at whose start ``layer``'s device copy is dropped."""
@@ -79,10 +81,14 @@ class Schedule:
         return self.model_layers - 1 - self.num_layers + layer
 
     def releases_when_entering(self, layer: int) -> list[int]:
+        if self.manual:
+            return []
         first = layer - (self.model_layers - self.num_layers)
         return [first] if 0 <= first < self.num_layers else []
 
     def reloads_when_backward_reaches(self, layer: int) -> list[int]:
+        if self.manual:
+            return []
         first = layer - (self.model_layers - 1 - self.num_layers)
         return [first] if 0 <= first < self.num_layers else []
 
