@@ -61,7 +61,7 @@ class GradCopyHooks:
         # writes to it on the compute stream (the next micro-batch, clipping) may overlap this read; that copy is
         # then stale, the version check in step() sees it, and the re-copy queues behind it on this same stream.
         self.d2h.wait_stream(device.current_stream())
-        with device.on_stream(self.d2h):
+        with device.on_stream(self.d2h), device.speculative():
             bucket.grad_views[k].copy_(grad, non_blocking=device.is_pinned(bucket.flat_grad))
         # The gradient may be freed (zero_grad) while the copy is in flight: keep its memory until the D2H is done.
         device.record_stream(grad, self.d2h)
