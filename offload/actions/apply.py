@@ -395,8 +395,8 @@ def _render(text: str, tree: Any, edits: list[Change], is_json: bool, plain: dic
 
 def _default_roots(source_path: Path | None, allowed_root: str | os.PathLike[str] | None) -> list[Path]:
     roots = [Path.cwd().resolve()]
-    if source_path is not None:
-        roots.append(source_path.resolve().parent)
+    if source_path is not None:  # the directory that holds the input's name (a link's target may lie elsewhere)
+        roots.append(source_path.absolute().parent.resolve())
     if allowed_root is not None:
         roots.append(Path(allowed_root).resolve())
     return roots
