@@ -151,8 +151,8 @@ def _load(config: str, overrides: list[str] | None, what: str = "config"):
 
     try:
         return load(config, overrides or [])
-    except ConfigError as exc:
-        raise ToolError(f"{what}: {exc}") from None
+    except ConfigError as exc:  # the CLI's text, word for word; before/after say which config they mean
+        raise ToolError(str(exc) if what == "config" else f"{what}: {exc}") from None
 
 
 def _recommend(loaded: Any, flags: dict[str, Any]) -> dict[str, Any]:

@@ -427,9 +427,14 @@ def _write(
     exists = safe_write.check_replaceable(real, overwrite=consent)
     if exists and unchanged and real.read_text(encoding="utf-8", errors="replace") == payload:
         return  # idempotent: the file already says this; do not touch it or make another backup
-    if exists:
-        result.backup = str(safe_write.make_backup(real))
-    safe_write.atomic_write(target, payload)
+    backup = safe_write.make_backup(real) if exists else None
+    try:
+        safe_write.atomic_write(target, payload)
+    except BaseException:
+        if backup is not None:  # nothing changed: do not leave a backup of an untouched file behind
+            backup.unlink(missing_ok=True)
+        raise
+    result.backup = str(backup) if backup else None
     result.written = str(target)
 
 

@@ -168,7 +168,8 @@ def build_sandbox(outer: Path) -> Path:
 
 # ---------------------------------------------------------------------------------------------- the cases
 
-_READ_FILES = sorted(_files()) + [
+_READ_FILES = [
+    *sorted(_files()),
     "big_50mb.yaml",
     "a_directory.yaml",
     "fifo.yaml",
@@ -206,7 +207,9 @@ def _reading_cases(sandbox: Path) -> list[Case]:
     out.append(Case("diagnose-log:dev-zero", cli=["diagnose", "--log", "/dev/zero"]))
     if os.geteuid() != 0:  # root reads anything: a mode-000 file is only unreadable for other users
         locked = sandbox / "locked.yaml"
-        out.append(Case("validate:mode-000", cli=["validate", str(locked)], mcp=("validate_config", {"config": str(locked)})))
+        out.append(
+            Case("validate:mode-000", cli=["validate", str(locked)], mcp=("validate_config", {"config": str(locked)}))
+        )
     return out
 
 
@@ -228,7 +231,9 @@ def _inline_cases() -> list[Case]:
     out = []
     for name, text in texts.items():
         out.append(Case(f"inline-validate:{name}", mcp=("validate_config", {"config": text})))
-        out.append(Case(f"inline-apply:{name}", mcp=("apply_offload", {"config": text, "mode": "both", "num_layers": 2})))
+        out.append(
+            Case(f"inline-apply:{name}", mcp=("apply_offload", {"config": text, "mode": "both", "num_layers": 2}))
+        )
     out.append(Case("stdin:not-utf8", cli=["validate", "-"], stdin=b"model:\n  num_layers: \xff\n"))
     out.append(Case("stdin:alias-bomb", cli=["validate", "-"], stdin=_alias_bomb(9).encode()))
     out.append(Case("stdin:too-big", cli=["validate", "-"], stdin=b"model:\n" + b"  k: 1\n" * 400_000))
@@ -276,7 +281,10 @@ def _output_cases(sandbox: Path) -> list[Case]:
             Case(
                 f"forced-output:{name}",
                 cli=["apply", good, "--mode", "optimizer", "--output", targets[name], "--force"],
-                mcp=("apply_offload", {"config": good, "mode": "optimizer", "output": targets[name], "overwrite": True}),
+                mcp=(
+                    "apply_offload",
+                    {"config": good, "mode": "optimizer", "output": targets[name], "overwrite": True},
+                ),
             )
         )
     out.append(
@@ -286,7 +294,19 @@ def _output_cases(sandbox: Path) -> list[Case]:
             mcp=("apply_offload", {"config": good, "mode": "optimizer", "in_place": True, "format": "overrides"}),
         )
     )
-    out.append(Case("mcp-allowed-root-argument", mcp=("apply_offload", {"config": good, "mode": "optimizer", "output": str(outer / "x.yaml"), "allowed_root": "/"})))  # noqa: E501
+    out.append(
+        Case(
+            "mcp-allowed-root-argument",
+            mcp=(
+                "apply_offload",
+                {"config": good, "mode": "optimizer", "output": str(outer / "x.yaml"), "allowed_root": "/"},
+            ),
+        )
+    )
+    out.append(Case("mcp-read-outside-roots", mcp=("validate_config", {"config": str(outer / "decoy.yaml")})))
+    out.append(
+        Case("mcp-read-via-link-outside", mcp=("validate_config", {"config": str(sandbox / "link_outside.yaml")}))
+    )
     out.append(Case("mcp-bridge-repo-not-allowed", mcp=("run_unit_tests", {"bridge_repo": str(sandbox)})))
     out.append(Case("mcp-bridge-repo-root", mcp=("run_unit_tests", {"bridge_repo": "/"})))
     return out
@@ -343,7 +363,10 @@ def _usage_cases(sandbox: Path) -> list[Case]:
         "apply-fraction-neg": ("apply_offload", {"config": good, "mode": "optimizer", "fraction": -1}),
         "apply-layers-0": ("apply_offload", {"config": good, "mode": "activation", "num_layers": 0}),
         "apply-layers-huge": ("apply_offload", {"config": good, "mode": "activation", "num_layers": 10**30}),
-        "apply-in-place-inline": ("apply_offload", {"config": "model:\n  num_layers: 4\n", "mode": "optimizer", "in_place": True}),  # noqa: E501
+        "apply-in-place-inline": (
+            "apply_offload",
+            {"config": "model:\n  num_layers: 4\n", "mode": "optimizer", "in_place": True},
+        ),
         "apply-override-deep": ("apply_offload", {"config": good, "mode": "optimizer", "overrides": ["model.a.b=1"]}),
         "diagnose-nothing": ("diagnose_failure", {}),
         "diagnose-before-only": ("diagnose_failure", {"before": good}),
@@ -420,7 +443,13 @@ def _planner_cases(sandbox: Path) -> list[Case]:
 
 def cases(sandbox: Path) -> list[Case]:
     """Every bad input, for a sandbox made by :func:`build_sandbox`."""
-    return _reading_cases(sandbox) + _inline_cases() + _output_cases(sandbox) + _usage_cases(sandbox) + _planner_cases(sandbox)
+    return (
+        _reading_cases(sandbox)
+        + _inline_cases()
+        + _output_cases(sandbox)
+        + _usage_cases(sandbox)
+        + _planner_cases(sandbox)
+    )
 
 
 # ---------------------------------------------------------------------------------------------- checking
@@ -474,7 +503,7 @@ def run_cli_inprocess(case: Case, cwd: Path) -> Outcome:
             main([*(case.cli or []), "--json"])
     except SystemExit as exc:
         code = exc.code
-    except BaseException as exc:  # noqa: BLE001 - a crash is the finding
+    except BaseException as exc:
         code = f"raised {type(exc).__name__}: {exc}"
     finally:
         sys.stdin = old_stdin
@@ -536,7 +565,7 @@ async def run_mcp_cases(client: Any, cases: list[Case], normal: tuple[str, dict[
                 problems.append(f"bad error text: {text[:200]!r}")
         except TimeoutError:
             problems.append("no answer within the deadline")
-        except Exception as exc:  # noqa: BLE001 - a protocol-level failure is the finding
+        except Exception as exc:
             problems.append(f"call raised {type(exc).__name__}: {exc}")
         seconds = time.perf_counter() - start
         try:
@@ -544,7 +573,7 @@ async def run_mcp_cases(client: Any, cases: list[Case], normal: tuple[str, dict[
                 after = await client.call_tool(*normal)
             if after.is_error:
                 problems.append("the normal call after it failed")
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             problems.append(f"the server stopped answering ({type(exc).__name__})")
         outcomes.append(Outcome(case.id, "mcp", not problems, seconds, "; ".join(problems)[:400], case.xfail))
     return outcomes

@@ -7,12 +7,16 @@ one; and no file in the sandbox may change, nor any file appear outside it.
 
 from __future__ import annotations
 
+import json
 import os
+from contextlib import redirect_stderr, redirect_stdout
+from io import StringIO
 from pathlib import Path
 
 import pytest
 from mcp import Client
 
+from mbridge_offload_tools.cli import main
 from tests.support import bad_inputs
 
 OUTER_NAME = "robustness"
@@ -30,18 +34,15 @@ def sandbox(tmp_path_factory: pytest.TempPathFactory):
     assert not changed, f"files changed or appeared: {sorted(changed)[:20]}"
 
 
-
-
-def _ids(kind: str) -> list[str]:
+def _ids() -> tuple[list[str], list[str]]:
     import tempfile
 
     with tempfile.TemporaryDirectory() as tmp:
-        box = bad_inputs.build_sandbox(Path(tmp))
-        return [c.id for c in bad_inputs.cases(box) if (c.cli if kind == "cli" else c.mcp) is not None]
+        generated = bad_inputs.cases(bad_inputs.build_sandbox(Path(tmp)))
+    return [c.id for c in generated if c.cli is not None], [c.id for c in generated if c.mcp is not None]
 
 
-CLI_IDS = _ids("cli")
-MCP_IDS = _ids("mcp")
+CLI_IDS, MCP_IDS = _ids()
 
 
 def test_there_are_at_least_300_bad_inputs() -> None:
@@ -84,6 +85,27 @@ async def test_mcp_server_answers_every_bad_input_and_keeps_answering(sandbox) -
     expected_failures = [o.case for o in outcomes if not o.held and o.xfail]
     if expected_failures:
         pytest.xfail(f"{bad_inputs.PLANNER_XFAIL}: {expected_failures}")
+
+
+@pytest.mark.anyio
+async def test_mcp_errors_carry_the_same_text_as_the_cli(sandbox) -> None:
+    box, all_cases = sandbox
+    sample = [
+        c
+        for c in all_cases
+        if c.id.startswith("validate:") and c.cli and c.mcp and "link" not in c.id and not c.id.startswith("validate:/")
+    ]
+    assert len(sample) >= 30
+    async with Client(bad_inputs.server_params(box)) as client:
+        for case in sample:
+            result = await client.call_tool(*case.mcp)
+            text = result.content[0].text
+            assert result.is_error
+            out = StringIO()
+            with redirect_stdout(out), redirect_stderr(StringIO()), pytest.raises(SystemExit):
+                main([*case.cli, "--json"])
+            error = json.loads(out.getvalue())["error"]
+            assert text.endswith(error), (case.id, text, error)
 
 
 @pytest.mark.anyio

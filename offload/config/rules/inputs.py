@@ -22,7 +22,8 @@ INPUT_RULES: tuple[Rule, ...] = (
         origin="advisory",
         summary="The config sets no model/optimizer/ddp/train/dataset key: nothing offload-related was checked.",
         keys=tuple(SECTIONS),
-        message="the config is empty (no model, optimizer, ddp, train or dataset keys): nothing was checked; Bridge would run "
+        message="the config is empty (no model, optimizer, ddp, train or dataset keys): nothing was checked; "
+        "Bridge would run "
         "its recipe defaults with CPU offloading off",
         upstream=False,
         why="An empty file, a comment-only file, or only unknown sections. Upstream accepts it (every default "
