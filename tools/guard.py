@@ -53,7 +53,9 @@ def _paths(items: Iterable[str]) -> tuple[Path, ...]:
     for item in items:
         path = Path(item).expanduser().resolve()
         if not path.is_dir():
-            raise SystemExit(f"mbridge-offload serve: {item} is not a directory")
+            from mbridge_offload.config.errors import InputError
+
+            raise InputError(f"serve: {item} is not a directory", "pass an existing directory")
         out.append(path)
     return tuple(out)
 
@@ -68,6 +70,9 @@ def configure(roots: Iterable[str] = (), bridge_repos: Iterable[str] = (), bridg
 
     Returns:
         The policy now in force.
+
+    Raises:
+        InputError: a root or checkout that is not a directory.
     """
     from mbridge_offload.config.reading import set_read_roots
 

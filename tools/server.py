@@ -465,7 +465,12 @@ def main(argv: list[str] | None = None) -> None:
     guard.add_policy_flags(parser)
     parser.add_argument("--version", action="version", version=f"mbridge-offload-mcp {__version__}")
     args = parser.parse_args(argv)
-    run(args.transport, args.host, args.port, args.roots, args.bridge_repos, args.allow_bridge_venv)
+    from mbridge_offload.config.errors import InputError
+
+    try:
+        run(args.transport, args.host, args.port, args.roots, args.bridge_repos, args.allow_bridge_venv)
+    except InputError as exc:
+        parser.exit(2, f"mbridge-offload-mcp: error: {exc}\n")
 
 
 if __name__ == "__main__":

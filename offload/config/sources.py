@@ -19,7 +19,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from mbridge_offload.config import reading
-from mbridge_offload.config.errors import InputError
+from mbridge_offload.config.errors import DeadlineError, InputError
 from mbridge_offload.config.schema import SECTIONS, OffloadConfig
 
 
@@ -133,6 +133,8 @@ def read_source(source: str, stdin: Any = None) -> tuple[str, str]:
     if source == "-":
         try:
             return reading.read_stream(stdin or sys.stdin, "<stdin>"), "<stdin>"
+        except DeadlineError:
+            raise
         except InputError as exc:
             raise ConfigError(exc.message, exc.fix) from None
     looks_inline = (
