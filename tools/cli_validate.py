@@ -70,8 +70,8 @@ def _parse_env(items: list[str], as_json: bool) -> dict[str, str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from mbridge_offload.config.rules.base import DEFAULT_TARGET, parse_target
     from mbridge_offload.config.errors import InputError
+    from mbridge_offload.config.rules.base import DEFAULT_TARGET, parse_target
     from mbridge_offload.config.sources import load
     from mbridge_offload.config.validate import validate
 
