@@ -184,7 +184,7 @@ def guarded(deadline: Callable[[dict[str, Any]], float] | None = None):
                 )
                 raise ToolError(str(error)) from None
             except Exception as exc:  # the one place any failure becomes the one error shape
-                raise ToolError(str(as_input_error(exc, fn.__name__))) from None
+                raise ToolError(str(as_input_error(exc, "input"))) from None  # the CLI's words
 
         return tool
 

@@ -183,14 +183,16 @@ def validate_config(
 
     Returns findings with the upstream message, the keys involved and the fix as overrides.
     """
+    from mbridge_offload.config.rules.base import parse_target
     from mbridge_offload.config.schema import effective_values
     from mbridge_offload.config.validate import validate
 
-    loaded = _load(config, overrides)
     try:
-        report = validate(loaded.config, loaded.raw, target=target)
+        parsed_target = parse_target(target)
     except ValueError as exc:
         raise ToolError(f"target {target!r}: {exc}") from None
+    loaded = _load(config, overrides)
+    report = validate(loaded.config, loaded.raw, target=parsed_target)
     data = report.to_dict()
     return ValidateOutput(
         ok=report.ok, findings=data["findings"], config=effective_values(loaded.config), source=loaded.source
