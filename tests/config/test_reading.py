@@ -86,7 +86,7 @@ def test_alias_expansion_and_depth_are_limited(monkeypatch: pytest.MonkeyPatch) 
     ],
 )
 def test_non_finite_numbers_are_refused(text: str) -> None:
-    with pytest.raises(ConfigError, match="(JSON constant|not a finite number)"):
+    with pytest.raises(ConfigError, match=r"(JSON constant|not a finite number)"):
         load(text)
 
 
