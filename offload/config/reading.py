@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import stat
 from collections.abc import Iterable
 from pathlib import Path
@@ -271,3 +272,26 @@ def deadline_s() -> int:
     Test runs have their own ``timeout``; they get that plus a margin instead.
     """
     return _env_int(DEADLINE_ENV, DEFAULT_DEADLINE_S)
+
+
+_NOT_BRACKET = re.compile(r"[^\[\]{}]+")
+
+
+def check_flow_depth(text: str, where: str) -> None:
+    """Refuse YAML flow nesting (``[[[[...``) deeper than :func:`max_depth` before a parser recurses into it.
+
+    The YAML parser is recursive and slow on deep flow collections (seconds before its RecursionError); this
+    count is linear and conservative (brackets inside quoted strings count too, which a real config never needs
+    by the dozen).
+
+    Raises:
+        InputError: more than :func:`max_depth` open brackets at once.
+    """
+    limit, depth = max_depth(), 0
+    for char in _NOT_BRACKET.sub("", text):
+        depth = depth + 1 if char in "[{" else max(0, depth - 1)
+        if depth > limit:
+            raise InputError(
+                f"{where}: nested deeper than {limit} levels",
+                f"a config is a few levels deep; flatten it, or raise {MAX_DEPTH_ENV}",
+            )

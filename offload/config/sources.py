@@ -97,6 +97,10 @@ def parse_text(text: str, where: str = "<text>") -> tuple[dict[str, Any], Any]:
         from ruamel.yaml.error import MarkedYAMLError, YAMLError
 
         try:
+            reading.check_flow_depth(text, where)
+        except InputError as exc:
+            raise _located(exc, where) from None
+        try:
             tree = _yaml().load(io.StringIO(text))
         except MarkedYAMLError as exc:
             mark = exc.problem_mark

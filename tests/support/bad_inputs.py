@@ -24,7 +24,10 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
-DEADLINE_S = 20.0  # per case; the project's own default deadline is 60 s
+DEADLINE_S = 20.0  # per case, as judged here
+# The project's own per-call deadline (MBRIDGE_OFFLOAD_DEADLINE_S, default 60 s), lowered for the suite so that an
+# input that is slow to process is stopped by it quickly. The CLI and the server must still answer exit 2/isError.
+CALL_DEADLINE_S = "5"
 
 GOOD = """\
 # a small, valid Bridge config
@@ -382,6 +385,7 @@ def _usage_cases(sandbox: Path) -> list[Case]:
 def _planner_cases(sandbox: Path) -> list[Case]:
     model_files = {
         "layers-1e12": "model:\n  num_layers: 1000000000000\n  hidden_size: 4096\n  num_attention_heads: 32\n",
+        "no-vocab": "model:\n  num_layers: 32\n  hidden_size: 4096\n  num_attention_heads: 32\n",
         "layers-neg": "model:\n  num_layers: -4\n  hidden_size: 4096\n  num_attention_heads: 32\n",
         "heads-0": "model:\n  num_layers: 32\n  hidden_size: 4096\n  num_attention_heads: 0\n",
         "hidden-0": "model:\n  num_layers: 32\n  hidden_size: 0\n  num_attention_heads: 32\n",
@@ -391,6 +395,8 @@ def _planner_cases(sandbox: Path) -> list[Case]:
     out = []
     for name, text in model_files.items():
         path = sandbox / f"planner_{name}.yaml"
+        if name != "no-vocab" and "vocab_size" not in text:  # else the missing vocab, not the bound, is refused
+            text += "  vocab_size: 32000\n"
         path.write_text(text, encoding="utf-8")
         out.append(
             Case(
@@ -442,14 +448,15 @@ def _planner_cases(sandbox: Path) -> list[Case]:
 
 
 def cases(sandbox: Path) -> list[Case]:
-    """Every bad input, for a sandbox made by :func:`build_sandbox`."""
-    return (
+    """Every bad input, for a sandbox made by :func:`build_sandbox` (a case that only a deadline stops, last)."""
+    generated = (
         _reading_cases(sandbox)
         + _inline_cases()
         + _output_cases(sandbox)
         + _usage_cases(sandbox)
         + _planner_cases(sandbox)
     )
+    return sorted(generated, key=lambda c: c.id == "planner:layers-1e12")
 
 
 # ---------------------------------------------------------------------------------------------- checking
@@ -493,10 +500,11 @@ def run_cli_inprocess(case: Case, cwd: Path) -> Outcome:
 
     out, err = io.StringIO(), io.StringIO()
     stdin = io.TextIOWrapper(io.BytesIO(case.stdin or b""), encoding="utf-8")
-    old_cwd, old_stdin = os.getcwd(), sys.stdin
+    old_cwd, old_stdin, old_deadline = os.getcwd(), sys.stdin, os.environ.get("MBRIDGE_OFFLOAD_DEADLINE_S")
     start = time.perf_counter()
     code: Any = None
     try:
+        os.environ["MBRIDGE_OFFLOAD_DEADLINE_S"] = CALL_DEADLINE_S
         os.chdir(cwd)
         sys.stdin = stdin
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
@@ -508,12 +516,24 @@ def run_cli_inprocess(case: Case, cwd: Path) -> Outcome:
     finally:
         sys.stdin = old_stdin
         os.chdir(old_cwd)
+        if old_deadline is None:
+            os.environ.pop("MBRIDGE_OFFLOAD_DEADLINE_S", None)
+        else:
+            os.environ["MBRIDGE_OFFLOAD_DEADLINE_S"] = old_deadline
     return _judge(case, "cli", code, out.getvalue(), err.getvalue(), time.perf_counter() - start)
+
+
+def _env() -> dict[str, str]:
+    return dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+        MBRIDGE_OFFLOAD_DEADLINE_S=CALL_DEADLINE_S,
+    )
 
 
 def run_cli_subprocess(case: Case, cwd: Path) -> Outcome:
     """Run ``python -m mbridge_offload_tools`` as a user would and judge the answer."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    env = _env()
     start = time.perf_counter()
     try:
         proc = subprocess.run(
@@ -583,7 +603,7 @@ def server_params(sandbox: Path) -> Any:
     """A stdio server started the way a user starts it, contained to the sandbox."""
     from mcp import StdioServerParameters
 
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    env = _env()
     return StdioServerParameters(
         command=sys.executable,
         args=["-m", "mbridge_offload_tools", "serve", "--root", str(sandbox)],
