@@ -62,6 +62,7 @@ def _row(surface: str, outcomes: list[bad_inputs.Outcome]) -> str:
 def render(cli: list[bad_inputs.Outcome], mcp: list[bad_inputs.Outcome], unchanged: bool) -> str:
     """The Markdown fragment for docs/benchmarks.md."""
     failed = [o for o in cli + mcp if not o.held]
+    slowest = sorted(cli + mcp, key=lambda o: -o.seconds)[:3]
     lines = [
         "# Bad-input robustness",
         "",
@@ -78,6 +79,11 @@ def render(cli: list[bad_inputs.Outcome], mcp: list[bad_inputs.Outcome], unchang
         _row("MCP (one stdio server)", mcp),
         "",
         f"Files in the sandbox unchanged after all cases: **{'yes' if unchanged else 'NO'}**.",
+        "",
+        f"The run sets the per-call deadline `MBRIDGE_OFFLOAD_DEADLINE_S={bad_inputs.CALL_DEADLINE_S}` (default 60 s), "
+        "so an input that is slow to process is stopped by it. Slowest: "
+        + ", ".join(f"`{o.surface}` `{o.case}` {o.seconds * 1000:.0f} ms" for o in slowest)
+        + ".",
     ]
     if failed:
         lines += ["", "Not held:", ""]
