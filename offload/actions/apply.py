@@ -424,9 +424,10 @@ def _write(
     """Write ``payload`` to ``target`` under the safety rules (safe_write.py); record written/backup."""
     _check_contained(target, roots)
     real = safe_write.resolve_target(target)
+    if unchanged and real.is_file() and real.read_bytes() == payload.encode("utf-8"):
+        result.notes.append(f"{target} already says this: not rewritten")
+        return  # idempotent: do not touch the file or make another backup
     exists = safe_write.check_replaceable(real, overwrite=consent)
-    if exists and unchanged and real.read_text(encoding="utf-8", errors="replace") == payload:
-        return  # idempotent: the file already says this; do not touch it or make another backup
     backup = safe_write.make_backup(real) if exists else None
     try:
         safe_write.atomic_write(target, payload)
