@@ -161,3 +161,23 @@ def test_serve_refuses_a_root_that_is_not_a_directory(tmp_path: Path) -> None:
             stdin=subprocess.DEVNULL,
         )
         assert proc.returncode == 2 and "is not a directory" in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.anyio
+async def test_apply_offload_replaces_an_existing_file_only_with_overwrite_and_keeps_a_backup(
+    tmp_path, fresh_policy
+) -> None:
+    config, out = tmp_path / "c.yaml", tmp_path / "existing.yaml"
+    config.write_text("model:\n  num_layers: 4\n")
+    out.write_text("# someone's file\n")
+    guard.configure([str(tmp_path)])
+    args = {"config": str(config), "mode": "optimizer", "output": str(out)}
+    async with Client(mcp) as client:
+        refused = await client.call_tool("apply_offload", args)
+        assert refused.is_error and "overwrite=true" in refused.content[0].text
+        assert out.read_text() == "# someone's file\n"
+        done = await client.call_tool("apply_offload", {**args, "overwrite": True})
+    assert not done.is_error
+    backup = Path(done.structured_content["backup"])
+    assert backup.read_text() == "# someone's file\n" and "optimizer_cpu_offload: true" in out.read_text()
+    assert done.structured_content["why"]  # the library's ApplyResult, as the tool's structured output
