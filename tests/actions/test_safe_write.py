@@ -4,6 +4,7 @@ byte-identical round trips. Real files in tmp_path; the faults are injected at t
 from __future__ import annotations
 
 import errno
+import json
 import os
 import signal
 import stat
@@ -247,3 +248,36 @@ def test_concurrent_applies_never_share_a_backup_and_leave_no_temp(config_file: 
     final = config_file.read_text()
     assert any(f"optimizer_offload_fraction: {f}" in final for f in fractions)
     time.sleep(0)
+
+
+def test_concurrent_cli_processes_never_share_a_backup(config_file: Path) -> None:
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    fractions = ["0.2", "0.4", "0.6", "0.8"]
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "mbridge_offload_tools",
+                "apply",
+                str(config_file),
+                "--mode",
+                "optimizer",
+                "--fraction",
+                f,
+                "--in-place",
+                "--json",
+            ],
+            cwd=config_file.parent,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for f in fractions
+    ]
+    outputs = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [0] * len(procs), outputs
+    backups = [json.loads(out)["backup"] for out, _ in outputs]
+    assert len(set(backups)) == len(fractions) and all(Path(b).is_file() for b in backups)
+    assert [p for p in config_file.parent.iterdir() if p.name.endswith(".tmp")] == []
