@@ -41,6 +41,10 @@ def _content(line: str) -> bool:
     return bool(stripped) and not stripped.startswith("#")
 
 
+def _nested(line: str, width: int) -> bool:
+    return _indent(line) > width or (_indent(line) == width and line.lstrip().startswith("- "))
+
+
 def _section_block(lines: list[str], section: str) -> tuple[int, int] | bool | None:
     """``(header index, end index)`` of ``section:``; None if absent; False if not line-editable."""
     pattern = re.compile(rf"^{re.escape(section)}:[ \t]*(#.*)?$")
@@ -107,8 +111,10 @@ def _edit_one(lines: list[str], key: str, value: Any, neighbour: str | None, nl:
             return True
     after = where.get(neighbour) if neighbour else None
     position = (after if after is not None else (children[-1] if children else start)) + 1
-    while position < end and _indent(lines[position]) > width and _content(lines[position]):
-        position += 1  # past a nested value of the neighbour
+    while position < end and (not _content(lines[position]) or _nested(lines[position], width)):
+        position += 1  # past a nested value of the neighbour (a deeper block, or a list at its own indentation)
+    while position - 1 > start and not _content(lines[position - 1]):
+        position -= 1  # but not past blank or comment lines that belong to what follows
     if not lines[position - 1].endswith(("\n", "\r")):
         lines[position - 1] += nl
     lines.insert(position, f"{pad}{leaf}: {scalar(value)}{nl}")
