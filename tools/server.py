@@ -414,6 +414,10 @@ def diagnose_failure(
     loaded = _load(config, None) if config else None
     b = _load(before, None, "before") if before else None
     a = _load(after, None, "after") if after else None
+    from mbridge_offload.config.reading import max_bytes
+
+    cap = max_bytes()  # like the CLI's --log: the tail of a huge log or error text, where the failure is
+    error, log = (error[-cap:] if error else error), (log[-cap:] if log else log)
     report = diagnose(
         error=error,
         log=log,

@@ -175,7 +175,8 @@ def atomic_write(path: str | os.PathLike[str], data: bytes | str) -> Path:
     try:
         fd, name = tempfile.mkstemp(prefix=f".{target.name}{TEMP_TAG}{os.getpid()}.", suffix=".tmp", dir=target.parent)
     except OSError as exc:
-        raise WriteError(f"{target.parent}: cannot write there ({exc.strerror}); nothing written") from None
+        hint = "create the directory first" if not target.parent.exists() else "choose a writable directory"
+        raise WriteError(f"{target.parent}: cannot write there ({exc.strerror}); nothing written", hint) from None
     temp = Path(name)
     try:
         _write_all(fd, payload)
