@@ -7,17 +7,27 @@ returns an exit code. Heavy imports (torch, megatron, mcp) happen inside handler
 from __future__ import annotations
 
 import argparse
+import contextlib
+import signal
 import sys
+import threading
+from collections.abc import Iterator
 
 from mbridge_offload import __version__
-from mbridge_offload_tools.common import EXIT_BAD_INPUT, UsageError, fail
+from mbridge_offload.config.errors import DeadlineError
+from mbridge_offload_tools.common import EXIT_BAD_INPUT, fail
+
+# Commands with their own time limit (test: --timeout) or none by nature (serve).
+_NO_DEADLINE = ("serve", "test", "calibrate")
 
 
 class _Parser(argparse.ArgumentParser):
     """argparse that exits 2 with one line (and one JSON object under --json) on usage errors."""
 
+    as_json = False  # set by main() from the command line it parses
+
     def error(self, message: str):  # type: ignore[override]
-        fail(f"{self.prog}: {message}", "--json" in sys.argv)
+        fail(f"{self.prog}: {message}", _Parser.as_json)
 
 
 SUBCOMMAND_MODULES = (
@@ -43,14 +53,45 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = build_parser().parse_args(argv)
+@contextlib.contextmanager
+def _deadline(command: str) -> Iterator[None]:
+    """Stop a command that runs past ``MBRIDGE_OFFLOAD_DEADLINE_S`` (a stdin that never ends, a huge input)."""
+    from mbridge_offload.config.reading import DEADLINE_ENV, deadline_s
+
+    usable = hasattr(signal, "SIGALRM") and threading.current_thread() is threading.main_thread()
+    if command in _NO_DEADLINE or not usable:
+        yield
+        return
+    seconds = deadline_s()
+
+    def _expired(_signum, _frame):
+        raise DeadlineError(
+            f"{command}: no answer within {seconds} s", f"pass a smaller input, or raise {DEADLINE_ENV}"
+        )
+
+    previous = signal.signal(signal.SIGALRM, _expired)
+    signal.alarm(seconds)
     try:
-        code = args.handler(args)
-    except UsageError as exc:
-        fail(str(exc), getattr(args, "json", False))
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Run one command; every failure ends as exit 2 with one error object (the one place that does this)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    _Parser.as_json = "--json" in argv
+    try:
+        args = build_parser().parse_args(argv)
+        with _deadline(args.command):
+            code = args.handler(args)
+    except SystemExit:
+        raise
     except KeyboardInterrupt:
         code = EXIT_BAD_INPUT
+    except Exception as exc:  # the one place any failure becomes exit 2 + one JSON error, never a traceback
+        fail(exc, _Parser.as_json)
     raise SystemExit(code)
 
 

@@ -25,7 +25,10 @@ def add_parsers(sub: Any) -> None:
     )
     where = p.add_mutually_exclusive_group()
     where.add_argument("--output", help="write the edited config to this path")
-    where.add_argument("--in-place", action="store_true", help="overwrite CONFIG, keeping CONFIG.bak")
+    where.add_argument("--in-place", action="store_true", help="overwrite CONFIG, keeping a unique CONFIG.bak[.N]")
+    p.add_argument(
+        "--force", action="store_true", help="let --output replace an existing file (a unique .bak backup is kept)"
+    )
     p.add_argument("--format", choices=("yaml", "overrides"), default="yaml")
     p.add_argument("--allowed-root", help="an extra directory --output may point into")
     p.add_argument("--gpu", help="--mode recommended: GPU preset (default h100-80gb)")
@@ -58,6 +61,9 @@ def add_parsers(sub: Any) -> None:
     p.add_argument("--transport", choices=("stdio", "streamable-http"), default="stdio")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8765)
+    from mbridge_offload_tools.guard import add_policy_flags
+
+    add_policy_flags(p)
     p.set_defaults(handler=cmd_serve, json=False)
 
 
@@ -97,6 +103,7 @@ def cmd_apply(args: argparse.Namespace) -> int:
             output=args.output,
             in_place=args.in_place,
             output_format=args.format,
+            overwrite=args.force,
             allowed_root=args.allowed_root,
             planner={
                 k: v
@@ -190,11 +197,9 @@ def cmd_diagnose(args: argparse.Namespace) -> int:
         raise UsageError("pass both --before and --after, or neither")
     log = None
     if args.log:
-        try:
-            with open(args.log, encoding="utf-8", errors="replace") as handle:
-                log = handle.read()
-        except OSError as exc:
-            raise UsageError(f"--log {args.log}: {exc.strerror or exc}") from None
+        from mbridge_offload.config.reading import read_text_file
+
+        log = read_text_file(args.log, what="log", tail=True)
     try:
         cfg = load(args.config) if args.config else None
         before = load(args.before).config if args.before else None
@@ -217,7 +222,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from mbridge_offload_tools.server import run
 
     try:
-        run(args.transport, args.host, args.port)
+        run(args.transport, args.host, args.port, args.roots, args.bridge_repos, args.allow_bridge_venv)
     except OSError as exc:  # port in use
         sys.stderr.write(f"mbridge-offload serve: {exc}\n")
         return EXIT_BAD_INPUT

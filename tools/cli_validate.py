@@ -70,8 +70,9 @@ def _parse_env(items: list[str], as_json: bool) -> dict[str, str]:
 
 
 def run(args: argparse.Namespace) -> int:
+    from mbridge_offload.config.errors import InputError
     from mbridge_offload.config.rules.base import DEFAULT_TARGET, parse_target
-    from mbridge_offload.config.sources import ConfigError, load
+    from mbridge_offload.config.sources import load
     from mbridge_offload.config.validate import validate
 
     as_json = args.json
@@ -90,8 +91,8 @@ def run(args: argparse.Namespace) -> int:
             loaded = load(None, args.overrides, recipe=args.recipe)
         else:
             loaded = load(args.config, args.overrides)
-    except ConfigError as exc:
-        fail(str(exc), as_json)
+    except InputError as exc:  # ConfigError, a deadline: the one error shape, fix and kind kept
+        fail(exc, as_json)
     except ValueError as exc:  # e.g. an unbalanced quote in --megatron-args
         fail(f"cannot read the config: {exc}", as_json)
     loaded.config.env.update(env)

@@ -1,4 +1,4 @@
-"""Shared plumbing of the CLI: one JSON object on stdout with --json, exit codes 0/1/2."""
+"""Shared plumbing of the CLI: one JSON object on stdout with --json, exit codes 0/1/2, one error shape."""
 
 from __future__ import annotations
 
@@ -7,24 +7,33 @@ import sys
 from collections.abc import Callable
 from typing import Any, NoReturn
 
+from mbridge_offload.config.errors import InputError, as_input_error
+
 EXIT_OK, EXIT_FINDINGS, EXIT_BAD_INPUT = 0, 1, 2
 
 
-class UsageError(Exception):
+class UsageError(InputError):
     """Bad input or usage: exit code 2 with a one-line message."""
 
 
 def emit(payload: dict[str, Any], as_json: bool, human: Callable[[dict[str, Any]], str]) -> None:
     """Print ``payload`` as exactly one JSON object (``--json``) or as the human rendering."""
     if as_json:
-        sys.stdout.write(json.dumps(payload, indent=2, default=str) + "\n")
+        text = json.dumps(payload, indent=2, default=str, allow_nan=False)
+        sys.stdout.write(text + "\n")
     else:
         sys.stdout.write(human(payload).rstrip("\n") + "\n")
 
 
-def fail(message: str, as_json: bool) -> NoReturn:
-    """Report bad input and exit 2. Under --json the error is still one JSON object on stdout."""
+def fail(message: str | BaseException, as_json: bool) -> NoReturn:
+    """Report bad input and exit 2: one JSON object on stdout under --json, one line on stderr always.
+
+    ``message`` may be an exception: any exception becomes the project's one error shape
+    (:func:`mbridge_offload.config.errors.as_input_error`), never a traceback.
+    """
+    error = as_input_error(message, "input") if isinstance(message, BaseException) else InputError(message)
     if as_json:
-        sys.stdout.write(json.dumps({"ok": False, "error": message}) + "\n")
-    sys.stderr.write(f"mbridge-offload: error: {message}\n")
+        sys.stdout.write(json.dumps(error.to_dict()) + "\n")
+    sys.stderr.write(f"mbridge-offload: error: {error}\n")
+    sys.stdout.flush()
     raise SystemExit(EXIT_BAD_INPUT)

@@ -24,6 +24,8 @@ from mcp.types import ToolAnnotations
 from pydantic import BaseModel, Field
 
 from mbridge_offload import __version__
+from mbridge_offload.actions.apply import ApplyResult
+from mbridge_offload_tools import guard
 
 logger = logging.getLogger(__name__)
 
@@ -91,26 +93,6 @@ class RecommendOutput(BaseModel):
     rationale: list[str]
 
 
-class ChangeModel(BaseModel):
-    key: str
-    old: Any = None
-    new: Any = None
-    why: str
-
-
-class ApplyOutput(BaseModel):
-    ok: bool = Field(description="the edited config passes validation")
-    mode: str = Field(description="the mode applied (the planner's choice for mode=recommended)")
-    changes: list[ChangeModel]
-    findings: list[FindingModel]
-    written: str | None = Field(description="the path written, or null for a dry run / refusal")
-    backup: str | None = None
-    diff: str = Field(description="unified diff of the config")
-    overrides: list[str] = Field(description="the same edit as command-line overrides")
-    refused: str | None = Field(None, description="why nothing was written although a write was asked for")
-    notes: list[str] = []
-
-
 class TestResultModel(BaseModel):
     nodeid: str
     outcome: str
@@ -169,27 +151,8 @@ def _load(config: str, overrides: list[str] | None, what: str = "config"):
 
     try:
         return load(config, overrides or [])
-    except ConfigError as exc:
-        raise ToolError(f"{what}: {exc}") from None
-
-
-def _tool_errors(fn):
-    """Turn the library's bad-input exceptions into ToolError so their message reaches the model."""
-    import functools
-
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        from mbridge_offload.actions.testsuite import TestSuiteError
-        from mbridge_offload.config.sources import ConfigError
-
-        try:
-            return fn(*args, **kwargs)
-        except ToolError:
-            raise
-        except (ConfigError, TestSuiteError) as exc:
-            raise ToolError(str(exc)) from None
-
-    return wrapper
+    except ConfigError as exc:  # the CLI's text, word for word; before/after say which config they mean
+        raise ToolError(str(exc) if what == "config" else f"{what}: {exc}") from None
 
 
 def _recommend(loaded: Any, flags: dict[str, Any]) -> dict[str, Any]:
@@ -210,7 +173,7 @@ def _recommend(loaded: Any, flags: dict[str, Any]) -> dict[str, Any]:
         read_only_hint=True, destructive_hint=False, idempotent_hint=True, open_world_hint=False
     ),
 )
-@_tool_errors
+@guard.guarded()
 def validate_config(
     config: ConfigArg,
     overrides: OverridesArg = [],  # noqa: B006 - pydantic copies defaults
@@ -220,14 +183,16 @@ def validate_config(
 
     Returns findings with the upstream message, the keys involved and the fix as overrides.
     """
+    from mbridge_offload.config.rules.base import parse_target
     from mbridge_offload.config.schema import effective_values
     from mbridge_offload.config.validate import validate
 
-    loaded = _load(config, overrides)
     try:
-        report = validate(loaded.config, loaded.raw, target=target)
+        parsed_target = parse_target(target)
     except ValueError as exc:
         raise ToolError(f"target {target!r}: {exc}") from None
+    loaded = _load(config, overrides)
+    report = validate(loaded.config, loaded.raw, target=parsed_target)
     data = report.to_dict()
     return ValidateOutput(
         ok=report.ok, findings=data["findings"], config=effective_values(loaded.config), source=loaded.source
@@ -240,7 +205,7 @@ def validate_config(
         read_only_hint=True, destructive_hint=False, idempotent_hint=True, open_world_hint=False
     ),
 )
-@_tool_errors
+@guard.guarded()
 def recommend_mode(
     config: Annotated[
         str | None, Field(description="optional config (path or text); its model and parallelism are used")
@@ -294,11 +259,13 @@ def recommend_mode(
 
 @mcp.tool(
     title="Apply an offload mode to a config",
+    # Writes files (only with output/in_place, inside the server's roots); may replace an existing file when
+    # overwrite=true or in_place=true (a backup is kept): destructive. A second identical write is refused.
     annotations=ToolAnnotations(
-        read_only_hint=False, destructive_hint=False, idempotent_hint=True, open_world_hint=False
+        read_only_hint=False, destructive_hint=True, idempotent_hint=False, open_world_hint=False
     ),
 )
-@_tool_errors
+@guard.guarded()
 def apply_offload(
     config: ConfigArg,
     mode: Annotated[
@@ -310,24 +277,23 @@ def apply_offload(
     ] = None,
     num_layers: Annotated[int | None, Field(ge=1, description="cpu_offloading_num_layers (activation/both)")] = None,
     overrides: OverridesArg = [],  # noqa: B006
-    output: Annotated[str | None, Field(description="write the edited config to this new path")] = None,
-    in_place: Annotated[bool, Field(description="overwrite the config file (a .bak backup is kept)")] = False,
+    output: Annotated[
+        str | None, Field(description="write the edited config to this path (inside the server's roots)")
+    ] = None,
+    in_place: Annotated[bool, Field(description="overwrite the config file (a unique .bak backup is kept)")] = False,
+    overwrite: Annotated[
+        bool, Field(description="allow output to replace an existing file (a unique .bak backup is kept)")
+    ] = False,
     format: Annotated[Literal["yaml", "overrides"], Field(description="what a write contains")] = "yaml",
     gpu: Annotated[str | None, Field(description="mode=recommended: GPU preset, e.g. h100-80gb")] = None,
     gpu_memory_gb: Annotated[float | None, Field(gt=0, description="mode=recommended: GPU memory (GB)")] = None,
     num_gpus: Annotated[int | None, Field(ge=1, description="mode=recommended: number of GPUs")] = None,
-    allowed_root: Annotated[
-        str | None,
-        Field(
-            description="an extra directory writes may go to (by default only "
-            "the config's directory and the working directory)"
-        ),
-    ] = None,
-) -> ApplyOutput:
+) -> ApplyResult:
     """Edit a config to enable (or disable) CPU offloading, resolving the conflicts the mode implies.
 
     Always returns the unified diff, the override list and each change with its reason; writes only with output
-    or in_place, atomically, and never a config that fails validation. Comments and key order are preserved.
+    or in_place, atomically, and never a config that fails validation. Comments, key order and every untouched
+    byte are preserved. An existing output is replaced only with overwrite=true, and then backed up.
     """
     from mbridge_offload.actions.apply import apply_offload as run_apply
 
@@ -348,20 +314,22 @@ def apply_offload(
         output=output,
         in_place=in_place,
         output_format=format,
-        allowed_root=allowed_root,
+        overwrite=overwrite,
+        write_roots=guard.policy().write_roots(),
         planner={k: v for k, v in planner.items() if v is not None} or None,
     )
-    data = result.to_dict()
-    data.pop("why", None)
-    return ApplyOutput.model_validate(data)
+    return result
 
 
 @mcp.tool(
     title="Run the offload unit tests",
+    # Runs code (pytest in a subprocess; with bridge_repo, a checkout's tests that the server was started to
+    # allow): not read-only, and open-world because that code is not this server's.
     annotations=ToolAnnotations(
-        read_only_hint=True, destructive_hint=False, idempotent_hint=True, open_world_hint=False
+        read_only_hint=False, destructive_hint=False, idempotent_hint=True, open_world_hint=True
     ),
 )
+@guard.guarded(lambda kwargs: float(kwargs.get("timeout_s") or 600) + 30)
 def run_unit_tests(
     ctx: Context,
     k: Annotated[str | None, Field(description="pytest -k expression, e.g. 'apply or diagnose'")] = None,
@@ -381,6 +349,9 @@ def run_unit_tests(
 ) -> TestRunOutput:
     """Run tests in a subprocess and report counts, durations and failing node ids with the failure text.
 
+    bridge_repo runs a Megatron Bridge checkout's offload tests only when the server was started with
+    --allow-bridge-repo for it (running them imports the checkout's conftest.py).
+
     Progress is reported as each test finishes. A selection that matches nothing is reported as
     nothing_selected (ok=false), never as success.
     """
@@ -395,10 +366,12 @@ def run_unit_tests(
         except Exception:  # progress is best effort; never fail the run for it
             logger.debug("progress report failed", exc_info=True)
 
+    repo = guard.check_bridge_repo(bridge_repo) if bridge_repo is not None else None
     try:
         result = run_tests(
             k=k,
-            bridge_repo=bridge_repo,
+            bridge_repo=repo,
+            repo_python=guard.policy().bridge_venv,
             suite=suite,
             timeout_s=timeout_s,
             on_progress=progress,
@@ -417,7 +390,7 @@ def run_unit_tests(
         read_only_hint=True, destructive_hint=False, idempotent_hint=True, open_world_hint=False
     ),
 )
-@_tool_errors
+@guard.guarded()
 def diagnose_failure(
     error: Annotated[str | None, Field(description="the error message or traceback")] = None,
     log: Annotated[str | None, Field(description="a log excerpt around the failure")] = None,
@@ -441,6 +414,10 @@ def diagnose_failure(
     loaded = _load(config, None) if config else None
     b = _load(before, None, "before") if before else None
     a = _load(after, None, "after") if after else None
+    from mbridge_offload.config.reading import max_bytes
+
+    cap = max_bytes()  # like the CLI's --log: the tail of a huge log or error text, where the failure is
+    error, log = (error[-cap:] if error else error), (log[-cap:] if log else log)
     report = diagnose(
         error=error,
         log=log,
@@ -455,14 +432,34 @@ def diagnose_failure(
 # ---------------------------------------------------------------------------------------------- entry points
 
 
-def run(transport: str = "stdio", host: str = "127.0.0.1", port: int = 8765) -> None:
-    """Serve over ``stdio`` or ``streamable-http`` (on ``host:port``, path ``/mcp``)."""
+def run(
+    transport: str = "stdio",
+    host: str = "127.0.0.1",
+    port: int = 8765,
+    roots: list[str] | None = None,
+    bridge_repos: list[str] | None = None,
+    bridge_venv: bool = False,
+) -> None:
+    """Serve over ``stdio`` or ``streamable-http`` (on ``host:port``, path ``/mcp``).
+
+    Args:
+        transport: ``stdio`` or ``streamable-http``.
+        host: streamable-http host.
+        port: streamable-http port.
+        roots: directories tools may read and write (default: the working directory).
+        bridge_repos: Bridge checkouts whose tests may run.
+        bridge_venv: allow those checkouts' own ``.venv`` Python.
+
+    Raises:
+        ValueError: an unknown transport.
+    """
+    if transport not in ("stdio", "streamable-http"):
+        raise ValueError(f"transport {transport!r} is not one of stdio, streamable-http")
+    guard.configure(roots or [], bridge_repos or [], bridge_venv)
     if transport == "stdio":
         mcp.run("stdio")
-    elif transport == "streamable-http":
-        mcp.run("streamable-http", host=host, port=port)
     else:
-        raise ValueError(f"transport {transport!r} is not one of stdio, streamable-http")
+        mcp.run("streamable-http", host=host, port=port)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -471,9 +468,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--transport", choices=("stdio", "streamable-http"), default="stdio")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8765)
+    guard.add_policy_flags(parser)
     parser.add_argument("--version", action="version", version=f"mbridge-offload-mcp {__version__}")
     args = parser.parse_args(argv)
-    run(args.transport, args.host, args.port)
+    from mbridge_offload.config.errors import InputError
+
+    try:
+        run(args.transport, args.host, args.port, args.roots, args.bridge_repos, args.allow_bridge_venv)
+    except InputError as exc:
+        parser.exit(2, f"mbridge-offload-mcp: error: {exc}\n")
 
 
 if __name__ == "__main__":

@@ -26,12 +26,12 @@ import difflib
 import io
 import json
 import os
-import shutil
-import tempfile
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pydantic import BaseModel, Field, computed_field
+
+from mbridge_offload.actions import safe_write, yaml_edit
 from mbridge_offload.config.schema import OffloadConfig, get_value
 from mbridge_offload.config.sources import ConfigError, apply_overrides, build_config, parse_text, read_source
 
@@ -45,45 +45,41 @@ class ApplyError(ConfigError):
     """The requested edit cannot be made as asked; the message says what to change instead."""
 
 
-@dataclass
-class Change:
-    key: str
-    old: Any
-    new: Any
+class Change(BaseModel):
+    """One key edit, with the reason for it."""
+
+    key: str = Field(description="dotted key, e.g. optimizer.optimizer_offload_fraction")
+    old: Any = None
+    new: Any = None
     why: str
 
     def to_dict(self) -> dict[str, Any]:
-        return {"key": self.key, "old": self.old, "new": self.new, "why": self.why}
+        return self.model_dump(mode="json")
 
 
-@dataclass
-class ApplyResult:
-    ok: bool
-    mode: str
+class ApplyResult(BaseModel):
+    """The result of :func:`apply_offload`: the library's value, the CLI's ``--json`` and the MCP output."""
+
+    ok: bool = Field(description="the edited config passes validation")
+    mode: str = Field(description="the mode applied (the planner's choice for mode=recommended)")
     changes: list[Change]
-    findings: list[dict[str, Any]]
-    overrides: list[str]
-    diff: str
-    text: str
-    written: str | None = None
-    backup: str | None = None
-    refused: str | None = None
-    notes: list[str] = field(default_factory=list)
+    findings: list[dict[str, Any]] = Field(description="validator findings on the edited config")
+    written: str | None = Field(None, description="the path written, or null for a dry run / refusal")
+    backup: str | None = Field(None, description="the backup of the file replaced, if one was")
+    diff: str = Field(description="unified diff of the config")
+    overrides: list[str] = Field(description="the same edit as command-line overrides")
+    refused: str | None = Field(None, description="why nothing was written although a write was asked for")
+    notes: list[str] = Field(default_factory=list)
+    text: str = Field("", exclude=True, description="the edited config text (library only)")
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def why(self) -> list[str]:
+        """``key: reason`` for each change."""
+        return [f"{c.key}: {c.why}" for c in self.changes]
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "ok": self.ok,
-            "mode": self.mode,
-            "changes": [c.to_dict() for c in self.changes],
-            "findings": self.findings,
-            "written": self.written,
-            "backup": self.backup,
-            "diff": self.diff,
-            "overrides": self.overrides,
-            "why": [f"{c.key}: {c.why}" for c in self.changes],
-            "refused": self.refused,
-            "notes": self.notes,
-        }
+        return self.model_dump(mode="json")
 
 
 # ---------------------------------------------------------------------------------------------- planning the edit
@@ -370,6 +366,15 @@ _NEIGHBOURS = {
 
 
 def _render(text: str, tree: Any, edits: list[Change], is_json: bool, plain: dict[str, Any]) -> str:
+    """The edited text: JSON re-dumped; YAML edited line by line, else (unusual layouts) round-tripped."""
+    if not is_json:
+        edited = yaml_edit.line_edit(
+            text, [(c.key, c.new) for c in edits], _NEIGHBOURS, lambda t: parse_text(t, "<edit>")[0]
+        )
+        if edited is not None:
+            return edited
+    if not is_json and tree is None:
+        raise ApplyError("this YAML layout cannot be edited safely", "edit the keys by hand (see overrides)")
     if is_json:
         for change in edits:
             section, _, key = change.key.partition(".")
@@ -388,48 +393,50 @@ def _render(text: str, tree: Any, edits: list[Change], is_json: bool, plain: dic
 # ---------------------------------------------------------------------------------------------- writing
 
 
-def _allowed_roots(source_path: Path | None, allowed_root: str | os.PathLike[str] | None) -> list[Path]:
+def _default_roots(source_path: Path | None, allowed_root: str | os.PathLike[str] | None) -> list[Path]:
     roots = [Path.cwd().resolve()]
-    if source_path is not None:
-        roots.append(source_path.resolve().parent)
+    if source_path is not None:  # the directory that holds the input's name (a link's target may lie elsewhere)
+        roots.append(source_path.absolute().parent.resolve())
     if allowed_root is not None:
         roots.append(Path(allowed_root).resolve())
     return roots
 
 
 def _check_contained(target: Path, roots: list[Path]) -> None:
-    resolved = target.resolve()
+    resolved = safe_write.resolve_target(target)  # a symlink is judged by where the write really lands
     if not any(resolved == root or resolved.is_relative_to(root) for root in roots):
         raise ApplyError(
-            f"refusing to write {target}: it is outside the input's directory and the working directory "
-            f"({', '.join(str(r) for r in roots)}); write there, or pass an explicit allowed root"
+            f"refusing to write {target}: it is outside the directories writes may go to "
+            f"({', '.join(str(r) for r in roots)})",
+            "write there (CLI: --allowed-root DIR; MCP: the server's --root)",
         )
 
 
-def _backup_path(path: Path) -> Path:
-    candidate = path.with_name(path.name + ".bak")
-    n = 1
-    while candidate.exists():
-        candidate = path.with_name(f"{path.name}.bak.{n}")
-        n += 1
-    return candidate
-
-
-def atomic_write(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` so that a reader sees the old file or the new one, never half of one."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+def _write(
+    result: ApplyResult,
+    target: Path,
+    payload: str,
+    *,
+    consent: bool,
+    roots: list[Path],
+    unchanged: bool,
+) -> None:
+    """Write ``payload`` to ``target`` under the safety rules (safe_write.py); record written/backup."""
+    _check_contained(target, roots)
+    real = safe_write.resolve_target(target)
+    if unchanged and real.is_file() and real.read_bytes() == payload.encode("utf-8"):
+        result.notes.append(f"{target} already says this: not rewritten")
+        return  # idempotent: do not touch the file or make another backup
+    exists = safe_write.check_replaceable(real, overwrite=consent)
+    backup = safe_write.make_backup(real) if exists else None
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            handle.write(text)
-            handle.flush()
-            os.fsync(handle.fileno())
-        if path.exists():
-            shutil.copymode(path, tmp)
-        os.replace(tmp, path)
+        safe_write.atomic_write(target, payload)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        if backup is not None:  # nothing changed: do not leave a backup of an untouched file behind
+            backup.unlink(missing_ok=True)
         raise
+    result.backup = str(backup) if backup else None
+    result.written = str(target)
 
 
 # ---------------------------------------------------------------------------------------------- entry point
@@ -443,6 +450,58 @@ def _validate(config: OffloadConfig, raw: dict[str, Any]) -> tuple[bool, list[di
     return bool(report.ok), list(data.get("findings", []))
 
 
+def _copy(raw: dict[str, Any]) -> dict[str, Any]:
+    return json.loads(json.dumps(raw))
+
+
+def _changes(
+    base_cfg: OffloadConfig,
+    wanted: dict[str, tuple[Any, str]],
+    overrides: list[str],
+    effective_raw: dict[str, Any],
+    mode: str,
+) -> tuple[list[Change], list[str]]:
+    """The caller's overrides join the mode's edits (written with it, so the file validates on its own)."""
+    notes: list[str] = []
+    for key, value in _requested_edits(overrides, effective_raw).items():
+        if key in wanted and wanted[key][0] != value:
+            notes.append(
+                f"override {key}={format_value(value)} conflicts with mode={mode}, which needs "
+                f"{key}={format_value(wanted[key][0])}: the mode's value is written"
+            )
+        wanted.setdefault(key, (value, "requested override"))
+    changes = [
+        Change(key=key, old=get_value(base_cfg, key), new=value, why=why)
+        for key, (value, why) in wanted.items()
+        if get_value(base_cfg, key) != value or (value is None and get_value(base_cfg, key) is not None)
+    ]
+    return changes, notes
+
+
+def _result(text: str, where: str, label: str, new_text: str, **fields: Any) -> ApplyResult:
+    """Validate the edited text and build the result with its diff."""
+    new_raw, _ = parse_text(new_text, where)
+    ok, findings = _validate(build_config(new_raw, where), new_raw)
+    diff = "".join(
+        difflib.unified_diff(
+            text.splitlines(keepends=True),
+            new_text.splitlines(keepends=True),
+            fromfile=f"a/{label}",
+            tofile=f"b/{label}",
+        )
+    )
+    return ApplyResult(ok=ok, findings=findings, diff=diff, text=new_text, **fields)
+
+
+def _check_arguments(output: Any, in_place: bool, planner: dict[str, Any] | None, mode: str, fmt: str) -> None:
+    if output is not None and in_place:
+        raise ApplyError("pass either output or in_place, not both")
+    if planner and mode != "recommended":
+        raise ApplyError(f"GPU/planner settings ({', '.join(planner)}) only apply to mode=recommended")
+    if fmt not in ("yaml", "overrides"):
+        raise ApplyError(f"format {fmt!r} is not one of yaml, overrides")
+
+
 def apply_offload(
     source: str,
     mode: str,
@@ -453,7 +512,9 @@ def apply_offload(
     output: str | os.PathLike[str] | None = None,
     in_place: bool = False,
     output_format: str = "yaml",
+    overwrite: bool = False,
     allowed_root: str | os.PathLike[str] | None = None,
+    write_roots: list[Path] | None = None,
     planner: dict[str, Any] | None = None,
 ) -> ApplyResult:
     """Switch an offload mode on (or off) in a config, resolve the conflicts it implies, and optionally write it.
@@ -464,107 +525,82 @@ def apply_offload(
         fraction: ``optimizer_offload_fraction`` for optimizer modes, in (0, 1].
         num_layers: ``cpu_offloading_num_layers`` for activation modes.
         overrides: Hydra-style ``KEY=VALUE`` overrides (``section.key``) applied before the mode and written with it.
-        output: write the result to this new path.
-        in_place: overwrite ``source`` (a file), keeping ``<name>.bak`` of the original.
+        output: write the result to this path; an existing file only with ``overwrite`` (then backed up). The
+            input's own path counts as in place.
+        in_place: overwrite ``source`` (a file), keeping a unique ``<name>.bak[.N]`` of the original.
         output_format: ``yaml`` writes the edited config; ``overrides`` writes the override list, one per line.
-        allowed_root: an extra directory writes may go to.
+        overwrite: allow ``output`` to replace an existing file (CLI ``--force``, MCP ``overwrite=true``).
+        allowed_root: an extra directory writes may go to (besides the input's directory and the cwd).
+        write_roots: the exact directories writes may go to (an MCP server's roots); overrides the default.
         planner: keyword arguments for the planner (``gpu``, ``num_gpus``, ...) when ``mode="recommended"``.
 
     Returns:
         ApplyResult with ``changes`` (each with a why), the unified ``diff``, the ``overrides`` that make the same
-        edit on a command line, the validator's ``findings`` on the result, and ``written`` (None on a dry run).
+        edit on a command line, the validator's ``findings`` on the result, ``written`` (None on a dry run) and
+        ``backup`` (the copy of a replaced file).
 
     Raises:
         ApplyError: the edit cannot be made as asked (PP>1 for activation offload, bad fraction, a write outside the
             allowed roots, ``in_place`` on inline text, ...).
         ConfigError: the input cannot be read or parsed.
+        WriteError: the write is refused (an existing file without ``overwrite``, a read-only file) or failed;
+            nothing was changed.
     """
-    if output is not None and in_place:
-        raise ApplyError("pass either output or in_place, not both")
-    if planner and mode != "recommended":
-        raise ApplyError(f"GPU/planner settings ({', '.join(planner)}) only apply to mode=recommended")
-    if output_format not in ("yaml", "overrides"):
-        raise ApplyError(f"format {output_format!r} is not one of yaml, overrides")
+    _check_arguments(output, in_place, planner, mode, output_format)
     text, where = read_source(source)
     source_path = Path(where) if where not in ("<text>", "<stdin>") else None
     if in_place and source_path is None:
         raise ApplyError("in_place needs a config file path; inline text has no file to edit (pass output=PATH)")
     raw, tree = parse_text(text, where)
-    is_json = tree is None
-    base_cfg = build_config(json.loads(json.dumps(raw)), where, tree)
-    effective_raw = json.loads(json.dumps(raw))
-    apply_overrides(effective_raw, list(overrides or []))
+    base_cfg = build_config(_copy(raw), where, tree)
+    effective_raw = apply_overrides(_copy(raw), list(overrides or []))
     cfg = build_config(effective_raw, where, tree if not overrides else None)
-
     notes: list[str] = []
     resolved_mode, wanted = plan_edits(
         cfg, effective_raw, mode, fraction=fraction, num_layers=num_layers, planner=planner, notes=notes
     )
-    # The caller's own overrides are edits too: written with the mode, so the file validates on its own.
-    for key, value in _requested_edits(overrides or [], effective_raw).items():
-        if key in wanted and wanted[key][0] != value:
-            notes.append(
-                f"override {key}={format_value(value)} conflicts with mode={resolved_mode}, which needs "
-                f"{key}={format_value(wanted[key][0])}: the mode's value is written"
-            )
-        wanted.setdefault(key, (value, "requested override"))
-    changes = [
-        Change(key, get_value(base_cfg, key), value, why)
-        for key, (value, why) in wanted.items()
-        if get_value(base_cfg, key) != value or (value is None and get_value(base_cfg, key) is not None)
-    ]
-    new_text = _render(text, tree, changes, is_json, json.loads(json.dumps(raw))) if changes else text
-    override_list = [f"{c.key}={format_value(c.new)}" for c in changes]
-
-    new_raw, _ = parse_text(new_text, where)
-    new_cfg = build_config(new_raw, where)
-    ok, findings = _validate(new_cfg, new_raw)
-
-    label = source_path.name if source_path else "config.yaml"
-    diff = "".join(
-        difflib.unified_diff(
-            text.splitlines(keepends=True),
-            new_text.splitlines(keepends=True),
-            fromfile=f"a/{label}",
-            tofile=f"b/{label}",
-        )
-    )
-    result = ApplyResult(
-        ok=ok,
+    changes, conflicts = _changes(base_cfg, wanted, list(overrides or []), effective_raw, resolved_mode)
+    is_json = text.lstrip().startswith("{")
+    new_text = _render(text, tree, changes, is_json, _copy(raw)) if changes else text
+    nothing = [] if changes else [f"nothing to change: the config already has mode={resolved_mode}"]
+    result = _result(
+        text,
+        where,
+        source_path.name if source_path else "config.yaml",
+        new_text,
         mode=resolved_mode,
         changes=changes,
-        findings=findings,
-        overrides=override_list,
-        diff=diff,
-        text=new_text,
-        notes=notes,
+        overrides=[f"{c.key}={format_value(c.new)}" for c in changes],
+        notes=notes + conflicts + nothing,
     )
-    if not changes:
-        notes.append(f"nothing to change: the config already has mode={resolved_mode}")
-    if not (output or in_place):
-        return result
-    if not ok:
-        errors = [f["rule"] for f in findings if f.get("severity") == "error"]
+    if output or in_place:
+        target = Path(output) if output is not None else source_path
+        assert target is not None
+        roots = write_roots if write_roots is not None else _default_roots(source_path, allowed_root)
+        _write_requested(result, target, source_path, in_place or overwrite, output_format, roots)
+    return result
+
+
+def _write_requested(
+    result: ApplyResult,
+    target: Path,
+    source_path: Path | None,
+    consent: bool,
+    output_format: str,
+    roots: list[Path],
+) -> None:
+    """The write half of apply_offload: refuse an invalid result, then write under the safety rules."""
+    if not result.ok:
+        errors = [f["rule"] for f in result.findings if f.get("severity") == "error"]
         result.refused = (
             f"not written: the result still has errors ({', '.join(errors)}); fix them (see findings) and run again"
         )
-        return result
-
-    roots = _allowed_roots(source_path, allowed_root)
-    target = Path(output) if output is not None else source_path
-    assert target is not None
-    _check_contained(target, roots)
-    payload = new_text if output_format == "yaml" else "".join(line + "\n" for line in override_list)
-    if in_place:
-        if not changes and output_format == "yaml":
-            return result  # idempotent: the file already says this; do not touch it or make another backup
-        if output_format == "overrides":
-            raise ApplyError(
-                "in_place with format=overrides would replace the config by an override list; pass output=PATH instead"
-            )
-        backup = _backup_path(target)
-        shutil.copy2(target, backup)
-        result.backup = str(backup)
-    atomic_write(target, payload)
-    result.written = str(target)
-    return result
+        return
+    same = source_path is not None and safe_write.resolve_target(target) == safe_write.resolve_target(source_path)
+    if same and output_format == "overrides":
+        raise ApplyError(
+            "writing format=overrides over the config would replace it by an override list", "pass output=PATH"
+        )
+    payload = result.text if output_format == "yaml" else "".join(line + "\n" for line in result.overrides)
+    resolved = [Path(r).resolve() for r in roots]
+    _write(result, target, payload, consent=consent, roots=resolved, unchanged=not result.changes)

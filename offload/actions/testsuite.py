@@ -31,6 +31,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from mbridge_offload.config.errors import InputError
+
 ProgressFn = Callable[[int, int | None, str], None]
 
 MARK = "@@mbridge-offload@@ "
@@ -83,7 +85,7 @@ def pytest_runtest_logreport(report):
 """
 
 
-class TestSuiteError(ValueError):
+class TestSuiteError(InputError):
     """Bad input for a test run (an unsafe -k expression, a path that is not a Bridge checkout, ...)."""
 
     __test__ = False  # not a pytest test class
@@ -378,6 +380,7 @@ def run_tests(
     config: str | None = None,
     steps: int | None = None,
     path: str | None = None,
+    repo_python: bool = True,
 ) -> TestRunResult:
     """Run a test suite and report every result.
 
@@ -392,6 +395,8 @@ def run_tests(
         config: for ``parity``: the config whose offload settings are trained (path or text).
         steps: for ``parity``: training steps per run.
         path: for ``unit``: one test file, folder or node id under ``tests/`` instead of the whole folder.
+        repo_python: with ``bridge_repo``, run the checkout's own ``.venv`` Python when it has one (the CLI);
+            False runs this interpreter (an MCP server not started with ``--allow-bridge-venv``).
 
     Raises:
         TestSuiteError: bad input (unsafe expression, missing repo, unknown suite, nested run).
@@ -417,7 +422,14 @@ def run_tests(
         root = Path(bridge_repo).expanduser().resolve()
         files = bridge_files(root)
         return _pytest_run(
-            "bridge", root, files, expr or BRIDGE_SELECTOR, _python_for(root), timeout_s, on_progress, []
+            "bridge",
+            root,
+            files,
+            expr or BRIDGE_SELECTOR,
+            _python_for(root) if repo_python else sys.executable,
+            timeout_s,
+            on_progress,
+            [],
         )
     tests_dir = PROJECT_ROOT / "tests"
     if not tests_dir.is_dir():

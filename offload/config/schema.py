@@ -160,8 +160,13 @@ class ModelSection(Section):
     @field_validator("recompute_granularity", "recompute_method", mode="before")
     @classmethod
     def _none_string(cls, value: Any) -> Any:
-        # Hydra/YAML users write "null", "None" or "none" for "off".
-        return None if isinstance(value, str) and value.strip().lower() in {"none", "null", ""} else value
+        # The *string* "none"/"null" is not YAML's null: Megatron Core raises for it ('... must be "full" or
+        # "selective"', transformer_config.py), so it is refused here with the way to say "off".
+        if isinstance(value, str) and value.strip().lower() in {"none", "null", ""}:
+            raise ValueError(
+                f"the string {value!r} is not null; Megatron Core raises for it: write null to switch it off"
+            )
+        return value
 
     @field_validator("cuda_graph_impl", mode="before")
     @classmethod

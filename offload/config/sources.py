@@ -18,10 +18,12 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from mbridge_offload.config import reading
+from mbridge_offload.config.errors import DeadlineError, InputError
 from mbridge_offload.config.schema import SECTIONS, OffloadConfig
 
 
-class ConfigError(ValueError):
+class ConfigError(InputError):
     """Bad input: the config cannot be read or does not type-check. The message is one actionable line."""
 
 
@@ -44,12 +46,19 @@ def _yaml():
     return yaml
 
 
-def to_plain(node: Any) -> Any:
-    """ruamel's round-trip containers → plain dicts, lists and scalars."""
+def to_plain(node: Any, budget: reading.Budget | None = None, depth: int = 0, path: str = "") -> Any:
+    """ruamel's round-trip containers → plain dicts, lists and scalars, within the reader's limits.
+
+    Raises:
+        InputError: too deep, too many values after alias expansion, or a non-finite number.
+    """
+    budget = budget or reading.Budget("<config>")
+    budget.visit(depth)
     if isinstance(node, dict):
-        return {str(k): to_plain(v) for k, v in node.items()}
+        return {str(k): to_plain(v, budget, depth + 1, f"{path}.{k}".lstrip(".")) for k, v in node.items()}
     if isinstance(node, list | tuple):
-        return [to_plain(v) for v in node]
+        return [to_plain(v, budget, depth + 1, f"{path}[{i}]") for i, v in enumerate(node)]
+    reading.check_number(node, path)
     tagged_value = getattr(node, "value", None)
     if type(node).__name__ == "TaggedScalar":  # unknown !!tags: keep the scalar
         return tagged_value
@@ -70,16 +79,27 @@ def parse_text(text: str, where: str = "<text>") -> tuple[dict[str, Any], Any]:
     Raises:
         ConfigError: malformed text, or a top level that is not a mapping.
     """
+    reading.check_text(text, where)
     stripped = text.lstrip()
     if stripped.startswith("{"):
         try:
-            data = json.loads(text)
+            data = to_plain(json.loads(text, parse_constant=reading.refuse_json_constant), reading.Budget(where))
         except json.JSONDecodeError as exc:
             raise ConfigError(f"{where}:{exc.lineno}:{exc.colno}: malformed JSON: {exc.msg}") from None
+        except RecursionError:
+            raise ConfigError(f"{where}: nested too deeply", "a config is a few levels deep") from None
+        except InputError as exc:
+            raise _located(exc, where) from None
+        except ValueError as exc:  # e.g. an integer over Python's 4300-digit conversion limit
+            raise ConfigError(f"{where}: malformed JSON: {exc}", "write numbers of realistic size") from None
         tree = None
     else:
         from ruamel.yaml.error import MarkedYAMLError, YAMLError
 
+        try:
+            reading.check_flow_depth(text, where)
+        except InputError as exc:
+            raise _located(exc, where) from None
         try:
             tree = _yaml().load(io.StringIO(text))
         except MarkedYAMLError as exc:
@@ -88,12 +108,24 @@ def parse_text(text: str, where: str = "<text>") -> tuple[dict[str, Any], Any]:
             raise ConfigError(f"{loc}: malformed YAML: {exc.problem or exc.context}") from None
         except YAMLError as exc:
             raise ConfigError(f"{where}: malformed YAML: {str(exc).splitlines()[0]}") from None
-        data = to_plain(tree) if tree is not None else {}
+        except RecursionError:
+            raise ConfigError(f"{where}: nested too deeply", "a config is a few levels deep") from None
+        except ValueError as exc:  # e.g. an integer over Python's 4300-digit conversion limit
+            raise ConfigError(f"{where}: malformed YAML: {exc}", "write numbers of realistic size") from None
+        try:
+            data = to_plain(tree, reading.Budget(where)) if tree is not None else {}
+        except InputError as exc:
+            raise _located(exc, where) from None
     if not isinstance(data, dict):
         raise ConfigError(
             f"{where}: the top level must be a mapping of sections (model:, optimizer:, …), got {type(data).__name__}"
         )
     return data, tree
+
+
+def _located(exc: InputError, where: str) -> ConfigError:
+    message = exc.message if exc.message.startswith(where) else f"{where}: {exc.message}"
+    return ConfigError(message, exc.fix)
 
 
 def read_source(source: str, stdin: Any = None) -> tuple[str, str]:
@@ -103,23 +135,33 @@ def read_source(source: str, stdin: Any = None) -> tuple[str, str]:
         ConfigError: a path that does not exist or cannot be read.
     """
     if source == "-":
-        return (stdin or sys.stdin).read(), "<stdin>"
+        try:
+            return reading.read_stream(stdin or sys.stdin, "<stdin>"), "<stdin>"
+        except DeadlineError:
+            raise
+        except InputError as exc:
+            raise ConfigError(exc.message, exc.fix) from None
     looks_inline = (
         "\n" in source
+        or "\0" in source
         or source.lstrip().startswith("{")
-        or (":" in source and not Path(source).exists() and not source.endswith((".yaml", ".yml", ".json")))
+        or (":" in source and not _exists(source) and not source.endswith((".yaml", ".yml", ".json")))
     )
     if looks_inline:
         return source, "<text>"
-    path = Path(source)
-    if not path.exists():
+    if not _exists(source) and not Path(source).is_symlink():
         raise ConfigError(f"{source}: no such file; pass a Bridge YAML/JSON path, '-' for stdin, or inline YAML text")
-    if path.is_dir():
-        raise ConfigError(f"{source}: is a directory; pass the config file inside it")
     try:
-        return path.read_text(encoding="utf-8"), str(path)
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"{source}: cannot be read ({exc.__class__.__name__}: {exc})") from None
+        return reading.read_text_file(source), source
+    except InputError as exc:
+        raise ConfigError(exc.message, exc.fix) from None
+
+
+def _exists(source: str) -> bool:
+    try:
+        return Path(source).exists()
+    except (OSError, ValueError):  # a name too long for a path, a NUL byte: not a file
+        return False
 
 
 # ---------------------------------------------------------------------------------------------- overrides

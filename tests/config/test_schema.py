@@ -95,10 +95,13 @@ def test_bad_dtype_names_the_value():
         normalize_dtype("int7")
 
 
-def test_null_spellings_of_recompute_mean_off():
-    for text in ("null", "None", "none"):
-        cfg = OffloadConfig.model_validate({"model": {"recompute_granularity": text}})
-        assert cfg.model.recompute_granularity is None
+def test_null_strings_for_recompute_are_refused_like_megatron_core_refuses_them():
+    # YAML `recompute_granularity: none` is the *string* "none": megatron-core raises '... must be "full" or
+    # "selective"' for it. Only YAML null (or the override `=null`) switches recompute off.
+    for text in ("null", "None", "none", ""):
+        with pytest.raises(ValidationError, match="write null to switch it off"):
+            OffloadConfig.model_validate({"model": {"recompute_granularity": text}})
+    assert OffloadConfig.model_validate({"model": {"recompute_granularity": None}}).model.recompute_granularity is None
 
 
 def test_did_you_mean_for_offload_typos_only():

@@ -57,11 +57,13 @@ async def test_lists_five_tools_with_titles_schemas_and_annotations(client) -> N
         assert tool.title and tool.description
         assert tool.input_schema["type"] == "object"
         assert tool.output_schema and tool.output_schema["type"] == "object"
-        assert tool.annotations.open_world_hint is False
+        assert tool.annotations.open_world_hint is (tool.name == "run_unit_tests")
     for name in ("validate_config", "recommend_mode", "diagnose_failure"):
         assert tools[name].annotations.read_only_hint is True
     apply = tools["apply_offload"].annotations
-    assert (apply.read_only_hint, apply.destructive_hint, apply.idempotent_hint) == (False, False, True)
+    assert (apply.read_only_hint, apply.destructive_hint, apply.idempotent_hint) == (False, True, False)
+    assert tools["run_unit_tests"].annotations.read_only_hint is False  # it runs code
+    assert "allowed_root" not in tools["apply_offload"].input_schema["properties"]
     assert tools["apply_offload"].input_schema["properties"]["mode"]["enum"] == [
         "optimizer",
         "activation",
@@ -116,7 +118,7 @@ async def test_bad_inputs_are_tool_errors_and_the_server_keeps_answering(client,
     outside = await client.call_tool("run_unit_tests", {"path": "../etc/passwd"})
     assert outside.is_error and "outside this project's tests/" in outside.content[0].text
     repo = await client.call_tool("run_unit_tests", {"bridge_repo": str(config_file.parent)})
-    assert repo.is_error and "Megatron Bridge checkout" in repo.content[0].text
+    assert repo.is_error and "may not run that checkout's tests" in repo.content[0].text
     ok = await client.call_tool("validate_config", {"config": str(config_file)})
     assert not ok.is_error and ok.structured_content["ok"] is True
 

@@ -81,7 +81,7 @@ async def test_stdio_session_lists_tools_calls_each_and_survives_a_bad_input(tmp
         tests = await client.call_tool("run_unit_tests", {"k": "-x"})  # rejected before anything runs
         assert tests.is_error and "starts with '-'" in tests.content[0].text
         empty = await client.call_tool("run_unit_tests", {"bridge_repo": str(tmp_path / "missing")})
-        assert empty.is_error and "not a directory" in empty.content[0].text
+        assert empty.is_error and "--allow-bridge-repo" in empty.content[0].text  # not allowed at start
 
 
 def _free_port() -> int:

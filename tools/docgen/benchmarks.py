@@ -18,6 +18,7 @@ FRAGMENTS: list[tuple[str, str]] = [
     ("benchmarks-activation.md", "Activation offload runtime (`offload/runtime/activation/context.py`)"),
     ("benchmarks-validate.md", "`validate` latency"),
     ("benchmarks-mcp.md", "MCP server latency"),
+    ("benchmarks-robustness.md", "Bad-input robustness (`benchmarks/bad_inputs.py`)"),
 ]
 
 

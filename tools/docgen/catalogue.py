@@ -14,7 +14,9 @@ from typing import Any
 CLI_EQUIVALENTS: dict[str, str] = {
     "validate_config": "mbridge-offload validate CONFIG [--set KEY=VALUE ...]",
     "recommend_mode": "mbridge-offload recommend [CONFIG] [--model NAME --gpu PRESET --num-gpus N ...]",
-    "apply_offload": "mbridge-offload apply CONFIG --mode optimizer|activation|both|none [--output FILE | --in-place]",
+    "apply_offload": (
+        "mbridge-offload apply CONFIG --mode optimizer|activation|both|none [--output FILE [--force] | --in-place]"
+    ),
     "run_unit_tests": "mbridge-offload test [-k EXPR] [--bridge-repo PATH]",
     "diagnose_failure": "mbridge-offload diagnose --error TEXT | --log FILE [--config FILE]",
 }

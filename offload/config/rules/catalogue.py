@@ -7,6 +7,7 @@ import functools
 from mbridge_offload.config.rules.activation import ACTIVATION_RULES
 from mbridge_offload.config.rules.activation_build import BUILD_RULES
 from mbridge_offload.config.rules.base import DEFAULT_TARGET, TARGETS, Rule, spec_contains
+from mbridge_offload.config.rules.inputs import INPUT_RULES
 from mbridge_offload.config.rules.optimizer import CONFIG_RULES, OPTIMIZER_RULES
 
 
@@ -14,7 +15,7 @@ from mbridge_offload.config.rules.optimizer import CONFIG_RULES, OPTIMIZER_RULES
 def all_rules() -> tuple[Rule, ...]:
     """Every rule, activation rules first, each group in upstream code order."""
 
-    rules = (*CONFIG_RULES, *ACTIVATION_RULES, *BUILD_RULES, *OPTIMIZER_RULES)
+    rules = (*INPUT_RULES, *CONFIG_RULES, *ACTIVATION_RULES, *BUILD_RULES, *OPTIMIZER_RULES)
     ids = [r.id for r in rules]
     duplicates = {i for i in ids if ids.count(i) > 1}
     if duplicates:

@@ -1,0 +1,196 @@
+"""Write a user's file so that nothing is ever lost: refuse, back up, replace atomically, clean up.
+
+The rules (docs/security.md, design "Safety"):
+
+- an existing file is replaced only with the caller's explicit consent (``overwrite``), and then a backup is
+  kept under a name no other file has (``NAME.bak``, ``NAME.bak.1``, ...; created with ``O_EXCL``, so two
+  concurrent writers never share a backup name);
+- a read-only file (no owner write bit), a directory, a device or a FIFO is never replaced;
+- a symlink stays a symlink: its target is edited;
+- the new content goes to a temp file in the target's directory (its name holds the writer's pid), is
+  fsynced, gets the old file's mode (a new file: ``0666 & ~umask``), and replaces the target with one
+  ``rename``; then the directory is fsynced. Every failure removes the temp file; a ``kill -9`` cannot run
+  cleanup, so each write first removes temp files whose writer's pid is gone;
+- any failure (ENOSPC, a read-only directory, an exception) leaves the target and the directory as they were.
+
+No torch import here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import stat
+import tempfile
+from pathlib import Path
+
+from mbridge_offload.config.errors import InputError
+
+
+class WriteError(InputError):
+    """A write that is refused or failed; nothing was changed."""
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        written = os.write(fd, view)
+        view = view[written:]
+
+
+def _fsync_dir(directory: Path) -> None:
+    with contextlib.suppress(OSError):  # some filesystems refuse a directory fsync; the rename is still atomic
+        fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def resolve_target(path: str | os.PathLike[str]) -> Path:
+    """The file a write to ``path`` must change: symlinks followed (the link itself is kept)."""
+    return Path(os.path.realpath(path))
+
+
+def check_replaceable(target: Path, overwrite: bool, what: str = "output") -> bool:
+    """Whether ``target`` exists; refuse to replace it without consent, or at all when it is not a plain file.
+
+    Raises:
+        WriteError: exists without ``overwrite``, read-only, or not a regular file.
+    """
+    try:
+        info = os.stat(target)
+    except FileNotFoundError:
+        return False
+    if not stat.S_ISREG(info.st_mode):
+        raise WriteError(f"{target}: exists and is not a regular file; nothing written", f"choose another {what}")
+    if not info.st_mode & stat.S_IWUSR:
+        raise WriteError(
+            f"{target}: is read-only (mode {stat.S_IMODE(info.st_mode):04o}); nothing written",
+            "make it writable (chmod u+w) if it should change, or choose another path",
+        )
+    if not overwrite:
+        raise WriteError(
+            f"{target}: exists; nothing written",
+            "pass --force (MCP: overwrite=true) to replace it (a backup is kept), or choose another path",
+        )
+    return True
+
+
+def make_backup(target: Path) -> Path:
+    """Copy ``target`` to a new, unique ``NAME.bak[.N]`` beside it (mode kept, fsynced).
+
+    Returns:
+        The backup's path.
+
+    Raises:
+        WriteError: the backup cannot be written (no partial backup is left).
+    """
+    data = target.read_bytes()
+    mode = stat.S_IMODE(os.stat(target).st_mode)
+    for n in range(10_000):
+        candidate = target.with_name(f"{target.name}.bak" + (f".{n}" if n else ""))
+        try:
+            fd = os.open(candidate, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o600)
+        except FileExistsError:
+            continue
+        except OSError as exc:
+            raise WriteError(f"{candidate}: cannot create the backup ({exc.strerror}); nothing written") from None
+        try:
+            _write_all(fd, data)
+            os.fchmod(fd, mode)
+            os.fsync(fd)
+        except BaseException as exc:
+            os.close(fd)
+            candidate.unlink(missing_ok=True)
+            if isinstance(exc, OSError):
+                raise WriteError(f"{candidate}: cannot write the backup ({exc.strerror}); nothing written") from None
+            raise
+        os.close(fd)
+        return candidate
+    raise WriteError(f"{target}: 10000 backups exist already; nothing written", "remove old .bak files")
+
+
+TEMP_TAG = ".mbridge-offload."
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's live process
+        return True
+    return True
+
+
+def sweep_stale_temps(directory: Path) -> list[Path]:
+    """Remove temp files that a killed writer left in ``directory`` (their pid, in the name, is gone).
+
+    A ``kill -9`` runs no cleanup; the next write into the same directory removes what it left.
+
+    Returns:
+        The files removed.
+    """
+    removed = []
+    with contextlib.suppress(OSError):
+        for entry in directory.iterdir():
+            name = entry.name
+            if TEMP_TAG not in name or not name.endswith(".tmp"):
+                continue
+            pid_text = name.split(TEMP_TAG, 1)[1].split(".", 1)[0]
+            if pid_text.isdigit() and not _alive(int(pid_text)):
+                with contextlib.suppress(OSError):
+                    entry.unlink()
+                    removed.append(entry)
+    return removed
+
+
+def atomic_write(path: str | os.PathLike[str], data: bytes | str) -> Path:
+    """Replace (or create) the file at ``path`` with ``data`` atomically: readers see old or new, never half.
+
+    Args:
+        path: the file; a symlink's target is written and the link kept.
+        data: the new content (``str`` is written as UTF-8).
+
+    Returns:
+        The path of the file written (the symlink's target for a link).
+
+    Raises:
+        WriteError: the directory is missing or not writable, or the disk is full; nothing was changed.
+    """
+    target = resolve_target(path)
+    payload = data.encode("utf-8") if isinstance(data, str) else data
+    try:
+        mode = stat.S_IMODE(os.stat(target).st_mode)
+    except FileNotFoundError:
+        mode = 0o666 & ~_umask()
+    sweep_stale_temps(target.parent)
+    try:
+        fd, name = tempfile.mkstemp(prefix=f".{target.name}{TEMP_TAG}{os.getpid()}.", suffix=".tmp", dir=target.parent)
+    except OSError as exc:
+        hint = "create the directory first" if not target.parent.exists() else "choose a writable directory"
+        raise WriteError(f"{target.parent}: cannot write there ({exc.strerror}); nothing written", hint) from None
+    temp = Path(name)
+    try:
+        _write_all(fd, payload)
+        os.fchmod(fd, mode)
+        os.fsync(fd)
+        os.close(fd)
+        fd = -1
+        os.replace(temp, target)
+    except BaseException as exc:
+        if fd >= 0:
+            os.close(fd)
+        temp.unlink(missing_ok=True)
+        if isinstance(exc, OSError) and not isinstance(exc, WriteError):
+            raise WriteError(f"{target}: write failed ({exc.strerror or exc}); nothing was changed") from None
+        raise
+    _fsync_dir(target.parent)
+    return target
