@@ -117,16 +117,19 @@ CONCEPTS: dict[str, str] = {
     "host": r"\bhost\b|\bsystem (ram|memory)|\bram\b|\bdram\b|\bnode'?s? memory|\bmachine",
     "decrease": (
         r"\b(go|goes|going|gone|went|come|came|coming) down|\bdrop\w*|\bdecreas\w*|\breduc\w*|\blower\w*|"
-        r"\bshr[iu]nk\w*|\bsmaller\b|\bsav(e|ed|es|ing|ings)\b|\bfreed?\b|\bless\b|\bbenefit|\bhelp(s|ed)?\b|"
+        r"\bshr[iu]nk\w*|\bsmaller\b|\bfreed?\b|\bless\b|\bbenefit|\bhelp(s|ed)?\b|"
+        # "save" as in memory, not as in a checkpoint
+        r"(?<!checkpoint )(?<!ckpt )\bsav(e|ed|es|ing|ings)\b(?! (a |the )?(checkpoint|ckpt|state|optimizer|model))|"
         r"\bmove[sd]? the needle|\bimprov\w*"
     ),
     "negation": (
         r"\bnot?\b|\bnever\b|\bnothing\b|\bzero\b|\bnone\b|\bunchanged|\bsame\b|\bidentical|\bno effect|"
-        r"n't\b|\bnot?\b|\bfail(s|ed)? to|\bbarely\b|\bhardly\b|\bstill\b|\bflat\b"
+        r"n't\b|\bfail(s|ed)? to|\bbarely\b|\bhardly\b|\bstill\b|\bflat\b"
     ),
     "oom": (
         r"out of memory|\boom\b|outofmemory|\bran out|\bruns? out|\brunning out|\bexhaust\w*|not enough (\w+ )?memory|"
-        r"exceed\w*.{0,30}(memory|capacity)|(memory|gpu) (is |was )?full|too little memory|does ?n[o']t fit|won't fit"
+        r"exceed\w*.{0,30}(memory|capacity)|(memory|gpu|hbm|vram|device) (is |was |got )?full|too little memory|"
+        r"does ?n[o']t fit|won't fit"
     ),
     "slow": (
         r"\bslow\w*|\blonger\b|\bcrawl\w*|\bsluggish|\btakes? (forever|ages)|\btimes slower|"
@@ -160,7 +163,7 @@ CONCEPTS: dict[str, str] = {
     "weights_only": r"weights.?only|unpickl\w*|safe.?globals|\bpickle",
     "activation": r"\bactivations?\b|\bcpu_offloading\b|\blayer.?level|\boffload(ed|ing)? (\d+ )?layers",
     "optimizer": r"\boptimi[sz]er|\badam\w*|\bhdo\b|hybriddeviceoptimizer|\bfraction",
-    "offload": r"\boffload\w*|\bcpu offload|\bmov\w* (the )?\w* ?(states? )?to (the )?(cpu|host)",
+    "offload": r"offload\w*|\bcpu offload|\bmov\w* (the )?\w* ?(states? )?to (the )?(cpu|host)",
     "pipeline": r"\bpipeline|\bpp\s*(=|>|is)?\s*[2-9]|\bpp\b",
     "recompute": r"\brecomput\w*|\bcheckpointing activations|\bactivation checkpointing",
     "cudagraph": r"cuda.?graphs?|\bcudagraph",
@@ -308,7 +311,7 @@ KNOWN: tuple[FailureMode, ...] = (
         _SWITCH_TO_OPTIMIZER,
         ("then raise model.pipeline_model_parallel_size (optimizer offload works with PP>1)",),
         when=_activation_on,
-        phrasings=("activation offload ran out of GPU memory", "GPU memory exhausted with activation offloading"),
+        phrasings=("GPU memory ran out", "the job does not fit on the GPU", "activation offload ran out of GPU memory"),
     ),
     FailureMode(
         "oom_partial_optimizer_offload",
@@ -321,10 +324,7 @@ KNOWN: tuple[FailureMode, ...] = (
         _fix_oom_partial,
         ("or add pipeline parallelism (model.pipeline_model_parallel_size)",),
         when=_partial_optimizer,
-        phrasings=(
-            "optimizer offload ran out of GPU memory",
-            "GPU memory exhausted after lowering the offload fraction",
-        ),
+        phrasings=("GPU memory ran out", "the job does not fit on the GPU", "optimizer offload ran out of GPU memory"),
     ),
     FailureMode(
         "oom_full_optimizer_offload",
@@ -352,7 +352,7 @@ KNOWN: tuple[FailureMode, ...] = (
         ),
         when=_no_offload,
         without_config=False,
-        phrasings=("ran out of GPU memory", "GPU memory exhausted"),
+        phrasings=("GPU memory ran out", "the job does not fit on the GPU"),
     ),
     FailureMode(
         "slowdown",
@@ -387,12 +387,7 @@ KNOWN: tuple[FailureMode, ...] = (
         "HybridDeviceOptimizer keeps every state on the GPU",
         "check optimizer.optimizer_offload_fraction in the effective config (`mbridge-offload validate`)",
         ("optimizer.optimizer_offload_fraction=0.5",),
-        phrasings=(
-            "GPU memory did not go down",
-            "offload did not reduce memory",
-            "memory usage unchanged with offload",
-            "offloading did not save memory",
-        ),
+        phrasings=("no GPU memory was freed", "offload did not reduce memory", "memory usage unchanged with offload"),
     ),
     FailureMode(
         "resume_loss_jump",
@@ -445,7 +440,7 @@ KNOWN: tuple[FailureMode, ...] = (
             "before loading, or torch.load(..., weights_only=False)",
         ),
         ("NovaSky-AI/SkyRL#1401",),
-        phrasings=("weights_only load fails", "unpickling the optimizer checkpoint fails"),
+        phrasings=("weights_only load fails", "unpickling fails"),
     ),
     FailureMode(
         "fp32_master_keyerror",
