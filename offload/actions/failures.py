@@ -306,7 +306,7 @@ KNOWN: tuple[FailureMode, ...] = (
         "OOM with activation offloading",
         _OOM,
         "activation offload requires PP=1, so every GPU holds all layers' weights, gradients and optimizer states; "
-        "for large (30B+, MoE) models these alone exceed the GPU (Qwen3-30B-A3B: 70.3 GB at PP=1 on an 80 GB H100)",
+        "for large (30B+, MoE) models these alone exceed the GPU (Qwen3-30B-A3B: 70.3 GiB allocated at PP=1 on an 80 GB H100)",
         "compare torch.cuda.max_memory_allocated() with the GPU size; run `mbridge-offload estimate` with this config",
         _SWITCH_TO_OPTIMIZER,
         ("then raise model.pipeline_model_parallel_size (optimizer offload works with PP>1)",),
@@ -318,7 +318,7 @@ KNOWN: tuple[FailureMode, ...] = (
         "OOM at partial optimizer offload",
         _OOM,
         "optimizer.optimizer_offload_fraction is below 1.0 and the GPU-resident share of the Adam states is still "
-        "too large (each 25 % moved saved ~3.8 GB on Qwen3-30B-A3B)",
+        "too large (each 25 % moved saved ~3.8 GiB on Qwen3-30B-A3B)",
         "compare the peak memory with the fraction; `mbridge-offload estimate --optimizer-offload-fraction F` for "
         "a few fractions",
         _fix_oom_partial,
