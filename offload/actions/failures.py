@@ -306,7 +306,8 @@ KNOWN: tuple[FailureMode, ...] = (
         "OOM with activation offloading",
         _OOM,
         "activation offload requires PP=1, so every GPU holds all layers' weights, gradients and optimizer states; "
-        "for large (30B+, MoE) models these alone exceed the GPU (Qwen3-30B-A3B: 70.3 GiB allocated at PP=1 on an 80 GB H100)",
+        "for large (30B+, MoE) models these alone exceed the GPU (Qwen3-30B-A3B: 70.3 GiB allocated at PP=1 on an "
+        "80 GB H100)",
         "compare torch.cuda.max_memory_allocated() with the GPU size; run `mbridge-offload estimate` with this config",
         _SWITCH_TO_OPTIMIZER,
         ("then raise model.pipeline_model_parallel_size (optimizer offload works with PP>1)",),

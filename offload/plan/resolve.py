@@ -231,8 +231,8 @@ def _model_spec(values: dict[str, Any], base: ModelSpec | None, extras: dict[str
     if missing:
         lead = "no model: " if len(missing) == len(REQUIRED) else ""
         raise InputError(
-            f"{lead}model sizes missing: {', '.join(missing)} (give a model preset, e.g. --model / model= qwen3-30b-a3b, "
-            "or a Bridge config with a model section, or the sizes as inputs)"
+            f"{lead}model sizes missing: {', '.join(missing)} (give a model preset, e.g. --model / model= "
+            "qwen3-30b-a3b, or a Bridge config with a model section, or the sizes as inputs)"
         )
     hidden, heads = int(values["hidden_size"]), int(values["num_attention_heads"])
     arch = {
