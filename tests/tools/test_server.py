@@ -12,14 +12,7 @@ from mcp import Client
 from mbridge_offload.actions.testsuite import DEPTH_ENV
 from mbridge_offload_tools.server import mcp
 
-TOOLS = {
-    "validate_config",
-    "estimate_memory",
-    "recommend_mode",
-    "apply_offload",
-    "run_unit_tests",
-    "diagnose_failure",
-}
+TOOLS = {"validate_config", "estimate_memory", "recommend_mode", "apply_offload", "run_unit_tests", "diagnose_failure"}
 
 CONFIG = """\
 # Small dense model, one node.
