@@ -19,7 +19,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 # Upper bounds: far above any real run, low enough that the arithmetic stays exact and fast.
 MAX_GPUS = 1_000_000
 MAX_PARALLEL = 65_536
-MAX_LAYERS = 10_000
+MAX_LAYERS = 1_024  # the deepest published models have ~200; the estimator walks every layer
+MAX_EXPERTS = 1_024  # and every local expert (published MoEs: up to 512)
 MAX_WIDTH = 1_000_000
 MAX_SEQ = 100_000_000
 MAX_BATCH = 100_000_000
@@ -53,9 +54,9 @@ class PlanInputs(BaseModel):
     num_query_groups: int | None = _field(group="model", help="KV heads (GQA groups)", ge=1, le=MAX_WIDTH)
     kv_channels: int | None = _field(group="model", help="head dimension", ge=1, le=MAX_WIDTH)
     vocab_size: int | None = _field(group="model", help="vocabulary size", ge=1, le=MAX_SEQ)
-    num_moe_experts: int | None = _field(group="model", help="routed experts (MoE)", ge=1, le=MAX_WIDTH)
+    num_moe_experts: int | None = _field(group="model", help="routed experts (MoE)", ge=1, le=MAX_EXPERTS)
     moe_ffn_hidden_size: int | None = _field(group="model", help="expert MLP width", ge=1, le=MAX_WIDTH)
-    moe_router_topk: int | None = _field(group="model", help="experts per token", ge=1, le=MAX_WIDTH)
+    moe_router_topk: int | None = _field(group="model", help="experts per token", ge=1, le=MAX_EXPERTS)
     # --- parallelism and batch
     num_gpus: int | None = _field(group="parallel", help="GPUs in the job", ge=1, le=MAX_GPUS)
     tp: int | None = _field(group="parallel", help="tensor parallel size", ge=1, le=MAX_PARALLEL)

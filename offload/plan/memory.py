@@ -22,6 +22,7 @@ Never imports torch. See ``docs/planner.md`` for every formula.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field, replace
 
@@ -262,17 +263,22 @@ def _mlp_params(m: ModelSpec, ffn: int, shard: int, expert: bool, prefix: str) -
 
 def layer_params(m: ModelSpec, s: Setup, index: int) -> list[Tensor]:
     """The parameter shards of transformer layer ``index`` held by one GPU."""
-    out = _attention_params(m, s.tp)
+    return list(_layer_params(m, s.tp, s.ep, s.resolved_etp(m), m.is_moe_layer(index)))
+
+
+@functools.lru_cache(maxsize=256)
+def _layer_params(m: ModelSpec, tp: int, ep: int, etp: int, moe: bool) -> tuple[Tensor, ...]:
+    # Every layer of a kind is the same: built once per (model, TP, EP, ETP), the planner's search reuses it.
+    out = _attention_params(m, tp)
     out.append(Tensor("pre_mlp_layernorm", m.hidden_size, decay=False))
-    if not m.is_moe_layer(index):
-        return out + _mlp_params(m, m.ffn_hidden_size, s.tp, False, "mlp.")
+    if not moe:
+        return tuple(out + _mlp_params(m, m.ffn_hidden_size, tp, False, "mlp."))
     out.append(Tensor("router", m.hidden_size * m.num_moe_experts))
-    etp = s.resolved_etp(m)
-    for e in range(m.num_moe_experts // s.ep):
+    for e in range(m.num_moe_experts // ep):
         out += _mlp_params(m, m.moe_ffn_hidden_size, etp, True, f"expert{e}.")
     if m.moe_shared_expert_intermediate_size:
-        out += _mlp_params(m, m.moe_shared_expert_intermediate_size, s.tp, False, "shared_expert.")
-    return out
+        out += _mlp_params(m, m.moe_shared_expert_intermediate_size, tp, False, "shared_expert.")
+    return tuple(out)
 
 
 def stage_layers(m: ModelSpec, s: Setup) -> list[range]:

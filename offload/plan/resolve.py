@@ -98,6 +98,9 @@ ARCHITECTURE = (
     "moe_router_topk",
 )
 REQUIRED = ("num_layers", "hidden_size", "num_attention_heads", "vocab_size")
+# The estimator lists every local expert of every layer (HDO splits whole tensors): keep that list to a size it
+# walks in well under a second. Published MoEs: DeepSeek-V3 61 x 256, Kimi K2 61 x 384 (at EP 1).
+MAX_LOCAL_EXPERT_LAYERS = 32_768
 # Not listed as assumptions: how to read the inputs, not settings of the run.
 _NOT_ASSUMPTIONS = {"measured_log", "calibration", "model"}
 
@@ -278,6 +281,16 @@ def _setup(values: dict[str, Any], m: ModelSpec) -> Setup:
     return s
 
 
+def _check_size(m: ModelSpec, s: Setup) -> None:
+    if m.is_moe and s.ep >= 1:
+        work = m.num_layers * (m.num_moe_experts // s.ep)
+        if work > MAX_LOCAL_EXPERT_LAYERS:
+            raise InputError(
+                f"num_layers × num_moe_experts / ep = {m.num_layers} × {m.num_moe_experts} / {s.ep} = {work}: at "
+                f"most {MAX_LOCAL_EXPERT_LAYERS} (the estimator lists every local expert of every layer); raise ep"
+            )
+
+
 def _default_gpus(s: Setup, m: ModelSpec) -> int:
     """Smallest multiple of both TP·PP·CP and PP·EP·ETP that is at least 8 (one node)."""
     unit = math.lcm(s.tp * s.pp * s.cp, s.pp * s.ep * s.resolved_etp(m))
@@ -349,6 +362,7 @@ def resolve(
     if values.get("seq_length") is None:
         values["seq_length"], where["seq_length"] = m.seq_length, "preset" if base else "default"
     s = _setup(values, m)
+    _check_size(m, s)
     if values.get("num_gpus") is None:
         values["num_gpus"], where["num_gpus"] = _default_gpus(s, m), "derived"
         notes["num_gpus"] = "smallest multiple of TP·PP·CP and PP·EP·ETP that is at least 8"

@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "qwen3_30b_a3b_pretrain.yaml"
 
 BAD = [
-    ({"num_layers": 10**12}, "num_layers", "less than or equal to 10000"),
+    ({"num_layers": 10**12}, "num_layers", "less than or equal to 1024"),
     ({"num_layers": -4}, "num_layers", "greater than or equal to 1"),
     ({"hidden_size": math.nan}, "hidden_size", ""),
     ({"link_gbps": math.inf}, "link_gbps", "finite"),
@@ -93,7 +93,7 @@ def test_cli_flags_and_mcp_parameters_are_derived_from_the_one_model():
     for name in ("estimate_memory", "recommend_mode"):
         props = tools[name]["properties"]
         assert set(FIELDS) <= set(props)
-        assert props["num_layers"]["anyOf"][0]["maximum"] == 10000  # the bound travels with the parameter
+        assert props["num_layers"]["anyOf"][0]["maximum"] == 1024  # the bound travels with the parameter
         assert props["optimizer_offload_fraction"]["anyOf"][0]["maximum"] == 1.0
 
 
@@ -196,3 +196,16 @@ def test_json_of_the_results_is_the_pydantic_dump(capsys):
 def test_validate_inputs_rejects_unknown_names():
     with pytest.raises(InputError, match="extra"):
         validate_inputs({"tensor_parallel": 2})
+
+
+def test_the_largest_accepted_inputs_answer_quickly_and_larger_work_is_refused():
+    import time
+
+    dense = {"num_layers": 1024, "hidden_size": 16384, "num_attention_heads": 128, "vocab_size": 256000}
+    start = time.perf_counter()
+    plan.recommend(resolve({**dense, "num_gpus": 8}))
+    moe = {**dense, "num_layers": 128, "num_moe_experts": 256, "moe_ffn_hidden_size": 2048, "moe_router_topk": 8}
+    plan.recommend(resolve({**moe, "num_gpus": 8}))
+    assert time.perf_counter() - start < 30  # generous on a shared CI core; about 2 s here
+    with pytest.raises(InputError, match="at most 32768"):
+        resolve({**moe, "num_layers": 1024, "num_moe_experts": 1024})
