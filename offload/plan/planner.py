@@ -122,7 +122,21 @@ def estimate(r: Resolved) -> Estimate:
     p = prepare(r)
     est = estimate_memory(r.model, r.setup, r.gpu.host_ram_gb)
     t = estimate_time(est, r.gpu, overlap=r.overlap, **p.time_kwargs)
-    return estimate_result(p, est, t)
+    result = estimate_result(p, est, t)
+    if r.inputs.ooms:
+        result.notes.append(_what_would_fit(p))
+    return result
+
+
+def _what_would_fit(p: Plan) -> str:
+    """After a reported OOM: the smallest optimizer offload fraction that fits with the anchored memory."""
+    found = _smallest_fraction(p, replace(p.r.setup, optimizer_offload_fraction=0.0))
+    if found is None:
+        return "no optimizer offload fraction fits with that; `recommend` says what would (more PP, recompute, GPUs)"
+    return (
+        f"with that, optimizer_offload_fraction={found.setup.optimizer_offload_fraction:g} would fit "
+        f"({p.total_gib(found):.1f} GiB of {p.budget_bytes / GiB:.1f} GiB allocatable)"
+    )
 
 
 # ------------------------------------------------------------------------------------------- search
