@@ -214,7 +214,7 @@ def cmd_diagnose(args: argparse.Namespace) -> int:
         before=before,
         after=after,
     )
-    emit(report.to_dict(), args.json, _human_diagnose)
+    emit(report.model_dump(mode="json"), args.json, _human_diagnose)
     return EXIT_OK
 
 

@@ -6,51 +6,53 @@
 from __future__ import annotations
 
 import argparse
+import shlex
+import typing
 from typing import Any
 
 from mbridge_offload_tools.common import EXIT_OK, UsageError, emit
 
 
+def _arg_kind(annotation: Any) -> dict[str, Any]:
+    """argparse keywords for a ``PlanInputs`` field type (``X | None``, bool, Literal, list[str], int, float)."""
+    args = [a for a in typing.get_args(annotation) if a is not type(None)] or [annotation]
+    kind = args[0]
+    if kind is bool:
+        return {"action": argparse.BooleanOptionalAction}
+    if typing.get_origin(kind) is typing.Literal:
+        return {"choices": list(typing.get_args(kind))}
+    if typing.get_origin(kind) is list:
+        return {"nargs": "+"}
+    return {"type": kind, "metavar": {int: "N", float: "X"}.get(kind, "TEXT")}
+
+
 def _add_common(p: argparse.ArgumentParser) -> None:
-    src = p.add_mutually_exclusive_group()
-    src.add_argument("--model", metavar="NAME", help="model preset (qwen3-30b-a3b, llama3-8b, ...)")
-    src.add_argument("--model-config", metavar="FILE", help="a Bridge YAML/JSON: its model section (and parallelism)")
-    hw = p.add_mutually_exclusive_group()
-    hw.add_argument("--gpu", metavar="PRESET", help="GPU preset (h100-80gb, h200-141gb, gh200, a100-80gb, b200)")
-    hw.add_argument("--gpu-memory-gb", type=float, metavar="G", help="GPU memory instead of a preset (H100 links)")
-    p.add_argument("--num-gpus", type=int, metavar="N")
-    for flag in ("tp", "pp", "ep", "etp", "cp", "vpp"):
-        p.add_argument(f"--{flag}", type=int, metavar="N")
-    p.add_argument("--seq-length", type=int, metavar="S")
-    p.add_argument("--micro-batch-size", type=int, metavar="B")
-    p.add_argument("--global-batch-size", type=int, metavar="B")
-    p.add_argument("--optimizer-offload-fraction", type=float, metavar="F")
-    p.add_argument("--activation-offload-layers", type=int, metavar="K")
-    p.add_argument("--no-distributed-optimizer", action="store_true")
-    p.add_argument("--precision-aware-optimizer", action="store_true")
-    p.add_argument("--recompute", choices=["full", "selective"], help="model.recompute_granularity")
-    p.add_argument("--no-overlap", action="store_true", help="overlap_cpu_optimizer_d2h_h2d=False")
-    p.add_argument("--cpu-threads", type=int, default=1, help="CPU threads per rank (OMP_NUM_THREADS; torchrun: 1)")
-    p.add_argument("--cpu-adam-params-per-s", type=float, help="CPU AdamW params/s per core (else calibration)")
-    p.add_argument("--baseline-step-s", type=float, help="measured step time without offload, seconds")
-    p.add_argument("--mfu", type=float, help="assumed MFU for the derived baseline step time")
-    p.add_argument("--host-ram-gb", type=float, help="host RAM per GPU (warning threshold)")
-    p.add_argument("--link-gbps", type=float, help="GPU<->host GB/s per direction (theoretical)")
-    p.add_argument("--host-bw-gbps", type=float, help="host memory GB/s per GPU (theoretical)")
-    p.add_argument("--calibration", metavar="PATH", help="calibration file (default ~/.cache/mbridge-offload/...)")
+    """Every planner input as a flag, generated from ``PlanInputs`` (one declaration: type, help, bounds)."""
+    from mbridge_offload.plan.inputs import GROUPS, PlanInputs, bounds_text, flag_name
+
+    groups = {g: p.add_argument_group(f"{g} inputs") for g in GROUPS}
+    for name, info in PlanInputs.model_fields.items():
+        extra = info.json_schema_extra or {}
+        bounds = bounds_text(name)
+        help_text = info.description + (f" [{bounds}]" if bounds else "")
+        groups[str(extra["group"])].add_argument(
+            flag_name(name), dest=name, default=None, help=help_text, **_arg_kind(info.annotation)
+        )
+    p.add_argument("--model-config", metavar="FILE", help="a Bridge YAML/JSON: its model, parallelism and settings")
+    p.add_argument(
+        "--megatron-args", metavar="ARGS", help="Megatron-LM pretrain_gpt.py flags, quoted (instead of a config)"
+    )
     p.add_argument("--json", action="store_true", help="print exactly one JSON object")
 
 
 def add_parsers(sub: Any) -> None:
     est = sub.add_parser("estimate", help="per-GPU memory (worst pipeline stage), host memory and step-time factor")
     _add_common(est)
+    est.add_argument("config", nargs="?", metavar="CONFIG", help="Bridge YAML/JSON (same as --model-config)")
     est.set_defaults(handler=run_estimate)
     rec = sub.add_parser("recommend", help="the smallest offload that fits: none, optimizer, activation or both")
     _add_common(rec)
     rec.add_argument("config", nargs="?", metavar="CONFIG", help="Bridge YAML/JSON (same as --model-config)")
-    rec.add_argument(
-        "--margin", type=float, default=None, help="fraction of GPU memory kept free (default 0.05 dense, 0.30 MoE)"
-    )
     rec.set_defaults(handler=run_recommend)
     cal = sub.add_parser("calibrate", help="time torch's fused CPU AdamW here and store params/s")
     cal.add_argument(
@@ -68,122 +70,36 @@ def add_parsers(sub: Any) -> None:
 # ---------------------------------------------------------------------------------------------- inputs
 
 
-def _inputs(args: argparse.Namespace):
+def _load(args: argparse.Namespace) -> Any:
     from mbridge_offload.config import sources
-    from mbridge_offload.plan import planner as plan
 
     path = args.model_config or getattr(args, "config", None)
     if args.model_config and getattr(args, "config", None):
         raise UsageError("give the config once: either --model-config FILE or CONFIG")
-    loaded = None
-    if path:
-        try:
-            loaded = sources.load(path)
-        except sources.ConfigError as exc:
-            raise UsageError(str(exc)) from None
-    if args.model is None and loaded is None:
-        raise UsageError("no model: pass --model NAME (a preset) or --model-config FILE (a Bridge YAML)")
-    for name in ("num_gpus", "tp", "pp", "ep", "etp", "cp", "vpp", "seq_length", "micro_batch_size"):
-        value = getattr(args, name)
-        if value is not None and value < 1:
-            raise UsageError(f"--{name.replace('_', '-')} is {value}: it must be at least 1")
-    fraction = args.optimizer_offload_fraction
-    if fraction is not None and not 0.0 <= fraction <= 1.0:
-        raise UsageError(f"--optimizer-offload-fraction is {fraction}: it must be in [0.0, 1.0]")
-    if args.activation_offload_layers is not None and args.activation_offload_layers < 0:
-        raise UsageError(f"--activation-offload-layers is {args.activation_offload_layers}: it must be at least 0")
-    flags = dict(
-        model=args.model,
-        gpu=args.gpu,
-        gpu_memory_gb=args.gpu_memory_gb,
-        num_gpus=args.num_gpus,
-        tp=args.tp,
-        pp=args.pp,
-        ep=args.ep,
-        etp=args.etp,
-        cp=args.cp,
-        vpp=args.vpp,
-        seq_length=args.seq_length,
-        micro_batch_size=args.micro_batch_size,
-        global_batch_size=args.global_batch_size,
-        optimizer_offload_fraction=args.optimizer_offload_fraction,
-        activation_offload_layers=args.activation_offload_layers,
-        distributed_optimizer=False if args.no_distributed_optimizer else None,
-        precision_aware_optimizer=True if args.precision_aware_optimizer else None,
-        recompute_granularity=args.recompute,
-        overlap=False if args.no_overlap else None,
-        host_ram_gb=args.host_ram_gb,
-        link_gbps=args.link_gbps,
-        host_bw_gbps=args.host_bw_gbps,
-    )
-    time_kwargs = dict(
-        cpu_threads=args.cpu_threads,
-        cpu_params_per_s_per_core=args.cpu_adam_params_per_s,
-        baseline_s=args.baseline_step_s,
-        mfu=args.mfu,
-        calibration=args.calibration,
-    )
-    if args.cpu_threads < 1:
-        raise UsageError(f"--cpu-threads is {args.cpu_threads}: it must be at least 1")
+    if path and args.megatron_args:
+        raise UsageError("give either a config file or --megatron-args, not both")
     try:
-        inputs = plan.resolve_inputs(loaded.config if loaded else None, loaded.raw if loaded else None, **flags)
+        if args.megatron_args:
+            return sources.load(argv=shlex.split(args.megatron_args))
+        return sources.load(path) if path else None
+    except (sources.ConfigError, ValueError) as exc:
+        raise UsageError(str(exc)) from None
+
+
+def _resolve(args: argparse.Namespace) -> tuple[Any, Any]:
+    """The resolved inputs (one path for presets, config files, Megatron-LM argv and flags) and the config."""
+    from mbridge_offload.plan.inputs import FIELDS
+    from mbridge_offload.plan.resolve import resolve
+
+    loaded = _load(args)
+    flags = {name: getattr(args, name) for name in FIELDS}
+    try:
+        return resolve(flags, loaded.config if loaded else None, loaded.raw if loaded else None), loaded
     except (KeyError, ValueError) as exc:
         raise UsageError(str(exc).strip("'\"")) from None
-    return inputs, loaded, time_kwargs
 
 
-# ---------------------------------------------------------------------------------------------- estimate
-
-
-def estimate_payload(inputs: Any, time_kwargs: dict[str, Any], margin: float | None = None) -> dict[str, Any]:
-    """The ``estimate`` JSON object (contract keys first, then details)."""
-    from mbridge_offload.plan.memory import GB, estimate_memory
-    from mbridge_offload.plan.planner import budget_gb, default_margin
-    from mbridge_offload.plan.timing import estimate_time
-
-    m, s, gpu = inputs.model, inputs.setup, inputs.gpu
-    est = estimate_memory(m, s, gpu.host_ram_gb)
-    t = estimate_time(est, gpu, overlap=inputs.overlap, **time_kwargs)
-    # "fits" means under the planner's budget, so that estimate and recommend never disagree.
-    budget = budget_gb(gpu, default_margin(m) if margin is None else margin)
-    return {
-        "memory_gb": est.breakdown_gb(),
-        "host_gb": round(est.host_gb, 3),
-        "offloaded_fraction": round(est.offloaded_fraction, 4),
-        "step_time_factor": round(t.step_time_factor, 3),
-        "fits": est.worst.total <= budget * GB,
-        "budget_gb": round(budget, 3),
-        "gpu_memory_gb": gpu.hbm_gb,
-        "worst_stage": est.worst.stage,
-        "stages": [{"stage": st.stage, "total_gb": round(st.total / GB, 3), "params": st.params} for st in est.stages],
-        "host_peak_gb": round(est.host_peak_gb, 3),
-        "time_s": {
-            "baseline": round(t.baseline_s, 4),
-            "d2h": round(t.d2h_s, 4),
-            "cpu_adam": round(t.cpu_adam_s, 4),
-            "h2d": round(t.h2d_s, 4),
-            "optimizer_extra": round(t.optimizer_extra_s, 4),
-            "activation_extra": round(t.activation_extra_s, 4),
-        },
-        "model": m.name,
-        "parallel": {
-            "num_gpus": s.num_gpus,
-            "tp": s.tp,
-            "pp": s.pp,
-            "vpp": s.vpp,
-            "cp": s.cp,
-            "ep": s.ep,
-            "etp": s.resolved_etp(m),
-            "dp": s.dp,
-            "expert_dp": s.expert_dp(m) if m.is_moe else None,
-            "sequence_parallel": s.sp,
-            "distributed_optimizer": s.use_distributed_optimizer,
-            "precision_aware_optimizer": s.use_precision_aware_optimizer,
-        },
-        "optimizer_offload_fraction": s.optimizer_offload_fraction,
-        "activation_offload_layers": s.activation_offload_layers,
-        "warnings": est.warnings + t.notes,
-    }
+# ---------------------------------------------------------------------------------------------- human output
 
 
 def _table(rows: list[tuple[str, str]]) -> str:
@@ -191,28 +107,34 @@ def _table(rows: list[tuple[str, str]]) -> str:
     return "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)
 
 
-def _memory_rows(mem: dict[str, float], other: dict[str, float] | None = None) -> list[tuple[str, str]]:
+def _memory_rows(gb: dict[str, float], gib: dict[str, float], before: dict[str, float] | None = None):
     rows = []
     for key in ("weights", "gradients", "optimizer", "activations", "other", "total"):
-        value = f"{mem[key]:8.2f} GB"
-        if other is not None:
-            value = f"{other[key]:8.2f} GB  ->{mem[key]:8.2f} GB"
+        value = f"{gib[key]:8.2f} GiB {gb[key]:8.2f} GB"
+        if before is not None:
+            value = f"{before[key]:8.2f} GiB  ->{value}"
         rows.append((key, value))
     return rows
+
+
+def _assumption_lines(d: dict[str, Any]) -> list[str]:
+    lines = ["assumptions (value, source):"]
+    for a in d["assumptions"]:
+        note = f" - {a['note']}" if a.get("note") else ""
+        lines.append(f"  {a['name']} = {a['value']} ({a['source']}){note}")
+    return lines
 
 
 def _human_estimate(d: dict[str, Any]) -> str:
     p = d["parallel"]
     head = (
         f"{d['model']} on {p['num_gpus']} GPUs (TP{p['tp']} PP{p['pp']} CP{p['cp']} EP{p['ep']} ETP{p['etp']}, "
-        f"DP{p['dp']}), worst stage {d['worst_stage']}, per GPU:"
+        f"DP{p['dp']}), worst stage {d['worst_stage']}, peak allocated per GPU:"
     )
-    rows = _memory_rows(d["memory_gb"])
+    rows = _memory_rows(d["memory_gb"], d["memory_gib"])
+    verdict = "fits" if d["fits"] else "DOES NOT FIT"
     rows += [
-        (
-            "budget",
-            f"{d['budget_gb']:8.2f} GB of {d['gpu_memory_gb']:g} GB -> {'fits' if d['fits'] else 'DOES NOT FIT'}",
-        ),
+        ("budget", f"{d['budget_gib']:8.2f} GiB of {d['gpu_memory_gib']:.2f} GiB exposed -> {verdict}"),
         ("host", f"{d['host_gb']:8.2f} GB (peak {d['host_peak_gb']:.2f} GB)"),
         (
             "offloaded",
@@ -220,28 +142,28 @@ def _human_estimate(d: dict[str, Any]) -> str:
         ),
         ("step time", f"x{d['step_time_factor']:.2f} (baseline {d['time_s']['baseline']:.3f} s)"),
     ]
-    return "\n".join([head, _table(rows)] + [f"warning: {w}" for w in d["warnings"]])
+    lines = [head, _table(rows)] + [f"note: {n}" for n in d["notes"]] + [f"warning: {w}" for w in d["warnings"]]
+    return "\n".join([*lines, f"unit: {d['unit']}", *_assumption_lines(d)])
 
 
 def run_estimate(args: argparse.Namespace) -> int:
-    inputs, _, time_kwargs = _inputs(args)
+    from mbridge_offload.plan import planner as plan
+
+    resolved, _ = _resolve(args)
     try:
-        payload = estimate_payload(inputs, time_kwargs)
+        result = plan.estimate(resolved)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
-    emit(payload, args.json, _human_estimate)
+    emit(result.model_dump(mode="json"), args.json, _human_estimate)
     return EXIT_OK
-
-
-# ---------------------------------------------------------------------------------------------- recommend
 
 
 def _human_recommend(d: dict[str, Any]) -> str:
     lines = [
         f"mode: {d['mode']}    fits: {'yes' if d['fits'] else 'NO'}    step time: x{d['step_time_factor']:.2f}",
-        "memory per GPU (worst stage), before -> after:",
+        "peak allocated per GPU (worst stage), before -> after:",
+        _table(_memory_rows(d["memory_gb"]["after"], d["memory_gib"]["after"], d["memory_gib"]["before"])),
     ]
-    lines.append(_table(_memory_rows(d["memory_gb"]["after"], d["memory_gb"]["before"])))
     if d["overrides"]:
         lines.append("overrides:")
         lines += [f"  {o}" for o in d["overrides"]]
@@ -250,23 +172,19 @@ def _human_recommend(d: dict[str, Any]) -> str:
     if d.get("suggestions"):
         lines.append("what would fit:")
         lines += [f"  - {r}" for r in d["suggestions"]]
-    return "\n".join(lines)
+    return "\n".join([*lines, f"unit: {d['unit']}", *_assumption_lines(d)])
 
 
 def run_recommend(args: argparse.Namespace) -> int:
     from mbridge_offload.plan import planner as plan
 
-    if args.margin is not None and not 0.0 <= args.margin < 1.0:
-        raise UsageError(f"--margin is {args.margin}: it must be in [0, 1)")
-    inputs, loaded, time_kwargs = _inputs(args)
+    resolved, loaded = _resolve(args)
     try:
-        rec = plan.recommend(
-            inputs.model, inputs.setup, inputs.gpu, inputs.constraints, margin=args.margin, time_kwargs=time_kwargs
-        )
+        rec = plan.recommend(resolved)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     plan.revalidate(rec, loaded.config if loaded else None, loaded.raw if loaded else None)
-    emit(rec.to_json(), args.json, _human_recommend)
+    emit(rec.model_dump(mode="json"), args.json, _human_recommend)
     return EXIT_OK
 
 

@@ -1,4 +1,4 @@
-"""The ``mbridge-offload`` MCP server: five tools over the offload library, for coding agents.
+"""The ``mbridge-offload`` MCP server: six tools over the offload library, for coding agents.
 
 Each tool is a thin call into ``offload/`` with a pydantic output model (structured output) and annotations.
 Bad input raises ``ToolError`` with a message that names the key, the value and the fix, so the model can
@@ -14,6 +14,7 @@ Run: ``mbridge-offload-mcp`` (stdio), ``mbridge-offload-mcp --transport streamab
 from __future__ import annotations
 
 import argparse
+import inspect
 import logging
 from typing import Annotated, Any, Literal
 
@@ -26,6 +27,8 @@ from pydantic import BaseModel, Field
 from mbridge_offload import __version__
 from mbridge_offload.actions.apply import ApplyResult
 from mbridge_offload_tools import guard
+from mbridge_offload.actions.diagnose import DiagnoseReport
+from mbridge_offload.plan.results import Estimate, Recommendation
 
 logger = logging.getLogger(__name__)
 
@@ -33,7 +36,8 @@ INSTRUCTIONS = """\
 CPU offloading for Megatron Bridge / Megatron Core training: optimizer-state offload (HybridDeviceOptimizer,
 optimizer.optimizer_cpu_offload + optimizer.optimizer_offload_fraction) and layer-level activation offload
 (model.cpu_offloading, needs PP=1, no recompute, no CUDA graphs).
-Typical flow: validate_config on the user's YAML -> recommend_mode for the GPU/parallelism -> apply_offload
+Typical flow: validate_config on the user's YAML -> estimate_memory / recommend_mode for the GPU/parallelism
+(answers list every assumption with its source; memory in GB and GiB) -> apply_offload
 (dry run shows the diff; pass output or in_place to write) -> run_unit_tests (suite='parity' checks loss
 parity on a tiny GPT) -> diagnose_failure with the error text when a run fails.
 Configs are a file path or inline YAML/JSON; overrides are Hydra-style, e.g.
@@ -70,27 +74,6 @@ class ValidateOutput(BaseModel):
     source: str
 
 
-class MemoryBreakdown(BaseModel):
-    weights: float | None = None
-    gradients: float | None = None
-    optimizer: float | None = None
-    activations: float | None = None
-    other: float | None = None
-    total: float | None = None
-
-
-class MemoryBeforeAfter(BaseModel):
-    before: MemoryBreakdown
-    after: MemoryBreakdown
-
-
-class RecommendOutput(BaseModel):
-    mode: Literal["none", "optimizer", "activation", "both"]
-    overrides: list[str]
-    memory_gb: MemoryBeforeAfter
-    fits: bool
-    step_time_factor: float
-    rationale: list[str]
 
 
 class TestResultModel(BaseModel):
@@ -122,27 +105,6 @@ class TestRunOutput(BaseModel):
     details: dict[str, Any] | None = Field(None, description="parity suite: loss delta, split, bytes, step ratio")
 
 
-class MatchModel(BaseModel):
-    failure: str = Field(description="failure-mode id")
-    title: str
-    cause: str
-    confirm: str = Field(description="how to confirm this is the cause")
-    fix: list[str] = Field(description="overrides that fix it (may be empty when the fix is not a config key)")
-    actions: list[str] = Field(description="other steps: upgrades, environment changes, alternatives")
-    evidence: str | None = None
-    source: str
-    references: list[str] = []
-
-
-class DiagnoseOutput(BaseModel):
-    matches: list[MatchModel]
-    findings: list[FindingModel]
-    comparison: dict[str, Any] | None = Field(
-        None, description="with before/after: changed offload keys and predicted per-GPU memory"
-    )
-    notes: list[str]
-
-
 # ---------------------------------------------------------------------------------------------- helpers
 
 
@@ -155,13 +117,92 @@ def _load(config: str, overrides: list[str] | None, what: str = "config"):
         raise ToolError(str(exc) if what == "config" else f"{what}: {exc}") from None
 
 
-def _recommend(loaded: Any, flags: dict[str, Any]) -> dict[str, Any]:
-    from mbridge_offload.plan import planner as plan
+def _plan_parameters() -> list[inspect.Parameter]:
+    """The planner tools' parameters: a config, overrides, Megatron-LM argv, and every ``PlanInputs`` field
+    (type, bounds and description taken from it: one declaration for the library, the CLI and MCP)."""
+    from mbridge_offload.plan.inputs import PlanInputs, bounds_text
 
-    rec = plan.recommend_for_inputs(
-        config=loaded.config if loaded else None, raw=loaded.raw if loaded else None, **flags
+    kw = inspect.Parameter.KEYWORD_ONLY
+    params = [
+        inspect.Parameter(
+            "config",
+            kw,
+            default=None,
+            annotation=Annotated[
+                str | None,
+                Field(
+                    description="optional Bridge config (path or YAML/JSON text); a model preset fills what it lacks"
+                ),
+            ],
+        ),
+        inspect.Parameter("overrides", kw, default=[], annotation=OverridesArg),
+        inspect.Parameter(
+            "megatron_args",
+            kw,
+            default=None,
+            annotation=Annotated[
+                str | None, Field(description="Megatron-LM pretrain_gpt.py flags instead of a config")
+            ],
+        ),
+    ]
+    for name, info in PlanInputs.model_fields.items():
+        bounds = bounds_text(name)
+        text = info.description + (f" [{bounds}]" if bounds else "")
+        annotation = Annotated[(info.annotation, *info.metadata, Field(description=text))]
+        params.append(inspect.Parameter(name, kw, default=None, annotation=annotation))
+    return params
+
+
+def _plan(kind: str, args: dict[str, Any]) -> Any:
+    """Resolve the planner inputs (one path: preset, config, argv, parameters) and run estimate or recommend."""
+    import shlex
+
+    from mbridge_offload.config.sources import ConfigError, load
+    from mbridge_offload.plan import planner as plan
+    from mbridge_offload.plan.resolve import resolve
+
+    config, overrides, argv = (
+        args.pop("config", None),
+        args.pop("overrides", None) or [],
+        args.pop("megatron_args", None),
     )
-    return rec.to_json()
+    if config is None and argv is None and args.get("model") is None and args.get("num_layers") is None:
+        raise ToolError(
+            "no model: pass model (a preset such as qwen3-30b-a3b or llama3-8b), config (a Bridge YAML path or "
+            "text with the model section), or megatron_args"
+        )
+    if config is not None and argv is not None:
+        raise ToolError("pass either config or megatron_args, not both")
+    if overrides and config is None and argv is None:
+        raise ToolError("overrides need a config to apply to; pass config (path or YAML text) too")
+    try:
+        loaded = load(argv=shlex.split(argv), overrides=overrides) if argv is not None else None
+        loaded = _load(config, overrides) if config is not None else loaded
+        r = resolve(args, loaded.config if loaded else None, loaded.raw if loaded else None)
+        if kind == "estimate":
+            return plan.estimate(r)
+        rec = plan.recommend(r)
+    except (ValueError, KeyError, ConfigError) as exc:
+        raise ToolError(str(exc).strip("'\"")) from None
+    plan.revalidate(rec, loaded.config if loaded else None, loaded.raw if loaded else None)
+    return rec
+
+
+def _plan_tool(kind: str, output: type, doc: str, title: str) -> None:
+    """Register a planner tool whose parameters are generated from ``PlanInputs``."""
+
+    def tool(**kwargs: Any) -> Any:
+        return _plan(kind, dict(kwargs))
+
+    tool.__name__ = {"estimate": "estimate_memory", "recommend": "recommend_mode"}[kind]
+    tool.__doc__ = doc
+    tool.__signature__ = inspect.Signature(_plan_parameters(), return_annotation=output)  # type: ignore[attr-defined]
+    mcp.tool(
+        title=title,
+        annotations=ToolAnnotations(
+            read_only_hint=True, destructive_hint=False, idempotent_hint=True, open_world_hint=False
+        ),
+    )(guard.guarded()(tool))
 
 
 # ---------------------------------------------------------------------------------------------- tools
@@ -199,62 +240,26 @@ def validate_config(
     )
 
 
-@mcp.tool(
-    title="Recommend an offload mode",
-    annotations=ToolAnnotations(
-        read_only_hint=True, destructive_hint=False, idempotent_hint=True, open_world_hint=False
-    ),
-)
-@guard.guarded()
-def recommend_mode(
-    config: Annotated[
-        str | None, Field(description="optional config (path or text); its model and parallelism are used")
-    ] = None,
-    overrides: OverridesArg = [],  # noqa: B006
-    model: Annotated[str | None, Field(description="model preset, e.g. qwen3-30b-a3b, llama3-8b")] = None,
-    gpu: Annotated[str | None, Field(description="GPU preset, e.g. h100-80gb, h200-141gb")] = None,
-    gpu_memory_gb: Annotated[float | None, Field(gt=0, description="GPU memory instead of a preset")] = None,
-    num_gpus: Annotated[int | None, Field(ge=1)] = None,
-    tp: Annotated[int | None, Field(ge=1)] = None,
-    pp: Annotated[int | None, Field(ge=1)] = None,
-    ep: Annotated[int | None, Field(ge=1)] = None,
-    etp: Annotated[int | None, Field(ge=1)] = None,
-    cp: Annotated[int | None, Field(ge=1)] = None,
-    vpp: Annotated[int | None, Field(ge=1)] = None,
-    seq_length: Annotated[int | None, Field(ge=1)] = None,
-    micro_batch_size: Annotated[int | None, Field(ge=1)] = None,
-) -> RecommendOutput:
+_plan_tool(
+    "recommend",
+    Recommendation,
     """Pick the smallest offload that makes the run fit: none, optimizer (with a fraction), activation, or both.
 
-    Returns the overrides, per-GPU memory before/after, whether it fits, the step-time factor and why.
-    """
-    flags = {
-        "model": model,
-        "gpu": gpu,
-        "gpu_memory_gb": gpu_memory_gb,
-        "num_gpus": num_gpus,
-        "tp": tp,
-        "pp": pp,
-        "ep": ep,
-        "etp": etp,
-        "cp": cp,
-        "vpp": vpp,
-        "seq_length": seq_length,
-        "micro_batch_size": micro_batch_size,
-    }
-    if config is None and model is None:
-        raise ToolError(
-            "no model: pass model (a preset such as qwen3-30b-a3b or llama3-8b) or config (a Bridge "
-            "YAML path or text with the model section)"
-        )
-    loaded = _load(config, overrides) if config is not None else None
-    if loaded is None and overrides:
-        raise ToolError("overrides need a config to apply to; pass config (path or YAML text) too")
-    try:
-        data = _recommend(loaded, {k: v for k, v in flags.items() if v is not None})
-    except (ValueError, KeyError) as exc:
-        raise ToolError(str(exc).strip("'\"")) from None
-    return RecommendOutput.model_validate(data)
+    Takes a preset, a (partial) config, Megatron-LM argv and/or any planner input; what is missing comes from the
+    preset (or the error names it). Returns the overrides, per-GPU memory before/after (GB and GiB), whether it
+    fits, the step-time factor, why, and every assumption with its source. Pass measured_peak_gib /
+    measured_step_s / measured_log / ooms to anchor the predictions on the user's own run.
+    """,
+    "Recommend an offload mode",
+)
+_plan_tool(
+    "estimate",
+    Estimate,
+    """Predict per-GPU peak memory (worst pipeline stage, GB and GiB), host memory and step-time factor of a
+    setting as given (its offload fraction / layers included), with every assumption and its source.
+    """,
+    "Estimate memory and step time",
+)
 
 
 @mcp.tool(
@@ -397,7 +402,7 @@ def diagnose_failure(
     config: Annotated[str | None, Field(description="the failing run's config (path or text)")] = None,
     before: Annotated[str | None, Field(description="config before the change that broke the run")] = None,
     after: Annotated[str | None, Field(description="config after that change")] = None,
-) -> DiagnoseOutput:
+) -> DiagnoseReport:
     """Match an error or log against the known offload failure modes: cause, how to confirm, fix as overrides.
 
     With before/after configs it also lists the offload keys that changed and the predicted memory change.
@@ -426,7 +431,7 @@ def diagnose_failure(
         before=b.config if b else None,
         after=a.config if a else None,
     )
-    return DiagnoseOutput.model_validate(report.to_dict())
+    return report
 
 
 # ---------------------------------------------------------------------------------------------- entry points

@@ -204,8 +204,7 @@ def _recommended(cfg: OffloadConfig, raw: dict[str, Any], planner: dict[str, Any
         rec = plan.recommend_for_config(cfg, raw=raw, **(planner or {}))
     except (KeyError, ValueError, TypeError) as exc:  # no model sizes, unknown preset, a setup Megatron rejects
         raise ApplyError(f"mode=recommended: the planner cannot size this config: {str(exc).strip(chr(39))}") from None
-    data = rec.to_json()
-    return str(data["mode"]), list(data.get("overrides") or [])
+    return str(rec.mode), list(rec.overrides)
 
 
 def _requested_edits(overrides: list[str], effective_raw: dict[str, Any]) -> dict[str, Any]:

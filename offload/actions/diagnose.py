@@ -24,53 +24,48 @@ from __future__ import annotations
 
 import re
 import string
-from dataclasses import dataclass, field
+from functools import cache, lru_cache
 from typing import Any
 
-from mbridge_offload.actions.failures import EXPLAINS_RULES, KNOWN
+from pydantic import BaseModel, Field
+
+from mbridge_offload.actions.failures import CONCEPTS, EXPLAINS_RULES, KNOWN, FailureMode
 from mbridge_offload.config.schema import OffloadConfig, effective_values
 
 
-@dataclass
-class Diagnosis:
-    failure: str
+class Diagnosis(BaseModel):
+    """One failure mode that the text (or the config change) shows."""
+
+    failure: str = Field(description="failure-mode id")
     title: str
     cause: str
-    confirm: str
-    fix: list[str]
-    actions: list[str] = field(default_factory=list)
+    confirm: str = Field(description="how to confirm this is the cause")
+    fix: list[str] = Field(description="overrides that fix it (may be empty when the fix is not a config key)")
+    actions: list[str] = Field([], description="other steps: upgrades, environment changes, alternatives")
     evidence: str | None = None
-    source: str = "known"
-    references: list[str] = field(default_factory=list)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "failure": self.failure,
-            "title": self.title,
-            "cause": self.cause,
-            "confirm": self.confirm,
-            "fix": self.fix,
-            "actions": self.actions,
-            "evidence": self.evidence,
-            "source": self.source,
-            "references": self.references,
-        }
+    source: str = Field("known", description="known (pattern), meaning (a phrasing), or rule:ID")
+    references: list[str] = []
 
 
-@dataclass
-class DiagnoseReport:
+class Closest(BaseModel):
+    """A failure mode the text resembles without matching: how many of a phrasing's ideas it shows."""
+
+    failure: str
+    title: str
+    score: float = Field(description="share of the best phrasing's ideas found in the text (0..1)")
+    phrasing: str
+
+
+class DiagnoseReport(BaseModel):
+    """``diagnose``: the library's result, the CLI's ``--json`` and the MCP tool's structured output."""
+
     matches: list[Diagnosis]
-    findings: list[dict[str, Any]] = field(default_factory=list)
-    comparison: dict[str, Any] | None = None
-    notes: list[str] = field(default_factory=list)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "matches": [m.to_dict() for m in self.matches],
-            "findings": self.findings,
-            "comparison": self.comparison,
-            "notes": self.notes,
-        }
+    findings: list[dict[str, Any]] = []
+    comparison: dict[str, Any] | None = Field(
+        None, description="with before/after: changed offload keys and predicted per-GPU memory"
+    )
+    closest: list[Closest] = Field([], description="when nothing matched: the nearest failure modes")
+    notes: list[str] = []
 
 
 # ---------------------------------------------------------------------------------------------- matching
@@ -153,6 +148,74 @@ def _from_rules(text: str, covered: set[str]) -> list[Diagnosis]:
     return found
 
 
+def _diagnosis(mode: FailureMode, fix: list[str], evidence: str | None, source: str) -> Diagnosis:
+    return Diagnosis(
+        failure=mode.id,
+        title=mode.title,
+        cause=mode.cause,
+        confirm=mode.confirm,
+        fix=fix,
+        actions=list(mode.actions),
+        evidence=evidence,
+        source=source,
+        references=list(mode.references),
+    )
+
+
+# ---------------------------------------------------------------------------------------------- meaning
+
+
+@lru_cache(maxsize=1)
+def _concept_regexes() -> dict[str, re.Pattern[str]]:
+    return {name: re.compile(pattern, re.IGNORECASE) for name, pattern in CONCEPTS.items()}
+
+
+def concepts(text: str) -> frozenset[str]:
+    """The ideas (``failures.CONCEPTS``) a text expresses, whatever its wording."""
+    flat = _normalise(text.replace("’", "'"))
+    return frozenset(name for name, regex in _concept_regexes().items() if regex.search(flat))
+
+
+@cache
+def _phrasing_concepts(phrasing: str) -> frozenset[str]:
+    return concepts(phrasing)
+
+
+def _applies(mode: FailureMode, config: OffloadConfig | None) -> bool:
+    if config is None:
+        return mode.without_config
+    return mode.when is None or mode.when(config)
+
+
+def _by_meaning(text: str, config: OffloadConfig | None, found: set[str]) -> list[Diagnosis]:
+    """Failure modes one of whose phrasings the text expresses (all of its ideas present)."""
+    ideas = concepts(text)
+    out = []
+    for mode in KNOWN:
+        if mode.id in found or not mode.phrasings or not _applies(mode, config):
+            continue
+        for phrasing in mode.phrasings:
+            if _phrasing_concepts(phrasing) <= ideas:
+                fix = list(mode.fix(config, re.match("", "")) if callable(mode.fix) else mode.fix)
+                out.append(_diagnosis(mode, fix, f"reads as: {phrasing!r}", "meaning"))
+                break
+    return out
+
+
+def closest_modes(text: str, n: int = 3) -> list[Closest]:
+    """The ``n`` failure modes whose phrasings share the most ideas with the text (score > 0)."""
+    ideas = concepts(text)
+    scored = []
+    for mode in KNOWN:
+        best = max(
+            ((len(_phrasing_concepts(p) & ideas) / len(_phrasing_concepts(p)), p) for p in mode.phrasings),
+            default=(0.0, ""),
+        )
+        if best[0] > 0:
+            scored.append(Closest(failure=mode.id, title=mode.title, score=round(best[0], 2), phrasing=best[1]))
+    return sorted(scored, key=lambda c: -c.score)[:n]
+
+
 def match_text(text: str, config: OffloadConfig | None = None) -> list[Diagnosis]:
     """Every known failure mode the text shows, most specific first."""
     text = text or ""
@@ -174,20 +237,9 @@ def match_text(text: str, config: OffloadConfig | None = None) -> list[Diagnosis
         fix = list(mode.fix(config, hit)) if callable(mode.fix) else list(mode.fix)
         evidence = _line_around(hit.string, hit.start(), hit.end())
         covered.update(EXPLAINS_RULES.get(mode.id, ()))
-        matches.append(
-            Diagnosis(
-                mode.id,
-                mode.title,
-                mode.cause,
-                mode.confirm,
-                fix,
-                list(mode.actions),
-                evidence,
-                "known",
-                list(mode.references),
-            )
-        )
+        matches.append(_diagnosis(mode, fix, evidence, "known"))
     matches += _from_rules(text, covered)
+    matches += _by_meaning(text, config, {m.failure for m in matches})
     # A config error explains a crash better than the generic symptoms that may also match its log.
     specific = [m for m in matches if not m.failure.startswith(("oom_", "slowdown", "host_oom"))]
     generic = [m for m in matches if m not in specific]
@@ -203,17 +255,13 @@ def _memory(config: OffloadConfig) -> dict[str, Any]:
     Raises:
         ValueError / KeyError: the config lacks the model sizes the estimator needs.
     """
-    from mbridge_offload.plan.memory import estimate_memory
-    from mbridge_offload.plan.planner import resolve_inputs
-    from mbridge_offload.plan.timing import estimate_time
+    from mbridge_offload.plan.planner import estimate_for_inputs
 
-    inputs = resolve_inputs(config)
-    est = estimate_memory(inputs.model, inputs.setup, inputs.gpu.host_ram_gb)
-    timing = estimate_time(est, inputs.gpu, overlap=inputs.overlap)
+    est = estimate_for_inputs(config)
     return {
-        "memory_gb": est.breakdown_gb(),
-        "host_gb": round(est.host_gb, 3),
-        "step_time_factor": round(timing.step_time_factor, 3),
+        "memory_gb": est.memory_gb.model_dump(),
+        "host_gb": est.host_gb,
+        "step_time_factor": est.step_time_factor,
     }
 
 
@@ -272,9 +320,12 @@ def diagnose(
         if not text:
             report.matches = match_text("out of memory", after) if _got_smaller(before, after) else []
     if text and not report.matches:
+        report.closest = closest_modes(text)
+        nearest = ", ".join(f"{c.failure} ({c.score:.0%} of '{c.phrasing}')" for c in report.closest) or "none"
         report.notes.append(
-            "no known offload failure matched; pass the config (and the log around the first "
-            "error) for more, or run `mbridge-offload validate CONFIG`"
+            "no known offload failure matched; the closest failure modes: "
+            f"{nearest}. Pass the config (and the log around the first error) for more, or run "
+            "`mbridge-offload validate CONFIG`"
         )
     return report
 

@@ -36,6 +36,8 @@ class FailureMode:
     when: Callable[[OffloadConfig], bool] | None = None
     # Without a config, report this one only if it is one of the likely readings (not every OOM variant).
     without_config: bool = True
+    # How users describe it in their own words; matched by meaning (CONCEPTS), not by substring.
+    phrasings: tuple[str, ...] = ()
 
 
 # ------------------------------------------------------------------------------------- fixes that read the config
@@ -105,6 +107,68 @@ _SWITCH_TO_OPTIMIZER = (
     "optimizer.overlap_cpu_optimizer_d2h_h2d=true",
 )
 
+# ---------------------------------------------------------------------------------------------- meaning
+
+# The ideas a user's description is made of, each with the words that express it. A phrasing of a failure mode
+# matches a text when every idea of the phrasing is in the text, however it is worded (diagnose.py).
+CONCEPTS: dict[str, str] = {
+    "gpu": r"\bgpus?\b|\bcuda\b|\bdevice\b|\bvram\b|\bhbm\b|\bcards?\b|\baccelerators?\b|\bh100\b|\ba100\b",
+    "memory": r"\bmem(ory)?\b|\bvram\b|\bhbm\b|\ballocat\w*|\bfootprint|\b[gm]i?b\b|\busage\b|\bram\b",
+    "host": r"\bhost\b|\bsystem (ram|memory)|\bram\b|\bdram\b|\bnode'?s? memory|\bmachine",
+    "decrease": (
+        r"\b(go|goes|going|gone|went|come|came|coming) down|\bdrop\w*|\bdecreas\w*|\breduc\w*|\blower\w*|"
+        r"\bshr[iu]nk\w*|\bsmaller\b|\bfreed?\b|\bless\b|\bbenefit|\bhelp(s|ed)?\b|"
+        # "save" as in memory, not as in a checkpoint
+        r"(?<!checkpoint )(?<!ckpt )\bsav(e|ed|es|ing|ings)\b(?! (a |the )?(checkpoint|ckpt|state|optimizer|model))|"
+        r"\bmove[sd]? the needle|\bimprov\w*"
+    ),
+    "negation": (
+        r"\bnot?\b|\bnever\b|\bnothing\b|\bzero\b|\bnone\b|\bunchanged|\bsame\b|\bidentical|\bno effect|"
+        r"n't\b|\bfail(s|ed)? to|\bbarely\b|\bhardly\b|\bstill\b|\bflat\b"
+    ),
+    "oom": (
+        r"out of memory|\boom\b|outofmemory|\bran out|\bruns? out|\brunning out|\bexhaust\w*|not enough (\w+ )?memory|"
+        r"exceed\w*.{0,30}(memory|capacity)|(memory|gpu|hbm|vram|device) (is |was |got )?full|too little memory|"
+        r"does ?n[o']t fit|won't fit"
+    ),
+    "slow": (
+        r"\bslow\w*|\blonger\b|\bcrawl\w*|\bsluggish|\btakes? (forever|ages)|\btimes slower|"
+        r"\b\d+(\.\d+)?\s*x\s+(longer|more time)|\bthroughput (dropped|fell|regress\w*|tanked)|\bdragg?ing"
+    ),
+    "time": (
+        r"\bsteps?\b|\biterations?\b|\biters?\b|\btime\b|\bthroughput|\btokens?/s|\bsamples?/s|\bs/it\b|"
+        r"\bseconds?\b|\bms\b|\bspeed|\bperformance|\btraining\b"
+    ),
+    "increase": (
+        r"\bjump\w*|\bspik\w*|\bexplod\w*|\bdiverg\w*|\bblew up|\bblow(s|n)? up|\bskyrocket\w*|\bnan\b|"
+        r"\bworse\b|\bhigher\b|\bincreas\w*|\bshot up|\bwent up|\bgoes up|\bdoubl\w*|\btripl\w*|\bgrew\b|\brose\b|"
+        r"\bback to (its )?(initial|starting|random)"
+    ),
+    "loss": r"\bloss\w*|\bperplexity|\bppl\b|\bconverg\w*|\btraining curve",
+    "resume": (
+        r"\bresum\w*|\brestart\w*|\breload\w*|\brestor\w*|\bcheckpoints?\b|\bckpts?\b|\bload(ed|ing)?\b|"
+        r"\bpick(ed|ing)? up (again|where)|\bcontinu\w*"
+    ),
+    "save": (
+        r"\bsav(e|es|ed|ing)\b.{0,30}\b(checkpoint|ckpt|state|optimizer)|\b(checkpoint|ckpt)\w*.{0,20}\bsav|"
+        r"\bwrit\w* (the |a )?(checkpoint|ckpt)|\bsave_checkpoint"
+    ),
+    "hang": (
+        r"\bhang\w*|\bhung\b|\bstuck\b|\bfreez\w*|\bfroze\w*|\bdeadlock\w*|\bnever (finish|complet|return)\w*|"
+        r"\bforever\b|\bno progress"
+    ),
+    "pinned": r"\bpin(ned|ning)?\b|\bpage.?locked|\bmemlock|\bulimit|\bhostalloc|\blocked memory",
+    "killed": r"\bkill\w*|\bsigkill|\bterminated|\bdied\b|\bexit code 137|\breaped",
+    "assert": r"\bassert\w*",
+    "weights_only": r"weights.?only|unpickl\w*|safe.?globals|\bpickle",
+    "activation": r"\bactivations?\b|\bcpu_offloading\b|\blayer.?level|\boffload(ed|ing)? (\d+ )?layers",
+    "optimizer": r"\boptimi[sz]er|\badam\w*|\bhdo\b|hybriddeviceoptimizer|\bfraction",
+    "offload": r"offload\w*|\bcpu offload|\bmov\w* (the )?\w* ?(states? )?to (the )?(cpu|host)",
+    "pipeline": r"\bpipeline|\bpp\s*(=|>|is)?\s*[2-9]|\bpp\b",
+    "recompute": r"\brecomput\w*|\bcheckpointing activations|\bactivation checkpointing",
+    "cudagraph": r"cuda.?graphs?|\bcudagraph",
+}
+
 # ---------------------------------------------------------------------------------------------- the catalogue
 
 KNOWN: tuple[FailureMode, ...] = (
@@ -121,6 +185,7 @@ KNOWN: tuple[FailureMode, ...] = (
             "alternatively keep activation offload and set model.pipeline_model_parallel_size=1 if the model fits on "
             "one stage (see `mbridge-offload estimate`)",
         ),
+        phrasings=("activation offloading with pipeline parallelism fails",),
     ),
     FailureMode(
         "recompute_constraint",
@@ -130,6 +195,7 @@ KNOWN: tuple[FailureMode, ...] = (
         "check model.recompute_granularity",
         ("model.recompute_granularity=null",),
         ("or keep recompute and switch activation offload off (model.cpu_offloading=false)",),
+        phrasings=("activation offloading with recompute fails",),
     ),
     FailureMode(
         "fine_grained_constraint",
@@ -149,6 +215,7 @@ KNOWN: tuple[FailureMode, ...] = (
         "check model.cuda_graph_impl and model.enable_cuda_graph",
         ("model.cuda_graph_impl=none",),
         ("or keep CUDA graphs and use optimizer offloading instead (unaffected by CUDA graphs)",),
+        phrasings=("activation offloading with CUDA graphs fails",),
     ),
     FailureMode(
         "layer_range",
@@ -239,23 +306,26 @@ KNOWN: tuple[FailureMode, ...] = (
         "OOM with activation offloading",
         _OOM,
         "activation offload requires PP=1, so every GPU holds all layers' weights, gradients and optimizer states; "
-        "for large (30B+, MoE) models these alone exceed the GPU (Qwen3-30B-A3B: 70.3 GB at PP=1 on an 80 GB H100)",
+        "for large (30B+, MoE) models these alone exceed the GPU (Qwen3-30B-A3B: 70.3 GiB allocated at PP=1 on an "
+        "80 GB H100)",
         "compare torch.cuda.max_memory_allocated() with the GPU size; run `mbridge-offload estimate` with this config",
         _SWITCH_TO_OPTIMIZER,
         ("then raise model.pipeline_model_parallel_size (optimizer offload works with PP>1)",),
         when=_activation_on,
+        phrasings=("GPU memory ran out", "the job does not fit on the GPU", "activation offload ran out of GPU memory"),
     ),
     FailureMode(
         "oom_partial_optimizer_offload",
         "OOM at partial optimizer offload",
         _OOM,
         "optimizer.optimizer_offload_fraction is below 1.0 and the GPU-resident share of the Adam states is still "
-        "too large (each 25 % moved saved ~3.8 GB on Qwen3-30B-A3B)",
+        "too large (each 25 % moved saved ~3.8 GiB on Qwen3-30B-A3B)",
         "compare the peak memory with the fraction; `mbridge-offload estimate --optimizer-offload-fraction F` for "
         "a few fractions",
         _fix_oom_partial,
         ("or add pipeline parallelism (model.pipeline_model_parallel_size)",),
         when=_partial_optimizer,
+        phrasings=("GPU memory ran out", "the job does not fit on the GPU", "optimizer offload ran out of GPU memory"),
     ),
     FailureMode(
         "oom_full_optimizer_offload",
@@ -268,6 +338,7 @@ KNOWN: tuple[FailureMode, ...] = (
         ("or raise tensor/pipeline parallelism, or lower train.micro_batch_size",),
         when=_full_optimizer,
         without_config=False,
+        phrasings=("ran out of GPU memory with everything offloaded",),
     ),
     FailureMode(
         "oom_no_offload",
@@ -282,6 +353,7 @@ KNOWN: tuple[FailureMode, ...] = (
         ),
         when=_no_offload,
         without_config=False,
+        phrasings=("GPU memory ran out", "the job does not fit on the GPU"),
     ),
     FailureMode(
         "slowdown",
@@ -297,6 +369,12 @@ KNOWN: tuple[FailureMode, ...] = (
         "compare step times at two fractions; profile the optimizer step (CPU time vs copies)",
         _fix_slowdown,
         ("more CPU cores per GPU (OMP_NUM_THREADS) speed the CPU step up",),
+        phrasings=(
+            "training got slow with offload",
+            "step time increased with offload",
+            "iterations slow",
+            "throughput dropped with offload",
+        ),
     ),
     FailureMode(
         "no_saving",
@@ -310,6 +388,7 @@ KNOWN: tuple[FailureMode, ...] = (
         "HybridDeviceOptimizer keeps every state on the GPU",
         "check optimizer.optimizer_offload_fraction in the effective config (`mbridge-offload validate`)",
         ("optimizer.optimizer_offload_fraction=0.5",),
+        phrasings=("no GPU memory was freed", "offload did not reduce memory", "memory usage unchanged with offload"),
     ),
     FailureMode(
         "resume_loss_jump",
@@ -327,6 +406,11 @@ KNOWN: tuple[FailureMode, ...] = (
         ("checkpoint.load_optim=false",),
         ("upgrade Megatron Bridge (PR #4082 syncs all fp32 master copies after load) / megatron-core",),
         ("NVIDIA/Megatron-LM#1842", "NVIDIA-NeMo/Megatron-Bridge#3949"),
+        phrasings=(
+            "loss jumped after resuming",
+            "loss increased after loading the checkpoint",
+            "loss diverged after restart",
+        ),
     ),
     FailureMode(
         "checkpoint_save_assert",
@@ -342,6 +426,7 @@ KNOWN: tuple[FailureMode, ...] = (
         ("checkpoint.save_optim=false",),
         ("upgrade to megatron-core >= 0.18.0 / Megatron Bridge >= 0.5.0",),
         ("NVIDIA-NeMo/Megatron-Bridge#1942", "NVIDIA/Megatron-LM#1872"),
+        phrasings=("assertion fails saving a checkpoint", "assert while saving the optimizer state"),
     ),
     FailureMode(
         "weights_only_load",
@@ -356,6 +441,7 @@ KNOWN: tuple[FailureMode, ...] = (
             "before loading, or torch.load(..., weights_only=False)",
         ),
         ("NovaSky-AI/SkyRL#1401",),
+        phrasings=("weights_only load fails", "unpickling fails"),
     ),
     FailureMode(
         "fp32_master_keyerror",
@@ -387,6 +473,7 @@ KNOWN: tuple[FailureMode, ...] = (
         ("optimizer.pin_cpu_grads=false", "optimizer.pin_cpu_params=false"),
         ("or run the container with --ulimit memlock=-1, or lower optimizer_offload_fraction",),
         ("verl-project/verl#6690",),
+        phrasings=("cannot pin host memory", "memlock limit too low", "page-locked memory fails"),
     ),
     FailureMode(
         "host_oom",
@@ -396,6 +483,12 @@ KNOWN: tuple[FailureMode, ...] = (
         "`dmesg | grep -i oom` on the node; `mbridge-offload estimate` reports host_gb",
         _fix_slowdown,
         ("give the job more host memory or fewer GPUs per node",),
+        phrasings=(
+            "host ran out of memory",
+            "host memory exhausted",
+            "process killed by the kernel",
+            "node RAM exhausted",
+        ),
     ),
     FailureMode(
         "fsdp_save_hang",
@@ -406,6 +499,7 @@ KNOWN: tuple[FailureMode, ...] = (
         ("checkpoint.save_optim=false",),
         ("or use the distributed optimizer instead of Megatron-FSDP",),
         ("NVIDIA/Megatron-LM#4910",),
+        phrasings=("checkpoint save hangs", "stuck saving the optimizer state"),
     ),
 )
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -41,3 +43,40 @@ def load(path: str | os.PathLike[str] | None = None) -> dict[str, Any] | None:
     except (OSError, ValueError):
         return None
     return data if isinstance(data, dict) and data.get("cpu_adam_params_per_s_per_core") else None
+
+
+# ------------------------------------------------------------------------------------------- the user's run
+
+# Megatron's report_memory (megatron/training/utils.py): "memory (MB) | allocated: … | max allocated: … | …",
+# where MB = bytes / 1024² (so "max allocated" / 1024 is GiB); training_log: "elapsed time per iteration (ms): …".
+_MAX_ALLOCATED = re.compile(r"max allocated:\s*([0-9]+(?:\.[0-9]+)?)")
+_ITERATION_MS = re.compile(r"elapsed time per iteration \(ms\):\s*([0-9]+(?:\.[0-9]+)?)")
+
+
+def parse_megatron_log(text: str) -> dict[str, Any]:
+    """Peak memory and step time from a Megatron training log.
+
+    Args:
+        text: the log (any number of ranks and iterations).
+
+    Returns:
+        ``peak_gib`` (the largest "max allocated", MB/1024 = GiB, or None), ``step_s`` (the median iteration time
+        after the first, which includes warm-up; or None) and ``iterations`` (how many times were read).
+    """
+    peaks = [float(v) for v in _MAX_ALLOCATED.findall(text)]
+    times = [float(v) / 1000 for v in _ITERATION_MS.findall(text)]
+    steady = times[1:] if len(times) > 1 else times
+    return {
+        "peak_gib": max(peaks) / 1024 if peaks else None,
+        "step_s": statistics.median(steady) if steady else None,
+        "iterations": len(times),
+    }
+
+
+def read_log(source: str) -> str:
+    """``source`` is a path to a log file, or the log text itself."""
+    if "\n" not in source and len(source) < 4096:
+        path = Path(source).expanduser()
+        if path.is_file():
+            return path.read_text(errors="replace")
+    return source

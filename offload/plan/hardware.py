@@ -22,12 +22,15 @@ class GpuPreset:
 
     Attributes:
         name: preset key (lowercase, e.g. ``h100-80gb``).
-        hbm_gb: GPU memory in GB (10⁹ bytes).
+        hbm_gb: GPU memory in GB (10⁹ bytes), the marketed size.
         link_gbps: theoretical GPU↔host bandwidth per direction, GB/s (PCIe Gen5 x16 = 63, NVLink-C2C = 450).
         host_bw_gbps: theoretical host DRAM bandwidth available to one GPU's rank, GB/s.
         cpu_cores: CPU cores per GPU (node cores / GPUs per node).
         peak_tflops: dense bf16 tensor-core peak, TFLOP/s (used for the baseline step time only).
         host_ram_gb: host RAM per GPU, GB (for the pinned-memory warning).
+        capacity_gib: what the device exposes to CUDA (``torch.cuda.mem_get_info()[1] / 2**30``), GiB.
+        cpu_adam_params_per_s_per_core: CPU AdamW rate of one core of the node's CPU, or None (then the
+            calibration file or the timing default applies).
     """
 
     name: str
@@ -38,6 +41,13 @@ class GpuPreset:
     peak_tflops: float
     host_ram_gb: float
     description: str = ""
+    capacity_gib: float = 0.0
+    cpu_adam_params_per_s_per_core: float | None = None
+
+    @property
+    def capacity_bytes(self) -> float:
+        """Device memory CUDA exposes, bytes (the marketed size when no exposed figure is known)."""
+        return self.capacity_gib * 2**30 if self.capacity_gib else self.hbm_gb * 1e9
 
     @property
     def link_effective_gbps(self) -> float:
@@ -48,6 +58,13 @@ class GpuPreset:
         return self.host_bw_gbps * HOST_MEMORY_EFFICIENCY
 
 
+# CPU AdamW rate of one Sapphire Rapids core as HDO runs it, fitted (least squares on the step factors) to the
+# upstream card's no-overlap fraction sweep, whose nodes are the H100 preset's host (plan/data/published.yaml;
+# plan/published.py refits it and a test checks the two agree).
+SAPPHIRE_RAPIDS_ADAM = 0.705e9
+
+# capacity_gib: what CUDA exposes (PyTorch's OOM message "GPU 0 has a total capacity of X GiB" on that GPU, as
+# reported in public issues); below the marketed size because the driver and ECC keep part of the HBM.
 GPU_PRESETS: dict[str, GpuPreset] = {
     # DGX/HGX H100: 2 x Xeon 8480C (56 cores, 8 x DDR5-4800 = 307 GB/s each), 2 TB RAM, Gen5 x16 per GPU.
     "h100-80gb": GpuPreset(
@@ -59,6 +76,8 @@ GPU_PRESETS: dict[str, GpuPreset] = {
         989.0,
         250.0,
         "H100 SXM 80 GB, PCIe Gen5 host link, 2-socket Sapphire Rapids node",
+        capacity_gib=79.11,
+        cpu_adam_params_per_s_per_core=SAPPHIRE_RAPIDS_ADAM,
     ),
     # HGX H200: same host platform as H100 (Emerald Rapids DDR5-5600 nodes are also common).
     "h200-141gb": GpuPreset(
@@ -70,6 +89,8 @@ GPU_PRESETS: dict[str, GpuPreset] = {
         989.0,
         250.0,
         "H200 SXM 141 GB, PCIe Gen5 host link, 2-socket Sapphire Rapids node",
+        capacity_gib=139.80,
+        cpu_adam_params_per_s_per_core=SAPPHIRE_RAPIDS_ADAM,
     ),
     # GH200: one Grace (72 cores, ~500 GB/s LPDDR5X, 480 GB) per Hopper, NVLink-C2C 450 GB/s per direction.
     "gh200": GpuPreset(
@@ -85,6 +106,7 @@ GPU_PRESETS: dict[str, GpuPreset] = {
         312.0,
         250.0,
         "A100 SXM 80 GB, PCIe Gen4 host link, 2-socket EPYC Rome node",
+        capacity_gib=79.15,
     ),
     # DGX B200: 2 x Xeon 8570 (56 cores, 8 x DDR5-5600 = 358 GB/s each), Gen5 x16 per GPU, 180 GB HBM3e.
     "b200": GpuPreset(
@@ -96,6 +118,7 @@ GPU_PRESETS: dict[str, GpuPreset] = {
         2250.0,
         500.0,
         "B200 180 GB, PCIe Gen5 host link, 2-socket Emerald Rapids node",
+        capacity_gib=178.35,
     ),
 }
 

@@ -22,12 +22,14 @@ Never imports torch. See ``docs/planner.md`` for every formula.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field, replace
 
 from mbridge_offload.config.upstream import TE_MIN_OFFLOAD_NUMEL, hdo_offload_mask
 
 GB = 1e9
+GiB = 2**30
 # Megatron pads the vocabulary to a multiple of make_vocab_size_divisible_by × TP.
 VOCAB_DIVISIBLE_BY = 128
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
@@ -108,7 +110,9 @@ class Setup:
     recompute_modules: tuple[str, ...] = ("core_attn",)
     optimizer_offload_fraction: float = 0.0
     activation_offload_layers: int = 0
-    overhead_gb: float = 2.0  # CUDA context, cuBLAS/NCCL workspaces, allocator slack
+    # Memory PyTorch's allocator hands out beyond the model's tensors: cuBLAS/TE workspaces, DistOpt's
+    # all-gather/reduce-scatter staging, loss temporaries. In "max allocated"; the CUDA context is not.
+    overhead_gb: float = 2.0
 
     def resolved_etp(self, model: ModelSpec) -> int:
         if self.etp is not None:
@@ -259,17 +263,22 @@ def _mlp_params(m: ModelSpec, ffn: int, shard: int, expert: bool, prefix: str) -
 
 def layer_params(m: ModelSpec, s: Setup, index: int) -> list[Tensor]:
     """The parameter shards of transformer layer ``index`` held by one GPU."""
-    out = _attention_params(m, s.tp)
+    return list(_layer_params(m, s.tp, s.ep, s.resolved_etp(m), m.is_moe_layer(index)))
+
+
+@functools.lru_cache(maxsize=256)
+def _layer_params(m: ModelSpec, tp: int, ep: int, etp: int, moe: bool) -> tuple[Tensor, ...]:
+    # Every layer of a kind is the same: built once per (model, TP, EP, ETP), the planner's search reuses it.
+    out = _attention_params(m, tp)
     out.append(Tensor("pre_mlp_layernorm", m.hidden_size, decay=False))
-    if not m.is_moe_layer(index):
-        return out + _mlp_params(m, m.ffn_hidden_size, s.tp, False, "mlp.")
+    if not moe:
+        return tuple(out + _mlp_params(m, m.ffn_hidden_size, tp, False, "mlp."))
     out.append(Tensor("router", m.hidden_size * m.num_moe_experts))
-    etp = s.resolved_etp(m)
-    for e in range(m.num_moe_experts // s.ep):
+    for e in range(m.num_moe_experts // ep):
         out += _mlp_params(m, m.moe_ffn_hidden_size, etp, True, f"expert{e}.")
     if m.moe_shared_expert_intermediate_size:
-        out += _mlp_params(m, m.moe_shared_expert_intermediate_size, s.tp, False, "shared_expert.")
-    return out
+        out += _mlp_params(m, m.moe_shared_expert_intermediate_size, tp, False, "shared_expert.")
+    return tuple(out)
 
 
 def stage_layers(m: ModelSpec, s: Setup) -> list[range]:
@@ -499,6 +508,16 @@ class ActivationMemory:
     host_bytes: int
 
 
+def moe_dispatch_bytes(m: ModelSpec, s: Setup, layers: list[int]) -> int:
+    """Transient token-dispatch buffers of the layer being run: the permuted tokens before and after the
+    all-to-all (bf16, ``T_sp·k·ETP × h`` each, balanced routing); freed when the layer is done."""
+    if not any(m.is_moe_layer(i) for i in layers):
+        return 0
+    seq = s.seq_length or m.seq_length
+    t_sp = seq * s.micro_batch_size // s.cp // (s.tp if s.sp else 1)
+    return 2 * 2 * t_sp * m.moe_router_topk * s.resolved_etp(m) * m.hidden_size
+
+
 def stage_activations(m: ModelSpec, s: Setup, stage: int) -> ActivationMemory:
     """Peak activation bytes on one GPU of ``stage`` (transformer layers, embedding input, output layer + loss)."""
     seq = s.seq_length or m.seq_length
@@ -527,6 +546,7 @@ def stage_activations(m: ModelSpec, s: Setup, stage: int) -> ActivationMemory:
         # TE v2 keeps at most model_layers − k layers of eligible tensors resident; small ones stay.
         block -= sum(sorted(eligible, reverse=True)[: min(k, len(layers))])
         host = sum(next_pow2(t.nbytes) for acts in per_layer[:k] for t in acts if t.numel >= TE_MIN_OFFLOAD_NUMEL)
+    working += moe_dispatch_bytes(m, s, layers)
     total = block * in_flight(s, stage) + working
     if stage == 0:
         extra = 8 * tokens  # int64 token ids
@@ -577,17 +597,22 @@ class MemoryEstimate:
         w = self.worst
         return w.offloaded_numel / w.shard_numel if w.shard_numel else 0.0
 
-    def breakdown_gb(self) -> dict[str, float]:
+    def breakdown_gib(self, extra: float = 0.0) -> dict[str, float]:
+        """The worst stage in GiB (2³⁰ bytes, the unit of Megatron's memory report); ``extra`` bytes go to other."""
+        return {k: round(v * GB / GiB, 3) for k, v in self.breakdown_gb(extra, digits=9).items()}
+
+    def breakdown_gb(self, extra: float = 0.0, digits: int = 3) -> dict[str, float]:
+        """The worst stage in decimal GB (10⁹ bytes); ``extra`` bytes (a calibration offset) go to other."""
         w = self.worst
         parts = {
             "weights": w.weights,
             "gradients": w.gradients,
             "optimizer": w.optimizer,
             "activations": w.activations,
-            "other": w.other,
-            "total": w.total,
+            "other": w.other + extra,
+            "total": w.total + extra,
         }
-        return {k: round(v / GB, 3) for k, v in parts.items()}
+        return {k: round(v / GB, digits) for k, v in parts.items()}
 
     @property
     def host_gb(self) -> float:

@@ -126,6 +126,65 @@ def model_preset(name: str) -> ModelSpec:
     return MODEL_PRESETS[key]
 
 
+# The settings of the public recipe (or published run) behind each preset, as PlanInputs values. A preset without
+# an entry contributes only its architecture and sequence length; everything else takes the documented defaults.
+RECIPES: dict[str, dict[str, Any]] = {
+    # Megatron Bridge qwen3_30b_a3b_pretrain_config as run for the upstream CPU-offloading card (skills
+    # nemo-mbridge-perf-cpu-offloading card.yaml, 2 x 8 H100 80 GB): TP2 PP2 EP4 ETP1, full recompute (uniform,
+    # 1 layer), seq 4096, bf16 with fp32 gradient reduction, distributed optimizer; the skill's minimal command
+    # (train.global_batch_size=8, micro_batch_size=1); the fraction sweep without D2H/H2D overlap.
+    "qwen3-30b-a3b": {
+        "num_gpus": 16,
+        "tp": 2,
+        "pp": 2,
+        "ep": 4,
+        "etp": 1,
+        "sequence_parallel": True,
+        "seq_length": 4096,
+        "micro_batch_size": 1,
+        "global_batch_size": 8,
+        "params_dtype": "bf16",
+        "grad_reduce_in_fp32": True,
+        "distributed_optimizer": True,
+        "precision_aware_optimizer": False,
+        "recompute_granularity": "full",
+        "recompute_method": "uniform",
+        "recompute_num_layers": 1,
+        "overlap": False,
+    },
+    # Bridge's DeepSeek-V3 and GPT-OSS recipes set expert_tensor_parallel_size=1 (megatron-core's default is TP).
+    "deepseek-v3": {"etp": 1},
+    "gpt-oss-20b": {"etp": 1},
+}
+
+
+def recipe_values(name: str) -> dict[str, Any]:
+    """The preset's architecture sizes, sequence length and recipe settings, as ``PlanInputs`` values.
+
+    Raises:
+        KeyError: unknown preset (with the known names).
+    """
+    m = model_preset(name)
+    out: dict[str, Any] = {
+        "num_layers": m.num_layers,
+        "hidden_size": m.hidden_size,
+        "ffn_hidden_size": m.ffn_hidden_size,
+        "num_attention_heads": m.num_attention_heads,
+        "num_query_groups": m.num_query_groups,
+        "kv_channels": m.kv_channels,
+        "vocab_size": m.vocab_size,
+        "seq_length": m.seq_length,
+    }
+    if m.is_moe:
+        out.update(
+            num_moe_experts=m.num_moe_experts,
+            moe_ffn_hidden_size=m.moe_ffn_hidden_size,
+            moe_router_topk=m.moe_router_topk,
+        )
+    out.update(RECIPES.get(m.name, {}))
+    return out
+
+
 def _first_k_dense(freq: Any, num_layers: int) -> int:
     """Leading dense layers from ``moe_layer_freq`` (int 1 = every layer MoE, or a 0/1 list)."""
     if isinstance(freq, list):
@@ -138,52 +197,44 @@ def _first_k_dense(freq: Any, num_layers: int) -> int:
     return 0
 
 
-def model_from_config(config: OffloadConfig, name: str = "config") -> ModelSpec:
-    """Read the architecture from the ``model`` section of a Bridge config.
+def _mla(config: OffloadConfig) -> MLASpec | None:
+    if not config.model.multi_latent_attention:
+        return None
+    extra = config.model.extras()
+    return MLASpec(
+        q_lora_rank=extra.get("q_lora_rank"),
+        kv_lora_rank=int(extra.get("kv_lora_rank", 512)),
+        qk_head_dim=int(extra.get("qk_head_dim", 128)),
+        qk_pos_emb_head_dim=int(extra.get("qk_pos_emb_head_dim", 64)),
+        v_head_dim=int(extra.get("v_head_dim", 128)),
+    )
 
-    Raises:
-        ValueError: naming the missing key when an architecture size is absent.
+
+def model_extras(config: OffloadConfig, raw: dict[str, Any], base: ModelSpec | None) -> dict[str, Any]:
+    """``ModelSpec`` fields that are not planner inputs (norms, bias, tying, MLA, dense layers), from a config.
+
+    With a preset (``base``) only the keys the config states override it; without one, absent keys take the
+    Bridge/MCore defaults (tied embeddings unless the provider says otherwise, as ``GPTModelProvider``).
     """
     m = config.model
-    required = ("num_layers", "hidden_size", "num_attention_heads", "vocab_size")
-    missing = [f"model.{key}" for key in required if getattr(m, key) is None]
-    if missing:
-        raise ValueError(f"{', '.join(missing)} not set: the memory model needs the architecture sizes")
-    hidden = int(m.hidden_size)
-    heads = int(m.num_attention_heads)
-    mla = None
-    if m.multi_latent_attention:
-        extra = m.extras()
-        mla = MLASpec(
-            q_lora_rank=extra.get("q_lora_rank"),
-            kv_lora_rank=int(extra.get("kv_lora_rank", 512)),
-            qk_head_dim=int(extra.get("qk_head_dim", 128)),
-            qk_pos_emb_head_dim=int(extra.get("qk_pos_emb_head_dim", 64)),
-            v_head_dim=int(extra.get("v_head_dim", 128)),
-        )
+    given = raw.get("model") if isinstance(raw.get("model"), dict) else {}
     extras = m.extras()
-    return ModelSpec(
-        name=name,
-        num_layers=int(m.num_layers),
-        hidden_size=hidden,
-        ffn_hidden_size=int(m.ffn_hidden_size or 4 * hidden),
-        num_attention_heads=heads,
-        num_query_groups=int(m.num_query_groups or heads),
-        kv_channels=int(m.kv_channels or hidden // heads),
-        vocab_size=int(m.vocab_size),
-        seq_length=int(config.seq_length or 4096),
-        gated_linear_unit=bool(m.gated_linear_unit),
-        # Bridge/MCore default: tied unless the provider says otherwise (GPTModelProvider default True).
-        tied_embeddings=True
-        if m.share_embeddings_and_output_weights is None
-        else bool(m.share_embeddings_and_output_weights),
-        add_bias_linear=bool(m.add_bias_linear),
-        qk_layernorm=bool(extras.get("qk_layernorm", False)),
-        dropout=float(extras.get("hidden_dropout", 0.0) or 0.0),
-        num_moe_experts=m.num_moe_experts,
-        moe_ffn_hidden_size=m.moe_ffn_hidden_size,
-        moe_router_topk=int(m.moe_router_topk),
-        moe_shared_expert_intermediate_size=m.moe_shared_expert_intermediate_size,
-        first_k_dense=_first_k_dense(m.moe_layer_freq, int(m.num_layers)) if m.num_moe_experts else 0,
-        mla=mla,
-    )
+    out: dict[str, Any] = {}
+    if base is None or "gated_linear_unit" in given:
+        out["gated_linear_unit"] = bool(m.gated_linear_unit)
+    if base is None or "add_bias_linear" in given:
+        out["add_bias_linear"] = bool(m.add_bias_linear)
+    if base is None or "share_embeddings_and_output_weights" in given:
+        tied = m.share_embeddings_and_output_weights
+        out["tied_embeddings"] = True if tied is None else bool(tied)
+    if base is None or "qk_layernorm" in given:
+        out["qk_layernorm"] = bool(extras.get("qk_layernorm", False))
+    if base is None or "hidden_dropout" in given:
+        out["dropout"] = float(extras.get("hidden_dropout", 0.0) or 0.0)
+    if base is None or "moe_shared_expert_intermediate_size" in given:
+        out["moe_shared_expert_intermediate_size"] = m.moe_shared_expert_intermediate_size
+    if base is None or "moe_layer_freq" in given:
+        out["first_k_dense"] = _first_k_dense(m.moe_layer_freq, int(m.num_layers or 0)) if m.num_moe_experts else 0
+    if base is None or "multi_latent_attention" in given:
+        out["mla"] = _mla(config)
+    return out

@@ -90,12 +90,29 @@ def baseline_step_s(m: ModelSpec, s: Setup, gpu: GpuPreset, mfu: float | None = 
     return compute * (1 + bubble)
 
 
-def cpu_adam_rate(threads: int, per_core: float | None = None, calibration: str | None = None) -> float:
-    """Params/s of one rank's CPU AdamW: ``threads × per-core rate`` (argument, calibration file, or default)."""
-    if per_core is None:
-        stored = calibrate.load(calibration)
-        per_core = stored["cpu_adam_params_per_s_per_core"] if stored else DEFAULT_CPU_ADAM_PARAMS_PER_S_PER_CORE
-    return threads * per_core
+def cpu_adam_rate(
+    threads: int, per_core: float | None = None, calibration: str | None = None, preset: float | None = None
+) -> float:
+    """Params/s of one rank's CPU AdamW: ``threads × per-core rate``.
+
+    The per-core rate is, in order: the argument, the calibration file, the GPU preset's host figure
+    (``preset``), the measured default.
+    """
+    return threads * cpu_adam_rate_source(per_core, calibration, preset)[0]
+
+
+def cpu_adam_rate_source(
+    per_core: float | None = None, calibration: str | None = None, preset: float | None = None
+) -> tuple[float, str]:
+    """The per-core CPU AdamW rate in force and where it comes from (flag, calibration, preset, default)."""
+    if per_core is not None:
+        return per_core, "flag"
+    stored = calibrate.load(calibration)
+    if stored:
+        return float(stored["cpu_adam_params_per_s_per_core"]), "calibration"
+    if preset is not None:
+        return preset, "preset"
+    return DEFAULT_CPU_ADAM_PARAMS_PER_S_PER_CORE, "default"
 
 
 def estimate_time(
@@ -125,7 +142,7 @@ def estimate_time(
     base = baseline_s if baseline_s is not None else baseline_step_s(m, s, gpu, mfu)
     out = TimeEstimate(baseline_s=base)
     threads = max(1, min(cpu_threads, gpu.cpu_cores))
-    rate = cpu_adam_rate(threads, cpu_params_per_s_per_core, calibration)
+    rate = cpu_adam_rate(threads, cpu_params_per_s_per_core, calibration, gpu.cpu_adam_params_per_s_per_core)
     out.cpu_params_per_s = rate
     link = gpu.link_effective_gbps * 1e9
     offloaded = max(st.offloaded_numel for st in est.stages)  # every rank waits for the slowest stage

@@ -263,7 +263,11 @@ def test_recommended_mode_applies_the_planners_choice(tmp_path: Path) -> None:
     result = apply_offload(str(example), "recommended", planner={"gpu_memory_gb": 40})
     assert result.mode == "optimizer"
     assert "the planner chose mode=optimizer" in result.notes
-    assert result.overrides == ["optimizer.optimizer_offload_fraction=1.0"]
+    # The example is the card's 50 % run without overlap; apply's optimizer mode switches overlap on.
+    assert result.overrides == [
+        "optimizer.optimizer_offload_fraction=1.0",
+        "optimizer.overlap_cpu_optimizer_d2h_h2d=true",
+    ]
     assert result.ok
 
 

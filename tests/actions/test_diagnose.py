@@ -170,3 +170,118 @@ def test_before_after_lists_the_offload_diff_and_reads_it_as_an_oom_risk(tmp_pat
 def test_unknown_text_matches_nothing_and_says_so() -> None:
     report = diagnose(error="segmentation fault in libfoo")
     assert report.matches == [] and "no known offload failure matched" in report.notes[0]
+
+
+# ---------------------------------------------------------------------------------------------- by meaning
+
+PARAPHRASES: dict[str, list[str]] = {
+    "no_saving": [
+        "GPU memory did not go down",
+        "turned on optimizer_cpu_offload, VRAM usage is exactly the same as before",
+        "the offload flag has no effect on allocated memory",
+        "I moved the optimizer states to the CPU but HBM consumption barely decreased",
+        "memory footprint on the device is unchanged after enabling offloading",
+        "max allocated stays at 47 GiB whether or not I offload",
+    ],
+    "slowdown": [
+        "each iteration now takes 4x longer since I enabled the optimizer on the host",
+        "training is crawling with offload on",
+        "tokens/s tanked — throughput dropped after switching on offloading",
+        "the run became sluggish, steps take forever",
+        "iterations are way slower than the baseline",
+    ],
+    "resume_loss_jump": [
+        "after I restarted from the checkpoint the lm loss went back to its initial value",
+        "resumed training and the loss shot up from 0.3 to 10",
+        "loss spikes right after reloading the ckpt",
+        "perplexity got much worse once the job picked up again from the saved state",
+        "continuing from the checkpoint makes the loss diverge",
+    ],
+    "pinned_memory": [
+        "cannot allocate page locked buffers on the host",
+        "pinning host memory fails inside the container",
+        "the container's limit on locked memory is too small",
+        "error when the optimizer tries to pin its CPU tensors",
+        "ulimit for locked memory is 64 KiB and the job dies at start",
+    ],
+    "host_oom": [
+        "the node's RAM filled up and the kernel killed the process",
+        "system memory is exhausted on the host when I offload everything",
+        "the job gets killed with exit code 137, dmesg shows the oom killer",
+        "host ran out of RAM during the first optimizer step",
+        "the machine's RAM is exhausted and the rank died",
+    ],
+    "checkpoint_save_assert": [
+        "an assertion fires when saving the checkpoint with offload on",
+        "assert failed while writing the checkpoint",
+        "saving the optimizer state hits an AssertionError",
+        "I get an assertion error as soon as the checkpoint is saved",
+        "checkpoint saving dies on an assert in the distributed optimizer",
+    ],
+    "fsdp_save_hang": [
+        "the job is stuck forever while saving the checkpoint",
+        "writing the checkpoint never finishes with optimizer offload",
+        "checkpoint save freezes with Megatron-FSDP",
+        "saving the optimizer state deadlocks",
+        "the run hung at the checkpoint save step",
+    ],
+    "weights_only_load": [
+        "torch.load refuses the checkpoint because of weights_only",
+        "unpickling the optimizer state fails with PyTorch 2.6",
+        "loading fails: the class is not in the safe globals",
+        "weights-only loading rejects my optimizer checkpoint",
+        "pickle error when loading the offloaded optimizer checkpoint",
+    ],
+}
+
+
+def _patterns_and_phrasings() -> list[str]:
+    out = []
+    for mode in KNOWN:
+        out += [p.lower() for p in mode.patterns] + [p.lower() for p in mode.phrasings]
+    return out
+
+
+@pytest.mark.parametrize(
+    ("failure", "text"), [(f, t) for f, texts in PARAPHRASES.items() for t in texts], ids=lambda v: str(v)[:40]
+)
+def test_plain_phrasings_are_understood(failure: str, text: str) -> None:
+    assert not any(text.lower() in p or p in text.lower() for p in _patterns_and_phrasings())  # a real paraphrase
+    assert failure in _ids(diagnose(error=text))
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "after enabling optimizer offload the GPU ran out of memory space",
+        "the device memory got exhausted at step 3",
+        "my training does not fit on the card anymore",
+        "HBM is full and the job crashes",
+        "not enough GPU memory with offload fraction 0.25",
+    ],
+)
+def test_oom_paraphrases_give_the_oom_readings(text: str) -> None:
+    assert {"oom_activation_offload", "oom_partial_optimizer_offload"} <= set(_ids(diagnose(error=text)))
+
+
+def test_every_mode_with_phrasings_has_at_least_two_ways_to_say_it() -> None:
+    spoken = [m for m in KNOWN if m.phrasings]
+    assert len(spoken) >= 10
+    for mode in spoken:
+        if not mode.id.startswith(("oom_full", "pp_", "recompute_", "cuda_graph_")):
+            assert len(mode.phrasings) >= 2, mode.id
+
+
+def test_nothing_matched_lists_the_closest_modes() -> None:
+    report = diagnose(error="the memory of my GPU looks odd")
+    assert report.matches == []
+    assert report.closest and report.closest[0].score > 0
+    assert "closest failure modes" in report.notes[0]
+    assert report.closest[0].failure in report.notes[0]
+
+
+def test_report_is_one_pydantic_schema() -> None:
+    report = diagnose(error="GPU memory did not go down")
+    data = report.model_dump(mode="json")
+    assert set(data) == {"matches", "findings", "comparison", "closest", "notes"}
+    assert data["matches"][0]["source"] == "meaning"

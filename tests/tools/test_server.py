@@ -12,7 +12,7 @@ from mcp import Client
 from mbridge_offload.actions.testsuite import DEPTH_ENV
 from mbridge_offload_tools.server import mcp
 
-TOOLS = {"validate_config", "recommend_mode", "apply_offload", "run_unit_tests", "diagnose_failure"}
+TOOLS = {"validate_config", "estimate_memory", "recommend_mode", "apply_offload", "run_unit_tests", "diagnose_failure"}
 
 CONFIG = """\
 # Small dense model, one node.
@@ -50,7 +50,7 @@ def config_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 
 @pytest.mark.anyio
-async def test_lists_five_tools_with_titles_schemas_and_annotations(client) -> None:
+async def test_lists_six_tools_with_titles_schemas_and_annotations(client) -> None:
     tools = {t.name: t for t in (await client.list_tools()).tools}
     assert set(tools) == TOOLS
     for tool in tools.values():

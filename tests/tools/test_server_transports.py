@@ -15,7 +15,7 @@ import pytest
 from mcp import Client, StdioServerParameters
 
 ROOT = Path(__file__).resolve().parents[2]
-TOOLS = {"validate_config", "recommend_mode", "apply_offload", "run_unit_tests", "diagnose_failure"}
+TOOLS = {"validate_config", "estimate_memory", "recommend_mode", "apply_offload", "run_unit_tests", "diagnose_failure"}
 
 CONFIG = """\
 # Bridge-style config, as ConfigContainer.to_yaml() writes it (trimmed).

@@ -51,7 +51,12 @@ def render_index(docs: Path = DOCS) -> str:
     parts.append("## Plots")
     parts.append("")
     if images:
-        parts += ["Predictions of the planner's memory model, not measurements; see [planner.md](planner.md).", ""]
+        parts += [
+            "The planner's predictions (memory_vs_offload: predictions, with the upstream card's measured peaks as "
+            "triangles; predicted_vs_measured: every published GPU measurement against the prediction, none run by "
+            "this project); see [planner.md](planner.md).",
+            "",
+        ]
         for image in images:
             parts.append(f"![{image.stem}](img/{image.name})")
             parts.append("")

@@ -13,6 +13,7 @@ from typing import Any
 # MCP tool → the CLI command that does the same (contract in ../shared/design.md).
 CLI_EQUIVALENTS: dict[str, str] = {
     "validate_config": "mbridge-offload validate CONFIG [--set KEY=VALUE ...]",
+    "estimate_memory": "mbridge-offload estimate [CONFIG] [--model NAME --gpu PRESET --num-gpus N ...]",
     "recommend_mode": "mbridge-offload recommend [CONFIG] [--model NAME --gpu PRESET --num-gpus N ...]",
     "apply_offload": (
         "mbridge-offload apply CONFIG --mode optimizer|activation|both|none [--output FILE [--force] | --in-place]"

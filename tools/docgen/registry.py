@@ -115,6 +115,12 @@ def render_card() -> str:
     return render((ROOT / "card.yaml").read_text(encoding="utf-8"))
 
 
+def render_accuracy() -> str:
+    from mbridge_offload.plan.published import render_accuracy_table
+
+    return render_accuracy_table()
+
+
 WHOLE: dict[str, Callable[[], str]] = {"docs/rules.md": render_rules, "card.yaml": render_card}
 
 GENERATED: dict[str, dict[str, Callable[[], str]]] = {
@@ -128,6 +134,7 @@ GENERATED: dict[str, dict[str, Callable[[], str]]] = {
     "docs/benchmarks.md": {"benchmarks": render_benchmarks},
     "docs/cpu-offloading.md": {"activation-schedule": render_schedule},
     "docs/architecture.md": {"rooms": render_rooms, "arrows": render_arrows},
+    "docs/planner.md": {"accuracy": render_accuracy},
 }
 
 

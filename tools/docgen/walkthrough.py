@@ -50,7 +50,7 @@ CAPTURES: dict[str, list[str]] = {
     ],
     "qwen-activation-pp1": [
         "mbridge-offload estimate --model qwen3-30b-a3b --gpu h100-80gb --num-gpus 16 --tp 2 --pp 1 --ep 4 "
-        "--activation-offload-layers 24"
+        "--recompute none --activation-offload-layers 24"
     ],
     "qwen-diagnose": [
         'mbridge-offload diagnose --error "ValueError: Currently there is no support for Pipeline parallelism '
@@ -71,7 +71,7 @@ GUIDE_CAPTURES: dict[str, list[str]] = {
 }
 
 # The scratch folder: the bundled example (qwen3.yaml), the same without its three optimizer-offload lines
-# (run.yaml: a run that offloads nothing yet), and a PP=1 variant with recompute and local CUDA graphs on
+# (run.yaml: a run that offloads nothing yet), and a PP=1 variant with the recipe's recompute and local CUDA graphs on
 # (run.pp1.yaml: what a user who wants activation offloading typically starts from).
 _OFFLOAD_LINES = (
     "optimizer_cpu_offload",
@@ -81,7 +81,6 @@ _OFFLOAD_LINES = (
 )
 _PP1_EDITS = (
     ("pipeline_model_parallel_size: 2  # activation offloading needs 1", "pipeline_model_parallel_size: 1"),
-    ("recompute_granularity: null", "recompute_granularity: full"),
     ("cuda_graph_impl: none", "cuda_graph_impl: local"),
 )
 

@@ -1,0 +1,168 @@
+"""What "fits" means, and how a measurement of the user's own run anchors the predictions.
+
+Fits: the predicted peak allocated memory, grown by the caching allocator's overhead (reserved beyond allocated),
+must stay under what the device exposes less the CUDA context and the margin. The overhead is a physical
+parameter fitted to the published out-of-memory point (``data/published.yaml``, refitted by ``published.py``).
+
+Anchoring: a measured peak at the given settings shifts every prediction by (measured − predicted); a measured
+step time fixes the baseline (or, with a baseline given too and offload on, the CPU AdamW rate). "These settings
+run out of memory" forces the shift to at least what an OOM implies, so the answer never says they fit. Never
+imports torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from mbridge_offload.plan import calibration
+from mbridge_offload.plan.memory import GB, GiB, MemoryEstimate, estimate_memory
+from mbridge_offload.plan.resolve import Assumption, Resolved
+from mbridge_offload.plan.results import Anchor, MemoryBreakdown
+from mbridge_offload.plan.timing import cpu_adam_rate_source, estimate_time
+
+# The CUDA context and cuBLAS handles live outside PyTorch's allocator (~0.5 GiB on Hopper with CUDA 12).
+CUDA_CONTEXT_GIB = 0.5
+# Reserved beyond allocated (fragmentation of the caching allocator), fitted to the card's OOM point: the
+# 24-layer activation-offload run died with 70.3 GiB allocated on a 79.11 GiB H100 (plan/published.py).
+ALLOCATOR_OVERHEAD = 0.118
+
+
+@dataclass
+class Plan:
+    """One answer's yardstick: the resolved inputs, the budget and the anchoring offset."""
+
+    r: Resolved
+    margin: float
+    offset: float = 0.0  # bytes added to every prediction
+    time_kwargs: dict[str, Any] = field(default_factory=dict)
+    anchor: Anchor | None = None
+    assumptions: list[Assumption] = field(default_factory=list)
+
+    @property
+    def usable_bytes(self) -> float:
+        """Peak allocated bytes at which the device is full (no margin)."""
+        return (self.r.gpu.capacity_bytes - CUDA_CONTEXT_GIB * GiB) / (1 + ALLOCATOR_OVERHEAD)
+
+    @property
+    def budget_bytes(self) -> float:
+        return self.usable_bytes * (1 - self.margin)
+
+    def total(self, est: MemoryEstimate) -> float:
+        return est.worst.total + self.offset
+
+    def total_gib(self, est: MemoryEstimate) -> float:
+        return self.total(est) / GiB
+
+    def fits(self, est: MemoryEstimate) -> bool:
+        if self.r.inputs.ooms and est.setup == self.r.setup:
+            return False  # the user saw it fail: never contradict a measurement
+        return self.total(est) <= self.budget_bytes
+
+    def breakdown(self, est: MemoryEstimate, gib: bool = False) -> MemoryBreakdown:
+        parts = est.breakdown_gib(self.offset) if gib else est.breakdown_gb(self.offset)
+        return MemoryBreakdown(**parts)
+
+    def budget_sentence(self, before: MemoryEstimate) -> str:
+        w, gpu = before.worst, self.r.gpu
+        return (
+            f"without offload the worst stage (stage {w.stage}) peaks at {self.total_gib(before):.1f} GiB "
+            f"({self.total(before) / GB:.1f} GB) allocated; the {gpu.name} exposes {gpu.capacity_bytes / GiB:.2f} "
+            f"GiB, of which {self.budget_bytes / GiB:.1f} GiB can be allocated ({CUDA_CONTEXT_GIB} GiB CUDA "
+            f"context, {ALLOCATOR_OVERHEAD:.1%} allocator overhead, {self.margin:.0%} kept free)"
+        )
+
+    def notes(self) -> list[str]:
+        return list(self.anchor.notes) if self.anchor else []
+
+
+def _measurements(r: Resolved) -> tuple[float | None, float | None, list[str]]:
+    peak, step, notes = r.inputs.measured_peak_gib, r.inputs.measured_step_s, []
+    if r.inputs.measured_log:
+        parsed = calibration.parse_megatron_log(calibration.read_log(r.inputs.measured_log))
+        if parsed["peak_gib"] is None and parsed["step_s"] is None:
+            notes.append("the log has no 'max allocated' memory report and no 'elapsed time per iteration (ms)'")
+        peak = peak if peak is not None else parsed["peak_gib"]
+        step = step if step is not None else parsed["step_s"]
+        if parsed["step_s"] is not None:
+            notes.append(f"log: median of {max(1, parsed['iterations'] - 1)} iteration times after the first")
+    return peak, step, notes
+
+
+def _anchor_step(p: Plan, est: MemoryEstimate, step: float, a: Anchor) -> None:
+    """Baseline from a measured step; with a baseline given too and offload on, the CPU AdamW rate instead."""
+    r = p.r
+    t = estimate_time(est, r.gpu, overlap=r.overlap, **p.time_kwargs)
+    extra = t.optimizer_extra_s + t.activation_extra_s
+    offloaded = max(st.offloaded_numel for st in est.stages)
+    if offloaded and r.inputs.baseline_step_s is not None:
+        copies = 0.0 if r.overlap else t.d2h_s + t.h2d_s
+        cpu = step - r.inputs.baseline_step_s - copies
+        threads = max(1, min(p.time_kwargs.get("cpu_threads") or 1, r.gpu.cpu_cores))
+        if cpu <= 0:
+            a.notes.append("the measured step is not slower than the baseline plus the copies: rate not changed")
+            return
+        rate = offloaded / cpu / threads
+        p.time_kwargs["cpu_params_per_s_per_core"] = rate
+        a.cpu_adam_params_per_s_per_core = rate
+        a.notes.append(
+            f"measured step {step:.3f} s at these settings implies CPU AdamW {rate / 1e9:.2f}e9 params/s/core"
+        )
+        return
+    baseline = step - extra
+    if baseline <= 0:
+        a.notes.append(f"measured step {step:.3f} s is below the predicted offload cost {extra:.3f} s: not used")
+        return
+    p.time_kwargs["baseline_s"] = baseline
+    a.baseline_step_s = baseline
+    a.notes.append(f"measured step {step:.3f} s at these settings implies a {baseline:.3f} s step without offload")
+
+
+def _anchor_oom(p: Plan, predicted: float, a: Anchor) -> None:
+    needed = p.usable_bytes - predicted + 0.01 * GiB
+    if needed > p.offset:
+        p.offset = needed
+    a.notes.append(
+        f"these settings ran out of memory: that needs a peak above {p.usable_bytes / GiB:.1f} GiB allocated, but "
+        f"the model predicts {predicted / GiB:.1f} GiB, so at least {p.offset / GiB:.1f} GiB more is in use than "
+        "modelled (uneven MoE routing, fragmentation, another process); every prediction here includes it"
+    )
+
+
+def prepare(r: Resolved) -> Plan:
+    """The yardstick for one answer: margin, time settings, and the anchor from the user's own run."""
+    p = Plan(r, margin=r.inputs.margin if r.inputs.margin is not None else 0.05, time_kwargs=r.time_kwargs())
+    rate, source = cpu_adam_rate_source(
+        r.inputs.cpu_adam_params_per_s, r.inputs.calibration, r.gpu.cpu_adam_params_per_s_per_core
+    )
+    p.assumptions = [*r.assumptions, _rate_assumption(rate, source)]
+    peak, step, notes = _measurements(r)
+    if peak is None and step is None and not r.inputs.ooms:
+        return p
+    est = estimate_memory(r.model, r.setup)
+    predicted = float(est.worst.total)
+    a = Anchor(measured_peak_gib=peak, measured_step_s=step, predicted_peak_gib=round(predicted / GiB, 3), notes=notes)
+    if peak is not None:
+        p.offset = peak * GiB - predicted
+        a.notes.append(
+            f"measured peak {peak:.2f} GiB vs predicted {predicted / GiB:.2f} GiB at these settings: every "
+            f"prediction shifted by {p.offset / GiB:+.2f} GiB"
+        )
+    if r.inputs.ooms:
+        a.ooms = True
+        _anchor_oom(p, predicted, a)
+    if step is not None:
+        _anchor_step(p, est, step, a)
+    a.memory_offset_gib = round(p.offset / GiB, 3)
+    p.anchor = a
+    return p
+
+
+def _rate_assumption(rate: float, source: str) -> Assumption:
+    notes = {
+        "preset": "the GPU preset's host CPU, fitted to the upstream card (plan/data/published.yaml)",
+        "calibration": "measured on this host by `mbridge-offload calibrate`",
+        "default": "fused CPU AdamW on one core of the development host (torch 2.13)",
+        "flag": None,
+    }
+    return Assumption(name="cpu_adam_params_per_s_per_core", value=rate, source=source, note=notes.get(source))

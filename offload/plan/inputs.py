@@ -1,0 +1,192 @@
+"""The planner's inputs, declared once: type, bounds, default and help of each.
+
+``PlanInputs`` is the single declaration. The CLI flags (``tools/cli_plan.py``) and the MCP tool parameters
+(``tools/server.py``) are generated from its fields, so the three can never drift apart. Every numeric input
+has bounds; NaN and infinity are refused, and the error names the input, the value and the bound.
+
+Where a value comes from is part of the answer: ``resolve`` (``plan/resolve.py``) merges, in order, the
+defaults, the model preset's recipe, a config (Bridge YAML/JSON or Megatron-LM argv) and the flags, and keeps the
+source of each value so that every answer can list its assumptions. Never imports torch.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+# Upper bounds: far above any real run, low enough that the arithmetic stays exact and fast.
+MAX_GPUS = 1_000_000
+MAX_PARALLEL = 65_536
+MAX_LAYERS = 1_024  # the deepest published models have ~200; the estimator walks every layer
+MAX_EXPERTS = 1_024  # and every local expert (published MoEs: up to 512)
+MAX_WIDTH = 1_000_000
+MAX_SEQ = 100_000_000
+MAX_BATCH = 100_000_000
+
+GROUPS = ("model", "parallel", "precision", "recompute", "offload", "hardware", "time", "decision", "measured")
+
+
+def _field(default: Any = None, *, group: str, help: str, flag: str | None = None, **bounds: Any) -> Any:
+    """A ``Field`` with the group (for --help sections) and the CLI flag name when it differs from the field's."""
+    extra: dict[str, Any] = {"group": group}
+    if flag:
+        extra["flag"] = flag
+    return Field(default, description=help, json_schema_extra=extra, **bounds)
+
+
+Dtype = Literal["bf16", "fp16", "fp32"]
+StateDtype = Literal["bf16", "fp16", "fp32", "fp8"]
+
+
+class PlanInputs(BaseModel):
+    """Everything ``estimate`` and ``recommend`` read. ``None`` = not given here (a lower layer or the default)."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, protected_namespaces=())
+
+    # --- what is trained
+    model: str | None = _field(group="model", help="model preset (its recipe's settings fill what is not given)")
+    num_layers: int | None = _field(group="model", help="transformer layers", ge=1, le=MAX_LAYERS)
+    hidden_size: int | None = _field(group="model", help="hidden size", ge=1, le=MAX_WIDTH)
+    ffn_hidden_size: int | None = _field(group="model", help="dense MLP width", ge=1, le=MAX_WIDTH)
+    num_attention_heads: int | None = _field(group="model", help="attention heads", ge=1, le=MAX_WIDTH)
+    num_query_groups: int | None = _field(group="model", help="KV heads (GQA groups)", ge=1, le=MAX_WIDTH)
+    kv_channels: int | None = _field(group="model", help="head dimension", ge=1, le=MAX_WIDTH)
+    vocab_size: int | None = _field(group="model", help="vocabulary size", ge=1, le=MAX_SEQ)
+    num_moe_experts: int | None = _field(group="model", help="routed experts (MoE)", ge=1, le=MAX_EXPERTS)
+    moe_ffn_hidden_size: int | None = _field(group="model", help="expert MLP width", ge=1, le=MAX_WIDTH)
+    moe_router_topk: int | None = _field(group="model", help="experts per token", ge=1, le=MAX_EXPERTS)
+    # --- parallelism and batch
+    num_gpus: int | None = _field(group="parallel", help="GPUs in the job", ge=1, le=MAX_GPUS)
+    tp: int | None = _field(group="parallel", help="tensor parallel size", ge=1, le=MAX_PARALLEL)
+    pp: int | None = _field(group="parallel", help="pipeline parallel size", ge=1, le=MAX_PARALLEL)
+    vpp: int | None = _field(group="parallel", help="virtual pipeline stages per rank", ge=1, le=MAX_PARALLEL)
+    cp: int | None = _field(group="parallel", help="context parallel size", ge=1, le=MAX_PARALLEL)
+    ep: int | None = _field(group="parallel", help="expert parallel size", ge=1, le=MAX_PARALLEL)
+    etp: int | None = _field(
+        group="parallel", help="expert tensor parallel size (megatron-core default: TP)", ge=1, le=MAX_PARALLEL
+    )
+    sequence_parallel: bool | None = _field(group="parallel", help="sequence parallelism (default: on when TP > 1)")
+    seq_length: int | None = _field(group="parallel", help="sequence length", ge=1, le=MAX_SEQ)
+    micro_batch_size: int | None = _field(group="parallel", help="micro-batch size", ge=1, le=MAX_BATCH)
+    global_batch_size: int | None = _field(group="parallel", help="global batch size", ge=1, le=MAX_BATCH)
+    # --- precision
+    params_dtype: Dtype | None = _field(group="precision", help="parameter dtype")
+    grad_reduce_in_fp32: bool | None = _field(group="precision", help="ddp.grad_reduce_in_fp32 (fp32 grad buffers)")
+    distributed_optimizer: bool | None = _field(group="precision", help="use_distributed_optimizer")
+    precision_aware_optimizer: bool | None = _field(group="precision", help="use_precision_aware_optimizer")
+    main_params_dtype: StateDtype | None = _field(group="precision", help="precision-aware: master param dtype")
+    exp_avg_dtype: StateDtype | None = _field(group="precision", help="precision-aware: exp_avg dtype")
+    exp_avg_sq_dtype: StateDtype | None = _field(group="precision", help="precision-aware: exp_avg_sq dtype")
+    # --- activation recompute
+    recompute_granularity: Literal["none", "selective", "full"] | None = _field(
+        group="recompute", help="model.recompute_granularity", flag="recompute"
+    )
+    recompute_method: Literal["uniform", "block"] | None = _field(group="recompute", help="full recompute method")
+    recompute_num_layers: int | None = _field(
+        group="recompute", help="layers per recompute group (uniform) or recomputed layers (block)", ge=1, le=MAX_LAYERS
+    )
+    recompute_modules: list[str] | None = _field(group="recompute", help="selective recompute modules")
+    # --- offload and upstream constraints
+    optimizer_offload_fraction: float | None = _field(
+        group="offload", help="optimizer states on the CPU (0..1)", ge=0.0, le=1.0
+    )
+    activation_offload_layers: int | None = _field(
+        group="offload", help="model.cpu_offloading_num_layers", ge=0, le=MAX_LAYERS
+    )
+    overlap: bool | None = _field(group="offload", help="optimizer.overlap_cpu_optimizer_d2h_h2d")
+    cuda_graph_impl: Literal["none", "local", "transformer_engine", "full_iteration"] | None = _field(
+        group="offload", help="model.cuda_graph_impl (blocks activation offload unless none/full_iteration)"
+    )
+    fine_grained_activation_offloading: bool | None = _field(group="offload", help="blocks layer-level offload")
+    moe_paged_stash: bool | None = _field(group="offload", help="blocks layer-level offload")
+    # --- hardware
+    gpu: str | None = _field(group="hardware", help="GPU preset (h100-80gb, h200-141gb, gh200, a100-80gb, b200)")
+    gpu_memory_gb: float | None = _field(
+        group="hardware", help="GPU memory the device exposes, decimal GB (instead of the preset's)", gt=0, le=1e5
+    )
+    host_ram_gb: float | None = _field(group="hardware", help="host RAM per GPU, GB", gt=0, le=1e7)
+    link_gbps: float | None = _field(group="hardware", help="GPU<->host GB/s per direction (theoretical)", gt=0, le=1e5)
+    host_bw_gbps: float | None = _field(group="hardware", help="host memory GB/s per GPU (theoretical)", gt=0, le=1e5)
+    cpu_cores: int | None = _field(group="hardware", help="CPU cores per GPU", ge=1, le=MAX_GPUS)
+    # --- step time
+    cpu_threads: int | None = _field(
+        group="time", help="CPU threads per rank (OMP_NUM_THREADS; torchrun sets 1)", ge=1, le=MAX_GPUS
+    )
+    cpu_adam_params_per_s: float | None = _field(
+        group="time", help="CPU AdamW params/s per core (else calibration, else the preset's)", gt=0, le=1e13
+    )
+    baseline_step_s: float | None = _field(group="time", help="measured step time without offload, s", gt=0, le=1e6)
+    mfu: float | None = _field(group="time", help="assumed MFU for a derived baseline step time", gt=0, le=1)
+    calibration: str | None = _field(group="time", help="CPU AdamW calibration file (from `calibrate`)")
+    # --- decision
+    margin: float | None = _field(
+        group="decision", help="fraction of usable GPU memory kept free (default 0.05)", ge=0.0, lt=1.0
+    )
+    # --- the user's own run at these settings
+    measured_peak_gib: float | None = _field(
+        group="measured", help="measured peak (Megatron's 'max allocated' / 1024, GiB) at these settings", gt=0, le=1e5
+    )
+    measured_step_s: float | None = _field(
+        group="measured", help="measured step time at these settings, s", gt=0, le=1e6
+    )
+    measured_log: str | None = _field(
+        group="measured", help="Megatron log (path or text): its memory report and iteration times anchor the model"
+    )
+    ooms: bool | None = _field(group="measured", help="these settings ran out of GPU memory")
+
+
+FIELDS = tuple(PlanInputs.model_fields)
+
+
+def flag_name(field: str) -> str:
+    """The CLI flag of an input: ``--seq-length`` (or the field's declared ``flag``)."""
+    extra = PlanInputs.model_fields[field].json_schema_extra or {}
+    return "--" + str(extra.get("flag", field)).replace("_", "-")
+
+
+def bounds_text(field: str) -> str:
+    """The declared bounds of an input, e.g. ``>= 1, <= 65536`` (empty when it has none)."""
+    signs = {"ge": ">=", "gt": ">", "le": "<=", "lt": "<"}
+    out = []
+    for meta in PlanInputs.model_fields[field].metadata:
+        for attr, sign in signs.items():
+            value = getattr(meta, attr, None)
+            if value is not None:
+                out.append(f"{sign} {value:g}")
+    return ", ".join(out)
+
+
+class InputError(ValueError):
+    """An input out of its bounds or of the wrong type; the message names it, its value and the bound."""
+
+
+def _message(err: dict[str, Any], where: dict[str, str]) -> str:
+    name = str(err["loc"][0]) if err["loc"] else "input"
+    value = err.get("input")
+    source = where.get(name, "flag")
+    shown = flag_name(name) if name in PlanInputs.model_fields and source == "flag" else name
+    text = err["msg"]
+    if isinstance(value, float) and not math.isfinite(value):
+        text = "must be a finite number"
+    return f"{shown} = {value!r} ({source}): {text[0].lower() + text[1:]}"
+
+
+def validate_inputs(values: dict[str, Any], where: dict[str, str] | None = None) -> PlanInputs:
+    """``PlanInputs`` from a dict of values; one readable line per violated bound.
+
+    Args:
+        values: input name → value (unknown names are refused).
+        where: input name → source (``flag``, ``config``, ``preset``...), named in the message.
+
+    Raises:
+        InputError: the first three problems, each with the input, its value and the bound.
+    """
+    try:
+        return PlanInputs.model_validate(values)
+    except ValidationError as exc:
+        errors = exc.errors()
+        lines = [_message(e, where or {}) for e in errors[:3]]
+        more = f" (and {len(errors) - 3} more)" if len(errors) > 3 else ""
+        raise InputError("; ".join(lines) + more) from None

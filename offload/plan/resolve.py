@@ -1,0 +1,375 @@
+"""One resolution of the planner's inputs: defaults < model preset (its recipe) < config < flags.
+
+A preset, a Bridge YAML, Megatron-LM argv and flags all become ``PlanInputs`` values here, each with its source;
+the same effective settings give the same ``Resolved`` whichever way they came in. Every value the answer
+depends on is listed as an ``Assumption`` (name, value, source, note) so that an agent can check it. Never
+imports torch.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from pydantic import BaseModel
+
+from mbridge_offload.config.schema import OffloadConfig
+from mbridge_offload.plan.hardware import GpuPreset, gpu_preset, with_overrides
+from mbridge_offload.plan.inputs import FIELDS, InputError, PlanInputs, validate_inputs
+from mbridge_offload.plan.memory import ModelSpec, Setup, check_setup
+
+# Input → dotted config key (Bridge ConfigContainer; Megatron-LM argv is mapped onto the same keys by sources.py).
+CONFIG_KEYS: dict[str, str] = {
+    "num_layers": "model.num_layers",
+    "hidden_size": "model.hidden_size",
+    "ffn_hidden_size": "model.ffn_hidden_size",
+    "num_attention_heads": "model.num_attention_heads",
+    "num_query_groups": "model.num_query_groups",
+    "kv_channels": "model.kv_channels",
+    "vocab_size": "model.vocab_size",
+    "num_moe_experts": "model.num_moe_experts",
+    "moe_ffn_hidden_size": "model.moe_ffn_hidden_size",
+    "moe_router_topk": "model.moe_router_topk",
+    "tp": "model.tensor_model_parallel_size",
+    "pp": "model.pipeline_model_parallel_size",
+    "vpp": "model.virtual_pipeline_model_parallel_size",
+    "cp": "model.context_parallel_size",
+    "ep": "model.expert_model_parallel_size",
+    "etp": "model.expert_tensor_parallel_size",
+    "sequence_parallel": "model.sequence_parallel",
+    "seq_length": "model.seq_length",
+    "micro_batch_size": "train.micro_batch_size",
+    "global_batch_size": "train.global_batch_size",
+    "params_dtype": "model.params_dtype",
+    "grad_reduce_in_fp32": "ddp.grad_reduce_in_fp32",
+    "distributed_optimizer": "optimizer.use_distributed_optimizer",
+    "precision_aware_optimizer": "optimizer.use_precision_aware_optimizer",
+    "main_params_dtype": "optimizer.main_params_dtype",
+    "exp_avg_dtype": "optimizer.exp_avg_dtype",
+    "exp_avg_sq_dtype": "optimizer.exp_avg_sq_dtype",
+    "recompute_granularity": "model.recompute_granularity",
+    "recompute_method": "model.recompute_method",
+    "recompute_num_layers": "model.recompute_num_layers",
+    "recompute_modules": "model.recompute_modules",
+    "optimizer_offload_fraction": "optimizer.optimizer_offload_fraction",
+    "activation_offload_layers": "model.cpu_offloading_num_layers",
+    "overlap": "optimizer.overlap_cpu_optimizer_d2h_h2d",
+    "cuda_graph_impl": "model.cuda_graph_impl",
+    "fine_grained_activation_offloading": "model.fine_grained_activation_offloading",
+    "moe_paged_stash": "model.moe_paged_stash",
+}
+
+# The value used when nothing gives one, and why (Bridge recipe defaults unless said otherwise).
+DEFAULTS: dict[str, tuple[Any, str]] = {
+    "tp": (1, "megatron-core default"),
+    "pp": (1, "megatron-core default"),
+    "cp": (1, "megatron-core default"),
+    "ep": (1, "megatron-core default"),
+    "micro_batch_size": (1, "Bridge recipe default"),
+    "params_dtype": ("bf16", "Bridge recipes train in bf16"),
+    "grad_reduce_in_fp32": (True, "Bridge recipes set ddp.grad_reduce_in_fp32=True (megatron-core's default is False)"),
+    "distributed_optimizer": (True, "Bridge recipes use the distributed optimizer"),
+    "precision_aware_optimizer": (False, "megatron-core default"),
+    "main_params_dtype": ("fp32", "megatron-core default"),
+    "exp_avg_dtype": ("fp32", "megatron-core default"),
+    "exp_avg_sq_dtype": ("fp32", "megatron-core default"),
+    "recompute_granularity": ("none", "megatron-core default: no activation recompute"),
+    "optimizer_offload_fraction": (0.0, "no optimizer offload"),
+    "activation_offload_layers": (0, "no activation offload"),
+    "overlap": (False, "megatron-core default overlap_cpu_optimizer_d2h_h2d=False"),
+    "cuda_graph_impl": ("none", "megatron-core default"),
+    "fine_grained_activation_offloading": (False, "megatron-core default"),
+    "moe_paged_stash": (False, "megatron-core default"),
+    "gpu": ("h100-80gb", "the GPU of the upstream card"),
+    "cpu_threads": (1, "torchrun sets OMP_NUM_THREADS=1 per rank when it starts several per node"),
+    "margin": (0.05, "5 % of the usable GPU memory kept free"),
+}
+ARCHITECTURE = (
+    "num_layers",
+    "hidden_size",
+    "ffn_hidden_size",
+    "num_attention_heads",
+    "num_query_groups",
+    "kv_channels",
+    "vocab_size",
+    "num_moe_experts",
+    "moe_ffn_hidden_size",
+    "moe_router_topk",
+)
+REQUIRED = ("num_layers", "hidden_size", "num_attention_heads", "vocab_size")
+# The estimator lists every local expert of every layer (HDO splits whole tensors): keep that list to a size it
+# walks in well under a second. Published MoEs: DeepSeek-V3 61 x 256, Kimi K2 61 x 384 (at EP 1).
+MAX_LOCAL_EXPERT_LAYERS = 32_768
+# Not listed as assumptions: how to read the inputs, not settings of the run.
+_NOT_ASSUMPTIONS = {"measured_log", "calibration", "model"}
+
+
+class Assumption(BaseModel):
+    """One value the answer depends on, where it came from (config, argv, preset, default, flag, derived)."""
+
+    name: str
+    value: Any
+    source: str
+    note: str | None = None
+
+
+@dataclass
+class Constraints:
+    """Config facts outside ``Setup`` that decide whether layer-level activation offload is allowed."""
+
+    cuda_graph_impl: str = "none"
+    fine_grained_activation_offloading: bool = False
+    moe_paged_stash: bool = False
+
+    def activation_blockers(self, s: Setup) -> list[str]:
+        """Why MCore would refuse layer-level activation offload (its checks), empty when it allows it."""
+        out = []
+        if s.pp > 1:
+            out.append(
+                f"activation offloading needs PP=1 (PP is {s.pp}): MCore raises 'Currently there is no "
+                "support for Pipeline parallelism with CPU offloading'"
+            )
+        if s.recompute_granularity is not None:
+            out.append(f"activation offloading cannot run with recompute_granularity={s.recompute_granularity}")
+        if self.cuda_graph_impl not in ("none", "full_iteration"):
+            out.append(f"activation offloading is incompatible with cuda_graph_impl={self.cuda_graph_impl}")
+        if self.fine_grained_activation_offloading:
+            out.append("activation offloading cannot be combined with fine_grained_activation_offloading")
+        if self.moe_paged_stash:
+            out.append("activation offloading cannot be combined with moe_paged_stash")
+        return out
+
+
+@dataclass
+class Resolved:
+    """The merged inputs and what the models are built from."""
+
+    inputs: PlanInputs
+    sources: dict[str, str]
+    model: ModelSpec
+    setup: Setup
+    gpu: GpuPreset
+    constraints: Constraints
+    assumptions: list[Assumption] = field(default_factory=list)
+
+    @property
+    def overlap(self) -> bool:
+        return bool(self.inputs.overlap)
+
+    def time_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments of ``timing.estimate_time`` from the inputs."""
+        i = self.inputs
+        return {
+            "cpu_threads": i.cpu_threads or 1,
+            "cpu_params_per_s_per_core": i.cpu_adam_params_per_s,
+            "baseline_s": i.baseline_step_s,
+            "mfu": i.mfu,
+            "calibration": i.calibration,
+        }
+
+
+# ------------------------------------------------------------------------------------------- layers
+
+
+def _lookup(raw: dict[str, Any], dotted: str) -> tuple[bool, Any]:
+    node: Any = raw
+    for part in dotted.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return False, None
+        node = node[part]
+    return True, node
+
+
+def config_values(config: OffloadConfig, raw: dict[str, Any] | None) -> dict[str, Any]:
+    """The inputs a config sets explicitly (keys absent from it stay unset, so presets and defaults apply)."""
+    raw = raw if raw is not None else config.model_dump()
+    out: dict[str, Any] = {}
+    for name, dotted in CONFIG_KEYS.items():
+        present, _ = _lookup(raw, dotted)
+        if present:
+            section, leaf = dotted.split(".")
+            out[name] = getattr(getattr(config, section), leaf)
+    if "seq_length" not in out and config.seq_length:
+        out["seq_length"] = config.seq_length
+    if "distributed_optimizer" not in out and _lookup(raw, "ddp.use_distributed_optimizer")[0]:
+        out["distributed_optimizer"] = config.ddp.use_distributed_optimizer
+    if "params_dtype" not in out and (config.model.bf16 or config.model.fp16):
+        out["params_dtype"] = "bf16" if config.model.bf16 else "fp16"
+    if "recompute_granularity" in out:
+        out["recompute_granularity"] = out["recompute_granularity"] or "none"
+    # The offload amounts count only when their master switch is on.
+    if _lookup(raw, "optimizer.optimizer_cpu_offload")[0] or "optimizer_offload_fraction" in out:
+        out["optimizer_offload_fraction"] = (
+            config.optimizer.optimizer_offload_fraction if config.optimizer.optimizer_cpu_offload else 0.0
+        )
+    if _lookup(raw, "model.cpu_offloading")[0] or "activation_offload_layers" in out:
+        out["activation_offload_layers"] = config.model.cpu_offloading_num_layers if config.model.cpu_offloading else 0
+    return {k: v for k, v in out.items() if v is not None}
+
+
+def _config_model_spec(config: OffloadConfig, raw: dict[str, Any] | None, base: ModelSpec | None) -> dict[str, Any]:
+    """Non-input architecture facts (norms, bias, tying, MLA, dense layers) a config states."""
+    from mbridge_offload.plan.presets import model_extras
+
+    return model_extras(config, raw if raw is not None else config.model_dump(), base)
+
+
+# ------------------------------------------------------------------------------------------- resolve
+
+
+def _merge(layers: list[tuple[str, dict[str, Any]]]) -> tuple[dict[str, Any], dict[str, str]]:
+    values: dict[str, Any] = {}
+    where: dict[str, str] = {}
+    for source, layer in layers:
+        for name, value in layer.items():
+            if value is not None:
+                values[name] = value
+                where[name] = source
+    return values, where
+
+
+def _model_spec(values: dict[str, Any], base: ModelSpec | None, extras: dict[str, Any]) -> ModelSpec:
+    missing = [name for name in REQUIRED if values.get(name) is None]
+    if missing:
+        lead = "no model: " if len(missing) == len(REQUIRED) else ""
+        raise InputError(
+            f"{lead}model sizes missing: {', '.join(missing)} (give a model preset, e.g. --model / model= "
+            "qwen3-30b-a3b, or a Bridge config with a model section, or the sizes as inputs)"
+        )
+    hidden, heads = int(values["hidden_size"]), int(values["num_attention_heads"])
+    arch = {
+        "ffn_hidden_size": 4 * hidden,
+        "num_query_groups": heads,
+        "kv_channels": max(1, hidden // heads),
+        **{k: values[k] for k in ARCHITECTURE if values.get(k) is not None},
+    }
+    arch["seq_length"] = int(values.get("seq_length") or (base.seq_length if base else 4096))
+    if base is None:
+        return ModelSpec(name=str(values.get("model") or "config"), **arch, **extras)
+    return replace(base, **arch, **extras)
+
+
+def _setup(values: dict[str, Any], m: ModelSpec) -> Setup:
+    recompute = values.get("recompute_granularity")
+    s = Setup(
+        tp=values["tp"],
+        pp=values["pp"],
+        vpp=values.get("vpp"),
+        cp=values["cp"],
+        ep=values["ep"],
+        etp=values.get("etp"),
+        sequence_parallel=values.get("sequence_parallel"),
+        seq_length=values.get("seq_length"),
+        micro_batch_size=values["micro_batch_size"],
+        global_batch_size=values.get("global_batch_size"),
+        params_dtype=values["params_dtype"],
+        grad_reduce_in_fp32=values["grad_reduce_in_fp32"],
+        use_distributed_optimizer=values["distributed_optimizer"],
+        use_precision_aware_optimizer=values["precision_aware_optimizer"],
+        main_params_dtype=values["main_params_dtype"],
+        exp_avg_dtype=values["exp_avg_dtype"],
+        exp_avg_sq_dtype=values["exp_avg_sq_dtype"],
+        recompute_granularity=None if recompute in (None, "none") else recompute,
+        recompute_method=values.get("recompute_method"),
+        recompute_num_layers=values.get("recompute_num_layers"),
+        optimizer_offload_fraction=values["optimizer_offload_fraction"],
+        activation_offload_layers=values["activation_offload_layers"],
+    )
+    if values.get("recompute_modules"):
+        s = replace(s, recompute_modules=tuple(values["recompute_modules"]))
+    return s
+
+
+def _check_size(m: ModelSpec, s: Setup) -> None:
+    if m.is_moe and s.ep >= 1:
+        work = m.num_layers * (m.num_moe_experts // s.ep)
+        if work > MAX_LOCAL_EXPERT_LAYERS:
+            raise InputError(
+                f"num_layers × num_moe_experts / ep = {m.num_layers} × {m.num_moe_experts} / {s.ep} = {work}: at "
+                f"most {MAX_LOCAL_EXPERT_LAYERS} (the estimator lists every local expert of every layer); raise ep"
+            )
+
+
+def _default_gpus(s: Setup, m: ModelSpec) -> int:
+    """Smallest multiple of both TP·PP·CP and PP·EP·ETP that is at least 8 (one node)."""
+    unit = math.lcm(s.tp * s.pp * s.cp, s.pp * s.ep * s.resolved_etp(m))
+    return unit * max(1, math.ceil(8 / unit))
+
+
+def _gpu(values: dict[str, Any]) -> GpuPreset:
+    preset = gpu_preset(values["gpu"])
+    capacity = values.get("gpu_memory_gb")
+    return with_overrides(
+        preset,
+        hbm_gb=capacity,
+        capacity_gib=capacity * 1e9 / 2**30 if capacity is not None else None,
+        host_ram_gb=values.get("host_ram_gb"),
+        link_gbps=values.get("link_gbps"),
+        host_bw_gbps=values.get("host_bw_gbps"),
+        cpu_cores=values.get("cpu_cores"),
+    )
+
+
+def _assumptions(values: dict[str, Any], where: dict[str, str], notes: dict[str, str]) -> list[Assumption]:
+    out = []
+    for name in FIELDS:
+        if name in _NOT_ASSUMPTIONS or values.get(name) is None:
+            continue
+        out.append(Assumption(name=name, value=values[name], source=where.get(name, "default"), note=notes.get(name)))
+    return out
+
+
+def resolve(
+    flags: dict[str, Any] | None = None,
+    config: OffloadConfig | None = None,
+    raw: dict[str, Any] | None = None,
+) -> Resolved:
+    """Merge defaults, the model preset's recipe, a config and flags; validate; build the models' inputs.
+
+    Args:
+        flags: input name → value given directly (CLI flags, MCP parameters); ``None`` values are ignored.
+        config: a loaded Bridge config or Megatron-LM argv (``sources.load``), or None.
+        raw: the config's raw dict (tells which keys it sets).
+
+    Returns:
+        The merged ``PlanInputs``, the source of each value, the model, setup, GPU and constraints.
+
+    Raises:
+        InputError: a value out of bounds, or model sizes missing (the message names them).
+        KeyError: an unknown model or GPU preset.
+        ValueError: a setup Megatron rejects.
+    """
+    from mbridge_offload.plan.presets import model_preset, recipe_values
+
+    flags = {k: v for k, v in (flags or {}).items() if v is not None}
+    validate_inputs(flags)  # bounds of what was given directly, named as flags
+    cfg = config_values(config, raw) if config is not None else {}
+    cfg_source = "argv" if config is not None and config.env.get("frontend") == "megatron-lm" else "config"
+    name = flags.get("model")
+    base = model_preset(name) if name else None
+    preset = recipe_values(name) if name else {}
+    defaults = {k: v for k, (v, _) in DEFAULTS.items()}
+    values, where = _merge([("default", defaults), ("preset", preset), (cfg_source, cfg), ("flag", flags)])
+    inputs = validate_inputs(values, where)
+    values = inputs.model_dump()
+    extras = _config_model_spec(config, raw, base) if config is not None else {}
+    m = _model_spec(values, base, extras)
+    notes = {k: note for k, (_, note) in DEFAULTS.items() if where.get(k) == "default"}
+    if values.get("etp") is None:
+        values["etp"], where["etp"] = values["tp"], "default"
+        notes["etp"] = "megatron-core default: expert_tensor_parallel_size = TP"
+    if values.get("seq_length") is None:
+        values["seq_length"], where["seq_length"] = m.seq_length, "preset" if base else "default"
+    s = _setup(values, m)
+    _check_size(m, s)
+    if values.get("num_gpus") is None:
+        values["num_gpus"], where["num_gpus"] = _default_gpus(s, m), "derived"
+        notes["num_gpus"] = "smallest multiple of TP·PP·CP and PP·EP·ETP that is at least 8"
+    s = replace(s, num_gpus=values["num_gpus"])
+    check_setup(m, replace(s, optimizer_offload_fraction=0.0, activation_offload_layers=0))
+    constraints = Constraints(
+        values["cuda_graph_impl"], values["fine_grained_activation_offloading"], values["moe_paged_stash"]
+    )
+    final = PlanInputs.model_validate({k: values.get(k) for k in FIELDS})
+    return Resolved(final, where, m, s, _gpu(values), constraints, _assumptions(values, where, notes))

@@ -1,0 +1,118 @@
+"""The planner's answers as pydantic models: the library returns them, the CLI's ``--json`` prints
+``model_dump(mode="json")`` of them and the MCP tools use them as structured output. One schema, no copies.
+
+Units: ``memory_gb`` is decimal GB (10⁹ bytes, design.md's contract); ``memory_gib`` is GiB (2³⁰ bytes), the unit of
+Megatron's memory report ("MB" there is bytes / 1024²) and of PyTorch's OOM messages. Every answer says so in
+``unit``. Never imports torch.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field
+
+from mbridge_offload.plan.resolve import Assumption
+
+UNIT = (
+    "memory_gb: decimal GB (10^9 bytes); memory_gib: GiB (2^30 bytes, the unit of Megatron's memory report, "
+    "which prints bytes/1024^2 as 'MB'); both are peak memory allocated by PyTorch on the worst pipeline stage"
+)
+
+
+class MemoryBreakdown(BaseModel):
+    """Per-GPU memory of the worst pipeline stage by kind."""
+
+    weights: float
+    gradients: float
+    optimizer: float
+    activations: float
+    other: float = Field(description="workspaces, MoE dispatch buffers, and any calibration offset")
+    total: float
+
+
+class BeforeAfter(BaseModel):
+    before: MemoryBreakdown
+    after: MemoryBreakdown
+
+
+class StageTotal(BaseModel):
+    stage: int
+    total_gb: float
+    params: int
+
+
+class TimeBreakdown(BaseModel):
+    """Seconds per step: the baseline and what offloading adds."""
+
+    baseline: float
+    d2h: float
+    cpu_adam: float
+    h2d: float
+    optimizer_extra: float
+    activation_extra: float
+
+
+class Anchor(BaseModel):
+    """How a measurement of the user's own run changed the predictions."""
+
+    measured_peak_gib: float | None = None
+    measured_step_s: float | None = None
+    predicted_peak_gib: float = Field(description="the model's peak at the measured settings, before anchoring")
+    memory_offset_gib: float = Field(0.0, description="added to every prediction's 'other'")
+    baseline_step_s: float | None = Field(None, description="the baseline step time the measurement implies")
+    cpu_adam_params_per_s_per_core: float | None = Field(None, description="the CPU AdamW rate it implies")
+    ooms: bool = False
+    notes: list[str] = []
+
+
+class Estimate(BaseModel):
+    """``estimate``: memory, host memory and step time of one setting."""
+
+    unit: str = UNIT
+    memory_gb: MemoryBreakdown
+    memory_gib: MemoryBreakdown
+    host_gb: float
+    offloaded_fraction: float
+    step_time_factor: float
+    fits: bool
+    budget_gb: float = Field(description="peak allocated memory that fits: exposed capacity less context, overhead")
+    budget_gib: float
+    gpu_memory_gb: float = Field(description="what the device exposes to CUDA, decimal GB")
+    gpu_memory_gib: float
+    worst_stage: int
+    stages: list[StageTotal]
+    host_peak_gb: float
+    time_s: TimeBreakdown
+    model: str
+    parallel: dict[str, Any]
+    optimizer_offload_fraction: float
+    activation_offload_layers: int
+    warnings: list[str]
+    notes: list[str] = []
+    assumptions: list[Assumption]
+    calibration: Anchor | None = None
+
+
+class Recommendation(BaseModel):
+    """``recommend``: the smallest offload that fits, with the why and the assumptions behind it."""
+
+    mode: Literal["none", "optimizer", "activation", "both"]
+    overrides: list[str]
+    memory_gb: BeforeAfter
+    memory_gib: BeforeAfter
+    fits: bool
+    step_time_factor: float
+    rationale: list[str]
+    unit: str = UNIT
+    budget_gb: float
+    budget_gib: float
+    optimizer_offload_fraction: float
+    offloaded_fraction: float
+    activation_offload_layers: int
+    host_gb: float
+    host_peak_gb: float
+    suggestions: list[str] = []
+    warnings: list[str] = []
+    assumptions: list[Assumption]
+    calibration: Anchor | None = None

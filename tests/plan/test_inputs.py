@@ -1,0 +1,211 @@
+"""One declaration of the planner's inputs: bounds, derived CLI flags and MCP parameters, one resolution path."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+
+import anyio
+import pytest
+
+from mbridge_offload.config import sources
+from mbridge_offload.plan import planner as plan
+from mbridge_offload.plan.inputs import FIELDS, InputError, PlanInputs, flag_name, validate_inputs
+from mbridge_offload.plan.resolve import resolve
+from mbridge_offload_tools import cli_plan
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLE = ROOT / "examples" / "qwen3_30b_a3b_pretrain.yaml"
+
+BAD = [
+    ({"num_layers": 10**12}, "num_layers", "less than or equal to 1024"),
+    ({"num_layers": -4}, "num_layers", "greater than or equal to 1"),
+    ({"hidden_size": math.nan}, "hidden_size", ""),
+    ({"link_gbps": math.inf}, "link_gbps", "finite"),
+    ({"link_gbps": math.nan}, "link_gbps", "finite"),
+    ({"num_attention_heads": 0}, "num_attention_heads", "greater than or equal to 1"),
+    ({"link_gbps": 0}, "link_gbps", "greater than 0"),
+    ({"host_bw_gbps": 0.0}, "host_bw_gbps", "greater than 0"),
+    ({"optimizer_offload_fraction": 1.5}, "optimizer_offload_fraction", "less than or equal to 1"),
+    ({"margin": 1.0}, "margin", "less than 1"),
+    ({"tp": 0}, "tp", "greater than or equal to 1"),
+    ({"baseline_step_s": -1.0}, "baseline_step_s", "greater than 0"),
+]
+
+
+@pytest.mark.parametrize(("bad", "name", "bound"), BAD)
+def test_every_bound_is_refused_with_the_bound_in_the_message(bad, name, bound):
+    with pytest.raises(InputError) as err:
+        resolve({"model": "qwen3-30b-a3b", **bad})
+    text = str(err.value)
+    assert flag_name(name) in text and bound in text
+
+
+def test_every_numeric_input_has_an_upper_and_a_lower_bound():
+    for name, info in PlanInputs.model_fields.items():
+        kinds = [a for a in getattr(info.annotation, "__args__", (info.annotation,)) if a is not type(None)]
+        if kinds and kinds[0] in (int, float):
+            signs = {
+                attr for m in info.metadata for attr in ("ge", "gt", "le", "lt") if getattr(m, attr, None) is not None
+            }
+            assert signs & {"ge", "gt"} and signs & {"le", "lt"}, name
+
+
+def test_bounds_apply_to_config_values_too(tmp_path):
+    cfg = tmp_path / "huge.yaml"
+    cfg.write_text(
+        "model:\n  num_layers: 1000000000000\n  hidden_size: 1024\n  num_attention_heads: 8\n  vocab_size: 1000\n"
+    )
+    loaded = sources.load(str(cfg))
+    with pytest.raises(InputError, match=r"num_layers = 1000000000000 \(config\)"):
+        resolve({}, loaded.config, loaded.raw)
+
+
+@pytest.mark.parametrize(("bad", "name", "bound"), [b for b in BAD if b[0] != {"hidden_size": math.nan}])
+def test_cli_refuses_them_with_exit_2_and_one_json_error(capsys, bad, name, bound):
+    ((key, value),) = bad.items()
+    parser = argparse.ArgumentParser()
+    cli_plan.add_parsers(parser.add_subparsers())
+    args = parser.parse_args(["estimate", "--model", "qwen3-30b-a3b", flag_name(key), str(value), "--json"])
+    with pytest.raises(cli_plan.UsageError, match=bound):
+        args.handler(args)
+
+
+def test_cli_flags_and_mcp_parameters_are_derived_from_the_one_model():
+    parser = argparse.ArgumentParser()
+    cli_plan.add_parsers(parser.add_subparsers())
+    sub = parser._subparsers._group_actions[0].choices
+    for command in ("estimate", "recommend"):
+        dests = {a.dest for a in sub[command]._actions}
+        assert set(FIELDS) <= dests, set(FIELDS) - dests
+
+    from mcp import Client
+
+    from mbridge_offload_tools.server import mcp
+
+    async def schemas():
+        async with Client(mcp, raise_exceptions=True) as c:
+            return {t.name: t.input_schema for t in (await c.list_tools()).tools}
+
+    tools = anyio.run(schemas)
+    for name in ("estimate_memory", "recommend_mode"):
+        props = tools[name]["properties"]
+        assert set(FIELDS) <= set(props)
+        assert props["num_layers"]["anyOf"][0]["maximum"] == 1024  # the bound travels with the parameter
+        assert props["optimizer_offload_fraction"]["anyOf"][0]["maximum"] == 1.0
+
+
+def _answer(r) -> dict:
+    est = plan.estimate(r).model_dump(exclude={"assumptions", "model"})
+    rec = plan.recommend(r).model_dump(exclude={"assumptions"})
+    return {"estimate": est, "recommend": rec}
+
+
+def test_same_effective_settings_same_answer_whichever_way_they_came_in(tmp_path):
+    by_preset = _answer(resolve({"model": "qwen3-30b-a3b", "optimizer_offload_fraction": 0.5}))
+    # The example YAML is the card's 50 % run; the launcher (not the YAML) gives the GPU count.
+    loaded = sources.load(str(EXAMPLE))
+    by_config = _answer(resolve({"num_gpus": 16}, loaded.config, loaded.raw))
+    flags = {
+        "num_layers": 48, "hidden_size": 2048, "ffn_hidden_size": 6144, "num_attention_heads": 32,
+        "num_query_groups": 4, "kv_channels": 128, "vocab_size": 151936, "num_moe_experts": 128,
+        "moe_ffn_hidden_size": 768, "moe_router_topk": 8, "num_gpus": 16, "tp": 2, "pp": 2, "ep": 4, "etp": 1,
+        "seq_length": 4096, "global_batch_size": 8, "recompute_granularity": "full", "recompute_method": "uniform",
+        "recompute_num_layers": 1, "optimizer_offload_fraction": 0.5,
+    }  # fmt: skip
+    # Sizes given one by one: the non-size facts (QK-norm, untied, SwiGLU, no bias) come from a config section.
+    arch = sources.load(
+        "model:\n  qk_layernorm: true\n  share_embeddings_and_output_weights: false\n"
+        "  gated_linear_unit: true\n  add_bias_linear: false\n"
+    )
+    by_flags = _answer(resolve(flags, arch.config, arch.raw))
+    argv = [
+        "--tensor-model-parallel-size",
+        "2",
+        "--pipeline-model-parallel-size",
+        "2",
+        "--expert-model-parallel-size",
+        "4",
+        "--expert-tensor-parallel-size",
+        "1",
+        "--sequence-parallel",
+        "--recompute-granularity",
+        "full",
+        "--recompute-method",
+        "uniform",
+        "--recompute-num-layers",
+        "1",
+        "--bf16",
+        "--use-distributed-optimizer",
+        "--optimizer-cpu-offload",
+        "--optimizer-offload-fraction",
+        "0.5",
+        "--micro-batch-size",
+        "1",
+        "--global-batch-size",
+        "8",
+        "--seq-length",
+        "4096",
+    ]
+    mlm = sources.load(argv=argv)
+    by_argv = _answer(resolve({"model": "qwen3-30b-a3b", "num_gpus": 16}, mlm.config, mlm.raw))
+    for other in (by_config, by_flags, by_argv):
+        assert other["estimate"] == by_preset["estimate"]
+        assert other["recommend"]["mode"] == by_preset["recommend"]["mode"] == "none"
+        assert other["recommend"]["memory_gib"] == by_preset["recommend"]["memory_gib"]
+
+
+def test_answers_list_assumptions_with_their_sources(capsys):
+    loaded = sources.load(str(EXAMPLE))
+    r = resolve({"num_gpus": 16, "gpu": "h100-80gb"}, loaded.config, loaded.raw)
+    where = {a.name: a.source for a in plan.estimate(r).assumptions}
+    assert where["recompute_granularity"] == "config" and where["num_gpus"] == "flag"
+    assert where["cp"] == "default" and where["cpu_adam_params_per_s_per_core"] == "preset"
+    by_preset = {a.name: a.source for a in plan.recommend(resolve({"model": "qwen3-30b-a3b"})).assumptions}
+    assert by_preset["recompute_granularity"] == "preset" and by_preset["etp"] == "preset"
+    # The human output prints them too.
+    parser = argparse.ArgumentParser()
+    cli_plan.add_parsers(parser.add_subparsers())
+    args = parser.parse_args(["recommend", "--model", "qwen3-30b-a3b"])
+    args.handler(args)
+    out = capsys.readouterr().out
+    assert "assumptions (value, source):" in out and "recompute_granularity = full (preset)" in out
+    assert "GiB" in out and "unit:" in out
+
+
+def test_partial_config_takes_missing_sizes_from_a_preset_or_names_them():
+    loaded = sources.load("model:\n  tensor_model_parallel_size: 2\n  seq_length: 8192\n")
+    r = resolve({"model": "llama3-8b"}, loaded.config, loaded.raw)
+    assert r.model.num_layers == 32 and r.setup.tp == 2 and r.setup.seq_length == 8192
+    with pytest.raises(InputError, match="model sizes missing: hidden_size, num_attention_heads, vocab_size"):
+        resolve({}, sources.load("model:\n  num_layers: 4\n").config, {"model": {"num_layers": 4}})
+
+
+def test_json_of_the_results_is_the_pydantic_dump(capsys):
+    parser = argparse.ArgumentParser()
+    cli_plan.add_parsers(parser.add_subparsers())
+    args = parser.parse_args(["estimate", "--model", "qwen3-30b-a3b", "--json"])
+    args.handler(args)
+    data = json.loads(capsys.readouterr().out)
+    assert data == plan.estimate(resolve({"model": "qwen3-30b-a3b"})).model_dump(mode="json")
+    assert data["unit"].startswith("memory_gb: decimal GB") and "memory_gib" in data
+
+
+def test_validate_inputs_rejects_unknown_names():
+    with pytest.raises(InputError, match="extra"):
+        validate_inputs({"tensor_parallel": 2})
+
+
+def test_the_largest_accepted_inputs_answer_quickly_and_larger_work_is_refused():
+    import time
+
+    dense = {"num_layers": 1024, "hidden_size": 16384, "num_attention_heads": 128, "vocab_size": 256000}
+    start = time.perf_counter()
+    plan.recommend(resolve({**dense, "num_gpus": 8}))
+    moe = {**dense, "num_layers": 128, "num_moe_experts": 256, "moe_ffn_hidden_size": 2048, "moe_router_topk": 8}
+    plan.recommend(resolve({**moe, "num_gpus": 8}))
+    assert time.perf_counter() - start < 30  # generous on a shared CI core; about 2 s here
+    with pytest.raises(InputError, match="at most 32768"):
+        resolve({**moe, "num_layers": 1024, "num_moe_experts": 1024})
