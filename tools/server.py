@@ -26,9 +26,9 @@ from pydantic import BaseModel, Field
 
 from mbridge_offload import __version__
 from mbridge_offload.actions.apply import ApplyResult
-from mbridge_offload_tools import guard
 from mbridge_offload.actions.diagnose import DiagnoseReport
 from mbridge_offload.plan.results import Estimate, Recommendation
+from mbridge_offload_tools import guard
 
 logger = logging.getLogger(__name__)
 
@@ -72,8 +72,6 @@ class ValidateOutput(BaseModel):
     findings: list[FindingModel]
     config: dict[str, Any] = Field(description="effective values of the offload-related keys")
     source: str
-
-
 
 
 class TestResultModel(BaseModel):
