@@ -38,8 +38,9 @@ MARK = "@@mbridge-offload@@ "
 DEPTH_ENV = "MBRIDGE_OFFLOAD_TEST_DEPTH"
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 
-# Megatron Bridge test files that hold offload-related tests (found by reading its tests/unit_tests tree). The skill's pair
-# (test_gpt_full_te_layer_autocast_spec.py, peft/test_utils.py) has none; test_optim.py and test_config.py do.
+# Megatron Bridge test files that hold offload-related tests (found by reading its tests/unit_tests tree). The
+# skill's pair (test_gpt_full_te_layer_autocast_spec.py, peft/test_utils.py) has none; test_optim.py and
+# test_config.py do.
 BRIDGE_TEST_FILES = (
     "tests/unit_tests/training/test_optim.py",
     "tests/unit_tests/training/test_config.py",
@@ -333,6 +334,17 @@ def _stream(
     return (None if timed_out.is_set() else proc.returncode), timed_out.is_set(), tail
 
 
+# pytest outcome → the counter it adds to.
+_BUCKET = {
+    "passed": "passed",
+    "xfailed": "skipped",
+    "skipped": "skipped",
+    "xpassed": "passed",
+    "failed": "failed",
+    "error": "errors",
+}
+
+
 def _pytest_run(
     suite: str,
     cwd: Path,
@@ -384,15 +396,7 @@ def _pytest_run(
                 return
             outcome = TestOutcome(event["nodeid"], event["outcome"], event.get("duration_s", 0.0), event.get("message"))
             result.tests.append(outcome)
-            bucket = {
-                "passed": "passed",
-                "xfailed": "skipped",
-                "skipped": "skipped",
-                "xpassed": "passed",
-                "failed": "failed",
-                "error": "errors",
-            }.get(outcome.outcome, "errors")
-            counts[bucket] += 1
+            counts[_BUCKET.get(outcome.outcome, "errors")] += 1
             if on_progress:
                 on_progress(len(result.tests), result.selected, f"{outcome.outcome}: {outcome.nodeid}")
 

@@ -21,7 +21,7 @@ import re
 from collections.abc import Callable
 from pathlib import Path
 
-from mbridge_offload_tools.docgen.params import render_parameters_doc, render_skill_parameters
+from mbridge_offload_tools.docgen.params import render_parameters_doc
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -67,10 +67,34 @@ def render_constraints() -> str:
     return render()
 
 
+def render_constraint_summary() -> str:
+    from mbridge_offload_tools.docgen.catalogue import render_constraint_summary as render
+
+    return render()
+
+
 def render_diagnosis() -> str:
     from mbridge_offload_tools.docgen.catalogue import render_diagnosis as render
 
     return render()
+
+
+def render_diagnosis_summary() -> str:
+    from mbridge_offload_tools.docgen.catalogue import render_diagnosis_summary as render
+
+    return render()
+
+
+def _reference(path: str) -> Callable[[], str]:
+    """The renderer of one whole file under references/ (imported when called)."""
+
+    def render() -> str:
+        from mbridge_offload_tools.docgen.references import FILES
+
+        return FILES[path]()
+
+    render.__name__ = f"render_{Path(path).stem.replace('-', '_')}"
+    return render
 
 
 def render_tools() -> str:
@@ -115,13 +139,25 @@ def render_card() -> str:
     return render((ROOT / "card.yaml").read_text(encoding="utf-8"))
 
 
-WHOLE: dict[str, Callable[[], str]] = {"docs/rules.md": render_rules, "card.yaml": render_card}
+# The skill's references/ folder: the full tables SKILL.md points to (tools/docgen/references.py renders them).
+REFERENCES = (
+    "references/parameters.md",
+    "references/constraints.md",
+    "references/failures.md",
+    "references/tools.md",
+    "references/code-anchors.md",
+)
+
+WHOLE: dict[str, Callable[[], str]] = {
+    "docs/rules.md": render_rules,
+    "card.yaml": render_card,
+    **{path: _reference(path) for path in REFERENCES},
+}
 
 GENERATED: dict[str, dict[str, Callable[[], str]]] = {
     "SKILL.md": {
-        "parameters": render_skill_parameters,
-        "constraints": render_constraints,
-        "diagnosis": render_diagnosis,
+        "constraints": render_constraint_summary,
+        "diagnosis": render_diagnosis_summary,
         "tools": render_tools,
     },
     "docs/parameters.md": {"parameters": render_parameters_doc},
@@ -182,6 +218,7 @@ def regenerate(root: Path = ROOT, skipped: list[str] | None = None) -> list[str]
         file = root / path
         new = render()
         if not file.exists() or file.read_text(encoding="utf-8") != new:
+            file.parent.mkdir(parents=True, exist_ok=True)
             file.write_text(new, encoding="utf-8")
             changed.append(path)
     return changed
