@@ -655,7 +655,8 @@ def test_committed_host_check_passed_for_the_plugin_and_every_client_it_ran():
     assert summary and int(summary[2]) == 0, summary and summary[0]
     for needed in (
         "PASS  claude-code: plugin list --json: loaded without errors",
-        "PASS  claude-code: mcp list: the plugin's server starts and connects",
+        "PASS  claude-code: mcp list (first start, sets up .venv): the plugin's server starts and connects",
+        "PASS  claude-code: mcp list (next start, default timeout)",
         "PASS  npx skills@1.5.16",
         "PASS  gemini-cli",
         "PASS  codex",
