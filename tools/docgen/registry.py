@@ -1,7 +1,8 @@
 """The one registry of generated docs: the tables that restate code are rendered from the code.
 
-Two kinds of entry. ``WHOLE`` files are rendered entirely (``docs/rules.md``, ``card.yaml``'s measured block is
-rendered into the whole file). ``GENERATED`` files keep their hand-written text; only marked sections are rendered.
+Two kinds of entry. ``WHOLE`` files are rendered entirely (``docs/rules.md``; the skill's ``references/*.md``, from
+``references.py``; ``card.yaml``'s measured block is rendered into the whole file). ``GENERATED`` files keep their
+hand-written text; only marked sections are rendered.
 
 A generated section sits between two marker comments; everything outside them is hand-written and left alone::
 
@@ -61,20 +62,8 @@ def fill(text: str, name: str, body: str, note: str = _NOTE) -> str:
 # ---------------------------------------------------------------------------------------------- renderers
 
 
-def render_constraints() -> str:
-    from mbridge_offload_tools.docgen.catalogue import render_constraints as render
-
-    return render()
-
-
 def render_constraint_summary() -> str:
     from mbridge_offload_tools.docgen.catalogue import render_constraint_summary as render
-
-    return render()
-
-
-def render_diagnosis() -> str:
-    from mbridge_offload_tools.docgen.catalogue import render_diagnosis as render
 
     return render()
 
