@@ -33,6 +33,9 @@ def clean_env() -> dict[str, str]:
     """The environment without this venv, PYTHONPATH or the user site (so nothing of the checkout leaks in)."""
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")}
     env["PYTHONNOUSERSITE"] = "1"
+    # Bounded waits on the package index: an unreachable index fails in about a minute instead of hanging.
+    env["PIP_DEFAULT_TIMEOUT"] = "30"
+    env["PIP_RETRIES"] = "1"
     venv_bin = str(Path(sys.prefix) / "bin")
     env["PATH"] = os.pathsep.join(p for p in env.get("PATH", "").split(os.pathsep) if p != venv_bin)
     return env
