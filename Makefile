@@ -4,17 +4,15 @@ VENV := .venv
 BIN := $(VENV)/bin
 MCORE_NEW := .mcore/0.19.2
 
-.PHONY: setup run test test-bridge bridge-env lint docs bench clean
+.PHONY: setup run test test-bridge bridge-env lint docs bench clean skill-zip check-hosts
 
 setup: $(VENV)/.ready
 
-# torch first, from the CPU wheel (a bare `torch` requirement would pull a CUDA build);
-# megatron-core 0.19.2 needs Python >= 3.12 on paper but runs on 3.11: installed beside, for the differential tests.
-$(VENV)/.ready: pyproject.toml
-	$(PY) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e ".[test]"
+# scripts/setup: the venv, torch from the CPU wheel (a bare `torch` requirement would pull a CUDA build), the package
+# with its test extras. Then what only this repository's tests need: triton, and megatron-core 0.19.2 (Python >= 3.12
+# on paper but runs on 3.11) installed beside, for the differential tests.
+$(VENV)/.ready: pyproject.toml scripts/setup
+	scripts/setup --python $(PY)
 	$(BIN)/pip install -q triton
 	$(BIN)/pip install -q --ignore-requires-python --no-deps --target $(MCORE_NEW) megatron-core==0.19.2
 	touch $@
@@ -49,5 +47,13 @@ bench: setup
 	$(BIN)/python benchmarks/cpu_optimizer.py
 	$(BIN)/python benchmarks/cpu_activation.py
 
+# The skill as a zip for Claude.ai (SKILL.md at the root; no venv, caches or .git).
+skill-zip:
+	scripts/skill-zip --out dist/mbridge-offload.zip
+
+# Install the agent clients that install here (npm) and load the skill / plugin / MCP server in each.
+check-hosts:
+	scripts/check-hosts --out docs/hosts-check.txt
+
 clean:
-	rm -rf $(VENV) .mcore $(BRIDGE)
+	rm -rf $(VENV) .mcore $(BRIDGE) dist

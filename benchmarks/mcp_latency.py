@@ -6,7 +6,7 @@ or Codex would, and times:
 - ``validate_config`` and ``recommend_mode`` calls on the example config, after one warm-up call each
   (the first call imports the library: reported separately as ``first_call_ms``).
 
-Targets (issue 6): start < 2 s, calls < 100 ms. Prints one JSON object; ``--markdown`` prints a table.
+Targets: start < 2 s, calls < 100 ms. Prints one JSON object; ``--markdown`` prints a table.
 
 Run: ``python benchmarks/mcp_latency.py [--starts 5] [--calls 30] [--markdown]``.
 """

@@ -17,6 +17,7 @@ Two traps this module exists to avoid:
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import os
 import re
@@ -39,8 +40,9 @@ MARK = "@@mbridge-offload@@ "
 DEPTH_ENV = "MBRIDGE_OFFLOAD_TEST_DEPTH"
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 
-# Megatron Bridge test files that hold offload-related tests (reference §6). The skill's pair
-# (test_gpt_full_te_layer_autocast_spec.py, peft/test_utils.py) has none; test_optim.py and test_config.py do.
+# Megatron Bridge test files that hold offload-related tests (found by reading its tests/unit_tests tree). The
+# skill's pair (test_gpt_full_te_layer_autocast_spec.py, peft/test_utils.py) has none; test_optim.py and
+# test_config.py do.
 BRIDGE_TEST_FILES = (
     "tests/unit_tests/training/test_optim.py",
     "tests/unit_tests/training/test_config.py",
@@ -48,6 +50,15 @@ BRIDGE_TEST_FILES = (
     "tests/unit_tests/peft/test_utils.py",
 )
 BRIDGE_SELECTOR = "cpu_offload or offload or HybridDevice"
+
+# The upstream skill's selector. Every test of this project is an offload test, but only a handful are *named*
+# cpu_offload, so for our own suite the name means "the whole offload suite" (run without -k, and said so).
+WHOLE_SUITE_ALIASES = ("cpu_offload",)
+# A -k selection that leaves out more than this share of the suite gets a note with both counts.
+FEW_SELECTED_SHARE = 0.5
+# What the unit suite needs in the Python that runs it; the message names the command that installs them.
+UNIT_NEEDS = ("pytest", "torch")
+BRIDGE_NEEDS = ("pytest", "torch")
 
 _K_ALLOWED = re.compile(r"^[A-Za-z0-9_ .\-\[\]()/:]+$")
 
@@ -59,6 +70,9 @@ def _emit(event):
     # a leading newline: -q progress dots share the line otherwise
     sys.stdout.write("\\n" + MARK + json.dumps(event) + "\\n")
     sys.stdout.flush()
+
+def pytest_deselected(items):
+    _emit({"event": "deselected", "count": len(items)})
 
 def pytest_collection_finish(session):
     _emit({"event": "collected", "count": len(session.items)})
@@ -113,6 +127,7 @@ class TestRunResult:
     skipped: int = 0
     errors: int = 0
     selected: int | None = None
+    deselected: int = 0
     duration_s: float = 0.0
     exit_code: int | None = None
     timed_out: bool = False
@@ -218,6 +233,62 @@ def _python_for(repo: Path | None) -> str:
     return sys.executable
 
 
+# ---------------------------------------------------------------------------------------------- prerequisites
+
+
+def setup_command() -> str:
+    """The one command that installs what the tests need (pytest, the CPU torch wheel) into this folder's venv."""
+    return f"{PROJECT_ROOT / 'scripts' / 'setup'}"
+
+
+def missing_modules(python: str, modules: tuple[str, ...]) -> list[str]:
+    """The ``modules`` that ``python`` cannot import (found by spec, nothing is imported).
+
+    Raises:
+        TestSuiteError: ``python`` does not start (or hangs past 60 s).
+    """
+    if python == sys.executable:
+        return [m for m in modules if importlib.util.find_spec(m) is None]
+    probe = "import importlib.util as u, sys; print(' '.join(m for m in sys.argv[1:] if u.find_spec(m) is None))"
+    try:
+        done = subprocess.run([python, "-c", probe, *modules], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise TestSuiteError(f"the Python that would run the tests ({python}) does not start: {exc}") from None
+    if done.returncode != 0:
+        raise TestSuiteError(f"the Python that would run the tests ({python}) fails: {done.stderr.strip()[-300:]}")
+    return done.stdout.split()
+
+
+def require_modules(python: str, modules: tuple[str, ...], where: str) -> None:
+    """Refuse a run whose Python lacks pytest or torch, naming the install command (never a 0-passed "run").
+
+    Raises:
+        TestSuiteError: with the missing modules and the command that installs them.
+    """
+    missing = missing_modules(python, modules)
+    if not missing:
+        return
+    if where == "unit":
+        fix = f"run {setup_command()} (the full setup: a venv in this folder with pytest and the CPU torch wheel)"
+        fix += f", then use {PROJECT_ROOT / '.venv' / 'bin' / 'mbridge-offload'} test"
+    else:
+        fix = f"install them in that checkout's environment ({python} -m pip install pytest torch)"
+    raise TestSuiteError(f"cannot run the {where} tests: {' and '.join(missing)} not installed for {python}; {fix}")
+
+
+def _few_selected_note(result: TestRunResult, expr: str) -> str | None:
+    """A note when a -k selection runs only a small part of the suite (say how many, and what the whole is)."""
+    if result.selected is None:
+        return None
+    total = result.selected + result.deselected
+    if total == 0 or result.selected > FEW_SELECTED_SHARE * total:
+        return None
+    return (
+        f"-k {expr!r} selected {result.selected} of the {total} tests of the offload suite; "
+        "the whole suite runs without -k"
+    )
+
+
 # ---------------------------------------------------------------------------------------------- running
 
 
@@ -265,6 +336,17 @@ def _stream(
     return (None if timed_out.is_set() else proc.returncode), timed_out.is_set(), tail
 
 
+# pytest outcome → the counter it adds to.
+_BUCKET = {
+    "passed": "passed",
+    "xfailed": "skipped",
+    "skipped": "skipped",
+    "xpassed": "passed",
+    "failed": "failed",
+    "error": "errors",
+}
+
+
 def _pytest_run(
     suite: str,
     cwd: Path,
@@ -306,6 +388,9 @@ def _pytest_run(
                 event = json.loads(line[at + len(MARK) :])
             except json.JSONDecodeError:
                 return
+            if event.get("event") == "deselected":
+                result.deselected += int(event["count"])
+                return
             if event.get("event") == "collected":
                 result.selected = int(event["count"])
                 if on_progress:
@@ -313,15 +398,7 @@ def _pytest_run(
                 return
             outcome = TestOutcome(event["nodeid"], event["outcome"], event.get("duration_s", 0.0), event.get("message"))
             result.tests.append(outcome)
-            bucket = {
-                "passed": "passed",
-                "xfailed": "skipped",
-                "skipped": "skipped",
-                "xpassed": "passed",
-                "failed": "failed",
-                "error": "errors",
-            }.get(outcome.outcome, "errors")
-            counts[bucket] += 1
+            counts[_BUCKET.get(outcome.outcome, "errors")] += 1
             if on_progress:
                 on_progress(len(result.tests), result.selected, f"{outcome.outcome}: {outcome.nodeid}")
 
@@ -421,6 +498,7 @@ def run_tests(
             raise TestSuiteError("path selects one of this project's test files; with bridge_repo use k instead")
         root = Path(bridge_repo).expanduser().resolve()
         files = bridge_files(root)
+        require_modules(_python_for(root), BRIDGE_NEEDS, "Megatron Bridge")
         return _pytest_run(
             "bridge",
             root,
@@ -431,19 +509,36 @@ def run_tests(
             on_progress,
             [],
         )
+    return _unit_run(expr, path, timeout_s, on_progress)
+
+
+def _unit_run(expr: str | None, path: str | None, timeout_s: float, on_progress: ProgressFn | None) -> TestRunResult:
+    """This project's suite; ``cpu_offload`` (the upstream skill's selector) means all of it."""
     tests_dir = PROJECT_ROOT / "tests"
     if not tests_dir.is_dir():
         raise TestSuiteError(f"this installation has no tests folder ({tests_dir}); run from a source checkout")
-    return _pytest_run(
+    files = [check_test_path(path)] if path else ["tests"]
+    require_modules(sys.executable, UNIT_NEEDS, "unit")
+    alias = expr if expr in WHOLE_SUITE_ALIASES else None
+    result = _pytest_run(
         "unit",
         PROJECT_ROOT,
-        [check_test_path(path)] if path else ["tests"],
-        expr,
+        files,
+        None if alias else expr,
         sys.executable,
         timeout_s,
         on_progress,
         [str(PROJECT_ROOT)],
     )
+    if alias:
+        result.notes.insert(
+            0,
+            f"-k {alias!r} (the upstream skill's selector) runs the whole offload suite here: "
+            f"{result.selected if result.selected is not None else '?'} tests; only a few are named {alias}",
+        )
+    elif expr and (note := _few_selected_note(result, expr)):
+        result.notes.insert(0, note)
+    return result
 
 
 def _parity_run(

@@ -1,6 +1,6 @@
 """GPU and host presets for the memory and time models — data, not code.
 
-Every figure is a public vendor or platform value (see ``docs/planner.md`` and the reference notes, §6): HBM
+Every figure is a public vendor or platform value (see ``docs/planner.md``): HBM
 capacity, the GPU↔host link per direction, the host memory bandwidth and CPU cores available *per GPU* on the usual
 8-GPU node (a node's sockets shared by its GPUs). Effective figures (what a pinned copy or STREAM reaches) are
 derived from the theoretical ones with the efficiencies below, so a user can override either. Never imports torch.
@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 # Achieved fraction of theoretical bandwidth: pinned copies of large blocks run 20-40 % below the PCIe figure;
-# STREAM reaches 70-85 % of the DRAM figure (reference §6.1, §6.3). We take the middle of each range.
+# STREAM reaches 70-85 % of the DRAM figure (published STREAM results). We take the middle of each range.
 LINK_EFFICIENCY = 0.70
 HOST_MEMORY_EFFICIENCY = 0.80
 

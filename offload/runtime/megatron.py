@@ -17,7 +17,7 @@ block is built; the context stays reachable as ``block.offload_context``. ``mlp.
 on ``HAVE_TE`` (no assert), so it needs nothing.
 
 :func:`cpu_compat_shims` holds the two labelled shims that let a tiny ``GPTModel`` run forward and backward
-on a CPU-only machine (``../shared/reference/megatron-on-cpu.md`` §3d); :func:`build_tiny_gpt` builds one.
+on a CPU-only machine; :func:`build_tiny_gpt` builds one.
 """
 
 from __future__ import annotations
@@ -158,7 +158,7 @@ def install_activation_offload(min_tensor_size: int = activation.DEFAULT_MIN_TEN
 
 
 # ---------------------------------------------------------------------------------------------------------
-# CPU shims (labelled: megatron-on-cpu.md §3d)
+# CPU shims (labelled SHIM 1 and SHIM 2)
 # ---------------------------------------------------------------------------------------------------------
 _shim_depth = [0]
 _saved_cuda: dict[str, Callable[..., Any]] = {}

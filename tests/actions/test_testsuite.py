@@ -2,13 +2,22 @@
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from mbridge_offload.actions.testsuite import BRIDGE_SELECTOR, DEPTH_ENV, TestSuiteError, check_expression, run_tests
+from mbridge_offload.actions.testsuite import (
+    BRIDGE_SELECTOR,
+    DEPTH_ENV,
+    TestSuiteError,
+    check_expression,
+    missing_modules,
+    run_tests,
+)
 
 nested = pytest.mark.skipif(int(os.environ.get(DEPTH_ENV, "0") or 0) > 0, reason="nested inside run_unit_tests")
 
@@ -108,11 +117,13 @@ def test_timeout_kills_the_run_and_says_so(tmp_path: Path) -> None:
     assert "timeout" in result.notes[0]
 
 
+@nested
 def test_not_a_bridge_checkout(tmp_path: Path) -> None:
     with pytest.raises(TestSuiteError, match="Megatron Bridge checkout"):
         run_tests(bridge_repo=tmp_path)
 
 
+@nested
 def test_paths_must_stay_inside_tests() -> None:
     with pytest.raises(TestSuiteError, match="outside"):
         run_tests(path="offload/actions/apply.py")
@@ -124,3 +135,102 @@ def test_nested_runs_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(DEPTH_ENV, "1")
     with pytest.raises(TestSuiteError, match="inside a test run"):
         run_tests(k="apply")
+
+
+# ------------------------------------------------------------------------------------------ the cpu_offload selector
+
+THIS_FILE = "tests/actions/test_testsuite.py"
+
+
+@nested
+def test_cpu_offload_selector_runs_the_whole_suite_and_says_so() -> None:
+    # The upstream skill's `-k cpu_offload` matches only a few of our tests by name; here it means the whole suite
+    # (limited to this file by path, to keep the run short).
+    result = run_tests(k="cpu_offload", path=THIS_FILE, timeout_s=300)
+    assert "-k" not in result.command
+    assert result.deselected == 0 and result.selected is not None and result.selected >= 15
+    assert result.notes[0].startswith("-k 'cpu_offload' (the upstream skill's selector) runs the whole offload suite")
+    assert f"{result.selected} tests" in result.notes[0]
+    assert result.failed == 0 and result.errors == 0
+
+
+@nested
+def test_a_thin_selection_says_how_many_of_how_many() -> None:
+    result = run_tests(k="test_reasonable_expressions_pass", path=THIS_FILE, timeout_s=300)
+    assert (result.selected, result.passed) == (1, 1)
+    total = result.selected + result.deselected
+    assert total >= 15
+    assert result.notes[0] == (
+        f"-k 'test_reasonable_expressions_pass' selected 1 of the {total} tests of the offload suite; "
+        "the whole suite runs without -k"
+    )
+    # A selection of most of the suite runs without a note.
+    broad = run_tests(k="not test_reasonable_expressions_pass", path=THIS_FILE, timeout_s=300)
+    assert broad.selected == total - 1 and not any("selected" in n for n in broad.notes)
+
+
+# ------------------------------------------------------------------------------------------ without pytest or torch
+
+
+def test_missing_modules_are_found_by_spec_in_any_python() -> None:
+    assert missing_modules(sys.executable, ("pytest", "no_such_module_xyz")) == ["no_such_module_xyz"]
+    from tests.support.skill_copy import base_python
+
+    # The bare interpreter (no venv) has no pytest here; the probe runs it without importing anything.
+    assert "no_such_module_xyz" in missing_modules(base_python(), ("no_such_module_xyz",))
+    with pytest.raises(TestSuiteError, match="does not start"):
+        missing_modules("/nonexistent/python", ("pytest",))
+
+
+@pytest.fixture(scope="module")
+def light_copy(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from tests.support.skill_copy import light_skill_copy
+
+    return light_skill_copy(tmp_path_factory.mktemp("skill"))
+
+
+@nested
+def test_test_command_without_pytest_or_torch_exits_2_with_the_install_command(light_copy: Path) -> None:
+    # A light set-up (config side only) has neither pytest nor torch: `test` must refuse, not report "0 passed".
+    from tests.support.skill_copy import clean_env
+
+    done = subprocess.run(
+        [".venv/bin/mbridge-offload", "test", "--json"],
+        cwd=light_copy,
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2, done.stdout + done.stderr
+    (error,) = [json.loads(line) for line in done.stdout.splitlines() if line.strip()]
+    assert error["ok"] is False
+    assert "pytest and torch not installed" in error["error"]
+    assert f"run {light_copy / 'scripts' / 'setup'}" in error["error"]
+    assert "Traceback" not in done.stderr
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@nested
+@pytest.mark.anyio
+async def test_run_unit_tests_without_pytest_is_a_tool_error_naming_the_setup(light_copy: Path) -> None:
+    # The copy's own launcher starts its server (as .mcp.json does); the tool answers is_error with the same text.
+    from mcp import Client, StdioServerParameters
+
+    from tests.support.skill_copy import clean_env
+
+    params = StdioServerParameters(
+        command=str(light_copy / "scripts" / "mcp-server"), cwd=str(light_copy), env=clean_env()
+    )
+    async with Client(params) as client:
+        result = await client.call_tool("run_unit_tests", {"k": "apply"})
+        assert result.is_error
+        text = result.content[0].text
+        assert "pytest and torch not installed" in text and "scripts/setup" in text
+        # The server keeps answering.
+        ok = await client.call_tool("validate_config", {"config": "examples/qwen3_30b_a3b_pretrain.yaml"})
+        assert not ok.is_error

@@ -17,7 +17,7 @@ from mbridge_offload.config.schema import (
 
 
 def test_defaults_are_the_upstream_dataclass_defaults():
-    # MCore model_parallel_config.py / transformer_config.py / optimizer_config.py (reference §3.1, §4, §5.6)
+    # MCore model_parallel_config.py / transformer_config.py / optimizer_config.py
     expected = {
         "model.cpu_offloading": False,
         "model.cpu_offloading_num_layers": 0,

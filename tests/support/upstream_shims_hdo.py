@@ -1,6 +1,6 @@
 """The three labelled shims that let megatron-core's own HybridDeviceOptimizer run on a CPU-only machine.
 
-Recorded in ``shared/reference/megatron-on-cpu.md`` §3c. Each shim replaces one CUDA-only call with the
+Each shim replaces one CUDA-only call with the
 behaviour it has on a GPU when the work is already complete; nothing in the optimizer's own logic is changed.
 
 1. SHIM-STREAMS: ``torch.cuda.current_stream`` / ``Stream`` / ``stream`` -> no-op stream and event objects.

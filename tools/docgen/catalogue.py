@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-# MCP tool → the CLI command that does the same (contract in ../shared/design.md).
+# MCP tool → the CLI command that does the same (a contract: docs/mcp.md documents both sides).
 CLI_EQUIVALENTS: dict[str, str] = {
     "validate_config": "mbridge-offload validate CONFIG [--set KEY=VALUE ...]",
     "estimate_memory": "mbridge-offload estimate [CONFIG] [--model NAME --gpu PRESET --num-gpus N ...]",
@@ -28,8 +28,12 @@ def _cell(text: Any) -> str:
     return " ".join(str(text).split()).replace("|", "\\|")
 
 
-def render_constraints() -> str:
-    """Every rule of the catalogue as one table row, in catalogue order."""
+def render_constraints(docs: str = "docs/") -> str:
+    """Every rule of the catalogue as one table row, in catalogue order.
+
+    Args:
+        docs: the path from the rendered file to the ``docs/`` folder (links go to ``docs/rules.md``).
+    """
     from mbridge_offload.config.rules.catalogue import all_rules
 
     lines = ["| rule | severity | origin | keys | constraint | fix |", "|---|---|---|---|---|---|"]
@@ -37,9 +41,26 @@ def render_constraints() -> str:
         keys = ", ".join(f"`{k}`" for k in rule.keys)
         fix = ", ".join(f"`{f}`" for f in rule.fix) if rule.fix else "—"
         lines.append(
-            f"| [`{rule.id}`](docs/rules.md#{rule.id.lower()}) | {rule.severity} | {rule.origin} | {keys} | "
+            f"| [`{rule.id}`]({docs}rules.md#{rule.id.lower()}) | {rule.severity} | {rule.origin} | {keys} | "
             f"{_cell(rule.summary)} | {_cell(fix)} |"
         )
+    return "\n".join(lines)
+
+
+def render_constraint_summary() -> str:
+    """SKILL.md's short form: the rules upstream enforces (severity error), one line each; the rest is counted."""
+    from mbridge_offload.config.rules.catalogue import all_rules
+
+    rules = list(all_rules())
+    errors = [r for r in rules if r.severity == "error"]
+    lines = ["| rule | origin | constraint |", "|---|---|---|"]
+    lines += [f"| `{r.id}` | {r.origin} | {_cell(r.summary)} |" for r in errors]
+    rest = len(rules) - len(errors)
+    lines += [
+        "",
+        f"Plus {rest} warnings and notes (runs, but does nothing or something surprising). All {len(rules)} rules with "
+        "their keys and fixes: [references/constraints.md](references/constraints.md).",
+    ]
     return "\n".join(lines)
 
 
@@ -68,6 +89,20 @@ def failure_modes() -> list[Any]:
     from mbridge_offload.actions.diagnose import KNOWN
 
     return list(KNOWN)
+
+
+def render_diagnosis_summary() -> str:
+    """SKILL.md's short failure table: id, what you see, the fix; cause and how to confirm are in references/."""
+    lines = ["| failure | what you see | fix |", "|---|---|---|"]
+    for mode in failure_modes():
+        fix = ", ".join(f"`{f}`" for f in mode.fix) if isinstance(mode.fix, tuple) else "computed from the config"
+        lines.append(f"| `{mode.id}` | {_cell(mode.title)} | {_cell(fix or '—')} |")
+    lines += [
+        "",
+        "Cause and how to confirm each: [references/failures.md](references/failures.md). Besides these, every "
+        "upstream error message of the rule catalogue is matched back to its rule, and its fix returned.",
+    ]
+    return "\n".join(lines)
 
 
 def render_diagnosis() -> str:

@@ -12,7 +12,7 @@ from typing import Any
 
 from mbridge_offload.config.schema import OFFLOAD_KEYS, RELATED_KEYS, SECTIONS, field_default
 
-# What each field means, in the user's words; upstream's docstring where it has one (reference §3.1, §4, §5.6).
+# What each field means, in the user's words; upstream's docstring where it has one.
 MEANINGS: dict[str, str] = {
     # --- layer-level activation offloading (MCore model_parallel_config.py, "CPU Offloading")
     "model.cpu_offloading": "Master switch of layer-level activation offloading (Transformer Engine's offload context "

@@ -1,7 +1,8 @@
 """The one registry of generated docs: the tables that restate code are rendered from the code.
 
-Two kinds of entry. ``WHOLE`` files are rendered entirely (``docs/rules.md``, ``card.yaml``'s measured block is
-rendered into the whole file). ``GENERATED`` files keep their hand-written text; only marked sections are rendered.
+Two kinds of entry. ``WHOLE`` files are rendered entirely (``docs/rules.md``; the skill's ``references/*.md``, from
+``references.py``; ``card.yaml``'s measured block is rendered into the whole file). ``GENERATED`` files keep their
+hand-written text; only marked sections are rendered.
 
 A generated section sits between two marker comments; everything outside them is hand-written and left alone::
 
@@ -21,7 +22,7 @@ import re
 from collections.abc import Callable
 from pathlib import Path
 
-from mbridge_offload_tools.docgen.params import render_parameters_doc, render_skill_parameters
+from mbridge_offload_tools.docgen.params import render_parameters_doc
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -61,16 +62,28 @@ def fill(text: str, name: str, body: str, note: str = _NOTE) -> str:
 # ---------------------------------------------------------------------------------------------- renderers
 
 
-def render_constraints() -> str:
-    from mbridge_offload_tools.docgen.catalogue import render_constraints as render
+def render_constraint_summary() -> str:
+    from mbridge_offload_tools.docgen.catalogue import render_constraint_summary as render
 
     return render()
 
 
-def render_diagnosis() -> str:
-    from mbridge_offload_tools.docgen.catalogue import render_diagnosis as render
+def render_diagnosis_summary() -> str:
+    from mbridge_offload_tools.docgen.catalogue import render_diagnosis_summary as render
 
     return render()
+
+
+def _reference(path: str) -> Callable[[], str]:
+    """The renderer of one whole file under references/ (imported when called)."""
+
+    def render() -> str:
+        from mbridge_offload_tools.docgen.references import FILES
+
+        return FILES[path]()
+
+    render.__name__ = f"render_{Path(path).stem.replace('-', '_')}"
+    return render
 
 
 def render_tools() -> str:
@@ -121,13 +134,25 @@ def render_accuracy() -> str:
     return render_accuracy_table()
 
 
-WHOLE: dict[str, Callable[[], str]] = {"docs/rules.md": render_rules, "card.yaml": render_card}
+# The skill's references/ folder: the full tables SKILL.md points to (tools/docgen/references.py renders them).
+REFERENCES = (
+    "references/parameters.md",
+    "references/constraints.md",
+    "references/failures.md",
+    "references/tools.md",
+    "references/code-anchors.md",
+)
+
+WHOLE: dict[str, Callable[[], str]] = {
+    "docs/rules.md": render_rules,
+    "card.yaml": render_card,
+    **{path: _reference(path) for path in REFERENCES},
+}
 
 GENERATED: dict[str, dict[str, Callable[[], str]]] = {
     "SKILL.md": {
-        "parameters": render_skill_parameters,
-        "constraints": render_constraints,
-        "diagnosis": render_diagnosis,
+        "constraints": render_constraint_summary,
+        "diagnosis": render_diagnosis_summary,
         "tools": render_tools,
     },
     "docs/parameters.md": {"parameters": render_parameters_doc},
@@ -189,6 +214,7 @@ def regenerate(root: Path = ROOT, skipped: list[str] | None = None) -> list[str]
         file = root / path
         new = render()
         if not file.exists() or file.read_text(encoding="utf-8") != new:
+            file.parent.mkdir(parents=True, exist_ok=True)
             file.write_text(new, encoding="utf-8")
             changed.append(path)
     return changed

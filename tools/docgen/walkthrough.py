@@ -1,16 +1,17 @@
 """``python -m mbridge_offload_tools.docgen.walkthrough``: capture the real CLI output shown in docs/walkthrough.md.
 
 The walkthrough's prose is hand-written; every block of tool output in it sits in a generated section and is
-produced here by running the command (``mbridge-offload …``) in a scratch folder that holds a copy of the bundled
-example config. Nothing is typed in by hand. The output of ``test`` contains durations, so this is run on purpose
-(not by ``make docs``); ``tests/tools/test_docs.py`` checks that each captured block starts with its command and that
-the command still runs.
+produced here by running the command (``mbridge-offload …``, as ``python -m mbridge_offload_tools …``) in a scratch
+folder that holds a copy of the bundled example config. Nothing is typed in by hand. The output of ``test`` contains
+durations, so this is run on purpose (not by ``make docs``); ``tests/tools/test_docs.py`` reruns every command and
+compares its output with the committed block after :func:`normalise` (durations and the suite's size blanked).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -113,7 +114,12 @@ def run(command: str, cwd: Path) -> str:
     argv = shlex.split(command)
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     result = subprocess.run(
-        [sys.executable, "-m", "tools", *argv[1:]], cwd=cwd, env=env, capture_output=True, text=True, timeout=900
+        [sys.executable, "-m", "mbridge_offload_tools", *argv[1:]],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
     )
     out = result.stdout
     if argv[1] == "test":
@@ -125,6 +131,21 @@ def run(command: str, cwd: Path) -> str:
     if len(lines) > MAX_LINES:
         lines = [*lines[:MAX_LINES], f"… {len(lines) - MAX_LINES} more lines left out here"]
     return "\n".join(["```console", f"$ {command}", *lines, f"(exit code {result.returncode})", "```"])
+
+
+_VARYING = (
+    (re.compile(r'"duration_s": [0-9.e-]+'), '"duration_s": <t>'),
+    (re.compile(r"\bin [0-9.]+ ?s\b"), "in <t> s"),
+    (re.compile(r"of the \d+ tests"), "of the <n> tests"),
+)
+
+
+def normalise(block: str) -> str:
+    """``block`` without what changes from run to run: durations, and the size of the whole test suite."""
+    text = block.removeprefix(NOTE)
+    for pattern, repl in _VARYING:
+        text = pattern.sub(repl, text)
+    return text.rstrip("\n")
 
 
 def capture(captures: dict[str, list[str]]) -> dict[str, str]:

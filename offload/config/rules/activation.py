@@ -1,6 +1,6 @@
 """Activation-offloading rules enforced by MCore ``TransformerConfig.__post_init__``, in upstream code order.
 
-Source (``../shared/reference/megatron-offload.md`` §3.2, §4): ``transformer_config.py`` of megatron-core 0.16.1
+Source: ``transformer_config.py`` of megatron-core 0.16.1
 and 0.19.2, read and run (``tests/config/test_differential.py``). The checks that only fire later, when the model is
 built or the job is launched (Transformer Engine, Bridge, Megatron-LM) and the advisory rules are in
 :mod:`mbridge_offload.config.rules.activation_build`.

@@ -2,7 +2,7 @@
 
 Transformer Engine's offload context (checked when MCore builds the model: TE ``cpu_offload.py`` v2 and
 ``cpu_offload_v1.py``), Megatron Bridge guards (``training/config.py``, ``gpt_full_te_layer_autocast_spec.py``),
-Megatron-LM ``validate_args`` (``arguments.py``), then advice upstream does not give (reference §3.3–3.6, §4).
+Megatron-LM ``validate_args`` (``arguments.py``), then advice upstream does not give.
 These are taken from the source, not run: TE cannot be installed on a CPU machine.
 """
 

@@ -58,7 +58,7 @@ def render_rules_markdown() -> str:
         "reported here must equal upstream's (verdict, exception type, message). Generated configs always set",
         "`pipeline_dtype` when PP > 1: real MCore otherwise first raises `When using pipeline parallelism,",
         "pipeline_dtype must be specified`, which Bridge's mixed-precision setup prevents, so no rule covers it.",
-        "TE, Bridge and Megatron-LM rules are taken from their source (reference §3.4, §4, §5.6), not run here.",
+        "TE, Bridge and Megatron-LM rules are taken from their source code, not run here.",
         "",
         "Targets: "
         + ", ".join(f"`megatron-core=={t.label}` ({t.bridge})" for t in TARGETS.values())

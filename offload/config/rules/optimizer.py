@@ -1,6 +1,6 @@
 """Optimizer-offloading rules (HybridDeviceOptimizer) and config-hygiene rules.
 
-Sources (``../shared/reference/megatron-offload.md`` §5.5–5.6): MCore ``optimizer_config.py``
+Sources: MCore ``optimizer_config.py``
 ``OptimizerConfig.__post_init__`` and ``optimizer/__init__.py::_get_megatron_optimizer_based_on_param_groups``
 (0.16.1 and 0.19.2, read and run), Megatron-LM ``arguments.py::validate_args``, Bridge ``training/config.py``.
 """
