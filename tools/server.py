@@ -27,6 +27,7 @@ from pydantic import BaseModel, Field
 from mbridge_offload import __version__
 from mbridge_offload.actions.apply import ApplyResult
 from mbridge_offload.actions.diagnose import DiagnoseReport
+from mbridge_offload.actions.testsuite import TestRunResult
 from mbridge_offload.plan.results import Estimate, Recommendation
 from mbridge_offload_tools import guard
 
@@ -72,35 +73,6 @@ class ValidateOutput(BaseModel):
     findings: list[FindingModel]
     config: dict[str, Any] = Field(description="effective values of the offload-related keys")
     source: str
-
-
-class TestResultModel(BaseModel):
-    nodeid: str
-    outcome: str
-    duration_s: float = 0.0
-
-
-class FailureModel(BaseModel):
-    nodeid: str
-    message: str | None = None
-
-
-class TestRunOutput(BaseModel):
-    ok: bool = Field(description="everything selected passed and at least one test ran")
-    suite: str
-    passed: int
-    failed: int
-    skipped: int
-    errors: int
-    selected: int | None
-    duration_s: float
-    nothing_selected: bool = Field(description="true when the selection matched no test (pytest exit 5)")
-    timed_out: bool
-    tests: list[TestResultModel]
-    failures: list[FailureModel]
-    command: list[str]
-    notes: list[str]
-    details: dict[str, Any] | None = Field(None, description="parity suite: loss delta, split, bytes, step ratio")
 
 
 # ---------------------------------------------------------------------------------------------- helpers
@@ -349,7 +321,7 @@ def run_unit_tests(
     path: Annotated[
         str | None, Field(description="one test file/folder/node id under tests/, e.g. tests/actions/test_apply.py")
     ] = None,
-) -> TestRunOutput:
+) -> TestRunResult:
     """Run tests in a subprocess and report counts, durations and failing node ids with the failure text.
 
     bridge_repo runs a Megatron Bridge checkout's offload tests only when the server was started with
@@ -384,7 +356,7 @@ def run_unit_tests(
         )
     except (TestSuiteError, ConfigError) as exc:
         raise ToolError(str(exc)) from None
-    return TestRunOutput.model_validate(result.to_dict())
+    return result
 
 
 @mcp.tool(

@@ -28,9 +28,10 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from pydantic import BaseModel, Field, computed_field, field_serializer
 
 from mbridge_offload.config.errors import InputError
 
@@ -105,20 +106,24 @@ class TestSuiteError(InputError):
     __test__ = False  # not a pytest test class
 
 
-@dataclass
-class TestOutcome:
+class TestOutcome(BaseModel):
+    """One test's result; ``message`` (the failure text) is reported under ``failures``, not per test."""
+
     __test__ = False  # not a pytest test class
     nodeid: str
     outcome: str
     duration_s: float = 0.0
+    message: str | None = Field(None, exclude=True)
+
+
+class TestFailure(BaseModel):
+    nodeid: str
     message: str | None = None
 
-    def to_dict(self) -> dict[str, Any]:
-        return {"nodeid": self.nodeid, "outcome": self.outcome, "duration_s": self.duration_s, "message": self.message}
 
+class TestRunResult(BaseModel):
+    """A test run as the library, the CLI's ``--json`` and the MCP tool all report it."""
 
-@dataclass
-class TestRunResult:
     __test__ = False  # not a pytest test class
     suite: str
     command: list[str]
@@ -127,16 +132,17 @@ class TestRunResult:
     skipped: int = 0
     errors: int = 0
     selected: int | None = None
-    deselected: int = 0
+    deselected: int = Field(0, exclude=True)
     duration_s: float = 0.0
     exit_code: int | None = None
     timed_out: bool = False
     nothing_selected: bool = False
-    tests: list[TestOutcome] = field(default_factory=list)
-    notes: list[str] = field(default_factory=list)
-    output_tail: str = ""
-    details: dict[str, Any] | None = None
+    tests: list[TestOutcome] = Field(default_factory=list)
+    notes: list[str] = Field(default_factory=list)
+    output_tail: str = Field("", exclude=True)
+    details: dict[str, Any] | None = Field(None, description="parity suite: loss delta, split, bytes, step ratio")
 
+    @computed_field(description="everything selected passed and at least one test ran")  # type: ignore[prop-decorator]
     @property
     def ok(self) -> bool:
         return (
@@ -147,29 +153,17 @@ class TestRunResult:
             and self.errors == 0
         )
 
+    @computed_field  # type: ignore[prop-decorator]
     @property
-    def failures(self) -> list[TestOutcome]:
-        return [t for t in self.tests if t.outcome in ("failed", "error")]
+    def failures(self) -> list[TestFailure]:
+        return [TestFailure(nodeid=t.nodeid, message=t.message) for t in self.tests if t.outcome in ("failed", "error")]
+
+    @field_serializer("duration_s")
+    def _rounded(self, value: float) -> float:
+        return round(value, 3)
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "ok": self.ok,
-            "suite": self.suite,
-            "passed": self.passed,
-            "failed": self.failed,
-            "skipped": self.skipped,
-            "errors": self.errors,
-            "selected": self.selected,
-            "duration_s": round(self.duration_s, 3),
-            "exit_code": self.exit_code,
-            "timed_out": self.timed_out,
-            "nothing_selected": self.nothing_selected,
-            "tests": [{"nodeid": t.nodeid, "outcome": t.outcome, "duration_s": t.duration_s} for t in self.tests],
-            "failures": [{"nodeid": t.nodeid, "message": t.message} for t in self.failures],
-            "command": self.command,
-            "notes": self.notes,
-            "details": self.details,
-        }
+        return self.model_dump(mode="json")
 
 
 # ---------------------------------------------------------------------------------------------- inputs
@@ -396,7 +390,12 @@ def _pytest_run(
                 if on_progress:
                     on_progress(0, result.selected, f"collected {result.selected} tests")
                 return
-            outcome = TestOutcome(event["nodeid"], event["outcome"], event.get("duration_s", 0.0), event.get("message"))
+            outcome = TestOutcome(
+                nodeid=event["nodeid"],
+                outcome=event["outcome"],
+                duration_s=event.get("duration_s", 0.0),
+                message=event.get("message"),
+            )
             result.tests.append(outcome)
             counts[_BUCKET.get(outcome.outcome, "errors")] += 1
             if on_progress:
@@ -588,7 +587,11 @@ def _parity_run(
     for check in final.get("checks", []):
         outcome = "passed" if check["ok"] else "failed"
         result.tests.append(
-            TestOutcome(f"parity::{check['name']}", outcome, 0.0, None if check["ok"] else check.get("detail"))
+            TestOutcome(
+                nodeid=f"parity::{check['name']}",
+                outcome=outcome,
+                message=None if check["ok"] else check.get("detail"),
+            )
         )
     result.passed = sum(t.outcome == "passed" for t in result.tests)
     result.failed = sum(t.outcome == "failed" for t in result.tests)

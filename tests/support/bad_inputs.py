@@ -403,7 +403,6 @@ def _planner_cases(sandbox: Path) -> list[Case]:
                 f"planner:{name}",
                 cli=["estimate", "--model-config", str(path), "--gpu", "h100-80gb"],
                 mcp=("recommend_mode", {"config": str(path), "gpu": "h100-80gb"}),
-                xfail=PLANNER_XFAIL,
             )
         )
     flags = {
@@ -429,7 +428,7 @@ def _planner_cases(sandbox: Path) -> list[Case]:
     }
     for name, extra in flags.items():
         argv = ["estimate", *(["--model", "llama3-8b"] if "--model" not in extra else []), *extra]
-        out.append(Case(f"estimate:{name}", cli=argv, xfail=PLANNER_XFAIL))
+        out.append(Case(f"estimate:{name}", cli=argv))
     tool_flags = {
         "gpu-mem-0": {"gpu_memory_gb": 0},
         "gpu-mem-neg": {"gpu_memory_gb": -1},
@@ -443,7 +442,7 @@ def _planner_cases(sandbox: Path) -> list[Case]:
     }
     for name, args in tool_flags.items():
         call = {"model": "llama3-8b", **args} if "model" not in args and name != "no-model" else args
-        out.append(Case(f"recommend-tool:{name}", mcp=("recommend_mode", call), xfail=PLANNER_XFAIL))
+        out.append(Case(f"recommend-tool:{name}", mcp=("recommend_mode", call)))
     return out
 
 
