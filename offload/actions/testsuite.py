@@ -341,6 +341,60 @@ _BUCKET = {
 }
 
 
+def _event_reader(
+    result: TestRunResult, counts: dict[str, int], on_progress: ProgressFn | None
+) -> Callable[[str], None]:
+    """A line handler that reads our pytest plugin's events into ``result`` (other output is ignored)."""
+
+    def on_line(line: str) -> None:
+        at = line.find(MARK)
+        if at == -1:
+            return
+        try:
+            event = json.loads(line[at + len(MARK) :])
+        except json.JSONDecodeError:
+            return
+        if event.get("event") == "deselected":
+            result.deselected += int(event["count"])
+            return
+        if event.get("event") == "collected":
+            result.selected = int(event["count"])
+            if on_progress:
+                on_progress(0, result.selected, f"collected {result.selected} tests")
+            return
+        outcome = TestOutcome(
+            nodeid=event["nodeid"],
+            outcome=event["outcome"],
+            duration_s=event.get("duration_s", 0.0),
+            message=event.get("message"),
+        )
+        result.tests.append(outcome)
+        counts[_BUCKET.get(outcome.outcome, "errors")] += 1
+        if on_progress:
+            on_progress(len(result.tests), result.selected, f"{outcome.outcome}: {outcome.nodeid}")
+
+    return on_line
+
+
+def _explain_exit(
+    result: TestRunResult, code: int | None, timed_out: bool, timeout_s: float, expr: str | None, files: list[str]
+) -> None:
+    """Say in ``notes`` why a run that did not simply pass or fail ended as it did."""
+    if timed_out:
+        result.notes.append(f"stopped after the {timeout_s:g} s timeout; {len(result.tests)} tests had finished")
+    elif code == 5 or (code == 0 and not result.tests):
+        result.nothing_selected = True
+        result.notes.append(
+            f"no tests ran: the selection {expr!r} matched nothing in {', '.join(files)} "
+            "(pytest exit code 5); this is not a pass"
+        )
+    elif code not in (0, 1):
+        result.notes.append(
+            f"pytest exited with code {code} (2 = interrupted/collection error, 3 = internal "
+            "error, 4 = usage error); see output_tail"
+        )
+
+
 def _pytest_run(
     suite: str,
     cwd: Path,
@@ -373,34 +427,7 @@ def _pytest_run(
         env[DEPTH_ENV] = str(int(os.environ.get(DEPTH_ENV, "0") or 0) + 1)
         result = TestRunResult(suite=suite, command=command)
         counts = {"passed": 0, "failed": 0, "skipped": 0, "errors": 0}
-
-        def on_line(line: str) -> None:
-            at = line.find(MARK)
-            if at == -1:
-                return
-            try:
-                event = json.loads(line[at + len(MARK) :])
-            except json.JSONDecodeError:
-                return
-            if event.get("event") == "deselected":
-                result.deselected += int(event["count"])
-                return
-            if event.get("event") == "collected":
-                result.selected = int(event["count"])
-                if on_progress:
-                    on_progress(0, result.selected, f"collected {result.selected} tests")
-                return
-            outcome = TestOutcome(
-                nodeid=event["nodeid"],
-                outcome=event["outcome"],
-                duration_s=event.get("duration_s", 0.0),
-                message=event.get("message"),
-            )
-            result.tests.append(outcome)
-            counts[_BUCKET.get(outcome.outcome, "errors")] += 1
-            if on_progress:
-                on_progress(len(result.tests), result.selected, f"{outcome.outcome}: {outcome.nodeid}")
-
+        on_line = _event_reader(result, counts, on_progress)
         start = time.monotonic()
         code, timed_out, tail = _stream(command, cwd, env, timeout_s, on_line)
         result.duration_s = time.monotonic() - start
@@ -411,19 +438,7 @@ def _pytest_run(
         counts["skipped"],
         counts["errors"],
     )
-    if timed_out:
-        result.notes.append(f"stopped after the {timeout_s:g} s timeout; {len(result.tests)} tests had finished")
-    elif code == 5 or (code == 0 and not result.tests):
-        result.nothing_selected = True
-        result.notes.append(
-            f"no tests ran: the selection {expr!r} matched nothing in {', '.join(files)} "
-            "(pytest exit code 5); this is not a pass"
-        )
-    elif code not in (0, 1):
-        result.notes.append(
-            f"pytest exited with code {code} (2 = interrupted/collection error, 3 = internal "
-            "error, 4 = usage error); see output_tail"
-        )
+    _explain_exit(result, code, timed_out, timeout_s, expr, files)
     return result
 
 
