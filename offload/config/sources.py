@@ -175,8 +175,9 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
                 f"override {override.input_line!r}: {override.key_or_group} is already set; "
                 f"use {override.key_or_group}=VALUE (or ++{override.key_or_group}=VALUE)"
             )
-        value = override.value()
-        node[leaf] = None if isinstance(value, str) and value in {"None"} else value
+        # The value as Hydra's grammar reads it: null is None, 'None' (any string) stays a string, as megatron-core
+        # would see it (recompute_granularity: "None" is refused there).
+        node[leaf] = override.value()
     return raw
 
 

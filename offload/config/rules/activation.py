@@ -119,23 +119,30 @@ def _fg_delta(ctx: Context) -> bool:
 
 def _fg_fused_group_mlp(ctx: Context) -> bool:
     m = ctx.model
-    return (
-        _fg_valid_modules(ctx)
-        and "fused_group_mlp" in m.offload_modules
-        and not m.extras().get("use_transformer_engine_op_fuser", False)
-    )
+    return _fg_valid_modules(ctx) and "fused_group_mlp" in m.offload_modules and not m.use_transformer_engine_op_fuser
 
 
 def _paged_stash(ctx: Context) -> bool:
     return ctx.model.moe_paged_stash and ctx.model.cpu_offloading
 
 
-def _enable_with_impl(ctx: Context) -> bool:
-    return ctx.model.enable_cuda_graph and ctx.model.cuda_graph_impl != "none"
+def _enable_with_impl(ctx: Context):
+    m = ctx.model
+    on = [k for k in ("enable_cuda_graph", "external_cuda_graph") if getattr(m, k)]
+    if on and m.cuda_graph_impl != "none":
+        return Match(fix=[f"model.{k}=false" for k in on])
+    return None
 
 
-def _enable_deprecated(ctx: Context) -> bool:
-    return ctx.model.enable_cuda_graph and ctx.model.cuda_graph_impl == "none"
+def _enable_deprecated(ctx: Context):
+    m = ctx.model
+    if m.cuda_graph_impl != "none" or (m.enable_cuda_graph and m.external_cuda_graph):
+        return None
+    if m.enable_cuda_graph:
+        return Match({"old": "enable_cuda_graph", "impl": "local"})
+    if m.external_cuda_graph:
+        return Match({"old": "external_cuda_graph", "impl": "transformer_engine"})
+    return None
 
 
 def _impl_invalid(ctx: Context):
@@ -152,8 +159,8 @@ def _cuda_graph(ctx: Context):
     if impl == "full_iteration":  # exempt since 0.19 (and only valid there)
         return None
     fix = ["model.cuda_graph_impl=none"]
-    if ctx.model.enable_cuda_graph:
-        fix = ["model.enable_cuda_graph=false"]
+    if ctx.model.cuda_graph_impl == "none":  # a deprecated spelling switched the graphs on
+        fix = [f"model.{k}=false" for k in ("enable_cuda_graph", "external_cuda_graph") if getattr(ctx.model, k)]
     return Match(fix=fix)
 
 
@@ -355,11 +362,12 @@ ACTIVATION_RULES: tuple[Rule, ...] = (
         severity="warning",
         origin="mcore",
         stage=TC,
-        summary="`enable_cuda_graph` is deprecated; MCore turns it into `cuda_graph_impl=local`.",
-        keys=("model.enable_cuda_graph",),
-        message="enable_cuda_graph is deprecated, use cuda_graph_impl=local instead.",
-        why="The CUDA-graph rules below then apply as for cuda_graph_impl=local.",
-        fix=("model.enable_cuda_graph=false", "model.cuda_graph_impl=local"),
+        summary="`enable_cuda_graph` / `external_cuda_graph` are deprecated spellings of `cuda_graph_impl`.",
+        keys=("model.enable_cuda_graph", "model.external_cuda_graph"),
+        message="{old} is deprecated, use cuda_graph_impl={impl} instead.",
+        why="The CUDA-graph rules below then apply as for that cuda_graph_impl (external_cuda_graph → "
+        "transformer_engine).",
+        fix=("model.{old}=false", "model.cuda_graph_impl={impl}"),
         check=_enable_deprecated,
     ),
     Rule(

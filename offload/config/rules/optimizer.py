@@ -66,7 +66,11 @@ def _pa_adam(ctx: Context) -> bool:
 
 
 def _pa_do(ctx: Context) -> bool:
-    return ctx.opt.use_precision_aware_optimizer and ctx.opt.optimizer == "adam" and not ctx.distributed_optimizer
+    # Not ctx.distributed_optimizer: Bridge's ConfigContainer finalizes OptimizerConfig (whose __post_init__ asserts
+    # this) before it copies ddp.use_distributed_optimizer over, so only optimizer.* counts here.
+    return (
+        ctx.opt.use_precision_aware_optimizer and ctx.opt.optimizer == "adam" and not ctx.opt.use_distributed_optimizer
+    )
 
 
 # ---------------------------------------------------------------------------------------------- optimizer factory
