@@ -67,6 +67,31 @@ def test_megatron_lm_argv_derivations():
     assert raw["ddp"]["use_distributed_optimizer"] is True
     loaded = load(argv=["--optimizer-cpu-offload"])
     assert loaded.config.env["frontend"] == "megatron-lm"
+    assert raw["unknown_arguments"] == ["--some-unknown-flag"]
+
+
+def test_megatron_lm_full_argument_set_and_unknown_flags_warn():
+    from mbridge_offload.config.validate import validate
+
+    loaded = load(
+        argv=["--num-layers", "4", "--recompute-activations", "--fp8-param-gather", "--fp8-recipe", "tensorwise"]
+        + ["--use-distributed-optimizer", "--optimizer-cpu-offload", "--use-precision-aware-optimizer", "--no-such"]
+    )
+    assert loaded.config.model.recompute_granularity == "selective"  # validate_args: --recompute-activations
+    assert loaded.config.ddp.fp8_param_gather is True
+    assert loaded.config.optimizer.fp8_recipe == "tensorwise"
+    report = validate(loaded.config, loaded.raw)
+    assert "OPT-MLM-FP8-PARAM-GATHER" in {f.rule for f in report.errors}
+    unknown = report.by_rule("CFG-UNKNOWN-ARGUMENT")
+    assert [f.message.split()[0] for f in unknown] == ["--no-such"]
+    # A flag every release knows but no rule reads is kept, not dropped.
+    assert load(argv=["--data-path", "x", "--seed", "3"]).raw["megatron_lm"] == {"data_path": ["x"], "seed": 3}
+
+
+def test_megatron_lm_parser_refuses_bad_choices_in_one_line():
+    with pytest.raises(ConfigError, match="invalid choice") as exc:
+        load(argv=["--recompute-granularity", "none"])
+    assert "\n" not in str(exc.value)
 
 
 def test_wrong_type_names_key_value_and_line(tmp_path):

@@ -179,13 +179,10 @@ def format_default(value: Any) -> str:
 
 
 def megatron_lm_flags() -> dict[str, str]:
-    """dotted key → the Megatron-LM flag that sets it (from ``mbridge_offload.config.sources``, the argv reader)."""
-    from mbridge_offload.config import sources
+    """dotted key → the Megatron-LM flag that sets it (Megatron-LM's full parser, ``config.megatron_lm``)."""
+    from mbridge_offload.config.megatron_lm import flags_by_key
 
-    flags: dict[str, str] = {}
-    for flag, (key, _kind) in sources._MLM_FLAGS.items():
-        flags.setdefault(key, flag)
-    return flags
+    return flags_by_key()
 
 
 def _row(key: str, flags: dict[str, str]) -> str:

@@ -67,7 +67,25 @@ def _not_integer(ctx: Context):
             yield Match({"key": dotted, "value": value}, keys=[dotted])
 
 
+def _unknown_arguments(ctx: Context):
+    raw = ctx.raw if isinstance(ctx.raw, dict) else {}
+    for flag in raw.get("unknown_arguments") or ():
+        yield Match({"flag": flag, "version": raw.get("megatron_lm_version", "?")}, keys=[])
+
+
 VALUE_RULES: tuple[Rule, ...] = (
+    Rule(
+        id="CFG-UNKNOWN-ARGUMENT",
+        severity="warning",
+        origin="megatron-lm",
+        upstream=False,
+        summary="A Megatron-LM command-line flag that Megatron-LM's parser does not know.",
+        keys=(),
+        message="{flag} is not an argument of Megatron-LM {version}; it was not read",
+        why="Read with Megatron-LM's full argument set; an unknown flag is a typo or belongs to another release "
+        "(Megatron-LM itself exits on it unless the script passes ignore_unknown_args).",
+        check=_unknown_arguments,
+    ),
     Rule(
         id="CFG-STRING-FLAG",
         severity="warning",
