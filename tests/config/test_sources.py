@@ -73,10 +73,9 @@ def test_megatron_lm_argv_derivations():
 def test_megatron_lm_full_argument_set_and_unknown_flags_warn():
     from mbridge_offload.config.validate import validate
 
-    loaded = load(
-        argv=["--num-layers", "4", "--recompute-activations", "--fp8-param-gather", "--fp8-recipe", "tensorwise"]
-        + ["--use-distributed-optimizer", "--optimizer-cpu-offload", "--use-precision-aware-optimizer", "--no-such"]
-    )
+    argv = "--num-layers 4 --recompute-activations --fp8-param-gather --fp8-recipe tensorwise"
+    argv += " --use-distributed-optimizer --optimizer-cpu-offload --use-precision-aware-optimizer --no-such"
+    loaded = load(argv=argv.split())
     assert loaded.config.model.recompute_granularity == "selective"  # validate_args: --recompute-activations
     assert loaded.config.ddp.fp8_param_gather is True
     assert loaded.config.optimizer.fp8_recipe == "tensorwise"
