@@ -94,7 +94,35 @@ def parse_text(text: str, where: str = "<text>") -> tuple[dict[str, Any], Any]:
         raise ConfigError(
             f"{where}: the top level must be a mapping of sections (model:, optimizer:, …), got {type(data).__name__}"
         )
-    return data, tree
+    return unwrap_container(data, tree)
+
+
+# Bridge's perf-recipe YAMLs hold the sections under one top-level `ConfigContainer:` key.
+CONTAINER_KEYS = ("ConfigContainer",)
+_ROOTS: dict[int, Any] = {}
+
+
+def unwrap_container(data: dict[str, Any], tree: Any = None) -> tuple[dict[str, Any], Any]:
+    """``{ConfigContainer: {model: …}}`` → ``({model: …}, that inner node)``; anything else unchanged.
+
+    The inner round-trip node is part of the whole document: edit it in place and dump :func:`document_root` of it
+    to write the file back with its wrapper (and its comments).
+    """
+    key = next((k for k in CONTAINER_KEYS if isinstance(data.get(k), dict)), None)
+    if key is None or set(data) - {key, "_target_"}:
+        return data, tree
+    inner_tree = tree[key] if tree is not None else None
+    if inner_tree is not None:
+        _ROOTS[id(inner_tree)] = (inner_tree, tree)
+        while len(_ROOTS) > 64:  # a long-running server reads many files: keep the recent ones only
+            _ROOTS.pop(next(iter(_ROOTS)))
+    return data[key], inner_tree
+
+
+def document_root(tree: Any) -> Any:
+    """The whole document a (possibly unwrapped) round-trip tree belongs to, for dumping it back."""
+    entry = _ROOTS.get(id(tree))
+    return entry[1] if entry is not None and entry[0] is tree else tree
 
 
 def read_source(source: str, stdin: Any = None) -> tuple[str, str]:
@@ -218,6 +246,7 @@ def recipe_config(name: str) -> dict[str, Any]:
         ConfigError: megatron-bridge missing, or no recipe of that name.
     """
     import importlib
+    import importlib.machinery
     import importlib.util
     import types
 
@@ -244,8 +273,12 @@ def recipe_config(name: str) -> dict[str, Any]:
             "(names look like qwen3_30b_a3b_pretrain_config)"
         )
     if "megatron.bridge.recipes" not in sys.modules:
+        # A package module without its __init__ (see above), with a real spec: find_spec on the next call (same
+        # process, e.g. the MCP server, which keeps these imports warm) reads the spec from sys.modules.
         package = types.ModuleType("megatron.bridge.recipes")
         package.__path__ = [str(root)]
+        package.__spec__ = importlib.machinery.ModuleSpec("megatron.bridge.recipes", None, is_package=True)
+        package.__spec__.submodule_search_locations = [str(root)]
         sys.modules["megatron.bridge.recipes"] = package
     module_name = "megatron.bridge.recipes." + ".".join(hits[0].relative_to(root).with_suffix("").parts)
     try:

@@ -121,3 +121,27 @@ def test_section_that_is_not_a_mapping(tmp_path):
     path.write_text("model: 3\n")
     with pytest.raises(ConfigError, match="section 'model' must be a mapping"):
         load(str(path))
+
+
+def test_config_container_wrapper_is_read_at_the_right_level(tmp_path):
+    import io
+
+    from ruamel.yaml import YAML
+
+    from mbridge_offload.config.sources import document_root, parse_text
+    from mbridge_offload.config.validate import validate
+
+    text = "# perf recipe\nConfigContainer:\n  model:\n    num_layers: 4\n    cpu_offloading: true\n"
+    text += "    cpu_offloading_num_layers: 4\n  optimizer:\n    lr: 0.001\n"
+    path = tmp_path / "perf.yaml"
+    path.write_text(text)
+    loaded = load(str(path))
+    assert loaded.config.model.num_layers == 4 and loaded.config.model.cpu_offloading is True
+    assert "ACT-NUM-LAYERS" in {f.rule for f in validate(loaded.config, loaded.raw).errors}
+    # Edited in place at the inner level, dumped back whole: the wrapper and the comment stay.
+    _raw, tree = parse_text(text)
+    tree["model"]["cpu_offloading_num_layers"] = 2
+    out = io.StringIO()
+    YAML(typ="rt").dump(document_root(tree), out)
+    assert out.getvalue().startswith("# perf recipe\nConfigContainer:\n  model:")
+    assert "cpu_offloading_num_layers: 2" in out.getvalue()
