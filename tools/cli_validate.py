@@ -96,9 +96,8 @@ def run(args: argparse.Namespace) -> int:
         fail(f"cannot read the config: {exc}", as_json)
     loaded.config.env.update(env)
     report = validate(loaded.config, loaded.raw, target=target)
-    payload = report.to_dict()
-    payload["source"] = loaded.source
-    emit(payload, as_json, render_human)
+    report.source = loaded.source
+    emit(report.to_dict(), as_json, render_human)
     return EXIT_OK if report.ok else EXIT_FINDINGS
 
 

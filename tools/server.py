@@ -25,6 +25,10 @@ from pydantic import BaseModel, Field
 
 from mbridge_offload import __version__
 
+# The library's own result models are the tools' structured output (one schema for library, CLI --json and MCP).
+from mbridge_offload.config.validate import Finding as FindingModel
+from mbridge_offload.config.validate import Report as ValidateOutput
+
 logger = logging.getLogger(__name__)
 
 INSTRUCTIONS = """\
@@ -49,23 +53,6 @@ OverridesArg = Annotated[
 
 
 # ---------------------------------------------------------------------------------------------- models
-
-
-class FindingModel(BaseModel):
-    rule: str = Field(description="stable rule id, e.g. ACT-PP")
-    severity: Literal["error", "warning", "info"]
-    origin: str = Field(description="who enforces it: mcore, te, bridge, megatron-lm or advisory")
-    keys: list[str]
-    message: str = Field(description="upstream's message verbatim where upstream raises one")
-    fix: list[str] | None = Field(description="overrides that resolve it, or null")
-    why: str | None = None
-
-
-class ValidateOutput(BaseModel):
-    ok: bool = Field(description="true when no finding is an error")
-    findings: list[FindingModel]
-    config: dict[str, Any] = Field(description="effective values of the offload-related keys")
-    source: str
 
 
 class MemoryBreakdown(BaseModel):
@@ -220,7 +207,6 @@ def validate_config(
 
     Returns findings with the upstream message, the keys involved and the fix as overrides.
     """
-    from mbridge_offload.config.schema import effective_values
     from mbridge_offload.config.validate import validate
 
     loaded = _load(config, overrides)
@@ -228,10 +214,8 @@ def validate_config(
         report = validate(loaded.config, loaded.raw, target=target)
     except ValueError as exc:
         raise ToolError(f"target {target!r}: {exc}") from None
-    data = report.to_dict()
-    return ValidateOutput(
-        ok=report.ok, findings=data["findings"], config=effective_values(loaded.config), source=loaded.source
-    )
+    report.source = loaded.source
+    return report
 
 
 @mcp.tool(

@@ -1,4 +1,4 @@
-"""Megatron-LM command lines (``pretrain_gpt.py --num-layers 4 …``) → a raw config, with Megatron-LM's own parser.
+"""Megatron-LM command lines (``--num-layers 4 --bf16 …``) → a raw config, read with Megatron-LM's own parser.
 
 The parser is Megatron-LM 0.19.2's full argument set (:mod:`mbridge_offload.config.mlm_flags`, generated from the real
 ``add_megatron_arguments`` of the wheel: 807 arguments, types, choices, ``store_true``/``store_false`` and defaults).

@@ -13,57 +13,52 @@ Example:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
-from mbridge_offload.config.rules.base import DEFAULT_TARGET, Context, Match, Rule, Target, parse_target
+from pydantic import BaseModel, ConfigDict, Field, computed_field
+
+from mbridge_offload.config.rules.base import DEFAULT_TARGET, Context, Match, Rule, parse_target
 from mbridge_offload.config.rules.catalogue import all_rules
 from mbridge_offload.config.schema import OffloadConfig, effective_values
 
 
-@dataclass
-class Finding:
-    """One hit of one rule.
+class Finding(BaseModel):
+    """One hit of one rule (also the CLI's ``--json`` finding and the MCP tools' structured finding).
 
     ``message`` is upstream's text where upstream raises or warns (``upstream_message`` then holds the exact
     exception text, which differs only for bare asserts); ``why`` is our explanation.
     """
 
-    rule: str
-    severity: str
-    origin: str
+    model_config = ConfigDict(extra="forbid")
+
+    rule: str = Field(description="stable rule id, e.g. ACT-PP")
+    severity: Literal["error", "warning", "info"]
+    origin: str = Field(description="who enforces it: mcore, te, bridge, megatron-lm or advisory")
     keys: list[str]
-    message: str
-    fix: list[str] | None
-    why: str
-    stage: str
-    upstream_message: str | None = None
-    exception: str | None = None
+    message: str = Field(description="upstream's message verbatim where upstream raises one")
+    fix: list[str] | None = Field(description="overrides that resolve it, or null")
+    why: str | None = None
+    stage: str | None = Field(None, description="where upstream enforces it")
+    upstream_message: str | None = Field(None, description="the exact str(exception) upstream raises")
+    exception: str | None = Field(None, description="the exception class upstream raises")
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "rule": self.rule,
-            "severity": self.severity,
-            "origin": self.origin,
-            "keys": list(self.keys),
-            "message": self.message,
-            "fix": list(self.fix) if self.fix is not None else None,
-            "why": self.why,
-            "stage": self.stage,
-            "upstream_message": self.upstream_message,
-            "exception": self.exception,
-        }
+        return self.model_dump(mode="json")
 
 
-@dataclass
-class Report:
-    """The result of :func:`validate`. ``ok`` is True when no finding has severity ``error``."""
+class Report(BaseModel):
+    """The result of :func:`validate`. ``ok`` is True when no finding has severity ``error``.
+
+    ``model_dump(mode="json")`` is the CLI's ``--json`` object: ``ok``, ``findings``, ``config``, ``target``, ``env``.
+    """
 
     findings: list[Finding]
-    config: dict[str, Any]
-    target: Target
-    env: dict[str, str] = field(default_factory=dict)
+    config: dict[str, Any] = Field(description="effective values of the offload-related keys")
+    target: str = Field(description="the megatron-core release validated against, e.g. megatron-core==0.19.2")
+    env: dict[str, str] = Field(default_factory=dict)
+    source: str | None = Field(None, description="where the config came from (path, <text>, recipe:NAME, <argv>)")
 
+    @computed_field(description="true when no finding is an error")  # type: ignore[prop-decorator]
     @property
     def ok(self) -> bool:
         return not self.errors
@@ -76,13 +71,8 @@ class Report:
         return [f for f in self.findings if f.rule == rule_id]
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "ok": self.ok,
-            "findings": [f.to_dict() for f in self.findings],
-            "config": dict(self.config),
-            "target": str(self.target),
-            "env": dict(self.env),
-        }
+        data = self.model_dump(mode="json")
+        return {"ok": data.pop("ok"), **data}
 
 
 def _finding(rule: Rule, match: Match) -> Finding:
@@ -111,7 +101,7 @@ def _finding(rule: Rule, match: Match) -> Finding:
     )
 
 
-def validate(config: OffloadConfig, raw: dict[str, Any] | None = None, target: str | Target = DEFAULT_TARGET) -> Report:
+def validate(config: OffloadConfig, raw: dict[str, Any] | None = None, target: Any = DEFAULT_TARGET) -> Report:
     """Run every rule that applies to ``target`` on ``config``.
 
     Args:
@@ -135,7 +125,7 @@ def validate(config: OffloadConfig, raw: dict[str, Any] | None = None, target: s
     fired = {rule.id for rule, _ in hits}
     findings = [f for rule, f in hits if not fired.intersection(rule.shadowed_by)]
     values = effective_values(config)
-    return Report(findings=findings, config=values, target=tgt, env=dict(config.env))
+    return Report(findings=findings, config=values, target=str(tgt), env=dict(config.env))
 
 
 def first_error(report: Report, stage: str) -> Finding | None:
