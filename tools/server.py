@@ -202,6 +202,13 @@ def validate_config(
     config: ConfigArg,
     overrides: OverridesArg = [],  # noqa: B006 - pydantic copies defaults
     target: Annotated[str, Field(description="megatron-core release to check against")] = "megatron-core==0.19.2",
+    exact: Annotated[
+        bool,
+        Field(
+            description="also build the real megatron-core configs with the megatron-core installed on the server "
+            "(a subprocess, ~10-30 s) and report every error it raises verbatim (origin mcore)"
+        ),
+    ] = False,
 ) -> ValidateOutput:
     """Check a Megatron Bridge config's offload settings against every upstream rule.
 
@@ -215,6 +222,13 @@ def validate_config(
     except ValueError as exc:
         raise ToolError(f"target {target!r}: {exc}") from None
     report.source = loaded.source
+    if exact:
+        from mbridge_offload_tools.exact import ExactUnavailable, exact_report
+
+        try:
+            report = exact_report(report, loaded.raw)
+        except ExactUnavailable as exc:
+            raise ToolError(str(exc)) from None
     return report
 
 
