@@ -116,16 +116,53 @@ def validate(config: OffloadConfig, raw: dict[str, Any] | None = None, target: A
         ValueError: an unsupported ``target``.
     """
     tgt = parse_target(target)
-    ctx = Context(config=config, raw=raw or {}, target=tgt)
+    findings = _run_rules(config, raw or {}, tgt)
+    if raw:
+        _drop_unsound_fixes(findings, config, raw, tgt)
+    values = effective_values(config)
+    return Report(findings=findings, config=values, target=str(tgt), env=dict(config.env))
+
+
+def _run_rules(config: OffloadConfig, raw: dict[str, Any], tgt: Any) -> list[Finding]:
+    ctx = Context(config=config, raw=raw, target=tgt)
     hits: list[tuple[Rule, Finding]] = []
     for rule in all_rules():
         if not rule.applies(tgt):
             continue
         hits.extend((rule, _finding(rule, match)) for match in rule.run(ctx))
     fired = {rule.id for rule, _ in hits}
-    findings = [f for rule, f in hits if not fired.intersection(rule.shadowed_by)]
-    values = effective_values(config)
-    return Report(findings=findings, config=values, target=str(tgt), env=dict(config.env))
+    return [f for rule, f in hits if not fired.intersection(rule.shadowed_by)]
+
+
+def _drop_unsound_fixes(findings: list[Finding], config: OffloadConfig, raw: dict[str, Any], tgt: Any) -> None:
+    """Every fix we propose must validate under the same rules: applied to the config, it must clear its own
+    finding and bring no new error (e.g. never the distributed optimizer for an optimizer that cannot use it).
+    A fix that fails this is withdrawn (``fix: null``) and the ``why`` says so."""
+    import copy
+
+    from mbridge_offload.config.sources import ConfigError, apply_overrides, build_config
+
+    before = {f.rule for f in findings if f.severity == "error"}
+    for finding in findings:
+        if not finding.fix:
+            continue
+        try:
+            fixed_raw = apply_overrides(copy.deepcopy(raw), list(finding.fix))
+            fixed = build_config(fixed_raw)
+        except ConfigError:
+            fixed = None
+        if fixed is not None:
+            fixed.env.update(config.env)
+            after = _run_rules(fixed, fixed_raw, tgt)
+            new_errors = {f.rule for f in after if f.severity == "error"} - before
+            still = any(f.rule == finding.rule and f.message == finding.message for f in after)
+            if not new_errors and not still:
+                continue
+            detail = f"it would raise {', '.join(sorted(new_errors))}" if new_errors else "it would not clear this"
+        else:
+            detail = "it does not type-check"
+        finding.why = f"{finding.why or ''} (No fix offered: {' '.join(finding.fix)} — {detail}.)".strip()
+        finding.fix = None
 
 
 def first_error(report: Report, stage: str) -> Finding | None:

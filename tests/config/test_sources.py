@@ -145,3 +145,47 @@ def test_config_container_wrapper_is_read_at_the_right_level(tmp_path):
     YAML(typ="rt").dump(document_root(tree), out)
     assert out.getvalue().startswith("# perf recipe\nConfigContainer:\n  model:")
     assert "cpu_offloading_num_layers: 2" in out.getvalue()
+
+
+def test_recipe_config_works_twice_in_one_process(tmp_path):
+    """A second ``recipe_config`` call in one process (the MCP server's case) reuses the imported recipe module."""
+    import subprocess
+    import sys
+    import textwrap
+
+    pkg = tmp_path / "megatron" / "bridge" / "recipes"
+    pkg.mkdir(parents=True)
+    for init in (tmp_path / "megatron", tmp_path / "megatron" / "bridge"):
+        (init / "__init__.py").write_text("")
+    # The real package __init__ imports every model family; recipe_config must not need it.
+    (pkg / "__init__.py").write_text("raise ImportError('heavy optional dependencies')\n")
+    (pkg / "toy.py").write_text(
+        textwrap.dedent(
+            """
+            CALLS = []
+
+            class _Container:
+                def to_yaml(self, path):
+                    open(path, "w").write("model:\\n  num_layers: 4\\n")
+
+            def toy_pretrain_config():
+                CALLS.append(1)
+                return _Container()
+            """
+        )
+    )
+    code = textwrap.dedent(
+        """
+        import sys
+        from mbridge_offload.config.sources import recipe_config
+        first = recipe_config("toy_pretrain_config")
+        second = recipe_config("toy_pretrain_config")
+        assert first == second == {"model": {"num_layers": 4}}, (first, second)
+        assert len(sys.modules["megatron.bridge.recipes.toy"].CALLS) == 2
+        print("ok")
+        """
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env={"PYTHONPATH": str(tmp_path)}
+    )
+    assert proc.stdout.strip() == "ok", proc.stderr[-2000:]

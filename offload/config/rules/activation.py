@@ -45,12 +45,55 @@ def _pp(ctx: Context):
     return None
 
 
+def activation_mode_edits(model) -> list[tuple[str, object, str]]:
+    """What layer-level activation offloading needs besides its switch: ``(dotted key, new value, why)``.
+
+    Defined once, used by ``validate``'s fixes (ACT-RECOMPUTE, ACT-CUDA-GRAPH, …) and by ``apply --mode activation``,
+    so the two never disagree (e.g. recomputation off means all three recompute keys null, not just the granularity).
+    """
+    edits: list[tuple[str, object, str]] = []
+    if not model.cpu_offloading_activations and not model.cpu_offloading_weights:
+        edits.append(
+            (
+                "model.cpu_offloading_activations",
+                True,
+                "with activations and weights both off, Transformer Engine raises 'CPU Offloading is enabled while "
+                "it is not mentioned what to offload'",
+            )
+        )
+    if model.recompute_granularity is not None:
+        why = "'CPU offloading does not work when activation recomputation is enabled' (activation memory rises "
+        why += "for the layers kept on the GPU)"
+        edits.append(("model.recompute_granularity", None, why))
+        for key in ("recompute_method", "recompute_num_layers"):
+            if getattr(model, key) is not None:
+                edits.append((f"model.{key}", None, "only meaningful with recomputation, which is now off"))
+    if model.cuda_graph_impl not in ("none", "full_iteration"):
+        edits.append(("model.cuda_graph_impl", "none", "'CUDA graphs not supported with CPU offloading.'"))
+    for key in ("enable_cuda_graph", "external_cuda_graph"):
+        if getattr(model, key):
+            edits.append((f"model.{key}", False, "CUDA graphs are not supported with CPU offloading"))
+    if model.fine_grained_activation_offloading:
+        why = "'fine_grained_activation_offloading cannot be enabled with cpu_offloading.'"
+        edits.append(("model.fine_grained_activation_offloading", False, why))
+    if model.moe_paged_stash:
+        edits.append(("model.moe_paged_stash", False, "'moe_paged_stash cannot be enabled with cpu_offloading.'"))
+    return edits
+
+
+def _override(key: str, value: object) -> str:
+    text = "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
+    return f"{key}={text}"
+
+
+def _mode_fix(ctx: Context, prefix: str) -> list[str]:
+    return [_override(k, v) for k, v, _ in activation_mode_edits(ctx.model) if k.startswith(prefix)]
+
+
 def _recompute(ctx: Context):
     m = ctx.model
     if m.cpu_offloading and m.recompute_granularity is not None:
-        fix = ["model.recompute_granularity=null"]
-        fix += [f"model.{k}=null" for k in ("recompute_method", "recompute_num_layers") if getattr(m, k) is not None]
-        return Match(fix=fix)
+        return Match(fix=_mode_fix(ctx, "model.recompute_"))
     return None
 
 

@@ -162,6 +162,10 @@ def _non_adam(ctx: Context):
 
 
 def _no_distributed_optimizer(ctx: Context) -> bool:
+    # Only adam/sgd run in the (offloading) distributed optimizer; Muon and the other emerging optimizers have their
+    # own layer-wise path (Megatron-LM 0.19 remaps --use-distributed-optimizer for them), so never advise it there.
+    if ctx.opt.optimizer not in ("adam", "sgd"):
+        return False
     return ctx.opt.optimizer_cpu_offload and not ctx.distributed_optimizer
 
 
