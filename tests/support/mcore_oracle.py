@@ -93,7 +93,7 @@ def main() -> None:
         holder: dict = {}
 
         def build(okw=okw, holder=holder):
-            holder["config"] = OptimizerConfig(lr=1e-3, **okw)
+            holder["config"] = OptimizerConfig(**{"lr": 1e-3, **okw})
 
         optimizer_config = _outcome(build)
         factory_outcome: object = "not-run"
