@@ -199,7 +199,10 @@ def _recommend(loaded: Any, flags: dict[str, Any]) -> dict[str, Any]:
 )
 @_tool_errors
 def validate_config(
-    config: ConfigArg,
+    config: Annotated[
+        str | None,
+        Field(description="a Bridge YAML/JSON config: a file path, or the YAML/JSON text itself (or pass recipe)"),
+    ] = None,
     overrides: OverridesArg = [],  # noqa: B006 - pydantic copies defaults
     target: Annotated[str, Field(description="megatron-core release to check against")] = "megatron-core==0.19.2",
     exact: Annotated[
@@ -209,14 +212,30 @@ def validate_config(
             "(a subprocess, ~10-30 s) and report every error it raises verbatim (origin mcore)"
         ),
     ] = False,
+    recipe: Annotated[
+        str | None,
+        Field(
+            description="instead of config: a Megatron Bridge recipe function (e.g. llama3_8b_pretrain_config), "
+            "built for real where megatron-bridge is importable; the server keeps its imports warm between calls"
+        ),
+    ] = None,
 ) -> ValidateOutput:
     """Check a Megatron Bridge config's offload settings against every upstream rule.
 
     Returns findings with the upstream message, the keys involved and the fix as overrides.
     """
+    from mbridge_offload.config.sources import ConfigError, load
     from mbridge_offload.config.validate import validate
 
-    loaded = _load(config, overrides)
+    if (config is None) == (recipe is None):
+        raise ToolError("give exactly one of config (a Bridge YAML/JSON path or text) or recipe (a recipe name)")
+    if recipe is not None:
+        try:  # imported once per server process: the second call of a recipe costs its build, not its imports
+            loaded = load(None, overrides, recipe=recipe)
+        except ConfigError as exc:
+            raise ToolError(f"recipe: {exc}") from None
+    else:
+        loaded = _load(config, overrides)
     try:
         report = validate(loaded.config, loaded.raw, target=target)
     except ValueError as exc:

@@ -194,3 +194,37 @@ def test_every_bridge_recipe_that_builds_on_cpu_agrees_with_megatron_core():
                 problems.append(f"{recipe['name']} {key}: ours={ours} real={expected}")
     print(f"{len(built)} of {len(recipes)} Bridge recipes built on CPU; {len(problems)} disagreements")
     assert not problems, "\n".join(problems[:20])
+
+
+_MCP_TWICE = """
+import sys, time, json
+sys.path.insert(0, {root!r})
+from tests.support import te_stub
+te_stub.install("2.12.0")
+from mbridge_offload_tools import server
+times = []
+for _ in range(2):
+    t = time.perf_counter()
+    report = server.validate_config(recipe="gpt3_175b_pretrain_config")
+    times.append(time.perf_counter() - t)
+print(json.dumps({{"ok": report.ok, "layers": report.config["model.num_layers"], "times": times}}))
+"""
+
+
+def test_mcp_validate_config_recipe_keeps_imports_warm():
+    paths = [str(ROOT / p) if not os.path.isabs(p) else p for p in BRIDGE_PATH.split(":")]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(paths), HF_HUB_OFFLINE="1")
+    proc = subprocess.run(
+        [sys.executable, "-c", _MCP_TWICE.format(root=str(ROOT))],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+        cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["ok"] is True and out["layers"] == 96
+    first, second = out["times"]
+    print(f"validate_config(recipe=...) first {first:.1f} s, second {second:.2f} s")
+    assert second < first / 3  # the second call reuses the imported recipe modules
