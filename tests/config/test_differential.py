@@ -238,6 +238,7 @@ DIRECTED += [
     },
     {"num_layers": "4", "cpu_offloading": True, "cpu_offloading_num_layers": 1},
     {"num_layers": "4"},
+    {"num_layers": "4", "recompute_granularity": "full", "recompute_method": "uniform"},
     {
         "num_layers": 4,
         "moe_paged_stash": True,

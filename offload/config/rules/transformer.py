@@ -324,7 +324,20 @@ def _full_without_layers(ctx: Context):
     g = _granularity(ctx)
     if g is None or g == "selective" or m.recompute_num_layers is not None or m.num_layers is None:
         return None
+    if isinstance(ctx.seen("model.num_layers"), str):
+        return None  # building the message itself fails first (MC-RECOMPUTE-NUM-LAYERS-TYPE)
     return Match({"g": g, "per_rank": m.num_layers // m.pipeline_model_parallel_size})
+
+
+def _full_without_layers_str(ctx: Context) -> bool:
+    m = ctx.model
+    g = _granularity(ctx)
+    return (
+        g is not None
+        and g != "selective"
+        and m.recompute_num_layers is None
+        and isinstance(ctx.seen("model.num_layers"), str)
+    )
 
 
 def _selective_with_layers(ctx: Context) -> bool:
@@ -405,6 +418,15 @@ RECOMPUTE_RULES: tuple[Rule, ...] = (
         "Full recomputation needs `recompute_num_layers`.",
         ("model.recompute_granularity", "model.recompute_num_layers"),
         fix=("model.recompute_num_layers=1",),
+    ),
+    _rule(
+        "MC-RECOMPUTE-NUM-LAYERS-TYPE",
+        "TypeError",
+        "unsupported operand type(s) for //: 'str' and 'int'",
+        _full_without_layers_str,
+        "Full recomputation without `recompute_num_layers`, with `num_layers` given as a string.",
+        ("model.recompute_num_layers", "model.num_layers"),
+        why="megatron-core computes num_layers // pipeline size for its message; write the number without quotes.",
     ),
     _rule(
         "MC-RECOMPUTE-SELECTIVE-LAYERS",
