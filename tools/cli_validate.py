@@ -55,6 +55,15 @@ def add_parsers(sub: Any) -> None:
         metavar="KEY=VALUE",
         help="facts about the training environment: NVTE_CPU_OFFLOAD_V1=1, te_version=2.18 (repeatable)",
     )
+    p.add_argument(
+        "--exact",
+        action="store_true",
+        help="also build the real TransformerConfig/OptimizerConfig/DDP config with the megatron-core installed "
+        "here (a subprocess, ~10-30 s) and report every error it raises, verbatim",
+    )
+    p.add_argument(
+        "--deadline", type=float, default=120.0, metavar="S", help="time limit for --exact in seconds (default 120)"
+    )
     p.add_argument("--json", action="store_true", help="print exactly one JSON object")
     p.set_defaults(handler=run)
 
@@ -97,10 +106,22 @@ def run(args: argparse.Namespace) -> int:
         fail(f"cannot read the config: {exc}", as_json)
     loaded.config.env.update(env)
     report = validate(loaded.config, loaded.raw, target=target)
-    payload = report.to_dict()
-    payload["source"] = loaded.source
-    emit(payload, as_json, render_human)
+    report.source = loaded.source
+    if args.exact:
+        report = _exact(report, loaded.raw, args.deadline, as_json)
+    emit(report.to_dict(), as_json, render_human)
     return EXIT_OK if report.ok else EXIT_FINDINGS
+
+
+def _exact(report: Any, raw: dict[str, Any], deadline: float, as_json: bool) -> Any:
+    from mbridge_offload_tools.exact import ExactUnavailable, exact_report
+
+    if not 0 < deadline <= 3600:
+        fail(f"--deadline {deadline:g}: give a number of seconds in (0, 3600]", as_json)
+    try:
+        return exact_report(report, raw, deadline)
+    except ExactUnavailable as exc:
+        fail(str(exc), as_json)
 
 
 def render_human(payload: dict[str, Any]) -> str:

@@ -22,12 +22,15 @@ from mcp.server import MCPServer
 from mcp.server.mcpserver import Context
 from mcp.server.mcpserver.exceptions import ToolError
 from mcp.types import ToolAnnotations
-from pydantic import BaseModel, Field
+from pydantic import Field
 
 from mbridge_offload import __version__
 from mbridge_offload.actions.apply import ApplyResult
 from mbridge_offload.actions.diagnose import DiagnoseReport
 from mbridge_offload.actions.testsuite import TestRunResult
+
+# The library's own result models are the tools' structured output (one schema for library, CLI --json and MCP).
+from mbridge_offload.config.validate import Report as ValidateOutput
 from mbridge_offload.plan.results import Estimate, Recommendation
 from mbridge_offload_tools import guard
 
@@ -56,23 +59,6 @@ OverridesArg = Annotated[
 
 
 # ---------------------------------------------------------------------------------------------- models
-
-
-class FindingModel(BaseModel):
-    rule: str = Field(description="stable rule id, e.g. ACT-PP")
-    severity: Literal["error", "warning", "info"]
-    origin: str = Field(description="who enforces it: mcore, te, bridge, megatron-lm or advisory")
-    keys: list[str]
-    message: str = Field(description="upstream's message verbatim where upstream raises one")
-    fix: list[str] | None = Field(description="overrides that resolve it, or null")
-    why: str | None = None
-
-
-class ValidateOutput(BaseModel):
-    ok: bool = Field(description="true when no finding is an error")
-    findings: list[FindingModel]
-    config: dict[str, Any] = Field(description="effective values of the offload-related keys")
-    source: str
 
 
 # ---------------------------------------------------------------------------------------------- helpers
@@ -186,28 +172,56 @@ def _plan_tool(kind: str, output: type, doc: str, title: str) -> None:
 )
 @guard.guarded()
 def validate_config(
-    config: ConfigArg,
+    config: Annotated[
+        str | None,
+        Field(description="a Bridge YAML/JSON config: a file path, or the YAML/JSON text itself (or pass recipe)"),
+    ] = None,
     overrides: OverridesArg = [],  # noqa: B006 - pydantic copies defaults
     target: Annotated[str, Field(description="megatron-core release to check against")] = "megatron-core==0.19.2",
+    exact: Annotated[
+        bool,
+        Field(
+            description="also build the real megatron-core configs with the megatron-core installed on the server "
+            "(a subprocess, ~10-30 s) and report every error it raises verbatim (origin mcore)"
+        ),
+    ] = False,
+    recipe: Annotated[
+        str | None,
+        Field(
+            description="instead of config: a Megatron Bridge recipe function (e.g. llama3_8b_pretrain_config), "
+            "built for real where megatron-bridge is importable; the server keeps its imports warm between calls"
+        ),
+    ] = None,
 ) -> ValidateOutput:
     """Check a Megatron Bridge config's offload settings against every upstream rule.
 
     Returns findings with the upstream message, the keys involved and the fix as overrides.
     """
-    from mbridge_offload.config.rules.base import parse_target
-    from mbridge_offload.config.schema import effective_values
+    from mbridge_offload.config.sources import ConfigError, load
     from mbridge_offload.config.validate import validate
 
+    if (config is None) == (recipe is None):
+        raise ToolError("give exactly one of config (a Bridge YAML/JSON path or text) or recipe (a recipe name)")
+    if recipe is not None:
+        try:  # imported once per server process: the second call of a recipe costs its build, not its imports
+            loaded = load(None, overrides, recipe=recipe)
+        except ConfigError as exc:
+            raise ToolError(f"recipe: {exc}") from None
+    else:
+        loaded = _load(config, overrides)
     try:
-        parsed_target = parse_target(target)
+        report = validate(loaded.config, loaded.raw, target=target)
     except ValueError as exc:
         raise ToolError(f"target {target!r}: {exc}") from None
-    loaded = _load(config, overrides)
-    report = validate(loaded.config, loaded.raw, target=parsed_target)
-    data = report.to_dict()
-    return ValidateOutput(
-        ok=report.ok, findings=data["findings"], config=effective_values(loaded.config), source=loaded.source
-    )
+    report.source = loaded.source
+    if exact:
+        from mbridge_offload_tools.exact import ExactUnavailable, exact_report
+
+        try:
+            report = exact_report(report, loaded.raw)
+        except ExactUnavailable as exc:
+            raise ToolError(str(exc)) from None
+    return report
 
 
 _plan_tool(

@@ -32,6 +32,7 @@ from typing import Any
 from pydantic import BaseModel, Field, computed_field
 
 from mbridge_offload.actions import safe_write, yaml_edit
+from mbridge_offload.config.rules.activation import activation_mode_edits
 from mbridge_offload.config.schema import OffloadConfig, get_value
 from mbridge_offload.config.sources import ConfigError, apply_overrides, build_config, parse_text, read_source
 
@@ -161,35 +162,9 @@ def _activation_edits(cfg: OffloadConfig, num_layers: int | None, edits: dict[st
         )
     _want(edits, "model.cpu_offloading", True, "master switch for layer-level activation offloading")
     _want(edits, "model.cpu_offloading_num_layers", int(num_layers), why)
-    if not model.cpu_offloading_activations and not model.cpu_offloading_weights:
-        _want(
-            edits,
-            "model.cpu_offloading_activations",
-            True,
-            "with activations and weights both off, Transformer Engine raises 'CPU Offloading is enabled while it "
-            "is not mentioned what to offload'",
-        )
-    if model.recompute_granularity is not None:
-        _want(
-            edits,
-            "model.recompute_granularity",
-            None,
-            "'CPU offloading does not work when activation recomputation is enabled' (activation memory rises "
-            "for the layers kept on the GPU)",
-        )
-    if model.cuda_graph_impl not in ("none", "full_iteration"):
-        _want(edits, "model.cuda_graph_impl", "none", "'CUDA graphs not supported with CPU offloading.'")
-    if model.enable_cuda_graph:
-        _want(edits, "model.enable_cuda_graph", False, "CUDA graphs are not supported with CPU offloading")
-    if model.fine_grained_activation_offloading:
-        _want(
-            edits,
-            "model.fine_grained_activation_offloading",
-            False,
-            "'fine_grained_activation_offloading cannot be enabled with cpu_offloading.'",
-        )
-    if model.moe_paged_stash:
-        _want(edits, "model.moe_paged_stash", False, "'moe_paged_stash cannot be enabled with cpu_offloading.'")
+    # The conflict edits are defined once, beside the rules they resolve (validate's fixes use the same list).
+    for key, value, reason in activation_mode_edits(model):
+        _want(edits, key, value, reason)
 
 
 def _recommended(cfg: OffloadConfig, raw: dict[str, Any], planner: dict[str, Any] | None) -> tuple[str, list[str]]:

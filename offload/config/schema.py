@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import difflib
 import typing
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -60,6 +60,16 @@ def normalize_dtype(value: Any) -> str | None:
     raise ValueError(f"{value!r} is not a dtype (use fp32, bf16 or fp16)")
 
 
+def _truthiness(cls: type[BaseModel], key: str, value: Any) -> Any:
+    # megatron-core's dataclasses do not convert types: a flag given as the string 'false' is truthy there
+    # (``if self.cpu_offloading:``). Read strings of flags the way megatron-core does; the rule CFG-STRING-FLAG
+    # warns about them.
+    info = cls.model_fields.get(key)
+    if isinstance(value, str) and info is not None and info.annotation is bool:
+        return bool(value)
+    return value
+
+
 class Section(BaseModel):
     """A config namespace: typed known fields, unknown keys kept as extras."""
 
@@ -72,7 +82,7 @@ class Section(BaseModel):
         # offload_modules in 0.3.x); where our field takes no None, null means "the default".
         if isinstance(data, dict):
             return {
-                k: v
+                k: _truthiness(cls, k, v)
                 for k, v in data.items()
                 if not (v is None and k in cls.model_fields and not _accepts_none(cls.model_fields[k].annotation))
             }
@@ -93,7 +103,8 @@ class ModelSection(Section):
     """``model.*``: architecture, parallelism, recompute, CUDA graphs and activation offloading."""
 
     # Architecture (sizes are None = not given; upstream's placeholder default is 0).
-    num_layers: int | None = None
+    # int | float: megatron-core's dataclass keeps 4.0 and 2.5 as given (CFG-NOT-INTEGER warns about a fraction).
+    num_layers: int | float | None = None
     hidden_size: int | None = None
     ffn_hidden_size: int | None = None
     num_attention_heads: int | None = None
@@ -127,18 +138,26 @@ class ModelSection(Section):
     params_dtype: DType = None
     fp8: str | None = None
     # Activation recomputation
-    recompute_granularity: Literal["full", "selective"] | None = None
-    recompute_method: Literal["uniform", "block"] | None = None
+    # Any string: megatron-core itself refuses other values (rule MC-RECOMPUTE-GRANULARITY / -METHOD), and the
+    # strings "none"/"null" are not None there either.
+    recompute_granularity: str | None = None
+    recompute_method: str | None = None
     recompute_num_layers: int | None = None
     recompute_modules: list[str] | None = None
     # CUDA graphs (cuda_graph_scope default differs by release: "full" in 0.16, None in 0.19)
-    cuda_graph_impl: str = "none"
+    cuda_graph_impl: str | None = "none"  # null is refused by megatron-core ("Invalid cuda graph implementation")
     cuda_graph_scope: str | list[str] | None = None
     enable_cuda_graph: bool = False
+    external_cuda_graph: bool = False
+    cuda_graph_warmup_steps: int = 3
+    use_transformer_engine_op_fuser: bool = False
+    moe_expert_rank_capacity_factor: float | None = None
+    moe_grouped_gemm: bool = False
+    distribute_saved_activations: bool = False
     transformer_impl: str = "transformer_engine"
     # Layer-level activation offloading (MCore model_parallel_config.py, "CPU Offloading")
     cpu_offloading: bool = False
-    cpu_offloading_num_layers: int = 0
+    cpu_offloading_num_layers: int | float = 0
     cpu_offloading_activations: bool = True
     cpu_offloading_weights: bool = False
     cpu_offloading_double_buffering: bool = False
@@ -146,32 +165,16 @@ class ModelSection(Section):
     # Fine-grained activation offloading (MCore transformer_config.py)
     fine_grained_activation_offloading: bool = False
     offload_modules: list[str] = Field(default_factory=list)
-    min_offloaded_tensor_size: int = 1024 * 1024
+    min_offloaded_tensor_size: int | float = 1024 * 1024
     activation_offload_fraction: float = 1.0
     delay_offload_until_cuda_graph: bool = False
-    delta_offload_bytes_across_pp_ranks: int = 0
+    delta_offload_bytes_across_pp_ranks: int | float = 0
     fine_grained_offloading_max_inflight_offloads: int | None = None
 
     @field_validator("pipeline_dtype", "params_dtype", mode="before")
     @classmethod
     def _dtype(cls, value: Any) -> str | None:
         return normalize_dtype(value)
-
-    @field_validator("recompute_granularity", "recompute_method", mode="before")
-    @classmethod
-    def _none_string(cls, value: Any) -> Any:
-        # The *string* "none"/"null" is not YAML's null: Megatron Core raises for it ('... must be "full" or
-        # "selective"', transformer_config.py), so it is refused here with the way to say "off".
-        if isinstance(value, str) and value.strip().lower() in {"none", "null", ""}:
-            raise ValueError(
-                f"the string {value!r} is not null; Megatron Core raises for it: write null to switch it off"
-            )
-        return value
-
-    @field_validator("cuda_graph_impl", mode="before")
-    @classmethod
-    def _impl_text(cls, value: Any) -> Any:
-        return "none" if value is None else value
 
 
 class OptimizerSection(Section):

@@ -8,7 +8,6 @@ No torch import on this path.
 
 from __future__ import annotations
 
-import argparse
 import io
 import json
 import sys
@@ -18,8 +17,9 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from mbridge_offload.config import reading
+from mbridge_offload.config import megatron_lm, reading
 from mbridge_offload.config.errors import DeadlineError, InputError
+from mbridge_offload.config.megatron_lm import MLM_CLI_DEFAULTS  # noqa: F401 (re-exported for the docs)
 from mbridge_offload.config.schema import SECTIONS, OffloadConfig
 
 
@@ -120,7 +120,35 @@ def parse_text(text: str, where: str = "<text>") -> tuple[dict[str, Any], Any]:
         raise ConfigError(
             f"{where}: the top level must be a mapping of sections (model:, optimizer:, …), got {type(data).__name__}"
         )
-    return data, tree
+    return unwrap_container(data, tree)
+
+
+# Bridge's perf-recipe YAMLs hold the sections under one top-level `ConfigContainer:` key.
+CONTAINER_KEYS = ("ConfigContainer",)
+_ROOTS: dict[int, Any] = {}
+
+
+def unwrap_container(data: dict[str, Any], tree: Any = None) -> tuple[dict[str, Any], Any]:
+    """``{ConfigContainer: {model: …}}`` → ``({model: …}, that inner node)``; anything else unchanged.
+
+    The inner round-trip node is part of the whole document: edit it in place and dump :func:`document_root` of it
+    to write the file back with its wrapper (and its comments).
+    """
+    key = next((k for k in CONTAINER_KEYS if isinstance(data.get(k), dict)), None)
+    if key is None or set(data) - {key, "_target_"}:
+        return data, tree
+    inner_tree = tree[key] if tree is not None else None
+    if inner_tree is not None:
+        _ROOTS[id(inner_tree)] = (inner_tree, tree)
+        while len(_ROOTS) > 64:  # a long-running server reads many files: keep the recent ones only
+            _ROOTS.pop(next(iter(_ROOTS)))
+    return data[key], inner_tree
+
+
+def document_root(tree: Any) -> Any:
+    """The whole document a (possibly unwrapped) round-trip tree belongs to, for dumping it back."""
+    entry = _ROOTS.get(id(tree))
+    return entry[1] if entry is not None and entry[0] is tree else tree
 
 
 def _located(exc: InputError, where: str) -> ConfigError:
@@ -217,116 +245,34 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
                 f"override {override.input_line!r}: {override.key_or_group} is already set; "
                 f"use {override.key_or_group}=VALUE (or ++{override.key_or_group}=VALUE)"
             )
-        value = override.value()
-        node[leaf] = None if isinstance(value, str) and value in {"None"} else value
+        # The value as Hydra's grammar reads it: null is None, 'None' (any string) stays a string, as megatron-core
+        # would see it (recompute_granularity: "None" is refused there).
+        node[leaf] = override.value()
     return raw
 
 
 # ---------------------------------------------------------------------------------------------- Megatron-LM argv
 
-# flag → (dotted key, kind). kind: "true"/"false" store a bool, or a type for a value.
-_MLM_FLAGS: dict[str, tuple[str, Any]] = {
-    "--optimizer-cpu-offload": ("optimizer.optimizer_cpu_offload", "true"),
-    "--optimizer-offload-fraction": ("optimizer.optimizer_offload_fraction", float),
-    "--use-torch-optimizer-for-cpu-offload": ("optimizer.use_torch_optimizer_for_cpu_offload", "true"),
-    "--overlap-cpu-optimizer-d2h-h2d": ("optimizer.overlap_cpu_optimizer_d2h_h2d", "true"),
-    "--no-pin-cpu-grads": ("optimizer.pin_cpu_grads", "false"),
-    "--no-pin-cpu-params": ("optimizer.pin_cpu_params", "false"),
-    "--use-precision-aware-optimizer": ("optimizer.use_precision_aware_optimizer", "true"),
-    "--use-distributed-optimizer": ("optimizer.use_distributed_optimizer", "true"),
-    "--optimizer": ("optimizer.optimizer", str),
-    "--lr": ("optimizer.lr", float),
-    "--weight-decay": ("optimizer.weight_decay", float),
-    "--adam-beta1": ("optimizer.adam_beta1", float),
-    "--adam-beta2": ("optimizer.adam_beta2", float),
-    "--adam-eps": ("optimizer.adam_eps", float),
-    "--clip-grad": ("optimizer.clip_grad", float),
-    "--main-params-dtype": ("optimizer.main_params_dtype", str),
-    "--exp-avg-dtype": ("optimizer.exp_avg_dtype", str),
-    "--exp-avg-sq-dtype": ("optimizer.exp_avg_sq_dtype", str),
-    "--cpu-offloading-num-layers": ("model.cpu_offloading_num_layers", int),
-    "--fine-grained-activation-offloading": ("model.fine_grained_activation_offloading", "true"),
-    "--offload-modules": ("model.offload_modules", "list"),
-    "--min-offloaded-tensor-size": ("model.min_offloaded_tensor_size", int),
-    "--moe-paged-stash": ("model.moe_paged_stash", "true"),
-    "--num-layers": ("model.num_layers", int),
-    "--hidden-size": ("model.hidden_size", int),
-    "--ffn-hidden-size": ("model.ffn_hidden_size", int),
-    "--num-attention-heads": ("model.num_attention_heads", int),
-    "--num-query-groups": ("model.num_query_groups", int),
-    "--seq-length": ("model.seq_length", int),
-    "--num-experts": ("model.num_moe_experts", int),
-    "--moe-ffn-hidden-size": ("model.moe_ffn_hidden_size", int),
-    "--moe-router-topk": ("model.moe_router_topk", int),
-    "--tensor-model-parallel-size": ("model.tensor_model_parallel_size", int),
-    "--pipeline-model-parallel-size": ("model.pipeline_model_parallel_size", int),
-    "--num-layers-per-virtual-pipeline-stage": ("model.num_layers_per_virtual_pipeline_stage", int),
-    "--context-parallel-size": ("model.context_parallel_size", int),
-    "--expert-model-parallel-size": ("model.expert_model_parallel_size", int),
-    "--expert-tensor-parallel-size": ("model.expert_tensor_parallel_size", int),
-    "--sequence-parallel": ("model.sequence_parallel", "true"),
-    "--recompute-granularity": ("model.recompute_granularity", str),
-    "--recompute-method": ("model.recompute_method", str),
-    "--recompute-num-layers": ("model.recompute_num_layers", int),
-    "--cuda-graph-impl": ("model.cuda_graph_impl", str),
-    "--transformer-impl": ("model.transformer_impl", str),
-    "--swiglu": ("model.gated_linear_unit", "true"),
-    "--bf16": ("model.bf16", "true"),
-    "--fp16": ("model.fp16", "true"),
-    "--micro-batch-size": ("train.micro_batch_size", int),
-    "--global-batch-size": ("train.global_batch_size", int),
-    "--train-iters": ("train.train_iters", int),
-}
-
-# Megatron-LM's CLI defaults where they differ from the dataclass (megatron/training/arguments.py).
-MLM_CLI_DEFAULTS: dict[str, Any] = {"optimizer.optimizer_offload_fraction": 1.0}
-
 
 def parse_megatron_argv(argv: list[str]) -> dict[str, Any]:
-    """Megatron-LM ``pretrain_gpt.py`` flags → a raw config dict, with Megatron-LM's own derivations.
+    """Megatron-LM ``pretrain_gpt.py`` flags → a raw config dict, read with Megatron-LM 0.19.2's full parser
+    (:mod:`mbridge_offload.config.megatron_lm`), with Megatron-LM's own derivations:
 
-    - ``--optimizer-offload-fraction`` defaults to 1.0 on the CLI (the dataclass default is 0.0).
-    - ``--cpu-offloading-num-layers N`` with N > 0 switches ``cpu_offloading`` on (Bridge does not do this).
+    - ``--optimizer-offload-fraction`` defaults to 1.0 and ``--fp8-recipe`` to ``delayed`` on the CLI.
+    - ``--cpu-offloading-num-layers N`` with N > 0 switches ``cpu_offloading`` on (Bridge does not do this);
+      ``--recompute-activations`` means ``recompute_granularity: selective``.
     - ``--bf16``/``--fp16`` apply to the optimizer too; ``--use-distributed-optimizer`` to ddp too.
-    Unknown flags are ignored.
+
+    Unknown flags are kept in ``unknown_arguments`` (validate warns about each); flags Megatron-LM knows but no
+    rule reads are kept under ``megatron_lm``.
+
+    Raises:
+        ConfigError: Megatron-LM's parser refuses a value (invalid choice, not a number).
     """
-    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
-    for flag, (key, kind) in _MLM_FLAGS.items():
-        dest = key.replace(".", "__")
-        if kind == "true":
-            parser.add_argument(flag, dest=dest, action="store_const", const=True, default=None)
-        elif kind == "false":
-            parser.add_argument(flag, dest=dest, action="store_const", const=False, default=None)
-        elif kind == "list":
-            parser.add_argument(flag, dest=dest, nargs="*", default=None)
-        else:
-            parser.add_argument(flag, dest=dest, type=kind, default=None)
     try:
-        ns, _unknown = parser.parse_known_args(argv)
-    except SystemExit:
-        raise ConfigError(f"cannot parse Megatron-LM arguments {' '.join(argv)!r}") from None
-    raw: dict[str, Any] = {}
-    values = {k.replace("__", "."): v for k, v in vars(ns).items() if v is not None}
-    for key, default in MLM_CLI_DEFAULTS.items():
-        values.setdefault(key, default)
-    for dotted, value in values.items():
-        section, _, key = dotted.partition(".")
-        raw.setdefault(section, {})[key] = value
-    model, optimizer = raw.setdefault("model", {}), raw.setdefault("optimizer", {})
-    if model.get("cpu_offloading_num_layers", 0) > 0:
-        model["cpu_offloading"] = True
-    for precision in ("bf16", "fp16"):
-        if model.get(precision):
-            optimizer[precision] = True
-    if optimizer.get("use_distributed_optimizer"):
-        raw.setdefault("ddp", {})["use_distributed_optimizer"] = True
-    vp_layers = model.pop("num_layers_per_virtual_pipeline_stage", None)
-    if vp_layers and model.get("num_layers") and model.get("pipeline_model_parallel_size", 1) > 1:
-        model["virtual_pipeline_model_parallel_size"] = model["num_layers"] // (
-            model["pipeline_model_parallel_size"] * vp_layers
-        )
-    raw["frontend"] = "megatron-lm"
-    return raw
+        return megatron_lm.parse_argv(argv)
+    except megatron_lm.ArgvError as exc:
+        raise ConfigError(f"Megatron-LM refuses the arguments: {exc}") from None
 
 
 # ---------------------------------------------------------------------------------------------- Bridge recipes
@@ -341,6 +287,7 @@ def recipe_config(name: str) -> dict[str, Any]:
         ConfigError: megatron-bridge missing, or no recipe of that name.
     """
     import importlib
+    import importlib.machinery
     import importlib.util
     import types
 
@@ -367,8 +314,12 @@ def recipe_config(name: str) -> dict[str, Any]:
             "(names look like qwen3_30b_a3b_pretrain_config)"
         )
     if "megatron.bridge.recipes" not in sys.modules:
+        # A package module without its __init__ (see above), with a real spec: find_spec on the next call (same
+        # process, e.g. the MCP server, which keeps these imports warm) reads the spec from sys.modules.
         package = types.ModuleType("megatron.bridge.recipes")
         package.__path__ = [str(root)]
+        package.__spec__ = importlib.machinery.ModuleSpec("megatron.bridge.recipes", None, is_package=True)
+        package.__spec__.submodule_search_locations = [str(root)]
         sys.modules["megatron.bridge.recipes"] = package
     module_name = "megatron.bridge.recipes." + ".".join(hits[0].relative_to(root).with_suffix("").parts)
     try:

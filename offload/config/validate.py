@@ -13,57 +13,52 @@ Example:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
-from mbridge_offload.config.rules.base import DEFAULT_TARGET, Context, Match, Rule, Target, parse_target
+from pydantic import BaseModel, ConfigDict, Field, computed_field
+
+from mbridge_offload.config.rules.base import DEFAULT_TARGET, Context, Match, Rule, parse_target
 from mbridge_offload.config.rules.catalogue import all_rules
 from mbridge_offload.config.schema import OffloadConfig, effective_values
 
 
-@dataclass
-class Finding:
-    """One hit of one rule.
+class Finding(BaseModel):
+    """One hit of one rule (also the CLI's ``--json`` finding and the MCP tools' structured finding).
 
     ``message`` is upstream's text where upstream raises or warns (``upstream_message`` then holds the exact
     exception text, which differs only for bare asserts); ``why`` is our explanation.
     """
 
-    rule: str
-    severity: str
-    origin: str
+    model_config = ConfigDict(extra="forbid")
+
+    rule: str = Field(description="stable rule id, e.g. ACT-PP")
+    severity: Literal["error", "warning", "info"]
+    origin: str = Field(description="who enforces it: mcore, te, bridge, megatron-lm or advisory")
     keys: list[str]
-    message: str
-    fix: list[str] | None
-    why: str
-    stage: str
-    upstream_message: str | None = None
-    exception: str | None = None
+    message: str = Field(description="upstream's message verbatim where upstream raises one")
+    fix: list[str] | None = Field(description="overrides that resolve it, or null")
+    why: str | None = None
+    stage: str | None = Field(None, description="where upstream enforces it")
+    upstream_message: str | None = Field(None, description="the exact str(exception) upstream raises")
+    exception: str | None = Field(None, description="the exception class upstream raises")
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "rule": self.rule,
-            "severity": self.severity,
-            "origin": self.origin,
-            "keys": list(self.keys),
-            "message": self.message,
-            "fix": list(self.fix) if self.fix is not None else None,
-            "why": self.why,
-            "stage": self.stage,
-            "upstream_message": self.upstream_message,
-            "exception": self.exception,
-        }
+        return self.model_dump(mode="json")
 
 
-@dataclass
-class Report:
-    """The result of :func:`validate`. ``ok`` is True when no finding has severity ``error``."""
+class Report(BaseModel):
+    """The result of :func:`validate`. ``ok`` is True when no finding has severity ``error``.
+
+    ``model_dump(mode="json")`` is the CLI's ``--json`` object: ``ok``, ``findings``, ``config``, ``target``, ``env``.
+    """
 
     findings: list[Finding]
-    config: dict[str, Any]
-    target: Target
-    env: dict[str, str] = field(default_factory=dict)
+    config: dict[str, Any] = Field(description="effective values of the offload-related keys")
+    target: str = Field(description="the megatron-core release validated against, e.g. megatron-core==0.19.2")
+    env: dict[str, str] = Field(default_factory=dict)
+    source: str | None = Field(None, description="where the config came from (path, <text>, recipe:NAME, <argv>)")
 
+    @computed_field(description="true when no finding is an error")  # type: ignore[prop-decorator]
     @property
     def ok(self) -> bool:
         return not self.errors
@@ -76,13 +71,8 @@ class Report:
         return [f for f in self.findings if f.rule == rule_id]
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "ok": self.ok,
-            "findings": [f.to_dict() for f in self.findings],
-            "config": dict(self.config),
-            "target": str(self.target),
-            "env": dict(self.env),
-        }
+        data = self.model_dump(mode="json")
+        return {"ok": data.pop("ok"), **data}
 
 
 def _finding(rule: Rule, match: Match) -> Finding:
@@ -111,7 +101,7 @@ def _finding(rule: Rule, match: Match) -> Finding:
     )
 
 
-def validate(config: OffloadConfig, raw: dict[str, Any] | None = None, target: str | Target = DEFAULT_TARGET) -> Report:
+def validate(config: OffloadConfig, raw: dict[str, Any] | None = None, target: Any = DEFAULT_TARGET) -> Report:
     """Run every rule that applies to ``target`` on ``config``.
 
     Args:
@@ -126,16 +116,53 @@ def validate(config: OffloadConfig, raw: dict[str, Any] | None = None, target: s
         ValueError: an unsupported ``target``.
     """
     tgt = parse_target(target)
-    ctx = Context(config=config, raw=raw or {}, target=tgt)
+    findings = _run_rules(config, raw or {}, tgt)
+    if raw:
+        _drop_unsound_fixes(findings, config, raw, tgt)
+    values = effective_values(config)
+    return Report(findings=findings, config=values, target=str(tgt), env=dict(config.env))
+
+
+def _run_rules(config: OffloadConfig, raw: dict[str, Any], tgt: Any) -> list[Finding]:
+    ctx = Context(config=config, raw=raw, target=tgt)
     hits: list[tuple[Rule, Finding]] = []
     for rule in all_rules():
         if not rule.applies(tgt):
             continue
         hits.extend((rule, _finding(rule, match)) for match in rule.run(ctx))
     fired = {rule.id for rule, _ in hits}
-    findings = [f for rule, f in hits if not fired.intersection(rule.shadowed_by)]
-    values = effective_values(config)
-    return Report(findings=findings, config=values, target=tgt, env=dict(config.env))
+    return [f for rule, f in hits if not fired.intersection(rule.shadowed_by)]
+
+
+def _drop_unsound_fixes(findings: list[Finding], config: OffloadConfig, raw: dict[str, Any], tgt: Any) -> None:
+    """Every fix we propose must validate under the same rules: applied to the config, it must clear its own
+    finding and bring no new error (e.g. never the distributed optimizer for an optimizer that cannot use it).
+    A fix that fails this is withdrawn (``fix: null``) and the ``why`` says so."""
+    import copy
+
+    from mbridge_offload.config.sources import ConfigError, apply_overrides, build_config
+
+    before = {f.rule for f in findings if f.severity == "error"}
+    for finding in findings:
+        if not finding.fix:
+            continue
+        try:
+            fixed_raw = apply_overrides(copy.deepcopy(raw), list(finding.fix))
+            fixed = build_config(fixed_raw)
+        except ConfigError:
+            fixed = None
+        if fixed is not None:
+            fixed.env.update(config.env)
+            after = _run_rules(fixed, fixed_raw, tgt)
+            new_errors = {f.rule for f in after if f.severity == "error"} - before
+            still = any(f.rule == finding.rule and f.message == finding.message for f in after)
+            if not new_errors and not still:
+                continue
+            detail = f"it would raise {', '.join(sorted(new_errors))}" if new_errors else "it would not clear this"
+        else:
+            detail = "it does not type-check"
+        finding.why = f"{finding.why or ''} (No fix offered: {' '.join(finding.fix)} — {detail}.)".strip()
+        finding.fix = None
 
 
 def first_error(report: Report, stage: str) -> Finding | None:

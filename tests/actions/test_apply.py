@@ -21,7 +21,8 @@ model:
   hidden_size: 1024
   num_attention_heads: 16
   pipeline_model_parallel_size: 1
-  recompute_granularity: full  # saves activation memory
+  recompute_granularity: selective  # saves activation memory
+  recompute_modules: [layernorm]
   cuda_graph_impl: transformer_engine
   bf16: true
 optimizer:
@@ -87,7 +88,7 @@ def test_output_keeps_comments_order_and_untouched_values_and_validates(config_f
         "num_layers: 28  # keep in sync",
         "lr: 0.0003   # peak LR",
         "# the optimizer offload knobs go here",
-        "recompute_granularity: full  # saves activation memory",
+        "recompute_granularity: selective  # saves activation memory",
     ):
         assert line in text
     # Untouched lines are byte-identical and in the same order.
@@ -107,10 +108,10 @@ def test_activation_mode_resolves_recompute_and_cuda_graph_conflicts(config_file
     changed = {c.key: (c.old, c.new) for c in result.changes}
     assert changed["model.cpu_offloading"] == (False, True)
     assert changed["model.cpu_offloading_num_layers"] == (0, 4)
-    assert changed["model.recompute_granularity"] == ("full", None)
+    assert changed["model.recompute_granularity"] == ("selective", None)
     assert changed["model.cuda_graph_impl"] == ("transformer_engine", "none")
     assert "model.recompute_granularity=null" in result.overrides
-    assert "recompute_granularity: null  # saves activation memory" in result.text
+    assert "recompute_granularity: null       # saves activation memory" in result.text  # comment column kept
     assert result.ok, result.findings
 
 

@@ -95,13 +95,27 @@ def test_bad_dtype_names_the_value():
         normalize_dtype("int7")
 
 
-def test_null_strings_for_recompute_are_refused_like_megatron_core_refuses_them():
-    # YAML `recompute_granularity: none` is the *string* "none": megatron-core raises '... must be "full" or
-    # "selective"' for it. Only YAML null (or the override `=null`) switches recompute off.
-    for text in ("null", "None", "none", ""):
-        with pytest.raises(ValidationError, match="write null to switch it off"):
-            OffloadConfig.model_validate({"model": {"recompute_granularity": text}})
+def test_null_spellings_of_recompute_are_strings_as_megatron_core_sees_them():
+    # megatron-core raises for the strings "none"/"null" ('When using recompute_granuarlity: none must be ...');
+    # only YAML's null switches recomputation off. No coercion, so validate refuses what megatron-core refuses.
+    from mbridge_offload.config.validate import validate
+
+    for text in ("null", "None", "none"):
+        cfg = OffloadConfig.model_validate({"model": {"num_layers": 4, "recompute_granularity": text}})
+        assert cfg.model.recompute_granularity == text
+        assert "MC-RECOMPUTE-GRANULARITY" in {f.rule for f in validate(cfg).errors}
     assert OffloadConfig.model_validate({"model": {"recompute_granularity": None}}).model.recompute_granularity is None
+
+
+def test_string_flags_are_truthy_as_in_megatron_core():
+    from mbridge_offload.config.validate import validate
+
+    raw = {"model": {"num_layers": 4, "cpu_offloading": "false", "cpu_offloading_num_layers": 1}}
+    cfg = OffloadConfig.model_validate(raw)
+    assert cfg.model.cpu_offloading is True
+    report = validate(cfg, raw)
+    assert [f.rule for f in report.findings if f.rule == "CFG-STRING-FLAG"] == ["CFG-STRING-FLAG"]
+    assert report.by_rule("CFG-STRING-FLAG")[0].fix == ["model.cpu_offloading=true"]
 
 
 def test_did_you_mean_for_offload_typos_only():

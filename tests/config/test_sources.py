@@ -67,6 +67,30 @@ def test_megatron_lm_argv_derivations():
     assert raw["ddp"]["use_distributed_optimizer"] is True
     loaded = load(argv=["--optimizer-cpu-offload"])
     assert loaded.config.env["frontend"] == "megatron-lm"
+    assert raw["unknown_arguments"] == ["--some-unknown-flag"]
+
+
+def test_megatron_lm_full_argument_set_and_unknown_flags_warn():
+    from mbridge_offload.config.validate import validate
+
+    argv = "--num-layers 4 --recompute-activations --fp8-param-gather --fp8-recipe tensorwise"
+    argv += " --use-distributed-optimizer --optimizer-cpu-offload --use-precision-aware-optimizer --no-such"
+    loaded = load(argv=argv.split())
+    assert loaded.config.model.recompute_granularity == "selective"  # validate_args: --recompute-activations
+    assert loaded.config.ddp.fp8_param_gather is True
+    assert loaded.config.optimizer.fp8_recipe == "tensorwise"
+    report = validate(loaded.config, loaded.raw)
+    assert "OPT-MLM-FP8-PARAM-GATHER" in {f.rule for f in report.errors}
+    unknown = report.by_rule("CFG-UNKNOWN-ARGUMENT")
+    assert [f.message.split()[0] for f in unknown] == ["--no-such"]
+    # A flag every release knows but no rule reads is kept, not dropped.
+    assert load(argv=["--data-path", "x", "--seed", "3"]).raw["megatron_lm"] == {"data_path": ["x"], "seed": 3}
+
+
+def test_megatron_lm_parser_refuses_bad_choices_in_one_line():
+    with pytest.raises(ConfigError, match="invalid choice") as exc:
+        load(argv=["--recompute-granularity", "none"])
+    assert "\n" not in str(exc.value)
 
 
 def test_wrong_type_names_key_value_and_line(tmp_path):
@@ -97,3 +121,71 @@ def test_section_that_is_not_a_mapping(tmp_path):
     path.write_text("model: 3\n")
     with pytest.raises(ConfigError, match="section 'model' must be a mapping"):
         load(str(path))
+
+
+def test_config_container_wrapper_is_read_at_the_right_level(tmp_path):
+    import io
+
+    from ruamel.yaml import YAML
+
+    from mbridge_offload.config.sources import document_root, parse_text
+    from mbridge_offload.config.validate import validate
+
+    text = "# perf recipe\nConfigContainer:\n  model:\n    num_layers: 4\n    cpu_offloading: true\n"
+    text += "    cpu_offloading_num_layers: 4\n  optimizer:\n    lr: 0.001\n"
+    path = tmp_path / "perf.yaml"
+    path.write_text(text)
+    loaded = load(str(path))
+    assert loaded.config.model.num_layers == 4 and loaded.config.model.cpu_offloading is True
+    assert "ACT-NUM-LAYERS" in {f.rule for f in validate(loaded.config, loaded.raw).errors}
+    # Edited in place at the inner level, dumped back whole: the wrapper and the comment stay.
+    _raw, tree = parse_text(text)
+    tree["model"]["cpu_offloading_num_layers"] = 2
+    out = io.StringIO()
+    YAML(typ="rt").dump(document_root(tree), out)
+    assert out.getvalue().startswith("# perf recipe\nConfigContainer:\n  model:")
+    assert "cpu_offloading_num_layers: 2" in out.getvalue()
+
+
+def test_recipe_config_works_twice_in_one_process(tmp_path):
+    """A second ``recipe_config`` call in one process (the MCP server's case) reuses the imported recipe module."""
+    import subprocess
+    import sys
+    import textwrap
+
+    pkg = tmp_path / "megatron" / "bridge" / "recipes"
+    pkg.mkdir(parents=True)
+    for init in (tmp_path / "megatron", tmp_path / "megatron" / "bridge"):
+        (init / "__init__.py").write_text("")
+    # The real package __init__ imports every model family; recipe_config must not need it.
+    (pkg / "__init__.py").write_text("raise ImportError('heavy optional dependencies')\n")
+    (pkg / "toy.py").write_text(
+        textwrap.dedent(
+            """
+            CALLS = []
+
+            class _Container:
+                def to_yaml(self, path):
+                    open(path, "w").write("model:\\n  num_layers: 4\\n")
+
+            def toy_pretrain_config():
+                CALLS.append(1)
+                return _Container()
+            """
+        )
+    )
+    code = textwrap.dedent(
+        """
+        import sys
+        from mbridge_offload.config.sources import recipe_config
+        first = recipe_config("toy_pretrain_config")
+        second = recipe_config("toy_pretrain_config")
+        assert first == second == {"model": {"num_layers": 4}}, (first, second)
+        assert len(sys.modules["megatron.bridge.recipes.toy"].CALLS) == 2
+        print("ok")
+        """
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env={"PYTHONPATH": str(tmp_path)}
+    )
+    assert proc.stdout.strip() == "ok", proc.stderr[-2000:]

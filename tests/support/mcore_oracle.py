@@ -76,8 +76,9 @@ def main() -> None:
         model = dict(case["model"])
         dropped = sorted(k for k in model if k not in tc_fields)
         kwargs = {k: v for k, v in model.items() if k in tc_fields}
-        if "pipeline_dtype" in kwargs:
-            kwargs["pipeline_dtype"] = dtypes[kwargs["pipeline_dtype"]]
+        for key in ("pipeline_dtype", "params_dtype"):
+            if isinstance(kwargs.get(key), str) and kwargs[key] in dtypes:
+                kwargs[key] = dtypes[kwargs[key]]
         kwargs.setdefault("hidden_size", 64)
         kwargs.setdefault("num_attention_heads", 4)
         transformer = _outcome(lambda kw=kwargs: TransformerConfig(**kw))
@@ -86,10 +87,13 @@ def main() -> None:
         skip = bool(opt.pop("skip_megatron_wrapping", False))
         dropped += sorted(f"optimizer.{k}" for k in opt if k not in oc_fields)
         okw = {k: v for k, v in opt.items() if k in oc_fields}
+        for key in ("params_dtype", "main_grads_dtype", "main_params_dtype", "exp_avg_dtype", "exp_avg_sq_dtype"):
+            if isinstance(okw.get(key), str) and okw[key] in dtypes:  # Bridge YAML: {_target_: torch.bfloat16}
+                okw[key] = dtypes[okw[key]]
         holder: dict = {}
 
         def build(okw=okw, holder=holder):
-            holder["config"] = OptimizerConfig(lr=1e-3, **okw)
+            holder["config"] = OptimizerConfig(**{"lr": 1e-3, **okw})
 
         optimizer_config = _outcome(build)
         factory_outcome: object = "not-run"

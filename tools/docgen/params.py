@@ -124,6 +124,12 @@ MEANINGS: dict[str, str] = {
     "activation offloading allows only `none` and `full_iteration`.",
     "model.cuda_graph_scope": "What the CUDA graphs capture (the default differs by release).",
     "model.enable_cuda_graph": "Legacy CUDA-graph switch.",
+    "model.external_cuda_graph": "Legacy spelling of cuda_graph_impl=transformer_engine.",
+    "model.cuda_graph_warmup_steps": "Warm-up steps before CUDA-graph capture (> 0 with fine-grained offloading).",
+    "model.use_transformer_engine_op_fuser": "TE op fuser (needed to offload fused_group_mlp).",
+    "model.moe_expert_rank_capacity_factor": "Per-rank MoE capacity factor (needed by moe_paged_stash).",
+    "model.moe_grouped_gemm": "Grouped GEMM for MoE experts (needed to recompute moe_act).",
+    "model.distribute_saved_activations": "Distribute recomputed checkpoints across TP ranks (not with SP).",
     "model.transformer_impl": "`transformer_engine` or `local`; fine-grained offloading needs `transformer_engine`.",
     # --- ddp
     "ddp.use_distributed_optimizer": "Distributed optimizer, as the DDP config sees it (Bridge keeps it in step "
@@ -179,13 +185,10 @@ def format_default(value: Any) -> str:
 
 
 def megatron_lm_flags() -> dict[str, str]:
-    """dotted key → the Megatron-LM flag that sets it (from ``mbridge_offload.config.sources``, the argv reader)."""
-    from mbridge_offload.config import sources
+    """dotted key → the Megatron-LM flag that sets it (Megatron-LM's full parser, ``config.megatron_lm``)."""
+    from mbridge_offload.config.megatron_lm import flags_by_key
 
-    flags: dict[str, str] = {}
-    for flag, (key, _kind) in sources._MLM_FLAGS.items():
-        flags.setdefault(key, flag)
-    return flags
+    return flags_by_key()
 
 
 def _row(key: str, flags: dict[str, str]) -> str:

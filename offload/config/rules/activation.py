@@ -45,12 +45,55 @@ def _pp(ctx: Context):
     return None
 
 
+def activation_mode_edits(model) -> list[tuple[str, object, str]]:
+    """What layer-level activation offloading needs besides its switch: ``(dotted key, new value, why)``.
+
+    Defined once, used by ``validate``'s fixes (ACT-RECOMPUTE, ACT-CUDA-GRAPH, …) and by ``apply --mode activation``,
+    so the two never disagree (e.g. recomputation off means all three recompute keys null, not just the granularity).
+    """
+    edits: list[tuple[str, object, str]] = []
+    if not model.cpu_offloading_activations and not model.cpu_offloading_weights:
+        edits.append(
+            (
+                "model.cpu_offloading_activations",
+                True,
+                "with activations and weights both off, Transformer Engine raises 'CPU Offloading is enabled while "
+                "it is not mentioned what to offload'",
+            )
+        )
+    if model.recompute_granularity is not None:
+        why = "'CPU offloading does not work when activation recomputation is enabled' (activation memory rises "
+        why += "for the layers kept on the GPU)"
+        edits.append(("model.recompute_granularity", None, why))
+        for key in ("recompute_method", "recompute_num_layers"):
+            if getattr(model, key) is not None:
+                edits.append((f"model.{key}", None, "only meaningful with recomputation, which is now off"))
+    if model.cuda_graph_impl not in ("none", "full_iteration"):
+        edits.append(("model.cuda_graph_impl", "none", "'CUDA graphs not supported with CPU offloading.'"))
+    for key in ("enable_cuda_graph", "external_cuda_graph"):
+        if getattr(model, key):
+            edits.append((f"model.{key}", False, "CUDA graphs are not supported with CPU offloading"))
+    if model.fine_grained_activation_offloading:
+        why = "'fine_grained_activation_offloading cannot be enabled with cpu_offloading.'"
+        edits.append(("model.fine_grained_activation_offloading", False, why))
+    if model.moe_paged_stash:
+        edits.append(("model.moe_paged_stash", False, "'moe_paged_stash cannot be enabled with cpu_offloading.'"))
+    return edits
+
+
+def _override(key: str, value: object) -> str:
+    text = "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
+    return f"{key}={text}"
+
+
+def _mode_fix(ctx: Context, prefix: str) -> list[str]:
+    return [_override(k, v) for k, v, _ in activation_mode_edits(ctx.model) if k.startswith(prefix)]
+
+
 def _recompute(ctx: Context):
     m = ctx.model
     if m.cpu_offloading and m.recompute_granularity is not None:
-        fix = ["model.recompute_granularity=null"]
-        fix += [f"model.{k}=null" for k in ("recompute_method", "recompute_num_layers") if getattr(m, k) is not None]
-        return Match(fix=fix)
+        return Match(fix=_mode_fix(ctx, "model.recompute_"))
     return None
 
 
@@ -119,23 +162,30 @@ def _fg_delta(ctx: Context) -> bool:
 
 def _fg_fused_group_mlp(ctx: Context) -> bool:
     m = ctx.model
-    return (
-        _fg_valid_modules(ctx)
-        and "fused_group_mlp" in m.offload_modules
-        and not m.extras().get("use_transformer_engine_op_fuser", False)
-    )
+    return _fg_valid_modules(ctx) and "fused_group_mlp" in m.offload_modules and not m.use_transformer_engine_op_fuser
 
 
 def _paged_stash(ctx: Context) -> bool:
     return ctx.model.moe_paged_stash and ctx.model.cpu_offloading
 
 
-def _enable_with_impl(ctx: Context) -> bool:
-    return ctx.model.enable_cuda_graph and ctx.model.cuda_graph_impl != "none"
+def _enable_with_impl(ctx: Context):
+    m = ctx.model
+    on = [k for k in ("enable_cuda_graph", "external_cuda_graph") if getattr(m, k)]
+    if on and m.cuda_graph_impl != "none":
+        return Match(fix=[f"model.{k}=false" for k in on])
+    return None
 
 
-def _enable_deprecated(ctx: Context) -> bool:
-    return ctx.model.enable_cuda_graph and ctx.model.cuda_graph_impl == "none"
+def _enable_deprecated(ctx: Context):
+    m = ctx.model
+    if m.cuda_graph_impl != "none" or (m.enable_cuda_graph and m.external_cuda_graph):
+        return None
+    if m.enable_cuda_graph:
+        return Match({"old": "enable_cuda_graph", "impl": "local"})
+    if m.external_cuda_graph:
+        return Match({"old": "external_cuda_graph", "impl": "transformer_engine"})
+    return None
 
 
 def _impl_invalid(ctx: Context):
@@ -152,8 +202,8 @@ def _cuda_graph(ctx: Context):
     if impl == "full_iteration":  # exempt since 0.19 (and only valid there)
         return None
     fix = ["model.cuda_graph_impl=none"]
-    if ctx.model.enable_cuda_graph:
-        fix = ["model.enable_cuda_graph=false"]
+    if ctx.model.cuda_graph_impl == "none":  # a deprecated spelling switched the graphs on
+        fix = [f"model.{k}=false" for k in ("enable_cuda_graph", "external_cuda_graph") if getattr(ctx.model, k)]
     return Match(fix=fix)
 
 
@@ -355,11 +405,12 @@ ACTIVATION_RULES: tuple[Rule, ...] = (
         severity="warning",
         origin="mcore",
         stage=TC,
-        summary="`enable_cuda_graph` is deprecated; MCore turns it into `cuda_graph_impl=local`.",
-        keys=("model.enable_cuda_graph",),
-        message="enable_cuda_graph is deprecated, use cuda_graph_impl=local instead.",
-        why="The CUDA-graph rules below then apply as for cuda_graph_impl=local.",
-        fix=("model.enable_cuda_graph=false", "model.cuda_graph_impl=local"),
+        summary="`enable_cuda_graph` / `external_cuda_graph` are deprecated spellings of `cuda_graph_impl`.",
+        keys=("model.enable_cuda_graph", "model.external_cuda_graph"),
+        message="{old} is deprecated, use cuda_graph_impl={impl} instead.",
+        why="The CUDA-graph rules below then apply as for that cuda_graph_impl (external_cuda_graph → "
+        "transformer_engine).",
+        fix=("model.{old}=false", "model.cuda_graph_impl={impl}"),
         check=_enable_deprecated,
     ),
     Rule(

@@ -132,6 +132,17 @@ class Context:
     def opt(self):
         return self.config.optimizer
 
+    def seen(self, dotted: str) -> Any:
+        """The value megatron-core sees for ``dotted``: as the user wrote it (``'false'``, ``"2"``), else the default.
+
+        megatron-core's dataclasses do not convert types, and its messages print the values as given.
+        """
+        section, _, key = dotted.partition(".")
+        body = self.raw.get(section) if isinstance(self.raw, dict) else None
+        if isinstance(body, dict) and key in body:
+            return body[key]
+        return getattr(getattr(self.config, section), key, None)
+
     @property
     def frontend(self) -> str:
         return self.config.env.get("frontend", "bridge")
@@ -151,12 +162,23 @@ class Context:
         return "v1" if self.te_version < (2, 10, 0) or self.nvte_cpu_offload_v1 else "v2"
 
     @property
-    def cuda_graph_impl(self) -> str:
-        """The implementation MCore ends up with: the deprecated ``enable_cuda_graph`` maps to ``local``."""
+    def cuda_graph_impl(self) -> str | None:
+        """The implementation MCore ends up with: the deprecated ``enable_cuda_graph`` maps to ``local`` and
+        ``external_cuda_graph`` to ``transformer_engine`` (transformer_config.py, both releases)."""
         impl = self.model.cuda_graph_impl
-        if self.model.enable_cuda_graph and impl == "none":
+        if impl == "none" and self.model.enable_cuda_graph:
             return "local"
+        if impl == "none" and self.model.external_cuda_graph:
+            return "transformer_engine"
         return impl
+
+    @property
+    def cuda_graph_modules(self) -> list[str]:
+        """0.19's ``cuda_graph_modules`` as normalised: ``"full"``, None and ``[]`` all mean the whole layer (empty)."""
+        value = self.model.extras().get("cuda_graph_modules", "full")
+        if value in (None, "full", []) or value == ["full"]:
+            return []
+        return [str(v) for v in value] if isinstance(value, list) else [s for s in str(value).split(",") if s]
 
     @property
     def allowed_cuda_graph_impls(self) -> tuple[str, ...]:

@@ -9,13 +9,70 @@ from mbridge_offload.config.rules.activation_build import BUILD_RULES
 from mbridge_offload.config.rules.base import DEFAULT_TARGET, TARGETS, Rule, spec_contains
 from mbridge_offload.config.rules.inputs import INPUT_RULES
 from mbridge_offload.config.rules.optimizer import CONFIG_RULES, OPTIMIZER_RULES
+from mbridge_offload.config.rules.transformer import (
+    EARLY_RULES,
+    FG_FUSED_PARTIAL,
+    FG_GRAPH_RULES,
+    FG_MOE_RECOMPUTE,
+    GRAPH_ENABLE_AND_EXTERNAL,
+    GRAPH_FULL_RECOMPUTE,
+    MOE_BIAS_ETP,
+    NUM_LAYERS_TYPE_INIT,
+    OPTIMIZER_DTYPE_RULES,
+    PAGED_STASH_RULES,
+    RECOMPUTE_RULES,
+    VALUE_RULES,
+)
+
+
+def _act(*ids: str) -> tuple[Rule, ...]:
+    by_id = {r.id: r for r in ACTIVATION_RULES}
+    return tuple(by_id[i] for i in ids)
+
+
+def _transformer_config_rules() -> tuple[Rule, ...]:
+    """``TransformerConfig.__post_init__`` in upstream code order (0.16.1 and 0.19.2 agree on this order):
+    parallel sizes and precision, layer-level offloading, recomputation, fine-grained offloading, paged stash,
+    CUDA graphs."""
+    return (
+        *EARLY_RULES,
+        *_act("ACT-NUM-LAYERS", "ACT-PP", "ACT-RECOMPUTE"),
+        *RECOMPUTE_RULES,
+        *_act("ACT-FINE-GRAINED", "ACT-FG-MODULES-EMPTY", "ACT-FG-MODULES-INVALID", "ACT-FG-ATTN-PROJ"),
+        FG_MOE_RECOMPUTE,
+        *_act("ACT-FG-MIN-TENSOR-SIZE", "ACT-FG-FRACTION-RANGE", "ACT-FG-DELTA-BYTES", "ACT-FG-FUSED-GROUP-MLP"),
+        FG_FUSED_PARTIAL,
+        *_act("ACT-PAGED-STASH"),
+        *PAGED_STASH_RULES,
+        NUM_LAYERS_TYPE_INIT,
+        MOE_BIAS_ETP,
+        *_act("ACT-CUDA-GRAPH-ENABLE-AND-IMPL"),
+        GRAPH_ENABLE_AND_EXTERNAL,
+        *_act("ACT-CUDA-GRAPH-DEPRECATED", "ACT-CUDA-GRAPH-IMPL", "ACT-CUDA-GRAPH"),
+        GRAPH_FULL_RECOMPUTE,
+        *FG_GRAPH_RULES,
+    )
 
 
 @functools.cache
 def all_rules() -> tuple[Rule, ...]:
-    """Every rule, activation rules first, each group in upstream code order."""
-
-    rules = (*INPUT_RULES, *CONFIG_RULES, *ACTIVATION_RULES, *BUILD_RULES, *OPTIMIZER_RULES)
+    """Every rule, each group in upstream code order: config hygiene, TransformerConfig, build-time (TE, Bridge,
+    Megatron-LM, advisory), OptimizerConfig, the optimizer factory."""
+    transformer = _transformer_config_rules()
+    if len({r.id for r in ACTIVATION_RULES} - {r.id for r in transformer}) != 0:
+        raise RuntimeError("an activation rule is missing from the TransformerConfig order")
+    optimizer_config = tuple(r for r in OPTIMIZER_RULES if r.id.startswith("OPT-PRECISION-AWARE"))
+    rest = tuple(r for r in OPTIMIZER_RULES if r not in optimizer_config)
+    rules = (
+        *INPUT_RULES,
+        *CONFIG_RULES,
+        *VALUE_RULES,
+        *transformer,
+        *BUILD_RULES,
+        *optimizer_config,
+        *OPTIMIZER_DTYPE_RULES,
+        *rest,
+    )
     ids = [r.id for r in rules]
     duplicates = {i for i in ids if ids.count(i) > 1}
     if duplicates:

@@ -66,7 +66,11 @@ def _pa_adam(ctx: Context) -> bool:
 
 
 def _pa_do(ctx: Context) -> bool:
-    return ctx.opt.use_precision_aware_optimizer and ctx.opt.optimizer == "adam" and not ctx.distributed_optimizer
+    # Not ctx.distributed_optimizer: Bridge's ConfigContainer finalizes OptimizerConfig (whose __post_init__ asserts
+    # this) before it copies ddp.use_distributed_optimizer over, so only optimizer.* counts here.
+    return (
+        ctx.opt.use_precision_aware_optimizer and ctx.opt.optimizer == "adam" and not ctx.opt.use_distributed_optimizer
+    )
 
 
 # ---------------------------------------------------------------------------------------------- optimizer factory
@@ -158,6 +162,10 @@ def _non_adam(ctx: Context):
 
 
 def _no_distributed_optimizer(ctx: Context) -> bool:
+    # Only adam/sgd run in the (offloading) distributed optimizer; Muon and the other emerging optimizers have their
+    # own layer-wise path (Megatron-LM 0.19 remaps --use-distributed-optimizer for them), so never advise it there.
+    if ctx.opt.optimizer not in ("adam", "sgd"):
+        return False
     return ctx.opt.optimizer_cpu_offload and not ctx.distributed_optimizer
 
 

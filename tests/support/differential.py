@@ -1,0 +1,168 @@
+"""Compare ``validate`` with real megatron-core on generated cases (shared by the differential test and benchmark).
+
+The oracle (``tests/support/mcore_oracle.py``) runs once per megatron-core version in its own subprocess and judges a
+whole batch of cases (one import of megatron-core, ~10 s). Our side loads each case through the source it names
+(dict, YAML text or Hydra overrides) and runs ``validate`` for the same version.
+
+- Verdict: megatron-core refuses when any of its three stages raised (``TransformerConfig``, ``OptimizerConfig``,
+  the optimizer factory's asserts); we refuse when ``validate`` reports any error, or the config cannot be loaded
+  (exit 2). Every refusal counts, not only offloading's.
+- Message: where both refuse, for each stage megatron-core raised in, our first error of that stage must carry the
+  same exception type and text (sets in upstream messages are printed in hash-seed order: compared sorted).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from mbridge_offload.config.rules.base import STAGE_OPTIMIZER_CONFIG, STAGE_OPTIMIZER_FACTORY, STAGE_TRANSFORMER_CONFIG
+from mbridge_offload.config.sources import ConfigError, build_config, load
+from mbridge_offload.config.validate import first_error, validate
+from tests.support.config_gen import case_to_source
+
+ROOT = Path(__file__).resolve().parents[2]
+STAGES = (
+    ("transformer", STAGE_TRANSFORMER_CONFIG),
+    ("optimizer_config", STAGE_OPTIMIZER_CONFIG),
+    ("factory", STAGE_OPTIMIZER_FACTORY),
+)
+
+
+def version_env(label: str) -> dict[str, str] | None:
+    """The environment that imports megatron-core ``label`` (None when that version is not installed here)."""
+    base = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    if label == "0.16.1":
+        return base
+    newer = ROOT / ".mcore" / label
+    return {**base, "PYTHONPATH": str(newer)} if (newer / "megatron" / "core").is_dir() else None
+
+
+def run_oracle(label: str, cases: list[dict], timeout: float = 600) -> dict:
+    """Real megatron-core's outcome for every case (one subprocess for the whole batch)."""
+    env = version_env(label)
+    if env is None:
+        raise RuntimeError(f"megatron-core {label} is not installed (make setup installs it under .mcore/)")
+    payload = [{"id": c["id"], "model": c["model"], "optimizer": c["optimizer"]} for c in cases]
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "support" / "mcore_oracle.py")],
+        input=json.dumps({"cases": payload}),
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=timeout,
+        cwd=ROOT,
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(proc.stderr[-3000:])
+    return json.loads(proc.stdout)
+
+
+def normalize(message: str | None) -> str | None:
+    """Sort the contents of ``{…}`` set displays (their order depends on the hash seed)."""
+    if message is None:
+        return None
+    return re.sub(r"\{([^{}]*)\}", lambda mo: "{" + ", ".join(sorted(mo.group(1).split(", "))) + "}", message)
+
+
+@dataclass
+class Outcome:
+    """One case judged by both sides."""
+
+    case: dict
+    real_reject: bool
+    ours_reject: bool
+    message_ok: bool | None = None  # None: not both refused
+    detail: str = ""
+    crash: str | None = None
+    ours_rules: list[str] = field(default_factory=list)
+    first_rules: list[str] = field(default_factory=list)  # our first error per stage, where it matched upstream's
+
+    @property
+    def verdict_ok(self) -> bool:
+        return self.real_reject == self.ours_reject and self.crash is None
+
+
+def our_report(case: dict, label: str):
+    """``(report | None, load error | None)`` for a case, loaded through the source it names."""
+    how = case_to_source(case)
+    try:
+        if "raw" in how:
+            raw = json.loads(json.dumps(how["raw"]))
+            config = build_config(raw)
+        else:
+            loaded = load(how.get("source"), how.get("overrides"))
+            config, raw = loaded.config, loaded.raw
+    except ConfigError as exc:
+        return None, str(exc)
+    return validate(config, raw, target=f"megatron-core=={label}"), None
+
+
+def judge(case: dict, real: dict, label: str) -> Outcome:
+    """Compare one case at one version."""
+    outcomes = {key: (None if real[key] == "not-run" else real[key]) for key, _ in STAGES}
+    real_reject = any(v is not None for v in outcomes.values())
+    try:
+        report, load_error = our_report(case, label)
+    except Exception as exc:  # a crash of ours is a finding of the benchmark, never hidden
+        return Outcome(case, real_reject, False, crash=f"{type(exc).__name__}: {exc}")
+    if report is None:
+        return Outcome(case, real_reject, True, message_ok=False if real_reject else None, detail=f"load: {load_error}")
+    ours_reject = not report.ok
+    out = Outcome(case, real_reject, ours_reject, ours_rules=[f.rule for f in report.errors])
+    if real_reject and ours_reject:
+        problems = []
+        for key, stage in STAGES:
+            theirs = outcomes[key]
+            if theirs is None:
+                continue
+            mine = first_error(report, stage)
+            ours = None if mine is None else (mine.exception, normalize(mine.upstream_message))
+            if ours != (theirs["type"], normalize(theirs["message"])):
+                problems.append(f"{key}: ours={ours} real={theirs}")
+            else:
+                out.first_rules.append(mine.rule)
+        out.message_ok = not problems
+        out.detail = "; ".join(problems)
+    elif out.real_reject != out.ours_reject:
+        out.detail = f"real={ {k: v for k, v in outcomes.items() if v} } ours={out.ours_rules}"
+    return out
+
+
+def judge_all(cases: list[dict], label: str) -> tuple[dict, list[Outcome]]:
+    """Run the oracle once for ``cases`` and judge each; returns ``(oracle answer, outcomes)``."""
+    oracle = run_oracle(label, cases)
+    return oracle, [judge(c, r, label) for c, r in zip(cases, oracle["results"], strict=True)]
+
+
+def disagreement_class(o: Outcome) -> str:
+    """A short name for why a case disagreed (for the benchmark's table)."""
+    if o.crash:
+        return "crash"
+    if not o.verdict_ok:
+        side = "we accept, mcore refuses" if o.real_reject else "we refuse, mcore accepts"
+        first = o.detail.split("'message': ")[-1][:70] if o.real_reject else ",".join(o.ours_rules[:2])
+        return f"{side}: {first}"
+    return "message: " + o.detail[:90]
+
+
+def summarize(outcomes: list[Outcome]) -> dict[str, Any]:
+    """Counts and rates for a list of outcomes."""
+    both = [o for o in outcomes if o.message_ok is not None]
+    classes = Counter(disagreement_class(o) for o in outcomes if not o.verdict_ok or o.message_ok is False)
+    return {
+        "cases": len(outcomes),
+        "verdict_agree": sum(o.verdict_ok for o in outcomes),
+        "real_refusals": sum(o.real_reject for o in outcomes),
+        "both_refuse": len(both),
+        "message_agree": sum(bool(o.message_ok) for o in both),
+        "crashes": sum(o.crash is not None for o in outcomes),
+        "classes": classes,
+    }
