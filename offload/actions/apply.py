@@ -34,7 +34,14 @@ from pydantic import BaseModel, Field, computed_field
 from mbridge_offload.actions import safe_write, yaml_edit
 from mbridge_offload.config.rules.activation import activation_mode_edits
 from mbridge_offload.config.schema import OffloadConfig, get_value
-from mbridge_offload.config.sources import ConfigError, apply_overrides, build_config, parse_text, read_source
+from mbridge_offload.config.sources import (
+    ConfigError,
+    apply_overrides,
+    build_config,
+    document_root,
+    parse_text,
+    read_source,
+)
 
 MODES = ("optimizer", "activation", "both", "none", "recommended")
 # At or above this fraction the CPU Adam step dominates and overlapping D2H/H2D pays (~7 % at 100 %, upstream card).
@@ -360,7 +367,7 @@ def _render(text: str, tree: Any, edits: list[Change], is_json: bool, plain: dic
     for change in edits:
         _set_in_tree(tree, change.key, change.new, _NEIGHBOURS.get(change.key))
     out = io.StringIO()
-    yaml.dump(tree, out)
+    yaml.dump(document_root(tree), out)  # a `ConfigContainer:` perf YAML keeps its wrapper
     return out.getvalue()
 
 

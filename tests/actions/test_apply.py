@@ -111,7 +111,7 @@ def test_activation_mode_resolves_recompute_and_cuda_graph_conflicts(config_file
     assert changed["model.recompute_granularity"] == ("selective", None)
     assert changed["model.cuda_graph_impl"] == ("transformer_engine", "none")
     assert "model.recompute_granularity=null" in result.overrides
-    assert "recompute_granularity: null       # saves activation memory" in result.text  # comment column kept
+    assert "recompute_granularity: null  # saves activation memory" in result.text  # the line keeps its separator
     assert result.ok, result.findings
 
 
@@ -310,3 +310,20 @@ def test_an_override_the_mode_must_undo_is_reported(config_file: Path) -> None:
 def test_deleting_overrides_are_refused(config_file: Path) -> None:
     with pytest.raises(ApplyError, match="remove or edit other keys by hand"):
         apply_offload(str(config_file), "optimizer", overrides=["~train.micro_batch_size"])
+
+
+def test_a_config_container_perf_yaml_keeps_its_wrapper_and_comments(tmp_path: Path) -> None:
+    # Bridge's perf YAMLs hold the sections under one `ConfigContainer:` key: the edit lands inside it.
+    src = tmp_path / "perf.yaml"
+    src.write_text(
+        "# perf recipe\nConfigContainer:\n  model:\n    num_layers: 8   # keep\n    pipeline_model_parallel_size: 1\n"
+        "  optimizer:\n    optimizer: adam\n    use_distributed_optimizer: true\n",
+        encoding="utf-8",
+    )
+    out = tmp_path / "perf.offload.yaml"
+    result = apply_offload(str(src), mode="optimizer", fraction=0.5, output=str(out))
+    text = out.read_text(encoding="utf-8")
+    assert result.ok and text.startswith("# perf recipe\nConfigContainer:\n")
+    assert "    num_layers: 8   # keep\n" in text and "    optimizer_offload_fraction: 0.5\n" in text
+    loaded = load(str(out))
+    assert loaded.config.optimizer.optimizer_cpu_offload and loaded.config.optimizer.optimizer_offload_fraction == 0.5
