@@ -197,6 +197,7 @@ def validate_config(
 
     Returns findings with the upstream message, the keys involved and the fix as overrides.
     """
+    from mbridge_offload.config.rules.base import parse_target
     from mbridge_offload.config.sources import ConfigError, load
     from mbridge_offload.config.validate import validate
 
@@ -209,10 +210,11 @@ def validate_config(
             raise ToolError(f"recipe: {exc}") from None
     else:
         loaded = _load(config, overrides)
-    try:
-        report = validate(loaded.config, loaded.raw, target=target)
+    try:  # only the target's own errors are "target" errors: a ValueError from the check itself is not
+        parsed_target = parse_target(target)
     except ValueError as exc:
         raise ToolError(f"target {target!r}: {exc}") from None
+    report = validate(loaded.config, loaded.raw, target=parsed_target)
     report.source = loaded.source
     if exact:
         from mbridge_offload_tools.exact import ExactUnavailable, exact_report

@@ -512,13 +512,14 @@ def run_tests(
             raise TestSuiteError("path selects one of this project's test files; with bridge_repo use k instead")
         root = Path(bridge_repo).expanduser().resolve()
         files = bridge_files(root)
-        require_modules(_python_for(root), BRIDGE_NEEDS, "Megatron Bridge")
+        python = _python_for(root) if repo_python else sys.executable  # never the checkout's .venv unless allowed
+        require_modules(python, BRIDGE_NEEDS, "Megatron Bridge")
         return _pytest_run(
             "bridge",
             root,
             files,
             expr or BRIDGE_SELECTOR,
-            _python_for(root) if repo_python else sys.executable,
+            python,
             timeout_s,
             on_progress,
             [],

@@ -247,7 +247,9 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
             )
         # The value as Hydra's grammar reads it: null is None, 'None' (any string) stays a string, as megatron-core
         # would see it (recompute_granularity: "None" is refused there).
-        node[leaf] = override.value()
+        value = override.value()
+        reading.check_number(value, override.key_or_group)  # nan/inf via --set, like .nan/.inf in a file
+        node[leaf] = value
     return raw
 
 

@@ -76,7 +76,10 @@ def test_mcp_validate_config_exact_parameter(tmp_path):
 
     path = tmp_path / "c.yaml"
     path.write_text(textwrap.dedent(CONFIG))
-    report = server.validate_config(config=str(path), exact=True)
+    import anyio
+
+    # the tool as the server runs it: guarded (a worker thread under a deadline), hence a coroutine
+    report = anyio.run(lambda: server.validate_config(config=str(path), exact=True))
     messages = [f.message for f in report.findings if f.rule == "MCORE-EXACT"]
     assert "num_attention_heads (6) must be a multiple of tensor_model_parallel_size (4)." in messages
     assert "MCORE-EXACT-VERSION" in {f.rule for f in report.findings}  # default target 0.19.2, 0.16.1 installed
