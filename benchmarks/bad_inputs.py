@@ -7,9 +7,9 @@ Runs every generated bad input of ``tests/support/bad_inputs.py`` (the same case
     mcp   one live ``mbridge-offload serve --root SANDBOX`` over stdio (a real MCP client): ``isError``, and a
           normal call answered after each bad one
 
-A case *holds* when it is answered within the deadline with the one error shape and no traceback. Cases whose
-fix belongs to the planner's input bounds (#14) are counted separately. Then it checks that no file in the
-sandbox changed. Prints a table and writes ``docs/benchmarks-robustness.md`` (``--no-write`` to skip). Run:
+A case *holds* when it is answered within the deadline with the one error shape and no traceback. Then it
+checks that no file in the sandbox changed. Prints a table and writes ``docs/benchmarks-robustness.md``
+(``--no-write`` to skip). Run:
 
     .venv/bin/python benchmarks/bad_inputs.py          # about 40 s on 2 cores
 """
@@ -51,10 +51,9 @@ async def _mcp(sandbox: Path, cases: list[bad_inputs.Case]) -> list[bad_inputs.O
 
 def _row(surface: str, outcomes: list[bad_inputs.Outcome]) -> str:
     held = sum(o.held for o in outcomes)
-    pending = sum(1 for o in outcomes if not o.held and o.xfail)
     s = _stats(outcomes)
     return (
-        f"| {surface} | {len(outcomes)} | {held} | {pending} | {len(outcomes) - held - pending} | "
+        f"| {surface} | {len(outcomes)} | {held} | {len(outcomes) - held} | "
         f"{s['p50']:.1f} | {s['p95']:.1f} | {s['max']:.1f} |"
     )
 
@@ -70,11 +69,10 @@ def render(cli: list[bad_inputs.Outcome], mcp: list[bad_inputs.Outcome], unchang
         f"{platform.python_version()}, by `benchmarks/bad_inputs.py` (cases: `tests/support/bad_inputs.py`).",
         "CPU only; nothing here depends on a GPU. *held* = answered within "
         f"{bad_inputs.DEADLINE_S:.0f} s with exit code 2 (MCP: `isError`) and exactly one JSON error object, no "
-        "traceback; for MCP also a normal call answered right after. *pending #14* = planner inputs whose bounds",
-        "land with the planner inputs model (issue 14).",
+        "traceback; for MCP also a normal call answered right after.",
         "",
-        "| surface | cases tried | held | pending #14 | failed | p50 ms | p95 ms | max ms |",
-        "|---|---|---|---|---|---|---|---|",
+        "| surface | cases tried | held | failed | p50 ms | p95 ms | max ms |",
+        "|---|---|---|---|---|---|---|",
         _row("CLI (in-process `main`)", cli),
         _row("MCP (one stdio server)", mcp),
         "",

@@ -1,4 +1,4 @@
-"""Exception safety of the activation offload context (issue 12): a fault at every hook point, then normal steps.
+"""Exception safety of the activation offload context: a fault at every hook point, then normal steps.
 
 For each point, one step raises there (a one-shot injected error); the next steps must offload exactly as a
 context that never failed does — same gradients as without offload, same bytes offloaded and reloaded, the same

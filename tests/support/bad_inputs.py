@@ -45,8 +45,6 @@ optimizer:
   use_distributed_optimizer: true
 """
 
-PLANNER_XFAIL = "bounds land with the planner inputs model (#14)"
-
 
 @dataclass
 class Case:

@@ -48,18 +48,22 @@ def render_constraints(docs: str = "docs/") -> str:
 
 
 def render_constraint_summary() -> str:
-    """SKILL.md's short form: the rules upstream enforces (severity error), one line each; the rest is counted."""
+    """SKILL.md's short form: the offloading rules upstream enforces (severity error), one line each; megatron-core's
+    general refusals (``MC-*``: parallel sizes, precision, MoE, recompute values) and the warnings are counted."""
     from mbridge_offload.config.rules.catalogue import all_rules
 
     rules = list(all_rules())
-    errors = [r for r in rules if r.severity == "error"]
+    general = [r for r in rules if r.id.startswith("MC-")]
+    errors = [r for r in rules if r.severity == "error" and r not in general]
     lines = ["| rule | origin | constraint |", "|---|---|---|"]
     lines += [f"| `{r.id}` | {r.origin} | {_cell(r.summary)} |" for r in errors]
-    rest = len(rules) - len(errors)
+    rest = len(rules) - len(errors) - len(general)
     lines += [
         "",
-        f"Plus {rest} warnings and notes (runs, but does nothing or something surprising). All {len(rules)} rules with "
-        "their keys and fixes: [references/constraints.md](references/constraints.md).",
+        f"Plus {len(general)} general megatron-core refusals that `validate` also checks (`MC-*`: parallel sizes, "
+        f"precision, MoE, recompute values) and {rest} warnings and notes (runs, but does nothing or something "
+        f"surprising). All {len(rules)} rules with their keys and fixes: "
+        "[references/constraints.md](references/constraints.md).",
     ]
     return "\n".join(lines)
 
