@@ -173,7 +173,7 @@ def _smallest_layers(p: Plan, s: Setup) -> MemoryEstimate | None:
 
 def _order(p: Plan, before: MemoryEstimate, rationale: list[str]) -> tuple[str, ...]:
     """Which mechanism to try first (the skill's table), given what upstream allows."""
-    blockers = p.r.constraints.activation_blockers(before.setup)
+    blockers = p.r.constraints.activation_blockers(before.setup, p.r.model.num_layers)
     rationale.extend(blockers)
     w = before.worst
     if blockers:

@@ -122,23 +122,34 @@ class Constraints:
     fine_grained_activation_offloading: bool = False
     moe_paged_stash: bool = False
 
-    def activation_blockers(self, s: Setup) -> list[str]:
-        """Why MCore would refuse layer-level activation offload (its checks), empty when it allows it."""
-        out = []
+    def activation_blockers(self, s: Setup, num_layers: int) -> list[str]:
+        """Why upstream would refuse layer-level activation offload for this setup, empty when it allows it.
+
+        Not a second copy of upstream's checks: the rule catalogue is run on the setup with activation offload
+        switched on, and every error it raises about ``model.cpu_offloading`` is returned with its message.
+        """
+        from mbridge_offload.config.schema import OffloadConfig
+        from mbridge_offload.config.validate import validate
+
+        model = {
+            "num_layers": max(num_layers, 2),
+            "pipeline_model_parallel_size": s.pp,
+            "recompute_granularity": s.recompute_granularity,
+            "recompute_method": s.recompute_method,
+            "recompute_num_layers": s.recompute_num_layers,
+            "cuda_graph_impl": self.cuda_graph_impl,
+            "fine_grained_activation_offloading": self.fine_grained_activation_offloading,
+            "moe_paged_stash": self.moe_paged_stash,
+            "cpu_offloading": True,
+            "cpu_offloading_num_layers": 1,
+        }
         if s.pp > 1:
-            out.append(
-                f"activation offloading needs PP=1 (PP is {s.pp}): MCore raises 'Currently there is no "
-                "support for Pipeline parallelism with CPU offloading'"
-            )
-        if s.recompute_granularity is not None:
-            out.append(f"activation offloading cannot run with recompute_granularity={s.recompute_granularity}")
-        if self.cuda_graph_impl not in ("none", "full_iteration"):
-            out.append(f"activation offloading is incompatible with cuda_graph_impl={self.cuda_graph_impl}")
-        if self.fine_grained_activation_offloading:
-            out.append("activation offloading cannot be combined with fine_grained_activation_offloading")
-        if self.moe_paged_stash:
-            out.append("activation offloading cannot be combined with moe_paged_stash")
-        return out
+            model["pipeline_dtype"] = "bf16"  # Bridge fills it in; not what decides here
+        raw = {"model": model}
+        report = validate(OffloadConfig.model_validate(raw), raw)
+        return [
+            f"activation offloading: {f.message} ({f.rule})" for f in report.errors if "model.cpu_offloading" in f.keys
+        ]
 
 
 @dataclass
