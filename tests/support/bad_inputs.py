@@ -54,7 +54,6 @@ class Case:
     cli: list[str] | None = None
     mcp: tuple[str, dict[str, Any]] | None = None
     stdin: bytes | None = None
-    xfail: str | None = None
 
 
 @dataclass
@@ -66,7 +65,6 @@ class Outcome:
     held: bool
     seconds: float
     detail: str = ""
-    xfail: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -536,7 +534,7 @@ def run_cli_subprocess(case: Case, cwd: Path) -> Outcome:
             timeout=DEADLINE_S * 3,
         )
     except subprocess.TimeoutExpired:
-        return Outcome(case.id, "cli-subprocess", False, time.perf_counter() - start, "no answer", case.xfail)
+        return Outcome(case.id, "cli-subprocess", False, time.perf_counter() - start, "no answer")
     out, err = proc.stdout.decode("utf-8", "replace"), proc.stderr.decode("utf-8", "replace")
     return _judge(case, "cli-subprocess", proc.returncode, out, err, time.perf_counter() - start)
 
@@ -552,7 +550,7 @@ def _judge(case: Case, surface: str, code: Any, out: str, err: str, seconds: flo
         problems.append("traceback printed")
     if seconds > DEADLINE_S:
         problems.append(f"took {seconds:.1f} s")
-    return Outcome(case.id, surface, not problems, seconds, "; ".join(problems)[:400], case.xfail)
+    return Outcome(case.id, surface, not problems, seconds, "; ".join(problems)[:400])
 
 
 async def run_mcp_cases(client: Any, cases: list[Case], normal: tuple[str, dict[str, Any]]) -> list[Outcome]:
@@ -586,7 +584,7 @@ async def run_mcp_cases(client: Any, cases: list[Case], normal: tuple[str, dict[
                 problems.append("the normal call after it failed")
         except Exception as exc:
             problems.append(f"the server stopped answering ({type(exc).__name__})")
-        outcomes.append(Outcome(case.id, "mcp", not problems, seconds, "; ".join(problems)[:400], case.xfail))
+        outcomes.append(Outcome(case.id, "mcp", not problems, seconds, "; ".join(problems)[:400]))
     return outcomes
 
 
