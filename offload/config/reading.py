@@ -75,11 +75,6 @@ def set_read_roots(roots: Iterable[str | os.PathLike[str]] | None) -> None:
     _read_roots = None if roots is None else tuple(Path(r).resolve() for r in roots)
 
 
-def read_roots() -> tuple[Path, ...] | None:
-    """The directories configs may be read from, or None when reading is not contained (the CLI)."""
-    return _read_roots
-
-
 def check_inside(path: Path, roots: Iterable[Path], what: str) -> Path:
     """``path`` resolved (symlinks followed); refused when it is outside every root.
 

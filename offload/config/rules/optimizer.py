@@ -23,10 +23,6 @@ _F = "optimizer.optimizer_offload_fraction"
 _DO_FIX = ("optimizer.use_distributed_optimizer=true", "ddp.use_distributed_optimizer=true")
 
 
-def _on(ctx: Context) -> bool:
-    return ctx.opt.optimizer_cpu_offload
-
-
 # ---------------------------------------------------------------------------------------------- config hygiene
 
 
