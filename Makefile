@@ -39,6 +39,7 @@ test-bridge: bridge-env
 lint: setup
 	$(BIN)/ruff check offload tools tests benchmarks
 	$(BIN)/ruff format --check offload tools tests benchmarks
+	$(BIN)/mypy
 
 docs: setup
 	$(BIN)/python -m mbridge_offload_tools.docgen

@@ -1,6 +1,7 @@
 """Plot the planner against published GPU measurements, and its memory breakdown against the offload settings.
 
-Writes two pictures (no GPU needed: the measurements are published runs by others, offload/plan/data/published.yaml):
+Writes two pictures (no GPU needed: the measurements are published runs by others,
+offload/mbridge_offload/plan/data/published.yaml):
 - ``docs/img/predicted_vs_measured.png``: every published point, predicted against measured, for peak memory (GiB,
   the unit of Megatron's memory report; savings for runs whose absolute settings are unpublished) and for the step
   factor; the diagonal and the ±5 % / ±10 % bands of the targets;

@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
+
+from tests.support import tree
+
+# Subprocesses the tests start (the CLI, the MCP server, workers) import this tree's code too, never an installed copy.
+os.environ["PYTHONPATH"] = tree.pythonpath(inherit=True)
 
 _DIFFERENTIAL = pytest.StashKey[list]()
 

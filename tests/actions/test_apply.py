@@ -1,4 +1,4 @@
-"""offload/actions/apply.py: round-trip edits of real Bridge-style YAML files."""
+"""offload/mbridge_offload/actions/apply.py: round-trip edits of real Bridge-style YAML files."""
 
 from __future__ import annotations
 

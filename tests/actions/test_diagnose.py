@@ -1,4 +1,4 @@
-"""offload/actions/diagnose.py: known failure modes, matched from real error text, narrowed by the config."""
+"""mbridge_offload.actions.diagnose: known failure modes, matched from real error text, narrowed by the config."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""offload/actions/parity.py: the parity suite trains a tiny model with and without offload and compares."""
+"""mbridge_offload.actions.parity: the parity suite trains a tiny model with and without offload and compares."""
 
 from __future__ import annotations
 

@@ -20,6 +20,7 @@ from mbridge_offload.actions import safe_write
 from mbridge_offload.actions.apply import ApplyResult, apply_offload
 from mbridge_offload.actions.safe_write import WriteError
 from mbridge_offload.config.errors import InputError
+from tests.support import tree
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -209,7 +210,7 @@ safe_write.atomic_write(sys.argv[1], "model:\\n  num_layers: 2\\n" * 1000)
 
 
 def test_kill_9_mid_write_keeps_the_original_and_the_next_write_removes_the_stray_temp(config_file: Path) -> None:
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env = dict(os.environ, PYTHONPATH=tree.pythonpath())
     proc = subprocess.Popen(
         [sys.executable, "-c", _SLOW_WRITER, str(config_file)], stdout=subprocess.PIPE, env=env, text=True
     )
@@ -251,7 +252,7 @@ def test_concurrent_applies_never_share_a_backup_and_leave_no_temp(config_file: 
 
 
 def test_concurrent_cli_processes_never_share_a_backup(config_file: Path) -> None:
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env = dict(os.environ, PYTHONPATH=tree.pythonpath())
     fractions = ["0.2", "0.4", "0.6", "0.8"]
     procs = [
         subprocess.Popen(

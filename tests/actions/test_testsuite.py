@@ -1,4 +1,4 @@
-"""offload/actions/testsuite.py: selection, nothing-selected detection, failures, timeouts, Bridge checkouts."""
+"""mbridge_offload.actions.testsuite: selection, nothing-selected detection, failures, timeouts, Bridge checkouts."""
 
 from __future__ import annotations
 
@@ -126,7 +126,7 @@ def test_not_a_bridge_checkout(tmp_path: Path) -> None:
 @nested
 def test_paths_must_stay_inside_tests() -> None:
     with pytest.raises(TestSuiteError, match="outside"):
-        run_tests(path="offload/actions/apply.py")
+        run_tests(path="offload/mbridge_offload/actions/apply.py")
     with pytest.raises(TestSuiteError, match="does not exist"):
         run_tests(path="tests/test_nope.py")
 

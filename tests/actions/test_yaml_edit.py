@@ -1,4 +1,4 @@
-"""offload/actions/yaml_edit.py: only the changed keys' lines change; unusual layouts are left to the fallback."""
+"""mbridge_offload.actions.yaml_edit: only the changed keys' lines change; unusual layouts are left to the fallback."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""offload/config/reading.py and errors.py: the bounded reader and the one error shape."""
+"""offload/mbridge_offload/config/reading.py and errors.py: the bounded reader and the one error shape."""
 
 from __future__ import annotations
 

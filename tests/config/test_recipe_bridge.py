@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.support import tree
+
 ROOT = Path(__file__).resolve().parents[2]
 BRIDGE_PATH = os.environ.get("MBRIDGE_OFFLOAD_BRIDGE_PATH")
 
@@ -35,7 +37,7 @@ main(sys.argv[1:])
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
-    paths = [str(ROOT / p) if not os.path.isabs(p) else p for p in BRIDGE_PATH.split(":")]
+    paths = [tree.pythonpath(), *(str(ROOT / p) if not os.path.isabs(p) else p for p in BRIDGE_PATH.split(":"))]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(paths), HF_HUB_OFFLINE="1")
     return subprocess.run(
         [sys.executable, "-c", _RUN.format(root=str(ROOT)), *args],
@@ -159,7 +161,7 @@ def test_every_bridge_recipe_that_builds_on_cpu_agrees_with_megatron_core():
     for TransformerConfig and OptimizerConfig."""
     from tests.support.differential import STAGES, normalize, run_oracle
 
-    paths = [str(ROOT / p) if not os.path.isabs(p) else p for p in BRIDGE_PATH.split(":")]
+    paths = [tree.pythonpath(), *(str(ROOT / p) if not os.path.isabs(p) else p for p in BRIDGE_PATH.split(":"))]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(paths), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     env["HF_DATASETS_OFFLINE"] = "1"
     # No network here: make any hub access fail at once instead of waiting on timeouts.
@@ -219,7 +221,7 @@ print(json.dumps({{"ok": report.ok, "layers": report.config["model.num_layers"],
 
 
 def test_mcp_validate_config_recipe_keeps_imports_warm():
-    paths = [str(ROOT / p) if not os.path.isabs(p) else p for p in BRIDGE_PATH.split(":")]
+    paths = [tree.pythonpath(), *(str(ROOT / p) if not os.path.isabs(p) else p for p in BRIDGE_PATH.split(":"))]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(paths), HF_HUB_OFFLINE="1")
     proc = subprocess.run(
         [sys.executable, "-c", _MCP_TWICE.format(root=str(ROOT))],

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from mbridge_offload.config.sources import ConfigError, apply_overrides, load, parse_megatron_argv
+from tests.support import tree
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -186,6 +187,10 @@ def test_recipe_config_works_twice_in_one_process(tmp_path):
         """
     )
     proc = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env={"PYTHONPATH": str(tmp_path)}
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={"PYTHONPATH": tree.pythonpath(tmp_path)},
     )
     assert proc.stdout.strip() == "ok", proc.stderr[-2000:]

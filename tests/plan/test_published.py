@@ -1,4 +1,5 @@
-"""The planner against published GPU measurements (offload/plan/data/published.yaml), and its fitted parameters."""
+"""The planner against published GPU measurements (offload/mbridge_offload/plan/data/published.yaml), and its fitted
+parameters."""
 
 from __future__ import annotations
 

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.support import tree
 from tests.support.differential import version_env
 
 pytest.importorskip("megatron.core")
@@ -105,7 +106,7 @@ BRIDGE_PATH = os.environ.get("MBRIDGE_OFFLOAD_BRIDGE_PATH")
     ".bridge/ and sets MBRIDGE_OFFLOAD_BRIDGE_PATH)",
 )
 def test_bridge_setup_optimizer_builds_ours(tmp_path):
-    paths = [str(ROOT), *(str(ROOT / p) if not os.path.isabs(p) else p for p in BRIDGE_PATH.split(":"))]
+    paths = [tree.pythonpath(), *(str(ROOT / p) if not os.path.isabs(p) else p for p in BRIDGE_PATH.split(":"))]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(paths), HF_HUB_OFFLINE="1", MBRIDGE_OFFLOAD_WORKER_BRIDGE="1")
     out = tmp_path / "bridge.json"
     script = ROOT / "tests" / "support" / "megatron_optimizer_worker.py"

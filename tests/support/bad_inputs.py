@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tests.support import tree
+
 ROOT = Path(__file__).resolve().parents[2]
 DEADLINE_S = 20.0  # per case, as judged here
 # The project's own per-call deadline (MBRIDGE_OFFLOAD_DEADLINE_S, default 60 s), lowered for the suite so that an
@@ -515,7 +517,7 @@ def run_cli_inprocess(case: Case, cwd: Path) -> Outcome:
 def _env() -> dict[str, str]:
     return dict(
         os.environ,
-        PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+        PYTHONPATH=tree.pythonpath(inherit=True),
         MBRIDGE_OFFLOAD_DEADLINE_S=CALL_DEADLINE_S,
     )
 

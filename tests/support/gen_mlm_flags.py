@@ -1,4 +1,4 @@
-"""Regenerate ``offload/config/mlm_flags.py``: every argument of Megatron-LM 0.19.2's ``training/arguments.py``.
+"""Regenerate ``mbridge_offload.config.mlm_flags``: every argument of Megatron-LM 0.19.2's ``training/arguments.py``.
 
 Megatron-LM builds part of its parser from dataclasses (``ArgumentGroupFactory(TransformerConfig)`` …), so the flags
 cannot be read from the file's ``add_argument`` calls alone: this script builds the real parser
@@ -17,7 +17,7 @@ import typing
 import warnings
 from pathlib import Path
 
-OUT = Path(__file__).resolve().parents[2] / "offload" / "config" / "mlm_flags.py"
+OUT = Path(__file__).resolve().parents[2] / "offload" / "mbridge_offload" / "config" / "mlm_flags.py"
 KINDS = {
     "_StoreAction": "store",
     "_StoreTrueAction": "store_true",

@@ -31,7 +31,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGE_DIR = ROOT / "offload"  # installed as ``mbridge_offload`` (pyproject ``package-dir``)
+PACKAGE_DIR = ROOT / "offload" / "mbridge_offload"  # the folder path is the import path
 PACKAGE = "mbridge_offload"
 ORDERING_METHODS = frozenset(
     {"wait_event", "wait_stream", "record_event", "record", "synchronize", "query", "record_stream"}
@@ -182,7 +182,10 @@ def _env(pythonpath: Path) -> dict[str, str]:
 
 
 def _pytest(pythonpath: Path, tests: list[str], timeout: float) -> tuple[int, str]:
-    cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "--no-header", "-W", "ignore", *tests]
+    # pytest puts the ini's ``pythonpath`` (this tree's own roots) ahead of PYTHONPATH: point it at the copy instead.
+    roots = f"pythonpath={pythonpath} {ROOT / 'tools'}"
+    cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "--no-header", "-W", "ignore"]
+    cmd += ["-o", roots, *tests]
     try:
         done = subprocess.run(cmd, cwd=ROOT, env=_env(pythonpath), capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:

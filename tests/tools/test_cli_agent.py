@@ -1,4 +1,4 @@
-"""tools/cli_agent.py: apply, test, diagnose through the real CLI entry point, one JSON object each."""
+"""mbridge_offload_tools.cli_agent: apply, test, diagnose through the real CLI entry point, one JSON object each."""
 
 from __future__ import annotations
 
@@ -9,6 +9,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from tests.support import tree
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -22,9 +24,14 @@ optimizer:
 
 def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [env.get("PYTHONPATH")])])
+    env["PYTHONPATH"] = tree.pythonpath(inherit=True)
     return subprocess.run(
-        [sys.executable, "-m", "tools", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=60
+        [sys.executable, "-m", "mbridge_offload_tools", *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
 
 

@@ -1,6 +1,7 @@
 """The skill and its docs tell the truth about the code: SKILL.md, card.yaml, the plugin manifest, docs/, evals/.
 
-Every table that restates code is generated (``tools/docgen/registry.py``); these tests check that the committed text is
+Every table that restates code is generated (``mbridge_offload_tools.docgen.registry``); these tests check that the
+committed text is
 fresh, that the values in it equal the code's, and that every command and tool the skill names really exists.
 """
 
@@ -172,7 +173,8 @@ def test_parameter_tables_cover_the_config_model():
 def test_every_field_has_a_meaning():
     from mbridge_offload_tools.docgen.params import MEANINGS
 
-    assert [k for k in all_keys() if not MEANINGS.get(k)] == [], "add the meaning to tools/docgen/params.py"
+    missing = [k for k in all_keys() if not MEANINGS.get(k)]
+    assert missing == [], "add the meaning to mbridge_offload_tools.docgen.params"
     assert [k for k in MEANINGS if k not in all_keys()] == [], "a documented field left the config model"
 
 

@@ -1,4 +1,5 @@
-"""tools/guard.py: what the MCP server may touch is fixed at start; every call has a deadline; the CLI too."""
+"""mbridge_offload_tools.guard: what the MCP server may touch is fixed at start; every call has a deadline; the CLI
+too."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from mbridge_offload.actions.testsuite import DEPTH_ENV
 from mbridge_offload.config import reading
 from mbridge_offload_tools import guard
 from mbridge_offload_tools.server import mcp
+from tests.support import tree
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -125,7 +127,7 @@ async def test_a_slow_call_hits_its_deadline_while_other_calls_are_answered(monk
 
 
 def test_the_cli_has_a_deadline_too(tmp_path: Path) -> None:
-    env = dict(os.environ, PYTHONPATH=str(ROOT), **{reading.DEADLINE_ENV: "2"})
+    env = dict(os.environ, PYTHONPATH=tree.pythonpath(), **{reading.DEADLINE_ENV: "2"})
     read_end, write_end = os.pipe()  # a stdin that never ends: the write end stays open
     try:
         proc = subprocess.Popen(
@@ -150,7 +152,7 @@ def test_the_cli_has_a_deadline_too(tmp_path: Path) -> None:
 
 
 def test_serve_refuses_a_root_that_is_not_a_directory(tmp_path: Path) -> None:
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env = dict(os.environ, PYTHONPATH=tree.pythonpath())
     for command in (["-m", "mbridge_offload_tools", "serve"], ["-m", "mbridge_offload_tools.server"]):
         proc = subprocess.run(
             [sys.executable, *command, "--root", str(tmp_path / "missing")],

@@ -198,7 +198,7 @@ def test_calibrate_writes_params_per_second(capsys, tmp_path):
 
 def test_main_cli_registers_plan_subcommands():
     done = subprocess.run(
-        [sys.executable, "-m", "tools", "estimate", "--model", "llama3-8b", "--json"],
+        [sys.executable, "-m", "mbridge_offload_tools", "estimate", "--model", "llama3-8b", "--json"],
         cwd=ROOT,
         capture_output=True,
         text=True,

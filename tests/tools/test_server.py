@@ -1,4 +1,5 @@
-"""tools/server.py through the in-memory MCP client: schemas, annotations, structured content, errors, progress."""
+"""mbridge_offload_tools.server through the in-memory MCP client: schemas, annotations, structured content, errors,
+progress."""
 
 from __future__ import annotations
 

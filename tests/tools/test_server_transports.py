@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 from mcp import Client, StdioServerParameters
 
+from tests.support import tree
+
 ROOT = Path(__file__).resolve().parents[2]
 TOOLS = {"validate_config", "estimate_memory", "recommend_mode", "apply_offload", "run_unit_tests", "diagnose_failure"}
 
@@ -39,7 +41,7 @@ def anyio_backend() -> str:
 
 def _env() -> dict[str, str]:
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [env.get("PYTHONPATH")])])
+    env["PYTHONPATH"] = tree.pythonpath(inherit=True)
     return env
 
 
@@ -109,7 +111,7 @@ async def test_streamable_http_on_a_free_local_port(tmp_path: Path) -> None:
         [
             sys.executable,
             "-m",
-            "tools",
+            "mbridge_offload_tools",
             "serve",
             "--transport",
             "streamable-http",

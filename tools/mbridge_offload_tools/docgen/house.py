@@ -11,9 +11,9 @@ import ast
 from dataclasses import dataclass
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-# installed import name → source folder (pyproject.toml's package-dir)
-PACKAGES = {"mbridge_offload": "offload", "mbridge_offload_tools": "tools"}
+ROOT = Path(__file__).resolve().parents[3]
+# import name → its folder: the folder path is the import path (pyproject.toml finds packages under these roots)
+PACKAGES = {"mbridge_offload": "offload/mbridge_offload", "mbridge_offload_tools": "tools/mbridge_offload_tools"}
 MAX_FUNCTION_LINES = 80
 
 # The rooms, and which other rooms each may import. ``tools → actions → plan → config``; the runtime serves the
@@ -44,10 +44,9 @@ class Module:
 
 
 def _module_name(path: Path) -> str:
-    rel = path.relative_to(ROOT)
     for name, folder in PACKAGES.items():
-        if rel.parts[0] == folder:
-            parts = [name, *rel.with_suffix("").parts[1:]]
+        if path.is_relative_to(ROOT / folder):
+            parts = [name, *path.relative_to(ROOT / folder).with_suffix("").parts]
             return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
     raise ValueError(path)
 

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from mbridge_offload_tools.docgen.params import render_parameters_doc
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 _SECTION = re.compile(
     r"(?P<begin><!-- BEGIN GENERATED: (?P<name>[\w-]+) -->\n)(?P<body>.*?)(?P<end><!-- END GENERATED: (?P=name) -->)",
@@ -134,7 +134,8 @@ def render_accuracy() -> str:
     return render_accuracy_table()
 
 
-# The skill's references/ folder: the full tables SKILL.md points to (tools/docgen/references.py renders them).
+# The skill's references/ folder: the full tables SKILL.md points to (mbridge_offload_tools.docgen.references renders
+# them).
 REFERENCES = (
     "references/parameters.md",
     "references/constraints.md",

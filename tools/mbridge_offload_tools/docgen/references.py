@@ -23,12 +23,13 @@ def render_parameters() -> str:
     from mbridge_offload_tools.docgen.params import render_skill_parameters
 
     intro = """
-The offload switches, with the defaults of the config model (`offload/config/schema.py`, which mirrors the upstream
+The offload switches, with the defaults of the config model (`offload/mbridge_offload/config/schema.py`, which
+mirrors the upstream
 dataclasses). In Megatron Bridge `optimizer_offload_fraction` defaults to 0.0: switching only
 `optimizer_cpu_offload` on offloads nothing. Every field of the `model`, `optimizer` and `ddp` sections:
 [docs/parameters.md](../docs/parameters.md).
 """
-    return _page("Offload parameters", "tools/docgen/params.py", intro, render_skill_parameters())
+    return _page("Offload parameters", "tools/mbridge_offload_tools/docgen/params.py", intro, render_skill_parameters())
 
 
 def render_constraints() -> str:
@@ -36,7 +37,8 @@ def render_constraints() -> str:
 
     intro = """
 Every check upstream enforces, plus the advisory rules that bite users, in the order `validate` runs them
-(`offload/config/rules/`). `error` = upstream refuses or crashes; `warning` = runs but does nothing or something
+(`offload/mbridge_offload/config/rules/`). `error` = upstream refuses or crashes; `warning` = runs but does nothing
+or something
 surprising; `info` = worth knowing. Origin `advisory` = not enforced by any upstream code (the upstream skill's
 "requires the distributed optimizer" and "fraction in [0, 1]" are such rules). Examples and upstream messages per rule:
 [docs/rules.md](../docs/rules.md).
@@ -52,7 +54,7 @@ def render_failures() -> str:
 
     intro = """
 `mbridge-offload diagnose --error "TEXT"` (or `--log FILE`, or the MCP tool `diagnose_failure`) matches these, from
-the diagnosis catalogue (`offload/actions/failures.py`).
+the diagnosis catalogue (`offload/mbridge_offload/actions/failures.py`).
 """
     return _page("Failure diagnosis", "the diagnosis catalogue", intro, render_diagnosis())
 
@@ -92,7 +94,8 @@ def render_tools() -> str:
             "",
         ]
     intro = """
-The five tools of the MCP server (`tools/server.py`), their parameters and their CLI equivalents. Start the server
+The five tools of the MCP server (`tools/mbridge_offload_tools/server.py`), their parameters and their CLI
+equivalents. Start the server
 with `scripts/mcp-server` (sets itself up on first start) or `mbridge-offload serve`; tools from the Claude Code plugin
 are named `mcp__plugin_mbridge-offload_mbridge-offload__<tool>`. Host set-up: [docs/install.md](../docs/install.md),
 [docs/mcp.md](../docs/mcp.md).
@@ -109,7 +112,7 @@ for the quoted text in another one). Each line was read in the released package,
 packages installed here (megatron-core 0.16.1 in `.venv`, 0.19.2 in `.mcore/`, Megatron Bridge 0.3.1 in `.bridge/`
 after `make bridge-env`).
 """
-    return _page("Code anchors", "tools/docgen/anchors.py", intro, render_anchors())
+    return _page("Code anchors", "tools/mbridge_offload_tools/docgen/anchors.py", intro, render_anchors())
 
 
 FILES = {

@@ -1,7 +1,8 @@
 """The planner's inputs, declared once: type, bounds, default and help of each.
 
-``PlanInputs`` is the single declaration. The CLI flags (``tools/cli_plan.py``) and the MCP tool parameters
-(``tools/server.py``) are generated from its fields, so the three can never drift apart. Every numeric input
+``PlanInputs`` is the single declaration. The CLI flags (``mbridge_offload_tools.cli_plan``) and the MCP tool parameters
+(``mbridge_offload_tools.server``) are generated from its fields, so the three can never drift apart. Every numeric
+input
 has bounds; NaN and infinity are refused, and the error names the input, the value and the bound.
 
 Where a value comes from is part of the answer: ``resolve`` (``plan/resolve.py``) merges, in order, the

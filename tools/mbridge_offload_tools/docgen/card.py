@@ -12,7 +12,7 @@ import json
 import re
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 BEGIN, END = "# BEGIN GENERATED: measured_results\n", "# END GENERATED: measured_results\n"
 
 # (name, fragment, script, config, {value name: (first cell of the row, column index)})

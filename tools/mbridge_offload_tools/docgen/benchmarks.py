@@ -10,12 +10,15 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-DOCS = Path(__file__).resolve().parents[2] / "docs"
+DOCS = Path(__file__).resolve().parents[3] / "docs"
 
 # (fragment, what it measures), in reading order.
 FRAGMENTS: list[tuple[str, str]] = [
-    ("benchmarks-optimizer.md", "Optimizer offload runtime (`offload/runtime/optimizer/hybrid.py`)"),
-    ("benchmarks-activation.md", "Activation offload runtime (`offload/runtime/activation/context.py`)"),
+    ("benchmarks-optimizer.md", "Optimizer offload runtime (`offload/mbridge_offload/runtime/optimizer/hybrid.py`)"),
+    (
+        "benchmarks-activation.md",
+        "Activation offload runtime (`offload/mbridge_offload/runtime/activation/context.py`)",
+    ),
     ("benchmarks-validate.md", "`validate` latency"),
     ("benchmarks-mcp.md", "MCP server latency"),
     ("benchmarks-robustness.md", "Bad-input robustness (`benchmarks/bad_inputs.py`)"),

@@ -2,7 +2,8 @@
 
 The fast path (the rule catalogue) stays torch-free; exact mode builds the real ``TransformerConfig``,
 ``OptimizerConfig`` and ``DistributedDataParallelConfig`` from the config's sections, as the user wrote them, in a
-child process (``tools/exact_child.py``: importing megatron-core takes ~10 s and torch), and reports every error it
+child process (``mbridge_offload_tools.exact_child``: importing megatron-core takes ~10 s and torch), and reports
+every error it
 raises as a finding with origin ``mcore`` and the message verbatim. Those findings replace the catalogue's findings of
 the same stages (megatron-core's own answer wins); the other findings (Transformer Engine, Bridge, advisory) stay.
 """

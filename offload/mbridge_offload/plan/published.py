@@ -153,7 +153,7 @@ def _pct(x: float | None) -> str:
 
 
 def render_accuracy_table() -> str:
-    """The markdown accuracy table of ``docs/planner.md`` (generated; see tools/docgen/registry.py)."""
+    """The markdown accuracy table of ``docs/planner.md`` (generated; see mbridge_offload_tools.docgen.registry)."""
     rows = [
         "| run | point | memory measured (GiB) | predicted | error | step factor measured | predicted | error |",
         "|---|---|---|---|---|---|---|---|",
@@ -179,7 +179,8 @@ def render_accuracy_table() -> str:
         "",
         f"Fitted physical parameters: CPU AdamW {rate / 1e9:.3f}·10⁹ params/s per Sapphire Rapids core (from the "
         f"points marked (fit)); allocator overhead {overhead:.1%} of allocated (from the OOM point). All "
-        "measurements are published GPU runs by others (sources in `offload/plan/data/published.yaml`); none "
+        "measurements are published GPU runs by others (sources in "
+        "`offload/mbridge_offload/plan/data/published.yaml`); none "
         "was run by this project.",
         "",
         "¹ The two 50 % NeMo-RL runs differ by 0.52 GiB although overlap does not change what stays resident: their "

@@ -39,7 +39,7 @@ ProgressFn = Callable[[int, int | None, str], None]
 
 MARK = "@@mbridge-offload@@ "
 DEPTH_ENV = "MBRIDGE_OFFLOAD_TEST_DEPTH"
-PROJECT_ROOT = Path(__file__).resolve().parents[2]
+PROJECT_ROOT = Path(__file__).resolve().parents[3]
 
 # Megatron Bridge test files that hold offload-related tests (found by reading its tests/unit_tests tree). The
 # skill's pair (test_gpt_full_te_layer_autocast_spec.py, peft/test_utils.py) has none; test_optim.py and
@@ -480,7 +480,8 @@ def run_tests(
             replaces the default offload selector.
         bridge_repo: a Megatron Bridge checkout; runs its offload-related tests with its ``.venv`` python when
             there is one.
-        suite: ``unit`` (pytest) or ``parity`` (tiny-model training with vs without offload, offload/actions/parity.py).
+        suite: ``unit`` (pytest) or ``parity`` (tiny-model training with vs without offload,
+        mbridge_offload.actions.parity).
         timeout_s: wall-clock limit; the whole process group is killed at the deadline.
         on_progress: ``fn(done, total_or_None, message)`` after each finished test.
         config: for ``parity``: the config whose offload settings are trained (path or text).
