@@ -87,6 +87,15 @@ def test_manual_mode_ignores_num_layers() -> None:
     assert controller is not None and ctx.schedule.manual
 
 
+def test_num_layers_none_is_accepted_only_with_manual_synchronization() -> None:
+    # TE 2.10 types num_layers Optional[int] because manual mode ignores it; its automatic schedule compares it
+    # with model_layers, so None there is refused up front instead of failing inside the first `with ctx:`.
+    ctx, _, controller = get_cpu_offload_context(True, None, 4, manual_synchronization=True)
+    assert controller is not None and ctx.schedule.manual
+    with pytest.raises(ValueError, match="num_layers is None"):
+        get_cpu_offload_context(True, None, 4)
+
+
 # ---------------------------------------------------------------------------------------------------------
 # TestsOffloadableLayerState / TestsDefaultOffloadSynchronizer, through the public API
 # ---------------------------------------------------------------------------------------------------------

@@ -268,7 +268,7 @@ def get_cpu_offload_context(
         controller is None when offloading is off).
 
     Raises:
-        ValueError: nothing to offload, ``num_layers`` out of range, an ``offload_stream`` without manual
+        ValueError: nothing to offload, ``num_layers`` out of range (or None without manual synchronization), an ``offload_stream`` without manual
             synchronization, or a bad ``min_tensor_size``.
 
     Example:
@@ -301,8 +301,8 @@ def get_cpu_offload_context(
         context = _context(Schedule(model_layers, model_layers, manual=True), double_buffering,
                            retain_pinned_cpu_buffers, min_tensor_size, pin_memory, offload_stream)  # fmt: skip
         return context, context.sync, ManualController(context)
-    _check_layers(num_layers if num_layers is not None else 1, model_layers)
-    return _build(num_layers, model_layers, double_buffering, retain_pinned_cpu_buffers, min_tensor_size, pin_memory)
+    layers = _check_layers(num_layers, model_layers)
+    return _build(layers, model_layers, double_buffering, retain_pinned_cpu_buffers, min_tensor_size, pin_memory)
 
 
 def _build(
@@ -325,9 +325,17 @@ def _context(
     )
 
 
-def _check_layers(num_layers: int, model_layers: int) -> None:
+def _check_layers(num_layers: int | None, model_layers: int) -> int:
+    """The automatic schedule's ``num_layers``, validated; the one value the schedule is built from."""
     if model_layers < 1:
         raise ValueError(f"model_layers is {model_layers}; it must be at least 1")
+    if num_layers is None:
+        # TE 2.10 allows None only because manual mode ignores it; its automatic schedule compares it with
+        # model_layers and fails there, so refuse it here with the fix.
+        raise ValueError(
+            "num_layers is None; without manual_synchronization it must be an int between 0 and "
+            f"model_layers - 1 ({model_layers - 1}); pass manual_synchronization=True to schedule layers yourself"
+        )
     if num_layers < 0:
         raise ValueError(f"num_layers is {num_layers}; it must be between 0 and model_layers - 1")
     if num_layers > model_layers - 1:
@@ -342,6 +350,7 @@ def _check_layers(num_layers: int, model_layers: int) -> None:
             "computation and offload/reload.",
             stacklevel=3,
         )
+    return num_layers
 
 
 def _identity(tensor: torch.Tensor) -> torch.Tensor:
