@@ -268,8 +268,8 @@ def get_cpu_offload_context(
         controller is None when offloading is off).
 
     Raises:
-        ValueError: nothing to offload, ``num_layers`` out of range (or None without manual synchronization), an ``offload_stream`` without manual
-            synchronization, or a bad ``min_tensor_size``.
+        ValueError: nothing to offload, ``num_layers`` out of range (or None without manual synchronization),
+            an ``offload_stream`` without manual synchronization, or a bad ``min_tensor_size``.
 
     Example:
         >>> context, sync_fn = get_cpu_offload_context(True, 2, len(layers), min_tensor_size=1024)
