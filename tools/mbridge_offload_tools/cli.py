@@ -12,6 +12,7 @@ import signal
 import sys
 import threading
 from collections.abc import Iterator
+from typing import NoReturn
 
 from mbridge_offload import __version__
 from mbridge_offload.config.errors import DeadlineError
@@ -26,7 +27,7 @@ class _Parser(argparse.ArgumentParser):
 
     as_json = False  # set by main() from the command line it parses
 
-    def error(self, message: str):  # type: ignore[override]
+    def error(self, message: str) -> NoReturn:
         fail(f"{self.prog}: {message}", _Parser.as_json)
 
 

@@ -287,7 +287,7 @@ def run_parity(
             return lambda: _MegatronTinyGPT(offload_layers, seed, device)
         return lambda: _TorchTinyLM(TINY_LAYERS, 64, 128, offload_layers, seed, device)
 
-    hyper = {"lr": 1e-3, "weight_decay": 0.01, "betas": (0.9, 0.999), "eps": 1e-8}
+    hyper: dict[str, Any] = {"lr": 1e-3, "weight_decay": 0.01, "betas": (0.9, 0.999), "eps": 1e-8}
     with shim():
         baseline = _train(make(0), lambda ps: torch.optim.AdamW(ps, **hyper), batches, progress)
         offload = _train(

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any
+from typing import Any, Literal
 
 _PLAIN = re.compile(r"[A-Za-z_][A-Za-z0-9_.\-/]*")
 _RESERVED = {"null", "true", "false", "yes", "no", "on", "off", "y", "n", "~"}
@@ -45,7 +45,7 @@ def _nested(line: str, width: int) -> bool:
     return _indent(line) > width or (_indent(line) == width and line.lstrip().startswith("- "))
 
 
-def _section_block(lines: list[str], section: str) -> tuple[int, int] | bool | None:
+def _section_block(lines: list[str], section: str) -> tuple[int, int] | Literal[False] | None:
     """``(header index, end index)`` of ``section:``; None if absent; False if not line-editable."""
     pattern = re.compile(rf"^{re.escape(section)}:[ \t]*(#.*)?$")
     hits = [i for i, line in enumerate(lines) if pattern.match(line.rstrip("\r\n"))]

@@ -9,6 +9,7 @@ derived from the theoretical ones with the efficiencies below, so a user can ove
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Any
 
 # Achieved fraction of theoretical bandwidth: pinned copies of large blocks run 20-40 % below the PCIe figure;
 # STREAM reaches 70-85 % of the DRAM figure (published STREAM results). We take the middle of each range.
@@ -137,4 +138,5 @@ def gpu_preset(name: str) -> GpuPreset:
 
 def with_overrides(preset: GpuPreset, **values: float | int | None) -> GpuPreset:
     """A copy of ``preset`` with the given (non-None) fields replaced, e.g. ``hbm_gb=48``."""
-    return replace(preset, **{k: v for k, v in values.items() if v is not None})
+    given: dict[str, Any] = {k: v for k, v in values.items() if v is not None}  # replace() checks the names
+    return replace(preset, **given)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any, Protocol, cast
 
 import torch
 
@@ -27,11 +28,30 @@ def compute_device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if has_cuda() else torch.device("cpu")
 
 
-Stream = "torch.cuda.Stream | ordering.CpuStream"
-Event = "torch.cuda.Event | ordering.CpuEvent"
+class Event(Protocol):
+    """What the runtime calls on an event: ``torch.cuda.Event`` and ``ordering.CpuEvent`` both satisfy it.
+
+    Arguments are ``Any`` because each implementation takes only its own kind of stream; the runtime never mixes
+    them (``device`` hands out one kind per process).
+    """
+
+    def record(self, stream: Any = None, /) -> None: ...
+    def wait(self, stream: Any = None, /) -> None: ...
+    def synchronize(self) -> None: ...
+    def query(self) -> bool: ...
 
 
-def new_stream(name: str = "side") -> torch.cuda.Stream | ordering.CpuStream:
+class Stream(Protocol):
+    """What the runtime calls on a stream: ``torch.cuda.Stream`` and ``ordering.CpuStream`` both satisfy it."""
+
+    def wait_stream(self, stream: Any, /) -> None: ...
+    def wait_event(self, event: Any, /) -> None: ...
+    def record_event(self, event: Any = None, /) -> Event: ...
+    def synchronize(self) -> None: ...
+    def query(self) -> bool: ...
+
+
+def new_stream(name: str = "side") -> Stream:
     """A side stream: ``torch.cuda.Stream`` with CUDA, else an ``ordering.CpuStream``.
 
     Args:
@@ -40,22 +60,22 @@ def new_stream(name: str = "side") -> torch.cuda.Stream | ordering.CpuStream:
     return torch.cuda.Stream() if has_cuda() else ordering.CpuStream(name)
 
 
-def current_stream() -> torch.cuda.Stream | ordering.CpuStream:
+def current_stream() -> Stream:
     return torch.cuda.current_stream() if has_cuda() else ordering.current_stream()
 
 
-def new_event() -> torch.cuda.Event | ordering.CpuEvent:
+def new_event() -> Event:
     return torch.cuda.Event() if has_cuda() else ordering.CpuEvent()
 
 
 @contextlib.contextmanager
-def on_stream(stream: torch.cuda.Stream | ordering.CpuStream) -> Iterator[None]:
+def on_stream(stream: Stream) -> Iterator[None]:
     """Issue the enclosed work on ``stream``."""
     if isinstance(stream, ordering.CpuStream):
         with ordering.on_stream(stream):
             yield
     else:
-        with torch.cuda.stream(stream):
+        with torch.cuda.stream(cast(torch.cuda.Stream, stream)):  # not a CpuStream: a CUDA one
             yield
 
 
@@ -73,14 +93,14 @@ def speculative() -> Iterator[None]:
             yield
 
 
-def record_stream(tensor: torch.Tensor, stream: torch.cuda.Stream | ordering.CpuStream) -> None:
+def record_stream(tensor: torch.Tensor, stream: Stream) -> None:
     """Tell the caching allocator that ``tensor`` is in use on ``stream`` (booked by the CPU ordering check)."""
     if isinstance(stream, ordering.CpuStream):
         recorder = ordering.active()
         if recorder is not None:
             recorder.record_stream(tensor, stream)
     elif tensor.is_cuda:
-        tensor.record_stream(stream)
+        tensor.record_stream(cast(torch.cuda.Stream, stream))
 
 
 def empty_host(shape: torch.Size | tuple[int, ...], dtype: torch.dtype, pin: bool = True) -> torch.Tensor:

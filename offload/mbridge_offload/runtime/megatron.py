@@ -198,7 +198,8 @@ def cpu_compat_shims() -> Iterator[None]:
             get_rng_state=torch.cuda.get_rng_state,
             random_get_rng_state=torch.cuda.random.get_rng_state,
         )
-        torch.cuda.current_device = _cpu_current_device  # SHIM 1
+        # A str where torch returns an int, on purpose: megatron passes it to torch.device(...) and .to(...).
+        vars(torch.cuda)["current_device"] = _cpu_current_device  # SHIM 1
         torch.cuda.get_rng_state = torch.cuda.random.get_rng_state = _cpu_rng_state  # SHIM 2
     _shim_depth[0] += 1
     try:

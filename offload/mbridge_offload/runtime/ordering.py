@@ -240,11 +240,11 @@ def mark_host(tensor: torch.Tensor) -> None:
 def _span(tensor: torch.Tensor) -> tuple[int, int]:
     """The bytes ``[lo, hi)`` of its storage a tensor (or view) can touch."""
     size = tensor.element_size()
-    lo = tensor.storage_offset() * size
+    lo = int(tensor.storage_offset()) * size  # int: a recorded eager run has no symbolic sizes
     if tensor.numel() == 0:
         return lo, lo
     extent = 1 + sum((n - 1) * abs(st) for n, st in zip(tensor.shape, tensor.stride(), strict=True))
-    return lo, lo + extent * size
+    return lo, lo + int(extent) * size
 
 
 def _tensors(value: object) -> list[torch.Tensor]:
@@ -412,7 +412,9 @@ class OrderingRecorder(TorchDispatchMode):
         self._raise_pending()
 
 
-def _reads_and_writes(func: object, args: tuple, kwargs: dict) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+def _reads_and_writes(
+    func: torch._ops.OpOverload, args: tuple, kwargs: dict
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Split the tensor arguments of an aten operation by its schema: mutated ones are writes."""
     reads: list[torch.Tensor] = []
     writes: list[torch.Tensor] = []

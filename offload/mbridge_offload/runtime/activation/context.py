@@ -54,7 +54,7 @@ class OffloadContext:
         retain_pinned_cpu_buffers: bool = False,
         pin_memory: bool = True,
         history: int = 16,
-        stream: object | None = None,
+        stream: device.Stream | None = None,
     ) -> None:
         self.schedule = schedule
         self.eligibility = eligibility
@@ -146,7 +146,9 @@ class OffloadContext:
         if tensor.grad_fn is None:
             tensor = tensor.view_as(tensor)  # a leaf has no node to hook; an alias gives it one
         step = BackwardStep(self._pass, self._layer)
-        tensor.grad_fn.register_prehook(step)
+        node = tensor.grad_fn
+        assert node is not None  # requires_grad and not a leaf (the alias above)
+        node.register_prehook(step)
         self._pass.anchor(step)
         return tensor
 
@@ -238,7 +240,7 @@ def get_cpu_offload_context(
     double_buffering: bool = False,
     manual_synchronization: bool = False,
     retain_pinned_cpu_buffers: bool = False,
-    offload_stream: object | None = None,
+    offload_stream: device.Stream | None = None,
     *,
     min_tensor_size: int = DEFAULT_MIN_TENSOR_SIZE,
     pin_memory: bool = True,
@@ -313,7 +315,7 @@ def _build(
 
 
 def _context(
-    schedule: Schedule, double: bool, retain: bool, min_size: int, pin: bool, stream: object | None = None
+    schedule: Schedule, double: bool, retain: bool, min_size: int, pin: bool, stream: device.Stream | None = None
 ) -> OffloadContext:
     return OffloadContext(
         schedule,

@@ -13,7 +13,7 @@ from torch import nn
 
 from mbridge_offload.runtime.activation.schedule import DEFAULT_MIN_TENSOR_SIZE
 
-ViewSpec = tuple[torch.Size, tuple[int, ...], int]
+ViewSpec = tuple[torch.Size, tuple[int, ...], int | torch.SymInt]  # as_strided's size, stride, offset
 
 _DO_NOT_OFFLOAD = "_mbo_do_not_offload"
 _keep_depth = [0]

@@ -24,6 +24,7 @@ from mbridge_offload.runtime.activation.schedule import (
     ScheduleEvent,
     check_transition,
 )
+from mbridge_offload.runtime.device import Event, Stream
 
 
 class PassOwner(Protocol):
@@ -33,6 +34,8 @@ class PassOwner(Protocol):
     eligibility: Eligibility
     pool: HostBufferPool
     reload_buffers: ReloadBuffers | None
+    device: torch.device
+    stream: Stream
 
     def pass_finished(self, finished: Pass) -> None: ...
 
@@ -84,12 +87,12 @@ class LayerStore:
         self.nbytes = 0
         self._index: dict[tuple[object, ...], int] = {}  # the same tensor saved twice is copied once
         self._on_device: list[torch.Tensor] = []  # forward copies, kept until the D2H copies finish
-        self._ready: list[object] = []  # per saved tensor: recorded on the compute stream when it was saved
+        self._ready: list[Event] = []  # per saved tensor: recorded on the compute stream when it was saved
         self._host: list[torch.Tensor] = []
         self._reloaded: list[torch.Tensor] = []
-        self._reload_events: list[object] = []
+        self._reload_events: list[Event] = []
         self._waited: list[bool] = []
-        self._offload_done: object | None = None
+        self._offload_done: Event | None = None
         self._double_buffered = False
         self._backward_done = False
 
@@ -169,8 +172,9 @@ class LayerStore:
         ctx = self.owner.ctx
         specs = [(h.shape, h.stride(), h.dtype) for h in self._host]
         # A reload after the layer's backward (a retained graph) has no later free to return a shared set.
-        double = ctx.reload_buffers is not None and not self._backward_done
-        targets = ctx.reload_buffers.take(self.layer, specs) if double else None
+        shared = ctx.reload_buffers if not self._backward_done else None
+        double = shared is not None
+        targets = shared.take(self.layer, specs) if shared is not None else None
         self._double_buffered = targets is not None
         if double:
             self.owner.stats.double_buffer_hits += int(targets is not None)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 
@@ -28,7 +29,7 @@ def grad_of(param: torch.Tensor) -> torch.Tensor | None:
     """The gradient the optimizer should use: ``decoupled_grad`` when the attribute exists (Megatron's
     precision-aware path), else ``.grad`` — the same precedence as Megatron Core's HybridDeviceOptimizer."""
     grad = getattr(param, "decoupled_grad", _MISSING)
-    return param.grad if grad is _MISSING else grad
+    return param.grad if grad is _MISSING else cast("torch.Tensor | None", grad)
 
 
 @dataclass
@@ -44,8 +45,8 @@ class Bucket:
     param_views: list[torch.Tensor]
     grad_views: list[torch.Tensor]
     optimizer: torch.optim.Optimizer
-    d2h_done: object = field(default_factory=device.new_event)
-    h2d_done: object = field(default_factory=device.new_event)
+    d2h_done: device.Event = field(default_factory=device.new_event)
+    h2d_done: device.Event = field(default_factory=device.new_event)
     versions: list[int] = field(default_factory=list)  # members' ``_version`` right after our last write
 
     @property
@@ -82,13 +83,15 @@ class Bucket:
 
     def refresh_members(self, ks: list[int] | None = None) -> None:
         """Copy model weights into the host master (all members, or members ``ks``)."""
-        ks = range(len(self.members)) if ks is None else ks
-        dst = [self.param_views[k] for k in ks]
+        which = range(len(self.members)) if ks is None else ks
+        dst = [self.param_views[k] for k in which]
         if dst:
-            torch._foreach_copy_(dst, [self.members[k].detach() for k in ks])
+            torch._foreach_copy_(dst, [self.members[k].detach() for k in which])
         self.versions = [p._version for p in self.members]
 
-    def copy_grads_in(self, grads: list, d2h_stream, current: set[int] | frozenset = frozenset()) -> list[int]:
+    def copy_grads_in(
+        self, grads: list, d2h_stream: device.Stream, current: set[int] | frozenset = frozenset()
+    ) -> list[int]:
         """Issue this bucket's gradient copies on the D2H stream; returns the members without a grad.
 
         Members in ``current`` are already in the host buffer (a backward hook copied them, see ``grad_hooks``).
@@ -108,7 +111,7 @@ class Bucket:
         self.d2h_done.record(d2h_stream)
         return missing
 
-    def step_and_copy_back(self, missing: list[int], h2d_stream) -> None:
+    def step_and_copy_back(self, missing: list[int], h2d_stream: device.Stream) -> None:
         """Run one bucket's CPU optimizer and issue its H2D copy."""
         # Host waits only for this bucket's gradients; later buckets' copies keep flowing meanwhile.
         self.d2h_done.synchronize()

@@ -27,6 +27,7 @@ from collections.abc import Iterator
 import torch
 
 from mbridge_offload.runtime import device
+from mbridge_offload.runtime.optimizer.buckets import Bucket
 
 
 def _signature(grad: torch.Tensor) -> tuple[int, int]:
@@ -42,7 +43,7 @@ class GradCopyHooks:
         d2h_stream: the stream the copies are issued on (a no-op stream on CPU).
     """
 
-    def __init__(self, buckets: list, d2h_stream: object) -> None:
+    def __init__(self, buckets: list[Bucket], d2h_stream: device.Stream) -> None:
         self.buckets = buckets
         self.d2h = d2h_stream
         self.deferred = False

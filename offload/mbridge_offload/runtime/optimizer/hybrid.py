@@ -23,7 +23,7 @@ import inspect
 import weakref
 from collections import defaultdict
 from collections.abc import Iterable, Iterator
-from typing import Any
+from typing import Any, Literal, NamedTuple
 
 import torch
 
@@ -60,6 +60,32 @@ _OPTION_KEYS = frozenset(
 
 # Kernel selectors: injected into the sub-optimizers only when the caller chose none.
 _KERNEL_KEYS = frozenset({"fused", "foreach"})
+
+
+class BucketSlot(NamedTuple):
+    """A parameter updated on the CPU: member ``k`` of ``bucket``."""
+
+    kind: Literal["bucket"]
+    bucket: Bucket
+    k: int
+
+
+class DeviceSlot(NamedTuple):
+    """A parameter updated by the device optimizer, through ``inner`` (itself, or its fp32 master)."""
+
+    kind: Literal["device"]
+    inner: torch.Tensor
+
+
+class ResidentSlot(NamedTuple):
+    """A parameter already on the host, updated in place by the resident optimizer."""
+
+    kind: Literal["resident"]
+    param: torch.Tensor
+
+
+# Named tuples, so ``slot.kind`` reads by name and ``state.py``'s ``slot[0]`` / ``slot[1]`` keep working.
+Slot = BucketSlot | DeviceSlot | ResidentSlot
 
 
 def _accepts_fused(cls: type[torch.optim.Optimizer]) -> bool:
@@ -161,11 +187,11 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         self._hyper_defaults = dict(defaults)
         self._built = False
         self._hooks: GradCopyHooks | None = None
-        params = list(params)
-        for i, p in enumerate(params if params and not isinstance(params[0], dict) else []):
+        given: list[Any] = list(params)
+        for i, p in enumerate(given if given and not isinstance(given[0], dict) else []):
             if not isinstance(p, torch.Tensor):
                 raise TypeError(f"parameter {i} is a {type(p).__name__}, not a torch.Tensor: pass model.parameters().")
-        super().__init__(params, dict(defaults))
+        super().__init__(given, dict(defaults))
         # The param groups hold hyper-parameters only (no classes, no offload options), so that checkpoints load
         # with weights_only=True and do not depend on the split. ``defaults`` still carries every constructor
         # argument because Megatron's DistributedOptimizer re-creates the optimizer as ``cls(params, **defaults)``.
@@ -201,11 +227,13 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
     def _master_dtype(self, p: torch.Tensor) -> torch.dtype:
         return torch.float32 if self.param_update_in_fp32 and p.dtype != torch.float32 else p.dtype
 
-    def _make_sub_optimizer(self, cls: type[torch.optim.Optimizer], groups: list[dict], host: bool):
+    def _make_sub_optimizer(
+        self, cls: type[torch.optim.Optimizer], groups: list[dict[str, Any]], host: bool
+    ) -> torch.optim.Optimizer:
         # Both parts default to torch's fused kernel (CPU and CUDA have one for Adam/AdamW/SGD): it is the fastest
         # path on either side, and the same kernel on both sides makes a resume at another fraction bit-exact.
         # A kernel the caller chose (``fused``/``foreach`` in the groups or defaults) is left alone.
-        kwargs = {}
+        kwargs: dict[str, Any] = {}
         chosen = any(k in g for g in groups for k in _KERNEL_KEYS)
         params = [p for g in groups for p in g["params"]]
         if not chosen and _accepts_fused(cls) and all(p.is_floating_point() for p in params):
@@ -224,8 +252,8 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         offload = split_params(self._params, self.offload_fraction, on_device)
         self._device_numel = sum(p.numel() for p, d in zip(self._params, on_device, strict=True) if d)
         self._offloaded_numel = sum(p.numel() for p, o in zip(self._params, offload, strict=True) if o)
-        # Where each parameter's update happens: ("bucket", bucket, k) | ("device", inner) | ("resident", param).
-        self._slot: list[tuple] = [None] * len(flat)
+        # Where each parameter's update happens (filled below for every index).
+        slots: list[Slot | None] = [None] * len(flat)
         self._masters: dict[int, torch.Tensor] = {}
         device_groups: dict[int, list] = defaultdict(list)
         resident_groups: dict[int, list] = defaultdict(list)
@@ -238,11 +266,11 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                 if self._master_dtype(p) != p.dtype:
                     inner = self._masters[i] = p.detach().clone().float()
                 device_groups[gi].append(inner)
-                self._slot[i] = ("device", inner)
+                slots[i] = DeviceSlot("device", inner)
             else:
                 # Already on the host (a CUDA run with some CPU params): updated in place, nothing to copy.
                 resident_groups[gi].append(p)
-                self._slot[i] = ("resident", p)
+                slots[i] = ResidentSlot("resident", p)
 
         def host_opt(gi: int):
             return lambda flat_param: self._make_sub_optimizer(
@@ -254,8 +282,12 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             dtype = self._master_dtype(entries[0][1])
             bucket = build_bucket(gi, entries, dtype, self.pin_cpu_params, self.pin_cpu_grads, host_opt(gi))
             for k, (i, _) in enumerate(entries):
-                self._slot[i] = ("bucket", bucket, k)
+                slots[i] = BucketSlot("bucket", bucket, k)
             self._buckets.append(bucket)
+        self._slot: list[Slot] = [slot for slot in slots if slot is not None]
+        assert len(self._slot) == len(flat), "every parameter has a slot"
+        # Which HDO group each sub-optimizer group mirrors (the sub-optimizers hold only the groups with params).
+        self._device_group_index, self._resident_group_index = sorted(device_groups), sorted(resident_groups)
         self.device_optimizer = self._group_optimizer(self.gpu_optimizer_cls, device_groups, host=False)
         self.resident_optimizer = self._group_optimizer(self.cpu_optimizer_cls, resident_groups, host=True)
         self._d2h = device.new_stream() if self.overlap_cpu_optimizer_d2h_h2d else device.current_stream()
@@ -295,13 +327,20 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         with self._hooks.no_sync():
             yield
 
-    def _group_optimizer(self, cls, groups: dict[int, list], host: bool):
+    def _group_optimizer(
+        self, cls: type[torch.optim.Optimizer], groups: dict[int, list[torch.Tensor]], host: bool
+    ) -> torch.optim.Optimizer | None:
         if not groups:
             return None
-        gis = sorted(groups)
-        opt = self._make_sub_optimizer(cls, [self._sub_group(gi, groups[gi]) for gi in gis], host=host)
-        opt._hdo_group_index = gis  # which HDO group each of its groups mirrors
-        return opt
+        return self._make_sub_optimizer(cls, [self._sub_group(gi, groups[gi]) for gi in sorted(groups)], host=host)
+
+    def _group_optimizers(self) -> list[tuple[torch.optim.Optimizer, list[int]]]:
+        """The device and resident optimizers that exist, each with the HDO group index of each of its groups."""
+        pairs = [
+            (self.device_optimizer, self._device_group_index),
+            (self.resident_optimizer, self._resident_group_index),
+        ]
+        return [(opt, index) for opt, index in pairs if opt is not None]
 
     # ------------------------------------------------------------------ reporting
     @property
@@ -321,7 +360,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
 
     def is_offloaded(self, param: torch.Tensor) -> bool:
         """Whether ``param`` is updated on the CPU."""
-        return any(p is param and self._slot[i][0] == "bucket" for i, p in enumerate(self._params))
+        return any(p is param and self._slot[i].kind == "bucket" for i, p in enumerate(self._params))
 
     @property
     def sub_optimizers(self) -> list[torch.optim.Optimizer]:
@@ -340,10 +379,9 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         hyper = [{k: v for k, v in g.items() if k != "params" and k not in skip} for g in self.param_groups]
         for b in self._buckets:
             b.optimizer.param_groups[0].update(hyper[b.group_index])
-        for opt in (self.device_optimizer, self.resident_optimizer):
-            if opt is not None:
-                for sub, gi in zip(opt.param_groups, opt._hdo_group_index, strict=True):
-                    sub.update(hyper[gi])
+        for opt, index in self._group_optimizers():
+            for sub, gi in zip(opt.param_groups, index, strict=True):
+                sub.update(hyper[gi])
 
     def _refresh_stale_copies(self) -> None:
         """Re-copy weights that were written outside the optimizer (e.g. a model-only checkpoint load).
@@ -452,9 +490,8 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         """
         full = _constructor_defaults(self.cpu_optimizer_cls if self._buckets else self.gpu_optimizer_cls)
         subs = [b.optimizer.param_groups[0] for b in self._buckets if b.group_index == gi]
-        for opt in (self.device_optimizer, self.resident_optimizer):
-            if opt is not None:
-                subs += [g for g, i in zip(opt.param_groups, opt._hdo_group_index, strict=True) if i == gi]
+        for opt, index in self._group_optimizers():
+            subs += [g for g, i in zip(opt.param_groups, index, strict=True) if i == gi]
         if subs:
             full.update({k: v for k, v in subs[0].items() if k != "params"})
         full.update({k: v for k, v in self.param_groups[gi].items() if k != "params"})

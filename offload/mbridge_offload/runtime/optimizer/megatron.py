@@ -49,7 +49,7 @@ class OptimizerOffloadInstall:
             if module is None or name == _UPSTREAM_HOME or not (name == "megatron" or name.startswith("megatron.")):
                 continue
             if getattr(module, "HybridDeviceOptimizer", None) is self.upstream:
-                module.HybridDeviceOptimizer = HybridDeviceOptimizer
+                vars(module)["HybridDeviceOptimizer"] = HybridDeviceOptimizer  # a module found at run time
                 self.patched.append(module)
         return self
 
@@ -59,7 +59,7 @@ class OptimizerOffloadInstall:
 
     def remove(self) -> None:
         for module in self.patched:
-            module.HybridDeviceOptimizer = self.upstream
+            vars(module)["HybridDeviceOptimizer"] = self.upstream
         self.patched = []
 
     def __enter__(self) -> OptimizerOffloadInstall:

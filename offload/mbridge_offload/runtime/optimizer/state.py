@@ -46,8 +46,12 @@ class LiveParamState(dict):
 
     def __setitem__(self, key: Any, value: Any) -> None:
         current = self.get(key)
-        live = isinstance(current, torch.Tensor) and isinstance(value, torch.Tensor) and current is not value
-        if live and current.shape == value.shape:
+        if (
+            isinstance(current, torch.Tensor)
+            and isinstance(value, torch.Tensor)
+            and current is not value
+            and current.shape == value.shape
+        ):
             with torch.no_grad():
                 current.copy_(value)
             return
@@ -69,6 +73,7 @@ def export_param_states(opt: HybridDeviceOptimizer, clone: bool) -> dict[int, di
             master = bucket.param_views[k].clone() if clone else bucket.param_views[k]
         else:
             sub = opt.device_optimizer if slot[0] == "device" else opt.resident_optimizer
+            assert sub is not None  # a device (resident) slot exists only with a device (resident) optimizer
             state = dict(sub.state.get(slot[1], {}))
             master = slot[1]
         if state:
