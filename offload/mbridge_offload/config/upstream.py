@@ -1,31 +1,8 @@
-"""Upstream facts that more than one room needs, each stated once, with where upstream states it.
-
-Plain Python (no torch): the planner (``plan/``) and the runtime (``runtime/``) both read these, so the model of
-what upstream does and our reproduction of it cannot drift apart.
-"""
+"""The upstream facts under their old config-room name (``mbridge_offload.upstream`` holds them now)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+# Kept while plan/memory.py still imports from here; new code imports mbridge_offload.upstream.
+from mbridge_offload.upstream import TE_MIN_OFFLOAD_NUMEL, hdo_offload_mask
 
-# Transformer Engine v2 offloads a saved activation only from this many elements up.
-# Source: transformer_engine/pytorch/cpu_offload.py (TE 2.x), the size check of its tensor-push hook.
-TE_MIN_OFFLOAD_NUMEL = 256 * 1024
-
-
-def hdo_offload_mask(numels: Sequence[int], offload_fraction: float) -> list[bool]:
-    """Which tensors ``HybridDeviceOptimizer`` puts on the host: a greedy prefix over whole tensors.
-
-    Walk the tensors in param_groups order and offload each while the offloaded element count is still below
-    ``offload_fraction × sum(numels)``; the tensor that crosses the threshold goes whole, so 0.0 offloads nothing
-    and 1.0 everything. Source: megatron-core 0.16.1 and 0.19.2 (byte-identical),
-    ``megatron/core/optimizer/cpu_offloading/hybrid_optimizer.py``, ``_get_sub_optimizer_param_groups``.
-    A tensor of size 0 counts for nothing and is placed like its neighbours would be.
-    """
-    threshold = offload_fraction * sum(numels)
-    offloaded, mask = 0, []
-    for n in numels:
-        take = offloaded < threshold
-        offloaded += n if take else 0
-        mask.append(take)
-    return mask
+__all__ = ["TE_MIN_OFFLOAD_NUMEL", "hdo_offload_mask"]

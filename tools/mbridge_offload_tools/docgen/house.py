@@ -17,21 +17,25 @@ PACKAGES = {"mbridge_offload": "offload/mbridge_offload", "mbridge_offload_tools
 MAX_FUNCTION_LINES = 80
 
 # The rooms, and which other rooms each may import. ``tools → actions → plan → config``; the runtime serves the
-# actions (parity check), imports no agent code and reads upstream facts from the config room
-# (``config/upstream.py``); the config side never imports torch.
+# actions (parity check) and imports no agent code; the upstream facts that the config rules, the planner and the
+# runtime share live in a room of their own (``mbridge_offload/upstream.py``) that imports nothing of ours.
+# ``upstream``, ``config`` and ``plan`` never import torch.
+UPSTREAM = "mbridge_offload.upstream"
 ROOMS: dict[str, tuple[str, ...]] = {
-    "mbridge_offload.config": (),
-    "mbridge_offload.plan": ("mbridge_offload.config",),
-    "mbridge_offload.runtime": ("mbridge_offload.config",),
-    "mbridge_offload.actions": ("mbridge_offload.plan", "mbridge_offload.config", "mbridge_offload.runtime"),
+    UPSTREAM: (),
+    "mbridge_offload.config": (UPSTREAM,),
+    "mbridge_offload.plan": ("mbridge_offload.config", UPSTREAM),
+    "mbridge_offload.runtime": (UPSTREAM,),
+    "mbridge_offload.actions": ("mbridge_offload.plan", "mbridge_offload.config", "mbridge_offload.runtime", UPSTREAM),
     "mbridge_offload_tools": (
         "mbridge_offload.actions",
         "mbridge_offload.plan",
         "mbridge_offload.config",
         "mbridge_offload.runtime",
+        UPSTREAM,
     ),
 }
-TORCH_FREE_ROOMS = ("mbridge_offload.config", "mbridge_offload.plan")
+TORCH_FREE_ROOMS = (UPSTREAM, "mbridge_offload.config", "mbridge_offload.plan")
 
 
 @dataclass(frozen=True)

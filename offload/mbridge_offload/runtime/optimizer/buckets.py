@@ -19,7 +19,7 @@ from typing import cast
 
 import torch
 
-from mbridge_offload.config.upstream import hdo_offload_mask
+from mbridge_offload.upstream import hdo_offload_mask
 from mbridge_offload.runtime import device
 
 _MISSING = object()
