@@ -7,9 +7,10 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 
 from mbridge_offload.config import reading
-from mbridge_offload.config.errors import InputError, as_input_error
+from mbridge_offload.config.errors import InputError, as_input_error, internal_error
 from mbridge_offload.config.sources import ConfigError, load, parse_text
 
 
@@ -123,12 +124,32 @@ def test_an_empty_config_is_a_warning_not_a_silent_ok() -> None:
         (UnicodeDecodeError("utf-8", b"\xff", 0, 1, "invalid start byte"), "not UTF-8"),
         (MemoryError(), "too large to process"),
         (OSError(28, "No space left on device"), "no space left"),
-        (KeyError("x"), "invalid value"),
-        (RuntimeError("boom"), "internal error"),
+        (yaml.YAMLError("mapping values are not allowed here"), "mapping values"),
     ],
 )
-def test_every_failure_becomes_one_input_error(exc: BaseException, words: str) -> None:
+def test_every_failure_the_input_can_provoke_becomes_one_input_error(exc: BaseException, words: str) -> None:
     error = as_input_error(exc, "config")
     assert isinstance(error, InputError) and words in str(error)
     payload = error.to_dict()
     assert payload["ok"] is False and payload["error"] == str(error) and "\n" not in payload["error"]
+
+
+@pytest.mark.parametrize(
+    "exc",
+    [
+        KeyError("x"),
+        AttributeError("'NoneType' object has no attribute 'x'"),
+        TypeError("bad operand"),
+        ValueError("zip() argument 2 is shorter"),
+        RuntimeError("boom"),
+    ],
+    ids=lambda e: type(e).__name__,
+)
+def test_a_bug_is_not_translated_into_an_input_error(exc: BaseException) -> None:
+    assert as_input_error(exc, "config") is None
+    payload = internal_error(exc, "config")
+    assert (
+        payload["kind"] == "internal"
+        and "internal error" in payload["error"]
+        and type(exc).__name__ in payload["error"]
+    )

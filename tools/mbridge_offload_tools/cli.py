@@ -80,7 +80,8 @@ def _deadline(command: str) -> Iterator[None]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Run one command; every failure ends as exit 2 with one error object (the one place that does this)."""
+    """Run one command; a failure ends as one error object (the one place that does this), never a traceback:
+    exit 2 for bad input, 3 for a bug of ours (``kind: "internal"``)."""
     argv = sys.argv[1:] if argv is None else list(argv)
     _Parser.as_json = "--json" in argv
     try:
@@ -91,7 +92,7 @@ def main(argv: list[str] | None = None) -> None:
         raise
     except KeyboardInterrupt:
         code = EXIT_BAD_INPUT
-    except Exception as exc:  # the one place any failure becomes exit 2 + one JSON error, never a traceback
+    except Exception as exc:  # the one place any failure becomes one JSON error: 2 input, 3 bug
         fail(exc, _Parser.as_json)
     raise SystemExit(code)
 

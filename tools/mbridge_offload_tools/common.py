@@ -1,4 +1,4 @@
-"""Shared plumbing of the CLI: one JSON object on stdout with --json, exit codes 0/1/2, one error shape."""
+"""Shared plumbing of the CLI: one JSON object on stdout with --json, exit codes 0/1/2/3, one error shape."""
 
 from __future__ import annotations
 
@@ -7,9 +7,10 @@ import sys
 from collections.abc import Callable
 from typing import Any, NoReturn
 
-from mbridge_offload.config.errors import InputError, as_input_error
+from mbridge_offload.config.errors import InputError, as_input_error, internal_error
 
-EXIT_OK, EXIT_FINDINGS, EXIT_BAD_INPUT = 0, 1, 2
+# 3: a bug of ours, not the caller's input (the design's 0/1/2 are success, findings, bad input).
+EXIT_OK, EXIT_FINDINGS, EXIT_BAD_INPUT, EXIT_INTERNAL = 0, 1, 2, 3
 
 
 class UsageError(InputError):
@@ -25,15 +26,36 @@ def emit(payload: dict[str, Any], as_json: bool, human: Callable[[dict[str, Any]
         sys.stdout.write(human(payload).rstrip("\n") + "\n")
 
 
-def fail(message: str | BaseException, as_json: bool) -> NoReturn:
-    """Report bad input and exit 2: one JSON object on stdout under --json, one line on stderr always.
+def user_error(exc: BaseException, where: str = "input") -> InputError | None:
+    """The InputError ``exc`` means for the caller, or None when it is a bug (see ``config.errors``)."""
+    error = as_input_error(exc, where)
+    if error is None:
+        # plan.inputs' bounds error is still a ValueError of its own (errors.BoundsError is its place in the family).
+        from mbridge_offload.plan import inputs
 
-    ``message`` may be an exception: any exception becomes the project's one error shape
-    (:func:`mbridge_offload.config.errors.as_input_error`), never a traceback.
+        if isinstance(exc, inputs.InputError):
+            error = InputError(str(exc))
+    return error
+
+
+def error_payload(exc: BaseException, where: str = "input") -> tuple[dict[str, Any], int]:
+    """The one JSON error object for ``exc`` and its exit code: 2 for bad input, 3 for a bug."""
+    error = user_error(exc, where)
+    return (error.to_dict(), EXIT_BAD_INPUT) if error is not None else (internal_error(exc, where), EXIT_INTERNAL)
+
+
+def fail(message: str | BaseException, as_json: bool) -> NoReturn:
+    """Report a failure and exit: one JSON object on stdout under --json, one line on stderr always.
+
+    A string or an input error exits 2; any other exception is a bug and exits 3 (``kind: "internal"``).
+    Never a traceback.
     """
-    error = as_input_error(message, "input") if isinstance(message, BaseException) else InputError(message)
+    if isinstance(message, BaseException):
+        payload, code = error_payload(message)
+    else:
+        payload, code = InputError(message).to_dict(), EXIT_BAD_INPUT
     if as_json:
-        sys.stdout.write(json.dumps(error.to_dict()) + "\n")
-    sys.stderr.write(f"mbridge-offload: error: {error}\n")
+        sys.stdout.write(json.dumps(payload) + "\n")
+    sys.stderr.write(f"mbridge-offload: error: {payload['error']}\n")
     sys.stdout.flush()
-    raise SystemExit(EXIT_BAD_INPUT)
+    raise SystemExit(code)

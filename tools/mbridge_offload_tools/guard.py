@@ -19,13 +19,15 @@ from __future__ import annotations
 
 import argparse
 import functools
+import logging
 import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mbridge_offload.config.errors import DeadlineError, as_input_error
+from mbridge_offload.config.errors import DeadlineError
+from mbridge_offload_tools.common import EXIT_INTERNAL, error_payload
 
 ROOTS_ENV = "MBRIDGE_OFFLOAD_ROOTS"
 BRIDGE_REPOS_ENV = "MBRIDGE_OFFLOAD_BRIDGE_REPOS"
@@ -184,7 +186,10 @@ def guarded(deadline: Callable[[dict[str, Any]], float] | None = None):
                 )
                 raise ToolError(str(error)) from None
             except Exception as exc:  # the one place any failure becomes the one error shape
-                raise ToolError(str(as_input_error(exc, "input"))) from None  # the CLI's words
+                payload, code = error_payload(exc, "input")
+                if code == EXIT_INTERNAL:  # a bug: the caller gets one line, the server log the traceback
+                    logging.getLogger(__name__).error("%s failed", fn.__name__, exc_info=exc)
+                raise ToolError(payload["error"]) from None  # the CLI's words
 
         return tool
 

@@ -1,11 +1,13 @@
-"""One family of bad-input errors, and the translation of Python's own failures into it.
+"""One family of bad-input errors, and the translation of the failures a bad input can provoke into it.
 
 Every bad input anywhere in the project (an unreadable config, a wrong type, an edit that cannot be made, an
 unsafe test selection, a CLI usage mistake) raises a subclass of :class:`InputError`. It carries one-line
 ``message`` (what is wrong) and ``fix`` (what to do). The CLI turns it into exit code 2 and exactly one JSON
-object; the MCP server into ``isError`` with the same text. :func:`as_input_error` does the same for the
-built-in exceptions that a hostile input can provoke (RecursionError, ZeroDivisionError, OverflowError, OSError,
-UnicodeDecodeError, MemoryError), so no caller ever sees a traceback.
+object; the MCP server into ``isError`` with the same text. :func:`as_input_error` does the same for what only the
+input can cause: a YAML or pydantic rejection, and the built-in exceptions a hostile input can provoke
+(RecursionError, ZeroDivisionError, OverflowError, OSError, UnicodeDecodeError, MemoryError). Anything else
+(AttributeError, TypeError, KeyError, a bare ValueError, ...) is a bug: :func:`internal_error` reports it
+distinctly (``kind: "internal"``, exit code 3), still without a traceback.
 """
 
 from __future__ import annotations
@@ -46,20 +48,27 @@ def _first_line(exc: BaseException) -> str:
     return text[0][:300] if text else ""
 
 
-def as_input_error(exc: BaseException, where: str = "input") -> InputError:
-    """The :class:`InputError` a caller should see for ``exc`` (an InputError is returned unchanged).
+class BoundsError(InputError):
+    """A planning input out of its declared bounds or of the wrong type (``plan.inputs.validate_inputs``)."""
+
+
+
+def as_input_error(exc: BaseException, where: str = "input") -> InputError | None:
+    """The :class:`InputError` a caller should see for ``exc``, or None when ``exc`` is a bug, not the input.
 
     Args:
         exc: any exception raised while handling one call.
         where: what was being handled, for the message (``"config"``, ``"apply"``, ...).
 
     Returns:
-        An InputError whose message names the cause in plain words; unexpected exceptions are reported as
-        ``internal error`` with their type, never with a traceback.
+        ``exc`` itself if it is an InputError; an InputError naming the cause in plain words for a YAML or
+        pydantic rejection and for the built-in failures a hostile input provokes; None for anything else.
     """
     if isinstance(exc, InputError):
         return exc
     detail = _first_line(exc)
+    if _is_parser_rejection(exc):
+        return InputError(f"{where}: {detail}", "fix the value it names")
     if isinstance(exc, RecursionError):
         return InputError(f"{where}: nested too deeply to process", "flatten the structure (a config is 2-3 levels)")
     if isinstance(exc, MemoryError):
@@ -73,17 +82,31 @@ def as_input_error(exc: BaseException, where: str = "input") -> InputError:
     if isinstance(exc, UnicodeDecodeError):
         return InputError(f"{where}: not UTF-8 text ({exc.reason} at byte {exc.start})", "save the file as UTF-8")
     if isinstance(exc, OSError):
-        name = f" {exc.filename}" if exc.filename else ""
-        reason = exc.strerror or errno.errorcode.get(exc.errno or 0, "") or detail
-        if isinstance(exc, IsADirectoryError):
-            return InputError(f"{where}:{name} is a directory", "pass the config file inside it")
-        if isinstance(exc, PermissionError):
-            return InputError(f"{where}:{name} permission denied", "check the file's permissions")
-        if exc.errno == errno.ENOSPC:
-            return InputError(f"{where}:{name} no space left on the device; nothing was changed", "free space")
-        return InputError(f"{where}:{name} {reason}", "check the path")
-    if isinstance(exc, ValueError | TypeError | KeyError | IndexError | AttributeError | AssertionError):
-        return InputError(f"{where}: invalid value ({type(exc).__name__}: {detail})", "check the input")
-    error = InputError(f"{where}: internal error ({type(exc).__name__}: {detail})", "please report it")
-    error.kind = "internal"
-    return error
+        return _os_error(exc, where, detail)
+    return None
+
+
+def _is_parser_rejection(exc: BaseException) -> bool:
+    """A YAML parse error or a pydantic validation error: the text of the input was refused, not our code."""
+    import pydantic
+    import yaml
+
+    return isinstance(exc, yaml.YAMLError | pydantic.ValidationError)
+
+
+def _os_error(exc: OSError, where: str, detail: str) -> InputError:
+    name = f" {exc.filename}" if exc.filename else ""
+    reason = exc.strerror or errno.errorcode.get(exc.errno or 0, "") or detail
+    if isinstance(exc, IsADirectoryError):
+        return InputError(f"{where}:{name} is a directory", "pass the config file inside it")
+    if isinstance(exc, PermissionError):
+        return InputError(f"{where}:{name} permission denied", "check the file's permissions")
+    if exc.errno == errno.ENOSPC:
+        return InputError(f"{where}:{name} no space left on the device; nothing was changed", "free space")
+    return InputError(f"{where}:{name} {reason}", "check the path")
+
+
+def internal_error(exc: BaseException, where: str = "input") -> dict[str, Any]:
+    """The one JSON error object for a bug: ``kind: "internal"``, the exception's type and first line."""
+    text = f"{where}: internal error ({type(exc).__name__}: {_first_line(exc)})"
+    return {"ok": False, "error": f"{text}; please report it", "fix": "please report it", "kind": "internal"}

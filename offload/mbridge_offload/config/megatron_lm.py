@@ -13,6 +13,7 @@ import argparse
 import functools
 from typing import Any
 
+from mbridge_offload.config.errors import InputError
 from mbridge_offload.config.mlm_flags import MLM_ARGUMENTS, MLM_VERSION
 from mbridge_offload.config.schema import SECTIONS
 
@@ -31,7 +32,7 @@ _MODEL_EXTRAS = {
 _TYPES = {"int": int, "float": float, "str": str}
 
 
-class ArgvError(ValueError):
+class ArgvError(InputError):
     """Megatron-LM's own parser refuses the command line (bad value, invalid choice)."""
 
 

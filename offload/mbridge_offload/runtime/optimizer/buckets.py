@@ -19,8 +19,8 @@ from typing import cast
 
 import torch
 
-from mbridge_offload.upstream import hdo_offload_mask
 from mbridge_offload.runtime import device
+from mbridge_offload.upstream import hdo_offload_mask
 
 _MISSING = object()
 
