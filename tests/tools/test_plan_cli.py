@@ -174,7 +174,7 @@ def test_human_output_is_a_table(capsys):
 
 def test_estimate_and_recommend_never_import_torch():
     code = (
-        "import sys\nfrom tools import cli_plan\nimport argparse\n"
+        "import sys\nfrom mbridge_offload_tools import cli_plan\nimport argparse\n"
         "p=argparse.ArgumentParser(); cli_plan.add_parsers(p.add_subparsers())\n"
         "for c in ('estimate','recommend'):\n"
         "    a=p.parse_args([c,'--model','llama3-8b','--json']); a.handler(a)\n"

@@ -52,7 +52,6 @@ class BoundsError(InputError):
     """A planning input out of its declared bounds or of the wrong type (``plan.inputs.validate_inputs``)."""
 
 
-
 def as_input_error(exc: BaseException, where: str = "input") -> InputError | None:
     """The :class:`InputError` a caller should see for ``exc``, or None when ``exc`` is a bug, not the input.
 
