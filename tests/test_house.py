@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -31,6 +32,17 @@ def test_the_runtime_imports_no_agent_code_only_the_shared_upstream_facts():
 def test_the_upstream_room_imports_nothing_of_ours_and_no_torch():
     upstream = house.modules()[house.UPSTREAM]
     assert upstream.imports == frozenset() and house.UPSTREAM in house.TORCH_FREE_ROOMS
+
+
+def test_the_package_docstring_names_only_modules_that_exist():
+    import mbridge_offload
+
+    named = set(re.findall(r"``([a-z_.]+)``", mbridge_offload.__doc__ or ""))
+    assert named, "the docstring names the rooms"
+    missing = sorted(n for n in named if f"mbridge_offload.{n}" not in house.modules())
+    assert missing == []
+    rooms = {r.removeprefix("mbridge_offload.") for r in house.ROOMS if r.startswith("mbridge_offload.")}
+    assert rooms <= named, rooms - named  # and it names every room
 
 
 def test_offload_holds_at_most_ten_modules_directly():

@@ -462,6 +462,21 @@ def test_architecture_names_only_modules_that_exist():
     assert not missing, f"docs/architecture.md names modules that do not exist: {missing}"
 
 
+def test_architecture_says_truly_which_benchmark_writes_its_numbers_and_which_are_pasted():
+    text = (ROOT / "docs/architecture.md").read_text()
+    table = text.split("## Where the numbers come from", 1)[1]
+    rows = [line.split("|")[1:-1] for line in table.splitlines() if line.startswith("| ") and "`benchmarks/" in line]
+    assert len(rows) >= 5
+    for _, produced, written in rows:
+        sources = "".join((ROOT / p).read_text() for p in re.findall(r"`(benchmarks/\w+\.py)`", produced))
+        targets = [Path(t).name for t in re.findall(r"`docs/([\w./-]+)`", written)]
+        mentioned = [t for t in targets if t in sources]
+        if "pasted by hand" in produced:
+            assert not mentioned, f"{produced.strip()} writes {mentioned} itself: the table says it is pasted"
+        else:
+            assert mentioned == targets, f"{produced.strip()} does not write {sorted(set(targets) - set(mentioned))}"
+
+
 def test_evals_have_the_nvidia_shape():
     evals = json.loads((ROOT / "evals/evals.json").read_text())
     keys = {"id", "question", "expected_skill", "expected_script", "ground_truth", "expected_behavior"}
