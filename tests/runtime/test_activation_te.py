@@ -291,7 +291,11 @@ def test_manual_synchronization_two_independent_layers(layer_type: str) -> None:
         out_2 = sync(out_2)
         mark_not_offload(out_1, out_2)
         del inp1, inp2  # as in TE's test: the saved copies are then the only references
-        held = [StorageWeakRef(t.untyped_storage()) for t in ctx.last_pass.store(0)._on_device]
+        held = [
+            StorageWeakRef(s.on_device.untyped_storage())
+            for s in ctx.last_pass.store(0)._slots
+            if s.on_device is not None
+        ]
         manual.start_offload_layer(0)
         manual.release_activation_forward_gpu_memory(0)
         manual.start_offload_layer(1)

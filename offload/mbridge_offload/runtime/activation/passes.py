@@ -76,6 +76,18 @@ def _without_graph(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.detach() if tensor.grad_fn is not None else tensor
 
 
+@dataclass(slots=True)
+class Slot:
+    """One saved tensor of a layer on its round trip: device copy → host copy → reloaded copy."""
+
+    on_device: torch.Tensor | None  # the forward's tensor (a detached alias), kept until the D2H copies finish
+    ready: Event | None  # recorded on the compute stream when it was saved
+    host: torch.Tensor | None = None  # set once its D2H copy is issued
+    reloaded: torch.Tensor | None = None  # set once its H2D copy is issued
+    reload_event: Event | None = None  # recorded on the side stream after that copy
+    waited: bool = False  # the compute stream already waits for ``reload_event``
+
+
 class LayerStore:
     """The saved tensors of one offloaded layer in one pass, and its round trip through host memory."""
 
@@ -86,12 +98,8 @@ class LayerStore:
         self.freed = False
         self.nbytes = 0
         self._index: dict[tuple[object, ...], int] = {}  # the same tensor saved twice is copied once
-        self._on_device: list[torch.Tensor] = []  # forward copies, kept until the D2H copies finish
-        self._ready: list[Event] = []  # per saved tensor: recorded on the compute stream when it was saved
-        self._host: list[torch.Tensor] = []
-        self._reloaded: list[torch.Tensor] = []
-        self._reload_events: list[Event] = []
-        self._waited: list[bool] = []
+        self._slots: list[Slot] = []
+        self._copied = 0  # slots [0, _copied) have a host copy
         self._offload_done: Event | None = None
         self._double_buffered = False
         self._backward_done = False
@@ -104,14 +112,13 @@ class LayerStore:
         slot = self._index.get(key)
         if slot is not None:
             return slot, False
-        slot = len(self._on_device)
+        slot = len(self._slots)
         # Why: the side stream must not read ``base`` before the compute stream has finished producing it.
         ready = device.new_event()
         ready.record(device.current_stream())
         self._index[key] = slot
         # A detached alias keeps the storage alive until release without a reference cycle through grad_fn.
-        self._on_device.append(base.detach())
-        self._ready.append(ready)
+        self._slots.append(Slot(base.detach(), ready))
         self.owner.residency.add(self.layer, base.numel() * base.element_size())
         if not self.owner.ctx.schedule.manual or self.phase is LayerPhase.OFFLOAD_STARTED:
             self.start_offload()
@@ -131,19 +138,21 @@ class LayerStore:
                 f"activation offload: layer {self.layer} is {self.phase.value}; its offload can start only before "
                 "its device copies are released"
             )
-        for slot in range(len(self._host), len(self._on_device)):
-            self._copy_out(slot)
+        for index in range(self._copied, len(self._slots)):
+            self._copy_out(index, self._slots[index])
 
-    def _copy_out(self, slot: int) -> None:
-        ctx, base = self.owner.ctx, self._on_device[slot]
-        host, new = ctx.pool.acquire(self.layer, slot, base.shape, base.stride(), base.dtype)
+    def _copy_out(self, index: int, slot: Slot) -> None:
+        ctx, base = self.owner.ctx, slot.on_device
+        assert base is not None and slot.ready is not None  # not released: the phase check above
+        host, new = ctx.pool.acquire(self.layer, index, base.shape, base.stride(), base.dtype)
         # Why: wait for the event recorded when the tensor was saved, not for everything queued since.
-        ctx.stream.wait_event(self._ready[slot])
+        ctx.stream.wait_event(slot.ready)
         with torch.no_grad(), device.on_stream(ctx.stream):
             host.copy_(base, non_blocking=device.is_pinned(host))
         # Why: one event after the last copy; the stream is ordered, so it covers all earlier copies.
         self._offload_done = ctx.stream.record_event()
-        self._host.append(host)
+        slot.host = host
+        self._copied = index + 1
         nbytes = base.numel() * base.element_size()
         self.nbytes += nbytes
         stats = self.owner.stats
@@ -159,7 +168,8 @@ class LayerStore:
         # Why: the compute stream may reuse this memory as soon as we drop it, so it waits for the copies.
         if self._offload_done is not None:
             device.current_stream().wait_event(self._offload_done)
-        self._on_device, self._ready = [], []
+        for slot in self._slots:
+            slot.on_device = slot.ready = None
         self.owner.residency.drop(self.layer)
         self.owner.log_event("fwd", "release", self.layer, at)
 
@@ -170,7 +180,8 @@ class LayerStore:
             return  # never released (forward stopped early, or nothing saved): the device copies are still here
         self._set_phase(LayerPhase.RELOAD_STARTED)
         ctx = self.owner.ctx
-        specs = [(h.shape, h.stride(), h.dtype) for h in self._host]
+        hosts = self._hosts()
+        specs = [(h.shape, h.stride(), h.dtype) for h in hosts]
         # A reload after the layer's backward (a retained graph) has no later free to return a shared set.
         shared = ctx.reload_buffers if not self._backward_done else None
         double = shared is not None
@@ -184,14 +195,11 @@ class LayerStore:
             targets = [empty_strided(spec, ctx.device) for spec in specs]
         # Why: the copies overwrite memory the compute stream may have used until now.
         ctx.stream.wait_stream(device.current_stream())
-        events = []
         with torch.no_grad(), device.on_stream(ctx.stream):
-            for host, dst in zip(self._host, targets, strict=True):
+            for slot, host, dst in zip(self._slots[: len(hosts)], hosts, targets, strict=True):
                 dst.copy_(host, non_blocking=device.is_pinned(host))
                 device.record_stream(dst, ctx.stream)
-                events.append(ctx.stream.record_event())
-        self._reloaded, self._reload_events = targets, events
-        self._waited = [False] * len(targets)
+                slot.reloaded, slot.reload_event, slot.waited = dst, ctx.stream.record_event(), False
         self.owner.stats.bytes_reloaded += self.nbytes
         self.owner.residency.add(self.layer, self.nbytes)
         self.owner.log_event("bwd", "reload_late" if late else "reload_start", self.layer, at)
@@ -208,16 +216,19 @@ class LayerStore:
         self.owner.ensure_end_callback()
         if self.phase is LayerPhase.RELEASED:
             self.start_reload(self.owner.backward_layer, late=True)
+        entry = self._slots[slot]
         if self.phase in (LayerPhase.NOT_OFFLOADED, LayerPhase.OFFLOAD_STARTED):
-            tensor = self._on_device[slot]  # never released (a manual layer never offloaded, or not yet)
+            tensor = entry.on_device  # never released (a manual layer never offloaded, or not yet)
         else:
-            if not self._waited[slot]:
+            if not entry.waited:
                 # Why: wait only for this tensor's copy, so the rest of the layer keeps loading behind compute.
-                device.current_stream().wait_event(self._reload_events[slot])
-                self._waited[slot] = True
+                assert entry.reload_event is not None  # reloading: start_reload issued every slot's copy
+                device.current_stream().wait_event(entry.reload_event)
+                entry.waited = True
             if self.phase is LayerPhase.RELOAD_STARTED:
                 self._set_phase(LayerPhase.RELOADED)
-            tensor = self._reloaded[slot]
+            tensor = entry.reloaded
+        assert tensor is not None  # the phase says which copy is live
         return tensor if view is None else tensor.as_strided(*view)
 
     def free(self, at: int) -> list[torch.Tensor]:
@@ -232,18 +243,27 @@ class LayerStore:
             self.owner.ctx.reload_buffers.give_back(self.layer)
         self._double_buffered = False
         self._backward_done = True
-        if self._host:
+        if self._copied:
             self.owner.log_event("bwd", "free", self.layer, at)
         if self.phase is LayerPhase.OFFLOAD_STARTED:
             self.release(at)
         elif self.phase in (LayerPhase.RELOAD_STARTED, LayerPhase.RELOADED):
             self._set_phase(LayerPhase.RELEASED)
-        self._reloaded, self._reload_events, self._index = [], [], {}
+        for entry in self._slots:
+            entry.reloaded = entry.reload_event = None
+        self._index = {}
         if not self.owner.ctx.pool.retain:
             return []
         self.freed = True
-        host, self._host = self._host, []
+        host = self._hosts()
+        for entry in self._slots:
+            entry.host = None
+        self._copied = 0
         return host
+
+    def _hosts(self) -> list[torch.Tensor]:
+        """The host copies issued so far, in slot order."""
+        return [slot.host for slot in self._slots[: self._copied] if slot.host is not None]
 
     def _set_phase(self, new: LayerPhase) -> None:
         check_transition(self.layer, self.phase, new)
