@@ -362,3 +362,27 @@ def test_activation_mode_edits_are_both_validates_fix_and_applys_edit(tmp_path, 
     result = apply_offload(str(path), "activation", num_layers=2)
     assert [o for o in result.overrides if o.startswith("model.recompute_")] == nulls
     assert result.ok, result.findings
+
+
+def test_stage_order_comes_from_each_rules_declared_follows_not_from_the_file_list() -> None:
+    from mbridge_offload.config.rules import catalogue
+    from mbridge_offload.config.rules.activation import ACTIVATION_RULES
+
+    groups = tuple(f.RULES for f in catalogue.TRANSFORMER_CONFIG_FILES)
+    order = catalogue.merge_stage(ACTIVATION_RULES, groups)
+    assert catalogue.merge_stage(ACTIVATION_RULES, groups[::-1]) == order
+    ids = [r.id for r in order]
+    assert ids.index("MC-RECOMPUTE-GRANULARITY") == ids.index("ACT-RECOMPUTE") + 1  # declared: follows ACT-RECOMPUTE
+    assert [r.id for r in ACTIVATION_RULES] == [i for i in ids if i.startswith("ACT-")]  # the backbone keeps its order
+
+
+def test_a_rule_that_follows_no_check_of_its_stage_is_refused() -> None:
+    import dataclasses
+
+    from mbridge_offload.config.rules import catalogue, recompute
+
+    stray = dataclasses.replace(recompute.RULES[0], follows="ACT-DOES-NOT-EXIST")
+    with pytest.raises(RuntimeError, match="ACT-DOES-NOT-EXIST"):
+        catalogue.merge_stage((), ((stray,),))
+    with pytest.raises(RuntimeError, match="both follow"):
+        catalogue.merge_stage(recompute.RULES[:1], ((stray,), (stray,)))

@@ -232,6 +232,9 @@ class Rule:
         fix: override templates that resolve it (formatted with the match values), or None.
         applies_to: specifier on megatron-core versions; empty = all.
         shadowed_by: rules that, when they fire, make this one unreachable upstream (hidden then).
+        follows: the id of the upstream check this one comes right after, when that check is a rule of another
+            file of the same stage (the catalogue orders each stage from these; None: after the rule before it in
+            its own file, or first in the stage).
     """
 
     id: str
@@ -249,6 +252,7 @@ class Rule:
     fix: tuple[str, ...] | None = None
     applies_to: str = ""
     shadowed_by: tuple[str, ...] = ()
+    follows: str | None = None
 
     def applies(self, target: Target) -> bool:
         return spec_contains(self.applies_to, target.version)

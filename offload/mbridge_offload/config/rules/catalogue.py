@@ -4,75 +4,78 @@ from __future__ import annotations
 
 import functools
 
+from mbridge_offload.config.rules import (
+    cuda_graphs,
+    hygiene,
+    model_init,
+    offload_extras,
+    optimizer_config,
+    parallelism,
+    recompute,
+)
 from mbridge_offload.config.rules.activation import ACTIVATION_RULES
 from mbridge_offload.config.rules.activation_build import BUILD_RULES
-from mbridge_offload.config.rules.base import DEFAULT_TARGET, TARGETS, Rule, spec_contains
+from mbridge_offload.config.rules.base import DEFAULT_TARGET, STAGE_OPTIMIZER_CONFIG, TARGETS, Rule, spec_contains
 from mbridge_offload.config.rules.inputs import INPUT_RULES
 from mbridge_offload.config.rules.optimizer import CONFIG_RULES, OPTIMIZER_RULES
-from mbridge_offload.config.rules.transformer import (
-    EARLY_RULES,
-    FG_FUSED_PARTIAL,
-    FG_GRAPH_RULES,
-    FG_MOE_RECOMPUTE,
-    GRAPH_ENABLE_AND_EXTERNAL,
-    GRAPH_FULL_RECOMPUTE,
-    MOE_BIAS_ETP,
-    NUM_LAYERS_TYPE_INIT,
-    OPTIMIZER_DTYPE_RULES,
-    PAGED_STASH_RULES,
-    RECOMPUTE_RULES,
-    VALUE_RULES,
-)
+
+# The TransformerConfig stage's files besides activation.py; the order of this list does not matter (merge_stage).
+TRANSFORMER_CONFIG_FILES = (parallelism, recompute, offload_extras, model_init, cuda_graphs)
 
 
-def _act(*ids: str) -> tuple[Rule, ...]:
-    by_id = {r.id: r for r in ACTIVATION_RULES}
-    return tuple(by_id[i] for i in ids)
+def merge_stage(backbone: tuple[Rule, ...], groups: tuple[tuple[Rule, ...], ...]) -> tuple[Rule, ...]:
+    """One stage in upstream's check order: ``backbone`` (a file already in upstream order) with each group's rules
+    placed from their declared ``follows``.
+
+    A rule with ``follows`` starts a run that goes right after that check; the rules after it in its group
+    continue the run; a group's leading rules without ``follows`` open the stage.
+
+    Raises:
+        RuntimeError: a ``follows`` names no rule of the stage, or two runs claim the same place.
+    """
+    runs: dict[str | None, list[Rule]] = {}
+    for group in groups:
+        anchor: str | None = None
+        run: list[Rule] = []
+        for rule in group:
+            if rule.follows is not None:
+                _add_run(runs, anchor, run)
+                anchor, run = rule.follows, []
+            run.append(rule)
+        _add_run(runs, anchor, run)
+    out: list[Rule] = []
+
+    def emit(rule: Rule) -> None:
+        out.append(rule)
+        for after in runs.pop(rule.id, []):
+            emit(after)
+
+    for rule in (*runs.pop(None, []), *backbone):
+        emit(rule)
+    if runs:
+        raise RuntimeError(f"rules follow checks that are not in their stage: {sorted(str(a) for a in runs)}")
+    return tuple(out)
 
 
-def _transformer_config_rules() -> tuple[Rule, ...]:
-    """``TransformerConfig.__post_init__`` in upstream code order (0.16.1 and 0.19.2 agree on this order):
-    parallel sizes and precision, layer-level offloading, recomputation, fine-grained offloading, paged stash,
-    CUDA graphs."""
-    return (
-        *EARLY_RULES,
-        *_act("ACT-NUM-LAYERS", "ACT-PP", "ACT-RECOMPUTE"),
-        *RECOMPUTE_RULES,
-        *_act("ACT-FINE-GRAINED", "ACT-FG-MODULES-EMPTY", "ACT-FG-MODULES-INVALID", "ACT-FG-ATTN-PROJ"),
-        FG_MOE_RECOMPUTE,
-        *_act("ACT-FG-MIN-TENSOR-SIZE", "ACT-FG-FRACTION-RANGE", "ACT-FG-DELTA-BYTES", "ACT-FG-FUSED-GROUP-MLP"),
-        FG_FUSED_PARTIAL,
-        *_act("ACT-PAGED-STASH"),
-        *PAGED_STASH_RULES,
-        NUM_LAYERS_TYPE_INIT,
-        MOE_BIAS_ETP,
-        *_act("ACT-CUDA-GRAPH-ENABLE-AND-IMPL"),
-        GRAPH_ENABLE_AND_EXTERNAL,
-        *_act("ACT-CUDA-GRAPH-DEPRECATED", "ACT-CUDA-GRAPH-IMPL", "ACT-CUDA-GRAPH"),
-        GRAPH_FULL_RECOMPUTE,
-        *FG_GRAPH_RULES,
-    )
+def _add_run(runs: dict[str | None, list[Rule]], anchor: str | None, run: list[Rule]) -> None:
+    if not run:
+        return
+    if anchor in runs:
+        raise RuntimeError(f"two groups of rules both follow {anchor or 'the start of the stage'}")
+    runs[anchor] = run
 
 
 @functools.cache
 def all_rules() -> tuple[Rule, ...]:
-    """Every rule, each group in upstream code order: config hygiene, TransformerConfig, build-time (TE, Bridge,
-    Megatron-LM, advisory), OptimizerConfig, the optimizer factory."""
-    transformer = _transformer_config_rules()
-    if len({r.id for r in ACTIVATION_RULES} - {r.id for r in transformer}) != 0:
-        raise RuntimeError("an activation rule is missing from the TransformerConfig order")
-    optimizer_config = tuple(r for r in OPTIMIZER_RULES if r.id.startswith("OPT-PRECISION-AWARE"))
-    rest = tuple(r for r in OPTIMIZER_RULES if r not in optimizer_config)
-    rules = (
-        *INPUT_RULES,
-        *CONFIG_RULES,
-        *VALUE_RULES,
-        *transformer,
-        *BUILD_RULES,
-        *optimizer_config,
-        *OPTIMIZER_DTYPE_RULES,
-        *rest,
+    """Every rule, each stage in upstream code order: config hygiene, TransformerConfig (``activation.py`` in
+    upstream order, the other files placed by their ``follows``), build-time (TE, Bridge, Megatron-LM, advisory),
+    OptimizerConfig, the optimizer factory and the rest."""
+    transformer = merge_stage(ACTIVATION_RULES, tuple(f.RULES for f in TRANSFORMER_CONFIG_FILES))
+    optimizer_stage = merge_stage(
+        tuple(r for r in OPTIMIZER_RULES if r.stage == STAGE_OPTIMIZER_CONFIG), (optimizer_config.RULES,)
     )
+    rest = tuple(r for r in OPTIMIZER_RULES if r.stage != STAGE_OPTIMIZER_CONFIG)
+    rules = (*INPUT_RULES, *CONFIG_RULES, *hygiene.RULES, *transformer, *BUILD_RULES, *optimizer_stage, *rest)
     ids = [r.id for r in rules]
     duplicates = {i for i in ids if ids.count(i) > 1}
     if duplicates:
