@@ -128,8 +128,7 @@ class Constraints:
         Not a second copy of upstream's checks: the rule catalogue is run on the setup with activation offload
         switched on, and every error it raises about ``model.cpu_offloading`` is returned with its message.
         """
-        from mbridge_offload.config.schema import OffloadConfig
-        from mbridge_offload.config.validate import validate
+        from mbridge_offload.config.rules.activation import activation_offload_errors
 
         model = {
             "num_layers": max(num_layers, 2),
@@ -140,16 +139,8 @@ class Constraints:
             "cuda_graph_impl": self.cuda_graph_impl,
             "fine_grained_activation_offloading": self.fine_grained_activation_offloading,
             "moe_paged_stash": self.moe_paged_stash,
-            "cpu_offloading": True,
-            "cpu_offloading_num_layers": 1,
         }
-        if s.pp > 1:
-            model["pipeline_dtype"] = "bf16"  # Bridge fills it in; not what decides here
-        raw = {"model": model}
-        report = validate(OffloadConfig.model_validate(raw), raw)
-        return [
-            f"activation offloading: {f.message} ({f.rule})" for f in report.errors if "model.cpu_offloading" in f.keys
-        ]
+        return [f"activation offloading: {message} ({rule})" for rule, message in activation_offload_errors(model)]
 
 
 @dataclass
