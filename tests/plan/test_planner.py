@@ -9,6 +9,7 @@ import pytest
 
 from mbridge_offload.config import sources
 from mbridge_offload.plan import planner as plan
+from mbridge_offload.plan import service
 from mbridge_offload.plan.hardware import GPU_PRESETS, gpu_preset
 from mbridge_offload.plan.memory import Setup, estimate_memory
 from mbridge_offload.plan.presets import model_preset
@@ -66,7 +67,7 @@ def test_small_model_with_dominant_activations_gets_activation_offload():
     assert rec.mode == "activation" and rec.fits
     k = rec.activation_offload_layers
     assert 0 < k < 28
-    assert f"model.cpu_offloading_num_layers={k}" in rec.overrides and "model.cpu_offloading=True" in rec.overrides
+    assert f"model.cpu_offloading_num_layers={k}" in rec.overrides and "model.cpu_offloading=true" in rec.overrides
     assert not plan.estimate(resolve({**flags, "activation_offload_layers": k - 1})).fits
 
 
@@ -87,7 +88,7 @@ def test_nothing_fits_says_what_would_with_numbers():
 
 def test_recommend_for_bridge_yaml_revalidates_overrides():
     loaded = sources.load("examples/qwen3_30b_a3b_pretrain.yaml")
-    rec = plan.recommend_for_inputs(loaded.config, loaded.raw, num_gpus=16, gpu_memory_gb=48)
+    rec = service.recommend_for_inputs(loaded.config, loaded.raw, num_gpus=16, gpu_memory_gb=48)
     assert rec.mode == "optimizer"
     data = rec.model_dump(mode="json")
     assert set(data) >= {"mode", "overrides", "memory_gb", "fits", "step_time_factor", "rationale"}
@@ -108,9 +109,11 @@ def test_recommend_replans_a_config_whose_activation_offload_upstream_rejects(tm
     assert loaded.config.model.cpu_offloading and loaded.config.model.pipeline_model_parallel_size == 2
     with pytest.raises(ValueError, match="Pipeline parallelism"):
         plan.estimate(resolve({"num_gpus": 16}, loaded.config, loaded.raw))
-    rec = plan.recommend_for_inputs(loaded.config, loaded.raw, num_gpus=16, gpu_memory_gb=48)
+    rec = service.recommend_for_inputs(loaded.config, loaded.raw, num_gpus=16, gpu_memory_gb=48)
     assert rec.mode == "optimizer"
-    assert not any(o.startswith("model.cpu_offloading=") for o in rec.overrides)
+    # the rejected activation offload is switched off, not proposed
+    assert "model.cpu_offloading=true" not in rec.overrides and "model.cpu_offloading=false" in rec.overrides
+    assert rec.given_mode == "both" and rec.memory_gib.before == rec.memory_gib.without_offload
 
 
 def test_partial_yaml_without_optimizer_keys_gets_bridge_defaults_and_says_so(tmp_path):

@@ -114,8 +114,7 @@ def _plan(kind: str, args: dict[str, Any]) -> Any:
     import shlex
 
     from mbridge_offload.config.sources import ConfigError, load
-    from mbridge_offload.plan import planner as plan
-    from mbridge_offload.plan.resolve import resolve
+    from mbridge_offload.plan.service import plan
 
     config, overrides, argv = (
         args.pop("config", None),
@@ -134,14 +133,10 @@ def _plan(kind: str, args: dict[str, Any]) -> Any:
     try:
         loaded = load(argv=shlex.split(argv), overrides=overrides) if argv is not None else None
         loaded = _load(config, overrides) if config is not None else loaded
-        r = resolve(args, loaded.config if loaded else None, loaded.raw if loaded else None)
-        if kind == "estimate":
-            return plan.estimate(r)
-        rec = plan.recommend(r)
+        config_, raw = (loaded.config, loaded.raw) if loaded else (None, None)
+        return plan(kind, args, config_, raw)  # type: ignore[arg-type]
     except (ValueError, KeyError, ConfigError) as exc:
         raise ToolError(str(exc).strip("'\"")) from None
-    plan.revalidate(rec, loaded.config if loaded else None, loaded.raw if loaded else None)
-    return rec
 
 
 def _plan_tool(kind: str, output: type, doc: str, title: str) -> None:

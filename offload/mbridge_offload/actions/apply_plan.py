@@ -107,7 +107,7 @@ def _activation_edits(cfg: OffloadConfig, num_layers: int | None, edits: Edits) 
 def _recommended(cfg: OffloadConfig, raw: dict[str, Any], planner: dict[str, Any] | None) -> tuple[str, list[str]]:
     """Ask the planner for (mode, overrides) on this config."""
     try:
-        from mbridge_offload.plan import planner as plan
+        from mbridge_offload.plan import service as plan
     except ImportError as exc:  # pragma: no cover - the planner ships with the package
         raise ApplyError(
             f"mode=recommended needs mbridge_offload.plan.planner ({exc}); pick a mode explicitly"

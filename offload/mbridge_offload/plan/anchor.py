@@ -38,6 +38,7 @@ class Plan:
     time_kwargs: dict[str, Any] = field(default_factory=dict)
     anchor: Anchor | None = None
     assumptions: list[Assumption] = field(default_factory=list)
+    vet: Any = None  # advice.Vetter: the rule catalogue on each candidate (planner.recommend sets it)
 
     @property
     def usable_bytes(self) -> float:
