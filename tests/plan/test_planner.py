@@ -178,3 +178,40 @@ def test_gpu_presets_cover_the_issue_list():
     assert gpu_preset("h200-141gb").capacity_gib == pytest.approx(139.8, abs=0.05)
     with pytest.raises(KeyError, match="known"):
         gpu_preset("tpu-v5")
+
+
+def test_recommend_never_proposes_what_the_catalogue_warns_about():
+    # 80 layers, nothing fits: the most activation offload proposed is 78, not 79 (TE's ACT-NO-OVERLAP warning).
+    flags = {"model": "llama3-70b", "num_gpus": 8, "tp": 8, "pp": 1, "recompute_granularity": None}
+    rec = _rec(**flags, gpu_memory_gb=48, seq_length=8192)
+    assert rec.activation_offload_layers == 78
+    assert any("ACT-NO-OVERLAP" in line for line in rec.rationale if line.startswith("not proposed"))
+
+
+def test_a_run_that_fits_gets_a_fallback_for_a_stated_headroom():
+    rec = _rec(model="qwen3-30b-a3b", gpu="h100-80gb")
+    assert rec.mode == "none" and rec.fallback is not None
+    f = rec.fallback
+    assert f.freed_gib >= f.headroom_gib and f.step_time_factor > 1 and f.overrides
+    asked = _rec(model="qwen3-30b-a3b", gpu="h100-80gb", headroom_gib=2.0).fallback
+    assert asked.headroom_gib == 2.0 and asked.freed_gib >= 2.0 and asked.step_time_factor <= f.step_time_factor
+
+
+def test_recommend_compares_against_the_config_as_given_and_says_it_removes_its_offload():
+    loaded = sources.load("examples/qwen3_30b_a3b_pretrain.yaml")
+    rec = service.recommend_for_inputs(loaded.config, loaded.raw, num_gpus=16)
+    assert rec.given_mode == "optimizer" and rec.mode == "none"
+    assert rec.memory_gib.before.total < rec.memory_gib.after.total == rec.memory_gib.without_offload.total
+    assert "switch that offload off" in rec.advice and rec.advice in rec.rationale
+    assert "optimizer.optimizer_cpu_offload=false" in rec.overrides
+    assert rec.gpu == "h100-80gb" and rec.num_gpus == 16
+
+
+def test_cli_and_mcp_share_one_planner_entry_point():
+    import inspect
+
+    from mbridge_offload_tools import cli_plan, server
+
+    for module in (cli_plan, server):
+        text = inspect.getsource(module)
+        assert "plan.service import plan" in text and "revalidate" not in text and "resolve(" not in text

@@ -13,6 +13,7 @@ Nothing is special-cased per point: every prediction is the planner's ordinary a
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from functools import lru_cache
 from importlib import resources
@@ -62,25 +63,26 @@ class Point:
         return self.predicted_factor / self.measured_factor - 1
 
 
-def _flags(run: dict[str, Any], point: dict[str, Any], **extra: Any) -> dict[str, Any]:
+def _flags(run: dict[str, Any], point: dict[str, Any], measured_baseline: bool = True, **extra: Any) -> dict[str, Any]:
     flags = {**run["inputs"], **point.get("set", {}), **extra}
-    flags.setdefault("baseline_step_s", run["baseline_step_ms"] / 1000)
+    if measured_baseline:
+        flags.setdefault("baseline_step_s", run["baseline_step_ms"] / 1000)
     return flags
 
 
-def _predict(run: dict[str, Any], point: dict[str, Any]) -> tuple[float, float, bool]:
+def _predict(run: dict[str, Any], point: dict[str, Any], measured_baseline: bool = True) -> tuple[float, float, bool]:
     from mbridge_offload.plan.planner import estimate
 
-    e = estimate(resolve(_flags(run, point)))
+    e = estimate(resolve(_flags(run, point, measured_baseline)))
     return e.memory_gib.total, e.step_time_factor, e.fits
 
 
-def _points(run: dict[str, Any]) -> list[Point]:
+def _points(run: dict[str, Any], measured_baseline: bool = True) -> list[Point]:
     out: list[Point] = []
     first = run["points"][0]
     first_memory = _predict(run, first)[0]
     for point in run["points"]:
-        memory, factor, fits = _predict(run, point)
+        memory, factor, fits = _predict(run, point, measured_baseline)
         measured = point.get("memory")
         if run["compare"] == "saving" and measured is not None:
             measured, memory = first["memory"] - measured, first_memory - memory
@@ -103,9 +105,14 @@ def _points(run: dict[str, Any]) -> list[Point]:
     return out
 
 
-def accuracy() -> list[Point]:
-    """Every published point with the planner's prediction (memory in the source's unit, GiB)."""
-    return [p for run in load()["runs"] for p in _points(run)]
+def accuracy(measured_baseline: bool = True) -> list[Point]:
+    """Every published point with the planner's prediction (memory in the source's unit, GiB).
+
+    Args:
+        measured_baseline: give the planner each run's measured baseline step (``--baseline-step-s``, what the
+            docs table shows); False: the planner's own default baseline (no step time given).
+    """
+    return [p for run in load()["runs"] for p in _points(run, measured_baseline)]
 
 
 # ------------------------------------------------------------------------------------------- fits
@@ -130,6 +137,19 @@ def fit_cpu_adam() -> float:
 
     grid = [0.2e9 + i * 0.005e9 for i in range(600)]
     return min(grid, key=loss)
+
+
+def fit_mfu_moe() -> float:
+    """The MFU at which the FLOP model gives the measured baseline step of every MoE run whose settings are all
+    published (``compare: absolute``); their geometric mean. ``timing.DEFAULT_MFU_MOE`` holds the rounded result."""
+    from mbridge_offload.plan.timing import baseline_step_s
+
+    logs = []
+    for run in load()["runs"]:
+        r = resolve(_flags(run, run["points"][0], measured_baseline=False))
+        if run["compare"] == "absolute" and r.model.is_moe:
+            logs.append(math.log(baseline_step_s(r.model, r.setup, r.gpu, mfu=1.0) / (run["baseline_step_ms"] / 1000)))
+    return math.exp(sum(logs) / len(logs))
 
 
 def fit_allocator_overhead() -> float:
