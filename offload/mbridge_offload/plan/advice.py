@@ -18,7 +18,9 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from mbridge_offload.config.overrides import format_override
-from mbridge_offload.plan.memory import GiB, MemoryEstimate, Setup
+from mbridge_offload.plan.memory import GB, GiB, MemoryEstimate, Setup, estimate_memory
+from mbridge_offload.plan.results import Fallback
+from mbridge_offload.plan.timing import estimate_time
 
 # Without a headroom asked for (--headroom-gib), a fallback frees this share of the allocatable budget.
 DEFAULT_HEADROOM_SHARE = 0.10
@@ -189,3 +191,51 @@ def headroom_bytes(asked_gib: float | None, budget_bytes: float) -> tuple[float,
     if asked_gib is not None:
         return asked_gib * GiB, "asked for (--headroom-gib)"
     return DEFAULT_HEADROOM_SHARE * budget_bytes, f"default: {DEFAULT_HEADROOM_SHARE:.0%} of the allocatable budget"
+
+
+def fallback(p: Any, before: MemoryEstimate, overlap: Callable[[Any, Setup], bool], step: float) -> Fallback | None:
+    """The cheapest offload (smallest step-time factor) that frees the headroom, for a run that already fits.
+
+    Args:
+        p: the planner's ``anchor.Plan`` (budget, offset, vetter).
+        before: the estimate without offload.
+        overlap: ``(resolved, setup) → overlap_cpu_optimizer_d2h_h2d`` for a proposal.
+        step: the fraction grid.
+    """
+    r, base = p.r, before.setup
+    need, source = headroom_bytes(r.inputs.headroom_gib, p.budget_bytes)
+    steps = round(1 / step)
+    candidates = [
+        (
+            "optimizer",
+            [replace(base, optimizer_offload_fraction=round(i * step, 2)) for i in range(1, steps + 1)],
+        )
+    ]
+    if not r.constraints.activation_blockers(base, r.model.num_layers):
+        candidates.append(
+            ("activation", [replace(base, activation_offload_layers=k) for k in range(1, r.model.num_layers)])
+        )
+
+    def factor(est: MemoryEstimate) -> float:
+        return estimate_time(est, r.gpu, overlap=overlap(r, est.setup), **p.time_kwargs).step_time_factor
+
+    choice = cheapest(
+        candidates,
+        lambda est: p.total(before) - p.total(est) >= need,
+        lambda s: estimate_memory(r.model, s),
+        factor,
+        p.vet.clean,
+    )
+    if choice is None:
+        return None
+    freed = p.total(before) - p.total(choice.est)
+    return Fallback(
+        mode=choice.mode,  # type: ignore[arg-type]
+        overrides=overrides_for(choice.est.setup, overlap(r, choice.est.setup)),
+        headroom_gib=round(need / GiB, 3),
+        headroom_source=source,
+        freed_gib=round(freed / GiB, 3),
+        freed_gb=round(freed / GB, 3),
+        memory_gib=round(p.total_gib(choice.est), 3),
+        step_time_factor=round(choice.factor, 3),
+    )

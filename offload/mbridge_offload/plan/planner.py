@@ -29,7 +29,6 @@ from mbridge_offload.plan.resolve import Resolved
 from mbridge_offload.plan.results import (
     BeforeAfter,
     Estimate,
-    Fallback,
     Recommendation,
     StageTotal,
     TimeBreakdown,
@@ -334,7 +333,7 @@ def recommend(r: Resolved) -> Recommendation:
         num_gpus=r.setup.num_gpus,
         given_mode=advice.mode_of(r.setup),
         advice=sentence,
-        fallback=_fallback(p, before) if mode == "none" else None,
+        fallback=advice.fallback(p, before, _overlap, FRACTION_STEP) if mode == "none" else None,
     )
 
 
@@ -358,44 +357,3 @@ def _overlap(r: Resolved, s: Setup) -> bool:
     if r.sources.get("overlap") in ("flag", "config", "argv"):
         return bool(r.inputs.overlap)
     return overlap_advised(s.optimizer_offload_fraction)
-
-
-def _fallback(p: Plan, before: MemoryEstimate) -> Fallback | None:
-    """The cheapest offload (smallest step-time factor) that frees the headroom, for a run that already fits."""
-    r, base = p.r, before.setup
-    need, source = advice.headroom_bytes(r.inputs.headroom_gib, p.budget_bytes)
-    steps = round(1 / FRACTION_STEP)
-    candidates = [
-        (
-            "optimizer",
-            [replace(base, optimizer_offload_fraction=round(i * FRACTION_STEP, 2)) for i in range(1, steps + 1)],
-        )
-    ]
-    if not r.constraints.activation_blockers(base, r.model.num_layers):
-        candidates.append(
-            ("activation", [replace(base, activation_offload_layers=k) for k in range(1, r.model.num_layers)])
-        )
-
-    def factor(est: MemoryEstimate) -> float:
-        return estimate_time(est, r.gpu, overlap=_overlap(r, est.setup), **p.time_kwargs).step_time_factor
-
-    choice = advice.cheapest(
-        candidates,
-        lambda est: p.total(before) - p.total(est) >= need,
-        lambda s: estimate_memory(r.model, s),
-        factor,
-        p.vet.clean,
-    )
-    if choice is None:
-        return None
-    freed = p.total(before) - p.total(choice.est)
-    return Fallback(
-        mode=choice.mode,  # type: ignore[arg-type]
-        overrides=overrides_for(choice.est.setup, _overlap(r, choice.est.setup)),
-        headroom_gib=round(need / GiB, 3),
-        headroom_source=source,
-        freed_gib=round(freed / GiB, 3),
-        freed_gb=round(freed / GB, 3),
-        memory_gib=round(p.total_gib(choice.est), 3),
-        step_time_factor=round(choice.factor, 3),
-    )
