@@ -1,5 +1,6 @@
-"""What ``apply`` reports: the error it raises, one key edit with its reason, and the result the library, the
-CLI's ``--json`` and the MCP tool share. Never imports torch.
+"""What ``apply`` reports: its error, each key edit with its reason, and the result it returns.
+
+The result is the library's value, the CLI's ``--json`` and the MCP tool's output alike. Never imports torch.
 """
 
 from __future__ import annotations

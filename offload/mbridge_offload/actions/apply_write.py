@@ -1,5 +1,7 @@
-"""Where ``apply`` may write and how: containment to the allowed roots, refusal of a result its validator rejects,
-then the safe write itself (``safe_write``: no silent overwrite, backup, atomic replace). Never imports torch.
+"""Where ``apply`` may write, and the write: containment, refusal of an invalid result, the safe write.
+
+Containment: only under the allowed roots (a symlink judged by where it lands). A result its validator rejects is
+not written. The write itself is ``safe_write``'s: no silent overwrite, a backup, atomic replace. Never imports torch.
 """
 
 from __future__ import annotations

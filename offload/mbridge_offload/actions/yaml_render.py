@@ -1,5 +1,7 @@
-"""Put ``apply``'s key edits into the user's text: JSON re-dumped; YAML edited line by line (``yaml_edit``), else
-round-tripped with ruamel.yaml, which keeps comments, key order and quoting. Never imports torch.
+"""Put ``apply``'s key edits into the user's text, keeping every byte it does not change.
+
+JSON is re-dumped; YAML is edited line by line (``yaml_edit``), else (unusual layouts) round-tripped with
+ruamel.yaml, which keeps comments, key order and quoting. Never imports torch.
 """
 
 from __future__ import annotations

@@ -1,5 +1,4 @@
-"""What the planner checks and adds around its search: the rule catalogue on every candidate, the comparison
-with the config as given, and a fallback for a run that fits without offload.
+"""What the planner checks and adds around its search: catalogue vetting, the as-given comparison, a fallback.
 
 - ``Vetter``: a candidate offload is proposed only if the rule catalogue raises no error *and no warning* on it
   that the config without offload does not already raise (e.g. TE's ACT-NO-OVERLAP at ``num_layers − 1``).

@@ -1,9 +1,10 @@
-"""Published GPU measurements (``data/published.yaml``): the planner's accuracy on them, and the fit of its two
-physical parameters.
+"""Published GPU measurements (``data/published.yaml``): the planner's accuracy, and its fitted parameters.
 
 - ``fit_cpu_adam``: the CPU AdamW rate of one core of the card's host (Sapphire Rapids), least squares on the
   relative error of the step factor over the points marked ``fit: cpu_adam``; ``hardware.SAPPHIRE_RAPIDS_ADAM``
   holds the rounded result (a test checks they agree).
+- ``fit_mfu_moe``: the MFU of a MoE step without offload, from the measured baseline of every MoE run whose settings
+  are all published (today: the card's job 10119286); ``timing.DEFAULT_MFU_MOE`` holds it.
 - ``fit_allocator_overhead``: reserved beyond allocated, from the OOM point (allocated at the OOM vs what the
   device exposes less the CUDA context); ``anchor.ALLOCATOR_OVERHEAD`` holds it.
 
@@ -175,10 +176,11 @@ def _pct(x: float | None) -> str:
 def render_accuracy_table() -> str:
     """The markdown accuracy table of ``docs/planner.md`` (generated; see mbridge_offload_tools.docgen.registry)."""
     rows = [
-        "| run | point | memory measured (GiB) | predicted | error | step factor measured | predicted | error |",
-        "|---|---|---|---|---|---|---|---|",
+        "| run | point | memory measured (GiB) | predicted | error | step factor measured | predicted | error "
+        "| predicted, no baseline given | error |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for p in accuracy():
+    for p, d in zip(accuracy(), accuracy(measured_baseline=False), strict=True):
         what = "saved " if p.compare == "saving" else ""
         if p.oom:
             measured = f"OOM at {p.measured_memory:g}"
@@ -192,13 +194,17 @@ def render_accuracy_table() -> str:
         fitted = " (fit)" if p.fit == "cpu_adam" else ""
         rows.append(
             f"| {p.run} | {p.label} | {measured} | {predicted} | {_pct(p.memory_error)} | {factor} | "
-            f"{p.predicted_factor:.2f}{fitted} | {_pct(p.factor_error)} |"
+            f"{p.predicted_factor:.2f}{fitted} | {_pct(p.factor_error)} | {d.predicted_factor:.2f} | "
+            f"{_pct(d.factor_error)} |"
         )
     rate, overhead = fit_cpu_adam(), fit_allocator_overhead()
     rows += [
         "",
         f"Fitted physical parameters: CPU AdamW {rate / 1e9:.3f}·10⁹ params/s per Sapphire Rapids core (from the "
-        f"points marked (fit)); allocator overhead {overhead:.1%} of allocated (from the OOM point). All "
+        f"points marked (fit)); allocator overhead {overhead:.1%} of allocated (from the OOM point); MoE MFU "
+        f"{fit_mfu_moe():.3f} for the baseline when none is given (from the card's measured baseline, job 10119286; "
+        "the dense MFU is an assumption, so the NeMo-RL run, whose batch and sequence are not published, is far off "
+        "without its measured baseline). All "
         "measurements are published GPU runs by others (sources in "
         "`offload/mbridge_offload/plan/data/published.yaml`); none "
         "was run by this project.",
