@@ -54,9 +54,9 @@ def _optimizer_edits(cfg: OffloadConfig, fraction: float | None, edits: Edits) -
         )
 
 
-def _catalogue_errors(model: Any, num_layers: int, rule: str) -> list[str]:
+def _catalogue_errors(model: Any, num_layers: int | None, rule: str) -> list[str]:
     """The catalogue's message for ``rule`` if it fires with activation offload of ``num_layers`` on ``model``."""
-    from mbridge_offload.config.rules.activation import activation_offload_errors
+    from mbridge_offload.config.validate import activation_offload_errors
 
     fields = {
         "num_layers": model.num_layers,
@@ -76,12 +76,13 @@ def _activation_edits(cfg: OffloadConfig, num_layers: int | None, edits: Edits) 
             "per-GPU memory of everything else, so it is not done silently: use mode=optimizer (works with PP>1), "
             "or set model.pipeline_model_parallel_size=1 yourself and run again"
         )
-    total = model.num_layers
+    total = None if model.num_layers is None else int(model.num_layers)
+    layers: int
     if num_layers is None:
         if model.cpu_offloading_num_layers > 0:
-            num_layers, why = model.cpu_offloading_num_layers, "kept the layer count already set"
+            layers, why = int(model.cpu_offloading_num_layers), "kept the layer count already set"
         elif total:
-            num_layers = max(1, min(total - 1, total // 2))
+            layers = max(1, min(total - 1, total // 2))
             why = "half the layers as a starting point (pass num_layers, or mode=recommended to size it)"
         else:
             raise ApplyError(
@@ -89,16 +90,16 @@ def _activation_edits(cfg: OffloadConfig, num_layers: int | None, edits: Edits) 
                 "or give model.num_layers in the config so a default can be chosen"
             )
     else:
-        why = "the requested number of offloaded layers"
-    if num_layers < 1:
-        raise ApplyError(f"num_layers is {num_layers}: offloading 0 layers does nothing; pass at least 1")
-    for message in _catalogue_errors(model, num_layers, "ACT-NUM-LAYERS"):
+        layers, why = num_layers, "the requested number of offloaded layers"
+    if layers < 1:
+        raise ApplyError(f"num_layers is {layers}: offloading 0 layers does nothing; pass at least 1")
+    for message in _catalogue_errors(model, layers, "ACT-NUM-LAYERS"):
         raise ApplyError(
-            f"num_layers is {num_layers}, but model.num_layers is {total}: Megatron Core says '{message}'; "
+            f"num_layers is {layers}, but model.num_layers is {total}: Megatron Core says '{message}'; "
             f"pass at most {(total or 1) - 1}"
         )
     _want(edits, "model.cpu_offloading", True, "master switch for layer-level activation offloading")
-    _want(edits, "model.cpu_offloading_num_layers", int(num_layers), why)
+    _want(edits, "model.cpu_offloading_num_layers", int(layers), why)
     # The conflict edits are defined once, beside the rules they resolve (validate's fixes use the same list).
     for key, value, reason in activation_mode_edits(model):
         _want(edits, key, value, reason)
@@ -193,8 +194,8 @@ def plan_edits(
         for key, value in from_planner.items():
             edits.setdefault(key, (value, "recommended by the planner"))
         return chosen, edits
-    for planner in MODE_EDITS[mode]:
-        planner(cfg, fraction, num_layers, edits)
+    for edit in MODE_EDITS[mode]:
+        edit(cfg, fraction, num_layers, edits)
     return mode, edits
 
 

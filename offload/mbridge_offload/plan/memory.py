@@ -182,7 +182,7 @@ def check_setup(model: ModelSpec, setup: Setup) -> None:
 
 def _check_activation_offload(model: ModelSpec, s: Setup) -> None:
     """The rule catalogue's activation-offload errors (config.rules.activation), raised as ValueError."""
-    from mbridge_offload.config.rules.activation import activation_offload_errors
+    from mbridge_offload.config.validate import activation_offload_errors
 
     errors = activation_offload_errors(
         {

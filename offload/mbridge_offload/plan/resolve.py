@@ -136,7 +136,7 @@ class Constraints:
         Not a second copy of upstream's checks: the rule catalogue is run on the setup with activation offload
         switched on, and every error it raises about ``model.cpu_offloading`` is returned with its message.
         """
-        from mbridge_offload.config.rules.activation import activation_offload_errors
+        from mbridge_offload.config.validate import activation_offload_errors
 
         model = {
             "num_layers": max(num_layers, 2),

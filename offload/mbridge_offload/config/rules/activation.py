@@ -24,29 +24,6 @@ def safe_layers(num_layers: int) -> int:
     return max(1, num_layers - 2) if num_layers >= 2 else 0
 
 
-def activation_offload_errors(model: dict[str, object]) -> list[tuple[str, str]]:
-    """``(rule id, message)`` of every catalogue error that layer-level activation offloading raises on ``model``.
-
-    The one home of its constraints (PP = 1, the layer range, no recomputation, CUDA graphs, fine-grained
-    offloading, …): the planner (``plan.resolve``), the memory model and ``apply`` ask this instead of restating
-    them. ``model`` holds ``model.*`` values; ``cpu_offloading`` is switched on here.
-
-    Example:
-        >>> activation_offload_errors({"num_layers": 8, "pipeline_model_parallel_size": 2})[0][0]
-        'ACT-PP'
-    """
-    from mbridge_offload.config.schema import OffloadConfig
-    from mbridge_offload.config.validate import validate
-
-    probe = {"cpu_offloading_num_layers": 1, **model, "cpu_offloading": True}
-    if int(str(probe.get("pipeline_model_parallel_size") or 1)) > 1:
-        probe.setdefault("pipeline_dtype", "bf16")  # Bridge fills it in; not what decides here
-    raw = {"model": probe}
-    report = validate(OffloadConfig.model_validate(raw), raw)
-    offload_keys = ("model.cpu_offloading", "model.cpu_offloading_num_layers")
-    return [(f.rule, f.message) for f in report.errors if any(k in f.keys for k in offload_keys)]
-
-
 # ---------------------------------------------------------------------------------------------- MCore, code order
 
 
