@@ -105,7 +105,9 @@ def _activation_edits(cfg: OffloadConfig, num_layers: int | None, edits: Edits) 
         _want(edits, key, value, reason)
 
 
-def _recommended(cfg: OffloadConfig, raw: dict[str, Any], planner: dict[str, Any] | None) -> tuple[str, list[str]]:
+def _recommended(
+    cfg: OffloadConfig, raw: dict[str, Any], planner: dict[str, Any] | None
+) -> tuple[str, list[str], str | None]:
     """Ask the planner for (mode, overrides) on this config."""
     try:
         from mbridge_offload.plan import service as plan
@@ -117,7 +119,7 @@ def _recommended(cfg: OffloadConfig, raw: dict[str, Any], planner: dict[str, Any
         rec = plan.recommend_for_config(cfg, raw=raw, **(planner or {}))
     except (KeyError, ValueError, TypeError) as exc:  # no model sizes, unknown preset, a setup Megatron rejects
         raise ApplyError(f"mode=recommended: the planner cannot size this config: {str(exc).strip(chr(39))}") from None
-    return str(rec.mode), list(rec.overrides)
+    return str(rec.mode), list(rec.overrides), rec.advice
 
 
 def requested_edits(overrides: list[str], effective_raw: dict[str, Any]) -> dict[str, Any]:
@@ -176,9 +178,9 @@ def plan_edits(
         )
     edits: Edits = {}
     if mode == "recommended":
-        chosen, overrides = _recommended(cfg, raw, planner)
+        chosen, overrides, advice = _recommended(cfg, raw, planner)
         if notes is not None:
-            notes.append(f"the planner chose mode={chosen}")
+            notes.append(f"the planner chose mode={chosen}" + (f": {advice}" if advice else ""))
         from_planner: dict[str, Any] = {}
         for text in overrides:
             key, _, value = text.lstrip("+").partition("=")
