@@ -180,7 +180,7 @@ def plan_edits(
     if mode == "recommended":
         chosen, overrides, advice = _recommended(cfg, raw, planner)
         if notes is not None:
-            notes.append(f"the planner chose mode={chosen}" + (f": {advice}" if advice else ""))
+            notes += [f"the planner chose mode={chosen}", *([advice] if advice else [])]
         from_planner: dict[str, Any] = {}
         for text in overrides:
             key, _, value = text.lstrip("+").partition("=")
