@@ -61,8 +61,10 @@ def switch_off_overrides(given: Setup, kept: Setup | None = None) -> list[str]:
     return out
 
 
-def advice_sentence(given: Setup, mode: str) -> str | None:
-    """The advice in words when it changes the offload the config already has; None when it has none."""
+def advice_sentence(given: Setup, mode: str, given_factor: float | None = None) -> str | None:
+    """The advice in words when it changes the offload the config already has; None when it has none.
+
+    ``given_factor``: the predicted step-time factor of the config as given (over the step without offload)."""
     had = mode_of(given)
     if had == "none":
         return None
@@ -72,9 +74,10 @@ def advice_sentence(given: Setup, mode: str) -> str | None:
     if given.activation_offload_layers > 0:
         what.append(f"activation offload of {given.activation_offload_layers} layers")
     has = " and ".join(what)
+    cost = f" (predicted step time x{given_factor:.2f} with it)" if given_factor is not None else ""
     if mode == "none":
         return (
-            f"the config as given has {has}; it fits without: the advice is to switch that offload off "
+            f"the config as given has {has}{cost}; it fits without: the advice is to switch that offload off "
             "(apply --mode recommended does; 'before' is the config as given, 'after' the advice)"
         )
     return f"the config as given has {has}; 'before' is that config, 'after' the advised {mode} offload"

@@ -305,7 +305,8 @@ def recommend(r: Resolved) -> Recommendation:
     overlap = _overlap(r, after.setup)
     t = estimate_time(after, r.gpu, overlap=overlap and mode != "none", **p.time_kwargs)
     rationale += _explain(p, before, after, t, mode)
-    sentence = advice.advice_sentence(r.setup, mode)
+    given_t = estimate_time(given, r.gpu, overlap=r.overlap, **p.time_kwargs) if given is not before else None
+    sentence = advice.advice_sentence(r.setup, mode, given_t.step_time_factor if given_t else None)
     return Recommendation(
         mode=mode,
         overrides=advice.switch_off_overrides(r.setup, after.setup) + overrides_for(after.setup, overlap),
