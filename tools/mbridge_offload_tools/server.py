@@ -227,9 +227,11 @@ _plan_tool(
     """Pick the smallest offload that makes the run fit: none, optimizer (with a fraction), activation, or both.
 
     Takes a preset, a (partial) config, Megatron-LM argv and/or any planner input; what is missing comes from the
-    preset (or the error names it). Returns the overrides, per-GPU memory before/after (GB and GiB), whether it
-    fits, the step-time factor, why, and every assumption with its source. Pass measured_peak_gib /
-    measured_step_s / measured_log / ooms to anchor the predictions on the user's own run.
+    preset (or the error names it). Returns the overrides, per-GPU memory before (the config as given, its offload
+    included) / after (GB and GiB) on the stated GPU and count, whether it fits, the step-time factor, why, the
+    advice in words when it removes the config's offload, a fallback (the cheapest offload for a headroom) when
+    none is needed, and every assumption with its source. Pass measured_peak_gib / measured_step_s /
+    measured_log / ooms to anchor the predictions on the user's own run.
     """,
     "Recommend an offload mode",
 )
