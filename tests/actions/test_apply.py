@@ -52,20 +52,12 @@ def _cwd(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(work)
 
 
-def test_optimizer_mode_sets_switch_fraction_and_overlap_with_reasons(config_file: Path) -> None:
+def test_optimizer_mode_sets_switch_and_fraction_with_reasons(config_file: Path) -> None:
     result = apply_offload(str(config_file), "optimizer")
     changed = {c.key: c.new for c in result.changes}
-    assert changed == {
-        "optimizer.optimizer_cpu_offload": True,
-        "optimizer.optimizer_offload_fraction": 0.5,
-        "optimizer.overlap_cpu_optimizer_d2h_h2d": True,
-    }
+    assert changed == {"optimizer.optimizer_cpu_offload": True, "optimizer.optimizer_offload_fraction": 0.5}
     assert all(c.why for c in result.changes)
-    assert result.overrides == [
-        "optimizer.optimizer_cpu_offload=true",
-        "optimizer.optimizer_offload_fraction=0.5",
-        "optimizer.overlap_cpu_optimizer_d2h_h2d=true",
-    ]
+    assert result.overrides == ["optimizer.optimizer_cpu_offload=true", "optimizer.optimizer_offload_fraction=0.5"]
     assert "+  optimizer_cpu_offload: true" in result.diff
     assert result.ok and result.written is None
 
@@ -209,7 +201,6 @@ def test_inline_text_and_json_inputs(tmp_path: Path) -> None:
         "lr": 0.001,
         "optimizer_cpu_offload": True,
         "optimizer_offload_fraction": 0.5,
-        "overlap_cpu_optimizer_d2h_h2d": True,
     }
     assert result.ok
 
@@ -327,3 +318,31 @@ def test_a_config_container_perf_yaml_keeps_its_wrapper_and_comments(tmp_path: P
     assert "    num_layers: 8   # keep\n" in text and "    optimizer_offload_fraction: 0.5\n" in text
     loaded = load(str(out))
     assert loaded.config.optimizer.optimizer_cpu_offload and loaded.config.optimizer.optimizer_offload_fraction == 0.5
+
+
+@pytest.mark.parametrize("fraction", [0.5, 0.7, 0.75, 1.0])
+def test_apply_turns_overlap_on_exactly_where_validate_advises_it(config_file: Path, fraction: float) -> None:
+    from mbridge_offload.config.rules.optimizer import overlap_advised
+
+    result = apply_offload(str(config_file), "optimizer", fraction=fraction)
+    turned_on = any(c.key == "optimizer.overlap_cpu_optimizer_d2h_h2d" for c in result.changes)
+    assert turned_on == overlap_advised(fraction)
+    # the edited config never draws the overlap hint: one threshold for both
+    assert "OPT-OVERLAP" not in {f["rule"] for f in result.findings}
+
+
+def test_requested_overrides_are_written_even_when_they_equal_the_schema_default(tmp_path: Path) -> None:
+    path = tmp_path / "layered.yaml"  # a Bridge YAML layered on a recipe: the recipe may set other values
+    path.write_text("model:\n  num_layers: 8\noptimizer:\n  lr: 0.001\n")
+    wanted = ["model.pipeline_model_parallel_size=1", "model.cuda_graph_impl=none"]
+    result = apply_offload(str(path), "optimizer", overrides=wanted)
+    assert set(wanted) <= set(result.overrides)
+    assert "+  pipeline_model_parallel_size: 1" in result.diff
+    assert "+  cuda_graph_impl: none" in result.diff
+
+
+def test_a_requested_value_the_file_already_has_is_not_rewritten(tmp_path: Path) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text("model:\n  num_layers: 8\n  pipeline_model_parallel_size: 1\n")
+    result = apply_offload(str(path), "none", overrides=["model.pipeline_model_parallel_size=1"])
+    assert "model.pipeline_model_parallel_size" not in {c.key for c in result.changes}

@@ -9,6 +9,7 @@ import pytest
 
 from mbridge_offload.config import sources
 from mbridge_offload.plan import planner as plan
+from mbridge_offload.plan import service
 from mbridge_offload.plan.hardware import GPU_PRESETS, gpu_preset
 from mbridge_offload.plan.memory import Setup, estimate_memory
 from mbridge_offload.plan.presets import model_preset
@@ -66,7 +67,7 @@ def test_small_model_with_dominant_activations_gets_activation_offload():
     assert rec.mode == "activation" and rec.fits
     k = rec.activation_offload_layers
     assert 0 < k < 28
-    assert f"model.cpu_offloading_num_layers={k}" in rec.overrides and "model.cpu_offloading=True" in rec.overrides
+    assert f"model.cpu_offloading_num_layers={k}" in rec.overrides and "model.cpu_offloading=true" in rec.overrides
     assert not plan.estimate(resolve({**flags, "activation_offload_layers": k - 1})).fits
 
 
@@ -87,7 +88,7 @@ def test_nothing_fits_says_what_would_with_numbers():
 
 def test_recommend_for_bridge_yaml_revalidates_overrides():
     loaded = sources.load("examples/qwen3_30b_a3b_pretrain.yaml")
-    rec = plan.recommend_for_inputs(loaded.config, loaded.raw, num_gpus=16, gpu_memory_gb=48)
+    rec = service.recommend_for_inputs(loaded.config, loaded.raw, num_gpus=16, gpu_memory_gb=48)
     assert rec.mode == "optimizer"
     data = rec.model_dump(mode="json")
     assert set(data) >= {"mode", "overrides", "memory_gb", "fits", "step_time_factor", "rationale"}
@@ -108,9 +109,11 @@ def test_recommend_replans_a_config_whose_activation_offload_upstream_rejects(tm
     assert loaded.config.model.cpu_offloading and loaded.config.model.pipeline_model_parallel_size == 2
     with pytest.raises(ValueError, match="Pipeline parallelism"):
         plan.estimate(resolve({"num_gpus": 16}, loaded.config, loaded.raw))
-    rec = plan.recommend_for_inputs(loaded.config, loaded.raw, num_gpus=16, gpu_memory_gb=48)
+    rec = service.recommend_for_inputs(loaded.config, loaded.raw, num_gpus=16, gpu_memory_gb=48)
     assert rec.mode == "optimizer"
-    assert not any(o.startswith("model.cpu_offloading=") for o in rec.overrides)
+    # the rejected activation offload is switched off, not proposed
+    assert "model.cpu_offloading=true" not in rec.overrides and "model.cpu_offloading=false" in rec.overrides
+    assert rec.given_mode == "both" and rec.memory_gib.before == rec.memory_gib.without_offload
 
 
 def test_partial_yaml_without_optimizer_keys_gets_bridge_defaults_and_says_so(tmp_path):
@@ -175,3 +178,40 @@ def test_gpu_presets_cover_the_issue_list():
     assert gpu_preset("h200-141gb").capacity_gib == pytest.approx(139.8, abs=0.05)
     with pytest.raises(KeyError, match="known"):
         gpu_preset("tpu-v5")
+
+
+def test_recommend_never_proposes_what_the_catalogue_warns_about():
+    # 80 layers, nothing fits: the most activation offload proposed is 78, not 79 (TE's ACT-NO-OVERLAP warning).
+    flags = {"model": "llama3-70b", "num_gpus": 8, "tp": 8, "pp": 1, "recompute_granularity": None}
+    rec = _rec(**flags, gpu_memory_gb=48, seq_length=8192)
+    assert rec.activation_offload_layers == 78
+    assert any("ACT-NO-OVERLAP" in line for line in rec.rationale if line.startswith("not proposed"))
+
+
+def test_a_run_that_fits_gets_a_fallback_for_a_stated_headroom():
+    rec = _rec(model="qwen3-30b-a3b", gpu="h100-80gb")
+    assert rec.mode == "none" and rec.fallback is not None
+    f = rec.fallback
+    assert f.freed_gib >= f.headroom_gib and f.step_time_factor > 1 and f.overrides
+    asked = _rec(model="qwen3-30b-a3b", gpu="h100-80gb", headroom_gib=2.0).fallback
+    assert asked.headroom_gib == 2.0 and asked.freed_gib >= 2.0 and asked.step_time_factor <= f.step_time_factor
+
+
+def test_recommend_compares_against_the_config_as_given_and_says_it_removes_its_offload():
+    loaded = sources.load("examples/qwen3_30b_a3b_pretrain.yaml")
+    rec = service.recommend_for_inputs(loaded.config, loaded.raw, num_gpus=16)
+    assert rec.given_mode == "optimizer" and rec.mode == "none"
+    assert rec.memory_gib.before.total < rec.memory_gib.after.total == rec.memory_gib.without_offload.total
+    assert "switch that offload off" in rec.advice and rec.advice in rec.rationale
+    assert "optimizer.optimizer_cpu_offload=false" in rec.overrides
+    assert rec.gpu == "h100-80gb" and rec.num_gpus == 16
+
+
+def test_cli_and_mcp_share_one_planner_entry_point():
+    import inspect
+
+    from mbridge_offload_tools import cli_plan, server
+
+    for module in (cli_plan, server):
+        text = inspect.getsource(module)
+        assert "plan.service import plan" in text and "revalidate" not in text and "resolve(" not in text

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from mbridge_offload.plan import anchor, hardware, published
+from mbridge_offload.plan import anchor, hardware, published, timing
 from mbridge_offload.plan import planner as plan
 from mbridge_offload.plan.resolve import resolve
 
@@ -72,3 +72,34 @@ def test_accuracy_table_renders_every_point():
     table = published.render_accuracy_table()
     assert table.count("\n| ") == len(POINTS)
     assert "published GPU runs by others" in table
+
+
+CARD_DEFAULT = [p for p in published.accuracy(measured_baseline=False) if p.run == "qwen3-30b-a3b-card" and not p.oom]
+
+
+@pytest.mark.parametrize("point", [p for p in CARD_DEFAULT if p.factor_error is not None], ids=lambda p: p.label)
+def test_card_step_factor_within_15_percent_without_a_baseline_given(point):
+    assert abs(point.factor_error) <= 0.15
+
+
+def test_the_moe_mfu_is_what_the_published_baseline_gives():
+    assert published.fit_mfu_moe() == pytest.approx(timing.DEFAULT_MFU_MOE, rel=0.01)
+
+
+def test_the_mfu_fit_follows_the_published_baseline(monkeypatch):
+    data = published.load()
+    slower = {"runs": [dict(r) for r in data["runs"]]}
+    slower["runs"][0]["baseline_step_ms"] = data["runs"][0]["baseline_step_ms"] * 1.5
+    monkeypatch.setattr(published, "load", lambda: slower)
+    assert published.fit_mfu_moe() == pytest.approx(timing.DEFAULT_MFU_MOE / 1.5, rel=0.02)
+
+
+def test_the_baseline_step_and_its_source_are_among_the_assumptions():
+    derived = {a.name: a for a in plan.estimate(resolve({"model": "qwen3-30b-a3b"})).assumptions}
+    assert derived["baseline_step_s"].source == "derived" and "MFU" in derived["baseline_step_s"].note
+    assert derived["mfu"].value == timing.DEFAULT_MFU_MOE and "job 10119286" in derived["mfu"].note
+    given = {
+        a.name: a for a in plan.estimate(resolve({"model": "qwen3-30b-a3b", "baseline_step_s": 0.996})).assumptions
+    }
+    assert given["baseline_step_s"].value == 0.996 and given["baseline_step_s"].source == "flag"
+    assert "mfu" not in given

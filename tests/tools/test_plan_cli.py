@@ -76,7 +76,7 @@ def test_recommend_json_for_qwen_on_h100_is_none_as_upstream_ran_it(capsys):
     data = json.loads(out)
     assert {"mode", "overrides", "memory_gb", "fits", "step_time_factor", "rationale"} <= set(data)
     assert data["mode"] == "none" and data["fits"] and data["overrides"] == []
-    assert set(data["memory_gb"]) == {"before", "after"}
+    assert {"before", "after"} <= set(data["memory_gb"])  # and without_offload
     assert data["step_time_factor"] == 1.0
     # On a 48 GB GPU the same run needs optimizer offload.
     code, out, _ = run(["recommend", *QWEN_RUN, "--gpu-memory-gb", "48", "--json"], capsys)

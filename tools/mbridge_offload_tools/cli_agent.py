@@ -178,9 +178,14 @@ def _human_diagnose(d: dict[str, Any]) -> str:
     if d.get("comparison"):
         for c in d["comparison"]["changed"]:
             lines.append(f"changed {c['key']}: {c['before']!r} -> {c['after']!r}")
-        mem = d["comparison"].get("memory_gb")
+        c = d["comparison"]
+        mem = c.get("memory_gb")
         if mem and mem.get("delta_total") is not None:
-            lines.append(f"predicted per-GPU memory change: {mem['delta_total']:+.2f} GB")
+            where = f" on {c['num_gpus']['before']} x {c['gpu']['before']}" if c.get("gpu") else ""
+            lines.append(
+                f"predicted per-GPU peak (worst stage){where}: {mem['before']['total']:.2f} -> "
+                f"{mem['after']['total']:.2f} GB (decimal, 10^9 bytes), {mem['delta_total']:+.2f} GB"
+            )
         if d["comparison"].get("memory_note"):
             lines.append(d["comparison"]["memory_note"])
     lines += d["notes"]

@@ -86,15 +86,16 @@ def _load(args: argparse.Namespace) -> Any:
         raise UsageError(str(exc)) from None
 
 
-def _resolve(args: argparse.Namespace) -> tuple[Any, Any]:
-    """The resolved inputs (one path for presets, config files, Megatron-LM argv and flags) and the config."""
+def _plan(kind: str, args: argparse.Namespace) -> Any:
+    """The planner's one entry point (``plan.service.plan``) on this command's config and flags."""
     from mbridge_offload.plan.inputs import FIELDS
-    from mbridge_offload.plan.resolve import resolve
+    from mbridge_offload.plan.service import plan
 
     loaded = _load(args)
     flags = {name: getattr(args, name) for name in FIELDS}
     try:
-        return resolve(flags, loaded.config if loaded else None, loaded.raw if loaded else None), loaded
+        config, raw = (loaded.config, loaded.raw) if loaded else (None, None)
+        return plan(kind, flags, config, raw)  # type: ignore[arg-type]
     except (KeyError, ValueError) as exc:
         raise UsageError(str(exc).strip("'\"")) from None
 
@@ -128,7 +129,7 @@ def _assumption_lines(d: dict[str, Any]) -> list[str]:
 def _human_estimate(d: dict[str, Any]) -> str:
     p = d["parallel"]
     head = (
-        f"{d['model']} on {p['num_gpus']} GPUs (TP{p['tp']} PP{p['pp']} CP{p['cp']} EP{p['ep']} ETP{p['etp']}, "
+        f"{d['model']} on {p['num_gpus']} x {d['gpu']} (TP{p['tp']} PP{p['pp']} CP{p['cp']} EP{p['ep']} ETP{p['etp']}, "
         f"DP{p['dp']}), worst stage {d['worst_stage']}, peak allocated per GPU:"
     )
     rows = _memory_rows(d["memory_gb"], d["memory_gib"])
@@ -147,13 +148,7 @@ def _human_estimate(d: dict[str, Any]) -> str:
 
 
 def run_estimate(args: argparse.Namespace) -> int:
-    from mbridge_offload.plan import planner as plan
-
-    resolved, _ = _resolve(args)
-    try:
-        result = plan.estimate(resolved)
-    except ValueError as exc:
-        raise UsageError(str(exc)) from None
+    result = _plan("estimate", args)
     emit(result.model_dump(mode="json"), args.json, _human_estimate)
     return EXIT_OK
 
@@ -161,7 +156,9 @@ def run_estimate(args: argparse.Namespace) -> int:
 def _human_recommend(d: dict[str, Any]) -> str:
     lines = [
         f"mode: {d['mode']}    fits: {'yes' if d['fits'] else 'NO'}    step time: x{d['step_time_factor']:.2f}",
-        "peak allocated per GPU (worst stage), before -> after:",
+        *([f"advice: {d['advice']}"] if d.get("advice") else []),
+        f"peak allocated per GPU (worst stage) on {d['num_gpus']} x {d['gpu']}, before (the config as given, "
+        f"offload: {d['given_mode']}) -> after:",
         _table(_memory_rows(d["memory_gb"]["after"], d["memory_gib"]["after"], d["memory_gib"]["before"])),
     ]
     if d["overrides"]:
@@ -172,18 +169,18 @@ def _human_recommend(d: dict[str, Any]) -> str:
     if d.get("suggestions"):
         lines.append("what would fit:")
         lines += [f"  - {r}" for r in d["suggestions"]]
+    if d.get("fallback"):
+        f = d["fallback"]
+        lines.append(
+            f"if you need {f['headroom_gib']:.1f} GiB of headroom ({f['headroom_source']}): {f['mode']} offload frees "
+            f"{f['freed_gib']:.1f} GiB ({f['memory_gib']:.1f} GiB left) at step time x{f['step_time_factor']:.2f}:"
+        )
+        lines += [f"  {o}" for o in f["overrides"]]
     return "\n".join([*lines, f"unit: {d['unit']}", *_assumption_lines(d)])
 
 
 def run_recommend(args: argparse.Namespace) -> int:
-    from mbridge_offload.plan import planner as plan
-
-    resolved, loaded = _resolve(args)
-    try:
-        rec = plan.recommend(resolved)
-    except ValueError as exc:
-        raise UsageError(str(exc)) from None
-    plan.revalidate(rec, loaded.config if loaded else None, loaded.raw if loaded else None)
+    rec = _plan("recommend", args)
     emit(rec.model_dump(mode="json"), args.json, _human_recommend)
     return EXIT_OK
 

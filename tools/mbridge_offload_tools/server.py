@@ -114,8 +114,7 @@ def _plan(kind: str, args: dict[str, Any]) -> Any:
     import shlex
 
     from mbridge_offload.config.sources import ConfigError, load
-    from mbridge_offload.plan import planner as plan
-    from mbridge_offload.plan.resolve import resolve
+    from mbridge_offload.plan.service import plan
 
     config, overrides, argv = (
         args.pop("config", None),
@@ -134,14 +133,10 @@ def _plan(kind: str, args: dict[str, Any]) -> Any:
     try:
         loaded = load(argv=shlex.split(argv), overrides=overrides) if argv is not None else None
         loaded = _load(config, overrides) if config is not None else loaded
-        r = resolve(args, loaded.config if loaded else None, loaded.raw if loaded else None)
-        if kind == "estimate":
-            return plan.estimate(r)
-        rec = plan.recommend(r)
+        config_, raw = (loaded.config, loaded.raw) if loaded else (None, None)
+        return plan(kind, args, config_, raw)  # type: ignore[arg-type]
     except (ValueError, KeyError, ConfigError) as exc:
         raise ToolError(str(exc).strip("'\"")) from None
-    plan.revalidate(rec, loaded.config if loaded else None, loaded.raw if loaded else None)
-    return rec
 
 
 def _plan_tool(kind: str, output: type, doc: str, title: str) -> None:
@@ -232,9 +227,11 @@ _plan_tool(
     """Pick the smallest offload that makes the run fit: none, optimizer (with a fraction), activation, or both.
 
     Takes a preset, a (partial) config, Megatron-LM argv and/or any planner input; what is missing comes from the
-    preset (or the error names it). Returns the overrides, per-GPU memory before/after (GB and GiB), whether it
-    fits, the step-time factor, why, and every assumption with its source. Pass measured_peak_gib /
-    measured_step_s / measured_log / ooms to anchor the predictions on the user's own run.
+    preset (or the error names it). Returns the overrides, per-GPU memory before (the config as given, its offload
+    included) / after (GB and GiB) on the stated GPU and count, whether it fits, the step-time factor, why, the
+    advice in words when it removes the config's offload, a fallback (the cheapest offload for a headroom) when
+    none is needed, and every assumption with its source. Pass measured_peak_gib / measured_step_s /
+    measured_log / ooms to anchor the predictions on the user's own run.
     """,
     "Recommend an offload mode",
 )

@@ -255,13 +255,17 @@ def _memory(config: OffloadConfig) -> dict[str, Any]:
     Raises:
         ValueError / KeyError: the config lacks the model sizes the estimator needs.
     """
-    from mbridge_offload.plan.planner import estimate_for_inputs
+    from mbridge_offload.plan.service import estimate_for_inputs
 
-    est = estimate_for_inputs(config)
+    est = estimate_for_inputs(config)  # the same entry point as `estimate` and `recommend`
     return {
         "memory_gb": est.memory_gb.model_dump(),
+        "memory_gib": est.memory_gib.model_dump(),
         "host_gb": est.host_gb,
         "step_time_factor": est.step_time_factor,
+        "gpu": est.gpu,
+        "num_gpus": est.num_gpus,
+        "unit": est.unit,
     }
 
 
@@ -278,6 +282,11 @@ def compare_configs(before: OffloadConfig, after: OffloadConfig) -> dict[str, An
     tb = mem_before.get("memory_gb", {}).get("total")
     ta = mem_after.get("memory_gb", {}).get("total")
     out["memory_gb"] = {"before": mem_before.get("memory_gb"), "after": mem_after.get("memory_gb")}
+    out["memory_gib"] = {"before": mem_before["memory_gib"], "after": mem_after["memory_gib"]}
+    # Which GPU and how many each side assumed (the same planner as `estimate`), and the unit of the figures.
+    out["gpu"] = {"before": mem_before["gpu"], "after": mem_after["gpu"]}
+    out["num_gpus"] = {"before": mem_before["num_gpus"], "after": mem_after["num_gpus"]}
+    out["unit"] = mem_before["unit"]
     if tb is not None and ta is not None:
         out["memory_gb"]["delta_total"] = round(ta - tb, 3)
     out["host_gb"] = {"before": mem_before.get("host_gb"), "after": mem_after.get("host_gb")}

@@ -13,6 +13,7 @@ Example:
 
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, computed_field
@@ -168,3 +169,29 @@ def _drop_unsound_fixes(findings: list[Finding], config: OffloadConfig, raw: dic
 def first_error(report: Report, stage: str) -> Finding | None:
     """The first error a given upstream stage would raise (upstream stops at its first failing check)."""
     return next((f for f in report.errors if f.stage == stage), None)
+
+
+def activation_offload_errors(model: dict[str, object]) -> list[tuple[str, str]]:
+    """``(rule id, message)`` of every catalogue error that layer-level activation offloading raises on ``model``.
+
+    The one home of its constraints (PP = 1, the layer range, no recomputation, CUDA graphs, fine-grained
+    offloading, …): the planner (``plan.resolve``), the memory model and ``apply`` ask this instead of restating
+    them. ``model`` holds ``model.*`` values; ``cpu_offloading`` is switched on here.
+
+    Example:
+        >>> activation_offload_errors({"num_layers": 8, "pipeline_model_parallel_size": 2})[0][0]
+        'ACT-PP'
+    """
+    return list(_activation_offload_errors(tuple(sorted(model.items(), key=lambda kv: kv[0]))))
+
+
+@lru_cache(maxsize=512)
+def _activation_offload_errors(items: tuple[tuple[str, object], ...]) -> tuple[tuple[str, str], ...]:
+    model = dict(items)
+    probe: dict[str, object] = {"cpu_offloading_num_layers": 1, **model, "cpu_offloading": True}
+    if int(str(probe.get("pipeline_model_parallel_size") or 1)) > 1:
+        probe.setdefault("pipeline_dtype", "bf16")  # Bridge fills it in; not what decides here
+    raw = {"model": probe}
+    report = validate(OffloadConfig.model_validate(raw), raw)
+    offload_keys = ("model.cpu_offloading", "model.cpu_offloading_num_layers")
+    return tuple((f.rule, f.message) for f in report.errors if any(k in f.keys for k in offload_keys))

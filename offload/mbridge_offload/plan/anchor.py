@@ -19,7 +19,7 @@ from mbridge_offload.plan import calibration
 from mbridge_offload.plan.memory import GB, GiB, MemoryEstimate, estimate_memory
 from mbridge_offload.plan.resolve import Assumption, Resolved
 from mbridge_offload.plan.results import Anchor, MemoryBreakdown
-from mbridge_offload.plan.timing import cpu_adam_rate_source, estimate_time
+from mbridge_offload.plan.timing import baseline_step_s, cpu_adam_rate_source, default_mfu, estimate_time
 
 # The CUDA context and cuBLAS handles live outside PyTorch's allocator (~0.5 GiB on Hopper with CUDA 12).
 CUDA_CONTEXT_GIB = 0.5
@@ -38,6 +38,7 @@ class Plan:
     time_kwargs: dict[str, Any] = field(default_factory=dict)
     anchor: Anchor | None = None
     assumptions: list[Assumption] = field(default_factory=list)
+    vet: Any = None  # advice.Vetter: the rule catalogue on each candidate (planner.recommend sets it)
 
     @property
     def usable_bytes(self) -> float:
@@ -138,6 +139,7 @@ def prepare(r: Resolved) -> Plan:
     p.assumptions = [*r.assumptions, _rate_assumption(rate, source)]
     peak, step, notes = _measurements(r)
     if peak is None and step is None and not r.inputs.ooms:
+        p.assumptions += _baseline_assumptions(p)
         return p
     est = estimate_memory(r.model, r.setup)
     predicted = float(est.worst.total)
@@ -155,7 +157,30 @@ def prepare(r: Resolved) -> Plan:
         _anchor_step(p, est, step, a)
     a.memory_offset_gib = round(p.offset / GiB, 3)
     p.anchor = a
+    p.assumptions += _baseline_assumptions(p)
     return p
+
+
+def _baseline_assumptions(p: Plan) -> list[Assumption]:
+    """The step time without offload that every step-time factor divides by, and where it comes from."""
+    r = p.r
+    measured = p.time_kwargs.get("baseline_s")
+    if measured is not None:
+        source = "flag" if r.inputs.baseline_step_s is not None else "measured"
+        note = "measured step time without offload" if source == "flag" else "implied by the measured step"
+        return [Assumption(name="baseline_step_s", value=round(measured, 4), source=source, note=note)]
+    mfu, mfu_source = (r.inputs.mfu, "flag") if r.inputs.mfu is not None else default_mfu(r.model)
+    value = baseline_step_s(r.model, r.setup, r.gpu, mfu)
+    return [
+        Assumption(name="mfu", value=mfu, source="flag" if mfu_source == "flag" else "default", note=mfu_source),
+        Assumption(
+            name="baseline_step_s",
+            value=round(value, 4),
+            source="derived",
+            note=f"model FLOPs at MFU {mfu:g} of the GPU's {r.gpu.peak_tflops:g} TFLOP/s bf16 peak, plus the 1F1B "
+            "bubble; pass --baseline-step-s with a measured step time",
+        ),
+    ]
 
 
 def _rate_assumption(rate: float, source: str) -> Assumption:

@@ -125,6 +125,12 @@ class PlanInputs(BaseModel):
     margin: float | None = _field(
         group="decision", help="fraction of usable GPU memory kept free (default 0.05)", ge=0.0, lt=1.0
     )
+    headroom_gib: float | None = _field(
+        group="decision",
+        help="when it already fits: memory a fallback offload must free, GiB (default: a tenth of the budget)",
+        gt=0,
+        le=1e4,
+    )
     # --- the user's own run at these settings
     measured_peak_gib: float | None = _field(
         group="measured", help="measured peak (Megatron's 'max allocated' / 1024, GiB) at these settings", gt=0, le=1e5

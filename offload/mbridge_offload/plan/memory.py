@@ -176,20 +176,24 @@ def check_setup(model: ModelSpec, setup: Setup) -> None:
         raise ValueError(f"EP {s.ep} given for dense model {model.name}: expert parallelism needs MoE layers")
     if not 0.0 <= s.optimizer_offload_fraction <= 1.0:
         raise ValueError(f"optimizer_offload_fraction is {s.optimizer_offload_fraction}: it must be in [0.0, 1.0]")
-    k = s.activation_offload_layers
-    if k:
-        if k < 0 or k >= model.num_layers:
-            raise ValueError(f"CPU offloading can be done only for layers less than {model.num_layers} (got {k})")
-        if s.pp > 1:
-            raise ValueError(
-                "Currently there is no support for Pipeline parallelism with CPU offloading "
-                f"(PP is {s.pp}; set PP=1 or use optimizer offloading)"
-            )
-        if s.recompute_granularity is not None:
-            raise ValueError(
-                "CPU offloading does not work when activation recomputation is enabled "
-                f"(recompute_granularity={s.recompute_granularity}; set it to null)"
-            )
+    if s.activation_offload_layers:
+        _check_activation_offload(model, s)
+
+
+def _check_activation_offload(model: ModelSpec, s: Setup) -> None:
+    """The rule catalogue's activation-offload errors (config.rules.activation), raised as ValueError."""
+    from mbridge_offload.config.validate import activation_offload_errors
+
+    errors = activation_offload_errors(
+        {
+            "num_layers": model.num_layers,
+            "cpu_offloading_num_layers": s.activation_offload_layers,
+            "pipeline_model_parallel_size": s.pp,
+            "recompute_granularity": s.recompute_granularity,
+        }
+    )
+    if errors:
+        raise ValueError("; ".join(f"{message} ({rule})" for rule, message in errors))
 
 
 # ------------------------------------------------------------------------------------------- parameters

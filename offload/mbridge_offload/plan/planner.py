@@ -21,10 +21,11 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from mbridge_offload.config.schema import OffloadConfig
+from mbridge_offload.plan import advice
+from mbridge_offload.plan.advice import overrides_for
 from mbridge_offload.plan.anchor import Plan, prepare
 from mbridge_offload.plan.memory import GB, GiB, MemoryEstimate, Setup, estimate_memory
-from mbridge_offload.plan.resolve import Resolved, resolve
+from mbridge_offload.plan.resolve import Resolved
 from mbridge_offload.plan.results import (
     BeforeAfter,
     Estimate,
@@ -35,25 +36,7 @@ from mbridge_offload.plan.results import (
 from mbridge_offload.plan.timing import TimeEstimate, estimate_time
 
 FRACTION_STEP = 0.05
-
-
-def overrides_for(s: Setup, overlap: bool = True) -> list[str]:
-    """The Hydra-style overrides that switch on the offload settings of ``s``."""
-    out = []
-    if s.optimizer_offload_fraction > 0:
-        out += [
-            "optimizer.optimizer_cpu_offload=True",
-            f"optimizer.optimizer_offload_fraction={round(s.optimizer_offload_fraction, 4)}",
-            f"optimizer.overlap_cpu_optimizer_d2h_h2d={overlap}",
-        ]
-    if s.activation_offload_layers > 0:
-        out += [
-            "model.cpu_offloading=True",
-            f"model.cpu_offloading_num_layers={s.activation_offload_layers}",
-            "model.cpu_offloading_activations=True",
-            "model.cpu_offloading_weights=False",
-        ]
-    return out
+__all__ = ["FRACTION_STEP", "estimate", "estimate_result", "overrides_for", "recommend"]
 
 
 # ------------------------------------------------------------------------------------------- estimate
@@ -103,6 +86,8 @@ def estimate_result(p: Plan, est: MemoryEstimate, t: TimeEstimate) -> Estimate:
             activation_extra=round(t.activation_extra_s, 4),
         ),
         model=r.model.name,
+        gpu=r.gpu.name,
+        num_gpus=s.num_gpus,
         parallel=_parallel(r),
         optimizer_offload_fraction=s.optimizer_offload_fraction,
         activation_offload_layers=s.activation_offload_layers,
@@ -143,21 +128,23 @@ def _what_would_fit(p: Plan) -> str:
 
 
 def _first_fit(p: Plan, setups: list[Setup]) -> MemoryEstimate | None:
-    """The first of ``setups`` (ordered by growing offload, so by shrinking memory) that fits: a binary search,
-    so a 1000-layer model costs ten estimates, not a thousand."""
+    """The first of ``setups`` (ordered by growing offload, so by shrinking memory) that fits and that the rule
+    catalogue accepts (no error, no new warning): a binary search, so a 1000-layer model costs ten estimates."""
     m = p.r.model
-    last = estimate_memory(m, setups[-1]) if setups else None
-    if last is None or not p.fits(last):
+    if not setups or not p.fits(estimate_memory(m, setups[-1])):
         return None
-    lo, hi, found = 0, len(setups) - 1, last
+    lo, hi = 0, len(setups) - 1
     while lo < hi:
         mid = (lo + hi) // 2
-        est = estimate_memory(m, setups[mid])
-        if p.fits(est):
-            hi, found = mid, est
+        if p.fits(estimate_memory(m, setups[mid])):
+            hi = mid
         else:
             lo = mid + 1
-    return found
+    for s in setups[lo:]:  # more offload still fits; the catalogue only objects at the far end (k = L − 1)
+        if p.vet is None or p.vet.clean(s):
+            return estimate_memory(m, s)
+        p.vet.rejected.setdefault(advice.mode_of(s), p.vet.problems(s))
+    return None
 
 
 def _smallest_fraction(p: Plan, s: Setup) -> MemoryEstimate | None:
@@ -191,6 +178,17 @@ def _order(p: Plan, before: MemoryEstimate, rationale: list[str]) -> tuple[str, 
     return ("optimizer", "activation")
 
 
+def _most_layers(p: Plan, s: Setup) -> int:
+    """The most layers whose activations the rule catalogue lets us offload without an error or a new warning
+    (TE warns at num_layers − 1: nothing left to overlap with)."""
+    for k in range(p.r.model.num_layers - 1, 0, -1):
+        candidate = replace(s, activation_offload_layers=k)
+        if p.vet is None or p.vet.clean(candidate):
+            return k
+        p.vet.rejected.setdefault(f"activation, {k} layers", p.vet.problems(candidate))
+    return 0
+
+
 def _search(p: Plan, base: Setup, order: tuple[str, ...]) -> tuple[str, MemoryEstimate | None]:
     for mode in order:
         found = (_smallest_layers if mode == "activation" else _smallest_fraction)(p, base)
@@ -198,7 +196,7 @@ def _search(p: Plan, base: Setup, order: tuple[str, ...]) -> tuple[str, MemoryEs
             return mode, found
     if "activation" in order:
         # Both: the most activation offload allowed, the smallest fraction, then back off the layers.
-        found = _smallest_fraction(p, replace(base, activation_offload_layers=p.r.model.num_layers - 1))
+        found = _smallest_fraction(p, replace(base, activation_offload_layers=_most_layers(p, base)))
         if found is not None:
             with_fraction = replace(base, optimizer_offload_fraction=found.setup.optimizer_offload_fraction)
             return "both", _smallest_layers(p, with_fraction) or found
@@ -282,9 +280,11 @@ def recommend(r: Resolved) -> Recommendation:
         'none'
     """
     p = prepare(r)
+    p.vet = advice.Vetter(r.raw_config, r.model.num_layers, r.constraints.model_keys())
     base = replace(r.setup, optimizer_offload_fraction=0.0, activation_offload_layers=0)
     before = estimate_memory(r.model, base, r.gpu.host_ram_gb)
     rationale = [p.budget_sentence(before), *p.notes()]
+    given = _as_given(r, before, rationale)
     if p.fits(before):
         rationale.append("it fits: offloading only adds step time, so none is recommended")
         mode, after, suggestions = "none", before, []
@@ -296,22 +296,29 @@ def recommend(r: Resolved) -> Recommendation:
             replace(
                 base,
                 optimizer_offload_fraction=1.0,
-                activation_offload_layers=r.model.num_layers - 1 if mode == "both" else 0,
+                activation_offload_layers=_most_layers(p, base) if mode == "both" else 0,
             ),
         )
         if found is None:
             rationale.append(f"even the most offload allowed leaves {p.total_gib(after):.1f} GiB: nothing fits")
-    overlap = r.inputs.overlap if r.sources.get("overlap") in ("flag", "config", "argv") else True
+    rationale += [f"not proposed ({m}): {'; '.join(why)}" for m, why in p.vet.rejected.items()]
+    overlap = _overlap(r, after.setup)
     t = estimate_time(after, r.gpu, overlap=overlap and mode != "none", **p.time_kwargs)
     rationale += _explain(p, before, after, t, mode)
+    given_t = estimate_time(given, r.gpu, overlap=r.overlap, **p.time_kwargs) if given is not before else None
+    sentence = advice.advice_sentence(r.setup, mode, given_t.step_time_factor if given_t else None)
     return Recommendation(
         mode=mode,
-        overrides=overrides_for(after.setup, overlap),
-        memory_gb=BeforeAfter(before=p.breakdown(before), after=p.breakdown(after)),
-        memory_gib=BeforeAfter(before=p.breakdown(before, gib=True), after=p.breakdown(after, gib=True)),
+        overrides=advice.switch_off_overrides(r.setup, after.setup) + overrides_for(after.setup, overlap),
+        memory_gb=BeforeAfter(before=p.breakdown(given), after=p.breakdown(after), without_offload=p.breakdown(before)),
+        memory_gib=BeforeAfter(
+            before=p.breakdown(given, gib=True),
+            after=p.breakdown(after, gib=True),
+            without_offload=p.breakdown(before, gib=True),
+        ),
         fits=p.fits(after),
         step_time_factor=round(t.step_time_factor, 3),
-        rationale=rationale,
+        rationale=rationale + ([sentence] if sentence else []),
         budget_gb=round(p.budget_bytes / GB, 3),
         budget_gib=round(p.budget_bytes / GiB, 3),
         optimizer_offload_fraction=after.setup.optimizer_offload_fraction,
@@ -323,53 +330,31 @@ def recommend(r: Resolved) -> Recommendation:
         warnings=after.warnings,
         assumptions=p.assumptions,
         calibration=p.anchor,
+        gpu=r.gpu.name,
+        num_gpus=r.setup.num_gpus,
+        given_mode=advice.mode_of(r.setup),
+        advice=sentence,
+        fallback=advice.fallback(p, before, _overlap, FRACTION_STEP) if mode == "none" else None,
     )
 
 
-# ------------------------------------------------------------------------------------------- entry points
-
-
-def revalidate(rec: Recommendation, config: OffloadConfig | None, raw: dict[str, Any] | None) -> None:
-    """Run the rule catalogue on the config with the recommended overrides; note the verdict in the rationale."""
-    if config is None or not rec.overrides:
-        return
-    import copy
-
-    from mbridge_offload.config import sources
-    from mbridge_offload.config.validate import validate
-
-    edited = copy.deepcopy(raw if raw is not None else config.model_dump())
+def _as_given(r: Resolved, without: MemoryEstimate, rationale: list[str]) -> MemoryEstimate:
+    """The estimate of the config as given, its offload included (``before``); the one without if Megatron
+    would reject that offload."""
+    if r.setup == without.setup:
+        return without
     try:
-        sources.apply_overrides(edited, rec.overrides)
-        report = validate(sources.build_config(edited, "<recommended>"), edited)
-    except Exception as exc:  # never let the lint step hide the plan itself
-        rec.rationale.append(f"could not re-validate the recommended overrides: {exc}")
-        return
-    errors = [f for f in report.findings if f.severity == "error"]
-    if errors:
-        rec.rationale.append(
-            "the rule catalogue rejects the result: " + "; ".join(f"{f.rule}: {f.message}" for f in errors)
-        )
-    else:
-        rec.rationale.append("the recommended overrides pass the rule catalogue (mbridge_offload.config.validate)")
+        return estimate_memory(r.model, r.setup, r.gpu.host_ram_gb)
+    except ValueError as exc:
+        rationale.append(f"the offload of the config as given is rejected ({exc}): 'before' is without it")
+        return without
 
 
-def recommend_for_inputs(
-    config: OffloadConfig | None = None, raw: dict[str, Any] | None = None, **flags: Any
-) -> Recommendation:
-    """``recommend`` from a loaded config and/or inputs (``model``, ``gpu``, ``tp``, ...), re-validated."""
-    rec = recommend(resolve(flags, config, raw))
-    revalidate(rec, config, raw)
-    return rec
+def _overlap(r: Resolved, s: Setup) -> bool:
+    """``overlap_cpu_optimizer_d2h_h2d`` for a proposal: the user's when set, else where the rule catalogue
+    advises it (OPT-OVERLAP's threshold, the same one ``apply`` uses)."""
+    from mbridge_offload.config.rules.optimizer import overlap_advised
 
-
-def recommend_for_config(config: OffloadConfig, raw: dict[str, Any] | None = None, **flags: Any) -> Recommendation:
-    """``recommend`` for a loaded config (``apply --mode recommended``)."""
-    return recommend_for_inputs(config, raw, **flags)
-
-
-def estimate_for_inputs(
-    config: OffloadConfig | None = None, raw: dict[str, Any] | None = None, **flags: Any
-) -> Estimate:
-    """``estimate`` from a loaded config and/or inputs."""
-    return estimate(resolve(flags, config, raw))
+    if r.sources.get("overlap") in ("flag", "config", "argv"):
+        return bool(r.inputs.overlap)
+    return overlap_advised(s.optimizer_offload_fraction)

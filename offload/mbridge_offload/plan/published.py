@@ -1,9 +1,10 @@
-"""Published GPU measurements (``data/published.yaml``): the planner's accuracy on them, and the fit of its two
-physical parameters.
+"""Published GPU measurements (``data/published.yaml``): the planner's accuracy, and its fitted parameters.
 
 - ``fit_cpu_adam``: the CPU AdamW rate of one core of the card's host (Sapphire Rapids), least squares on the
   relative error of the step factor over the points marked ``fit: cpu_adam``; ``hardware.SAPPHIRE_RAPIDS_ADAM``
   holds the rounded result (a test checks they agree).
+- ``fit_mfu_moe``: the MFU of a MoE step without offload, from the measured baseline of every MoE run whose settings
+  are all published (today: the card's job 10119286); ``timing.DEFAULT_MFU_MOE`` holds it.
 - ``fit_allocator_overhead``: reserved beyond allocated, from the OOM point (allocated at the OOM vs what the
   device exposes less the CUDA context); ``anchor.ALLOCATOR_OVERHEAD`` holds it.
 
@@ -13,6 +14,7 @@ Nothing is special-cased per point: every prediction is the planner's ordinary a
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from functools import lru_cache
 from importlib import resources
@@ -62,25 +64,26 @@ class Point:
         return self.predicted_factor / self.measured_factor - 1
 
 
-def _flags(run: dict[str, Any], point: dict[str, Any], **extra: Any) -> dict[str, Any]:
+def _flags(run: dict[str, Any], point: dict[str, Any], measured_baseline: bool = True, **extra: Any) -> dict[str, Any]:
     flags = {**run["inputs"], **point.get("set", {}), **extra}
-    flags.setdefault("baseline_step_s", run["baseline_step_ms"] / 1000)
+    if measured_baseline:
+        flags.setdefault("baseline_step_s", run["baseline_step_ms"] / 1000)
     return flags
 
 
-def _predict(run: dict[str, Any], point: dict[str, Any]) -> tuple[float, float, bool]:
+def _predict(run: dict[str, Any], point: dict[str, Any], measured_baseline: bool = True) -> tuple[float, float, bool]:
     from mbridge_offload.plan.planner import estimate
 
-    e = estimate(resolve(_flags(run, point)))
+    e = estimate(resolve(_flags(run, point, measured_baseline)))
     return e.memory_gib.total, e.step_time_factor, e.fits
 
 
-def _points(run: dict[str, Any]) -> list[Point]:
+def _points(run: dict[str, Any], measured_baseline: bool = True) -> list[Point]:
     out: list[Point] = []
     first = run["points"][0]
     first_memory = _predict(run, first)[0]
     for point in run["points"]:
-        memory, factor, fits = _predict(run, point)
+        memory, factor, fits = _predict(run, point, measured_baseline)
         measured = point.get("memory")
         if run["compare"] == "saving" and measured is not None:
             measured, memory = first["memory"] - measured, first_memory - memory
@@ -103,9 +106,14 @@ def _points(run: dict[str, Any]) -> list[Point]:
     return out
 
 
-def accuracy() -> list[Point]:
-    """Every published point with the planner's prediction (memory in the source's unit, GiB)."""
-    return [p for run in load()["runs"] for p in _points(run)]
+def accuracy(measured_baseline: bool = True) -> list[Point]:
+    """Every published point with the planner's prediction (memory in the source's unit, GiB).
+
+    Args:
+        measured_baseline: give the planner each run's measured baseline step (``--baseline-step-s``, what the
+            docs table shows); False: the planner's own default baseline (no step time given).
+    """
+    return [p for run in load()["runs"] for p in _points(run, measured_baseline)]
 
 
 # ------------------------------------------------------------------------------------------- fits
@@ -132,6 +140,19 @@ def fit_cpu_adam() -> float:
     return min(grid, key=loss)
 
 
+def fit_mfu_moe() -> float:
+    """The MFU at which the FLOP model gives the measured baseline step of every MoE run whose settings are all
+    published (``compare: absolute``); their geometric mean. ``timing.DEFAULT_MFU_MOE`` holds the rounded result."""
+    from mbridge_offload.plan.timing import baseline_step_s
+
+    logs = []
+    for run in load()["runs"]:
+        r = resolve(_flags(run, run["points"][0], measured_baseline=False))
+        if run["compare"] == "absolute" and r.model.is_moe:
+            logs.append(math.log(baseline_step_s(r.model, r.setup, r.gpu, mfu=1.0) / (run["baseline_step_ms"] / 1000)))
+    return math.exp(sum(logs) / len(logs))
+
+
 def fit_allocator_overhead() -> float:
     """Reserved/allocated − 1 at the ``fit: allocator_overhead`` OOM point(s): the device was full there."""
     from mbridge_offload.plan.hardware import gpu_preset
@@ -155,10 +176,11 @@ def _pct(x: float | None) -> str:
 def render_accuracy_table() -> str:
     """The markdown accuracy table of ``docs/planner.md`` (generated; see mbridge_offload_tools.docgen.registry)."""
     rows = [
-        "| run | point | memory measured (GiB) | predicted | error | step factor measured | predicted | error |",
-        "|---|---|---|---|---|---|---|---|",
+        "| run | point | memory measured (GiB) | predicted | error | step factor measured | predicted | error "
+        "| predicted, no baseline given | error |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for p in accuracy():
+    for p, d in zip(accuracy(), accuracy(measured_baseline=False), strict=True):
         what = "saved " if p.compare == "saving" else ""
         if p.oom:
             measured = f"OOM at {p.measured_memory:g}"
@@ -172,13 +194,17 @@ def render_accuracy_table() -> str:
         fitted = " (fit)" if p.fit == "cpu_adam" else ""
         rows.append(
             f"| {p.run} | {p.label} | {measured} | {predicted} | {_pct(p.memory_error)} | {factor} | "
-            f"{p.predicted_factor:.2f}{fitted} | {_pct(p.factor_error)} |"
+            f"{p.predicted_factor:.2f}{fitted} | {_pct(p.factor_error)} | {d.predicted_factor:.2f} | "
+            f"{_pct(d.factor_error)} |"
         )
     rate, overhead = fit_cpu_adam(), fit_allocator_overhead()
     rows += [
         "",
         f"Fitted physical parameters: CPU AdamW {rate / 1e9:.3f}·10⁹ params/s per Sapphire Rapids core (from the "
-        f"points marked (fit)); allocator overhead {overhead:.1%} of allocated (from the OOM point). All "
+        f"points marked (fit)); allocator overhead {overhead:.1%} of allocated (from the OOM point); MoE MFU "
+        f"{fit_mfu_moe():.3f} for the baseline when none is given (from the card's measured baseline, job 10119286; "
+        "the dense MFU is an assumption, so the NeMo-RL run, whose batch and sequence are not published, is far off "
+        "without its measured baseline). All "
         "measurements are published GPU runs by others (sources in "
         "`offload/mbridge_offload/plan/data/published.yaml`); none "
         "was run by this project.",

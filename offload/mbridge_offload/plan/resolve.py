@@ -122,14 +122,21 @@ class Constraints:
     fine_grained_activation_offloading: bool = False
     moe_paged_stash: bool = False
 
+    def model_keys(self) -> dict[str, object]:
+        """These facts as ``model.*`` config values."""
+        return {
+            "cuda_graph_impl": self.cuda_graph_impl,
+            "fine_grained_activation_offloading": self.fine_grained_activation_offloading,
+            "moe_paged_stash": self.moe_paged_stash,
+        }
+
     def activation_blockers(self, s: Setup, num_layers: int) -> list[str]:
         """Why upstream would refuse layer-level activation offload for this setup, empty when it allows it.
 
         Not a second copy of upstream's checks: the rule catalogue is run on the setup with activation offload
         switched on, and every error it raises about ``model.cpu_offloading`` is returned with its message.
         """
-        from mbridge_offload.config.schema import OffloadConfig
-        from mbridge_offload.config.validate import validate
+        from mbridge_offload.config.validate import activation_offload_errors
 
         model = {
             "num_layers": max(num_layers, 2),
@@ -137,19 +144,9 @@ class Constraints:
             "recompute_granularity": s.recompute_granularity,
             "recompute_method": s.recompute_method,
             "recompute_num_layers": s.recompute_num_layers,
-            "cuda_graph_impl": self.cuda_graph_impl,
-            "fine_grained_activation_offloading": self.fine_grained_activation_offloading,
-            "moe_paged_stash": self.moe_paged_stash,
-            "cpu_offloading": True,
-            "cpu_offloading_num_layers": 1,
+            **self.model_keys(),
         }
-        if s.pp > 1:
-            model["pipeline_dtype"] = "bf16"  # Bridge fills it in; not what decides here
-        raw = {"model": model}
-        report = validate(OffloadConfig.model_validate(raw), raw)
-        return [
-            f"activation offloading: {f.message} ({f.rule})" for f in report.errors if "model.cpu_offloading" in f.keys
-        ]
+        return [f"activation offloading: {message} ({rule})" for rule, message in activation_offload_errors(model)]
 
 
 @dataclass
@@ -163,6 +160,7 @@ class Resolved:
     gpu: GpuPreset
     constraints: Constraints
     assumptions: list[Assumption] = field(default_factory=list)
+    raw_config: dict[str, Any] | None = None  # the user's config as read, for the rule catalogue
 
     @property
     def overlap(self) -> bool:
@@ -383,4 +381,6 @@ def resolve(
         values["cuda_graph_impl"], values["fine_grained_activation_offloading"], values["moe_paged_stash"]
     )
     final = PlanInputs.model_validate({k: values.get(k) for k in FIELDS})
-    return Resolved(final, where, m, s, _gpu(values), constraints, _assumptions(values, where, notes))
+    assumptions = _assumptions(values, where, notes)
+    raw_config = raw if raw is not None else (config.model_dump(mode="json") if config is not None else None)
+    return Resolved(final, where, m, s, _gpu(values), constraints, assumptions, raw_config)

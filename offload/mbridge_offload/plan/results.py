@@ -32,8 +32,22 @@ class MemoryBreakdown(BaseModel):
 
 
 class BeforeAfter(BaseModel):
-    before: MemoryBreakdown
-    after: MemoryBreakdown
+    before: MemoryBreakdown = Field(description="the config as given, its offload included")
+    after: MemoryBreakdown = Field(description="with the recommendation")
+    without_offload: MemoryBreakdown | None = Field(None, description="the config with every offload off")
+
+
+class Fallback(BaseModel):
+    """For a run that fits without offload: the cheapest offload that frees a stated headroom."""
+
+    mode: Literal["optimizer", "activation"]
+    overrides: list[str]
+    headroom_gib: float = Field(description="the memory it had to free, GiB")
+    headroom_source: str
+    freed_gib: float = Field(description="per-GPU peak it frees (worst stage), GiB")
+    freed_gb: float
+    memory_gib: float = Field(description="per-GPU peak with it (worst stage), GiB")
+    step_time_factor: float = Field(description="its step time over the step without offload")
 
 
 class StageTotal(BaseModel):
@@ -85,6 +99,8 @@ class Estimate(BaseModel):
     host_peak_gb: float
     time_s: TimeBreakdown
     model: str
+    gpu: str = Field("", description="the GPU preset every memory figure is for")
+    num_gpus: int = Field(0, description="the GPU count it assumes")
     parallel: dict[str, Any]
     optimizer_offload_fraction: float
     activation_offload_layers: int
@@ -114,5 +130,10 @@ class Recommendation(BaseModel):
     host_peak_gb: float
     suggestions: list[str] = []
     warnings: list[str] = []
+    gpu: str = Field("", description="the GPU preset every memory figure is for")
+    num_gpus: int = Field(0, description="the GPU count it assumes")
+    given_mode: str = Field("none", description="the offload the config as given switches on")
+    advice: str | None = Field(None, description="the advice in words when it changes the config's own offload")
+    fallback: Fallback | None = Field(None, description="mode none: the cheapest offload that frees the headroom")
     assumptions: list[Assumption]
     calibration: Anchor | None = None

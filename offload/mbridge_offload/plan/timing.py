@@ -30,9 +30,17 @@ from mbridge_offload.plan.memory import MemoryEstimate, ModelSpec, Setup, layer_
 # (Intel Xeon, `mbridge-offload calibrate --threads 1`): median of five runs 0.82 · 10⁹ params/s (0.57-0.83).
 DEFAULT_CPU_ADAM_PARAMS_PER_S_PER_CORE = 0.82e9
 CPU_ADAM_BYTES_PER_PARAM = 36
-# Assumed model-FLOPs utilisation for the baseline step when none is measured.
+# Model-FLOPs utilisation (recomputation counted as work) of the baseline step when none is measured.
+# MoE: implied by the one published MoE baseline whose settings are all published — the Qwen3-30B-A3B card's job
+# 10119286 (0.996 s; TP2 PP2 EP4, full recompute, global batch 8 on 2 x 8 H100; plan/data/published.yaml;
+# published.fit_mfu_moe refits it, a test checks they agree). Tuned large-batch MoE runs reach about twice that
+# (Bridge moe-hardware-configs skill: Qwen3 30B on H100 "low-200s TFLOPS/GPU"), so for large global batches this
+# baseline is long and the predicted factors low: pass --baseline-step-s when you have a measured step.
+DEFAULT_MFU_MOE = 0.096
+MFU_MOE_SOURCE = "published: implied by the Qwen3-30B-A3B card's measured baseline (job 10119286, 0.996 s)"
+# Dense: assumed; no dense baseline with all its settings is published in plan/data/published.yaml.
 DEFAULT_MFU_DENSE = 0.35
-DEFAULT_MFU_MOE = 0.15
+MFU_DENSE_SOURCE = "assumed (no published dense baseline with its settings)"
 
 
 @dataclass
@@ -79,9 +87,14 @@ def default_microbatches(s: Setup) -> int:
     return s.num_microbatches() or 4 * s.pp
 
 
+def default_mfu(m: ModelSpec) -> tuple[float, str]:
+    """The MFU a derived baseline uses for this model without a measured step, and where it comes from."""
+    return (DEFAULT_MFU_MOE, MFU_MOE_SOURCE) if m.is_moe else (DEFAULT_MFU_DENSE, MFU_DENSE_SOURCE)
+
+
 def baseline_step_s(m: ModelSpec, s: Setup, gpu: GpuPreset, mfu: float | None = None) -> float:
     """Step time without offload from FLOPs at ``mfu`` of peak, plus the 1F1B bubble ``(PP−1)/(m·VPP)``."""
-    mfu = mfu or (DEFAULT_MFU_MOE if m.is_moe else DEFAULT_MFU_DENSE)
+    mfu = mfu or default_mfu(m)[0]
     mb = default_microbatches(s)
     seq = s.seq_length or m.seq_length
     tokens = mb * s.micro_batch_size * seq * s.dp

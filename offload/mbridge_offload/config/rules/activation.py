@@ -8,6 +8,7 @@ built or the job is launched (Transformer Engine, Bridge, Megatron-LM) and the a
 
 from __future__ import annotations
 
+from mbridge_offload.config.overrides import format_override
 from mbridge_offload.config.rules.base import STAGE_TRANSFORMER_CONFIG, Context, Match, Rule
 
 TC = STAGE_TRANSFORMER_CONFIG
@@ -81,13 +82,8 @@ def activation_mode_edits(model) -> list[tuple[str, object, str]]:
     return edits
 
 
-def _override(key: str, value: object) -> str:
-    text = "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
-    return f"{key}={text}"
-
-
 def _mode_fix(ctx: Context, prefix: str) -> list[str]:
-    return [_override(k, v) for k, v, _ in activation_mode_edits(ctx.model) if k.startswith(prefix)]
+    return [format_override(k, v) for k, v, _ in activation_mode_edits(ctx.model) if k.startswith(prefix)]
 
 
 def _recompute(ctx: Context):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from mbridge_offload.config.overrides import format_override
 from mbridge_offload.config.rules.base import Context, Match, Rule
 from mbridge_offload.config.schema import SECTIONS
 
@@ -20,8 +21,9 @@ def _string_flags(ctx: Context):
             info = cls.model_fields.get(key)
             if isinstance(value, str) and info is not None and info.annotation is bool:
                 dotted = f"{section}.{key}"
-                truth = "true" if value else "false"
-                yield Match({"key": dotted, "value": value, "truth": truth}, fix=[f"{dotted}={truth}"], keys=[dotted])
+                fix = format_override(dotted, bool(value))
+                truth = fix.partition("=")[2]
+                yield Match({"key": dotted, "value": value, "truth": truth}, fix=[fix], keys=[dotted])
 
 
 def _not_integer(ctx: Context):

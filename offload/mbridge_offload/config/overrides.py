@@ -1,0 +1,28 @@
+"""How a value is written in a Hydra-style override: the one formatter that rules, planner and apply use.
+
+``true``/``false`` (YAML booleans, not Python's ``True``), ``null`` for None, numbers and strings as they print.
+Never imports torch.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def format_value(value: Any) -> str:
+    """A value as a Hydra override writes it: ``true``, ``null``, ``0.5``, ``none``.
+
+    Example:
+        >>> format_value(True), format_value(None), format_value(0.5)
+        ('true', 'null', '0.5')
+    """
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)
+
+
+def format_override(key: str, value: Any) -> str:
+    """``key=value`` with :func:`format_value`."""
+    return f"{key}={format_value(value)}"

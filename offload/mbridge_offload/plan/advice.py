@@ -1,0 +1,243 @@
+"""What the planner checks and adds around its search: catalogue vetting, the as-given comparison, a fallback.
+
+- ``Vetter``: a candidate offload is proposed only if the rule catalogue raises no error *and no warning* on it
+  that the config without offload does not already raise (e.g. TE's ACT-NO-OVERLAP at ``num_layers − 1``).
+- ``given_mode`` / ``advice_sentence``: ``before`` is the config as given, offload included; when the advice is to
+  switch an offload off, the answer says so in words.
+- ``fallback``: the cheapest offload (smallest step-time factor) that frees a stated headroom.
+
+Never imports torch.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from mbridge_offload.config.overrides import format_override
+from mbridge_offload.plan.memory import GB, GiB, MemoryEstimate, Setup, estimate_memory
+from mbridge_offload.plan.results import Fallback
+from mbridge_offload.plan.timing import estimate_time
+
+# Without a headroom asked for (--headroom-gib), a fallback frees this share of the allocatable budget.
+DEFAULT_HEADROOM_SHARE = 0.10
+
+
+def overrides_for(s: Setup, overlap: bool = True) -> list[str]:
+    """The Hydra-style overrides that switch on the offload settings of ``s`` (``config.overrides`` format)."""
+    out = []
+    if s.optimizer_offload_fraction > 0:
+        out += [
+            format_override("optimizer.optimizer_cpu_offload", True),
+            format_override("optimizer.optimizer_offload_fraction", round(s.optimizer_offload_fraction, 4)),
+            format_override("optimizer.overlap_cpu_optimizer_d2h_h2d", overlap),
+        ]
+    if s.activation_offload_layers > 0:
+        out += [
+            format_override("model.cpu_offloading", True),
+            format_override("model.cpu_offloading_num_layers", s.activation_offload_layers),
+            format_override("model.cpu_offloading_activations", True),
+            format_override("model.cpu_offloading_weights", False),
+        ]
+    return out
+
+
+def mode_of(s: Setup) -> str:
+    """none, optimizer, activation or both: which offloads ``s`` switches on."""
+    opt, act = s.optimizer_offload_fraction > 0, s.activation_offload_layers > 0
+    return "both" if opt and act else "optimizer" if opt else "activation" if act else "none"
+
+
+def switch_off_overrides(given: Setup, kept: Setup | None = None) -> list[str]:
+    """The overrides that remove the offloads of the config as given that ``kept`` does not use (what
+    ``apply --mode none`` writes when ``kept`` is None)."""
+    out = []
+    if given.optimizer_offload_fraction > 0 and not (kept and kept.optimizer_offload_fraction > 0):
+        out.append(format_override("optimizer.optimizer_cpu_offload", False))
+    if given.activation_offload_layers > 0 and not (kept and kept.activation_offload_layers > 0):
+        out.append(format_override("model.cpu_offloading", False))
+    return out
+
+
+def advice_sentence(given: Setup, mode: str, given_factor: float | None = None) -> str | None:
+    """The advice in words when it changes the offload the config already has; None when it has none.
+
+    ``given_factor``: the predicted step-time factor of the config as given (over the step without offload)."""
+    had = mode_of(given)
+    if had == "none":
+        return None
+    what = []
+    if given.optimizer_offload_fraction > 0:
+        what.append(f"optimizer offload at fraction {given.optimizer_offload_fraction:g}")
+    if given.activation_offload_layers > 0:
+        what.append(f"activation offload of {given.activation_offload_layers} layers")
+    has = " and ".join(what)
+    cost = f" (predicted step time x{given_factor:.2f} with it)" if given_factor is not None else ""
+    if mode == "none":
+        return (
+            f"the config as given has {has}{cost}; it fits without: the advice is to switch that offload off "
+            "(apply --mode recommended does; 'before' is the config as given, 'after' the advice)"
+        )
+    return f"the config as given has {has}; 'before' is that config, 'after' the advised {mode} offload"
+
+
+# ------------------------------------------------------------------------------------------- rule catalogue
+
+
+def _synthesized(s: Setup, num_layers: int, extra: dict[str, Any]) -> dict[str, Any]:
+    """A config with the setup's keys the catalogue reads, when the user gave no config (presets and flags)."""
+    model = {
+        "num_layers": num_layers,
+        "pipeline_model_parallel_size": s.pp,
+        "recompute_granularity": s.recompute_granularity,
+        "recompute_method": s.recompute_method,
+        "recompute_num_layers": s.recompute_num_layers,
+        **extra,
+    }
+    if s.pp > 1:
+        model["pipeline_dtype"] = "bf16"  # Bridge fills it in
+    dist = s.use_distributed_optimizer
+    return {
+        "model": model,
+        "optimizer": {"use_distributed_optimizer": dist},
+        "ddp": {"use_distributed_optimizer": dist},
+    }
+
+
+_ALL_OFF = (format_override("optimizer.optimizer_cpu_offload", False), format_override("model.cpu_offloading", False))
+
+
+@dataclass
+class Vetter:
+    """Runs the rule catalogue on candidate overrides: on the user's config when there is one, else on the setup."""
+
+    raw: dict[str, Any] | None
+    num_layers: int
+    extra: dict[str, Any] = field(default_factory=dict)
+    _baseline: set[str] | None = None
+    _cache: dict[tuple[str, ...], list[str]] = field(default_factory=dict)
+    rejected: dict[str, list[str]] = field(default_factory=dict)  # mode → why its fitting candidates were refused
+
+    def _findings(self, s: Setup, overrides: list[str]) -> list[Any]:
+        from mbridge_offload.config import sources
+        from mbridge_offload.config.validate import validate
+
+        edited = copy.deepcopy(self.raw) if self.raw is not None else _synthesized(s, self.num_layers, self.extra)
+        sources.apply_overrides(edited, overrides)
+        return list(validate(sources.build_config(edited, "<candidate>"), edited).findings)
+
+    def problems(self, s: Setup, overlap: bool = True) -> list[str]:
+        """``rule: message`` for each error, and each warning the config without offload does not raise."""
+        key = tuple(overrides_for(s, overlap))
+        if key not in self._cache:
+            off = replace(s, optimizer_offload_fraction=0.0, activation_offload_layers=0)
+            if self._baseline is None:
+                base = self._findings(off, list(_ALL_OFF))
+                self._baseline = {f.rule for f in base if f.severity == "warning"}
+            found = self._findings(s, [*_ALL_OFF, *key])
+            self._cache[key] = [
+                f"{f.rule}: {f.message}"
+                for f in found
+                if f.severity == "error" or (f.severity == "warning" and f.rule not in self._baseline)
+            ]
+        return self._cache[key]
+
+    def clean(self, s: Setup) -> bool:
+        return not self.problems(s)
+
+
+# ------------------------------------------------------------------------------------------- fallback
+
+
+@dataclass
+class FallbackChoice:
+    """The cheapest offload that frees ``headroom`` bytes: its estimate and step-time factor."""
+
+    mode: str
+    est: MemoryEstimate
+    factor: float
+
+
+def cheapest(
+    candidates: list[tuple[str, list[Setup]]],
+    frees: Callable[[MemoryEstimate], bool],
+    estimate: Callable[[Setup], MemoryEstimate],
+    factor: Callable[[MemoryEstimate], float],
+    clean: Callable[[Setup], bool],
+) -> FallbackChoice | None:
+    """Per mechanism, the least offload that ``frees`` the headroom (a binary search over growing offload), the
+    first of those the catalogue accepts; of those, the one with the smallest step-time factor."""
+    found: list[FallbackChoice] = []
+    for mode, setups in candidates:
+        lo, hi, hit = 0, len(setups) - 1, None
+        if not setups or not frees(estimate(setups[-1])):
+            continue
+        while lo <= hi:
+            mid = (lo + hi) // 2
+            if frees(estimate(setups[mid])):
+                hit, hi = mid, mid - 1
+            else:
+                lo = mid + 1
+        for s in setups[hit:] if hit is not None else []:
+            if clean(s):
+                est = estimate(s)
+                found.append(FallbackChoice(mode, est, factor(est)))
+                break
+    return min(found, key=lambda c: c.factor) if found else None
+
+
+def headroom_bytes(asked_gib: float | None, budget_bytes: float) -> tuple[float, str]:
+    """The headroom a fallback must free, and where that figure comes from."""
+    if asked_gib is not None:
+        return asked_gib * GiB, "asked for (--headroom-gib)"
+    return DEFAULT_HEADROOM_SHARE * budget_bytes, f"default: {DEFAULT_HEADROOM_SHARE:.0%} of the allocatable budget"
+
+
+def fallback(p: Any, before: MemoryEstimate, overlap: Callable[[Any, Setup], bool], step: float) -> Fallback | None:
+    """The cheapest offload (smallest step-time factor) that frees the headroom, for a run that already fits.
+
+    Args:
+        p: the planner's ``anchor.Plan`` (budget, offset, vetter).
+        before: the estimate without offload.
+        overlap: ``(resolved, setup) → overlap_cpu_optimizer_d2h_h2d`` for a proposal.
+        step: the fraction grid.
+    """
+    r, base = p.r, before.setup
+    need, source = headroom_bytes(r.inputs.headroom_gib, p.budget_bytes)
+    steps = round(1 / step)
+    candidates = [
+        (
+            "optimizer",
+            [replace(base, optimizer_offload_fraction=round(i * step, 2)) for i in range(1, steps + 1)],
+        )
+    ]
+    if not r.constraints.activation_blockers(base, r.model.num_layers):
+        candidates.append(
+            ("activation", [replace(base, activation_offload_layers=k) for k in range(1, r.model.num_layers)])
+        )
+
+    def factor(est: MemoryEstimate) -> float:
+        return estimate_time(est, r.gpu, overlap=overlap(r, est.setup), **p.time_kwargs).step_time_factor
+
+    choice = cheapest(
+        candidates,
+        lambda est: p.total(before) - p.total(est) >= need,
+        lambda s: estimate_memory(r.model, s),
+        factor,
+        p.vet.clean,
+    )
+    if choice is None:
+        return None
+    freed = p.total(before) - p.total(choice.est)
+    return Fallback(
+        mode=choice.mode,  # type: ignore[arg-type]
+        overrides=overrides_for(choice.est.setup, overlap(r, choice.est.setup)),
+        headroom_gib=round(need / GiB, 3),
+        headroom_source=source,
+        freed_gib=round(freed / GiB, 3),
+        freed_gb=round(freed / GB, 3),
+        memory_gib=round(p.total_gib(choice.est), 3),
+        step_time_factor=round(choice.factor, 3),
+    )

@@ -1,0 +1,103 @@
+"""The planner's one entry point: load → resolve → estimate or recommend → re-validate.
+
+The CLI (``mbridge-offload estimate | recommend``), the MCP tools (``estimate_memory``, ``recommend_mode``),
+``apply --mode recommended`` and ``diagnose --before/--after`` all call :func:`plan`, so every memory number comes
+from the same model with the same inputs, and each states its GPU, GPU count and unit. Never imports torch.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Literal
+
+from mbridge_offload.config.schema import OffloadConfig
+from mbridge_offload.plan.planner import estimate, recommend
+from mbridge_offload.plan.resolve import resolve
+from mbridge_offload.plan.results import Estimate, Recommendation
+
+Kind = Literal["estimate", "recommend"]
+
+
+def plan(
+    kind: Kind,
+    flags: dict[str, Any] | None = None,
+    config: OffloadConfig | None = None,
+    raw: dict[str, Any] | None = None,
+) -> Estimate | Recommendation:
+    """Answer ``estimate`` or ``recommend`` for a loaded config and/or planner inputs.
+
+    Args:
+        kind: ``estimate`` (memory and time of the settings as given) or ``recommend`` (the smallest offload).
+        flags: ``PlanInputs`` values given directly (CLI flags, MCP parameters); None values are ignored.
+        config: a loaded config (``sources.load(...).config``), or None.
+        raw: the config's raw dict (which keys it sets).
+
+    Returns:
+        The ``Estimate`` or the ``Recommendation``, the latter re-validated by the rule catalogue.
+
+    Raises:
+        InputError / ValueError: inputs out of bounds or a setup Megatron rejects.
+        KeyError: an unknown model or GPU preset.
+
+    Example:
+        >>> plan("recommend", {"model": "qwen3-30b-a3b", "gpu": "h100-80gb"}).mode
+        'none'
+    """
+    r = resolve(flags or {}, config, raw)
+    if kind == "estimate":
+        return estimate(r)
+    rec = recommend(r)
+    revalidate(rec, config, raw)
+    return rec
+
+
+def revalidate(rec: Recommendation, config: OffloadConfig | None, raw: dict[str, Any] | None) -> None:
+    """Run the rule catalogue on the config with the recommended overrides; note the verdict in the rationale."""
+    if config is None or not rec.overrides:
+        return
+    from mbridge_offload.config import sources
+    from mbridge_offload.config.validate import validate
+
+    edited = copy.deepcopy(raw if raw is not None else config.model_dump())
+    try:
+        sources.apply_overrides(edited, rec.overrides)
+        report = validate(sources.build_config(edited, "<recommended>"), edited)
+    except Exception as exc:  # never let the lint step hide the plan itself
+        rec.rationale.append(f"could not re-validate the recommended overrides: {exc}")
+        return
+    errors = [f for f in report.findings if f.severity == "error"]
+    warnings = [f for f in report.findings if f.severity == "warning"]
+    if errors:
+        rec.rationale.append(
+            "the rule catalogue rejects the result: " + "; ".join(f"{f.rule}: {f.message}" for f in errors)
+        )
+    elif warnings:
+        rec.rationale.append(
+            "the recommended overrides pass the rule catalogue without errors; warnings the config already had: "
+            + "; ".join(f"{f.rule}: {f.message}" for f in warnings)
+        )
+    else:
+        rec.rationale.append("the recommended overrides pass the rule catalogue (mbridge_offload.config.validate)")
+
+
+def recommend_for_inputs(
+    config: OffloadConfig | None = None, raw: dict[str, Any] | None = None, **flags: Any
+) -> Recommendation:
+    """``recommend`` from a loaded config and/or inputs (``model``, ``gpu``, ``tp``, ...), re-validated."""
+    rec = plan("recommend", flags, config, raw)
+    assert isinstance(rec, Recommendation)
+    return rec
+
+
+def recommend_for_config(config: OffloadConfig, raw: dict[str, Any] | None = None, **flags: Any) -> Recommendation:
+    """``recommend`` for a loaded config (``apply --mode recommended``)."""
+    return recommend_for_inputs(config, raw, **flags)
+
+
+def estimate_for_inputs(
+    config: OffloadConfig | None = None, raw: dict[str, Any] | None = None, **flags: Any
+) -> Estimate:
+    """``estimate`` from a loaded config and/or inputs."""
+    est = plan("estimate", flags, config, raw)
+    assert isinstance(est, Estimate)
+    return est
