@@ -142,7 +142,8 @@ def _copy_scalar(live: dict[str, Any], key: str, value: Any) -> None:
     """Set a non-per-element entry (``step``): into the live tensor when it has the shape, else as a copy."""
     current = live.get(key)
     if isinstance(current, torch.Tensor) and isinstance(value, torch.Tensor) and current.shape == value.shape:
-        current.copy_(value)
+        if current.data_ptr() != value.data_ptr() or current.dtype != value.dtype:  # not the live tensor itself
+            current.copy_(value)
     else:
         live[key] = value.detach().clone() if isinstance(value, torch.Tensor) else value
 
@@ -188,7 +189,7 @@ def _load_flat(bucket, member_states: list[dict | None]) -> None:
             view = flat[key][bucket.offsets[k] : bucket.offsets[k] + bucket.members[k].numel()]
             if part is None:
                 view.zero_()  # a member without saved state starts from zero moments, as in a fresh optimizer
-            else:
+            elif part.data_ptr() != view.data_ptr():  # Megatron's dist-ckpt load fills the live views in place
                 view.copy_(part.detach().reshape(-1))
     if not in_place:
         group = {k: v for k, v in bucket.optimizer.param_groups[0].items() if k != "params"}
