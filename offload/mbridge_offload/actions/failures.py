@@ -715,6 +715,7 @@ KNOWN: tuple[FailureMode, ...] = (
                 "the NaN comes from a GPU-only fused Adam stepping host tensors (fused_adam_cpu_tensors), not from "
                 "the state restore: checkpoint.load_optim=false only hides it until the moments are rebuilt",
             ),
+            ("slowdown", "the text reports NaN values, not a longer step time"),
         ),
         phrasings=(
             "fused Adam with CPU offloaded states gives NaN loss",
