@@ -345,7 +345,7 @@ def test_pinned_fix_drops_keys_already_false(tmp_path: Path) -> None:
     assert top.failure == "pinned_memory" and top.fix == ["optimizer.pin_cpu_params=false"]
 
 
-# ---------------------------------------------------------------------------------------------- fine-tune (#3949)
+# --------------------------------------------------------------------------------------------- fine-tune (Bridge #3949)
 
 FINETUNE = (
     "model:\n  bf16: true\noptimizer:\n  optimizer_cpu_offload: true\n  optimizer_offload_fraction: 1.0\n"

@@ -323,7 +323,7 @@ KNOWN: tuple[FailureMode, ...] = (
     ),
     FailureMode(
         "optimizer_state_device_mismatch",
-        "Optimizer state tensors on the wrong device or dtype after a resume",
+        "Optimizer state on mixed devices/dtypes after resume",
         (r"Tensors of the same index must be on the same device and the same dtype",),
         "after the checkpoint load some Adam state tensors (exp_avg, exp_avg_sq) are not on the device or dtype of "
         "the parameter their sub-optimizer steps (e.g. GPU state for a CPU copy at optimizer_offload_fraction=1.0); "
@@ -346,7 +346,7 @@ KNOWN: tuple[FailureMode, ...] = (
     ),
     FailureMode(
         "common_state_differs",
-        "The common state dict differs across ranks when saving with optimizer offload",
+        "Common state dict differs across ranks",
         (r"There is difference in the common state dict in different ranks",),
         "with optimizer_cpu_offload the HybridDeviceOptimizer's per-parameter state (optimizer param_state keys) "
         "lands in the checkpoint's common (replicated) part, which each rank fills differently; the save warns "
@@ -367,7 +367,7 @@ KNOWN: tuple[FailureMode, ...] = (
     ),
     FailureMode(
         "double_buffer_size_mismatch",
-        "Activation offload double buffering: buffers of different sizes",
+        "Double-buffered reload: buffers of different sizes",
         (r"Can't copy two buffers of different sizes", r"CPU buffer shape does not match the offloaded tensor shape"),
         "Transformer Engine's double-buffered reload (model.cpu_offloading_double_buffering) reuses one GPU buffer "
         "per tensor slot and assumes every offloaded layer saves the same tensors with the same shapes; layers that "
@@ -386,7 +386,7 @@ KNOWN: tuple[FailureMode, ...] = (
     ),
     FailureMode(
         "mfsdp_offload_pin_memory",
-        "Megatron-FSDP with optimizer offload crashes pinning the CPU copies",
+        "Megatron-FSDP + optimizer offload fails in pin_memory",
         (
             r"Megatron FSDP does not work with CPU_OFFLOADING",
             r"(?:megatron_fsdp|fully_shard|DTensor|_dtensor).{0,600}pin_memory",
@@ -507,7 +507,7 @@ KNOWN: tuple[FailureMode, ...] = (
     ),
     FailureMode(
         "finetune_stale_masters",
-        "Fine-tuning from a pretrained checkpoint: loss right at step 1, random at step 2",
+        "Fine-tune: loss right at step 1, random at step 2",
         (
             r"sync_hybrid_device_optimizer_fp32_master_copies",
             r"(?:fine.?tun\w*|pretrained).{0,200}loss.{0,160}(?:random|collaps\w*)",
@@ -662,7 +662,7 @@ KNOWN: tuple[FailureMode, ...] = (
     ),
     FailureMode(
         "stale_grad_reapplied",
-        "A parameter without a gradient is updated with the previous step's gradient",
+        "Grad-less parameter updated with a stale gradient",
         (
             r"stale grad\w*.{0,200}(?:hybrid|offload|HybridDeviceOptimizer)",
             r"(?:hybrid|offload|HybridDeviceOptimizer).{0,200}stale grad\w*",
@@ -691,7 +691,7 @@ KNOWN: tuple[FailureMode, ...] = (
     ),
     FailureMode(
         "fused_adam_cpu_tensors",
-        "A GPU-only fused Adam is given CPU tensors (NaN or poisoned moments, no error)",
+        "GPU-only fused Adam on CPU tensors (NaN, no error)",
         (
             r"FusedAdam.{0,300}\bcpu",
             r"\bcpu.{0,300}FusedAdam",
@@ -725,7 +725,7 @@ KNOWN: tuple[FailureMode, ...] = (
     ),
     FailureMode(
         "precision_dtypes_ignored",
-        "Optimizer offload ignores the precision-aware state dtypes (states stay fp32)",
+        "Offload ignores precision-aware state dtypes",
         (
             r"exp_avg(?:_sq)?_dtype.{0,200}(?:fp32|float32|ignored|not honou?red)",
             r"main_params_dtype.{0,200}(?:fp32|float32|ignored|not honou?red)",
