@@ -148,7 +148,7 @@ def _copy_scalar(live: dict[str, Any], key: str, value: Any) -> None:
         live[key] = value.detach().clone() if isinstance(value, torch.Tensor) else value
 
 
-def _bucket_fits(bucket, live: dict[str, Any], template: dict[str, Any], members: list[dict]) -> bool:
+def _bucket_fits(bucket, live: dict[str, Any], template: dict[str, Any], members: list[dict[str, Any] | None]) -> bool:
     """Whether the saved states can be copied into the bucket's live flat state as they are (same keys, and each
     per-element value already of the dtype torch's own load would give it, so a copy rounds exactly as a load)."""
     if set(live) != set(template):
@@ -172,9 +172,9 @@ def _load_flat(bucket, member_states: list[dict | None]) -> None:
     the flat state is allocated once, filled slice by slice and handed to the optimizer's own ``load_state_dict``
     (same dtype and device, so torch keeps it as is).
     """
-    members = [_saved(s) or None for s in member_states]
+    members: list[dict[str, Any] | None] = [_saved(s) or None for s in member_states]
     first = next(k for k, s in enumerate(members) if s)
-    template = members[first]
+    template: dict[str, Any] = members[first] or {}
     live = bucket.flat_state()
     in_place = _bucket_fits(bucket, live, template, members)
     flat: dict[str, Any] = live if in_place else {}
