@@ -522,9 +522,9 @@ KNOWN: tuple[FailureMode, ...] = (
         "optimizer.optimizer_cpu_offload=false",
         (),
         (
-            "upgrade Megatron Bridge to a release with PR #4082 (sync_hybrid_device_optimizer_fp32_master_copies "
-            "after checkpoint load; merged 2026-05, in Bridge 0.6.x); the megatron-core fix is Megatron-LM PR #5071 "
-            "(open); NeMo-RL has the same fix (PR #2372)",
+            "upgrade Megatron Bridge (PR #4082: sync_hybrid_device_optimizer_fp32_master_copies after checkpoint "
+            "load; Megatron Bridge 0.6.2 has it); the megatron-core fix is Megatron-LM PR #5071 (open); NeMo-RL has "
+            "the same fix (PR #2372)",
             "until then: call the same sync after loading, or turn optimizer offload off for the fine-tune "
             "(optimizer.optimizer_cpu_offload=false); with this project's HybridDeviceOptimizer call "
             "refresh_from_model() after a model-only load",
