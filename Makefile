@@ -46,6 +46,7 @@ docs: setup
 
 bench: setup
 	$(BIN)/python benchmarks/cpu_optimizer.py
+	$(BIN)/python benchmarks/optimizer_load.py --output docs/benchmarks-optimizer.md
 	$(BIN)/python benchmarks/cpu_activation.py
 
 # The skill as a zip for Claude.ai (SKILL.md at the root; no venv, caches or .git).

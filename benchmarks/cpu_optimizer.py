@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from benchmarks.doc_fragment import with_sections_of
 from mbridge_offload.runtime.optimizer.hybrid import HybridDeviceOptimizer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -287,7 +288,7 @@ def main(argv: list[str] | None = None) -> None:
     result = run(*size, reps)
     command = ".venv/bin/python benchmarks/cpu_optimizer.py" + (" --quick" if args.quick else "")
     text = render(result, reps, time.perf_counter() - t0, command)
-    Path(args.output).write_text(text)
+    Path(args.output).write_text(with_sections_of(Path(args.output), text))
     print(text)
 
 

@@ -42,3 +42,13 @@ def table(header: list[str], rows: list[list[object]], align: str = "") -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join(rule) + "|"]
     lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
     return "\n".join(lines)
+
+
+def with_sections_of(path: Path, text: str) -> str:
+    """``text`` followed by the generated sections that the file at ``path`` holds (other scripts' numbers).
+
+    For a script that writes a whole page: its rewrite keeps the sections other scripts measured.
+    """
+    old = path.read_text() if path.exists() else ""
+    kept = re.findall(r"<!-- begin: .*? \(generated; do not edit by hand\) -->.*?<!-- end: [^>]*-->", old, re.DOTALL)
+    return "\n\n".join([text.rstrip(), *kept]) + "\n" if kept else text

@@ -283,5 +283,204 @@ def test_nothing_matched_lists_the_closest_modes() -> None:
 def test_report_is_one_pydantic_schema() -> None:
     report = diagnose(error="GPU memory did not go down")
     data = report.model_dump(mode="json")
-    assert set(data) == {"matches", "findings", "comparison", "closest", "notes"}
+    assert set(data) == {"matches", "ruled_out", "findings", "comparison", "closest", "notes"}
     assert data["matches"][0]["source"] == "meaning"
+
+
+# ---------------------------------------------------------------------------------------------- the config decides
+
+HALF = "optimizer:\n  optimizer_cpu_offload: true\n  optimizer_offload_fraction: 0.5\n"
+
+
+def _cfg(tmp_path: Path, body: str, name: str = "run.yaml"):
+    return load(str(_yaml(tmp_path, name, body))).config
+
+
+def test_no_saving_is_ruled_out_when_the_fraction_is_already_half(tmp_path: Path) -> None:
+    report = diagnose(error="I enabled optimizer_cpu_offload but see no memory saving", config=_cfg(tmp_path, HALF))
+    assert "no_saving" not in _ids(report)
+    (ruled,) = [r for r in report.ruled_out if r.failure == "no_saving"]
+    assert "optimizer_offload_fraction is 0.5" in ruled.reason
+    assert not any("fraction is 0.0" in m.cause for m in report.matches)
+    assert any(n.startswith("ruled out by the config: no_saving") for n in report.notes)
+
+
+def test_no_saving_with_offload_off_says_offload_is_off_and_turns_it_on(tmp_path: Path) -> None:
+    report = diagnose(error="GPU memory did not go down", config=_cfg(tmp_path, "model:\n  num_layers: 8\n"))
+    top = report.matches[0]
+    assert top.failure == "no_saving"
+    assert "optimizer_cpu_offload is false in this config" in top.cause
+    assert top.fix == ["optimizer.optimizer_cpu_offload=true", "optimizer.optimizer_offload_fraction=0.5"]
+
+
+def test_no_saving_at_fraction_zero_names_the_fraction(tmp_path: Path) -> None:
+    cfg = _cfg(tmp_path, "optimizer:\n  optimizer_cpu_offload: true\n")
+    top = diagnose(error="GPU memory did not go down", config=cfg).matches[0]
+    assert top.failure == "no_saving" and "optimizer_offload_fraction is 0.0 in this config" in top.cause
+
+
+def test_oom_readings_the_config_excludes_are_listed_with_reasons(tmp_path: Path) -> None:
+    cfg = _cfg(tmp_path, "model:\n  num_layers: 48\n  cpu_offloading: true\n  cpu_offloading_num_layers: 24\n")
+    report = diagnose(error=OOM, config=cfg)
+    assert _ids(report) == ["oom_activation_offload"]
+    reasons = {r.failure: r.reason for r in report.ruled_out}
+    assert "model.cpu_offloading is true" in reasons["oom_partial_optimizer_offload"]
+
+
+def test_slowdown_cause_names_the_configs_fraction(tmp_path: Path) -> None:
+    cfg = _cfg(tmp_path, HALF)
+    top = diagnose(log="step time is 3x slower than the baseline", config=cfg).matches[0]
+    assert top.failure == "slowdown" and "optimizer_offload_fraction=0.5" in top.cause
+
+
+def test_slowdown_without_any_offload_is_ruled_out(tmp_path: Path) -> None:
+    report = diagnose(log="training got slow", config=_cfg(tmp_path, "model:\n  num_layers: 8\n"))
+    assert "slowdown" not in _ids(report)
+    assert "nothing is offloaded" in {r.failure: r.reason for r in report.ruled_out}["slowdown"]
+
+
+def test_pinned_fix_drops_keys_already_false(tmp_path: Path) -> None:
+    cfg = _cfg(tmp_path, HALF + "  pin_cpu_grads: false\n")
+    top = diagnose(error="RuntimeError: cudaHostAlloc failed; check ulimit -l", config=cfg).matches[0]
+    assert top.failure == "pinned_memory" and top.fix == ["optimizer.pin_cpu_params=false"]
+
+
+# --------------------------------------------------------------------------------------------- fine-tune (Bridge #3949)
+
+FINETUNE = (
+    "model:\n  bf16: true\noptimizer:\n  optimizer_cpu_offload: true\n  optimizer_offload_fraction: 1.0\n"
+    "  use_distributed_optimizer: true\n  bf16: true\ncheckpoint:\n  pretrained_checkpoint: /ckpt/hf\n"
+)
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "fine-tuning from a pretrained checkpoint, loss right at step 1, random at step 2",
+        "SFT from the HF weights: iteration 1 lm loss 1.9, iteration 2 lm loss 11.8 -- it collapses to random",
+        "after loading the pretrained weights the loss goes back to random after one step",
+    ],
+)
+def test_finetune_with_stale_masters_is_its_own_mode(text: str) -> None:
+    report = diagnose(error=text)
+    assert report.matches[0].failure == "finetune_stale_masters"
+    assert "resume_loss_jump" not in _ids(report)
+    top = report.matches[0]
+    assert "checkpoint.load_optim=false" not in top.fix
+    assert any("4082" in a for a in top.actions) and "NVIDIA-NeMo/Megatron-Bridge#3949" in top.references
+
+
+def test_finetune_mode_supersedes_the_resume_fix_when_both_match(tmp_path: Path) -> None:
+    text = "fine-tuning from a pretrained checkpoint: loss jumped to random at step 2 after loading"
+    report = diagnose(error=text, config=_cfg(tmp_path, FINETUNE))
+    assert _ids(report)[0] == "finetune_stale_masters"
+    assert "pretrained_checkpoint='/ckpt/hf'" in report.matches[0].cause
+    assert "load_optim=false does not apply" in {r.failure: r.reason for r in report.ruled_out}["resume_loss_jump"]
+
+
+def test_resume_jump_is_ruled_out_when_no_optimizer_state_is_loaded(tmp_path: Path) -> None:
+    cfg = _cfg(tmp_path, HALF + "checkpoint:\n  load_optim: false\n")
+    report = diagnose(error="loss jumped after resuming from the checkpoint", config=cfg)
+    assert "resume_loss_jump" not in _ids(report)
+    assert "checkpoint.load_optim is false" in {r.failure: r.reason for r in report.ruled_out}["resume_loss_jump"]
+
+
+def test_finetune_mode_is_ruled_out_without_optimizer_offload(tmp_path: Path) -> None:
+    report = diagnose(
+        error="fine-tuning from a pretrained checkpoint, loss right at step 1, random at step 2",
+        config=_cfg(tmp_path, "model:\n  bf16: true\n"),
+    )
+    assert "finetune_stale_masters" in {r.failure for r in report.ruled_out}
+
+
+# ---------------------------------------------------------------------------------------------- user reports since June
+
+# The error text as filed upstream (issue in the comment), and a paraphrase an agent would write.
+REPORTS = [
+    (
+        "optimizer_state_device_mismatch",  # NVIDIA-NeMo/Speech#14574
+        "[rank65]:     return torch._C._group_tensors_by_device_and_dtype(tensorlistlist, with_indices)\n"
+        "[rank65]: RuntimeError: Tensors of the same index must be on the same device and the same dtype except "
+        "`step` tensors that can be CPU and float32/64 notwithstanding",
+        "after resuming with offload fraction 1.0 the Adam step fails: optimizer state tensors are on different "
+        "devices",
+    ),
+    (
+        "double_buffer_size_mismatch",  # NVIDIA-NeMo/Speech#14670
+        '[rank7]:   File "transformer_engine/pytorch/cpu_offload.py", line 265, in reload\n'
+        '[rank7]:     assert cpu_backup.size() == copy_buffer.size(), "Can\'t copy two buffers of different sizes!"\n'
+        "[rank7]: AssertionError: Can't copy two buffers of different sizes!",
+        "activation offloading with double buffering crashes because the buffer sizes differ between layers",
+    ),
+    (
+        "common_state_differs",  # NVIDIA-NeMo/Speech#14243
+        "[NeMo W 2025-07-15 21:12:01 validation:389] There is difference in the common state dict in different "
+        "ranks. The differences are {2: ([('optimizer', 0, 'param_state', "
+        "'module.decoder.layers.11.self_attention.linear_proj.weight'), ...",
+        "when saving with optimizer offload the optimizer state differs between ranks and auto-resume fails",
+    ),
+    (
+        "mfsdp_offload_pin_memory",  # NVIDIA/Megatron-LM#1986
+        'Megatron FSDP does not work with CPU_OFFLOADING. [rank2047]:   File "megatron/training/training.py", '
+        "line 1104, in setup_model_and_optimizer\n[rank2047]:     optimizer = get_megatron_optimizer(\n"
+        '[rank2047]:   File "megatron/core/distributed/fsdp/src/megatron_fsdp/uneven_dtensor.py", in ...\n'
+        "[rank2047]:     param = param.pin_memory()",
+        "Megatron-FSDP with optimizer CPU offload crashes in pin_memory when the optimizer is built",
+    ),
+    (
+        "stale_grad_reapplied",  # NVIDIA/Megatron-LM#7551
+        "Fix stale gradients in hybrid optimizer: in HybridDeviceOptimizer._set_sub_optimizer_grads a param whose "
+        "grad is None keeps last step's grad",
+        "MoE experts that get no tokens still change every step with optimizer offload: the stale gradient of the "
+        "previous step is applied again",
+    ),
+    (
+        "fused_adam_cpu_tensors",  # NVIDIA-NeMo/RL#3544
+        "optimizer: TE FusedAdam with cpu_offload: true -> loss NaN at step N+1 after restoring the optimizer state",
+        "the fused Adam runs on CPU offloaded optimizer states and the loss becomes NaN after resume",
+    ),
+    (
+        "precision_dtypes_ignored",  # radixark/Megatron-LM#67
+        "--optimizer-cpu-offload --main-params-dtype fp16 --exp-avg-dtype fp16 --exp-avg-sq-dtype fp16 leaves all "
+        "three optimizer-state tensors in FP32",
+        "with CPU offload the optimizer moments are float32 instead of bf16 even though I set bf16 states",
+    ),
+]
+
+
+@pytest.mark.parametrize(("failure", "error", "_paraphrase"), REPORTS, ids=[r[0] for r in REPORTS])
+def test_upstream_report_text_is_matched(failure: str, error: str, _paraphrase: str) -> None:
+    report = diagnose(error=error)
+    assert report.matches and report.matches[0].failure == failure, _ids(report)
+    assert report.matches[0].references
+
+
+@pytest.mark.parametrize(("failure", "_error", "paraphrase"), REPORTS, ids=[r[0] for r in REPORTS])
+def test_agent_paraphrase_of_the_report_is_matched(failure: str, _error: str, paraphrase: str) -> None:
+    assert failure in _ids(diagnose(error=paraphrase))
+
+
+def test_mfsdp_pin_memory_is_ruled_out_without_megatron_fsdp(tmp_path: Path) -> None:
+    cfg = _cfg(tmp_path, HALF + "ddp:\n  use_distributed_optimizer: true\n")
+    report = diagnose(error=REPORTS[3][1], config=cfg)
+    assert "ddp.use_megatron_fsdp is false" in {r.failure: r.reason for r in report.ruled_out}[REPORTS[3][0]]
+
+
+def test_double_buffer_mode_is_ruled_out_when_double_buffering_is_off(tmp_path: Path) -> None:
+    cfg = _cfg(tmp_path, "model:\n  num_layers: 8\n  cpu_offloading: true\n  cpu_offloading_num_layers: 4\n")
+    report = diagnose(error=REPORTS[1][1], config=cfg)
+    assert "cpu_offloading_double_buffering is false" in report.ruled_out[0].reason
+
+
+def test_precision_dtypes_mode_reads_the_configs_dtypes(tmp_path: Path) -> None:
+    cfg = _cfg(tmp_path, HALF + "  exp_avg_dtype: bf16\n  exp_avg_sq_dtype: bf16\n")
+    top = diagnose(error=REPORTS[6][2], config=cfg).matches[0]
+    assert top.failure == "precision_dtypes_ignored" and "exp_avg_dtype=bf16" in top.cause
+    fp32 = _cfg(tmp_path, HALF, "fp32.yaml")
+    assert "all fp32" in diagnose(error=REPORTS[6][2], config=fp32).ruled_out[0].reason
+
+
+def test_stale_grad_cause_names_the_configs_experts(tmp_path: Path) -> None:
+    cfg = _cfg(tmp_path, "model:\n  num_moe_experts: 64\n" + HALF)
+    top = diagnose(error=REPORTS[4][2], config=cfg).matches[0]
+    assert top.failure == "stale_grad_reapplied" and "64 MoE experts" in top.cause

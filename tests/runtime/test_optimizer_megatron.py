@@ -73,9 +73,16 @@ def test_five_steps_match_megatrons_plain_adam_and_every_fraction_is_bit_identic
     r = worker(label, env, world, tmp_path_factory)
     for setup in ("fp32", "do"):
         for f in (0.0, 0.5, 1.0):
-            # fp32: Megatron's Adam runs torch's per-tensor kernel, ours the fused one (rounding only);
-            # do: both end in bf16 weights from the same fp32 arithmetic.
-            assert r[setup][f"vs_plain_adam_{f}"] <= 2e-6, (setup, f)
+            # Megatron's Adam runs torch's per-tensor kernel, ours the fused one: the fp32 results differ in the
+            # last bits (2e-6 after five steps on this model).
+            if setup == "fp32":
+                assert r[setup][f"vs_plain_adam_{f}"] <= 2e-6, (setup, f)
+            else:
+                # do: the weights are bf16, rounded from those fp32 masters. A master at a bf16 rounding boundary
+                # then rounds the other way: one bf16 step of that weight (at world size 2 on 0.16.1: one element
+                # of decoder.layers.1.mlp.linear_fc2.weight, 5.0e-4 vs 5.04e-4, i.e. 2**-18). So each element may
+                # differ by max(2e-6, one bf16 ULP of its own magnitude), never more.
+                assert r[setup][f"vs_plain_adam_excess_{f}"] == 0.0, (setup, f, r[setup][f"vs_plain_adam_{f}"])
         assert r[setup]["fractions_bit_identical"], setup
 
 

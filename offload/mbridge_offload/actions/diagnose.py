@@ -56,10 +56,19 @@ class Closest(BaseModel):
     phrasing: str
 
 
+class RuledOut(BaseModel):
+    """A failure mode the text shows but the config excludes, with the config's reason."""
+
+    failure: str
+    title: str
+    reason: str = Field(description="the key and value of the config that exclude it")
+
+
 class DiagnoseReport(BaseModel):
     """``diagnose``: the library's result, the CLI's ``--json`` and the MCP tool's structured output."""
 
     matches: list[Diagnosis]
+    ruled_out: list[RuledOut] = Field([], description="with a config: modes the text shows that the config excludes")
     findings: list[dict[str, Any]] = []
     comparison: dict[str, Any] | None = Field(
         None, description="with before/after: changed offload keys and predicted per-GPU memory"
@@ -148,11 +157,14 @@ def _from_rules(text: str, covered: set[str]) -> list[Diagnosis]:
     return found
 
 
-def _diagnosis(mode: FailureMode, fix: list[str], evidence: str | None, source: str) -> Diagnosis:
+def _diagnosis(
+    mode: FailureMode, fix: list[str], evidence: str | None, source: str, config: OffloadConfig | None = None
+) -> Diagnosis:
+    cause = mode.explain(config) if config is not None and mode.explain is not None else ""
     return Diagnosis(
         failure=mode.id,
         title=mode.title,
-        cause=mode.cause,
+        cause=cause or mode.cause,
         confirm=mode.confirm,
         fix=fix,
         actions=list(mode.actions),
@@ -181,24 +193,34 @@ def _phrasing_concepts(phrasing: str) -> frozenset[str]:
     return concepts(phrasing)
 
 
-def _applies(mode: FailureMode, config: OffloadConfig | None) -> bool:
+def exclusion(mode: FailureMode, config: OffloadConfig | None) -> str | None:
+    """Why ``config`` excludes ``mode`` (its key and value), or None when the mode is still possible."""
     if config is None:
-        return mode.without_config
-    return mode.when is None or mode.when(config)
+        return None
+    if mode.rules_out is not None and (reason := mode.rules_out(config)):
+        return reason
+    if mode.when is not None and not mode.when(config):
+        return f"the config does not show the conditions of {mode.title!r}"
+    return None
 
 
-def _by_meaning(text: str, config: OffloadConfig | None, found: set[str]) -> list[Diagnosis]:
+def _by_meaning(text: str, config: OffloadConfig | None, found: set[str], out_ruled: dict[str, RuledOut]):
     """Failure modes one of whose phrasings the text expresses (all of its ideas present)."""
     ideas = concepts(text)
     out = []
     for mode in KNOWN:
-        if mode.id in found or not mode.phrasings or not _applies(mode, config):
+        if mode.id in found or mode.id in out_ruled or not mode.phrasings:
             continue
-        for phrasing in mode.phrasings:
-            if _phrasing_concepts(phrasing) <= ideas:
-                fix = list(mode.fix(config, re.match("", "")) if callable(mode.fix) else mode.fix)
-                out.append(_diagnosis(mode, fix, f"reads as: {phrasing!r}", "meaning"))
-                break
+        if config is None and not mode.without_config:
+            continue
+        phrasing = next((p for p in mode.phrasings if _phrasing_concepts(p) <= ideas), None)
+        if phrasing is None:
+            continue
+        if reason := exclusion(mode, config):
+            out_ruled[mode.id] = RuledOut(failure=mode.id, title=mode.title, reason=reason)
+            continue
+        fix = list(mode.fix(config, re.match("", "")) if callable(mode.fix) else mode.fix)
+        out.append(_diagnosis(mode, fix, f"reads as: {phrasing!r}", "meaning", config))
     return out
 
 
@@ -216,34 +238,57 @@ def closest_modes(text: str, n: int = 3) -> list[Closest]:
     return sorted(scored, key=lambda c: -c.score)[:n]
 
 
-def match_text(text: str, config: OffloadConfig | None = None) -> list[Diagnosis]:
-    """Every known failure mode the text shows, most specific first."""
+def _pattern_hit(mode: FailureMode, text: str, flat: str) -> re.Match[str] | None:
+    for pattern in mode.patterns:
+        hit = re.search(pattern, text, re.IGNORECASE) or re.search(pattern, flat, re.IGNORECASE)
+        if hit:
+            return hit
+    return None
+
+
+def _supersede(matches: list[Diagnosis], ruled: dict[str, RuledOut]) -> list[Diagnosis]:
+    """Drop the modes a more specific match explains better (``FailureMode.supersedes``), with its reason."""
+    by_id = {mode.id: mode for mode in KNOWN}
+    found = {m.failure for m in matches}
+    for failure in list(found):
+        for other, reason in getattr(by_id.get(failure), "supersedes", ()):
+            if other in found:
+                ruled[other] = RuledOut(failure=other, title=by_id[other].title, reason=reason)
+    return [m for m in matches if m.failure not in ruled]
+
+
+def match_and_exclude(text: str, config: OffloadConfig | None = None) -> tuple[list[Diagnosis], list[RuledOut]]:
+    """The known failure modes the text shows (most specific first), and those the config rules out."""
     text = text or ""
     flat = _normalise(text)
     matches: list[Diagnosis] = []
+    ruled: dict[str, RuledOut] = {}
     covered: set[str] = set()
     for mode in KNOWN:
         if config is None and not mode.without_config:
             continue
-        if mode.when is not None and config is not None and not mode.when(config):
-            continue
-        hit = None
-        for pattern in mode.patterns:
-            hit = re.search(pattern, text, re.IGNORECASE) or re.search(pattern, flat, re.IGNORECASE)
-            if hit:
-                break
+        hit = _pattern_hit(mode, text, flat)
         if hit is None:
+            continue
+        if reason := exclusion(mode, config):
+            ruled[mode.id] = RuledOut(failure=mode.id, title=mode.title, reason=reason)
             continue
         fix = list(mode.fix(config, hit)) if callable(mode.fix) else list(mode.fix)
         evidence = _line_around(hit.string, hit.start(), hit.end())
         covered.update(EXPLAINS_RULES.get(mode.id, ()))
-        matches.append(_diagnosis(mode, fix, evidence, "known"))
+        matches.append(_diagnosis(mode, fix, evidence, "known", config))
     matches += _from_rules(text, covered)
-    matches += _by_meaning(text, config, {m.failure for m in matches})
+    matches += _by_meaning(text, config, {m.failure for m in matches}, ruled)
+    matches = _supersede(matches, ruled)
     # A config error explains a crash better than the generic symptoms that may also match its log.
     specific = [m for m in matches if not m.failure.startswith(("oom_", "slowdown", "host_oom"))]
     generic = [m for m in matches if m not in specific]
-    return specific + generic
+    return specific + generic, list(ruled.values())
+
+
+def match_text(text: str, config: OffloadConfig | None = None) -> list[Diagnosis]:
+    """Every known failure mode the text shows, most specific first (those the config rules out are left out)."""
+    return match_and_exclude(text, config)[0]
 
 
 # ---------------------------------------------------------------------------------------------- before / after
@@ -321,7 +366,10 @@ def diagnose(
         DiagnoseReport; ``matches`` is empty when nothing known matched (the notes say so).
     """
     text = "\n".join(t for t in (error, log) if t)
-    report = DiagnoseReport(matches=match_text(text, config or after) if text else [])
+    matches, ruled = match_and_exclude(text, config or after) if text else ([], [])
+    report = DiagnoseReport(matches=matches, ruled_out=ruled)
+    for r in ruled:
+        report.notes.append(f"ruled out by the config: {r.failure} ({r.title}): {r.reason}")
     if config is not None:
         report.findings = _findings(config, raw)
     if before is not None and after is not None:

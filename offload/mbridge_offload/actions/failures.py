@@ -15,6 +15,7 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from mbridge_offload.actions import failure_conditions as fc
 from mbridge_offload.config.schema import OffloadConfig
 
 FixFn = Callable[[OffloadConfig | None, "re.Match[str]"], list[str]]
@@ -38,6 +39,12 @@ class FailureMode:
     without_config: bool = True
     # How users describe it in their own words; matched by meaning (CONCEPTS), not by substring.
     phrasings: tuple[str, ...] = ()
+    # With a config: the reason it excludes this mode (key and value), or None (``failure_conditions``).
+    rules_out: Callable[[OffloadConfig], str | None] | None = None
+    # With a config: the cause told with the config's values, instead of ``cause``.
+    explain: Callable[[OffloadConfig], str] | None = None
+    # Modes this one explains better when both match: (id, why the other one does not apply).
+    supersedes: tuple[tuple[str, str], ...] = ()
 
 
 # ------------------------------------------------------------------------------------- fixes that read the config
@@ -73,30 +80,6 @@ def _fix_layer_range(cfg: OffloadConfig | None, m: re.Match[str]) -> list[str]:
     except (IndexError, ValueError, TypeError):
         total = cfg.model.num_layers if cfg is not None and cfg.model.num_layers else None
     return [f"model.cpu_offloading_num_layers={total - 1}"] if total else []
-
-
-def _activation_on(cfg: OffloadConfig) -> bool:
-    return cfg.model.cpu_offloading
-
-
-def _partial_optimizer(cfg: OffloadConfig) -> bool:
-    return (
-        cfg.optimizer.optimizer_cpu_offload
-        and cfg.optimizer.optimizer_offload_fraction < 1.0
-        and not cfg.model.cpu_offloading
-    )
-
-
-def _no_offload(cfg: OffloadConfig) -> bool:
-    return not cfg.model.cpu_offloading and not cfg.optimizer.optimizer_cpu_offload
-
-
-def _full_optimizer(cfg: OffloadConfig) -> bool:
-    return (
-        cfg.optimizer.optimizer_cpu_offload
-        and cfg.optimizer.optimizer_offload_fraction >= 1.0
-        and not cfg.model.cpu_offloading
-    )
 
 
 _OOM = (r"CUDA out of memory", r"OutOfMemoryError", r"CUDA error: out of memory", r"\bOOM\b", r"out of memory")
@@ -167,6 +150,44 @@ CONCEPTS: dict[str, str] = {
     "pipeline": r"\bpipeline|\bpp\s*(=|>|is)?\s*[2-9]|\bpp\b",
     "recompute": r"\brecomput\w*|\bcheckpointing activations|\bactivation checkpointing",
     "cudagraph": r"cuda.?graphs?|\bcudagraph",
+    "finetune": (
+        r"\bfine.?tun\w*|\bpre.?trained\b|\bsft\b|\b(hf|hugging ?face) (checkpoint|weights|model)|"
+        r"\bpretrained_checkpoint|\bbase model"
+    ),
+    "early_step": (
+        r"\b(step|iteration|iter) ?(#)?(1|2|one|two)\b|\b(first|second) (optimizer )?(step|iteration|update)|"
+        r"\bafter (one|the first) (step|update)"
+    ),
+    "random": (
+        r"\brandom\w*|\buntrained|\bfrom scratch|\bln\(?vocab|\bcollaps\w*|\bgarbage|"
+        r"\b(back to|like) (an? )?(random|init\w*|fresh)"
+    ),
+    "device_dtype": (
+        r"same device and the same dtype|\b(device|dtype) mismatch|\bmismatch\w* (of )?(devices?|dtypes?)|"
+        r"\bdifferent (devices?|dtypes?)|\bwrong (device|dtype)|\bmixed (devices?|dtypes?)|\bon (the )?cpu and"
+    ),
+    "state": r"\b(optimi[sz]er )?states?\b|\bexp_avg\w*|\bmoments?\b",
+    "ranks": r"\branks?\b|\bacross (the )?(gpus|workers|processes)",
+    "differ": r"\bdiffer\w*|\bmismatch\w*|\binconsistent|\bnot (the )?same\b",
+    "double_buffer": r"double.?buffer\w*",
+    "sizes": r"\bsizes?\b|\bshapes?\b",
+    "fsdp": r"\bfsdp\b|megatron.?fsdp|\bm-?fsdp\b|\bdtensors?\b",
+    "fused": r"\bfused ?adam\w*|\bfused (optimi[sz]er|kernel)|\bapex\b|transformer.?engine'?s? adam|\bte adam",
+    "cpu": r"\bcpu\b",
+    "nan": r"\bnans?\b|\bpoison\w*|\bgarbage (values|states)",
+    "low_precision": (
+        r"\bbf16\b|\bfp16\b|\bbfloat16\b|\bhalf.precision|\blow(er)?.precision|\bprecision.?aware|"
+        r"\bexp_avg(_sq)?_dtype|\bmain_params_dtype"
+    ),
+    "fp32": r"\bfp32\b|\bfloat32\b|\bfull precision|\bsingle precision|\b4 bytes",
+    "stale": (
+        r"\bstale\b|\bprevious (step|iteration)'?s? grad\w*|\bold grad\w*|\bre-?appl\w*|\bapplied again|"
+        r"\bleftover grad\w*|\bcached grad\w*|\blast step'?s? grad\w*"
+    ),
+    "no_grad": (
+        r"\bno grad\w*|\bgrad(ient)? (is |was )?none|\bwithout (a )?grad\w*|\bunused (expert|param\w*)|"
+        r"\bno tokens|\bnot routed|\bgets? no tokens|\b(receive|got)s? no tokens"
+    ),
 }
 
 # ---------------------------------------------------------------------------------------------- the catalogue
@@ -300,6 +321,95 @@ KNOWN: tuple[FailureMode, ...] = (
         ("optimizer.optimizer_cpu_offload=false",),
         ("or keep offloading and call get_megatron_optimizer without skip_megatron_wrapping=True",),
     ),
+    FailureMode(
+        "optimizer_state_device_mismatch",
+        "Optimizer state on mixed devices/dtypes after resume",
+        (r"Tensors of the same index must be on the same device and the same dtype",),
+        "after the checkpoint load some Adam state tensors (exp_avg, exp_avg_sq) are not on the device or dtype of "
+        "the parameter their sub-optimizer steps (e.g. GPU state for a CPU copy at optimizer_offload_fraction=1.0); "
+        "torch's foreach/fused Adam groups tensors by device and dtype and refuses the mix",
+        "after load, print {k: (v.device, v.dtype)} of each optimizer.state entry next to its parameter's; the "
+        "traceback ends in torch/utils/_foreach_utils.py _group_tensors_by_device_and_dtype",
+        ("checkpoint.load_optim=false",),
+        (
+            "that resumes the weights only (the Adam moments restart); keep the optimizer state by upgrading "
+            "megatron-core / Megatron Bridge (the HDO's load hooks move each state to its sub-optimizer's device), "
+            "or resume with this project's HybridDeviceOptimizer, whose load_state_dict places every state with "
+            "its sub-optimizer",
+        ),
+        ("NVIDIA-NeMo/Speech#14574",),
+        rules_out=fc.rules_out_save_assert,
+        phrasings=(
+            "optimizer states end up on different devices after resume",
+            "optimizer state tensors have mixed dtypes after loading the checkpoint",
+        ),
+    ),
+    FailureMode(
+        "common_state_differs",
+        "Common state dict differs across ranks",
+        (r"There is difference in the common state dict in different ranks",),
+        "with optimizer_cpu_offload the HybridDeviceOptimizer's per-parameter state (optimizer param_state keys) "
+        "lands in the checkpoint's common (replicated) part, which each rank fills differently; the save warns "
+        "and the resume from that checkpoint fails",
+        "the warning lists ('optimizer', 0, 'param_state', ...) keys; it does not appear with "
+        "optimizer_cpu_offload=false",
+        ("optimizer.use_distributed_optimizer=true", "ddp.use_distributed_optimizer=true"),
+        (
+            "the distributed optimizer saves the HDO's state sharded (fully_reshardable / dp_reshardable) instead "
+            "of in the common dict; or resume the weights only (checkpoint.load_optim=false)",
+        ),
+        ("NVIDIA-NeMo/Speech#14243",),
+        rules_out=fc.rules_out_save_assert,
+        phrasings=(
+            "the common state dict differs across ranks",
+            "optimizer state differs between ranks when saving the checkpoint",
+        ),
+    ),
+    FailureMode(
+        "double_buffer_size_mismatch",
+        "Double-buffered reload: buffers of different sizes",
+        (r"Can't copy two buffers of different sizes", r"CPU buffer shape does not match the offloaded tensor shape"),
+        "Transformer Engine's double-buffered reload (model.cpu_offloading_double_buffering) reuses one GPU buffer "
+        "per tensor slot and assumes every offloaded layer saves the same tensors with the same shapes; layers that "
+        "differ (dense and MoE layers, another layer type, a changed sequence length) break it (TE fixed "
+        "asymmetric layers in PR #1984)",
+        "the traceback ends in transformer_engine/pytorch/cpu_offload.py reload; the run passes with "
+        "model.cpu_offloading_double_buffering=false",
+        ("model.cpu_offloading_double_buffering=false",),
+        ("or upgrade transformer-engine (asymmetric layers fixed in TE PR #1984)",),
+        ("NVIDIA-NeMo/Speech#14670",),
+        rules_out=fc.rules_out_double_buffering,
+        phrasings=(
+            "double buffering fails with buffers of different sizes",
+            "activation offload double buffer size mismatch",
+        ),
+    ),
+    FailureMode(
+        "mfsdp_offload_pin_memory",
+        "Megatron-FSDP + optimizer offload fails in pin_memory",
+        (
+            r"Megatron FSDP does not work with CPU_OFFLOADING",
+            r"(?:megatron_fsdp|fully_shard|DTensor|_dtensor).{0,600}pin_memory",
+            r"pin_memory.{0,600}(?:megatron_fsdp|DTensor|_dtensor)",
+        ),
+        "the HybridDeviceOptimizer clones every parameter to the CPU and pins the clone when the optimizer is "
+        "built (get_megatron_optimizer); under Megatron-FSDP the parameters are sharded DTensors (EP shards "
+        "included) and pin_memory goes through DTensor dispatch, which fails",
+        "the traceback runs setup_model_and_optimizer -> get_megatron_optimizer -> hybrid_optimizer and ends in "
+        "pin_memory with DTensor frames; ddp.use_megatron_fsdp is true",
+        (
+            "ddp.use_megatron_fsdp=false",
+            "ddp.use_distributed_optimizer=true",
+            "optimizer.use_distributed_optimizer=true",
+        ),
+        (
+            "the distributed optimizer works with optimizer offload; Megatron-LM PR #4623 (open) makes the HDO "
+            "use the FSDP local shards",
+        ),
+        ("NVIDIA/Megatron-LM#1986", "NVIDIA/Megatron-LM#4623"),
+        rules_out=fc.rules_out_fsdp,
+        phrasings=("Megatron-FSDP with optimizer offload crashes in pin_memory", "FSDP with CPU offload fails pinning"),
+    ),
     # --- failures with no single message
     FailureMode(
         "oom_activation_offload",
@@ -311,7 +421,7 @@ KNOWN: tuple[FailureMode, ...] = (
         "compare torch.cuda.max_memory_allocated() with the GPU size; run `mbridge-offload estimate` with this config",
         _SWITCH_TO_OPTIMIZER,
         ("then raise model.pipeline_model_parallel_size (optimizer offload works with PP>1)",),
-        when=_activation_on,
+        rules_out=fc.rules_out_oom_activation,
         phrasings=("GPU memory ran out", "the job does not fit on the GPU", "activation offload ran out of GPU memory"),
     ),
     FailureMode(
@@ -324,7 +434,7 @@ KNOWN: tuple[FailureMode, ...] = (
         "a few fractions",
         _fix_oom_partial,
         ("or add pipeline parallelism (model.pipeline_model_parallel_size)",),
-        when=_partial_optimizer,
+        rules_out=fc.rules_out_oom_partial,
         phrasings=("GPU memory ran out", "the job does not fit on the GPU", "optimizer offload ran out of GPU memory"),
     ),
     FailureMode(
@@ -336,7 +446,7 @@ KNOWN: tuple[FailureMode, ...] = (
         "look at the allocator snapshot or `mbridge-offload estimate`: activations and weights dominate",
         ("model.recompute_granularity=selective",),
         ("or raise tensor/pipeline parallelism, or lower train.micro_batch_size",),
-        when=_full_optimizer,
+        rules_out=fc.rules_out_oom_full,
         without_config=False,
         phrasings=("ran out of GPU memory with everything offloaded",),
     ),
@@ -351,7 +461,7 @@ KNOWN: tuple[FailureMode, ...] = (
             "optimizer.optimizer_offload_fraction=0.5",
             "optimizer.overlap_cpu_optimizer_d2h_h2d=true",
         ),
-        when=_no_offload,
+        rules_out=fc.rules_out_oom_none,
         without_config=False,
         phrasings=("GPU memory ran out", "the job does not fit on the GPU"),
     ),
@@ -369,6 +479,8 @@ KNOWN: tuple[FailureMode, ...] = (
         "compare step times at two fractions; profile the optimizer step (CPU time vs copies)",
         _fix_slowdown,
         ("more CPU cores per GPU (OMP_NUM_THREADS) speed the CPU step up",),
+        rules_out=fc.rules_out_slowdown,
+        explain=fc.explain_slowdown,
         phrasings=(
             "training got slow with offload",
             "step time increased with offload",
@@ -384,11 +496,55 @@ KNOWN: tuple[FailureMode, ...] = (
             r"memory (?:unchanged|did not (?:drop|change))",
             r"did not reduce (?:gpu )?memory",
         ),
-        "optimizer.optimizer_cpu_offload is on but optimizer_offload_fraction is 0.0 (Bridge's default), so the "
-        "HybridDeviceOptimizer keeps every state on the GPU",
-        "check optimizer.optimizer_offload_fraction in the effective config (`mbridge-offload validate`)",
-        ("optimizer.optimizer_offload_fraction=0.5",),
+        "optimizer.optimizer_cpu_offload is off, or on with optimizer_offload_fraction 0.0 (Bridge's default): the "
+        "HybridDeviceOptimizer then keeps every state on the GPU",
+        "check optimizer.optimizer_cpu_offload and optimizer.optimizer_offload_fraction in the effective config "
+        "(`mbridge-offload validate`)",
+        lambda cfg, _m: fc.fix_no_saving(cfg),
+        rules_out=fc.rules_out_no_saving,
+        explain=fc.explain_no_saving,
         phrasings=("no GPU memory was freed", "offload did not reduce memory", "memory usage unchanged with offload"),
+    ),
+    FailureMode(
+        "finetune_stale_masters",
+        "Fine-tune: loss right at step 1, random at step 2",
+        (
+            r"sync_hybrid_device_optimizer_fp32_master_copies",
+            r"(?:fine.?tun\w*|pretrained).{0,200}loss.{0,160}(?:random|collaps\w*)",
+            r"loss.{0,60}step ?1\b.{0,160}(?:random|collaps\w*|~?10\b).{0,60}step ?2\b",
+        ),
+        "the HybridDeviceOptimizer's CPU and fp32 copies of the weights are made when the optimizer is built, "
+        "before the pretrained checkpoint is loaded into the model; the load (model only) refreshes the distributed "
+        "optimizer's own fp32 shards but not these copies, so the first step runs Adam on random-init weights and "
+        "writes them back: step 1's loss is right, step 2's is that of a random model (optimizer_cpu_offload + "
+        "distributed optimizer + bf16/fp16 + model-only load)",
+        "log the loss of steps 1-3: right, then ~ln(vocab size) (about 10-12); it does not happen with "
+        "optimizer.optimizer_cpu_offload=false",
+        (),
+        (
+            "upgrade Megatron Bridge (PR #4082: sync_hybrid_device_optimizer_fp32_master_copies after checkpoint "
+            "load; Megatron Bridge 0.6.2 has it); the megatron-core fix is Megatron-LM PR #5071 (open); NeMo-RL has "
+            "the same fix (PR #2372)",
+            "until then: call the same sync after loading, or turn optimizer offload off for the fine-tune "
+            "(optimizer.optimizer_cpu_offload=false); with this project's HybridDeviceOptimizer call "
+            "refresh_from_model() after a model-only load",
+            "checkpoint.load_optim=false does not help: a fine-tune start loads no optimizer state",
+        ),
+        ("NVIDIA-NeMo/Megatron-Bridge#3949", "NVIDIA-NeMo/Megatron-Bridge#4082", "NVIDIA-NeMo/RL#2371"),
+        rules_out=lambda cfg: fc.rules_out_save_assert(cfg),
+        explain=fc.explain_stale_masters,
+        supersedes=(
+            (
+                "resume_loss_jump",
+                "a fine-tune start loads no optimizer state, so the resume fix checkpoint.load_optim=false does not "
+                "apply; the stale copies are the HybridDeviceOptimizer's (finetune_stale_masters)",
+            ),
+        ),
+        phrasings=(
+            "fine-tuning from a pretrained checkpoint the loss is right at the first step and random at step two",
+            "fine-tuning loss collapses to random after the first step",
+            "after loading the pretrained weights the loss goes back to random",
+        ),
     ),
     FailureMode(
         "resume_loss_jump",
@@ -398,14 +554,15 @@ KNOWN: tuple[FailureMode, ...] = (
             r"after (?:resum|restart|load)\w*.{0,40}loss",
             r"loss.{0,40}after (?:resum|restart|load)",
         ),
-        "the HybridDeviceOptimizer's CPU/fp32 master copies or its Adam step counter were not restored: stale masters "
-        "after a model-only load (Megatron-Bridge#3949), precision-aware + offload resume (Megatron-LM#1842), stale "
-        "'step' in DP-reshardable loads",
+        "resuming a run (model and optimizer state), the HybridDeviceOptimizer's fp32 masters or its Adam step "
+        "counter were not restored: precision-aware + offload resume (Megatron-LM#1842), stale 'step' in "
+        "DP-reshardable loads (SkyRL#1401, Megatron-LM PR #5929)",
         "resume once with checkpoint.load_optim=false (--no-load-optim): if the jump disappears, the optimizer "
         "state restore is at fault",
         ("checkpoint.load_optim=false",),
-        ("upgrade Megatron Bridge (PR #4082 syncs all fp32 master copies after load) / megatron-core",),
-        ("NVIDIA/Megatron-LM#1842", "NVIDIA-NeMo/Megatron-Bridge#3949"),
+        ("upgrade megatron-core (PR #5929 on main restores 'step' in DP-reshardable loads)",),
+        ("NVIDIA/Megatron-LM#1842", "NovaSky-AI/SkyRL#1401"),
+        rules_out=fc.rules_out_resume_jump,
         phrasings=(
             "loss jumped after resuming",
             "loss increased after loading the checkpoint",
@@ -426,6 +583,7 @@ KNOWN: tuple[FailureMode, ...] = (
         ("checkpoint.save_optim=false",),
         ("upgrade to megatron-core >= 0.18.0 / Megatron Bridge >= 0.5.0",),
         ("NVIDIA-NeMo/Megatron-Bridge#1942", "NVIDIA/Megatron-LM#1872"),
+        rules_out=fc.rules_out_save_assert,
         phrasings=("assertion fails saving a checkpoint", "assert while saving the optimizer state"),
     ),
     FailureMode(
@@ -470,7 +628,7 @@ KNOWN: tuple[FailureMode, ...] = (
         "offloaded optimizer states, CPU grads and activation buffers are pinned (page-locked); the container's "
         "memlock limit or the host RAM is too small for them",
         "`ulimit -l` inside the container (should be unlimited); `free -g` during the run",
-        ("optimizer.pin_cpu_grads=false", "optimizer.pin_cpu_params=false"),
+        lambda cfg, _m: fc.fix_pinned(cfg),
         ("or run the container with --ulimit memlock=-1, or lower optimizer_offload_fraction",),
         ("verl-project/verl#6690",),
         phrasings=("cannot pin host memory", "memlock limit too low", "page-locked memory fails"),
@@ -499,7 +657,102 @@ KNOWN: tuple[FailureMode, ...] = (
         ("checkpoint.save_optim=false",),
         ("or use the distributed optimizer instead of Megatron-FSDP",),
         ("NVIDIA/Megatron-LM#4910",),
+        rules_out=fc.rules_out_fsdp,
         phrasings=("checkpoint save hangs", "stuck saving the optimizer state"),
+    ),
+    FailureMode(
+        "stale_grad_reapplied",
+        "Grad-less parameter updated with a stale gradient",
+        (
+            r"stale grad\w*.{0,200}(?:hybrid|offload|HybridDeviceOptimizer)",
+            r"(?:hybrid|offload|HybridDeviceOptimizer).{0,200}stale grad\w*",
+            r"_set_sub_optimizer_grads",
+        ),
+        "megatron-core's HybridDeviceOptimizer keeps each inner parameter's .grad from the last step; when the "
+        "model parameter has no gradient it only sets requires_grad=False, and torch's Adam skips a parameter only "
+        "when .grad is None, so the previous step's gradient is applied again (MoE experts that got no tokens, "
+        "unused or conditional branches)",
+        "compare a parameter whose .grad is None in a step before and after optimizer.step(): it must not change",
+        (),
+        (
+            "upgrade megatron-core past Megatron-LM PR #7551 (open, 2026-09; also PR #6871), which clears the cached "
+            "grads; this project's HybridDeviceOptimizer already skips parameters without a gradient "
+            "(install_optimizer_offload; tests/runtime/test_optimizer_stale_grad.py is the regression test)",
+            "or turn optimizer offload off (optimizer.optimizer_cpu_offload=false)",
+        ),
+        ("NVIDIA/Megatron-LM#7551", "NVIDIA/Megatron-LM#6871"),
+        rules_out=fc.rules_out_save_assert,
+        explain=fc.explain_stale_grad,
+        phrasings=(
+            "a parameter with no gradient is still updated with the stale gradient",
+            "experts that get no tokens still change with optimizer offload",
+            "the previous step's gradient is applied again to unused experts",
+        ),
+    ),
+    FailureMode(
+        "fused_adam_cpu_tensors",
+        "GPU-only fused Adam on CPU tensors (NaN, no error)",
+        (
+            r"FusedAdam.{0,300}\bcpu",
+            r"\bcpu.{0,300}FusedAdam",
+            r"multi_tensor_apply.{0,200}\bcpu",
+        ),
+        "a GPU-only fused Adam (Transformer Engine's or Apex's FusedAdam) steps tensors that live on the CPU "
+        "(CPU-offloaded optimizer states or parameters): it may raise nothing and write garbage, so exp_avg is "
+        "poisoned and the loss turns NaN, often right after a resume",
+        "check which optimizer class steps the host-resident tensors: print type(sub) for every sub-optimizer and "
+        "the device of its parameters; it must be torch.optim.AdamW (CPU fused) for CPU tensors",
+        ("optimizer.use_torch_optimizer_for_cpu_offload=true",),
+        (
+            "megatron-core's HDO uses torch.optim.AdamW for its CPU part; a GPU-only class passed as "
+            "cpu_optimizer_cls (or FSDP2/DTensor cpu_offload with TE FusedAdam, NeMo-RL#3544) must be replaced "
+            "by torch's Adam/AdamW, or offload turned off",
+        ),
+        ("NVIDIA-NeMo/RL#3544",),
+        supersedes=(
+            (
+                "resume_loss_jump",
+                "the NaN comes from a GPU-only fused Adam stepping host tensors (fused_adam_cpu_tensors), not from "
+                "the state restore: checkpoint.load_optim=false only hides it until the moments are rebuilt",
+            ),
+            ("slowdown", "the text reports NaN values, not a longer step time"),
+        ),
+        phrasings=(
+            "fused Adam with CPU offloaded states gives NaN loss",
+            "exp_avg poisoned after resume with fused Adam and CPU offload",
+            "the fused optimizer runs on CPU tensors and the loss becomes NaN",
+        ),
+    ),
+    FailureMode(
+        "precision_dtypes_ignored",
+        "Offload ignores precision-aware state dtypes",
+        (
+            r"exp_avg(?:_sq)?_dtype.{0,200}(?:fp32|float32|ignored|not honou?red)",
+            r"main_params_dtype.{0,200}(?:fp32|float32|ignored|not honou?red)",
+        ),
+        "with optimizer_cpu_offload, megatron-core's factory builds the HybridDeviceOptimizer with "
+        "param_update_in_fp32=True and never passes main_params_dtype / exp_avg_dtype / exp_avg_sq_dtype, and "
+        "torch AdamW creates its moments like the fp32 master: all three states are fp32 whatever the config asks",
+        "after one step, print {k: v.dtype for k, v in sub.state[p].items()} for a sub-optimizer of the HDO: "
+        "fp32 although the config says bf16/fp16",
+        (
+            "optimizer.main_params_dtype=fp32",
+            "optimizer.exp_avg_dtype=fp32",
+            "optimizer.exp_avg_sq_dtype=fp32",
+        ),
+        (
+            "the overrides make the config say what runs, so memory estimates (`mbridge-offload estimate`) count "
+            "fp32 states on the host; lower-precision offloaded states need a megatron-core with the dtypes passed "
+            "through (radixark/Megatron-LM PR #67; MCore dev branch commit bcc46a5f29)",
+        ),
+        ("radixark/Megatron-LM#67",),
+        rules_out=fc.rules_out_precision_dtypes,
+        explain=fc.explain_precision_dtypes,
+        phrasings=(
+            "optimizer states stay fp32 with offload although exp_avg_dtype is bf16",
+            "precision-aware dtypes are ignored with optimizer CPU offload",
+            "offloaded optimizer moments are float32 instead of bf16",
+        ),
     ),
 )
 

@@ -95,16 +95,22 @@ def failure_modes() -> list[Any]:
     return list(KNOWN)
 
 
+def _short_fix(fix: tuple[str, ...]) -> str:
+    """The first three overrides (SKILL.md stays short; references/failures.md lists them all)."""
+    shown = ", ".join(f"`{f}`" for f in fix[:3])
+    return shown + (f", … (+{len(fix) - 3})" if len(fix) > 3 else "")
+
+
 def render_diagnosis_summary() -> str:
     """SKILL.md's short failure table: id, what you see, the fix; cause and how to confirm are in references/."""
     lines = ["| failure | what you see | fix |", "|---|---|---|"]
     for mode in failure_modes():
-        fix = ", ".join(f"`{f}`" for f in mode.fix) if isinstance(mode.fix, tuple) else "computed from the config"
+        fix = _short_fix(mode.fix) if isinstance(mode.fix, tuple) else "from the config"
         lines.append(f"| `{mode.id}` | {_cell(mode.title)} | {_cell(fix or '—')} |")
     lines += [
         "",
-        "Cause and how to confirm each: [references/failures.md](references/failures.md). Besides these, every "
-        "upstream error message of the rule catalogue is matched back to its rule, and its fix returned.",
+        "Cause, how to confirm, the full fix: [references/failures.md](references/failures.md). Every upstream "
+        "error message of the rule catalogue is also matched to its rule and fix.",
     ]
     return "\n".join(lines)
 

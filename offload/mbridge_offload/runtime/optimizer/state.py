@@ -138,71 +138,146 @@ def validate_state_dict(opt: HybridDeviceOptimizer, state_dict: Any) -> dict[int
     return states
 
 
-def _load_flat(bucket, member_states: list[dict | None]) -> None:
-    first = next(k for k, s in enumerate(member_states) if s)
-    template = member_states[first]
-    flat: dict[str, Any] = {}
+def _saved(state: dict[str, Any] | None) -> dict[str, Any]:
+    """A saved per-parameter state without ``master_param`` (loaded into the masters, not the optimizer)."""
+    return {k: v for k, v in (state or {}).items() if k != "master_param"}
+
+
+def _copy_scalar(live: dict[str, Any], key: str, value: Any) -> None:
+    """Set a non-per-element entry (``step``): into the live tensor when it has the shape, else as a copy."""
+    current = live.get(key)
+    if isinstance(current, torch.Tensor) and isinstance(value, torch.Tensor) and current.shape == value.shape:
+        if current.data_ptr() != value.data_ptr() or current.dtype != value.dtype:  # not the live tensor itself
+            current.copy_(value)
+    else:
+        live[key] = value.detach().clone() if isinstance(value, torch.Tensor) else value
+
+
+def _bucket_fits(bucket, live: dict[str, Any], template: dict[str, Any], members: list[dict[str, Any] | None]) -> bool:
+    """Whether the saved states can be copied into the bucket's live flat state as they are (same keys, and each
+    per-element value already of the dtype torch's own load would give it, so a copy rounds exactly as a load)."""
+    if set(live) != set(template):
+        return False
     for key, value in template.items():
-        if _is_per_element(key, value, bucket.members[first]):
-            parts = []
-            for k, s in enumerate(member_states):
-                part = s.get(key) if s else None
-                numel = bucket.members[k].numel()
-                if part is None:
-                    parts.append(torch.zeros(numel, dtype=value.dtype))
-                else:
-                    parts.append(part.detach().reshape(-1).to("cpu", value.dtype))
-            flat[key] = torch.cat(parts)
-        else:
-            flat[key] = value.detach().clone() if isinstance(value, torch.Tensor) else value
-    group = {k: v for k, v in bucket.optimizer.param_groups[0].items() if k != "params"}
-    bucket.optimizer.load_state_dict({"state": {0: flat}, "param_groups": [{**group, "params": [0]}]})
+        if not _is_per_element(key, value, bucket.members[next(k for k, s in enumerate(members) if s)]):
+            continue
+        flat = live[key]
+        if not bucket.is_per_element(flat) or flat.dtype != bucket.flat_param.dtype:
+            return False
+        if any(s and key in s and s[key].dtype != flat.dtype for s in members):
+            return False
+    return True
 
 
-def _clear(sub: torch.optim.Optimizer) -> None:
-    sub.state.clear()
+def _load_flat(bucket, member_states: list[dict | None]) -> None:
+    """Load one bucket's members into its flat state, one member slice at a time (no concatenated copy).
+
+    A bucket that already has state of the same layout (any optimizer that has stepped, and Megatron's, which
+    initialises state before it loads) takes the values in place: no memory beyond the caller's state dict. Else
+    the flat state is allocated once, filled slice by slice and handed to the optimizer's own ``load_state_dict``
+    (same dtype and device, so torch keeps it as is).
+    """
+    members: list[dict[str, Any] | None] = [_saved(s) or None for s in member_states]
+    first = next(k for k, s in enumerate(members) if s)
+    template: dict[str, Any] = members[first] or {}
+    live = bucket.flat_state()
+    in_place = _bucket_fits(bucket, live, template, members)
+    flat: dict[str, Any] = live if in_place else {}
+    for key, value in template.items():
+        if not _is_per_element(key, value, bucket.members[first]):
+            _copy_scalar(flat, key, value)
+            continue
+        if not in_place:
+            flat[key] = torch.empty(bucket.numel, dtype=value.dtype)
+        for k, s in enumerate(members):
+            part = s.get(key) if s else None
+            view = flat[key][bucket.offsets[k] : bucket.offsets[k] + bucket.members[k].numel()]
+            if part is None:
+                view.zero_()  # a member without saved state starts from zero moments, as in a fresh optimizer
+            elif part.data_ptr() != view.data_ptr():  # Megatron's dist-ckpt load fills the live views in place
+                view.copy_(part.detach().reshape(-1))
+    if not in_place:
+        group = {k: v for k, v in bucket.optimizer.param_groups[0].items() if k != "params"}
+        bucket.optimizer.load_state_dict({"state": {0: flat}, "param_groups": [{**group, "params": [0]}]})
+
+
+def _sub_fits(sub: torch.optim.Optimizer, saved: dict[Any, dict[str, Any]]) -> bool:
+    """Whether every saved state matches its parameter's live state key for key, shape for shape and dtype for
+    dtype (then copying in place equals torch's load, which would cast to exactly these dtypes)."""
+    for p, s in saved.items():
+        live = sub.state.get(p)
+        if not live or set(live) != set(s):
+            return False
+        for key, value in s.items():
+            current = live[key]
+            if isinstance(value, torch.Tensor) != isinstance(current, torch.Tensor):
+                return False
+            per_element = key not in _SCALAR_KEYS and isinstance(value, torch.Tensor)
+            if per_element and (current.shape, current.dtype) != (value.shape, value.dtype):
+                return False
+            if per_element and value.is_floating_point() and p.is_floating_point() and current.dtype != p.dtype:
+                return False
+    return True
+
+
+def _load_sub(opt: HybridDeviceOptimizer, kind: str, sub: torch.optim.Optimizer, states: dict[int, dict]) -> None:
+    """Load the device (or host-resident) sub-optimizer: in place when its live state has the saved layout, else
+    through its own ``load_state_dict`` with copies (torch keeps a same-device tensor as is, and the caller's may
+    be views that another optimizer still steps)."""
+    index_of = {id(opt._slot[i][1]): i for i in range(len(opt._params)) if opt._slot[i][0] == kind}
+    params = [p for group in sub.param_groups for p in group["params"]]
+    saved = {p: _saved(states.get(index_of[id(p)])) for p in params}
+    saved = {p: s for p, s in saved.items() if s}
+    if _sub_fits(sub, saved):
+        for p in params:
+            if p not in saved:
+                sub.state.pop(p, None)
+                continue
+            for key, value in saved[p].items():
+                _copy_scalar(sub.state[p], key, value)
+        return
+    sub_states, groups, j = {}, [], 0
+    for group in sub.param_groups:
+        ids = []
+        for p in group["params"]:
+            if p in saved:
+                sub_states[j] = {
+                    k: v.detach().clone() if isinstance(v, torch.Tensor) else v for k, v in saved[p].items()
+                }
+            ids.append(j)
+            j += 1
+        groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": ids})
+    sub.load_state_dict({"state": sub_states, "param_groups": groups})
+
+
+def _load_masters(opt: HybridDeviceOptimizer, states: dict[int, dict[str, Any]]) -> None:
+    for i, s in states.items():
+        master = s.get("master_param")
+        if master is None or opt._master_dtype(opt._params[i]) == opt._params[i].dtype:
+            continue
+        slot = opt._slot[i]
+        target = slot[1].param_views[slot[2]] if slot[0] == "bucket" else slot[1]
+        target.copy_(master)
 
 
 def import_param_states(opt: HybridDeviceOptimizer, states: dict[int, dict[str, Any]]) -> None:
     """Replace every sub-optimizer's state with ``states`` (global index -> torch per-parameter state).
 
-    ``master_param`` entries are copied into the masters; the rest goes through each sub-optimizer's own
-    ``load_state_dict`` so that dtype and device placement follow torch's rules for that optimizer.
+    ``master_param`` entries are copied into the masters. The rest is copied into the live state tensors where
+    they already have the saved layout (the usual resume: no memory beyond the state dict, one copy per value),
+    else it goes through each sub-optimizer's own ``load_state_dict`` so that dtype and device placement follow
+    torch's rules for that optimizer. ``states`` is only read; nothing of it is kept.
     """
-    # Copies, not the caller's tensors: torch's own load keeps a same-device tensor as is, and a state dict of
-    # ours (or an upstream one) may hold views that other members or another optimizer still step in place.
-    states = {
-        i: {k: v.detach().clone() if isinstance(v, torch.Tensor) else v for k, v in s.items()}
-        for i, s in states.items()
-    }
     with torch.no_grad():
-        for i, s in states.items():
-            master = s.pop("master_param", None)
-            if master is None or opt._master_dtype(opt._params[i]) == opt._params[i].dtype:
-                continue
-            slot = opt._slot[i]
-            target = slot[1].param_views[slot[2]] if slot[0] == "bucket" else slot[1]
-            target.copy_(master)
-    for bucket in opt._buckets:
-        member_states = [states.get(i) or None for i in bucket.indices]
-        if any(member_states):
-            _load_flat(bucket, member_states)
-        else:
-            _clear(bucket.optimizer)
-    for kind, sub in (("device", opt.device_optimizer), ("resident", opt.resident_optimizer)):
-        if sub is None:
-            continue
-        index_of = {id(opt._slot[i][1]): i for i in range(len(opt._params)) if opt._slot[i][0] == kind}
-        sub_states, groups, j = {}, [], 0
-        for group in sub.param_groups:
-            ids = []
-            for p in group["params"]:
-                s = states.get(index_of[id(p)])
-                if s:
-                    sub_states[j] = s
-                ids.append(j)
-                j += 1
-            groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": ids})
-        sub.load_state_dict({"state": sub_states, "param_groups": groups})
+        _load_masters(opt, states)
+        for bucket in opt._buckets:
+            member_states = [states.get(i) or None for i in bucket.indices]
+            if any(_saved(s) for s in member_states):
+                _load_flat(bucket, member_states)
+            else:
+                bucket.optimizer.state.clear()
+        for kind, sub in (("device", opt.device_optimizer), ("resident", opt.resident_optimizer)):
+            if sub is not None:
+                _load_sub(opt, kind, sub, states)
     opt._state_entries = -1
     opt._rebuild_state()
