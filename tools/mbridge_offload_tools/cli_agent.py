@@ -37,15 +37,31 @@ def add_parsers(sub: Any) -> None:
     p.add_argument("--json", action="store_true")
     p.set_defaults(handler=cmd_apply)
 
-    p = sub.add_parser("test", help="run the offload tests (ours, a Bridge checkout's, or the parity suite)")
-    p.add_argument("-k", dest="k", help="pytest -k expression")
+    p = sub.add_parser(
+        "test",
+        help="run the offload tests (ours, a Bridge checkout's, or the parity suite)",
+        description="Run tests in a subprocess and report counts, durations, failures and a coverage paragraph. "
+        "Without -k (or with the upstream skill's -k cpu_offload) it runs the offload suite: the tests marked "
+        "cpu_offload (HybridDeviceOptimizer parity and resume, checkpoints, activation schedule, rules), well "
+        "under a minute on 2 cores. --all runs every test.",
+    )
+    p.add_argument(
+        "-k", dest="k", help="pytest -k expression; cpu_offload = the offload suite, anything else selects from all"
+    )
     p.add_argument("--bridge-repo", help="Megatron Bridge checkout to run its offload tests")
-    p.add_argument("--path", help="one test file/folder under tests/ instead of all of them")
-    p.add_argument("--suite", choices=("unit", "parity"), default="unit")
+    p.add_argument("--path", help="one test file/folder/node id under tests/ instead of the offload suite")
+    p.add_argument(
+        "--suite",
+        choices=("unit", "full", "parity"),
+        default="unit",
+        help="unit = the offload suite (or what -k/--path select); full = every test; parity = tiny-GPT loss "
+        "parity with vs without offload (default unit)",
+    )
+    p.add_argument("--all", action="store_true", help="run every test of tests/ (the same as --suite full)")
     p.add_argument("--config", help="parity: config whose offload settings are trained")
     p.add_argument("--steps", type=int, help="parity: steps per run")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds (default 600)")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print exactly one JSON object")
     p.set_defaults(handler=cmd_test)
 
     p = sub.add_parser("diagnose", help="explain an offload failure from an error message or log")
@@ -132,6 +148,8 @@ def _human_test(d: dict[str, Any]) -> str:
     for f in d["failures"]:
         lines += [f"--- {f['nodeid']}", f["message"] or ""]
     lines += d["notes"]
+    if d.get("coverage"):
+        lines.append(d["coverage"])
     lines.append(
         f"{d['passed']} passed, {d['failed']} failed, {d['skipped']} skipped, {d['errors']} errors "
         f"in {d['duration_s']:.1f} s"
@@ -146,11 +164,13 @@ def cmd_test(args: argparse.Namespace) -> int:
         if not args.json:
             sys.stderr.write(f"[{done}/{total if total is not None else '?'}] {message}\n")
 
+    if args.all and args.suite not in ("unit", "full"):
+        raise UsageError(f"--all runs the whole unit suite; it does not combine with --suite {args.suite}")
     try:
         result = run_tests(
             k=args.k,
             bridge_repo=args.bridge_repo,
-            suite=args.suite,
+            suite="full" if args.all else args.suite,
             timeout_s=args.timeout,
             on_progress=progress,
             config=args.config,

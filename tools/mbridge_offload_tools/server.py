@@ -323,13 +323,22 @@ def apply_offload(
 @guard.guarded(lambda kwargs: float(kwargs.get("timeout_s") or 600) + 30)
 def run_unit_tests(
     ctx: Context,
-    k: Annotated[str | None, Field(description="pytest -k expression, e.g. 'apply or diagnose'")] = None,
+    k: Annotated[
+        str | None,
+        Field(
+            description="pytest -k expression, e.g. 'apply or diagnose' (selects from every test); 'cpu_offload' "
+            "(the upstream skill's selector) runs the offload suite, as does no k"
+        ),
+    ] = None,
     bridge_repo: Annotated[
         str | None, Field(description="a Megatron Bridge checkout: run its offload tests instead of ours")
     ] = None,
     suite: Annotated[
-        Literal["unit", "parity"],
-        Field(description="unit = pytest; parity = tiny-GPT loss parity with vs without offload"),
+        Literal["unit", "full", "parity"],
+        Field(
+            description="unit = the offload suite (tests marked cpu_offload, well under a minute) or what k/path "
+            "select; full = every test (minutes); parity = tiny-GPT loss parity with vs without offload"
+        ),
     ] = "unit",
     config: Annotated[str | None, Field(description="parity: the config whose offload settings to train")] = None,
     steps: Annotated[int | None, Field(ge=2, le=500, description="parity: training steps per run")] = None,
@@ -338,7 +347,9 @@ def run_unit_tests(
         str | None, Field(description="one test file/folder/node id under tests/, e.g. tests/actions/test_apply.py")
     ] = None,
 ) -> TestRunResult:
-    """Run tests in a subprocess and report counts, durations and failing node ids with the failure text.
+    """Run tests in a subprocess and report counts, durations, failing node ids with the failure text, and a
+    coverage paragraph (what ran, what did not). By default (or k='cpu_offload') the offload suite runs: HDO
+    parity and resume, checkpoints, activation schedule, rules; suite='full' runs everything.
 
     bridge_repo runs a Megatron Bridge checkout's offload tests only when the server was started with
     --allow-bridge-repo for it (running them imports the checkout's conftest.py).
