@@ -232,15 +232,15 @@ def _unit_run(
         "unit", PROJECT_ROOT, files, expr if not marker else None, sys.executable, timeout_s, on_progress,
         [str(PROJECT_ROOT)], marker=marker,
     )  # fmt: skip
+    if alias:
+        result.notes.insert(
+            0,
+            f"-k {alias!r} (the upstream skill's selector) runs the offload suite here (the tests marked "
+            f"{OFFLOAD_MARKER}{f' in {path}' if path else ''}): "
+            f"{result.selected if result.selected is not None else '?'} tests; --all runs the whole suite",
+        )
     if offload_suite:
         result.coverage = testselect.offload_coverage(result, files)
-        if alias:
-            result.notes.insert(
-                0,
-                f"-k {alias!r} (the upstream skill's selector) runs the offload suite here (the tests marked "
-                f"{OFFLOAD_MARKER}): {result.selected if result.selected is not None else '?'} tests; --all runs "
-                "the whole suite",
-            )
     else:
         selection = f"-m {marker}" if marker else f"-k {expr!r}" if expr else None
         result.coverage = testselect.plain_coverage(result, files, selection)
