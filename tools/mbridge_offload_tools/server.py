@@ -192,18 +192,31 @@ def validate_config(
             "built for real where megatron-bridge is importable; the server keeps its imports warm between calls"
         ),
     ] = None,
+    megatron_args: Annotated[
+        str | None,
+        Field(
+            description="instead of config: a Megatron-LM pretrain_gpt.py command line, e.g. '--num-layers 4 "
+            "--cpu-offloading-num-layers 4'; fixes then come back as flags (fix: add or set, fix_remove: delete)"
+        ),
+    ] = None,
 ) -> ValidateOutput:
-    """Check a Megatron Bridge config's offload settings against every upstream rule.
+    """Check a Megatron Bridge config's offload settings (or a Megatron-LM command line) against every upstream rule.
 
-    Returns findings with the upstream message, the keys involved and the fix as overrides.
+    Returns findings with the upstream message, the keys involved and the fix: Bridge overrides, or Megatron-LM
+    flags (fix_notation='megatron-lm') when megatron_args was given.
     """
     from mbridge_offload.config.rules.base import parse_target
     from mbridge_offload.config.sources import ConfigError, load
     from mbridge_offload.config.validate import validate
 
-    if (config is None) == (recipe is None):
-        raise ToolError("give exactly one of config (a Bridge YAML/JSON path or text) or recipe (a recipe name)")
-    if recipe is not None:
+    if sum(x is not None for x in (config, recipe, megatron_args)) != 1:
+        raise ToolError(
+            "give exactly one of config (a Bridge YAML/JSON path or text), recipe (a recipe name) or megatron_args "
+            "(a Megatron-LM command line)"
+        )
+    if megatron_args is not None:
+        loaded = _load_argv(megatron_args, overrides)
+    elif recipe is not None:
         try:  # imported once per server process: the second call of a recipe costs its build, not its imports
             loaded = load(None, overrides, recipe=recipe)
         except ConfigError as exc:
@@ -223,7 +236,25 @@ def validate_config(
             report = exact_report(report, loaded.raw)
         except ExactUnavailable as exc:
             raise ToolError(str(exc)) from None
+    if megatron_args is not None:
+        from mbridge_offload.config.mlm_fixes import megatron_lm_fixes
+
+        report = megatron_lm_fixes(report)
     return report
+
+
+def _load_argv(megatron_args: str, overrides: list[str] | None):
+    """A Megatron-LM command line, read as the CLI's --megatron-args reads it."""
+    import shlex
+
+    from mbridge_offload.config.sources import ConfigError, load
+
+    try:
+        return load(None, overrides or [], argv=shlex.split(megatron_args))
+    except ConfigError as exc:
+        raise ToolError(str(exc)) from None
+    except ValueError as exc:  # an unbalanced quote
+        raise ToolError(f"megatron_args: cannot read the command line: {exc}") from None
 
 
 _plan_tool(
