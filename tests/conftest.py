@@ -65,6 +65,5 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config: pytest.Config)
         terminalreporter.section("TRACKED FILES CHANGED BY THE TEST RUN", red=True, bold=True)
         terminalreporter.write_line(
             "these tracked files changed during the test run (a test or benchmark must write to tmp_path; or "
-            "they were edited while it ran): "
-            + ", ".join(changed)
+            "they were edited while it ran): " + ", ".join(changed)
         )

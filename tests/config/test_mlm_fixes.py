@@ -76,7 +76,9 @@ def test_the_cli_answers_a_megatron_lm_command_line_in_flags() -> None:
     fixed[fixed.index("--cpu-offloading-num-layers") + 1] = "2"
     fixed[fixed.index("--pipeline-model-parallel-size") + 1] = "1"
     loaded = load(argv=fixed)
-    assert not {"ACT-NUM-LAYERS", "ACT-RECOMPUTE", "ACT-PP"} & {f.rule for f in validate(loaded.config, loaded.raw).errors}
+    assert not {"ACT-NUM-LAYERS", "ACT-RECOMPUTE", "ACT-PP"} & {
+        f.rule for f in validate(loaded.config, loaded.raw).errors
+    }
 
 
 def test_a_bridge_config_keeps_bridge_notation() -> None:

@@ -67,7 +67,6 @@ def pytest_runtest_logreport(report):
 """
 
 
-
 def _stream(
     command: list[str], cwd: Path, env: dict[str, str], timeout_s: float, on_line: Callable[[str], None]
 ) -> tuple[int | None, bool, list[str]]:

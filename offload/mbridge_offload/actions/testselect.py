@@ -108,8 +108,6 @@ def check_test_path(path: str) -> str:
     return str(target.relative_to(PROJECT_ROOT)) + (sep + rest if sep else "")
 
 
-
-
 # ---------------------------------------------------------------------------------------------- the offload suite
 
 
@@ -125,7 +123,9 @@ def offload_suite_files(root: Path = PROJECT_ROOT) -> list[str]:
         TestSuiteError: no file is marked (a copy without the tests, or the marks were removed).
     """
     found = [
-        str(f.relative_to(root)) for f in test_files(root) if _MARKED.search(f.read_text(encoding="utf-8", errors="replace"))
+        str(f.relative_to(root))
+        for f in test_files(root)
+        if _MARKED.search(f.read_text(encoding="utf-8", errors="replace"))
     ]
     if not found:
         raise TestSuiteError(

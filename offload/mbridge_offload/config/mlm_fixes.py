@@ -77,7 +77,9 @@ def flag_edit(override: str) -> tuple[list[str], list[str]] | None:
     options, kind = rows[0][0], rows[0][2]
     if kind in ("store_true", "store_false"):
         wanted = kind == "store_true"  # the value the flag sets
-        other = [r[0][0] for r in rows[1:] if r[2] in ("store_true", "store_false") and (r[2] == "store_true") != wanted]
+        other = [
+            r[0][0] for r in rows[1:] if r[2] in ("store_true", "store_false") and (r[2] == "store_true") != wanted
+        ]
         if bool(value) == wanted:
             return [options[0]], []
         return ([other[0]], [options[0]]) if other else ([], [options[0]])
