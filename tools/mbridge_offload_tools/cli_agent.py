@@ -10,9 +10,20 @@ from mbridge_offload_tools.common import EXIT_BAD_INPUT, EXIT_FINDINGS, EXIT_OK,
 
 
 def add_parsers(sub: Any) -> None:
-    p = sub.add_parser("apply", help="switch an offload mode on/off in a config (dry run unless --output/--in-place)")
+    p = sub.add_parser(
+        "apply",
+        help="switch an offload mode on/off in a config (dry run unless --output/--in-place)",
+        description="Edit a config to switch an offload mode on or off, resolving the conflicts it implies; prints "
+        "the diff and each change with its reason. Writes only with --output or --in-place, atomically, and never a "
+        "config its own validator rejects.",
+    )
     p.add_argument("config", help="YAML/JSON config path, or - for stdin")
-    p.add_argument("--mode", required=True, choices=("optimizer", "activation", "both", "none", "recommended"))
+    p.add_argument(
+        "--mode",
+        required=True,
+        choices=("optimizer", "activation", "both", "none", "recommended"),
+        help="what to switch on; none switches offload off; recommended asks the planner",
+    )
     p.add_argument("--fraction", type=float, help="optimizer_offload_fraction, in (0, 1]")
     p.add_argument("--num-layers", type=int, help="cpu_offloading_num_layers")
     p.add_argument(
@@ -29,12 +40,14 @@ def add_parsers(sub: Any) -> None:
     p.add_argument(
         "--force", action="store_true", help="let --output replace an existing file (a unique .bak backup is kept)"
     )
-    p.add_argument("--format", choices=("yaml", "overrides"), default="yaml")
+    p.add_argument(
+        "--format", choices=("yaml", "overrides"), default="yaml", help="what a write contains (default yaml)"
+    )
     p.add_argument("--allowed-root", help="an extra directory --output may point into")
     p.add_argument("--gpu", help="--mode recommended: GPU preset (default h100-80gb)")
     p.add_argument("--gpu-memory-gb", type=float, help="--mode recommended: GPU memory instead of a preset")
     p.add_argument("--num-gpus", type=int, help="--mode recommended: number of GPUs")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print exactly one JSON object")
     p.set_defaults(handler=cmd_apply)
 
     p = sub.add_parser(
@@ -64,21 +77,30 @@ def add_parsers(sub: Any) -> None:
     p.add_argument("--json", action="store_true", help="print exactly one JSON object")
     p.set_defaults(handler=cmd_test)
 
-    p = sub.add_parser("diagnose", help="explain an offload failure from an error message or log")
+    p = sub.add_parser(
+        "diagnose",
+        help="explain an offload failure from an error message or log",
+        description="Match an error message or log against the known offload failure modes: the cause, how to "
+        "confirm it, and the fix as overrides. With --before/--after it lists the offload keys that changed and the "
+        "predicted memory change.",
+    )
     p.add_argument("--log", help="log file")
     p.add_argument("--error", help="error text")
     p.add_argument("--config", help="config of the failing run")
     p.add_argument("--before", help="config before the change")
     p.add_argument("--after", help="config after the change")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print exactly one JSON object")
     p.set_defaults(handler=cmd_diagnose)
 
-    p = sub.add_parser("serve", help="run the MCP server")
-    p.add_argument("--transport", choices=("stdio", "streamable-http"), default="stdio")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8765)
-    from mbridge_offload_tools.guard import add_policy_flags
+    p = sub.add_parser(
+        "serve",
+        help="run the MCP server",
+        description="Run the MCP server (the same as mbridge-offload-mcp): six tools over stdio or streamable "
+        "HTTP; what it may read, write and run comes from these flags, never from a tool argument.",
+    )
+    from mbridge_offload_tools.guard import add_policy_flags, add_transport_flags
 
+    add_transport_flags(p)
     add_policy_flags(p)
     p.set_defaults(handler=cmd_serve, json=False)
 

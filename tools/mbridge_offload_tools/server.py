@@ -495,14 +495,18 @@ def run(
         mcp.run("streamable-http", host=host, port=port)
 
 
-def main(argv: list[str] | None = None) -> None:
-    """Console script ``mbridge-offload-mcp``."""
+def build_parser() -> argparse.ArgumentParser:
+    """The ``mbridge-offload-mcp`` command line (the same flags as ``mbridge-offload serve``)."""
     parser = argparse.ArgumentParser(prog="mbridge-offload-mcp", description="MCP server for mbridge-offload")
-    parser.add_argument("--transport", choices=("stdio", "streamable-http"), default="stdio")
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8765)
+    guard.add_transport_flags(parser)
     guard.add_policy_flags(parser)
     parser.add_argument("--version", action="version", version=f"mbridge-offload-mcp {__version__}")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Console script ``mbridge-offload-mcp``."""
+    parser = build_parser()
     args = parser.parse_args(argv)
     from mbridge_offload.config.errors import InputError
 
