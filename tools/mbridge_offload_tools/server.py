@@ -1,4 +1,4 @@
-"""The ``mbridge-offload`` MCP server: six tools over the offload library, for coding agents.
+"""The ``mbridge-offload`` MCP server: its tools (references/tools.md) over the offload library, for coding agents.
 
 Each tool is a thin call into ``offload/`` with a pydantic output model (structured output) and annotations.
 Bad input raises ``ToolError`` with a message that names the key, the value and the fix, so the model can
