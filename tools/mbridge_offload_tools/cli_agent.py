@@ -95,8 +95,8 @@ def add_parsers(sub: Any) -> None:
     p = sub.add_parser(
         "serve",
         help="run the MCP server",
-        description="Run the MCP server (the same as mbridge-offload-mcp): the tools of docs/mcp.md over stdio or streamable "
-        "HTTP; what it may read, write and run comes from these flags, never from a tool argument.",
+        description="Run the MCP server (the same as mbridge-offload-mcp): the tools of docs/mcp.md over stdio or "
+        "streamable HTTP; what it may read, write and run comes from these flags, never from a tool argument.",
     )
     from mbridge_offload_tools.guard import add_policy_flags, add_transport_flags
 
