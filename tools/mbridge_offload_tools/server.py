@@ -222,6 +222,7 @@ def validate_config(
         except ConfigError as exc:
             raise ToolError(f"recipe: {exc}") from None
     else:
+        assert config is not None  # exactly one of the three was given
         loaded = _load(config, overrides)
     try:  # only the target's own errors are "target" errors: a ValueError from the check itself is not
         parsed_target = parse_target(target)

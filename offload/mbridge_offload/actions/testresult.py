@@ -22,7 +22,7 @@ class TestOutcome(BaseModel):
     nodeid: str
     outcome: str
     duration_s: float = 0.0
-    message: str | None = Field(None, exclude=True)
+    message: str | None = Field(default=None, exclude=True)
 
 
 class TestFailure(BaseModel):
@@ -41,18 +41,21 @@ class TestRunResult(BaseModel):
     skipped: int = 0
     errors: int = 0
     selected: int | None = None
-    deselected: int = Field(0, exclude=True)
+    deselected: int = Field(default=0, exclude=True)
     duration_s: float = 0.0
     exit_code: int | None = None
     timed_out: bool = False
     nothing_selected: bool = False
     coverage: str = Field(
-        "", description="one paragraph: what this run covered (files, counts) and what it left out, and how to run it"
+        default="",
+        description="one paragraph: what this run covered (files, counts) and what it left out, and how to run it",
     )
     tests: list[TestOutcome] = Field(default_factory=list)
     notes: list[str] = Field(default_factory=list)
-    output_tail: str = Field("", exclude=True)
-    details: dict[str, Any] | None = Field(None, description="parity suite: loss delta, split, bytes, step ratio")
+    output_tail: str = Field(default="", exclude=True)
+    details: dict[str, Any] | None = Field(
+        default=None, description="parity suite: loss delta, split, bytes, step ratio"
+    )
 
     @computed_field(description="everything selected passed and at least one test ran")  # type: ignore[prop-decorator]
     @property

@@ -42,10 +42,11 @@ class Finding(BaseModel):
     upstream_message: str | None = Field(None, description="the exact str(exception) upstream raises")
     exception: str | None = Field(None, description="the exception class upstream raises")
     fix_remove: list[str] | None = Field(
-        None, description="Megatron-LM command line input only: the flags to delete (fix holds the flags to add)"
+        default=None,
+        description="Megatron-LM command line input only: the flags to delete (fix holds the flags to add)",
     )
     fix_overrides: list[str] | None = Field(
-        None, description="Megatron-LM command line input only: the fix in Bridge notation (section.key=value)"
+        default=None, description="Megatron-LM command line input only: the fix in Bridge notation (section.key=value)"
     )
 
     def to_dict(self) -> dict[str, Any]:
@@ -64,7 +65,7 @@ class Report(BaseModel):
     env: dict[str, str] = Field(default_factory=dict)
     source: str | None = Field(None, description="where the config came from (path, <text>, recipe:NAME, <argv>)")
     fix_notation: Literal["bridge", "megatron-lm"] = Field(
-        "bridge",
+        default="bridge",
         description="how each finding's fix is written: Bridge overrides (section.key=value), or Megatron-LM "
         "flags when the input was a Megatron-LM command line",
     )
