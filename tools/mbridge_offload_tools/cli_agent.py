@@ -10,6 +10,11 @@ from mbridge_offload_tools.common import EXIT_BAD_INPUT, EXIT_FINDINGS, EXIT_OK,
 
 
 def add_parsers(sub: Any) -> None:
+    for add in (_add_apply, _add_test, _add_diagnose, _add_serve):
+        add(sub)
+
+
+def _add_apply(sub: Any) -> None:
     p = sub.add_parser(
         "apply",
         help="switch an offload mode on/off in a config (dry run unless --output/--in-place)",
@@ -50,6 +55,8 @@ def add_parsers(sub: Any) -> None:
     p.add_argument("--json", action="store_true", help="print exactly one JSON object")
     p.set_defaults(handler=cmd_apply)
 
+
+def _add_test(sub: Any) -> None:
     p = sub.add_parser(
         "test",
         help="run the offload tests (ours, a Bridge checkout's, or the parity suite)",
@@ -77,6 +84,8 @@ def add_parsers(sub: Any) -> None:
     p.add_argument("--json", action="store_true", help="print exactly one JSON object")
     p.set_defaults(handler=cmd_test)
 
+
+def _add_diagnose(sub: Any) -> None:
     p = sub.add_parser(
         "diagnose",
         help="explain an offload failure from an error message or log",
@@ -92,6 +101,8 @@ def add_parsers(sub: Any) -> None:
     p.add_argument("--json", action="store_true", help="print exactly one JSON object")
     p.set_defaults(handler=cmd_diagnose)
 
+
+def _add_serve(sub: Any) -> None:
     p = sub.add_parser(
         "serve",
         help="run the MCP server",
