@@ -62,8 +62,8 @@ def _add_test(sub: Any) -> None:
         help="run the offload tests (ours, a Bridge checkout's, or the parity suite)",
         description="Run tests in a subprocess and report counts, durations, failures and a coverage paragraph. "
         "Without -k (or with the upstream skill's -k cpu_offload) it runs the offload suite: the tests marked "
-        "cpu_offload (HybridDeviceOptimizer parity and resume, checkpoints, activation schedule, rules), well "
-        "under a minute on 2 cores. --all runs every test.",
+        "cpu_offload (HybridDeviceOptimizer parity and resume, checkpoints, activation schedule, rules), "
+        "under a minute on 2 shared cores. --all runs every test.",
     )
     p.add_argument(
         "-k", dest="k", help="pytest -k expression; cpu_offload = the offload suite, anything else selects from all"

@@ -368,8 +368,8 @@ def run_unit_tests(
     suite: Annotated[
         Literal["unit", "full", "parity"],
         Field(
-            description="unit = the offload suite (tests marked cpu_offload, well under a minute) or what k/path "
-            "select; full = every test (minutes); parity = tiny-GPT loss parity with vs without offload"
+            description="unit = the offload suite (tests marked cpu_offload, under a minute on 2 shared cores) or "
+            "what k/path select; full = every test (minutes); parity = tiny-GPT loss parity with vs without offload"
         ),
     ] = "unit",
     config: Annotated[str | None, Field(description="parity: the config whose offload settings to train")] = None,

@@ -11,8 +11,8 @@ Three traps this module exists to avoid:
   ``nothing_selected`` and ``ok=False``, never as success, and the Bridge selector is one expression over the
   files that really hold offload tests;
 - a slow answer to the upstream selector: here ``-k cpu_offload`` runs the offload suite (the tests marked
-  ``cpu_offload``, well under a minute on 2 cores), and says in ``coverage`` what ran and what did not; the whole
-  suite is ``suite="full"`` (CLI ``--all``);
+  ``cpu_offload``, under a minute on 2 shared cores, docs/benchmarks.md), and says in ``coverage`` what ran and
+  what did not; the whole suite is ``suite="full"`` (CLI ``--all``);
 - recursion: a test of this module runs pytest, which could run that test again. A run started from inside a
   run (``MBRIDGE_OFFLOAD_TEST_DEPTH``) is refused — but only after its inputs are checked, so a test that checks
   how bad input is refused gets the same answer inside a run as outside one.
