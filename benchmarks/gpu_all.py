@@ -70,7 +70,8 @@ def run_all(docs: Path, results: Path, cuda: bool) -> dict[str, int]:
     )
     opt_doc = docs / "benchmarks-optimizer.md"
     own = _takes("gpu_optimizer.py", "--write-docs")
-    opt_args = ["--write-docs", str(opt_doc)] if own else []
+    # The table file goes with the results, never into a tracked file (the section lands in --docs below).
+    opt_args = ["--write-docs", str(opt_doc)] if own else ["--output", str(results / "gpu_optimizer.md")]
     code, out = _run("gpu_optimizer.py", opt_args, BUDGET["gpu_optimizer.py"], results / "gpu_optimizer.log")
     codes["gpu_optimizer.py"] = code
     if code == 0 and not own:
@@ -85,7 +86,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--allow-cpu", action="store_true", help="run the CPU fallbacks (a smoke test)")
     parser.add_argument("--docs", type=Path, default=DOCS, help="where the docs fragments are (default docs/)")
-    parser.add_argument("--results", type=Path, default=RESULTS)
+    parser.add_argument(
+        "--results", type=Path, default=RESULTS, help="where the JSON, logs and tables go (default benchmarks/results)"
+    )
     args = parser.parse_args(argv)
     cuda = _has_cuda()
     if not cuda and not args.allow_cpu:

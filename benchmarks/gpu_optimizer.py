@@ -6,10 +6,11 @@ and parity with plain GPU AdamW on the same parameters and gradients; when megat
 for megatron-core's ``HybridDeviceOptimizer`` at each fraction (overlap on), and a 5-step training run through
 ``get_megatron_optimizer`` + ``DistributedOptimizer`` with ours installed (:func:`install_optimizer_offload`),
 compared with the same run without offload; and forward + backward + step of an MLP at fraction 1.0 with overlap off
-vs on, where the gradient copies start in backward hooks. It writes the table to ``--output``.
+vs on, where the gradient copies start in backward hooks. It prints the table and writes it to ``--output``
+(default: a file in the temp directory, never a tracked file unless asked).
 
-    python benchmarks/gpu_optimizer.py                              # on a CUDA machine; writes the table
-    python benchmarks/gpu_optimizer.py --quick --output /tmp/o.md   # tiny sizes (what runs without a GPU)
+    python benchmarks/gpu_optimizer.py --output docs/benchmarks-optimizer-gpu.md   # on a CUDA machine: the docs
+    python benchmarks/gpu_optimizer.py --quick                      # tiny sizes (what runs without a GPU)
 
 Without CUDA it falls back to the CPU with tiny sizes and says so in the table; the numbers are then a smoke test.
 """
@@ -22,6 +23,7 @@ import os
 import platform
 import statistics
 import sys
+import tempfile
 import time
 import traceback
 
@@ -230,8 +232,12 @@ def render(rows: list, ref: dict, header: list[str], megatron: str, upstream_not
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="tiny sizes")
-    ap.add_argument("--steps", type=int, default=5)
-    ap.add_argument("--output", default="docs/benchmarks-optimizer-gpu.md", help="Markdown table to write")
+    ap.add_argument("--steps", type=int, default=5, help="timed steps per row (median; default 5)")
+    ap.add_argument(
+        "--output",
+        default=os.path.join(tempfile.gettempdir(), "benchmarks-optimizer-gpu.md"),
+        help="Markdown table to write (default: in the temp directory; docs/benchmarks-optimizer-gpu.md for the docs)",
+    )
     args = ap.parse_args(argv)
     dev = device.compute_device()
     quick = args.quick or not device.has_cuda()

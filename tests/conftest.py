@@ -6,30 +6,64 @@ import os
 
 import pytest
 
-from tests.support import tree
+from tests.support import tracked, tree
 
 # Subprocesses the tests start (the CLI, the MCP server, workers) import this tree's code too, never an installed copy.
 os.environ["PYTHONPATH"] = tree.pythonpath(inherit=True)
 
 _DIFFERENTIAL = pytest.StashKey[list]()
+_TRACKED = pytest.StashKey[dict]()
+_CHANGED = pytest.StashKey[list]()
 
 
 def pytest_configure(config: pytest.Config) -> None:
     config.stash[_DIFFERENTIAL] = []
+    if not hasattr(config, "workerinput"):  # the controller only, under xdist
+        config.stash[_TRACKED] = tracked.snapshot(tree.ROOT)
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Fail the run, naming the files, when it changed a tracked file (no test or benchmark may write into one)."""
+    before = session.config.stash.get(_TRACKED, None)
+    if before is None:
+        return
+    changed = tracked.changed_since(tree.ROOT, before)
+    session.config.stash[_CHANGED] = changed
+    if changed and session.exitstatus == pytest.ExitCode.OK:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 @pytest.fixture(scope="session")
 def differential_log(pytestconfig: pytest.Config) -> list:
-    """Append ``(label, cases, comparisons, disagreements)`` to have it shown in the terminal summary."""
+    """Append ``(label, cases, message_comparisons, tolerated)`` to have it shown in the terminal summary;
+    ``tolerated`` lists each tolerated disagreement as ``{"case", "field", "ours", "upstream", "why"}``."""
     return pytestconfig.stash[_DIFFERENTIAL]
+
+
+def differential_lines(rows: list) -> list[str]:
+    """The summary's lines: per version the counts, then every tolerated disagreement with its reason."""
+    lines = []
+    for label, cases, comparisons, tolerated in rows:
+        lines.append(
+            f"{label}: {cases} cases, {comparisons} message comparisons (all agree), "
+            f"{len(tolerated)} tolerated disagreements{':' if tolerated else ''}"
+        )
+        for t in tolerated:
+            lines.append(f"  case {t['case']} {t['field']}: ours {t['ours']}; upstream {t['upstream']}")
+            lines.append(f"    tolerated: {t['why']}")
+    return lines
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config: pytest.Config) -> None:
     rows = config.stash.get(_DIFFERENTIAL, [])
-    if not rows:
-        return
-    terminalreporter.section("differential test vs real megatron-core")
-    for label, cases, comparisons, disagreements in rows:
+    if rows:
+        terminalreporter.section("differential test vs real megatron-core")
+        for line in differential_lines(rows):
+            terminalreporter.write_line(line)
+    changed = config.stash.get(_CHANGED, None)
+    if changed:
+        terminalreporter.section("TRACKED FILES CHANGED BY THE TEST RUN", red=True, bold=True)
         terminalreporter.write_line(
-            f"{label}: {cases} cases, {comparisons} stage comparisons, {disagreements} disagreements"
+            "these tracked files changed during the test run (a test or benchmark must write to tmp_path; or "
+            "they were edited while it ran): " + ", ".join(changed)
         )

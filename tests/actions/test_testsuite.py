@@ -10,12 +10,16 @@ from pathlib import Path
 
 import pytest
 
+from mbridge_offload.actions import testselect
 from mbridge_offload.actions.testsuite import (
     BRIDGE_SELECTOR,
     DEPTH_ENV,
+    OFFLOAD_MARKER,
+    TestRunResult,
     TestSuiteError,
     check_expression,
     missing_modules,
+    offload_suite_files,
     run_tests,
 )
 
@@ -140,18 +144,64 @@ def test_nested_runs_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
 # ------------------------------------------------------------------------------------------ the cpu_offload selector
 
 THIS_FILE = "tests/actions/test_testsuite.py"
+OFFLOAD_SUITE = [
+    "tests/config/test_rules.py",
+    "tests/runtime/test_activation.py",
+    "tests/runtime/test_optimizer.py",
+    "tests/runtime/test_optimizer_checkpoint.py",
+    "tests/runtime/test_optimizer_resume.py",
+]
+
+
+def test_the_offload_suite_is_the_files_marked_cpu_offload() -> None:
+    # HDO parity, resume, checkpoints, activation schedule, rules: found by reading the files, and each really
+    # carries the marker pytest selects by (a text match that pytest would not honour would be a false count).
+    import importlib
+
+    assert offload_suite_files() == OFFLOAD_SUITE
+    for path in OFFLOAD_SUITE:
+        module = importlib.import_module(path[:-3].replace("/", "."))
+        assert module.pytestmark.name == OFFLOAD_MARKER, path
+
+
+def test_inside_a_run_bad_input_gets_its_own_answer_not_the_nested_refusal(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The recursion guard used to fire first, so input-checking tests failed only when run through the tool.
+    monkeypatch.setenv(DEPTH_ENV, "1")
+    with pytest.raises(TestSuiteError, match="'&'"):
+        run_tests(k="a && b")
+    with pytest.raises(TestSuiteError, match="outside"):
+        run_tests(path="../etc/passwd")
+    with pytest.raises(TestSuiteError, match="is not one of unit, full, parity"):
+        run_tests(suite="everything")
+    with pytest.raises(TestSuiteError, match="inside a test run"):
+        run_tests()
+
+
+def test_the_offload_coverage_paragraph_names_each_file_the_counts_and_the_way_to_everything() -> None:
+    result = TestRunResult(suite="unit", command=[], selected=187, passed=186, failed=1)
+    text = testselect.offload_coverage(result, OFFLOAD_SUITE)
+    assert "187 tests (186 passed, 1 failed, 0 skipped, 0 errors) in 5 files" in text
+    assert all(f"{f} (" in text for f in OFFLOAD_SUITE)
+    assert "HybridDeviceOptimizer: parity with torch AdamW" in text
+    others = len(testselect.test_files()) - len(OFFLOAD_SUITE)
+    assert f"Not run: the {others} other test files (" in text and "--all" in text and "suite='full'" in text
 
 
 @nested
-def test_cpu_offload_selector_runs_the_whole_suite_and_says_so() -> None:
-    # The upstream skill's `-k cpu_offload` matches only a few of our tests by name; here it means the whole suite
-    # (limited to this file by path, to keep the run short).
-    result = run_tests(k="cpu_offload", path=THIS_FILE, timeout_s=300)
-    assert "-k" not in result.command
-    assert result.deselected == 0 and result.selected is not None and result.selected >= 15
-    assert result.notes[0].startswith("-k 'cpu_offload' (the upstream skill's selector) runs the whole offload suite")
-    assert f"{result.selected} tests" in result.notes[0]
-    assert result.failed == 0 and result.errors == 0
+def test_cpu_offload_selector_runs_the_marked_tests_and_says_so() -> None:
+    # One marked file by path keeps the nested run short; without path the same selection covers all five.
+    path = "tests/runtime/test_optimizer_checkpoint.py"
+    result = run_tests(k="cpu_offload", path=path, timeout_s=300)
+    assert result.command[-2:] == ["-m", OFFLOAD_MARKER] and "-k" not in result.command
+    assert result.selected == result.passed == 8 and result.ok
+    assert result.notes[0].startswith("-k 'cpu_offload' (the upstream skill's selector) runs the offload suite")
+    assert result.coverage == f"Ran {path} selected by -m cpu_offload: 8 tests (8 passed, 0 failed, 0 skipped, " \
+        "0 errors); the rest of the suite did not run (--all runs everything)."  # fmt: skip
+
+
+def test_suite_full_and_the_bridge_or_a_path_do_not_mix(tmp_path: Path) -> None:
+    with pytest.raises(TestSuiteError, match="suite=full runs every test"):
+        run_tests(suite="full", path=THIS_FILE)
 
 
 @nested
@@ -161,9 +211,10 @@ def test_a_thin_selection_says_how_many_of_how_many() -> None:
     total = result.selected + result.deselected
     assert total >= 15
     assert result.notes[0] == (
-        f"-k 'test_reasonable_expressions_pass' selected 1 of the {total} tests of the offload suite; "
-        "the whole suite runs without -k"
+        f"-k 'test_reasonable_expressions_pass' selected 1 of the {total} tests it chose from; "
+        "--all runs the whole suite"
     )
+    assert result.coverage.startswith(f"Ran {THIS_FILE} selected by -k 'test_reasonable_expressions_pass': 1 tests")
     # A selection of most of the suite runs without a note.
     broad = run_tests(k="not test_reasonable_expressions_pass", path=THIS_FILE, timeout_s=300)
     assert broad.selected == total - 1 and not any("selected" in n for n in broad.notes)

@@ -303,19 +303,50 @@ def _explained(outcome) -> bool:
     )
 
 
+def tolerated_disagreements(outcomes) -> list[dict]:
+    """Each disagreement we tolerate, with the case id, the field, both sides and why it is tolerated.
+
+    Only one kind is tolerated: we refuse for a Transformer Engine / Bridge reason at model build, which
+    megatron-core's config classes never check (so real megatron-core accepts the config). Anything else is not in
+    this list and fails the test.
+    """
+    rows = []
+    for o in outcomes:
+        if o.verdict_ok or not _explained(o):
+            continue
+        origins = sorted({get_rule(r).origin for r in o.ours_rules})
+        stages = sorted({get_rule(r).stage or "model build" for r in o.ours_rules})
+        rows.append(
+            {
+                "case": o.case["id"],
+                "field": "verdict",
+                "ours": f"refuses ({', '.join(o.ours_rules)})",
+                "upstream": "accepts (TransformerConfig, OptimizerConfig and the optimizer factory raise nothing)",
+                "why": f"a {'/'.join(origins)} refusal ({'; '.join(stages)}), which comes after the config checks "
+                "megatron-core runs, so the oracle cannot see it",
+            }
+        )
+    return rows
+
+
 @pytest.mark.parametrize("label", _versions())
 def test_validate_agrees_with_real_megatron_core(label, cases, differential_log):
     oracle, outcomes = _judged(label, cases)
     assert oracle["version"].startswith(label), oracle["version"]
     summary = summarize(outcomes)
-    differential_log.append((f"megatron-core {label}", len(cases), len(cases), len(cases) - summary["verdict_agree"]))
+    tolerated = tolerated_disagreements(outcomes)
+    differential_log.append((f"megatron-core {label}", len(cases), summary["both_refuse"], tolerated))
     assert summary["crashes"] == 0, [o.crash for o in outcomes if o.crash][:5]
     # The generated cases must exercise the checks, not just pass.
     assert summary["real_refusals"] > len(cases) // 3
     assert summary["verdict_agree"] >= 0.99 * len(cases), summary["classes"].most_common(10)
-    assert summary["message_agree"] >= 0.95 * summary["both_refuse"], summary["classes"].most_common(10)
+    # Every disagreement is either in the tolerated list (printed in the summary, with its reason) or a failure:
+    # a verdict we cannot explain, or a message that differs where both refuse.
     unexplained = [o for o in outcomes if not o.verdict_ok and not _explained(o)]
     assert not unexplained, "\n".join(f"{o.case} {o.detail}" for o in unexplained[:10])
+    messages = [o for o in outcomes if o.message_ok is False]
+    assert not messages, "\n".join(f"case {o.case['id']}: {o.detail}" for o in messages[:10])
+    assert len(tolerated) == len(cases) - summary["verdict_agree"]
 
 
 @pytest.mark.parametrize("label", _versions())

@@ -13,6 +13,9 @@ from mbridge_offload.config.schema import OffloadConfig
 from mbridge_offload.config.sources import load
 from mbridge_offload.config.validate import validate
 
+# The offload suite (`mbridge-offload test -k cpu_offload`, `pytest -k cpu_offload`): see pyproject.toml.
+pytestmark = pytest.mark.cpu_offload
+
 ROOT = Path(__file__).resolve().parents[2]
 
 

@@ -25,6 +25,9 @@ from mbridge_offload.runtime.activation import (
 )
 from mbridge_offload.runtime.activation.schedule import LayerPhase, check_transition
 
+# The offload suite (`mbridge-offload test -k cpu_offload`, `pytest -k cpu_offload`): see pyproject.toml.
+pytestmark = pytest.mark.cpu_offload
+
 L = 4
 MIN_SIZE = 100  # elements; the sigmoid gate (32 elements) stays below, everything else is above
 B, S, D = 2, 8, 16

@@ -9,6 +9,9 @@ import torch
 
 from mbridge_offload.runtime.optimizer.hybrid import HybridDeviceOptimizer, clip_grad_norm_, split_params
 
+# The offload suite (`mbridge-offload test -k cpu_offload`, `pytest -k cpu_offload`): see pyproject.toml.
+pytestmark = pytest.mark.cpu_offload
+
 HYPER = {"lr": 1e-2, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
 
 

@@ -8,6 +8,9 @@ import torch
 from mbridge_offload.runtime.optimizer.hybrid import HybridDeviceOptimizer
 from tests.runtime.test_optimizer import HYPER, groups_of, make_model, max_diff
 
+# The offload suite (`mbridge-offload test -k cpu_offload`, `pytest -k cpu_offload`): see pyproject.toml.
+pytestmark = pytest.mark.cpu_offload
+
 
 def batches(n: int, seed: int = 3) -> list[torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)

@@ -15,6 +15,9 @@ import torch
 from mbridge_offload.runtime.optimizer.hybrid import HybridDeviceOptimizer
 from tests.runtime.test_optimizer import make_model
 
+# The offload suite (`mbridge-offload test -k cpu_offload`, `pytest -k cpu_offload`): see pyproject.toml.
+pytestmark = pytest.mark.cpu_offload
+
 FRACTIONS = (0.0, 0.25, 0.5, 0.75, 1.0)
 LR_ONLY = {"lr": 1e-2}  # the KeyError 'betas' case: every other hyper-parameter left to the defaults
 

@@ -90,6 +90,22 @@ async def test_validate_config_returns_structured_findings(client, config_file: 
 
 
 @pytest.mark.anyio
+async def test_validate_config_takes_a_megatron_lm_command_line_and_answers_in_flags(client) -> None:
+    argv = "--num-layers 4 --cpu-offloading-num-layers 4 --recompute-activations"
+    result = await client.call_tool("validate_config", {"megatron_args": argv})
+    assert not result.is_error, result.content
+    data = result.structured_content
+    assert data["source"] == "<argv>" and data["fix_notation"] == "megatron-lm"
+    by_rule = {f["rule"]: f for f in data["findings"]}
+    assert by_rule["ACT-NUM-LAYERS"]["fix"] == ["--cpu-offloading-num-layers 2"]
+    assert by_rule["ACT-RECOMPUTE"]["fix_remove"] == ["--recompute-granularity", "--recompute-activations"]
+    both = await client.call_tool("validate_config", {"megatron_args": argv, "config": "model: {}"})
+    assert both.is_error and "exactly one of config" in both.content[0].text
+    quote = await client.call_tool("validate_config", {"megatron_args": "--num-layers '4"})
+    assert quote.is_error and "megatron_args" in quote.content[0].text
+
+
+@pytest.mark.anyio
 async def test_inline_yaml_is_accepted(client) -> None:
     result = await client.call_tool("validate_config", {"config": "optimizer:\n  optimizer_cpu_offload: true\n"})
     assert not result.is_error
@@ -196,6 +212,7 @@ async def test_run_unit_tests_reports_progress_and_results(client) -> None:
         "test_unknown_text_matches_nothing_and_says_so",
     }
     assert data["command"][:3] == [sys.executable, "-m", "pytest"]
+    assert data["coverage"].startswith("Ran tests/actions/test_diagnose.py selected by -k")
     assert events[0][:2] == (0.0, 2.0) and events[-1][:2] == (2.0, 2.0)
     assert any("passed" in (m or "") for _, _, m in events)
 

@@ -10,9 +10,25 @@ from mbridge_offload_tools.common import EXIT_BAD_INPUT, EXIT_FINDINGS, EXIT_OK,
 
 
 def add_parsers(sub: Any) -> None:
-    p = sub.add_parser("apply", help="switch an offload mode on/off in a config (dry run unless --output/--in-place)")
+    for add in (_add_apply, _add_test, _add_diagnose, _add_serve):
+        add(sub)
+
+
+def _add_apply(sub: Any) -> None:
+    p = sub.add_parser(
+        "apply",
+        help="switch an offload mode on/off in a config (dry run unless --output/--in-place)",
+        description="Edit a config to switch an offload mode on or off, resolving the conflicts it implies; prints "
+        "the diff and each change with its reason. Writes only with --output or --in-place, atomically, and never a "
+        "config its own validator rejects.",
+    )
     p.add_argument("config", help="YAML/JSON config path, or - for stdin")
-    p.add_argument("--mode", required=True, choices=("optimizer", "activation", "both", "none", "recommended"))
+    p.add_argument(
+        "--mode",
+        required=True,
+        choices=("optimizer", "activation", "both", "none", "recommended"),
+        help="what to switch on; none switches offload off; recommended asks the planner",
+    )
     p.add_argument("--fraction", type=float, help="optimizer_offload_fraction, in (0, 1]")
     p.add_argument("--num-layers", type=int, help="cpu_offloading_num_layers")
     p.add_argument(
@@ -29,40 +45,73 @@ def add_parsers(sub: Any) -> None:
     p.add_argument(
         "--force", action="store_true", help="let --output replace an existing file (a unique .bak backup is kept)"
     )
-    p.add_argument("--format", choices=("yaml", "overrides"), default="yaml")
+    p.add_argument(
+        "--format", choices=("yaml", "overrides"), default="yaml", help="what a write contains (default yaml)"
+    )
     p.add_argument("--allowed-root", help="an extra directory --output may point into")
     p.add_argument("--gpu", help="--mode recommended: GPU preset (default h100-80gb)")
     p.add_argument("--gpu-memory-gb", type=float, help="--mode recommended: GPU memory instead of a preset")
     p.add_argument("--num-gpus", type=int, help="--mode recommended: number of GPUs")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print exactly one JSON object")
     p.set_defaults(handler=cmd_apply)
 
-    p = sub.add_parser("test", help="run the offload tests (ours, a Bridge checkout's, or the parity suite)")
-    p.add_argument("-k", dest="k", help="pytest -k expression")
+
+def _add_test(sub: Any) -> None:
+    p = sub.add_parser(
+        "test",
+        help="run the offload tests (ours, a Bridge checkout's, or the parity suite)",
+        description="Run tests in a subprocess and report counts, durations, failures and a coverage paragraph. "
+        "Without -k (or with the upstream skill's -k cpu_offload) it runs the offload suite: the tests marked "
+        "cpu_offload (HybridDeviceOptimizer parity and resume, checkpoints, activation schedule, rules), "
+        "under a minute on 2 shared cores. --all runs every test.",
+    )
+    p.add_argument(
+        "-k", dest="k", help="pytest -k expression; cpu_offload = the offload suite, anything else selects from all"
+    )
     p.add_argument("--bridge-repo", help="Megatron Bridge checkout to run its offload tests")
-    p.add_argument("--path", help="one test file/folder under tests/ instead of all of them")
-    p.add_argument("--suite", choices=("unit", "parity"), default="unit")
+    p.add_argument("--path", help="one test file/folder/node id under tests/ instead of the offload suite")
+    p.add_argument(
+        "--suite",
+        choices=("unit", "full", "parity"),
+        default="unit",
+        help="unit = the offload suite (or what -k/--path select); full = every test; parity = tiny-GPT loss "
+        "parity with vs without offload (default unit)",
+    )
+    p.add_argument("--all", action="store_true", help="run every test of tests/ (the same as --suite full)")
     p.add_argument("--config", help="parity: config whose offload settings are trained")
     p.add_argument("--steps", type=int, help="parity: steps per run")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds (default 600)")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print exactly one JSON object")
     p.set_defaults(handler=cmd_test)
 
-    p = sub.add_parser("diagnose", help="explain an offload failure from an error message or log")
+
+def _add_diagnose(sub: Any) -> None:
+    p = sub.add_parser(
+        "diagnose",
+        help="explain an offload failure from an error message or log",
+        description="Match an error message or log against the known offload failure modes: the cause, how to "
+        "confirm it, and the fix as overrides. With --before/--after it lists the offload keys that changed and the "
+        "predicted memory change.",
+    )
     p.add_argument("--log", help="log file")
     p.add_argument("--error", help="error text")
     p.add_argument("--config", help="config of the failing run")
     p.add_argument("--before", help="config before the change")
     p.add_argument("--after", help="config after the change")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print exactly one JSON object")
     p.set_defaults(handler=cmd_diagnose)
 
-    p = sub.add_parser("serve", help="run the MCP server")
-    p.add_argument("--transport", choices=("stdio", "streamable-http"), default="stdio")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8765)
-    from mbridge_offload_tools.guard import add_policy_flags
 
+def _add_serve(sub: Any) -> None:
+    p = sub.add_parser(
+        "serve",
+        help="run the MCP server",
+        description="Run the MCP server (the same as mbridge-offload-mcp): the tools of docs/mcp.md over stdio or "
+        "streamable HTTP; what it may read, write and run comes from these flags, never from a tool argument.",
+    )
+    from mbridge_offload_tools.guard import add_policy_flags, add_transport_flags
+
+    add_transport_flags(p)
     add_policy_flags(p)
     p.set_defaults(handler=cmd_serve, json=False)
 
@@ -132,6 +181,8 @@ def _human_test(d: dict[str, Any]) -> str:
     for f in d["failures"]:
         lines += [f"--- {f['nodeid']}", f["message"] or ""]
     lines += d["notes"]
+    if d.get("coverage"):
+        lines.append(d["coverage"])
     lines.append(
         f"{d['passed']} passed, {d['failed']} failed, {d['skipped']} skipped, {d['errors']} errors "
         f"in {d['duration_s']:.1f} s"
@@ -146,11 +197,13 @@ def cmd_test(args: argparse.Namespace) -> int:
         if not args.json:
             sys.stderr.write(f"[{done}/{total if total is not None else '?'}] {message}\n")
 
+    if args.all and args.suite not in ("unit", "full"):
+        raise UsageError(f"--all runs the whole unit suite; it does not combine with --suite {args.suite}")
     try:
         result = run_tests(
             k=args.k,
             bridge_repo=args.bridge_repo,
-            suite=args.suite,
+            suite="full" if args.all else args.suite,
             timeout_s=args.timeout,
             on_progress=progress,
             config=args.config,

@@ -46,15 +46,31 @@ def _add_common(p: argparse.ArgumentParser) -> None:
 
 
 def add_parsers(sub: Any) -> None:
-    est = sub.add_parser("estimate", help="per-GPU memory (worst pipeline stage), host memory and step-time factor")
+    est = sub.add_parser(
+        "estimate",
+        help="per-GPU memory (worst pipeline stage), host memory and step-time factor",
+        description="Predict per-GPU peak memory (worst pipeline stage, GB and GiB), host memory and the step-time "
+        "factor of a setting as given (its offload fraction and layers included), with every assumption and its "
+        "source. The model comes from --model, a config, or --megatron-args.",
+    )
     _add_common(est)
     est.add_argument("config", nargs="?", metavar="CONFIG", help="Bridge YAML/JSON (same as --model-config)")
     est.set_defaults(handler=run_estimate)
-    rec = sub.add_parser("recommend", help="the smallest offload that fits: none, optimizer, activation or both")
+    rec = sub.add_parser(
+        "recommend",
+        help="the smallest offload that fits: none, optimizer, activation or both",
+        description="Pick the smallest offload that makes the run fit (none, optimizer with a fraction, activation, "
+        "or both) and print the overrides, memory before and after, the step-time factor and the reasons.",
+    )
     _add_common(rec)
     rec.add_argument("config", nargs="?", metavar="CONFIG", help="Bridge YAML/JSON (same as --model-config)")
     rec.set_defaults(handler=run_recommend)
-    cal = sub.add_parser("calibrate", help="time torch's fused CPU AdamW here and store params/s")
+    cal = sub.add_parser(
+        "calibrate",
+        help="time torch's fused CPU AdamW here and store params/s",
+        description="Time torch's fused CPU AdamW on this host and store the parameters-per-second figure the "
+        "planner's step-time model uses for the CPU optimizer step.",
+    )
     cal.add_argument(
         "--output",
         metavar="PATH",
@@ -62,8 +78,8 @@ def add_parsers(sub: Any) -> None:
     )
     cal.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
     cal.add_argument("--numel", type=int, default=32 * 1024 * 1024, help="elements updated per step")
-    cal.add_argument("--steps", type=int, default=5)
-    cal.add_argument("--json", action="store_true")
+    cal.add_argument("--steps", type=int, default=5, help="timed steps (default 5)")
+    cal.add_argument("--json", action="store_true", help="print exactly one JSON object")
     cal.set_defaults(handler=run_calibrate)
 
 

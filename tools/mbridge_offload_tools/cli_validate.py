@@ -109,6 +109,10 @@ def run(args: argparse.Namespace) -> int:
     report.source = loaded.source
     if args.exact:
         report = _exact(report, loaded.raw, args.deadline, as_json)
+    if args.megatron_args is not None:  # fixes as the flags to edit on that command line
+        from mbridge_offload.config.mlm_fixes import megatron_lm_fixes
+
+        report = megatron_lm_fixes(report)
     emit(report.to_dict(), as_json, render_human)
     return EXIT_OK if report.ok else EXIT_FINDINGS
 
@@ -137,6 +141,8 @@ def render_human(payload: dict[str, Any]) -> str:
             lines.append("        keys: " + ", ".join(f["keys"]))
         if f["fix"]:
             lines.append("        fix:  " + " ".join(f["fix"]))
+        if f.get("fix_remove"):
+            lines.append("        remove: " + " ".join(f["fix_remove"]))
         lines.append("        why:  " + f["why"])
     lines.append("")
     summary = ", ".join(f"{n} {s}{'s' if n != 1 else ''}" for s, n in counts.items())

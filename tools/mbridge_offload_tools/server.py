@@ -1,4 +1,4 @@
-"""The ``mbridge-offload`` MCP server: six tools over the offload library, for coding agents.
+"""The ``mbridge-offload`` MCP server: its tools (references/tools.md) over the offload library, for coding agents.
 
 Each tool is a thin call into ``offload/`` with a pydantic output model (structured output) and annotations.
 Bad input raises ``ToolError`` with a message that names the key, the value and the fix, so the model can
@@ -187,23 +187,37 @@ def validate_config(
             "built for real where megatron-bridge is importable; the server keeps its imports warm between calls"
         ),
     ] = None,
+    megatron_args: Annotated[
+        str | None,
+        Field(
+            description="instead of config: a Megatron-LM pretrain_gpt.py command line, e.g. '--num-layers 4 "
+            "--cpu-offloading-num-layers 4'; fixes then come back as flags (fix: add or set, fix_remove: delete)"
+        ),
+    ] = None,
 ) -> ValidateOutput:
-    """Check a Megatron Bridge config's offload settings against every upstream rule.
+    """Check a Megatron Bridge config's offload settings (or a Megatron-LM command line) against every upstream rule.
 
-    Returns findings with the upstream message, the keys involved and the fix as overrides.
+    Returns findings with the upstream message, the keys involved and the fix: Bridge overrides, or Megatron-LM
+    flags (fix_notation='megatron-lm') when megatron_args was given.
     """
     from mbridge_offload.config.rules.base import parse_target
     from mbridge_offload.config.sources import ConfigError, load
     from mbridge_offload.config.validate import validate
 
-    if (config is None) == (recipe is None):
-        raise ToolError("give exactly one of config (a Bridge YAML/JSON path or text) or recipe (a recipe name)")
-    if recipe is not None:
+    if sum(x is not None for x in (config, recipe, megatron_args)) != 1:
+        raise ToolError(
+            "give exactly one of config (a Bridge YAML/JSON path or text), recipe (a recipe name) or megatron_args "
+            "(a Megatron-LM command line)"
+        )
+    if megatron_args is not None:
+        loaded = _load_argv(megatron_args, overrides)
+    elif recipe is not None:
         try:  # imported once per server process: the second call of a recipe costs its build, not its imports
             loaded = load(None, overrides, recipe=recipe)
         except ConfigError as exc:
             raise ToolError(f"recipe: {exc}") from None
     else:
+        assert config is not None  # exactly one of the three was given
         loaded = _load(config, overrides)
     try:  # only the target's own errors are "target" errors: a ValueError from the check itself is not
         parsed_target = parse_target(target)
@@ -218,7 +232,25 @@ def validate_config(
             report = exact_report(report, loaded.raw)
         except ExactUnavailable as exc:
             raise ToolError(str(exc)) from None
+    if megatron_args is not None:
+        from mbridge_offload.config.mlm_fixes import megatron_lm_fixes
+
+        report = megatron_lm_fixes(report)
     return report
+
+
+def _load_argv(megatron_args: str, overrides: list[str] | None):
+    """A Megatron-LM command line, read as the CLI's --megatron-args reads it."""
+    import shlex
+
+    from mbridge_offload.config.sources import ConfigError, load
+
+    try:
+        return load(None, overrides or [], argv=shlex.split(megatron_args))
+    except ConfigError as exc:
+        raise ToolError(str(exc)) from None
+    except ValueError as exc:  # an unbalanced quote
+        raise ToolError(f"megatron_args: cannot read the command line: {exc}") from None
 
 
 _plan_tool(
@@ -320,13 +352,22 @@ def apply_offload(
 @guard.guarded(lambda kwargs: float(kwargs.get("timeout_s") or 600) + 30)
 def run_unit_tests(
     ctx: Context,
-    k: Annotated[str | None, Field(description="pytest -k expression, e.g. 'apply or diagnose'")] = None,
+    k: Annotated[
+        str | None,
+        Field(
+            description="pytest -k expression, e.g. 'apply or diagnose' (selects from every test); 'cpu_offload' "
+            "(the upstream skill's selector) runs the offload suite, as does no k"
+        ),
+    ] = None,
     bridge_repo: Annotated[
         str | None, Field(description="a Megatron Bridge checkout: run its offload tests instead of ours")
     ] = None,
     suite: Annotated[
-        Literal["unit", "parity"],
-        Field(description="unit = pytest; parity = tiny-GPT loss parity with vs without offload"),
+        Literal["unit", "full", "parity"],
+        Field(
+            description="unit = the offload suite (tests marked cpu_offload, under a minute on 2 shared cores) or "
+            "what k/path select; full = every test (minutes); parity = tiny-GPT loss parity with vs without offload"
+        ),
     ] = "unit",
     config: Annotated[str | None, Field(description="parity: the config whose offload settings to train")] = None,
     steps: Annotated[int | None, Field(ge=2, le=500, description="parity: training steps per run")] = None,
@@ -335,7 +376,9 @@ def run_unit_tests(
         str | None, Field(description="one test file/folder/node id under tests/, e.g. tests/actions/test_apply.py")
     ] = None,
 ) -> TestRunResult:
-    """Run tests in a subprocess and report counts, durations and failing node ids with the failure text.
+    """Run tests in a subprocess and report counts, durations, failing node ids with the failure text, and a
+    coverage paragraph (what ran, what did not). By default (or k='cpu_offload') the offload suite runs: HDO
+    parity and resume, checkpoints, activation schedule, rules; suite='full' runs everything.
 
     bridge_repo runs a Megatron Bridge checkout's offload tests only when the server was started with
     --allow-bridge-repo for it (running them imports the checkout's conftest.py).
@@ -450,14 +493,18 @@ def run(
         mcp.run("streamable-http", host=host, port=port)
 
 
-def main(argv: list[str] | None = None) -> None:
-    """Console script ``mbridge-offload-mcp``."""
+def build_parser() -> argparse.ArgumentParser:
+    """The ``mbridge-offload-mcp`` command line (the same flags as ``mbridge-offload serve``)."""
     parser = argparse.ArgumentParser(prog="mbridge-offload-mcp", description="MCP server for mbridge-offload")
-    parser.add_argument("--transport", choices=("stdio", "streamable-http"), default="stdio")
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8765)
+    guard.add_transport_flags(parser)
     guard.add_policy_flags(parser)
     parser.add_argument("--version", action="version", version=f"mbridge-offload-mcp {__version__}")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Console script ``mbridge-offload-mcp``."""
+    parser = build_parser()
     args = parser.parse_args(argv)
     from mbridge_offload.config.errors import InputError
 

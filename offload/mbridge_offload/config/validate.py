@@ -42,6 +42,13 @@ class Finding(BaseModel):
     stage: str | None = Field(None, description="where upstream enforces it")
     upstream_message: str | None = Field(None, description="the exact str(exception) upstream raises")
     exception: str | None = Field(None, description="the exception class upstream raises")
+    fix_remove: list[str] | None = Field(
+        default=None,
+        description="Megatron-LM command line input only: the flags to delete (fix holds the flags to add)",
+    )
+    fix_overrides: list[str] | None = Field(
+        default=None, description="Megatron-LM command line input only: the fix in Bridge notation (section.key=value)"
+    )
 
     def to_dict(self) -> dict[str, Any]:
         return self.model_dump(mode="json")
@@ -58,6 +65,11 @@ class Report(BaseModel):
     target: str = Field(description="the megatron-core release validated against, e.g. megatron-core==0.19.2")
     env: dict[str, str] = Field(default_factory=dict)
     source: str | None = Field(None, description="where the config came from (path, <text>, recipe:NAME, <argv>)")
+    fix_notation: Literal["bridge", "megatron-lm"] = Field(
+        default="bridge",
+        description="how each finding's fix is written: Bridge overrides (section.key=value), or Megatron-LM "
+        "flags when the input was a Megatron-LM command line",
+    )
 
     @computed_field(description="true when no finding is an error")  # type: ignore[prop-decorator]
     @property

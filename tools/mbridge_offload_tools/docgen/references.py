@@ -15,6 +15,14 @@ _HEAD = (
 )
 
 
+_WORDS = ("no", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten", "eleven", "twelve")
+
+
+def number_word(n: int) -> str:
+    """``6`` → ``six`` (a count in prose, from the code; digits past twelve)."""
+    return _WORDS[n] if 0 <= n < len(_WORDS) else str(n)
+
+
 def _page(title: str, source: str, intro: str, body: str) -> str:
     return f"{_HEAD.format(source=source)}# {title}\n\n{intro.strip()}\n\n{body.rstrip()}\n"
 
@@ -93,9 +101,10 @@ def render_tools() -> str:
             *_param_rows(tool.input_schema),
             "",
         ]
-    intro = """
-The five tools of the MCP server (`tools/mbridge_offload_tools/server.py`), their parameters and their CLI
-equivalents. Start the server
+    count = len(server_tools())
+    intro = f"""
+The {number_word(count)} tools of the MCP server (`tools/mbridge_offload_tools/server.py`), their parameters and their
+CLI equivalents. Start the server
 with `scripts/mcp-server` (sets itself up on first start) or `mbridge-offload serve`; tools from the Claude Code plugin
 are named `mcp__plugin_mbridge-offload_mbridge-offload__<tool>`. Host set-up: [docs/install.md](../docs/install.md),
 [docs/mcp.md](../docs/mcp.md).

@@ -40,7 +40,7 @@ CAPTURES: dict[str, list[str]] = {
     "act-apply": ["mbridge-offload apply run.pp1.yaml --mode activation --num-layers 4 --output run.act.yaml"],
     "act-validate": ["mbridge-offload validate run.act.yaml"],
     "act-pp2": ["mbridge-offload apply run.yaml --mode activation --num-layers 4 --output run.act2.yaml"],
-    "tests-ours": ['mbridge-offload test -k "matches_torch_adamw or bitwise_equal" --json'],
+    "tests-ours": ["mbridge-offload test -k cpu_offload --json"],
     "tests-bridge": ["mbridge-offload test --bridge-repo . --json"],
     "qwen-recommend-default": [
         "mbridge-offload recommend --model qwen3-30b-a3b --gpu h100-80gb --num-gpus 16 --tp 2 --pp 2 --ep 4"
@@ -138,6 +138,7 @@ _VARYING = (
     (re.compile(r'"duration_s": [0-9.e-]+'), '"duration_s": <t>'),
     (re.compile(r"\bin [0-9.]+ ?s\b"), "in <t> s"),
     (re.compile(r"of the \d+ tests"), "of the <n> tests"),
+    (re.compile(r"the \d+ other test files \([^)]*\)"), "the <n> other test files (<per folder>)"),
 )
 
 
