@@ -27,6 +27,7 @@ import math
 from dataclasses import dataclass, field, replace
 
 from mbridge_offload.config.upstream import TE_MIN_OFFLOAD_NUMEL, hdo_offload_mask
+from mbridge_offload.plan import fine_grained
 
 GB = 1e9
 GiB = 2**30
@@ -110,6 +111,10 @@ class Setup:
     recompute_modules: tuple[str, ...] = ("core_attn",)
     optimizer_offload_fraction: float = 0.0
     activation_offload_layers: int = 0
+    # Fine-grained activation offloading (model.offload_modules; on when non-empty): see plan/fine_grained.py.
+    offload_modules: tuple[str, ...] = ()
+    min_offloaded_tensor_size: int = 1024 * 1024
+    activation_offload_fraction: float = 1.0
     # Memory PyTorch's allocator hands out beyond the model's tensors: cuBLAS/TE workspaces, DistOpt's
     # all-gather/reduce-scatter staging, loss temporaries. In "max allocated"; the CUDA context is not.
     overhead_gb: float = 2.0
@@ -176,6 +181,7 @@ def check_setup(model: ModelSpec, setup: Setup) -> None:
         raise ValueError(f"EP {s.ep} given for dense model {model.name}: expert parallelism needs MoE layers")
     if not 0.0 <= s.optimizer_offload_fraction <= 1.0:
         raise ValueError(f"optimizer_offload_fraction is {s.optimizer_offload_fraction}: it must be in [0.0, 1.0]")
+    fine_grained.check(s)
     k = s.activation_offload_layers
     if k:
         if k < 0 or k >= model.num_layers:
@@ -548,6 +554,16 @@ def stage_activations(m: ModelSpec, s: Setup, stage: int) -> ActivationMemory:
         host = sum(next_pow2(t.nbytes) for acts in per_layer[:k] for t in acts if t.numel >= TE_MIN_OFFLOAD_NUMEL)
     working += moe_dispatch_bytes(m, s, layers)
     total = block * in_flight(s, stage) + working
+    if s.offload_modules and s.recompute_granularity != "full":  # full recompute saves nothing inside the scopes
+        fg = fine_grained.stage_saving(
+            per_layer,
+            s.offload_modules,
+            in_flight(s, stage),
+            min_size=s.min_offloaded_tensor_size,
+            fraction=s.activation_offload_fraction,
+        )
+        total -= fg.gpu_saving_bytes
+        host += fg.host_bytes
     if stage == 0:
         extra = 8 * tokens  # int64 token ids
         if m.dropout > 0:

@@ -1,0 +1,100 @@
+"""``recommend``'s side of fine-grained activation offloading: when it is the tool, which modules, which overrides.
+
+It is proposed where layer-level offload is refused (PP > 1, activation recompute, CUDA graphs other than
+``full_iteration``): fine-grained offloading works with all three in megatron-core 0.19.2, within its own checks,
+which the rule catalogue runs here (``blockers``). Module sets are tried in ``fine_grained.candidate_sets`` order
+and the first that fits wins. The overrides carry what Bridge 0.6 checks besides the switch: the TE implementation,
+and ``NVTE_CPU_OFFLOAD_V1=1`` (TE >= 2.10 would otherwise take its v2 offload path, "to avoid offloading
+weights", Bridge ``training/config.py``). Never imports torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+from mbridge_offload.plan import fine_grained
+from mbridge_offload.plan.memory import ModelSpec, Setup
+
+MODE = "fine-grained"
+MODE_WITH_OPTIMIZER = "fine-grained+optimizer"
+
+
+def overrides(s: Setup) -> list[str]:
+    """The Hydra-style overrides that switch on the fine-grained settings of ``s`` (empty when it has none)."""
+    if not s.offload_modules:
+        return []
+    out = [
+        "model.fine_grained_activation_offloading=True",
+        "model.offload_modules=[" + ",".join(s.offload_modules) + "]",
+        "model.transformer_impl=transformer_engine",
+        "env_vars.NVTE_CPU_OFFLOAD_V1=1",
+    ]
+    if s.activation_offload_fraction != 1.0:
+        out.append(f"model.activation_offload_fraction={s.activation_offload_fraction:g}")
+    if "fused_group_mlp" in s.offload_modules:
+        out.append("model.use_transformer_engine_op_fuser=True")
+    return out
+
+
+def blockers(s: Setup, modules: tuple[str, ...], model_config: dict[str, Any]) -> list[str]:
+    """Errors the rule catalogue raises for fine-grained offloading of ``modules`` on this setup.
+
+    Args:
+        s: the setup (PP, recompute).
+        modules: the candidate ``offload_modules``.
+        model_config: other ``model.*`` facts that decide (``cuda_graph_impl``, ``moe_paged_stash``, ...).
+    """
+    from mbridge_offload.config.schema import OffloadConfig
+    from mbridge_offload.config.validate import validate
+
+    model = {
+        "num_layers": 8,
+        "pipeline_model_parallel_size": s.pp,
+        "recompute_granularity": s.recompute_granularity,
+        "recompute_method": s.recompute_method,
+        "recompute_num_layers": s.recompute_num_layers,
+        "recompute_modules": list(s.recompute_modules),
+        **model_config,
+        "fine_grained_activation_offloading": True,
+        "offload_modules": list(modules),
+        "transformer_impl": "transformer_engine",
+    }
+    if "fused_group_mlp" in modules:
+        model["use_transformer_engine_op_fuser"] = True
+    if s.pp > 1:
+        model["pipeline_dtype"] = "bf16"  # Bridge fills it in; not what decides here
+    raw = {"model": model}
+    report = validate(OffloadConfig.model_validate(raw), raw)
+    keys = ("model.offload_modules", "model.fine_grained_activation_offloading")
+    return [f"fine-grained offloading: {f.message} ({f.rule})" for f in report.errors if set(keys) & set(f.keys)]
+
+
+def useful_sets(m: ModelSpec, s: Setup, model_config: dict[str, Any]) -> list[tuple[str, ...]]:
+    """Candidate module sets that the catalogue accepts and that each free more than the set before them."""
+    if s.recompute_granularity == "full":
+        return []  # 0.19.2's points sit inside the checkpointed layer: nothing is saved there to move
+    out: list[tuple[str, ...]] = []
+    last = 0
+    for modules in fine_grained.candidate_sets():
+        if blockers(s, modules, model_config):
+            continue
+        trial = replace(s, offload_modules=modules)
+        saving = max(fine_grained.stage_groups(m, trial, st).gpu_saving_bytes for st in range(s.pp))
+        if saving > last:
+            out.append(modules)
+            last = saving
+    return out
+
+
+def smallest(m: ModelSpec, s: Setup, model_config: dict[str, Any], first_fit: Callable[[list[Setup]], Any]) -> Any:
+    """The first fitting estimate over the useful module sets (``first_fit`` = the planner's binary search)."""
+    sets = useful_sets(m, s, model_config)
+    return first_fit([replace(s, offload_modules=mods) for mods in sets]) if sets else None
+
+
+def largest(m: ModelSpec, s: Setup, model_config: dict[str, Any]) -> Setup | None:
+    """``s`` with the most fine-grained offload the catalogue allows (None when none helps)."""
+    sets = useful_sets(m, s, model_config)
+    return replace(s, offload_modules=sets[-1]) if sets else None
