@@ -12,9 +12,16 @@ from mbridge_offload_tools.common import EXIT_BAD_INPUT, EXIT_FINDINGS, EXIT_OK,
 def add_parsers(sub: Any) -> None:
     p = sub.add_parser("apply", help="switch an offload mode on/off in a config (dry run unless --output/--in-place)")
     p.add_argument("config", help="YAML/JSON config path, or - for stdin")
-    p.add_argument("--mode", required=True, choices=("optimizer", "activation", "both", "none", "recommended"))
+    p.add_argument(
+        "--mode", required=True, choices=("optimizer", "activation", "both", "none", "recommended", "fine-grained")
+    )
     p.add_argument("--fraction", type=float, help="optimizer_offload_fraction, in (0, 1]")
     p.add_argument("--num-layers", type=int, help="cpu_offloading_num_layers")
+    p.add_argument(
+        "--modules",
+        metavar="M[,M...]",
+        help="offload_modules for --mode fine-grained, e.g. expert_fc1 or core_attn,attn_proj",
+    )
     p.add_argument(
         "--set",
         dest="overrides",
@@ -99,6 +106,7 @@ def cmd_apply(args: argparse.Namespace) -> int:
             args.mode,
             fraction=args.fraction,
             num_layers=args.num_layers,
+            modules=args.modules,
             overrides=args.overrides,
             output=args.output,
             in_place=args.in_place,

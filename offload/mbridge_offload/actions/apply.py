@@ -31,6 +31,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field, computed_field
 
+from mbridge_offload.actions import fine_grained_edit as fge
 from mbridge_offload.actions import safe_write, yaml_edit
 from mbridge_offload.config.rules.activation import activation_mode_edits
 from mbridge_offload.config.schema import OffloadConfig, get_value
@@ -43,7 +44,7 @@ from mbridge_offload.config.sources import (
     read_source,
 )
 
-MODES = ("optimizer", "activation", "both", "none", "recommended")
+MODES = ("optimizer", "activation", "both", "none", "recommended", fge.MODE)
 # At or above this fraction the CPU Adam step dominates and overlapping D2H/H2D pays (~7 % at 100 %, upstream card).
 OVERLAP_FROM_FRACTION = 0.5
 DEFAULT_FRACTION = 0.5  # the card's "0.5 for balanced"
@@ -220,6 +221,7 @@ def plan_edits(
     num_layers: int | None = None,
     planner: dict[str, Any] | None = None,
     notes: list[str] | None = None,
+    modules: list[str] | None = None,
 ) -> tuple[str, dict[str, tuple[Any, str]]]:
     """The key edits a mode implies: ``(resolved mode, {dotted key: (new value, why)})``.
 
@@ -234,11 +236,11 @@ def plan_edits(
             f"fraction is {fraction}: optimizer_offload_fraction must be in (0, 1]; 0 offloads nothing "
             "(use mode=none to switch offloading off)"
         )
-    if fraction is not None and mode in ("activation", "none"):
+    if fraction is not None and mode in ("activation", "none", fge.MODE):
         raise ApplyError(
             f"fraction applies to optimizer offloading; mode={mode} does not use it (use mode=optimizer or mode=both)"
         )
-    if num_layers is not None and mode in ("optimizer", "none"):
+    if num_layers is not None and mode in ("optimizer", "none", fge.MODE):
         raise ApplyError(
             f"num_layers applies to activation offloading; mode={mode} does not use it (use "
             "mode=activation or mode=both)"
@@ -259,10 +261,20 @@ def plan_edits(
             fraction = from_planner.get("optimizer.optimizer_offload_fraction")
         if chosen in ("activation", "both") and num_layers is None:
             num_layers = from_planner.get("model.cpu_offloading_num_layers")
-        _, edits = plan_edits(cfg, raw, chosen, fraction=fraction, num_layers=num_layers)
+        if chosen.startswith(fge.MODE):  # fine-grained, fine-grained+optimizer
+            fge.fine_grained_edits(cfg, modules or from_planner.get("model.offload_modules"), edits)
+        rest = {fge.MODE: None, fge.MODE + "+optimizer": "optimizer"}.get(chosen, chosen)
+        if rest is not None:
+            edits.update(plan_edits(cfg, raw, rest, fraction=fraction, num_layers=num_layers)[1])
         for key, value in from_planner.items():
             edits.setdefault(key, (value, "recommended by the planner"))
         return chosen, edits
+    if modules is not None and mode != fge.MODE:
+        raise ApplyError(
+            f"modules apply to fine-grained offloading; mode={mode} does not use them (use mode={fge.MODE})"
+        )
+    if mode == fge.MODE:
+        fge.fine_grained_edits(cfg, modules, edits)
     if mode in ("optimizer", "both"):
         _optimizer_edits(cfg, fraction, edits)
     if mode in ("activation", "both"):
@@ -270,6 +282,8 @@ def plan_edits(
     if mode == "none":
         _want(edits, "optimizer.optimizer_cpu_offload", False, "switch optimizer offloading off")
         _want(edits, "model.cpu_offloading", False, "switch activation offloading off")
+        if cfg.model.fine_grained_activation_offloading:
+            _want(edits, "model.fine_grained_activation_offloading", False, "switch fine-grained offloading off")
     return mode, edits
 
 
@@ -497,12 +511,14 @@ def apply_offload(
     allowed_root: str | os.PathLike[str] | None = None,
     write_roots: list[Path] | None = None,
     planner: dict[str, Any] | None = None,
+    modules: str | list[str] | None = None,
 ) -> ApplyResult:
     """Switch an offload mode on (or off) in a config, resolve the conflicts it implies, and optionally write it.
 
     Args:
         source: a YAML/JSON path or inline YAML/JSON text.
-        mode: ``optimizer``, ``activation``, ``both``, ``none`` or ``recommended`` (ask the planner).
+        mode: ``optimizer``, ``activation``, ``both``, ``none``, ``fine-grained`` or ``recommended`` (ask the
+            planner).
         fraction: ``optimizer_offload_fraction`` for optimizer modes, in (0, 1].
         num_layers: ``cpu_offloading_num_layers`` for activation modes.
         overrides: Hydra-style ``KEY=VALUE`` overrides (``section.key``) applied before the mode and written with it.
@@ -514,6 +530,7 @@ def apply_offload(
         allowed_root: an extra directory writes may go to (besides the input's directory and the cwd).
         write_roots: the exact directories writes may go to (an MCP server's roots); overrides the default.
         planner: keyword arguments for the planner (``gpu``, ``num_gpus``, ...) when ``mode="recommended"``.
+        modules: ``model.offload_modules`` for ``mode="fine-grained"`` (a list or ``"expert_fc1,attn_proj"``).
 
     Returns:
         ApplyResult with ``changes`` (each with a why), the unified ``diff``, the ``overrides`` that make the same
@@ -538,7 +555,14 @@ def apply_offload(
     cfg = build_config(effective_raw, where, tree if not overrides else None)
     notes: list[str] = []
     resolved_mode, wanted = plan_edits(
-        cfg, effective_raw, mode, fraction=fraction, num_layers=num_layers, planner=planner, notes=notes
+        cfg,
+        effective_raw,
+        mode,
+        fraction=fraction,
+        num_layers=num_layers,
+        planner=planner,
+        notes=notes,
+        modules=fge.parse_modules(modules),
     )
     changes, conflicts = _changes(base_cfg, wanted, list(overrides or []), effective_raw, resolved_mode)
     is_json = text.lstrip().startswith("{")
