@@ -62,6 +62,20 @@ class OffloadPoint:
     tensors: tuple[str, ...]
     transfer_only: tuple[str, ...] = ()
     note: str = ""
+    # The layer kinds where the point exists: it needs a separate norm module (MLA's input norm, the MoE layer's
+    # pre-MLP norm); in TE's fused LayerNormLinear the norm is an IdentityOp and upstream switches the point off.
+    only_with: str | None = None
+    # Tensors outside the scope in layers that have this one (MLA: the input norm is its own module).
+    not_with: tuple[str, tuple[str, ...]] | None = None
+
+    def moved(self, names: set[str]) -> tuple[set[str], set[str]]:
+        """``(freed, copied-only)`` tensor names of this point in a layer whose saved tensors are ``names``."""
+        if self.only_with is not None and self.only_with not in names:
+            return set(), set()
+        freed = set(self.tensors)
+        if self.not_with is not None and self.not_with[0] in names:
+            freed -= set(self.not_with[1])
+        return freed & names, set(self.transfer_only) & names
 
 
 POINTS: dict[str, OffloadPoint] = {
@@ -74,6 +88,7 @@ POINTS: dict[str, OffloadPoint] = {
             ("input_norm_in",),
             note="a no-op where the norm is fused into linear_qkv (TE spec, standard attention: IdentityOp); "
             "effective for MLA, whose input norm is a separate TENorm",
+            only_with="kv_down_out",
         ),
         OffloadPoint(
             "qkv_linear",
@@ -81,6 +96,7 @@ POINTS: dict[str, OffloadPoint] = {
             "MLA down- and up-projections with their norms",
             ("input_norm_in", "qkv_in", "q_norm_in", "k_norm_in", "q_down_out", "q_up_in", "kv_down_out", "kv_up_in"),
             note="with MLA the input norm is outside the scope (attn_norm covers it)",
+            not_with=("kv_down_out", ("input_norm_in",)),
         ),
         OffloadPoint(
             "core_attn",
@@ -96,6 +112,7 @@ POINTS: dict[str, OffloadPoint] = {
             ("mlp_norm_in",),
             note="a no-op in dense TE layers (the norm is fused into linear_fc1: IdentityOp); effective in MoE "
             "layers, whose pre-MLP norm feeds the router",
+            only_with="router_in",
         ),
         OffloadPoint(
             "expert_fc1",
@@ -182,26 +199,18 @@ def _eligible(t: SavedTensor, min_size: int) -> bool:
     return t.numel >= min_size
 
 
-def group_bytes(acts: Sequence[SavedTensor], module: str, min_size: int) -> tuple[int, int]:
-    """``(GPU bytes freed, bytes copied)`` of one layer's group for ``module`` (0, 0 when it has none there)."""
-    point = POINTS[module]
-    freed = sum(t.nbytes for t in acts if t.name in point.tensors and _eligible(t, min_size))
-    copied = freed + sum(t.nbytes for t in acts if t.name in point.transfer_only and _eligible(t, min_size))
-    return freed, copied
-
-
 def _released(acts: Sequence[SavedTensor], modules: Sequence[str], min_size: int) -> dict[str, tuple[int, int]]:
     """Per module of one layer: bytes freed and copied, counting a tensor two modules share only once for the GPU
     (``attn_out`` under core_attn + attn_proj is freed by attn_proj, copied by both)."""
     out: dict[str, tuple[int, int]] = {}
+    names = {t.name for t in acts}
+    eligible = [t for t in acts if _eligible(t, min_size)]
     freed_names: set[str] = set()
     for module in modules:
-        point = POINTS[module]
-        freed = sum(
-            t.nbytes for t in acts if t.name in point.tensors and t.name not in freed_names and _eligible(t, min_size)
-        )
-        copied = sum(t.nbytes for t in acts if t.name in point.tensors + point.transfer_only and _eligible(t, min_size))
-        freed_names.update(point.tensors)
+        frees, copies_only = POINTS[module].moved(names)
+        freed = sum(t.nbytes for t in eligible if t.name in frees and t.name not in freed_names)
+        copied = sum(t.nbytes for t in eligible if t.name in frees | copies_only)
+        freed_names |= frees
         if copied:
             out[module] = (freed, copied)
     return out

@@ -10,6 +10,7 @@ weights", Bridge ``training/config.py``). Never imports torch.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
@@ -28,6 +29,7 @@ def overrides(s: Setup) -> list[str]:
     out = [
         "model.fine_grained_activation_offloading=True",
         "model.offload_modules=[" + ",".join(s.offload_modules) + "]",
+        "model.cpu_offloading=False",  # mutually exclusive with layer-level offloading
         "model.transformer_impl=transformer_engine",
         "env_vars.NVTE_CPU_OFFLOAD_V1=1",
     ]
@@ -46,29 +48,41 @@ def blockers(s: Setup, modules: tuple[str, ...], model_config: dict[str, Any]) -
         modules: the candidate ``offload_modules``.
         model_config: other ``model.*`` facts that decide (``cuda_graph_impl``, ``moe_paged_stash``, ...).
     """
+    recompute = (s.recompute_granularity, s.recompute_method, s.recompute_num_layers, tuple(s.recompute_modules))
+    return list(_blockers(s.pp, recompute, tuple(modules), tuple(sorted(model_config.items()))))
+
+
+@functools.lru_cache(maxsize=512)
+def _blockers(
+    pp: int, recompute: tuple[Any, ...], modules: tuple[str, ...], model_config: tuple[tuple[str, Any], ...]
+) -> tuple[str, ...]:
     from mbridge_offload.config.schema import OffloadConfig
     from mbridge_offload.config.validate import validate
 
     model = {
         "num_layers": 8,
-        "pipeline_model_parallel_size": s.pp,
-        "recompute_granularity": s.recompute_granularity,
-        "recompute_method": s.recompute_method,
-        "recompute_num_layers": s.recompute_num_layers,
-        "recompute_modules": list(s.recompute_modules),
-        **model_config,
+        "pipeline_model_parallel_size": pp,
+        "recompute_granularity": recompute[0],
+        "recompute_method": recompute[1],
+        "recompute_num_layers": recompute[2],
+        "recompute_modules": list(recompute[3]),
+        **dict(model_config),
         "fine_grained_activation_offloading": True,
         "offload_modules": list(modules),
         "transformer_impl": "transformer_engine",
     }
     if "fused_group_mlp" in modules:
         model["use_transformer_engine_op_fuser"] = True
-    if s.pp > 1:
+    if pp > 1:
         model["pipeline_dtype"] = "bf16"  # Bridge fills it in; not what decides here
-    raw = {"model": model}
-    report = validate(OffloadConfig.model_validate(raw), raw)
-    keys = ("model.offload_modules", "model.fine_grained_activation_offloading")
-    return [f"fine-grained offloading: {f.message} ({f.rule})" for f in report.errors if set(keys) & set(f.keys)]
+    # What the switch adds: the errors of this config that the same config without fine-grained offloading lacks.
+    without = {**model, "fine_grained_activation_offloading": False, "offload_modules": []}
+    found = {}
+    for m in (model, without):
+        raw = {"model": m}
+        found[id(m)] = {(f.rule, f.message) for f in validate(OffloadConfig.model_validate(raw), raw).errors}
+    added = found[id(model)] - found[id(without)]
+    return tuple(f"fine-grained offloading: {message} ({rule})" for rule, message in sorted(added))
 
 
 def useful_sets(m: ModelSpec, s: Setup, model_config: dict[str, Any]) -> list[tuple[str, ...]]:

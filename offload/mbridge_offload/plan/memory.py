@@ -496,15 +496,23 @@ def _stored(acts: list[Tensor], s: Setup) -> list[Tensor]:
 
 
 def in_flight(s: Setup, stage: int) -> float:
-    """Micro-batches whose activations stage ``stage`` holds at its peak under 1F1B (PP − stage), with
-    Megatron's interleaved-schedule penalty ``1 + (PP−1)/(PP·VPP)`` on the first stage."""
+    """Micro-batches whose activations stage ``stage`` holds at its peak, in whole-stage units.
+
+    megatron-core's ``get_pp_rank_microbatches``: without VPP, ``PP − stage − 1`` warm-up forwards plus the one
+    that starts 1F1B; with VPP, ``2·(PP − stage − 1) + (VPP − 1)·PP`` warm-up model chunks plus one, each chunk
+    ``1/VPP`` of the stage (stage 0: ``PP + (PP−1)/VPP``, Megatron's interleaving penalty). Capped by the step's
+    micro-batches.
+    """
     if s.pp == 1:
         return 1.0
-    n: float = s.pp - stage
-    if s.vpp:
-        n += (s.pp - 1 - stage) / s.vpp
     mbs = s.num_microbatches()
-    return min(n, mbs) if mbs is not None else n
+    if not s.vpp:
+        n = s.pp - stage
+        return float(min(n, mbs)) if mbs is not None else float(n)
+    chunks = 2 * (s.pp - stage - 1) + (s.vpp - 1) * s.pp + 1
+    if mbs is not None:
+        chunks = min(chunks, mbs * s.vpp)
+    return chunks / s.vpp
 
 
 @dataclass

@@ -214,6 +214,9 @@ def _search(p: Plan, base: Setup, order: tuple[str, ...]) -> tuple[str, MemoryEs
     most = fg.largest(m, base, cfg) if fg.MODE in order else None
     if most is not None:  # the most fine-grained offload allowed, then the smallest fraction on top
         found = _smallest_fraction(p, most)
+        if found is not None:  # then the fewest modules at that fraction
+            at = replace(base, optimizer_offload_fraction=found.setup.optimizer_offload_fraction)
+            found = fg.smallest(m, at, cfg, lambda setups: _first_fit(p, setups)) or found
         return fg.MODE_WITH_OPTIMIZER, found
     if "activation" in order:
         # Both: the most activation offload allowed, the smallest fraction, then back off the layers.
