@@ -147,8 +147,11 @@ SELECTION_STEPS: tuple[tuple[str, ...], ...] = (
 
 
 class SavedTensor(Protocol):
-    name: str
-    numel: int
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def numel(self) -> int: ...
 
     @property
     def nbytes(self) -> int: ...
@@ -287,7 +290,8 @@ def exposed_copy_s(group_bytes_: int, link_bytes_per_s: float, layer_forward_s: 
 
 def candidate_sets() -> list[tuple[str, ...]]:
     """Module sets ``recommend`` tries, in order: each adds the next step of ``SELECTION_STEPS``."""
-    out, acc = [], ()
+    out: list[tuple[str, ...]] = []
+    acc: tuple[str, ...] = ()
     for step in SELECTION_STEPS:
         acc = (*acc, *step)
         out.append(acc)
