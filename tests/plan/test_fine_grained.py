@@ -305,3 +305,12 @@ def test_the_recipe_rows_show_what_their_modules_save():
     assert "expert_fc1" in rows and "fused_group_mlp" in rows and "not estimated" in rows
     row = published_fine_grained.recipe_row("dsv3-gb200-expert-fc1")
     assert row.saving_gb and row.saving_gb > 0 and row.host_gb and row.host_gb > 0
+
+
+def test_dense_models_get_only_modules_that_free_something():
+    from mbridge_offload.plan import fine_grained_plan
+
+    s = Setup(num_gpus=2, pp=2)
+    sets = fine_grained_plan.useful_sets(DENSE, s, {})
+    assert sets and all("expert_fc1" not in mods and "mlp_norm" not in mods for mods in sets)
+    assert sets[0] == ("core_attn", "attn_proj")

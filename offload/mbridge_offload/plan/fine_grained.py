@@ -288,16 +288,6 @@ def exposed_copy_s(group_bytes_: int, link_bytes_per_s: float, layer_forward_s: 
     return max(0.0, copy - layer_forward_s) + max(0.0, copy - 2 * layer_forward_s)
 
 
-def candidate_sets() -> list[tuple[str, ...]]:
-    """Module sets ``recommend`` tries, in order: each adds the next step of ``SELECTION_STEPS``."""
-    out: list[tuple[str, ...]] = []
-    acc: tuple[str, ...] = ()
-    for step in SELECTION_STEPS:
-        acc = (*acc, *step)
-        out.append(acc)
-    return out
-
-
 def stage_groups(m, s, stage: int) -> FineGrainedMemory:
     """``stage_saving`` of one pipeline stage of a ``memory.ModelSpec`` / ``memory.Setup``."""
     from mbridge_offload.plan import memory

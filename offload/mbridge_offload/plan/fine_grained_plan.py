@@ -2,8 +2,8 @@
 
 It is proposed where layer-level offload is refused (PP > 1, activation recompute, CUDA graphs other than
 ``full_iteration``): fine-grained offloading works with all three in megatron-core 0.19.2, within its own checks,
-which the rule catalogue runs here (``blockers``). Module sets are tried in ``fine_grained.candidate_sets`` order
-and the first that fits wins. The overrides carry what Bridge 0.6 checks besides the switch: the TE implementation,
+which the rule catalogue runs here (``blockers``). Module sets grow one ``fine_grained.SELECTION_STEPS`` step at a
+time and the first that fits wins. The overrides carry what Bridge 0.6 checks besides the switch: the TE implementation,
 and ``NVTE_CPU_OFFLOAD_V1=1`` (TE >= 2.10 would otherwise take its v2 offload path, "to avoid offloading
 weights", Bridge ``training/config.py``). Never imports torch.
 """
@@ -86,19 +86,23 @@ def _blockers(
 
 
 def useful_sets(m: ModelSpec, s: Setup, model_config: dict[str, Any]) -> list[tuple[str, ...]]:
-    """Candidate module sets that the catalogue accepts and that each free more than the set before them."""
+    """Growing module sets, one ``fine_grained.SELECTION_STEPS`` step at a time; a step is skipped when the rule
+    catalogue refuses it here or it frees nothing more (``expert_fc1`` on a dense model, a fused norm)."""
     if s.recompute_granularity == "full":
         return []  # 0.19.2's points sit inside the checkpointed layer: nothing is saved there to move
     out: list[tuple[str, ...]] = []
+    acc: tuple[str, ...] = ()
     last = 0
-    for modules in fine_grained.candidate_sets():
-        if blockers(s, modules, model_config):
+    for step in fine_grained.SELECTION_STEPS:
+        trial = (*acc, *step)
+        if blockers(s, trial, model_config):
             continue
-        trial = replace(s, offload_modules=modules)
-        saving = max(fine_grained.stage_groups(m, trial, st).gpu_saving_bytes for st in range(s.pp))
+        saving = max(
+            fine_grained.stage_groups(m, replace(s, offload_modules=trial), st).gpu_saving_bytes for st in range(s.pp)
+        )
         if saving > last:
-            out.append(modules)
-            last = saving
+            acc, last = trial, saving
+            out.append(acc)
     return out
 
 
