@@ -83,12 +83,15 @@ DEFAULTS: dict[str, tuple[Any, str]] = {
     "overlap": (False, "megatron-core default overlap_cpu_optimizer_d2h_h2d=False"),
     "cuda_graph_impl": ("none", "megatron-core default"),
     "fine_grained_activation_offloading": (False, "megatron-core default"),
-    "min_offloaded_tensor_size": (1024 * 1024, "megatron-core default (elements)"),
-    "activation_offload_fraction": (1.0, "megatron-core default"),
     "moe_paged_stash": (False, "megatron-core default"),
     "gpu": ("h100-80gb", "the GPU of the upstream card"),
     "cpu_threads": (1, "torchrun sets OMP_NUM_THREADS=1 per rank when it starts several per node"),
     "margin": (0.05, "5 % of the usable GPU memory kept free"),
+}
+# Listed (and used) only when fine-grained offloading is on.
+FINE_GRAINED_DEFAULTS: dict[str, tuple[Any, str]] = {
+    "min_offloaded_tensor_size": (1024 * 1024, "megatron-core default (elements)"),
+    "activation_offload_fraction": (1.0, "megatron-core default"),
 }
 ARCHITECTURE = (
     "num_layers",
@@ -392,6 +395,10 @@ def resolve(
         values["fine_grained_activation_offloading"] = True
         where["fine_grained_activation_offloading"] = "derived"
         notes["fine_grained_activation_offloading"] = "on because offload_modules is given"
+    if values.get("fine_grained_activation_offloading") and values.get("offload_modules"):
+        for name, (value, note) in FINE_GRAINED_DEFAULTS.items():  # assumptions only where they matter
+            if values.get(name) is None:
+                values[name], where[name], notes[name] = value, "default", note
     s = _setup(values, m)
     _check_size(m, s)
     if values.get("num_gpus") is None:

@@ -112,7 +112,8 @@ def _shorten_tests_json(text: str) -> str:
 
 def run(command: str, cwd: Path) -> str:
     argv = shlex.split(command)
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    # This tree's source roots (offload/, tools/), never an installed copy the shared venv may point elsewhere.
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(str(ROOT / d) for d in ("offload", "tools", "."))}
     result = subprocess.run(
         [sys.executable, "-m", "mbridge_offload_tools", *argv[1:]],
         cwd=cwd,
