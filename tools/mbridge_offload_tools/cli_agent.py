@@ -6,6 +6,7 @@ import argparse
 import sys
 from typing import Any
 
+from mbridge_offload.actions.apply_plan import MODES
 from mbridge_offload_tools.common import EXIT_BAD_INPUT, EXIT_FINDINGS, EXIT_OK, UsageError, emit
 
 
@@ -26,11 +27,17 @@ def _add_apply(sub: Any) -> None:
     p.add_argument(
         "--mode",
         required=True,
-        choices=("optimizer", "activation", "both", "none", "recommended"),
-        help="what to switch on; none switches offload off; recommended asks the planner",
+        choices=MODES,
+        help="what to switch on; none switches offload off; fine-grained offloads the --modules' activations; "
+        "recommended asks the planner",
     )
     p.add_argument("--fraction", type=float, help="optimizer_offload_fraction, in (0, 1]")
     p.add_argument("--num-layers", type=int, help="cpu_offloading_num_layers")
+    p.add_argument(
+        "--modules",
+        metavar="M[,M...]",
+        help="offload_modules for --mode fine-grained, e.g. expert_fc1 or core_attn,attn_proj",
+    )
     p.add_argument(
         "--set",
         dest="overrides",
@@ -148,6 +155,7 @@ def cmd_apply(args: argparse.Namespace) -> int:
             args.mode,
             fraction=args.fraction,
             num_layers=args.num_layers,
+            modules=args.modules,
             overrides=args.overrides,
             output=args.output,
             in_place=args.in_place,

@@ -256,7 +256,8 @@ def _load_argv(megatron_args: str, overrides: list[str] | None):
 _plan_tool(
     "recommend",
     Recommendation,
-    """Pick the smallest offload that makes the run fit: none, optimizer (with a fraction), activation, or both.
+    """Pick the smallest offload that makes the run fit: none, optimizer (with a fraction), activation, both,
+    fine-grained (offload_modules; works with PP > 1) or fine-grained+optimizer.
 
     Takes a preset, a (partial) config, Megatron-LM argv and/or any planner input; what is missing comes from the
     preset (or the error names it). Returns the overrides, per-GPU memory before (the config as given, its offload
@@ -289,13 +290,16 @@ _plan_tool(
 def apply_offload(
     config: ConfigArg,
     mode: Annotated[
-        Literal["optimizer", "activation", "both", "none", "recommended"],
+        Literal["optimizer", "activation", "both", "none", "recommended", "fine-grained"],
         Field(description="what to switch on; 'recommended' asks the planner"),
     ],
     fraction: Annotated[
         float | None, Field(gt=0, le=1, description="optimizer_offload_fraction (optimizer/both)")
     ] = None,
     num_layers: Annotated[int | None, Field(ge=1, description="cpu_offloading_num_layers (activation/both)")] = None,
+    modules: Annotated[
+        list[str] | None, Field(description="offload_modules (fine-grained), e.g. ['expert_fc1']")
+    ] = None,
     overrides: OverridesArg = [],  # noqa: B006
     output: Annotated[
         str | None, Field(description="write the edited config to this path (inside the server's roots)")
@@ -330,6 +334,7 @@ def apply_offload(
         mode,
         fraction=fraction,
         num_layers=num_layers,
+        modules=modules,
         overrides=overrides,
         output=output,
         in_place=in_place,

@@ -27,6 +27,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from mbridge_offload.actions import fine_grained_edit as fge
 from mbridge_offload.actions.apply_plan import DEFAULT_FRACTION, MODE_EDITS, MODES, plan_edits, requested_edits
 from mbridge_offload.actions.apply_result import ApplyError, ApplyResult, Change
 from mbridge_offload.actions.apply_write import default_roots, write_requested
@@ -143,12 +144,14 @@ def apply_offload(
     allowed_root: str | os.PathLike[str] | None = None,
     write_roots: list[Path] | None = None,
     planner: dict[str, Any] | None = None,
+    modules: str | list[str] | None = None,
 ) -> ApplyResult:
     """Switch an offload mode on (or off) in a config, resolve the conflicts it implies, and optionally write it.
 
     Args:
         source: a YAML/JSON path or inline YAML/JSON text.
-        mode: ``optimizer``, ``activation``, ``both``, ``none`` or ``recommended`` (ask the planner).
+        mode: ``optimizer``, ``activation``, ``both``, ``none``, ``fine-grained`` or ``recommended`` (ask the
+            planner).
         fraction: ``optimizer_offload_fraction`` for optimizer modes, in (0, 1].
         num_layers: ``cpu_offloading_num_layers`` for activation modes.
         overrides: Hydra-style ``KEY=VALUE`` overrides (``section.key``) applied before the mode and written with it.
@@ -160,6 +163,7 @@ def apply_offload(
         allowed_root: an extra directory writes may go to (besides the input's directory and the cwd).
         write_roots: the exact directories writes may go to (an MCP server's roots); overrides the default.
         planner: keyword arguments for the planner (``gpu``, ``num_gpus``, ...) when ``mode="recommended"``.
+        modules: ``model.offload_modules`` for ``mode="fine-grained"`` (a list or ``"expert_fc1,attn_proj"``).
 
     Returns:
         ApplyResult with ``changes`` (each with a why), the unified ``diff``, the ``overrides`` that make the same
@@ -184,7 +188,14 @@ def apply_offload(
     cfg = build_config(effective_raw, where, tree if not overrides else None)
     notes: list[str] = []
     resolved_mode, wanted = plan_edits(
-        cfg, effective_raw, mode, fraction=fraction, num_layers=num_layers, planner=planner, notes=notes
+        cfg,
+        effective_raw,
+        mode,
+        fraction=fraction,
+        num_layers=num_layers,
+        planner=planner,
+        notes=notes,
+        modules=fge.parse_modules(modules),
     )
     changes, conflicts = _changes(base_cfg, raw, wanted, list(overrides or []), effective_raw, resolved_mode)
     is_json = text.lstrip().startswith("{")

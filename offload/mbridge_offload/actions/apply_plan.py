@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from mbridge_offload.actions import fine_grained_edit as fge
 from mbridge_offload.actions.apply_result import ApplyError
 from mbridge_offload.config.rules.activation import activation_mode_edits
 from mbridge_offload.config.rules.optimizer import OVERLAP_FROM_FRACTION, overlap_advised
@@ -153,6 +154,7 @@ def plan_edits(
     num_layers: int | None = None,
     planner: dict[str, Any] | None = None,
     notes: list[str] | None = None,
+    modules: list[str] | None = None,
 ) -> tuple[str, Edits]:
     """The key edits a mode implies: ``(resolved mode, {dotted key: (new value, why)})``.
 
@@ -167,11 +169,11 @@ def plan_edits(
             f"fraction is {fraction}: optimizer_offload_fraction must be in (0, 1]; 0 offloads nothing "
             "(use mode=none to switch offloading off)"
         )
-    if fraction is not None and mode in ("activation", "none"):
+    if fraction is not None and mode in ("activation", "none", fge.MODE):
         raise ApplyError(
             f"fraction applies to optimizer offloading; mode={mode} does not use it (use mode=optimizer or mode=both)"
         )
-    if num_layers is not None and mode in ("optimizer", "none"):
+    if num_layers is not None and mode in ("optimizer", "none", fge.MODE):
         raise ApplyError(
             f"num_layers applies to activation offloading; mode={mode} does not use it (use "
             "mode=activation or mode=both)"
@@ -192,11 +194,21 @@ def plan_edits(
             fraction = from_planner.get("optimizer.optimizer_offload_fraction")
         if chosen in ("activation", "both") and num_layers is None:
             num_layers = from_planner.get("model.cpu_offloading_num_layers")
-        _, edits = plan_edits(cfg, raw, chosen, fraction=fraction, num_layers=num_layers)
+        if chosen.startswith(fge.MODE):  # fine-grained, fine-grained+optimizer
+            fge.fine_grained_edits(cfg, modules or from_planner.get("model.offload_modules"), edits)
+        rest = {fge.MODE: None, fge.MODE + "+optimizer": "optimizer"}.get(chosen, chosen)
+        if rest is not None:
+            edits.update(plan_edits(cfg, raw, rest, fraction=fraction, num_layers=num_layers)[1])
         for key, value in from_planner.items():
             edits.setdefault(key, (value, "recommended by the planner"))
         return chosen, edits
-    for edit in MODE_EDITS[mode]:
+    if modules is not None and mode != fge.MODE:
+        raise ApplyError(
+            f"modules apply to fine-grained offloading; mode={mode} does not use them (use mode={fge.MODE})"
+        )
+    if mode == fge.MODE:
+        fge.fine_grained_edits(cfg, modules, edits)
+    for edit in MODE_EDITS.get(mode, ()):
         edit(cfg, fraction, num_layers, edits)
     return mode, edits
 
@@ -209,9 +221,11 @@ def _activation_mode(cfg: OffloadConfig, _fraction: float | None, num_layers: in
     _activation_edits(cfg, num_layers, edits)
 
 
-def _off_mode(_cfg: OffloadConfig, _fraction: float | None, _layers: int | None, edits: Edits) -> None:
+def _off_mode(cfg: OffloadConfig, _fraction: float | None, _layers: int | None, edits: Edits) -> None:
     _want(edits, "optimizer.optimizer_cpu_offload", False, "switch optimizer offloading off")
     _want(edits, "model.cpu_offloading", False, "switch activation offloading off")
+    if cfg.model.fine_grained_activation_offloading:
+        _want(edits, "model.fine_grained_activation_offloading", False, "switch fine-grained offloading off")
 
 
 # The mode table: each mode's edit planners, run in order on (cfg, fraction, num_layers, edits). "recommended" is
@@ -223,4 +237,5 @@ MODE_EDITS: dict[str, tuple[ModeEdit, ...]] = {
     "both": (_optimizer_mode, _activation_mode),
     "none": (_off_mode,),
 }
-MODES = (*MODE_EDITS, "recommended")
+# fine-grained takes its module list (fine_grained_edit.py), not (fraction, num_layers): its own branch above.
+MODES = (*MODE_EDITS, fge.MODE, "recommended")

@@ -1,6 +1,7 @@
 """How a value is written in a Hydra-style override: the one formatter that rules, planner and apply use.
 
-``true``/``false`` (YAML booleans, not Python's ``True``), ``null`` for None, numbers and strings as they print.
+``true``/``false`` (YAML booleans, not Python's ``True``), ``null`` for None, lists as ``[a,b]``, numbers and strings
+as they print.
 Never imports torch.
 """
 
@@ -20,6 +21,8 @@ def format_value(value: Any) -> str:
         return "null"
     if isinstance(value, bool):
         return "true" if value else "false"
+    if isinstance(value, (list, tuple)):  # no spaces: one shell word, as Hydra reads ``[a,b]``
+        return "[" + ",".join(format_value(v) for v in value) + "]"
     return str(value)
 
 

@@ -312,7 +312,8 @@ RELATED_KEYS: tuple[str, ...] = (
 def get_value(cfg: OffloadConfig, dotted: str) -> Any:
     """``get_value(cfg, "model.cpu_offloading")`` → the effective value (defaults included)."""
     section, _, key = dotted.partition(".")
-    return getattr(getattr(cfg, section), key, None)
+    node = getattr(cfg, section, None)  # an untyped section (Bridge's env_vars) is a plain dict, or absent
+    return node.get(key) if isinstance(node, dict) else getattr(node, key, None)
 
 
 def effective_values(cfg: OffloadConfig) -> dict[str, Any]:

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from mbridge_offload.config.overrides import format_override
+from mbridge_offload.plan import fine_grained_plan
 from mbridge_offload.plan.memory import GB, GiB, MemoryEstimate, Setup, estimate_memory
 from mbridge_offload.plan.results import Fallback
 from mbridge_offload.plan.timing import estimate_time
@@ -41,12 +42,14 @@ def overrides_for(s: Setup, overlap: bool = True) -> list[str]:
             format_override("model.cpu_offloading_activations", True),
             format_override("model.cpu_offloading_weights", False),
         ]
-    return out
+    return out + fine_grained_plan.overrides(s)
 
 
 def mode_of(s: Setup) -> str:
-    """none, optimizer, activation or both: which offloads ``s`` switches on."""
+    """none, optimizer, activation, both, fine-grained or fine-grained+optimizer: which offloads ``s`` switches on."""
     opt, act = s.optimizer_offload_fraction > 0, s.activation_offload_layers > 0
+    if s.offload_modules:
+        return fine_grained_plan.MODE_WITH_OPTIMIZER if opt else fine_grained_plan.MODE
     return "both" if opt and act else "optimizer" if opt else "activation" if act else "none"
 
 

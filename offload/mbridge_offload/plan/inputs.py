@@ -100,7 +100,23 @@ class PlanInputs(BaseModel):
     cuda_graph_impl: Literal["none", "local", "transformer_engine", "full_iteration"] | None = _field(
         group="offload", help="model.cuda_graph_impl (blocks activation offload unless none/full_iteration)"
     )
-    fine_grained_activation_offloading: bool | None = _field(group="offload", help="blocks layer-level offload")
+    fine_grained_activation_offloading: bool | None = _field(
+        group="offload", help="model.fine_grained_activation_offloading (blocks layer-level offload)"
+    )
+    offload_modules: list[str] | None = _field(
+        group="offload",
+        help="model.offload_modules: fine-grained offload points (0.19.2: attn_norm qkv_linear core_attn attn_proj "
+        "mlp_norm expert_fc1 moe_act fused_group_mlp); switches fine-grained offloading on unless it is set off",
+    )
+    min_offloaded_tensor_size: int | None = _field(
+        group="offload", help="model.min_offloaded_tensor_size: smaller saved tensors stay (elements)", ge=0, le=2**40
+    )
+    activation_offload_fraction: float | None = _field(
+        group="offload",
+        help="model.activation_offload_fraction: share of each chunk's offload groups (0..1)",
+        ge=0.0,
+        le=1.0,
+    )
     moe_paged_stash: bool | None = _field(group="offload", help="blocks layer-level offload")
     # --- hardware
     gpu: str | None = _field(group="hardware", help="GPU preset (h100-80gb, h200-141gb, gh200, a100-80gb, b200)")

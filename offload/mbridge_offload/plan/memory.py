@@ -27,6 +27,7 @@ import math
 from dataclasses import dataclass, field, replace
 
 from mbridge_offload.config.upstream import TE_MIN_OFFLOAD_NUMEL, hdo_offload_mask
+from mbridge_offload.plan import fine_grained
 
 GB = 1e9
 GiB = 2**30
@@ -110,6 +111,10 @@ class Setup:
     recompute_modules: tuple[str, ...] = ("core_attn",)
     optimizer_offload_fraction: float = 0.0
     activation_offload_layers: int = 0
+    # Fine-grained activation offloading (model.offload_modules; on when non-empty): see plan/fine_grained.py.
+    offload_modules: tuple[str, ...] = ()
+    min_offloaded_tensor_size: int = 1024 * 1024
+    activation_offload_fraction: float = 1.0
     # Memory PyTorch's allocator hands out beyond the model's tensors: cuBLAS/TE workspaces, DistOpt's
     # all-gather/reduce-scatter staging, loss temporaries. In "max allocated"; the CUDA context is not.
     overhead_gb: float = 2.0
@@ -176,6 +181,7 @@ def check_setup(model: ModelSpec, setup: Setup) -> None:
         raise ValueError(f"EP {s.ep} given for dense model {model.name}: expert parallelism needs MoE layers")
     if not 0.0 <= s.optimizer_offload_fraction <= 1.0:
         raise ValueError(f"optimizer_offload_fraction is {s.optimizer_offload_fraction}: it must be in [0.0, 1.0]")
+    fine_grained.check(s)
     if s.activation_offload_layers:
         _check_activation_offload(model, s)
 
@@ -494,15 +500,23 @@ def _stored(acts: list[Tensor], s: Setup) -> list[Tensor]:
 
 
 def in_flight(s: Setup, stage: int) -> float:
-    """Micro-batches whose activations stage ``stage`` holds at its peak under 1F1B (PP − stage), with
-    Megatron's interleaved-schedule penalty ``1 + (PP−1)/(PP·VPP)`` on the first stage."""
+    """Micro-batches whose activations stage ``stage`` holds at its peak, in whole-stage units.
+
+    megatron-core's ``get_pp_rank_microbatches``: without VPP, ``PP − stage − 1`` warm-up forwards plus the one
+    that starts 1F1B; with VPP, ``2·(PP − stage − 1) + (VPP − 1)·PP`` warm-up model chunks plus one, each chunk
+    ``1/VPP`` of the stage (stage 0: ``PP + (PP−1)/VPP``, Megatron's interleaving penalty). Capped by the step's
+    micro-batches.
+    """
     if s.pp == 1:
         return 1.0
-    n: float = s.pp - stage
-    if s.vpp:
-        n += (s.pp - 1 - stage) / s.vpp
     mbs = s.num_microbatches()
-    return min(n, mbs) if mbs is not None else n
+    if not s.vpp:
+        n = s.pp - stage
+        return float(min(n, mbs)) if mbs is not None else float(n)
+    chunks = 2 * (s.pp - stage - 1) + (s.vpp - 1) * s.pp + 1
+    if mbs is not None:
+        chunks = min(chunks, mbs * s.vpp)
+    return chunks / s.vpp
 
 
 @dataclass
@@ -552,6 +566,16 @@ def stage_activations(m: ModelSpec, s: Setup, stage: int) -> ActivationMemory:
         host = sum(next_pow2(t.nbytes) for acts in per_layer[:k] for t in acts if t.numel >= TE_MIN_OFFLOAD_NUMEL)
     working += moe_dispatch_bytes(m, s, layers)
     total = block * in_flight(s, stage) + working
+    if s.offload_modules and s.recompute_granularity != "full":  # full recompute saves nothing inside the scopes
+        fg = fine_grained.stage_saving(
+            per_layer,
+            s.offload_modules,
+            in_flight(s, stage),
+            min_size=s.min_offloaded_tensor_size,
+            fraction=s.activation_offload_fraction,
+        )
+        total -= fg.gpu_saving_bytes
+        host += fg.host_bytes
     if stage == 0:
         extra = 8 * tokens  # int64 token ids
         if m.dropout > 0:

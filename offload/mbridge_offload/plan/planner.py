@@ -22,6 +22,7 @@ from dataclasses import replace
 from typing import Any
 
 from mbridge_offload.plan import advice
+from mbridge_offload.plan import fine_grained_plan as fg
 from mbridge_offload.plan.advice import overrides_for
 from mbridge_offload.plan.anchor import Plan, prepare
 from mbridge_offload.plan.memory import GB, GiB, MemoryEstimate, Setup, estimate_memory
@@ -91,6 +92,7 @@ def estimate_result(p: Plan, est: MemoryEstimate, t: TimeEstimate) -> Estimate:
         parallel=_parallel(r),
         optimizer_offload_fraction=s.optimizer_offload_fraction,
         activation_offload_layers=s.activation_offload_layers,
+        offload_modules=list(s.offload_modules),
         warnings=est.warnings + t.notes,
         notes=p.notes(),
         assumptions=p.assumptions,
@@ -164,7 +166,16 @@ def _order(p: Plan, before: MemoryEstimate, rationale: list[str]) -> tuple[str, 
     rationale.extend(blockers)
     w = before.worst
     if blockers:
-        return ("optimizer",)
+        if not fg.useful_sets(p.r.model, before.setup, p.r.constraints.model_config()):
+            return ("optimizer",)
+        if w.activations > w.optimizer:
+            rationale.append(
+                f"activations ({w.activations / GB:.1f} GB) dominate the optimizer state ({w.optimizer / GB:.1f} GB) "
+                "and layer-level offload is refused: fine-grained activation offloading first (works with PP > 1, "
+                "recompute and TE CUDA graphs)"
+            )
+            return (fg.MODE, "optimizer")
+        return ("optimizer", fg.MODE)
     if w.activations > w.optimizer:
         rationale.append(
             f"activations ({w.activations / GB:.1f} GB) dominate the optimizer state "
@@ -190,10 +201,21 @@ def _most_layers(p: Plan, s: Setup) -> int:
 
 
 def _search(p: Plan, base: Setup, order: tuple[str, ...]) -> tuple[str, MemoryEstimate | None]:
+    m, cfg = p.r.model, p.r.constraints.model_config()
     for mode in order:
-        found = (_smallest_layers if mode == "activation" else _smallest_fraction)(p, base)
+        if mode == fg.MODE:
+            found = fg.smallest(m, base, cfg, lambda setups: _first_fit(p, setups))
+        else:
+            found = (_smallest_layers if mode == "activation" else _smallest_fraction)(p, base)
         if found is not None:
             return mode, found
+    most = fg.largest(m, base, cfg) if fg.MODE in order else None
+    if most is not None:  # the most fine-grained offload allowed, then the smallest fraction on top
+        found = _smallest_fraction(p, most)
+        if found is not None:  # then the fewest modules at that fraction
+            at = replace(base, optimizer_offload_fraction=found.setup.optimizer_offload_fraction)
+            found = fg.smallest(m, at, cfg, lambda setups: _first_fit(p, setups)) or found
+        return fg.MODE_WITH_OPTIMIZER, found
     if "activation" in order:
         # Both: the most activation offload allowed, the smallest fraction, then back off the layers.
         found = _smallest_fraction(p, replace(base, activation_offload_layers=_most_layers(p, base)))
@@ -255,6 +277,12 @@ def _explain(p: Plan, before: MemoryEstimate, after: MemoryEstimate, t: TimeEsti
             f"offloading {s.activation_offload_layers} of {p.r.model.num_layers} layers' activations saves "
             f"{(w.activations - after.worst.activations) / GiB:.1f} GiB"
         )
+    if s.offload_modules:
+        out.append(
+            f"fine-grained offloading of {', '.join(s.offload_modules)} saves "
+            f"{(w.activations - after.worst.activations) / GiB:.1f} GiB of activations on the worst stage "
+            f"(ours, simulated from megatron-core 0.19.2's offload points); {after.host_gb:.1f} GB pinned host memory"
+        )
     if mode != "none":
         out.append(f"predicted step time ×{t.step_time_factor:.2f} (baseline {t.baseline_s:.2f} s)")
         out.extend(t.notes)
@@ -281,7 +309,7 @@ def recommend(r: Resolved) -> Recommendation:
     """
     p = prepare(r)
     p.vet = advice.Vetter(r.raw_config, r.model.num_layers, r.constraints.model_keys())
-    base = replace(r.setup, optimizer_offload_fraction=0.0, activation_offload_layers=0)
+    base = replace(r.setup, optimizer_offload_fraction=0.0, activation_offload_layers=0, offload_modules=())
     before = estimate_memory(r.model, base, r.gpu.host_ram_gb)
     rationale = [p.budget_sentence(before), *p.notes()]
     given = _as_given(r, before, rationale)
@@ -299,6 +327,9 @@ def recommend(r: Resolved) -> Recommendation:
                 activation_offload_layers=_most_layers(p, base) if mode == "both" else 0,
             ),
         )
+        if found is None and mode == fg.MODE_WITH_OPTIMIZER:
+            most = fg.largest(r.model, base, r.constraints.model_config())
+            after = estimate_memory(r.model, replace(most or base, optimizer_offload_fraction=1.0))
         if found is None:
             rationale.append(f"even the most offload allowed leaves {p.total_gib(after):.1f} GiB: nothing fits")
     rationale += [f"not proposed ({m}): {'; '.join(why)}" for m, why in p.vet.rejected.items()]
@@ -324,6 +355,7 @@ def recommend(r: Resolved) -> Recommendation:
         optimizer_offload_fraction=after.setup.optimizer_offload_fraction,
         offloaded_fraction=round(after.offloaded_fraction, 4),
         activation_offload_layers=after.setup.activation_offload_layers,
+        offload_modules=list(after.setup.offload_modules),
         host_gb=round(after.host_gb, 3),
         host_peak_gb=round(after.host_peak_gb, 3),
         suggestions=suggestions,

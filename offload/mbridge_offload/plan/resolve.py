@@ -57,6 +57,9 @@ CONFIG_KEYS: dict[str, str] = {
     "overlap": "optimizer.overlap_cpu_optimizer_d2h_h2d",
     "cuda_graph_impl": "model.cuda_graph_impl",
     "fine_grained_activation_offloading": "model.fine_grained_activation_offloading",
+    "offload_modules": "model.offload_modules",
+    "min_offloaded_tensor_size": "model.min_offloaded_tensor_size",
+    "activation_offload_fraction": "model.activation_offload_fraction",
     "moe_paged_stash": "model.moe_paged_stash",
 }
 
@@ -84,6 +87,11 @@ DEFAULTS: dict[str, tuple[Any, str]] = {
     "gpu": ("h100-80gb", "the GPU of the upstream card"),
     "cpu_threads": (1, "torchrun sets OMP_NUM_THREADS=1 per rank when it starts several per node"),
     "margin": (0.05, "5 % of the usable GPU memory kept free"),
+}
+# Listed (and used) only when fine-grained offloading is on.
+FINE_GRAINED_DEFAULTS: dict[str, tuple[Any, str]] = {
+    "min_offloaded_tensor_size": (1024 * 1024, "megatron-core default (elements)"),
+    "activation_offload_fraction": (1.0, "megatron-core default"),
 }
 ARCHITECTURE = (
     "num_layers",
@@ -129,6 +137,10 @@ class Constraints:
             "fine_grained_activation_offloading": self.fine_grained_activation_offloading,
             "moe_paged_stash": self.moe_paged_stash,
         }
+
+    def model_config(self) -> dict[str, Any]:
+        """These facts as ``model.*`` keys for the fine-grained rules (which switch fine-grained on themselves)."""
+        return {"cuda_graph_impl": self.cuda_graph_impl, "moe_paged_stash": self.moe_paged_stash}
 
     def activation_blockers(self, s: Setup, num_layers: int) -> list[str]:
         """Why upstream would refuse layer-level activation offload for this setup, empty when it allows it.
@@ -287,6 +299,13 @@ def _setup(values: dict[str, Any], m: ModelSpec) -> Setup:
     )
     if values.get("recompute_modules"):
         s = replace(s, recompute_modules=tuple(values["recompute_modules"]))
+    if values.get("fine_grained_activation_offloading") and values.get("offload_modules"):
+        s = replace(
+            s,
+            offload_modules=tuple(values["offload_modules"]),
+            min_offloaded_tensor_size=values["min_offloaded_tensor_size"],
+            activation_offload_fraction=values["activation_offload_fraction"],
+        )
     return s
 
 
@@ -370,6 +389,14 @@ def resolve(
         notes["etp"] = "megatron-core default: expert_tensor_parallel_size = TP"
     if values.get("seq_length") is None:
         values["seq_length"], where["seq_length"] = m.seq_length, "preset" if base else "default"
+    if values.get("offload_modules") and where.get("fine_grained_activation_offloading", "default") == "default":
+        values["fine_grained_activation_offloading"] = True
+        where["fine_grained_activation_offloading"] = "derived"
+        notes["fine_grained_activation_offloading"] = "on because offload_modules is given"
+    if values.get("fine_grained_activation_offloading") and values.get("offload_modules"):
+        for name, (value, note) in FINE_GRAINED_DEFAULTS.items():  # assumptions only where they matter
+            if values.get(name) is None:
+                values[name], where[name], notes[name] = value, "default", note
     s = _setup(values, m)
     _check_size(m, s)
     if values.get("num_gpus") is None:

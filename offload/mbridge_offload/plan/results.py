@@ -104,6 +104,7 @@ class Estimate(BaseModel):
     parallel: dict[str, Any]
     optimizer_offload_fraction: float
     activation_offload_layers: int
+    offload_modules: list[str] = Field([], description="model.offload_modules in force (fine-grained offloading)")
     warnings: list[str]
     notes: list[str] = []
     assumptions: list[Assumption]
@@ -113,7 +114,7 @@ class Estimate(BaseModel):
 class Recommendation(BaseModel):
     """``recommend``: the smallest offload that fits, with the why and the assumptions behind it."""
 
-    mode: Literal["none", "optimizer", "activation", "both"]
+    mode: Literal["none", "optimizer", "activation", "both", "fine-grained", "fine-grained+optimizer"]
     overrides: list[str]
     memory_gb: BeforeAfter
     memory_gib: BeforeAfter
@@ -126,6 +127,7 @@ class Recommendation(BaseModel):
     optimizer_offload_fraction: float
     offloaded_fraction: float
     activation_offload_layers: int
+    offload_modules: list[str] = Field([], description="recommended model.offload_modules (fine-grained modes)")
     host_gb: float
     host_peak_gb: float
     suggestions: list[str] = []

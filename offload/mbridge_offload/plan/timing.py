@@ -11,6 +11,9 @@ Optimizer offload (HybridDeviceOptimizer, per step, for the ``N`` offloaded fp32
 - without ``overlap_cpu_optimizer_d2h_h2d`` the three run one after another; with it (one CPU optimizer per
   param, D2H queued up front, each H2D launched after its update) the step costs their maximum.
 
+Fine-grained activation offload (``plan/fine_grained.py``): each layer's groups go D2H behind that layer's forward
+and come back behind its backward; the slowest stage's exposed remainder counts.
+
 Activation offload: each offloaded layer's eligible bytes go D2H during the next layers' forward and come back
 during backward; only what the link cannot hide behind one layer's compute is exposed.
 
@@ -170,6 +173,11 @@ def estimate_time(
             out.optimizer_extra_s = out.d2h_s + out.cpu_adam_s + out.h2d_s
         if out.cpu_adam_s > out.d2h_s + out.h2d_s:
             out.notes.append("the CPU AdamW step dominates the offload cost; overlap hides only the copies")
+    if s.offload_modules:
+        from mbridge_offload.plan.fine_grained import step_extra_s
+
+        out.activation_extra_s, note = step_extra_s(m, s, link, base, default_microbatches(s))
+        out.notes += [note] if note else []
     k = s.activation_offload_layers
     if k:
         from mbridge_offload.plan.memory import stage_activations

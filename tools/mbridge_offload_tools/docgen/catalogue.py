@@ -16,7 +16,8 @@ CLI_EQUIVALENTS: dict[str, str] = {
     "estimate_memory": "mbridge-offload estimate [CONFIG] [--model NAME --gpu PRESET --num-gpus N ...]",
     "recommend_mode": "mbridge-offload recommend [CONFIG] [--model NAME --gpu PRESET --num-gpus N ...]",
     "apply_offload": (
-        "mbridge-offload apply CONFIG --mode optimizer|activation|both|none [--output FILE [--force] | --in-place]"
+        "mbridge-offload apply CONFIG --mode optimizer|activation|both|fine-grained|none [--output FILE [--force] | "
+        "--in-place]"
     ),
     "run_unit_tests": "mbridge-offload test [-k EXPR] [--bridge-repo PATH]",
     "diagnose_failure": "mbridge-offload diagnose --error TEXT | --log FILE [--config FILE]",

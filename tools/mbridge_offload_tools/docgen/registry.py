@@ -128,6 +128,12 @@ def render_card() -> str:
     return render((ROOT / "card.yaml").read_text(encoding="utf-8"))
 
 
+def render_fine_grained() -> str:
+    from mbridge_offload.plan.published_fine_grained import render_section
+
+    return render_section()
+
+
 def render_accuracy() -> str:
     from mbridge_offload.plan.published import render_accuracy_table
 
@@ -160,7 +166,7 @@ GENERATED: dict[str, dict[str, Callable[[], str]]] = {
     "docs/benchmarks.md": {"benchmarks": render_benchmarks},
     "docs/cpu-offloading.md": {"activation-schedule": render_schedule},
     "docs/architecture.md": {"rooms": render_rooms, "arrows": render_arrows},
-    "docs/planner.md": {"accuracy": render_accuracy},
+    "docs/planner.md": {"accuracy": render_accuracy, "fine-grained": render_fine_grained},
 }
 
 
