@@ -14,10 +14,10 @@ modelled as the upstream code does it:
 - Layer-level activation offload (TE ``get_cpu_offload_context``, v2): at most ``model_layers − k`` layers of
   *eligible* saved tensors (≥ 256 Ki elements) stay resident; smaller ones never move.
 
-Activation bytes follow Korthikanti et al. (2022) in Megatron's variant (``18 + 4·ffn/h`` bytes per ``s·b·h`` for
-a GeLU MLP with dropout, flash attention so no ``5·a·s/h`` term), generalised tensor by tensor to SwiGLU, GQA,
-MLA, MoE, QK-norm, no-dropout models, TP with or without SP, and CP. Sizes are bytes; ``GB`` = 10⁹ bytes.
-Never imports torch. See ``docs/planner.md`` for every formula.
+Megatron-FSDP (``use_megatron_fsdp``) replaces the DDP/DistOpt accounting of weights, gradients and optimizer state
+(``plan/fsdp.py``); activations are ``plan/activations.py``. Pipeline stages follow megatron-core: even split,
+``num_layers_in_first/last_pipeline_stage``, or ``pipeline_model_parallel_layout`` (layers per virtual stage).
+Sizes are bytes; ``GB`` = 10⁹ bytes. Never imports torch. See ``docs/planner.md`` for every formula.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import functools
 import math
 from dataclasses import dataclass, field, replace
 
-from mbridge_offload.config.upstream import TE_MIN_OFFLOAD_NUMEL, hdo_offload_mask
+from mbridge_offload.config.upstream import hdo_offload_mask
 
 GB = 1e9
 GiB = 2**30
@@ -113,6 +113,18 @@ class Setup:
     # Memory PyTorch's allocator hands out beyond the model's tensors: cuBLAS/TE workspaces, DistOpt's
     # all-gather/reduce-scatter staging, loss temporaries. In "max allocated"; the CUDA context is not.
     overhead_gb: float = 2.0
+    # Megatron-FSDP (ddp.use_megatron_fsdp, ddp.data_parallel_sharding_strategy, ddp.megatron_fsdp_*_dtype).
+    use_megatron_fsdp: bool = False
+    fsdp_sharding_strategy: str = "no_shard"
+    fsdp_main_params_dtype: str | None = "fp32"
+    fsdp_main_grads_dtype: str | None = None  # None: the parameter dtype
+    # FP8 compute (mixed_precision / model.fp8_recipe) and FP8 parameters (fp8_param_gather).
+    fp8_recipe: str | None = None
+    fp8_param: bool = False
+    # Uneven pipeline stages: first/last stage layer counts, or decoder layers per virtual stage (layout order).
+    num_layers_in_first_pipeline_stage: int | None = None
+    num_layers_in_last_pipeline_stage: int | None = None
+    pipeline_layout: tuple[int, ...] | None = None
 
     def resolved_etp(self, model: ModelSpec) -> int:
         if self.etp is not None:
@@ -162,8 +174,15 @@ def check_setup(model: ModelSpec, setup: Setup) -> None:
         raise ValueError(f"TP {s.tp} does not divide num_query_groups {model.num_query_groups}")
     if model.num_layers < s.pp:
         raise ValueError(f"PP {s.pp} exceeds num_layers {model.num_layers}")
-    if s.vpp is not None and (s.vpp < 1 or s.pp == 1 or model.num_layers % (s.pp * s.vpp)):
-        raise ValueError(f"VPP {s.vpp} needs PP > 1 and num_layers {model.num_layers} divisible by PP·VPP")
+    if s.pipeline_layout is not None:
+        _check_layout(model, s)
+    elif s.vpp is not None and (s.vpp < 1 or s.pp == 1 or model.num_layers % (s.pp * s.vpp)):
+        uneven = s.num_layers_in_first_pipeline_stage or s.num_layers_in_last_pipeline_stage
+        if s.vpp < 1 or s.pp == 1 or not uneven:
+            raise ValueError(
+                f"VPP {s.vpp} needs PP > 1 and num_layers {model.num_layers} divisible by PP·VPP "
+                "(or an uneven split: pipeline_model_parallel_layout, num_layers_in_first/last_pipeline_stage)"
+            )
     seq = s.seq_length or model.seq_length
     if seq % s.cp or (s.cp > 1 and seq % (2 * s.cp)):
         raise ValueError(f"seq_length {seq} must be divisible by 2·CP = {2 * s.cp}")
@@ -281,15 +300,41 @@ def _layer_params(m: ModelSpec, tp: int, ep: int, etp: int, moe: bool) -> tuple[
     return tuple(out)
 
 
-def stage_layers(m: ModelSpec, s: Setup) -> list[range]:
-    """Layer indices of each pipeline stage (the first ``L mod PP`` stages take one more)."""
-    base, extra = divmod(m.num_layers, s.pp)
-    ranges, start = [], 0
-    for stage in range(s.pp):
-        n = base + (1 if stage < extra else 0)
-        ranges.append(range(start, start + n))
+def _check_layout(m: ModelSpec, s: Setup) -> None:
+    layout = s.pipeline_layout or ()
+    if len(layout) % s.pp:
+        raise ValueError(f"pipeline_model_parallel_layout has {len(layout)} stages: it must be divisible by PP {s.pp}")
+    if sum(layout) != m.num_layers:
+        raise ValueError(
+            f"pipeline_model_parallel_layout places {sum(layout)} decoder layers but num_layers is {m.num_layers}"
+        )
+
+
+def _stage_counts(m: ModelSpec, s: Setup) -> list[int]:
+    """Decoder layers per virtual stage, in layer order (virtual stage ``v`` runs on rank ``v mod PP``)."""
+    if s.pipeline_layout is not None:
+        return list(s.pipeline_layout)
+    first, last = s.num_layers_in_first_pipeline_stage, s.num_layers_in_last_pipeline_stage
+    if s.pp > 1 and (first is not None or last is not None):
+        middle_ranks = s.pp - (first is not None) - (last is not None)
+        rest = m.num_layers - (first or 0) - (last or 0)
+        base, extra = divmod(rest, middle_ranks) if middle_ranks else (0, 0)
+        mids = [base + (1 if i < extra else 0) for i in range(middle_ranks)]
+        return ([first] if first is not None else []) + mids + ([last] if last is not None else [])
+    stages = s.pp * (s.vpp or 1)
+    base, extra = divmod(m.num_layers, stages)
+    return [base + (1 if v < extra else 0) for v in range(stages)]
+
+
+def stage_layers(m: ModelSpec, s: Setup) -> list[list[int]]:
+    """Layer indices each pipeline rank holds (all its virtual stages); an even split gives the first
+    ``L mod PP`` ranks one more."""
+    ranks: list[list[int]] = [[] for _ in range(s.pp)]
+    start = 0
+    for v, n in enumerate(_stage_counts(m, s)):
+        ranks[v % s.pp].extend(range(start, start + n))
         start += n
-    return ranges
+    return ranks
 
 
 def stage_params(m: ModelSpec, s: Setup, stage: int) -> list[Tensor]:
@@ -405,160 +450,6 @@ def _prefix(numels: list[int], offloaded: int) -> list[int]:
     return out
 
 
-# ------------------------------------------------------------------------------------------- activations
-
-
-def layer_activations(m: ModelSpec, s: Setup, index: int) -> list[Tensor]:
-    """Tensors one GPU saves for backward in transformer layer ``index`` for one micro-batch (no recompute)."""
-    seq = s.seq_length or m.seq_length
-    tokens = seq * s.micro_batch_size // s.cp  # tokens per GPU along the sequence after CP
-    t_sp = tokens // s.tp if s.sp else tokens  # tokens in the sequence-parallel regions (norms, residual)
-    h, tp = m.hidden_size, s.tp
-    out = [Tensor("input_norm_in", t_sp * h)]
-    if m.mla is not None:
-        a, mla = m.num_attention_heads, m.mla
-        qk = mla.qk_head_dim + mla.qk_pos_emb_head_dim
-        out.append(Tensor("qkv_in", t_sp * h))
-        if mla.q_lora_rank:
-            out += [Tensor("q_down_out", tokens * mla.q_lora_rank), Tensor("q_up_in", tokens * mla.q_lora_rank)]
-        out += [
-            Tensor("kv_down_out", tokens * (mla.kv_lora_rank + mla.qk_pos_emb_head_dim)),
-            Tensor("kv_up_in", tokens * mla.kv_lora_rank),
-            Tensor("q", tokens * a * qk // tp),
-            Tensor("k", tokens * a * qk // tp),
-            Tensor("v", tokens * a * mla.v_head_dim // tp),
-            Tensor("attn_out", tokens * a * mla.v_head_dim // tp),
-        ]
-        heads = a // tp
-    else:
-        q = m.num_attention_heads * m.kv_channels // tp
-        kv = m.num_query_groups * m.kv_channels // tp
-        out += [
-            Tensor("qkv_in", t_sp * h),
-            Tensor("q", tokens * q),
-            Tensor("k", tokens * kv),
-            Tensor("v", tokens * kv),
-            Tensor("attn_out", tokens * q),
-        ]  # flash output = proj input, saved once
-        if m.qk_layernorm:
-            out += [Tensor("q_norm_in", tokens * q), Tensor("k_norm_in", tokens * kv)]
-        heads = m.num_attention_heads // tp
-    out.append(Tensor("softmax_lse", tokens * heads, nbytes_per=4))
-    if m.dropout > 0:
-        out.append(Tensor("attn_dropout_mask", t_sp * h, nbytes_per=1))
-    out.append(Tensor("mlp_norm_in", t_sp * h))
-    gate = 2 if m.gated_linear_unit else 1
-    if not m.is_moe_layer(index):
-        ffn = m.ffn_hidden_size // tp
-        out += [Tensor("fc1_in", t_sp * h), Tensor("fc1_out", tokens * gate * ffn), Tensor("act_out", tokens * ffn)]
-    else:
-        etp = s.resolved_etp(m)
-        routed = t_sp * m.moe_router_topk * etp  # balanced routing: each GPU receives its own tokens × top-k
-        ffn = m.moe_ffn_hidden_size // etp
-        out += [
-            Tensor("router_in", t_sp * h),
-            Tensor("router_probs", t_sp * m.num_moe_experts, nbytes_per=4),
-            Tensor("expert_fc1_in", routed * h),
-            Tensor("expert_fc1_out", routed * gate * ffn),
-            Tensor("expert_act_out", routed * ffn),
-        ]
-        if m.moe_shared_expert_intermediate_size:
-            sh = m.moe_shared_expert_intermediate_size // tp
-            out += [Tensor("shared_fc1_out", tokens * gate * sh), Tensor("shared_act_out", tokens * sh)]
-    if m.dropout > 0:
-        out.append(Tensor("mlp_dropout_mask", t_sp * h, nbytes_per=1))
-    return out
-
-
-# Which saved tensors each selective-recompute module drops (MCore recompute_modules).
-_RECOMPUTE_DROPS = {
-    "core_attn": {"softmax_lse"},  # flash attention stores no scores: only its statistics go
-    "layernorm": {"qkv_in", "fc1_in", "router_in"},
-    "mlp": {"fc1_out", "act_out"},
-    "moe_act": {"expert_act_out", "shared_act_out"},
-    "moe": {"expert_fc1_in", "expert_fc1_out", "expert_act_out", "router_probs"},
-    "shared_experts": {"shared_fc1_out", "shared_act_out"},
-    "mla_up_proj": {"q", "k", "v", "q_up_in", "kv_up_in"},
-}
-
-
-def _stored(acts: list[Tensor], s: Setup) -> list[Tensor]:
-    if s.recompute_granularity != "selective":
-        return acts
-    drops = set().union(*(_RECOMPUTE_DROPS.get(name, set()) for name in s.recompute_modules))
-    return [t for t in acts if t.name not in drops]
-
-
-def in_flight(s: Setup, stage: int) -> float:
-    """Micro-batches whose activations stage ``stage`` holds at its peak under 1F1B (PP − stage), with
-    Megatron's interleaved-schedule penalty ``1 + (PP−1)/(PP·VPP)`` on the first stage."""
-    if s.pp == 1:
-        return 1.0
-    n: float = s.pp - stage
-    if s.vpp:
-        n += (s.pp - 1 - stage) / s.vpp
-    mbs = s.num_microbatches()
-    return min(n, mbs) if mbs is not None else n
-
-
-@dataclass
-class ActivationMemory:
-    gpu_bytes: int
-    offloadable_bytes: int  # eligible bytes per layer set that activation offload moves (one micro-batch)
-    host_bytes: int
-
-
-def moe_dispatch_bytes(m: ModelSpec, s: Setup, layers: list[int]) -> int:
-    """Transient token-dispatch buffers of the layer being run: the permuted tokens before and after the
-    all-to-all (bf16, ``T_sp·k·ETP × h`` each, balanced routing); freed when the layer is done."""
-    if not any(m.is_moe_layer(i) for i in layers):
-        return 0
-    seq = s.seq_length or m.seq_length
-    t_sp = seq * s.micro_batch_size // s.cp // (s.tp if s.sp else 1)
-    return 2 * 2 * t_sp * m.moe_router_topk * s.resolved_etp(m) * m.hidden_size
-
-
-def stage_activations(m: ModelSpec, s: Setup, stage: int) -> ActivationMemory:
-    """Peak activation bytes on one GPU of ``stage`` (transformer layers, embedding input, output layer + loss)."""
-    seq = s.seq_length or m.seq_length
-    tokens = seq * s.micro_batch_size // s.cp
-    t_sp = tokens // s.tp if s.sp else tokens
-    h = m.hidden_size
-    layers = list(stage_layers(m, s)[stage])
-    per_layer = [_stored(layer_activations(m, s, i), s) for i in layers]
-    full = [sum(t.nbytes for t in acts) for acts in per_layer]
-    layer_input = 2 * t_sp * h
-    if s.recompute_granularity == "full":
-        n = s.recompute_num_layers or 1
-        if s.recompute_method == "block":
-            kept = sum(full[n:]) + layer_input * min(n, len(layers))
-            working = max(full[:n], default=0)
-        else:  # uniform: only the input of every group of n layers, n layers rebuilt at a time in backward
-            kept = layer_input * math.ceil(len(layers) / n)
-            working = sum(sorted(full, reverse=True)[:n])
-        block = kept
-    else:
-        block, working = sum(full), 0
-    eligible = [sum(t.nbytes for t in acts if t.numel >= TE_MIN_OFFLOAD_NUMEL) for acts in per_layer]
-    host = 0
-    k = s.activation_offload_layers
-    if k:
-        # TE v2 keeps at most model_layers − k layers of eligible tensors resident; small ones stay.
-        block -= sum(sorted(eligible, reverse=True)[: min(k, len(layers))])
-        host = sum(next_pow2(t.nbytes) for acts in per_layer[:k] for t in acts if t.numel >= TE_MIN_OFFLOAD_NUMEL)
-    working += moe_dispatch_bytes(m, s, layers)
-    total = block * in_flight(s, stage) + working
-    if stage == 0:
-        extra = 8 * tokens  # int64 token ids
-        if m.dropout > 0:
-            extra += t_sp * h  # embedding dropout mask
-        total += extra * in_flight(s, stage)
-    if stage == s.pp - 1:
-        # Final norm input and output-layer input (bf16) plus fp32 logits for the loss: 4·sbh + 4·sb·V/t.
-        total += 2 * t_sp * h + 2 * t_sp * h + 4 * tokens * padded_vocab(m, s.tp) // s.tp
-    return ActivationMemory(int(total), max(eligible, default=0), host)
-
-
 # ------------------------------------------------------------------------------------------- estimate
 
 
@@ -623,6 +514,59 @@ class MemoryEstimate:
         return max(st.host + st.host_transient for st in self.stages) / GB
 
 
+def _stage_memory(m: ModelSpec, s: Setup, stage: int) -> StageMemory:
+    from mbridge_offload.plan.activations import stage_activations
+
+    params = stage_params(m, s, stage)
+    numel = sum(t.numel for t in params)
+    act = stage_activations(m, s, stage)
+    other = int(s.overhead_gb * GB)
+    if s.use_megatron_fsdp:
+        from mbridge_offload.plan.fsdp import fsdp_memory
+
+        layers = stage_layers(m, s)[stage]
+        f = fsdp_memory(m, s, params, layers, last_stage=stage == s.pp - 1)
+        # Optimizer offload is not applied under Megatron-FSDP (see _setup_warnings): nothing moves to the host.
+        return StageMemory(
+            stage, f.weights, f.gradients, f.optimizer, act.gpu_bytes, other, act.host_bytes, 0, f.shard_numel, 0, numel
+        )
+    param_bytes = DTYPE_BYTES[s.params_dtype]
+    grad_bytes = 4 if s.grad_reduce_in_fp32 else param_bytes
+    opt = optimizer_memory(m, s, params)
+    if not s.use_precision_aware_optimizer and not s.grad_reduce_in_fp32:
+        other += 4 * opt.shard_numel  # main_param.grad = shard_grad.float(): a transient fp32 copy
+    return StageMemory(
+        stage,
+        numel * param_bytes,
+        numel * grad_bytes,
+        opt.gpu_bytes,
+        act.gpu_bytes,
+        other,
+        opt.host_bytes + act.host_bytes,
+        opt.host_transient_bytes,
+        opt.shard_numel,
+        opt.offloaded_numel,
+        numel,
+    )
+
+
+# Upstream's word on optimizer CPU offload under Megatron-FSDP (Bridge 0.6.2 training/config.py; megatron-core
+# fully_sharded_optimizer.py; Megatron-LM #1986: v1 crashes sharding the pin_memory copies; #4910: checkpoint save
+# hangs). The planner never proposes it and does not model it.
+MFSDP_OPTIMIZER_OFFLOAD = (
+    "optimizer CPU offload under Megatron-FSDP is not modelled and never recommended: Bridge refuses it with "
+    'MFSDP v2 ("MFSDP V2 does not support optimizer CPU offload."), and with v1 it crashes in pin_memory '
+    "(Megatron-LM #1986) or hangs at checkpoint save (#4910); the numbers here ignore the requested fraction"
+)
+
+
+def _setup_warnings(s: Setup) -> list[str]:
+    out = []
+    if s.use_megatron_fsdp and s.optimizer_offload_fraction > 0:
+        out.append(MFSDP_OPTIMIZER_OFFLOAD)
+    return out
+
+
 def estimate_memory(m: ModelSpec, s: Setup, host_ram_gb: float | None = None) -> MemoryEstimate:
     """Per-GPU memory of every pipeline stage; ``.worst`` is the stage that decides whether the run fits.
 
@@ -641,33 +585,9 @@ def estimate_memory(m: ModelSpec, s: Setup, host_ram_gb: float | None = None) ->
         True
     """
     check_setup(m, s)
-    param_bytes = DTYPE_BYTES[s.params_dtype]
-    grad_bytes = 4 if s.grad_reduce_in_fp32 else param_bytes
-    stages = []
-    for stage in range(s.pp):
-        params = stage_params(m, s, stage)
-        numel = sum(t.numel for t in params)
-        opt = optimizer_memory(m, s, params)
-        act = stage_activations(m, s, stage)
-        other = int(s.overhead_gb * GB)
-        if not s.use_precision_aware_optimizer and not s.grad_reduce_in_fp32:
-            other += 4 * opt.shard_numel  # main_param.grad = shard_grad.float(): a transient fp32 copy
-        stages.append(
-            StageMemory(
-                stage,
-                numel * param_bytes,
-                numel * grad_bytes,
-                opt.gpu_bytes,
-                act.gpu_bytes,
-                other,
-                opt.host_bytes + act.host_bytes,
-                opt.host_transient_bytes,
-                opt.shard_numel,
-                opt.offloaded_numel,
-                numel,
-            )
-        )
+    stages = [_stage_memory(m, s, stage) for stage in range(s.pp)]
     est = MemoryEstimate(m, s, stages)
+    est.warnings.extend(_setup_warnings(s))
     if host_ram_gb is not None and est.host_peak_gb > host_ram_gb:
         est.warnings.append(
             f"host memory per GPU peaks at {est.host_peak_gb:.1f} GB (pinned, power-of-two "

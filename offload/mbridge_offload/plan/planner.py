@@ -23,7 +23,7 @@ from typing import Any
 
 from mbridge_offload.config.schema import OffloadConfig
 from mbridge_offload.plan.anchor import Plan, prepare
-from mbridge_offload.plan.memory import GB, GiB, MemoryEstimate, Setup, estimate_memory
+from mbridge_offload.plan.memory import GB, MFSDP_OPTIMIZER_OFFLOAD, GiB, MemoryEstimate, Setup, estimate_memory
 from mbridge_offload.plan.resolve import Resolved, resolve
 from mbridge_offload.plan.results import (
     BeforeAfter,
@@ -176,6 +176,9 @@ def _order(p: Plan, before: MemoryEstimate, rationale: list[str]) -> tuple[str, 
     blockers = p.r.constraints.activation_blockers(before.setup, p.r.model.num_layers)
     rationale.extend(blockers)
     w = before.worst
+    if before.setup.use_megatron_fsdp:
+        rationale.append(MFSDP_OPTIMIZER_OFFLOAD.replace("; the numbers here ignore the requested fraction", ""))
+        return () if blockers else ("activation",)
     if blockers:
         return ("optimizer",)
     if w.activations > w.optimizer:
@@ -196,19 +199,23 @@ def _search(p: Plan, base: Setup, order: tuple[str, ...]) -> tuple[str, MemoryEs
         found = (_smallest_layers if mode == "activation" else _smallest_fraction)(p, base)
         if found is not None:
             return mode, found
-    if "activation" in order:
+    if "activation" in order and "optimizer" in order:
         # Both: the most activation offload allowed, the smallest fraction, then back off the layers.
         found = _smallest_fraction(p, replace(base, activation_offload_layers=p.r.model.num_layers - 1))
         if found is not None:
             with_fraction = replace(base, optimizer_offload_fraction=found.setup.optimizer_offload_fraction)
             return "both", _smallest_layers(p, with_fraction) or found
+    if "optimizer" not in order:
+        return ("activation" if order else "none"), None
     return ("both" if "activation" in order else "optimizer"), None
 
 
 def _suggest(p: Plan, s: Setup) -> list[str]:
     """What would make the run fit, each with its predicted worst-stage memory."""
     m, out = p.r.model, []
-    full = replace(s, optimizer_offload_fraction=1.0, activation_offload_layers=0)
+    fraction = 0.0 if s.use_megatron_fsdp else 1.0  # no optimizer offload under Megatron-FSDP
+    full = replace(s, optimizer_offload_fraction=fraction, activation_offload_layers=0)
+    with_opt = "" if s.use_megatron_fsdp else " with optimizer offload fraction 1.0"
     pp = s.pp * 2
     while pp <= m.num_layers and s.num_gpus % (s.tp * pp * s.cp) == 0:
         try:
@@ -216,7 +223,7 @@ def _suggest(p: Plan, s: Setup) -> list[str]:
         except ValueError:
             break
         if p.fits(est):
-            out.append(f"PP={pp} with optimizer offload fraction 1.0: {p.total_gib(est):.1f} GiB per GPU")
+            out.append(f"PP={pp}{with_opt}: {p.total_gib(est):.1f} GiB per GPU")
             break
         pp *= 2
     if s.recompute_granularity != "full":
@@ -224,7 +231,7 @@ def _suggest(p: Plan, s: Setup) -> list[str]:
         est = estimate_memory(m, recompute)
         verdict = "fits" if p.fits(est) else "still does not fit"
         out.append(
-            "model.recompute_granularity=full (uniform, 1 layer) with optimizer offload fraction 1.0: "
+            f"model.recompute_granularity=full (uniform, 1 layer){with_opt}: "
             f"{p.total_gib(est):.1f} GiB per GPU, {verdict}"
         )
     for mult in (2, 4, 8, 16):
@@ -291,13 +298,10 @@ def recommend(r: Resolved) -> Recommendation:
     else:
         mode, found = _search(p, base, _order(p, before, rationale))
         suggestions = [] if found is not None else _suggest(p, base)
+        most = r.model.num_layers - 1 if mode in ("both", "activation") else 0
+        fraction = 0.0 if base.use_megatron_fsdp else 1.0
         after = found or estimate_memory(
-            r.model,
-            replace(
-                base,
-                optimizer_offload_fraction=1.0,
-                activation_offload_layers=r.model.num_layers - 1 if mode == "both" else 0,
-            ),
+            r.model, replace(base, optimizer_offload_fraction=fraction, activation_offload_layers=most)
         )
         if found is None:
             rationale.append(f"even the most offload allowed leaves {p.total_gib(after):.1f} GiB: nothing fits")

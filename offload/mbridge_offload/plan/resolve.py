@@ -58,6 +58,12 @@ CONFIG_KEYS: dict[str, str] = {
     "cuda_graph_impl": "model.cuda_graph_impl",
     "fine_grained_activation_offloading": "model.fine_grained_activation_offloading",
     "moe_paged_stash": "model.moe_paged_stash",
+    "num_layers_in_first_pipeline_stage": "model.num_layers_in_first_pipeline_stage",
+    "num_layers_in_last_pipeline_stage": "model.num_layers_in_last_pipeline_stage",
+    "pipeline_layout": "model.pipeline_model_parallel_layout",
+    "use_megatron_fsdp": "ddp.use_megatron_fsdp",
+    "fsdp_sharding_strategy": "ddp.data_parallel_sharding_strategy",
+    "fsdp_main_grads_dtype": "ddp.megatron_fsdp_main_grads_dtype",
 }
 
 # The value used when nothing gives one, and why (Bridge recipe defaults unless said otherwise).
@@ -81,6 +87,10 @@ DEFAULTS: dict[str, tuple[Any, str]] = {
     "cuda_graph_impl": ("none", "megatron-core default"),
     "fine_grained_activation_offloading": (False, "megatron-core default"),
     "moe_paged_stash": (False, "megatron-core default"),
+    "use_megatron_fsdp": (False, "megatron-core default: DDP with the distributed optimizer"),
+    "fsdp_sharding_strategy": ("no_shard", "megatron-core default ddp.data_parallel_sharding_strategy"),
+    "fp8_recipe": ("none", "bf16 compute: no FP8 recipe given"),
+    "fp8_param": (False, "megatron-core default fp8_param_gather=False"),
     "gpu": ("h100-80gb", "the GPU of the upstream card"),
     "cpu_threads": (1, "torchrun sets OMP_NUM_THREADS=1 per rank when it starts several per node"),
     "margin": (0.05, "5 % of the usable GPU memory kept free"),
@@ -209,6 +219,15 @@ def config_values(config: OffloadConfig, raw: dict[str, Any] | None) -> dict[str
         out["params_dtype"] = "bf16" if config.model.bf16 else "fp16"
     if "recompute_granularity" in out:
         out["recompute_granularity"] = out["recompute_granularity"] or "none"
+    out.update(_precision_values(config, raw))
+    if "pipeline_layout" in out:
+        from mbridge_offload.plan.layout import layout_text
+
+        out["pipeline_layout"] = layout_text(out["pipeline_layout"])
+    if "fsdp_main_grads_dtype" in out:
+        from mbridge_offload.config.schema import normalize_dtype
+
+        out["fsdp_main_grads_dtype"] = normalize_dtype(out["fsdp_main_grads_dtype"])
     # The offload amounts count only when their master switch is on.
     if _lookup(raw, "optimizer.optimizer_cpu_offload")[0] or "optimizer_offload_fraction" in out:
         out["optimizer_offload_fraction"] = (
@@ -217,6 +236,30 @@ def config_values(config: OffloadConfig, raw: dict[str, Any] | None) -> dict[str
     if _lookup(raw, "model.cpu_offloading")[0] or "activation_offload_layers" in out:
         out["activation_offload_layers"] = config.model.cpu_offloading_num_layers if config.model.cpu_offloading else 0
     return {k: v for k, v in out.items() if v is not None}
+
+
+_FP8_RECIPES = {"tensorwise": "tensorwise", "delayed": "delayed", "mxfp8": "mxfp8", "blockwise": "blockwise"}
+
+
+def _precision_values(config: OffloadConfig, raw: dict[str, Any]) -> dict[str, Any]:
+    """FP8 compute and parameters, and the gradient dtype, from ``model.*`` or Bridge's ``mixed_precision`` block
+    (a run_config.yaml written before Bridge applies the block carries them only there)."""
+    mp = raw.get("mixed_precision") if isinstance(raw.get("mixed_precision"), dict) else {}
+    model = raw.get("model") if isinstance(raw.get("model"), dict) else {}
+    ddp = raw.get("ddp") if isinstance(raw.get("ddp"), dict) else {}
+    out: dict[str, Any] = {}
+    fp8 = model.get("fp8") if model.get("fp8") is not None else mp.get("fp8")
+    recipe = model.get("fp8_recipe") or mp.get("fp8_recipe")
+    if fp8 is not None or recipe is not None:
+        out["fp8_recipe"] = _FP8_RECIPES.get(str(recipe or "delayed"), "delayed") if fp8 else "none"
+    param = model.get("fp8_param", mp.get("fp8_param", mp.get("fp8_param_gather", ddp.get("fp8_param_gather"))))
+    if param is not None:
+        out["fp8_param"] = bool(param) and bool(fp8)
+    if "grad_reduce_in_fp32" not in ddp and mp.get("grad_reduce_in_fp32") is not None:
+        out["grad_reduce_in_fp32"] = bool(mp["grad_reduce_in_fp32"])
+    if not config.model.bf16 and not config.model.fp16 and mp.get("bf16"):
+        out["params_dtype"] = "bf16"
+    return out
 
 
 def _config_model_spec(config: OffloadConfig, raw: dict[str, Any] | None, base: ModelSpec | None) -> dict[str, Any]:
@@ -286,10 +329,72 @@ def _setup(values: dict[str, Any], m: ModelSpec) -> Setup:
         recompute_num_layers=values.get("recompute_num_layers"),
         optimizer_offload_fraction=values["optimizer_offload_fraction"],
         activation_offload_layers=values["activation_offload_layers"],
+        use_megatron_fsdp=bool(values["use_megatron_fsdp"]),
+        fsdp_sharding_strategy=values["fsdp_sharding_strategy"],
+        fsdp_main_grads_dtype=values.get("fsdp_main_grads_dtype"),
+        fp8_recipe=None if values["fp8_recipe"] in (None, "none") else values["fp8_recipe"],
+        fp8_param=bool(values["fp8_param"]) and values["fp8_recipe"] not in (None, "none"),
+        num_layers_in_first_pipeline_stage=values.get("num_layers_in_first_pipeline_stage"),
+        num_layers_in_last_pipeline_stage=values.get("num_layers_in_last_pipeline_stage"),
     )
+    if values.get("pipeline_layout"):
+        s = _with_layout(s, values["pipeline_layout"])
     if values.get("recompute_modules"):
         s = replace(s, recompute_modules=tuple(values["recompute_modules"]))
     return s
+
+
+def _model_notes(values: dict[str, Any], s: Setup, raw: dict[str, Any] | None) -> dict[str, str]:
+    """What the numbers leave out, next to the input that brings it in."""
+    from mbridge_offload.plan.layout import mtp_layers
+
+    notes: dict[str, str] = {}
+    layout = values.get("pipeline_layout")
+    if layout:
+        text = f"decides the layers of each stage: {list(s.pipeline_layout or ())} decoder layers per virtual stage"
+        if values.get("vpp") not in (None, s.vpp):
+            text += (
+                f"; it implies VPP {s.vpp} but VPP {values['vpp']} is configured: megatron-core asserts "
+                "'virtual_pipeline_model_parallel_size conflicts with pipeline_model_parallel_layout'"
+            )
+        if mtp_layers(layout):
+            text += "; its MTP layers are not modelled (weights and activations left out)"
+        notes["pipeline_layout"] = text
+    model = (raw or {}).get("model") if isinstance((raw or {}).get("model"), dict) else {}
+    if model and model.get("hybrid_override_pattern"):
+        notes["num_layers"] = (
+            "hybrid model (hybrid_override_pattern): Mamba/SSM layers are not modelled; every layer is counted "
+            "as a transformer layer of the given sizes"
+        )
+    if values.get("fp8_recipe") not in (None, "none"):
+        notes["fp8_recipe"] = (
+            "GEMM inputs saved in 1 byte (MXFP8: + 1/32 scale bytes), the output projection keeps an FP8 copy of "
+            "the attention output; norm inputs, q/k/v, SwiGLU input stay bf16; bf16 first/last layers and FP8 "
+            "attention not modelled"
+        )
+    if values.get("use_megatron_fsdp"):
+        notes["use_megatron_fsdp"] = (
+            "Megatron-FSDP: fp32 main weights (megatron_fsdp_main_params_dtype) and Adam moments sharded over DP·CP "
+            "(experts: expert DP); gradients in megatron_fsdp_main_grads_dtype (default the parameter dtype; "
+            "grad_reduce_in_fp32 is not read); two layers of unsharded weights and gradients; no optimizer offload"
+        )
+    return notes
+
+
+def _with_layout(s: Setup, text: str) -> Setup:
+    """The layout decides the layers of each stage and VPP (= stages / PP), as megatron-core derives it."""
+    from mbridge_offload.plan.layout import decoder_counts
+
+    try:
+        counts = decoder_counts(text)
+    except ValueError as exc:
+        raise InputError(str(exc)) from None
+    if len(counts) % s.pp:
+        raise InputError(
+            f"pipeline_model_parallel_layout {text!r} has {len(counts)} stages: it must be divisible by PP {s.pp}"
+        )
+    vpp = len(counts) // s.pp
+    return replace(s, pipeline_layout=counts, vpp=vpp if vpp > 1 else None)
 
 
 def _check_size(m: ModelSpec, s: Setup) -> None:
@@ -373,6 +478,7 @@ def resolve(
     if values.get("seq_length") is None:
         values["seq_length"], where["seq_length"] = m.seq_length, "preset" if base else "default"
     s = _setup(values, m)
+    notes.update(_model_notes(values, s, raw))
     _check_size(m, s)
     if values.get("num_gpus") is None:
         values["num_gpus"], where["num_gpus"] = _default_gpus(s, m), "derived"
