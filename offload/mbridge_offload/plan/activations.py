@@ -200,6 +200,8 @@ def stage_activations(m: ModelSpec, s: Setup, stage: int) -> ActivationMemory:
             extra += t_sp * h  # embedding dropout mask
         total += extra * in_flight(s, stage)
     if stage == s.pp - 1:
-        # Final norm input and output-layer input (bf16) plus fp32 logits for the loss: 4·sbh + 4·sb·V/t.
-        total += 2 * t_sp * h + 2 * t_sp * h + 4 * tokens * padded_vocab(m, s.tp) // s.tp
+        # Final norm input and output-layer input (bf16) plus the logits the loss keeps: fp32 (4·sb·V/t), or the
+        # bf16 logits whose memory the fused cross entropy reuses for their gradient (2·sb·V/t).
+        logits = 2 if s.cross_entropy_fusion else 4
+        total += 2 * t_sp * h + 2 * t_sp * h + logits * tokens * padded_vocab(m, s.tp) // s.tp
     return ActivationMemory(int(total), max(eligible, default=0), host)

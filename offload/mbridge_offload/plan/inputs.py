@@ -101,6 +101,9 @@ class PlanInputs(BaseModel):
         group="precision", help="FP8 compute recipe (none = bf16; GEMM inputs saved in 1 byte otherwise)"
     )
     fp8_param: bool | None = _field(group="precision", help="fp8_param_gather: FP8 weights (1 byte per element)")
+    cross_entropy_loss_fusion: bool | None = _field(
+        group="precision", help="model.cross_entropy_loss_fusion (bf16 logits reused for their gradient)"
+    )
     fsdp_main_grads_dtype: Dtype | None = _field(
         group="precision", help="ddp.megatron_fsdp_main_grads_dtype (default: the parameter dtype)"
     )

@@ -125,6 +125,7 @@ class Setup:
     num_layers_in_first_pipeline_stage: int | None = None
     num_layers_in_last_pipeline_stage: int | None = None
     pipeline_layout: tuple[int, ...] | None = None
+    cross_entropy_fusion: bool = False  # model.cross_entropy_loss_fusion
 
     def resolved_etp(self, model: ModelSpec) -> int:
         if self.etp is not None:

@@ -61,6 +61,7 @@ CONFIG_KEYS: dict[str, str] = {
     "num_layers_in_first_pipeline_stage": "model.num_layers_in_first_pipeline_stage",
     "num_layers_in_last_pipeline_stage": "model.num_layers_in_last_pipeline_stage",
     "pipeline_layout": "model.pipeline_model_parallel_layout",
+    "cross_entropy_loss_fusion": "model.cross_entropy_loss_fusion",
     "use_megatron_fsdp": "ddp.use_megatron_fsdp",
     "fsdp_sharding_strategy": "ddp.data_parallel_sharding_strategy",
     "fsdp_main_grads_dtype": "ddp.megatron_fsdp_main_grads_dtype",
@@ -91,6 +92,7 @@ DEFAULTS: dict[str, tuple[Any, str]] = {
     "fsdp_sharding_strategy": ("no_shard", "megatron-core default ddp.data_parallel_sharding_strategy"),
     "fp8_recipe": ("none", "bf16 compute: no FP8 recipe given"),
     "fp8_param": (False, "megatron-core default fp8_param_gather=False"),
+    "cross_entropy_loss_fusion": (False, "megatron-core default: fp32 logits kept for the loss"),
     "gpu": ("h100-80gb", "the GPU of the upstream card"),
     "cpu_threads": (1, "torchrun sets OMP_NUM_THREADS=1 per rank when it starts several per node"),
     "margin": (0.05, "5 % of the usable GPU memory kept free"),
@@ -220,6 +222,9 @@ def config_values(config: OffloadConfig, raw: dict[str, Any] | None) -> dict[str
     if "recompute_granularity" in out:
         out["recompute_granularity"] = out["recompute_granularity"] or "none"
     out.update(_precision_values(config, raw))
+    tokenizer = raw.get("tokenizer") if isinstance(raw.get("tokenizer"), dict) else {}
+    if out.get("vocab_size") is None and isinstance(tokenizer.get("vocab_size"), int):
+        out["vocab_size"] = tokenizer["vocab_size"]  # Bridge keeps it there when the tokenizer decides it
     if "pipeline_layout" in out:
         from mbridge_offload.plan.layout import layout_text
 
@@ -336,6 +341,7 @@ def _setup(values: dict[str, Any], m: ModelSpec) -> Setup:
         fp8_param=bool(values["fp8_param"]) and values["fp8_recipe"] not in (None, "none"),
         num_layers_in_first_pipeline_stage=values.get("num_layers_in_first_pipeline_stage"),
         num_layers_in_last_pipeline_stage=values.get("num_layers_in_last_pipeline_stage"),
+        cross_entropy_fusion=bool(values["cross_entropy_loss_fusion"]),
     )
     if values.get("pipeline_layout"):
         s = _with_layout(s, values["pipeline_layout"])
