@@ -106,7 +106,7 @@ def estimate_result(p: Plan, est: MemoryEstimate, t: TimeEstimate) -> Estimate:
         parallel=_parallel(r),
         optimizer_offload_fraction=s.optimizer_offload_fraction,
         activation_offload_layers=s.activation_offload_layers,
-        warnings=est.warnings + t.notes,
+        warnings=est.warnings + t.notes + ([edge] if (edge := p.edge_note(est)) else []),
         notes=p.notes(),
         assumptions=p.assumptions,
         calibration=p.anchor,
