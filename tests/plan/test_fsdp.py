@@ -111,7 +111,8 @@ def test_deepseek_layout_gives_uneven_stages_and_vpp_from_the_layout():
         pipeline_layout="Et*4|(tttt|)*14tmL", global_batch_size=8192,
     )  # fmt: skip
     assert est.parallel["vpp"] == 4
-    assert [st.params for st in est.stages][0] > [st.params for st in est.stages][3]
+    params = [st.params for st in est.stages]
+    assert params[0] > params[3]
     note = next(a.note for a in est.assumptions if a.name == "pipeline_layout")
     assert "MTP layers are not modelled" in (note or "")
 
