@@ -155,7 +155,7 @@ def test_nvlink_c2c_makes_copies_cheap():
     est = estimate_memory(model_preset("llama3-8b"), Setup(num_gpus=8, optimizer_offload_fraction=1.0))
     pcie = estimate_time(est, H100, overlap=False, baseline_s=1.0)
     c2c = estimate_time(est, gpu_preset("gh200"), overlap=False, baseline_s=1.0)
-    # Measured on GH200 (Megatron-LM #6491): GPU->CPU ~170 GB/s, CPU->GPU ~415 GB/s, against PCIe Gen5's ~44.
+    # Measured on GH200 (NVIDIA/Megatron-LM#6491): GPU->CPU ~170 GB/s, CPU->GPU ~415 GB/s, against PCIe Gen5's ~44.
     assert c2c.d2h_s < pcie.d2h_s / 3
     assert c2c.h2d_s < pcie.h2d_s / 8
 

@@ -82,7 +82,7 @@ SAPPHIRE_RAPIDS_ADAM = 0.705e9
 # says where each figure comes from (docs/planner.md renders it).
 _PCIE5 = "host link PCIe Gen5 x16 (63 GB/s per direction nominal, x LINK_EFFICIENCY)"
 _C2C = "NVLink-C2C, 900 GB/s bidirectional = 450 GB/s per direction nominal"
-_MCORE_6491 = "Megatron-LM #6491 comments (nvbandwidth, 4-GPU nodes, all GPUs copying at once, 2026-08)"
+_MCORE_6491 = "NVIDIA/Megatron-LM#6491 comments (nvbandwidth, 4-GPU nodes, all GPUs copying at once, 2026-08)"
 GPU_PRESETS: dict[str, GpuPreset] = {
     # DGX/HGX H100: 2 x Xeon 8480C (56 cores, 8 x DDR5-4800 = 307 GB/s each), 2 TB RAM, Gen5 x16 per GPU.
     "h100-80gb": GpuPreset(
@@ -221,3 +221,19 @@ def with_overrides(preset: GpuPreset, **values: float | int | None) -> GpuPreset
     if "link_gbps" in given:  # a stated link replaces the measured figures of the preset
         given.update(measured_d2h_gbps=None, measured_h2d_gbps=None)
     return replace(preset, **given)
+
+
+def render_gpu_table() -> str:
+    """The GPU presets as a Markdown table with each figure's source (docs/planner.md, section gpu-presets)."""
+    lines = [
+        "| preset | exposed GiB | D2H / H2D GB/s used | host GB/s per GPU | cores per GPU | source |",
+        "|---|---|---|---|---|---|",
+    ]
+    for p in GPU_PRESETS.values():
+        exposed = f"{p.capacity_gib:.2f}" if p.capacity_gib else f"{p.hbm_gb:g} GB (marketed)"
+        measured = " (measured)" if p.measured_d2h_gbps or p.measured_h2d_gbps else ""
+        lines.append(
+            f"| `{p.name}` | {exposed} | {p.d2h_effective_gbps:.0f} / {p.h2d_effective_gbps:.0f}{measured} "
+            f"| {p.host_bw_gbps:.0f} | {p.cpu_cores} | {p.source} |"
+        )
+    return "\n".join(lines) + "\n"

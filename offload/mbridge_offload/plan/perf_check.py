@@ -1,6 +1,6 @@
 """The planner on Megatron Bridge's own offload perf recipes: NVIDIA's choice against our prediction.
 
-Reads the index the ``bridge`` fixtures carry (``tests/data/bridge-0.6.2/perf/index.json``: recipe → GPU, GPU count,
+Reads the index the ``bridge`` fixtures carry (``FIXTURES / "index.json"``: recipe → GPU, GPU count,
 precision, offload settings, fixture file; each fixture is the ``run_config.yaml`` Bridge writes) and, per recipe:
 ``estimate`` on its own GPU and GPU count as NVIDIA ships it, ``estimate`` with its offloading switched off, and
 ``recommend`` from the switched-off config. Fine-grained recipes get a column their module fills
