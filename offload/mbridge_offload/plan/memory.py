@@ -552,12 +552,13 @@ def _stage_memory(m: ModelSpec, s: Setup, stage: int) -> StageMemory:
 
 
 # Upstream's word on optimizer CPU offload under Megatron-FSDP (Bridge 0.6.2 training/config.py; megatron-core
-# fully_sharded_optimizer.py; NVIDIA/Megatron-LM#1986: v1 crashes sharding the pin_memory copies; NVIDIA/Megatron-LM#4910: checkpoint save
-# hangs). The planner never proposes it and does not model it.
+# fully_sharded_optimizer.py; NVIDIA/Megatron-LM#1986: v1 crashes sharding the pin_memory copies;
+# NVIDIA/Megatron-LM#4910: checkpoint save hangs). The planner never proposes it and does not model it.
 MFSDP_OPTIMIZER_OFFLOAD = (
     "optimizer CPU offload under Megatron-FSDP is not modelled and never recommended: Bridge refuses it with "
     'MFSDP v2 ("MFSDP V2 does not support optimizer CPU offload."), and with v1 it crashes in pin_memory '
-    "(NVIDIA/Megatron-LM#1986) or hangs at checkpoint save (NVIDIA/Megatron-LM#4910); the numbers here ignore the requested fraction"
+    "(NVIDIA/Megatron-LM#1986) or hangs at checkpoint save (NVIDIA/Megatron-LM#4910); the numbers here ignore "
+    "the requested fraction"
 )
 
 
