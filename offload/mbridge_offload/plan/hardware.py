@@ -9,6 +9,7 @@ derived from the theoretical ones with the efficiencies below, so a user can ove
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Any
 
 # Achieved fraction of theoretical bandwidth: pinned copies of large blocks run 20-40 % below the PCIe figure;
 # STREAM reaches 70-85 % of the DRAM figure (published STREAM results). We take the middle of each range.
@@ -217,7 +218,7 @@ def gpu_preset(name: str) -> GpuPreset:
 
 def with_overrides(preset: GpuPreset, **values: float | int | None) -> GpuPreset:
     """A copy of ``preset`` with the given (non-None) fields replaced, e.g. ``hbm_gb=48``."""
-    given = {k: v for k, v in values.items() if v is not None}
+    given: dict[str, Any] = {k: v for k, v in values.items() if v is not None}
     if "link_gbps" in given:  # a stated link replaces the measured figures of the preset
         given.update(measured_d2h_gbps=None, measured_h2d_gbps=None)
     return replace(preset, **given)

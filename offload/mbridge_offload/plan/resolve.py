@@ -222,7 +222,7 @@ def config_values(config: OffloadConfig, raw: dict[str, Any] | None) -> dict[str
     if "recompute_granularity" in out:
         out["recompute_granularity"] = out["recompute_granularity"] or "none"
     out.update(_precision_values(config, raw))
-    tokenizer = raw.get("tokenizer") if isinstance(raw.get("tokenizer"), dict) else {}
+    tokenizer = _section(raw, "tokenizer")
     if out.get("vocab_size") is None and isinstance(tokenizer.get("vocab_size"), int):
         out["vocab_size"] = tokenizer["vocab_size"]  # Bridge keeps it there when the tokenizer decides it
     if "pipeline_layout" in out:
@@ -246,12 +246,15 @@ def config_values(config: OffloadConfig, raw: dict[str, Any] | None) -> dict[str
 _FP8_RECIPES = {"tensorwise": "tensorwise", "delayed": "delayed", "mxfp8": "mxfp8", "blockwise": "blockwise"}
 
 
+def _section(raw: dict[str, Any] | None, name: str) -> dict[str, Any]:
+    node = (raw or {}).get(name)
+    return node if isinstance(node, dict) else {}
+
+
 def _precision_values(config: OffloadConfig, raw: dict[str, Any]) -> dict[str, Any]:
     """FP8 compute and parameters, and the gradient dtype, from ``model.*`` or Bridge's ``mixed_precision`` block
     (a run_config.yaml written before Bridge applies the block carries them only there)."""
-    mp = raw.get("mixed_precision") if isinstance(raw.get("mixed_precision"), dict) else {}
-    model = raw.get("model") if isinstance(raw.get("model"), dict) else {}
-    ddp = raw.get("ddp") if isinstance(raw.get("ddp"), dict) else {}
+    mp, model, ddp = _section(raw, "mixed_precision"), _section(raw, "model"), _section(raw, "ddp")
     out: dict[str, Any] = {}
     fp8 = model.get("fp8") if model.get("fp8") is not None else mp.get("fp8")
     recipe = model.get("fp8_recipe") or mp.get("fp8_recipe")
@@ -366,8 +369,7 @@ def _model_notes(values: dict[str, Any], s: Setup, raw: dict[str, Any] | None) -
         if mtp_layers(layout):
             text += "; its MTP layers are not modelled (weights and activations left out)"
         notes["pipeline_layout"] = text
-    model = (raw or {}).get("model") if isinstance((raw or {}).get("model"), dict) else {}
-    if model and model.get("hybrid_override_pattern"):
+    if _section(raw, "model").get("hybrid_override_pattern"):
         notes["num_layers"] = (
             "hybrid model (hybrid_override_pattern): Mamba/SSM layers are not modelled; every layer is counted "
             "as a transformer layer of the given sizes"
