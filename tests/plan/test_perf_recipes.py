@@ -20,9 +20,17 @@ NEEDS_FIXTURES = pytest.mark.skipif(
 LAYER = sorted(n for n, e in INDEX["recipes"].items() if (e.get("offload") or {}).get("kind") == "layer")
 
 
+# Refusals that are the honest answer for now, each said in the table: a GPU without a preset (VR200: its exposed
+# memory and host link are not published) and a vocabulary only the tokenizer knows (Nemotron 3.5 Lightning).
+KNOWN_GAPS = ("unknown GPU preset", "model sizes missing: vocab_size")
+
+
 @functools.cache
 def checked(name: str) -> perf_check.RecipeCheck:
-    return perf_check.check_recipe(name, INDEX["recipes"][name], perf_check.FIXTURES)
+    row = perf_check.check_recipe(name, INDEX["recipes"][name], perf_check.FIXTURES)
+    if row.error and any(gap in row.error for gap in KNOWN_GAPS):
+        pytest.skip(f"{name}: {row.error}")
+    return row
 
 
 @NEEDS_FIXTURES
@@ -46,8 +54,20 @@ def test_without_its_offloading_a_layer_level_recipe_does_not_fit(name):
     assert checked(name).without_fits is False
 
 
+# Where our layer count is further from NVIDIA's than the tolerance, with why (held strictly: it must keep failing).
+DEVIATIONS = {
+    "llama3_70b_pretrain_32gpu_gb300_fp8cs_config": (
+        "we ask 31 layers, NVIDIA ships 20: the 32-GPU recipe is the 64-GPU one with half the global batch "
+        "(Bridge's _with_global_batch_size), the same offload count on twice the per-GPU FSDP state"
+    ),
+}
+CLOSE = [
+    pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=DEVIATIONS[n])) if n in DEVIATIONS else n for n in LAYER
+]
+
+
 @NEEDS_FIXTURES
-@pytest.mark.parametrize("name", LAYER)
+@pytest.mark.parametrize("name", CLOSE)
 def test_recommend_picks_activation_offload_close_to_nvidias_layer_count(name):
     row = checked(name)
     entry = INDEX["recipes"][name]

@@ -256,14 +256,16 @@ def _precision_values(config: OffloadConfig, raw: dict[str, Any]) -> dict[str, A
     (a run_config.yaml written before Bridge applies the block carries them only there)."""
     mp, model, ddp = _section(raw, "mixed_precision"), _section(raw, "model"), _section(raw, "ddp")
     out: dict[str, Any] = {}
-    fp8 = model.get("fp8") if model.get("fp8") is not None else mp.get("fp8")
-    recipe = model.get("fp8_recipe") or mp.get("fp8_recipe")
+    # Bridge's MixedPrecisionConfig.setup() writes its fields into model/ddp/optimizer at start-up: when the block
+    # is there it decides, whatever model.* still holds (to_yaml runs before that).
+    src = mp if mp else model
+    fp8, recipe = src.get("fp8"), src.get("fp8_recipe")
     if fp8 is not None or recipe is not None:
         out["fp8_recipe"] = _FP8_RECIPES.get(str(recipe or "delayed"), "delayed") if fp8 else "none"
-    param = model.get("fp8_param", mp.get("fp8_param", mp.get("fp8_param_gather", ddp.get("fp8_param_gather"))))
+    param = src.get("fp8_param", src.get("fp8_param_gather", ddp.get("fp8_param_gather")))
     if param is not None:
         out["fp8_param"] = bool(param) and bool(fp8)
-    if "grad_reduce_in_fp32" not in ddp and mp.get("grad_reduce_in_fp32") is not None:
+    if mp.get("grad_reduce_in_fp32") is not None:
         out["grad_reduce_in_fp32"] = bool(mp["grad_reduce_in_fp32"])
     if not config.model.bf16 and not config.model.fp16 and mp.get("bf16"):
         out["params_dtype"] = "bf16"
@@ -369,10 +371,12 @@ def _model_notes(values: dict[str, Any], s: Setup, raw: dict[str, Any] | None) -
         if mtp_layers(layout):
             text += "; its MTP layers are not modelled (weights and activations left out)"
         notes["pipeline_layout"] = text
-    if _section(raw, "model").get("hybrid_override_pattern"):
+    model = _section(raw, "model")
+    pattern = model.get("hybrid_layer_pattern") or model.get("hybrid_override_pattern")
+    if pattern:
         notes["num_layers"] = (
-            "hybrid model (hybrid_override_pattern): Mamba/SSM layers are not modelled; every layer is counted "
-            "as a transformer layer of the given sizes"
+            f"hybrid model (pattern {str(pattern)[:40]}…): Mamba/SSM layers and the per-layer mix of MoE, MLP and "
+            "attention are not modelled; every layer is counted as a transformer layer of the given sizes"
         )
     if values.get("fp8_recipe") not in (None, "none"):
         notes["fp8_recipe"] = (

@@ -32,6 +32,7 @@ def render_perf_recipes() -> str:
             ours = f"activation, {r.recommended_layers} layers"
         else:
             ours = str(r.recommended_mode)
+        ours += " (fits)" if r.recommended_fits else " (nothing allowed fits)"
         lines.append(
             f"| `{r.recipe}` | {r.gpu} × {r.num_gpus} ({r.capacity_gib:.1f}) | {r.nvidia} "
             f"| {_gib(r.with_gib, r.with_fits)} | {_gib(r.without_gib, r.without_fits)} | {ours} "
