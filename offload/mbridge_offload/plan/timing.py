@@ -157,6 +157,11 @@ def estimate_time(
             out.optimizer_extra_s = out.d2h_s + out.cpu_adam_s + out.h2d_s
         if out.cpu_adam_s > out.d2h_s + out.h2d_s:
             out.notes.append("the CPU AdamW step dominates the offload cost; overlap hides only the copies")
+    if s.use_megatron_fsdp:
+        out.notes.append(
+            "Megatron-FSDP's all-gather and reduce-scatter time is not modelled (the baseline is FLOPs at the MFU); "
+            "activation copies share the host link with nothing else here"
+        )
     k = s.activation_offload_layers
     if k:
         from mbridge_offload.plan.activations import stage_activations
