@@ -15,6 +15,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from mbridge_offload.config.schema import OffloadConfig
+from mbridge_offload.plan.config_inputs import model_notes, precision_values, raw_section, with_layout
 from mbridge_offload.plan.hardware import GpuPreset, gpu_preset, with_overrides
 from mbridge_offload.plan.inputs import FIELDS, InputError, PlanInputs, validate_inputs
 from mbridge_offload.plan.memory import ModelSpec, Setup, check_setup
@@ -221,8 +222,8 @@ def config_values(config: OffloadConfig, raw: dict[str, Any] | None) -> dict[str
         out["params_dtype"] = "bf16" if config.model.bf16 else "fp16"
     if "recompute_granularity" in out:
         out["recompute_granularity"] = out["recompute_granularity"] or "none"
-    out.update(_precision_values(config, raw))
-    tokenizer = _section(raw, "tokenizer")
+    out.update(precision_values(config, raw))
+    tokenizer = raw_section(raw, "tokenizer")
     if out.get("vocab_size") is None and isinstance(tokenizer.get("vocab_size"), int):
         out["vocab_size"] = tokenizer["vocab_size"]  # Bridge keeps it there when the tokenizer decides it
     if "pipeline_layout" in out:
@@ -241,35 +242,6 @@ def config_values(config: OffloadConfig, raw: dict[str, Any] | None) -> dict[str
     if _lookup(raw, "model.cpu_offloading")[0] or "activation_offload_layers" in out:
         out["activation_offload_layers"] = config.model.cpu_offloading_num_layers if config.model.cpu_offloading else 0
     return {k: v for k, v in out.items() if v is not None}
-
-
-_FP8_RECIPES = {"tensorwise": "tensorwise", "delayed": "delayed", "mxfp8": "mxfp8", "blockwise": "blockwise"}
-
-
-def _section(raw: dict[str, Any] | None, name: str) -> dict[str, Any]:
-    node = (raw or {}).get(name)
-    return node if isinstance(node, dict) else {}
-
-
-def _precision_values(config: OffloadConfig, raw: dict[str, Any]) -> dict[str, Any]:
-    """FP8 compute and parameters, and the gradient dtype, from ``model.*`` or Bridge's ``mixed_precision`` block
-    (a run_config.yaml written before Bridge applies the block carries them only there)."""
-    mp, model, ddp = _section(raw, "mixed_precision"), _section(raw, "model"), _section(raw, "ddp")
-    out: dict[str, Any] = {}
-    # Bridge's MixedPrecisionConfig.setup() writes its fields into model/ddp/optimizer at start-up: when the block
-    # is there it decides, whatever model.* still holds (to_yaml runs before that).
-    src = mp if mp else model
-    fp8, recipe = src.get("fp8"), src.get("fp8_recipe")
-    if fp8 is not None or recipe is not None:
-        out["fp8_recipe"] = _FP8_RECIPES.get(str(recipe or "delayed"), "delayed") if fp8 else "none"
-    param = src.get("fp8_param", src.get("fp8_param_gather", ddp.get("fp8_param_gather")))
-    if param is not None:
-        out["fp8_param"] = bool(param) and bool(fp8)
-    if mp.get("grad_reduce_in_fp32") is not None:
-        out["grad_reduce_in_fp32"] = bool(mp["grad_reduce_in_fp32"])
-    if not config.model.bf16 and not config.model.fp16 and mp.get("bf16"):
-        out["params_dtype"] = "bf16"
-    return out
 
 
 def _config_model_spec(config: OffloadConfig, raw: dict[str, Any] | None, base: ModelSpec | None) -> dict[str, Any]:
@@ -349,64 +321,10 @@ def _setup(values: dict[str, Any], m: ModelSpec) -> Setup:
         cross_entropy_fusion=bool(values["cross_entropy_loss_fusion"]),
     )
     if values.get("pipeline_layout"):
-        s = _with_layout(s, values["pipeline_layout"])
+        s = with_layout(s, values["pipeline_layout"])
     if values.get("recompute_modules"):
         s = replace(s, recompute_modules=tuple(values["recompute_modules"]))
     return s
-
-
-def _model_notes(values: dict[str, Any], s: Setup, raw: dict[str, Any] | None) -> dict[str, str]:
-    """What the numbers leave out, next to the input that brings it in."""
-    from mbridge_offload.plan.layout import mtp_layers
-
-    notes: dict[str, str] = {}
-    layout = values.get("pipeline_layout")
-    if layout:
-        text = f"decides the layers of each stage: {list(s.pipeline_layout or ())} decoder layers per virtual stage"
-        if values.get("vpp") not in (None, s.vpp):
-            text += (
-                f"; it implies VPP {s.vpp} but VPP {values['vpp']} is configured: megatron-core asserts "
-                "'virtual_pipeline_model_parallel_size conflicts with pipeline_model_parallel_layout'"
-            )
-        if mtp_layers(layout):
-            text += "; its MTP layers are not modelled (weights and activations left out)"
-        notes["pipeline_layout"] = text
-    model = _section(raw, "model")
-    pattern = model.get("hybrid_layer_pattern") or model.get("hybrid_override_pattern")
-    if pattern:
-        notes["num_layers"] = (
-            f"hybrid model (pattern {str(pattern)[:40]}…): Mamba/SSM layers and the per-layer mix of MoE, MLP and "
-            "attention are not modelled; every layer is counted as a transformer layer of the given sizes"
-        )
-    if values.get("fp8_recipe") not in (None, "none"):
-        notes["fp8_recipe"] = (
-            "GEMM inputs saved in 1 byte (MXFP8: + 1/32 scale bytes), the output projection keeps an FP8 copy of "
-            "the attention output; norm inputs, q/k/v, SwiGLU input stay bf16; bf16 first/last layers and FP8 "
-            "attention not modelled"
-        )
-    if values.get("use_megatron_fsdp"):
-        notes["use_megatron_fsdp"] = (
-            "Megatron-FSDP: fp32 main weights (megatron_fsdp_main_params_dtype) and Adam moments sharded over DP·CP "
-            "(experts: expert DP); gradients in megatron_fsdp_main_grads_dtype (default the parameter dtype; "
-            "grad_reduce_in_fp32 is not read); two layers of unsharded weights and gradients; no optimizer offload"
-        )
-    return notes
-
-
-def _with_layout(s: Setup, text: str) -> Setup:
-    """The layout decides the layers of each stage and VPP (= stages / PP), as megatron-core derives it."""
-    from mbridge_offload.plan.layout import decoder_counts
-
-    try:
-        counts = decoder_counts(text)
-    except ValueError as exc:
-        raise InputError(str(exc)) from None
-    if len(counts) % s.pp:
-        raise InputError(
-            f"pipeline_model_parallel_layout {text!r} has {len(counts)} stages: it must be divisible by PP {s.pp}"
-        )
-    vpp = len(counts) // s.pp
-    return replace(s, pipeline_layout=counts, vpp=vpp if vpp > 1 else None)
 
 
 def _check_size(m: ModelSpec, s: Setup) -> None:
@@ -490,7 +408,7 @@ def resolve(
     if values.get("seq_length") is None:
         values["seq_length"], where["seq_length"] = m.seq_length, "preset" if base else "default"
     s = _setup(values, m)
-    notes.update(_model_notes(values, s, raw))
+    notes.update(model_notes(values, s, raw))
     _check_size(m, s)
     if values.get("num_gpus") is None:
         values["num_gpus"], where["num_gpus"] = _default_gpus(s, m), "derived"
