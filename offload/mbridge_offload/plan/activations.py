@@ -15,7 +15,7 @@ import math
 from dataclasses import dataclass, replace
 
 from mbridge_offload.config.upstream import TE_MIN_OFFLOAD_NUMEL
-from mbridge_offload.plan.memory import ModelSpec, Setup, Tensor, next_pow2, padded_vocab, stage_layers
+from mbridge_offload.plan.model import ModelSpec, Setup, Tensor, next_pow2, padded_vocab, stage_layers
 
 
 def layer_activations(m: ModelSpec, s: Setup, index: int) -> list[Tensor]:

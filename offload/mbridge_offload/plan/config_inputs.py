@@ -10,7 +10,7 @@ from typing import Any
 
 from mbridge_offload.config.schema import OffloadConfig
 from mbridge_offload.plan.inputs import InputError
-from mbridge_offload.plan.memory import Setup
+from mbridge_offload.plan.model import Setup
 
 _FP8_RECIPES = {"tensorwise": "tensorwise", "delayed": "delayed", "mxfp8": "mxfp8", "blockwise": "blockwise"}
 
