@@ -6,18 +6,17 @@ import math
 
 import pytest
 
+from mbridge_offload.config.upstream import TE_MIN_OFFLOAD_NUMEL
+from mbridge_offload.plan.activations import layer_activations, stage_activations
 from mbridge_offload.plan.memory import (
     GB,
-    TE_MIN_OFFLOAD_NUMEL,
     ModelSpec,
     Setup,
     check_setup,
     estimate_memory,
     greedy_offload,
-    layer_activations,
     next_pow2,
     padded_vocab,
-    stage_activations,
     total_params,
 )
 from mbridge_offload.plan.presets import MODEL_PRESETS, model_preset

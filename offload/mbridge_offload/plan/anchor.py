@@ -73,6 +73,19 @@ class Plan:
             f"context, {ALLOCATOR_OVERHEAD:.1%} allocator overhead, {self.margin:.0%} kept free)"
         )
 
+    def edge_note(self, est: MemoryEstimate) -> str | None:
+        """When the yardstick says "does not fit" but the predicted peak is below what the device exposes: how
+        much fragmentation it would take, so the verdict's uncertainty sits next to the number."""
+        total, room = self.total(est), self.r.gpu.capacity_bytes - CUDA_CONTEXT_GIB * GiB
+        if self.fits(est) or total >= room:
+            return None
+        return (
+            f"borderline: the predicted peak {total / GiB:.1f} GiB allocated is below the {room / GiB:.1f} GiB the "
+            f"device leaves after the CUDA context: it runs if the caching allocator reserves less than "
+            f"{room / total - 1:.1%} beyond it; 'does not fit' comes from the {ALLOCATOR_OVERHEAD:.1%} assumed here "
+            f"(measured on one MoE run) plus the {self.margin:.0%} kept free"
+        )
+
     def notes(self) -> list[str]:
         return list(self.anchor.notes) if self.anchor else []
 

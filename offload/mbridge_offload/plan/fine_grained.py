@@ -17,13 +17,13 @@ What stays on the GPU (``PipelineOffloadManager.post_warmup_callback`` and ``Chu
 
 The GPU saving at the activation peak is therefore ``(in-flight groups − 1) × bytes per group`` per module, where
 in-flight groups = layers of the stage × micro-batches the 1F1B / interleaved schedule keeps alive
-(``memory.in_flight``): the margin group and the prefetched group are the same single group per name that
+(``activations.in_flight``): the margin group and the prefetched group are the same single group per name that
 megatron-core's docs describe as "only one activation per module type resides on GPU at a time". Host memory is
 the pinned pool, which reuses tensors by (shape, dtype) and never shrinks: the in-flight offloaded tensors, each
 rounded to a power of two by PyTorch's pinned caching allocator. Step time: the copies run on their own streams;
 only what one layer's forward (D2H) or backward (H2D) cannot hide is exposed (``exposed_copy_s``).
 
-Plain Python: takes the saved-tensor lists of ``plan.memory.layer_activations`` (name, numel, nbytes); never
+Plain Python: takes the saved-tensor lists of ``plan.activations.layer_activations`` (name, numel, nbytes); never
 imports torch.
 """
 
@@ -52,7 +52,7 @@ DEFAULT_MIN_OFFLOADED_TENSOR_SIZE = 1024 * 1024  # elements (TransformerConfig.m
 class OffloadPoint:
     """One ``offload_modules`` entry: the sub-module call it wraps in 0.19.2 and the saved tensors that scope holds.
 
-    ``tensors`` are names of ``plan.memory.layer_activations``; ``transfer_only`` are saved inside the scope and
+    ``tensors`` are names of ``plan.activations.layer_activations``; ``transfer_only`` are saved inside the scope and
     copied, but another module still holds the same storage, so the GPU keeps it (``core_attn``'s output is the
     input ``linear_proj`` saves; only ``attn_proj`` releases it, which is why upstream refuses ``attn_proj`` alone).
     """
@@ -246,7 +246,7 @@ def stage_saving(
     Args:
         per_layer: the saved tensors of each layer of the stage, one micro-batch (after selective recompute).
         modules: ``model.offload_modules``.
-        in_flight: micro-batches whose activations the stage holds at its peak (``memory.in_flight``).
+        in_flight: micro-batches whose activations the stage holds at its peak (``activations.in_flight``).
         min_size: ``model.min_offloaded_tensor_size`` (elements).
         fraction: ``model.activation_offload_fraction`` (of each chunk's eligible groups, earliest kept offloaded).
         keep_bytes: ``pp_rank × delta_offload_bytes_across_pp_ranks`` kept on the GPU.
@@ -290,14 +290,14 @@ def exposed_copy_s(group_bytes_: int, link_bytes_per_s: float, layer_forward_s: 
 
 def stage_groups(m, s, stage: int) -> FineGrainedMemory:
     """``stage_saving`` of one pipeline stage of a ``memory.ModelSpec`` / ``memory.Setup``."""
-    from mbridge_offload.plan import memory
+    from mbridge_offload.plan import activations
 
-    layers = memory.stage_layers(m, s)[stage]
-    per_layer = [memory._stored(memory.layer_activations(m, s, i), s) for i in layers]
+    layers = activations.stage_layers(m, s)[stage]
+    per_layer = [activations._stored(activations.layer_activations(m, s, i), s) for i in layers]
     return stage_saving(
         per_layer,
         s.offload_modules,
-        memory.in_flight(s, stage),
+        activations.in_flight(s, stage),
         min_size=s.min_offloaded_tensor_size,
         fraction=s.activation_offload_fraction,
     )
@@ -311,10 +311,10 @@ def step_extra_s(m, s, link_bytes_per_s: float, baseline_s: float, microbatches:
     """
     if not s.offload_modules or s.recompute_granularity == "full":
         return 0.0, None
-    from mbridge_offload.plan import memory
+    from mbridge_offload.plan import activations
 
     worst, note = 0.0, None
-    for stage, layers in enumerate(memory.stage_layers(m, s)):
+    for stage, layers in enumerate(activations.stage_layers(m, s)):
         fg = stage_groups(m, s, stage)
         if not fg.copied_bytes_per_microbatch or not len(layers):
             continue

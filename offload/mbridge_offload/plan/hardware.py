@@ -44,6 +44,11 @@ class GpuPreset:
     description: str = ""
     capacity_gib: float = 0.0
     cpu_adam_params_per_s_per_core: float | None = None
+    # Measured per-direction host-link figures (GB/s, what a pinned copy reaches), where upstream published them;
+    # they replace ``link_gbps × LINK_EFFICIENCY`` for that direction.
+    measured_d2h_gbps: float | None = None
+    measured_h2d_gbps: float | None = None
+    source: str = ""
 
     @property
     def capacity_bytes(self) -> float:
@@ -52,7 +57,16 @@ class GpuPreset:
 
     @property
     def link_effective_gbps(self) -> float:
-        return self.link_gbps * LINK_EFFICIENCY
+        """The slower direction (what a round trip through the host is limited by)."""
+        return min(self.d2h_effective_gbps, self.h2d_effective_gbps)
+
+    @property
+    def d2h_effective_gbps(self) -> float:
+        return self.measured_d2h_gbps or self.link_gbps * LINK_EFFICIENCY
+
+    @property
+    def h2d_effective_gbps(self) -> float:
+        return self.measured_h2d_gbps or self.link_gbps * LINK_EFFICIENCY
 
     @property
     def host_bw_effective_gbps(self) -> float:
@@ -65,7 +79,11 @@ class GpuPreset:
 SAPPHIRE_RAPIDS_ADAM = 0.705e9
 
 # capacity_gib: what CUDA exposes (PyTorch's OOM message "GPU 0 has a total capacity of X GiB" on that GPU, as
-# reported in public issues); below the marketed size because the driver and ECC keep part of the HBM.
+# reported in public issues); below the marketed size because the driver and ECC keep part of the HBM. ``source``
+# says where each figure comes from (docs/planner.md renders it).
+_PCIE5 = "host link PCIe Gen5 x16 (63 GB/s per direction nominal, x LINK_EFFICIENCY)"
+_C2C = "NVLink-C2C, 900 GB/s bidirectional = 450 GB/s per direction nominal"
+_MCORE_6491 = "NVIDIA/Megatron-LM#6491 comments (nvbandwidth, 4-GPU nodes, all GPUs copying at once, 2026-08)"
 GPU_PRESETS: dict[str, GpuPreset] = {
     # DGX/HGX H100: 2 x Xeon 8480C (56 cores, 8 x DDR5-4800 = 307 GB/s each), 2 TB RAM, Gen5 x16 per GPU.
     "h100-80gb": GpuPreset(
@@ -79,6 +97,7 @@ GPU_PRESETS: dict[str, GpuPreset] = {
         "H100 SXM 80 GB, PCIe Gen5 host link, 2-socket Sapphire Rapids node",
         capacity_gib=79.11,
         cpu_adam_params_per_s_per_core=SAPPHIRE_RAPIDS_ADAM,
+        source=f"capacity 79.11 GiB: PyTorch OOM messages on H100 80 GB; {_PCIE5}; DGX H100 datasheet (host)",
     ),
     # HGX H200: same host platform as H100 (Emerald Rapids DDR5-5600 nodes are also common).
     "h200-141gb": GpuPreset(
@@ -92,10 +111,55 @@ GPU_PRESETS: dict[str, GpuPreset] = {
         "H200 SXM 141 GB, PCIe Gen5 host link, 2-socket Sapphire Rapids node",
         capacity_gib=139.80,
         cpu_adam_params_per_s_per_core=SAPPHIRE_RAPIDS_ADAM,
+        source=f"capacity 139.80 GiB: PyTorch OOM messages on H200; {_PCIE5}",
     ),
-    # GH200: one Grace (72 cores, ~500 GB/s LPDDR5X, 480 GB) per Hopper, NVLink-C2C 450 GB/s per direction.
+    # GH200: one Grace (72 cores, ~500 GB/s LPDDR5X, 480 GB) per Hopper, NVLink-C2C. The link is asymmetric in
+    # practice: GPU->CPU ~170 GB/s, CPU->GPU ~415 GB/s measured.
     "gh200": GpuPreset(
-        "gh200", 96.0, 450.0, 500.0, 72, 989.0, 480.0, "GH200 Grace Hopper (96 GB HBM3), NVLink-C2C, one Grace per GPU"
+        "gh200",
+        96.0,
+        450.0,
+        500.0,
+        72,
+        989.0,
+        480.0,
+        "GH200 Grace Hopper (96 GB HBM3), NVLink-C2C, one Grace per GPU",
+        measured_d2h_gbps=170.0,
+        measured_h2d_gbps=415.0,
+        source=f"{_C2C}; measured D2H 169.9-170.1 GB/s, H2D 411-421 GB/s: {_MCORE_6491}; capacity: marketed 96 GB "
+        "(no exposed figure known)",
+    ),
+    # GB200 NVL72: one Grace (72 cores, 480 GB LPDDR5X, ~512 GB/s) per two Blackwell GPUs.
+    "gb200": GpuPreset(
+        "gb200",
+        186.0,
+        450.0,
+        512.0 / 2,
+        36,
+        2500.0,
+        240.0,
+        "GB200 (186 GB HBM3e), NVLink-C2C, one Grace per two GPUs",
+        capacity_gib=184.31,
+        measured_d2h_gbps=176.0,
+        measured_h2d_gbps=176.0,
+        source=f"capacity 184.31 GiB: PyTorch OOM messages on GB200 in public issues; {_C2C}; measured 176 GB/s "
+        f"CPU->GPU with all GPUs of a Grace pair copying ({_MCORE_6491}); GPU->CPU not published, assumed the same",
+    ),
+    # GB300 NVL72: Grace as in GB200, Blackwell Ultra 288 GB HBM3e.
+    "gb300": GpuPreset(
+        "gb300",
+        288.0,
+        450.0,
+        512.0 / 2,
+        36,
+        2500.0,
+        240.0,
+        "GB300 (288 GB HBM3e), NVLink-C2C, one Grace per two GPUs",
+        capacity_gib=267.69,
+        measured_d2h_gbps=182.9,
+        measured_h2d_gbps=172.0,
+        source=f"{_C2C}; measured all_to_host 181.9-183.9 GB/s, host_to_all 168.6-175.4 GB/s ({_MCORE_6491}); "
+        "capacity: no GB300 figure published, assumed the B300's 267.69 GiB (the same 288 GB HBM3e)",
     ),
     # DGX A100: 2 x EPYC 7742 (64 cores, 8 x DDR4-3200 = 204.8 GB/s each), Gen4 x16 per GPU.
     "a100-80gb": GpuPreset(
@@ -108,6 +172,7 @@ GPU_PRESETS: dict[str, GpuPreset] = {
         250.0,
         "A100 SXM 80 GB, PCIe Gen4 host link, 2-socket EPYC Rome node",
         capacity_gib=79.15,
+        source="capacity 79.15 GiB: PyTorch OOM messages on A100 80 GB; PCIe Gen4 x16 (31.5 GB/s per direction)",
     ),
     # DGX B200: 2 x Xeon 8570 (56 cores, 8 x DDR5-5600 = 358 GB/s each), Gen5 x16 per GPU, 180 GB HBM3e.
     "b200": GpuPreset(
@@ -120,6 +185,21 @@ GPU_PRESETS: dict[str, GpuPreset] = {
         500.0,
         "B200 180 GB, PCIe Gen5 host link, 2-socket Emerald Rapids node",
         capacity_gib=178.35,
+        source=f"capacity 178.35 GiB: PyTorch OOM messages on B200; {_PCIE5}; DGX B200 datasheet (host)",
+    ),
+    # DGX B300: 2 x Xeon 6776P (64 cores, 8 x DDR5-6400 = 410 GB/s each), 2 TB RAM; the CPUs are PCIe Gen5.
+    "b300": GpuPreset(
+        "b300",
+        288.0,
+        63.0,
+        2 * 409.6 / 8,
+        16,
+        2250.0,
+        250.0,
+        "B300 288 GB, PCIe Gen5 host link, 2-socket Granite Rapids node",
+        capacity_gib=267.69,
+        source=f"capacity 267.69 GiB: PyTorch OOM message on a 2 x 8 B300 system in a public report; {_PCIE5} "
+        "(the host CPUs are Gen5 even where the GPU side is Gen6); DGX B300 datasheet (host)",
     ),
 }
 
@@ -138,5 +218,23 @@ def gpu_preset(name: str) -> GpuPreset:
 
 def with_overrides(preset: GpuPreset, **values: float | int | None) -> GpuPreset:
     """A copy of ``preset`` with the given (non-None) fields replaced, e.g. ``hbm_gb=48``."""
-    given: dict[str, Any] = {k: v for k, v in values.items() if v is not None}  # replace() checks the names
+    given: dict[str, Any] = {k: v for k, v in values.items() if v is not None}
+    if "link_gbps" in given:  # a stated link replaces the measured figures of the preset
+        given.update(measured_d2h_gbps=None, measured_h2d_gbps=None)
     return replace(preset, **given)
+
+
+def render_gpu_table() -> str:
+    """The GPU presets as a Markdown table with each figure's source (docs/planner.md, section gpu-presets)."""
+    lines = [
+        "| preset | exposed GiB | D2H / H2D GB/s used | host GB/s per GPU | cores per GPU | source |",
+        "|---|---|---|---|---|---|",
+    ]
+    for p in GPU_PRESETS.values():
+        exposed = f"{p.capacity_gib:.2f}" if p.capacity_gib else f"{p.hbm_gb:g} GB (marketed)"
+        measured = " (measured)" if p.measured_d2h_gbps or p.measured_h2d_gbps else ""
+        lines.append(
+            f"| `{p.name}` | {exposed} | {p.d2h_effective_gbps:.0f} / {p.h2d_effective_gbps:.0f}{measured} "
+            f"| {p.host_bw_gbps:.0f} | {p.cpu_cores} | {p.source} |"
+        )
+    return "\n".join(lines) + "\n"

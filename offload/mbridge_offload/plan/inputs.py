@@ -39,6 +39,8 @@ def _field(default: Any = None, *, group: str, help: str, flag: str | None = Non
 
 Dtype = Literal["bf16", "fp16", "fp32"]
 StateDtype = Literal["bf16", "fp16", "fp32", "fp8"]
+FsdpStrategy = Literal["no_shard", "optim", "optim_grads", "optim_grads_params"]
+Fp8Recipe = Literal["none", "tensorwise", "delayed", "mxfp8", "blockwise"]
 
 
 class PlanInputs(BaseModel):
@@ -72,6 +74,21 @@ class PlanInputs(BaseModel):
     seq_length: int | None = _field(group="parallel", help="sequence length", ge=1, le=MAX_SEQ)
     micro_batch_size: int | None = _field(group="parallel", help="micro-batch size", ge=1, le=MAX_BATCH)
     global_batch_size: int | None = _field(group="parallel", help="global batch size", ge=1, le=MAX_BATCH)
+    num_layers_in_first_pipeline_stage: int | None = _field(
+        group="parallel", help="model.num_layers_in_first_pipeline_stage (uneven PP)", ge=1, le=MAX_LAYERS
+    )
+    num_layers_in_last_pipeline_stage: int | None = _field(
+        group="parallel", help="model.num_layers_in_last_pipeline_stage (uneven PP)", ge=1, le=MAX_LAYERS
+    )
+    pipeline_layout: str | None = _field(
+        group="parallel",
+        help="model.pipeline_model_parallel_layout, e.g. 'Et*4|(tttt|)*14tmL' (decides the layers of each stage)",
+        max_length=4096,
+    )
+    use_megatron_fsdp: bool | None = _field(group="parallel", help="ddp.use_megatron_fsdp (Megatron-FSDP)")
+    fsdp_sharding_strategy: FsdpStrategy | None = _field(
+        group="parallel", help="ddp.data_parallel_sharding_strategy under Megatron-FSDP"
+    )
     # --- precision
     params_dtype: Dtype | None = _field(group="precision", help="parameter dtype")
     grad_reduce_in_fp32: bool | None = _field(group="precision", help="ddp.grad_reduce_in_fp32 (fp32 grad buffers)")
@@ -80,6 +97,16 @@ class PlanInputs(BaseModel):
     main_params_dtype: StateDtype | None = _field(group="precision", help="precision-aware: master param dtype")
     exp_avg_dtype: StateDtype | None = _field(group="precision", help="precision-aware: exp_avg dtype")
     exp_avg_sq_dtype: StateDtype | None = _field(group="precision", help="precision-aware: exp_avg_sq dtype")
+    fp8_recipe: Fp8Recipe | None = _field(
+        group="precision", help="FP8 compute recipe (none = bf16; GEMM inputs saved in 1 byte otherwise)"
+    )
+    fp8_param: bool | None = _field(group="precision", help="fp8_param_gather: FP8 weights (1 byte per element)")
+    cross_entropy_loss_fusion: bool | None = _field(
+        group="precision", help="model.cross_entropy_loss_fusion (bf16 logits reused for their gradient)"
+    )
+    fsdp_main_grads_dtype: Dtype | None = _field(
+        group="precision", help="ddp.megatron_fsdp_main_grads_dtype (default: the parameter dtype)"
+    )
     # --- activation recompute
     recompute_granularity: Literal["none", "selective", "full"] | None = _field(
         group="recompute", help="model.recompute_granularity", flag="recompute"
@@ -119,7 +146,9 @@ class PlanInputs(BaseModel):
     )
     moe_paged_stash: bool | None = _field(group="offload", help="blocks layer-level offload")
     # --- hardware
-    gpu: str | None = _field(group="hardware", help="GPU preset (h100-80gb, h200-141gb, gh200, a100-80gb, b200)")
+    gpu: str | None = _field(
+        group="hardware", help="GPU preset (h100-80gb, h200-141gb, gh200, gb200, gb300, a100-80gb, b200, b300)"
+    )
     gpu_memory_gb: float | None = _field(
         group="hardware", help="GPU memory the device exposes, decimal GB (instead of the preset's)", gt=0, le=1e5
     )

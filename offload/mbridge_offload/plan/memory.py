@@ -14,318 +14,58 @@ modelled as the upstream code does it:
 - Layer-level activation offload (TE ``get_cpu_offload_context``, v2): at most ``model_layers − k`` layers of
   *eligible* saved tensors (≥ 256 Ki elements) stay resident; smaller ones never move.
 
-Activation bytes follow Korthikanti et al. (2022) in Megatron's variant (``18 + 4·ffn/h`` bytes per ``s·b·h`` for
-a GeLU MLP with dropout, flash attention so no ``5·a·s/h`` term), generalised tensor by tensor to SwiGLU, GQA,
-MLA, MoE, QK-norm, no-dropout models, TP with or without SP, and CP. Sizes are bytes; ``GB`` = 10⁹ bytes.
-Never imports torch. See ``docs/planner.md`` for every formula.
+Megatron-FSDP (``use_megatron_fsdp``) replaces the DDP/DistOpt accounting of weights, gradients and optimizer state
+(``plan/fsdp.py``); activations are ``plan/activations.py``. Pipeline stages follow megatron-core: even split,
+``num_layers_in_first/last_pipeline_stage``, or ``pipeline_model_parallel_layout`` (layers per virtual stage).
+Sizes are bytes; ``GB`` = 10⁹ bytes. Never imports torch. See ``docs/planner.md`` for every formula.
 """
 
 from __future__ import annotations
 
-import functools
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
-from mbridge_offload.config.upstream import TE_MIN_OFFLOAD_NUMEL, hdo_offload_mask
-from mbridge_offload.plan import fine_grained
+from mbridge_offload.config.upstream import hdo_offload_mask
+from mbridge_offload.plan.model import (
+    DTYPE_BYTES,
+    GB,
+    VOCAB_DIVISIBLE_BY,
+    GiB,
+    MLASpec,
+    ModelSpec,
+    Setup,
+    Tensor,
+    check_setup,
+    layer_params,
+    next_pow2,
+    padded_vocab,
+    stage_layers,
+    stage_params,
+    total_params,
+)
 
-GB = 1e9
-GiB = 2**30
-# Megatron pads the vocabulary to a multiple of make_vocab_size_divisible_by × TP.
-VOCAB_DIVISIBLE_BY = 128
-DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
-
-
-@dataclass(frozen=True)
-class MLASpec:
-    """Multi-latent attention shapes (DeepSeek-V2/V3); ``q_lora_rank=None`` = no query compression."""
-
-    q_lora_rank: int | None
-    kv_lora_rank: int
-    qk_head_dim: int
-    qk_pos_emb_head_dim: int
-    v_head_dim: int
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    """The architecture, in Megatron ``TransformerConfig`` terms."""
-
-    name: str
-    num_layers: int
-    hidden_size: int
-    ffn_hidden_size: int
-    num_attention_heads: int
-    num_query_groups: int
-    kv_channels: int
-    vocab_size: int
-    seq_length: int = 4096
-    gated_linear_unit: bool = True
-    tied_embeddings: bool = False
-    add_bias_linear: bool = False
-    qk_layernorm: bool = False
-    dropout: float = 0.0
-    num_moe_experts: int | None = None
-    moe_ffn_hidden_size: int | None = None
-    moe_router_topk: int = 2
-    moe_shared_expert_intermediate_size: int | None = None
-    first_k_dense: int = 0
-    mla: MLASpec | None = None
-    # Expert-TP the public Bridge recipe uses (MCore's own default is ETP = TP).
-    default_etp: int | None = None
-
-    @property
-    def is_moe(self) -> bool:
-        return bool(self.num_moe_experts)
-
-    def is_moe_layer(self, index: int) -> bool:
-        return self.is_moe and index >= self.first_k_dense
-
-
-@dataclass(frozen=True)
-class Setup:
-    """Parallelism, batch, precision and offload settings of one run (Bridge recipe defaults)."""
-
-    num_gpus: int = 8
-    tp: int = 1
-    pp: int = 1
-    vpp: int | None = None
-    cp: int = 1
-    ep: int = 1
-    etp: int | None = None
-    sequence_parallel: bool | None = None  # None: on when TP > 1, as Bridge recipes set it
-    seq_length: int | None = None
-    micro_batch_size: int = 1
-    global_batch_size: int | None = None
-    params_dtype: str = "bf16"
-    grad_reduce_in_fp32: bool = True  # Bridge recipes set ddp.grad_reduce_in_fp32=True
-    use_distributed_optimizer: bool = True
-    use_precision_aware_optimizer: bool = False
-    main_params_dtype: str = "fp32"
-    exp_avg_dtype: str = "fp32"
-    exp_avg_sq_dtype: str = "fp32"
-    store_param_remainders: bool = True
-    recompute_granularity: str | None = None
-    recompute_method: str | None = None
-    recompute_num_layers: int | None = None
-    recompute_modules: tuple[str, ...] = ("core_attn",)
-    optimizer_offload_fraction: float = 0.0
-    activation_offload_layers: int = 0
-    # Fine-grained activation offloading (model.offload_modules; on when non-empty): see plan/fine_grained.py.
-    offload_modules: tuple[str, ...] = ()
-    min_offloaded_tensor_size: int = 1024 * 1024
-    activation_offload_fraction: float = 1.0
-    # Memory PyTorch's allocator hands out beyond the model's tensors: cuBLAS/TE workspaces, DistOpt's
-    # all-gather/reduce-scatter staging, loss temporaries. In "max allocated"; the CUDA context is not.
-    overhead_gb: float = 2.0
-
-    def resolved_etp(self, model: ModelSpec) -> int:
-        if self.etp is not None:
-            return self.etp
-        return model.default_etp if model.default_etp is not None else self.tp
-
-    @property
-    def sp(self) -> bool:
-        return self.tp > 1 if self.sequence_parallel is None else self.sequence_parallel
-
-    @property
-    def dp(self) -> int:
-        return self.num_gpus // (self.tp * self.pp * self.cp)
-
-    def expert_dp(self, model: ModelSpec) -> int:
-        return self.num_gpus // (self.pp * self.ep * self.resolved_etp(model))
-
-    def num_microbatches(self) -> int | None:
-        if self.global_batch_size is None:
-            return None
-        return max(1, self.global_batch_size // (self.micro_batch_size * self.dp))
-
-
-def check_setup(model: ModelSpec, setup: Setup) -> None:
-    """Reject what Megatron would reject, with the key, the value and the fix.
-
-    Raises:
-        ValueError: one line naming the violated constraint.
-    """
-    s = setup
-    for name, value in (
-        ("num_gpus", s.num_gpus),
-        ("tp", s.tp),
-        ("pp", s.pp),
-        ("cp", s.cp),
-        ("ep", s.ep),
-        ("micro_batch_size", s.micro_batch_size),
-    ):
-        if value < 1:
-            raise ValueError(f"{name} is {value}: it must be at least 1")
-    etp = s.resolved_etp(model)
-    if s.num_gpus % (s.tp * s.pp * s.cp):
-        raise ValueError(f"num_gpus {s.num_gpus} is not divisible by TP·PP·CP = {s.tp * s.pp * s.cp}")
-    if model.num_attention_heads % s.tp:
-        raise ValueError(f"TP {s.tp} does not divide num_attention_heads {model.num_attention_heads}")
-    if model.mla is None and model.num_query_groups % s.tp:
-        raise ValueError(f"TP {s.tp} does not divide num_query_groups {model.num_query_groups}")
-    if model.num_layers < s.pp:
-        raise ValueError(f"PP {s.pp} exceeds num_layers {model.num_layers}")
-    if s.vpp is not None and (s.vpp < 1 or s.pp == 1 or model.num_layers % (s.pp * s.vpp)):
-        raise ValueError(f"VPP {s.vpp} needs PP > 1 and num_layers {model.num_layers} divisible by PP·VPP")
-    seq = s.seq_length or model.seq_length
-    if seq % s.cp or (s.cp > 1 and seq % (2 * s.cp)):
-        raise ValueError(f"seq_length {seq} must be divisible by 2·CP = {2 * s.cp}")
-    if model.is_moe:
-        if model.num_moe_experts % s.ep:
-            raise ValueError(f"EP {s.ep} does not divide num_moe_experts {model.num_moe_experts}")
-        if s.num_gpus % (s.pp * s.ep * etp):
-            raise ValueError(f"num_gpus {s.num_gpus} is not divisible by PP·EP·ETP = {s.pp * s.ep * etp}")
-    elif s.ep > 1:
-        raise ValueError(f"EP {s.ep} given for dense model {model.name}: expert parallelism needs MoE layers")
-    if not 0.0 <= s.optimizer_offload_fraction <= 1.0:
-        raise ValueError(f"optimizer_offload_fraction is {s.optimizer_offload_fraction}: it must be in [0.0, 1.0]")
-    fine_grained.check(s)
-    if s.activation_offload_layers:
-        _check_activation_offload(model, s)
-
-
-def _check_activation_offload(model: ModelSpec, s: Setup) -> None:
-    """The rule catalogue's activation-offload errors (config.rules.activation), raised as ValueError."""
-    from mbridge_offload.config.validate import activation_offload_errors
-
-    errors = activation_offload_errors(
-        {
-            "num_layers": model.num_layers,
-            "cpu_offloading_num_layers": s.activation_offload_layers,
-            "pipeline_model_parallel_size": s.pp,
-            "recompute_granularity": s.recompute_granularity,
-        }
-    )
-    if errors:
-        raise ValueError("; ".join(f"{message} ({rule})" for rule, message in errors))
-
-
-# ------------------------------------------------------------------------------------------- parameters
-
-
-@dataclass(frozen=True)
-class Tensor:
-    """One tensor on one GPU: ``numel`` elements; ``expert`` = sharded over expert DP; ``decay`` = weight decay."""
-
-    name: str
-    numel: int
-    expert: bool = False
-    decay: bool = True
-    nbytes_per: int = 2  # activations only: bytes per element
-
-    @property
-    def nbytes(self) -> int:
-        return self.numel * self.nbytes_per
-
-
-def padded_vocab(model: ModelSpec, tp: int) -> int:
-    multiple = VOCAB_DIVISIBLE_BY * tp
-    return math.ceil(model.vocab_size / multiple) * multiple
-
-
-def _attention_params(m: ModelSpec, tp: int) -> list[Tensor]:
-    h, bias = m.hidden_size, m.add_bias_linear
-    out: list[Tensor] = [Tensor("input_layernorm", h, decay=False)]
-    if m.mla is not None:
-        a = m.num_attention_heads
-        qk = m.mla.qk_head_dim + m.mla.qk_pos_emb_head_dim
-        if m.mla.q_lora_rank:
-            # The down-projections are "duplicated" across TP in MCore; the up-projections are column-parallel.
-            out += [
-                Tensor("q_down_proj", h * m.mla.q_lora_rank),
-                Tensor("q_layernorm", m.mla.q_lora_rank, decay=False),
-                Tensor("q_up_proj", m.mla.q_lora_rank * a * qk // tp),
-            ]
-        else:
-            out.append(Tensor("q_proj", h * a * qk // tp))
-        out += [
-            Tensor("kv_down_proj", h * (m.mla.kv_lora_rank + m.mla.qk_pos_emb_head_dim)),
-            Tensor("kv_layernorm", m.mla.kv_lora_rank, decay=False),
-            Tensor("kv_up_proj", m.mla.kv_lora_rank * a * (m.mla.qk_head_dim + m.mla.v_head_dim) // tp),
-            Tensor("proj", a * m.mla.v_head_dim * h // tp),
-        ]
-        return out
-    q = m.num_attention_heads * m.kv_channels
-    kv = m.num_query_groups * m.kv_channels
-    out.append(Tensor("linear_qkv", h * (q + 2 * kv) // tp))
-    if bias:
-        out.append(Tensor("linear_qkv_bias", (q + 2 * kv) // tp, decay=False))
-    if m.qk_layernorm:
-        out += [Tensor("q_layernorm", m.kv_channels, decay=False), Tensor("k_layernorm", m.kv_channels, decay=False)]
-    out.append(Tensor("linear_proj", q * h // tp))
-    if bias:
-        out.append(Tensor("linear_proj_bias", h, decay=False))
-    return out
-
-
-def _mlp_params(m: ModelSpec, ffn: int, shard: int, expert: bool, prefix: str) -> list[Tensor]:
-    h, gate = m.hidden_size, 2 if m.gated_linear_unit else 1
-    out = [Tensor(f"{prefix}fc1", h * gate * ffn // shard, expert), Tensor(f"{prefix}fc2", ffn * h // shard, expert)]
-    if m.add_bias_linear:
-        out += [
-            Tensor(f"{prefix}fc1_bias", gate * ffn // shard, expert, decay=False),
-            Tensor(f"{prefix}fc2_bias", h, expert, decay=False),
-        ]
-    return out
-
-
-def layer_params(m: ModelSpec, s: Setup, index: int) -> list[Tensor]:
-    """The parameter shards of transformer layer ``index`` held by one GPU."""
-    return list(_layer_params(m, s.tp, s.ep, s.resolved_etp(m), m.is_moe_layer(index)))
-
-
-@functools.lru_cache(maxsize=256)
-def _layer_params(m: ModelSpec, tp: int, ep: int, etp: int, moe: bool) -> tuple[Tensor, ...]:
-    # Every layer of a kind is the same: built once per (model, TP, EP, ETP), the planner's search reuses it.
-    out = _attention_params(m, tp)
-    out.append(Tensor("pre_mlp_layernorm", m.hidden_size, decay=False))
-    if not moe:
-        return tuple(out + _mlp_params(m, m.ffn_hidden_size, tp, False, "mlp."))
-    out.append(Tensor("router", m.hidden_size * m.num_moe_experts))
-    for e in range(m.num_moe_experts // ep):
-        out += _mlp_params(m, m.moe_ffn_hidden_size, etp, True, f"expert{e}.")
-    if m.moe_shared_expert_intermediate_size:
-        out += _mlp_params(m, m.moe_shared_expert_intermediate_size, tp, False, "shared_expert.")
-    return tuple(out)
-
-
-def stage_layers(m: ModelSpec, s: Setup) -> list[range]:
-    """Layer indices of each pipeline stage (the first ``L mod PP`` stages take one more)."""
-    base, extra = divmod(m.num_layers, s.pp)
-    ranges, start = [], 0
-    for stage in range(s.pp):
-        n = base + (1 if stage < extra else 0)
-        ranges.append(range(start, start + n))
-        start += n
-    return ranges
-
-
-def stage_params(m: ModelSpec, s: Setup, stage: int) -> list[Tensor]:
-    """All parameter shards of one GPU of pipeline stage ``stage``, in model (``named_parameters``) order."""
-    vocab_shard = padded_vocab(m, s.tp) * m.hidden_size // s.tp
-    out: list[Tensor] = []
-    if stage == 0:
-        out.append(Tensor("embedding", vocab_shard))
-    for index in stage_layers(m, s)[stage]:
-        out += layer_params(m, s, index)
-    if stage == s.pp - 1:
-        out.append(Tensor("final_layernorm", m.hidden_size, decay=False))
-        # Untied: a separate output layer. Tied with PP > 1: the last stage keeps its own copy of the embedding.
-        if not m.tied_embeddings or s.pp > 1:
-            out.append(Tensor("output_layer", vocab_shard))
-    return out
-
-
-def total_params(m: ModelSpec) -> int:
-    """Unsharded parameter count (no vocab padding), for reports."""
-    one = Setup(num_gpus=1)
-    n = m.vocab_size * m.hidden_size * (1 if m.tied_embeddings else 2) + m.hidden_size
-    for index in range(m.num_layers):
-        n += sum(t.numel for t in layer_params(m, replace(one, ep=1, etp=1), index))
-    return n
-
+__all__ = [
+    "DTYPE_BYTES",
+    "GB",
+    "VOCAB_DIVISIBLE_BY",
+    "GiB",
+    "MLASpec",
+    "MemoryEstimate",
+    "ModelSpec",
+    "Setup",
+    "StageMemory",
+    "Tensor",
+    "check_setup",
+    "estimate_memory",
+    "greedy_offload",
+    "layer_params",
+    "next_pow2",
+    "optimizer_memory",
+    "padded_vocab",
+    "stage_layers",
+    "stage_params",
+    "total_params",
+]
 
 # ------------------------------------------------------------------------------------------- optimizer
 
@@ -349,10 +89,6 @@ def _shards(params: list[Tensor], m: ModelSpec, s: Setup, expert: bool) -> list[
     """Numel of each optimizer-owned shard: DP·CP for dense params, expert DP for experts (DistOpt only)."""
     d = (s.expert_dp(m) if expert else s.dp * s.cp) if s.use_distributed_optimizer else 1
     return [math.ceil(t.numel / d) for t in optimizer_param_order(params) if t.expert == expert]
-
-
-def next_pow2(n: int) -> int:
-    return 1 if n <= 1 else 1 << (n - 1).bit_length()
 
 
 @dataclass
@@ -413,178 +149,6 @@ def _prefix(numels: list[int], offloaded: int) -> list[int]:
         out.append(n)
         acc += n
     return out
-
-
-# ------------------------------------------------------------------------------------------- activations
-
-
-def layer_activations(m: ModelSpec, s: Setup, index: int) -> list[Tensor]:
-    """Tensors one GPU saves for backward in transformer layer ``index`` for one micro-batch (no recompute)."""
-    seq = s.seq_length or m.seq_length
-    tokens = seq * s.micro_batch_size // s.cp  # tokens per GPU along the sequence after CP
-    t_sp = tokens // s.tp if s.sp else tokens  # tokens in the sequence-parallel regions (norms, residual)
-    h, tp = m.hidden_size, s.tp
-    out = [Tensor("input_norm_in", t_sp * h)]
-    if m.mla is not None:
-        a, mla = m.num_attention_heads, m.mla
-        qk = mla.qk_head_dim + mla.qk_pos_emb_head_dim
-        out.append(Tensor("qkv_in", t_sp * h))
-        if mla.q_lora_rank:
-            out += [Tensor("q_down_out", tokens * mla.q_lora_rank), Tensor("q_up_in", tokens * mla.q_lora_rank)]
-        out += [
-            Tensor("kv_down_out", tokens * (mla.kv_lora_rank + mla.qk_pos_emb_head_dim)),
-            Tensor("kv_up_in", tokens * mla.kv_lora_rank),
-            Tensor("q", tokens * a * qk // tp),
-            Tensor("k", tokens * a * qk // tp),
-            Tensor("v", tokens * a * mla.v_head_dim // tp),
-            Tensor("attn_out", tokens * a * mla.v_head_dim // tp),
-        ]
-        heads = a // tp
-    else:
-        q = m.num_attention_heads * m.kv_channels // tp
-        kv = m.num_query_groups * m.kv_channels // tp
-        out += [
-            Tensor("qkv_in", t_sp * h),
-            Tensor("q", tokens * q),
-            Tensor("k", tokens * kv),
-            Tensor("v", tokens * kv),
-            Tensor("attn_out", tokens * q),
-        ]  # flash output = proj input, saved once
-        if m.qk_layernorm:
-            out += [Tensor("q_norm_in", tokens * q), Tensor("k_norm_in", tokens * kv)]
-        heads = m.num_attention_heads // tp
-    out.append(Tensor("softmax_lse", tokens * heads, nbytes_per=4))
-    if m.dropout > 0:
-        out.append(Tensor("attn_dropout_mask", t_sp * h, nbytes_per=1))
-    out.append(Tensor("mlp_norm_in", t_sp * h))
-    gate = 2 if m.gated_linear_unit else 1
-    if not m.is_moe_layer(index):
-        ffn = m.ffn_hidden_size // tp
-        out += [Tensor("fc1_in", t_sp * h), Tensor("fc1_out", tokens * gate * ffn), Tensor("act_out", tokens * ffn)]
-    else:
-        etp = s.resolved_etp(m)
-        routed = t_sp * m.moe_router_topk * etp  # balanced routing: each GPU receives its own tokens × top-k
-        ffn = m.moe_ffn_hidden_size // etp
-        out += [
-            Tensor("router_in", t_sp * h),
-            Tensor("router_probs", t_sp * m.num_moe_experts, nbytes_per=4),
-            Tensor("expert_fc1_in", routed * h),
-            Tensor("expert_fc1_out", routed * gate * ffn),
-            Tensor("expert_act_out", routed * ffn),
-        ]
-        if m.moe_shared_expert_intermediate_size:
-            sh = m.moe_shared_expert_intermediate_size // tp
-            out += [Tensor("shared_fc1_out", tokens * gate * sh), Tensor("shared_act_out", tokens * sh)]
-    if m.dropout > 0:
-        out.append(Tensor("mlp_dropout_mask", t_sp * h, nbytes_per=1))
-    return out
-
-
-# Which saved tensors each selective-recompute module drops (MCore recompute_modules).
-_RECOMPUTE_DROPS = {
-    "core_attn": {"softmax_lse"},  # flash attention stores no scores: only its statistics go
-    "layernorm": {"qkv_in", "fc1_in", "router_in"},
-    "mlp": {"fc1_out", "act_out"},
-    "moe_act": {"expert_act_out", "shared_act_out"},
-    "moe": {"expert_fc1_in", "expert_fc1_out", "expert_act_out", "router_probs"},
-    "shared_experts": {"shared_fc1_out", "shared_act_out"},
-    "mla_up_proj": {"q", "k", "v", "q_up_in", "kv_up_in"},
-}
-
-
-def _stored(acts: list[Tensor], s: Setup) -> list[Tensor]:
-    if s.recompute_granularity != "selective":
-        return acts
-    drops = set().union(*(_RECOMPUTE_DROPS.get(name, set()) for name in s.recompute_modules))
-    return [t for t in acts if t.name not in drops]
-
-
-def in_flight(s: Setup, stage: int) -> float:
-    """Micro-batches whose activations stage ``stage`` holds at its peak, in whole-stage units.
-
-    megatron-core's ``get_pp_rank_microbatches``: without VPP, ``PP − stage − 1`` warm-up forwards plus the one
-    that starts 1F1B; with VPP, ``2·(PP − stage − 1) + (VPP − 1)·PP`` warm-up model chunks plus one, each chunk
-    ``1/VPP`` of the stage (stage 0: ``PP + (PP−1)/VPP``, Megatron's interleaving penalty). Capped by the step's
-    micro-batches.
-    """
-    if s.pp == 1:
-        return 1.0
-    mbs = s.num_microbatches()
-    if not s.vpp:
-        n = s.pp - stage
-        return float(min(n, mbs)) if mbs is not None else float(n)
-    chunks = 2 * (s.pp - stage - 1) + (s.vpp - 1) * s.pp + 1
-    if mbs is not None:
-        chunks = min(chunks, mbs * s.vpp)
-    return chunks / s.vpp
-
-
-@dataclass
-class ActivationMemory:
-    gpu_bytes: int
-    offloadable_bytes: int  # eligible bytes per layer set that activation offload moves (one micro-batch)
-    host_bytes: int
-
-
-def moe_dispatch_bytes(m: ModelSpec, s: Setup, layers: list[int]) -> int:
-    """Transient token-dispatch buffers of the layer being run: the permuted tokens before and after the
-    all-to-all (bf16, ``T_sp·k·ETP × h`` each, balanced routing); freed when the layer is done."""
-    if not any(m.is_moe_layer(i) for i in layers):
-        return 0
-    seq = s.seq_length or m.seq_length
-    t_sp = seq * s.micro_batch_size // s.cp // (s.tp if s.sp else 1)
-    return 2 * 2 * t_sp * m.moe_router_topk * s.resolved_etp(m) * m.hidden_size
-
-
-def stage_activations(m: ModelSpec, s: Setup, stage: int) -> ActivationMemory:
-    """Peak activation bytes on one GPU of ``stage`` (transformer layers, embedding input, output layer + loss)."""
-    seq = s.seq_length or m.seq_length
-    tokens = seq * s.micro_batch_size // s.cp
-    t_sp = tokens // s.tp if s.sp else tokens
-    h = m.hidden_size
-    layers = list(stage_layers(m, s)[stage])
-    per_layer = [_stored(layer_activations(m, s, i), s) for i in layers]
-    full = [sum(t.nbytes for t in acts) for acts in per_layer]
-    layer_input = 2 * t_sp * h
-    if s.recompute_granularity == "full":
-        n = s.recompute_num_layers or 1
-        if s.recompute_method == "block":
-            kept = sum(full[n:]) + layer_input * min(n, len(layers))
-            working = max(full[:n], default=0)
-        else:  # uniform: only the input of every group of n layers, n layers rebuilt at a time in backward
-            kept = layer_input * math.ceil(len(layers) / n)
-            working = sum(sorted(full, reverse=True)[:n])
-        block = kept
-    else:
-        block, working = sum(full), 0
-    eligible = [sum(t.nbytes for t in acts if t.numel >= TE_MIN_OFFLOAD_NUMEL) for acts in per_layer]
-    host = 0
-    k = s.activation_offload_layers
-    if k:
-        # TE v2 keeps at most model_layers − k layers of eligible tensors resident; small ones stay.
-        block -= sum(sorted(eligible, reverse=True)[: min(k, len(layers))])
-        host = sum(next_pow2(t.nbytes) for acts in per_layer[:k] for t in acts if t.numel >= TE_MIN_OFFLOAD_NUMEL)
-    working += moe_dispatch_bytes(m, s, layers)
-    total = block * in_flight(s, stage) + working
-    if s.offload_modules and s.recompute_granularity != "full":  # full recompute saves nothing inside the scopes
-        fg = fine_grained.stage_saving(
-            per_layer,
-            s.offload_modules,
-            in_flight(s, stage),
-            min_size=s.min_offloaded_tensor_size,
-            fraction=s.activation_offload_fraction,
-        )
-        total -= fg.gpu_saving_bytes
-        host += fg.host_bytes
-    if stage == 0:
-        extra = 8 * tokens  # int64 token ids
-        if m.dropout > 0:
-            extra += t_sp * h  # embedding dropout mask
-        total += extra * in_flight(s, stage)
-    if stage == s.pp - 1:
-        # Final norm input and output-layer input (bf16) plus fp32 logits for the loss: 4·sbh + 4·sb·V/t.
-        total += 2 * t_sp * h + 2 * t_sp * h + 4 * tokens * padded_vocab(m, s.tp) // s.tp
-    return ActivationMemory(int(total), max(eligible, default=0), host)
 
 
 # ------------------------------------------------------------------------------------------- estimate
@@ -651,6 +215,60 @@ class MemoryEstimate:
         return max(st.host + st.host_transient for st in self.stages) / GB
 
 
+def _stage_memory(m: ModelSpec, s: Setup, stage: int) -> StageMemory:
+    from mbridge_offload.plan.activations import stage_activations
+
+    params = stage_params(m, s, stage)
+    numel = sum(t.numel for t in params)
+    act = stage_activations(m, s, stage)
+    other = int(s.overhead_gb * GB)
+    if s.use_megatron_fsdp:
+        from mbridge_offload.plan.fsdp import fsdp_memory
+
+        layers = stage_layers(m, s)[stage]
+        f = fsdp_memory(m, s, params, layers, last_stage=stage == s.pp - 1)
+        # Optimizer offload is not applied under Megatron-FSDP (see _setup_warnings): nothing moves to the host.
+        return StageMemory(
+            stage, f.weights, f.gradients, f.optimizer, act.gpu_bytes, other, act.host_bytes, 0, f.shard_numel, 0, numel
+        )
+    param_bytes = DTYPE_BYTES[s.params_dtype]
+    grad_bytes = 4 if s.grad_reduce_in_fp32 else param_bytes
+    opt = optimizer_memory(m, s, params)
+    if not s.use_precision_aware_optimizer and not s.grad_reduce_in_fp32:
+        other += 4 * opt.shard_numel  # main_param.grad = shard_grad.float(): a transient fp32 copy
+    return StageMemory(
+        stage,
+        numel * param_bytes,
+        numel * grad_bytes,
+        opt.gpu_bytes,
+        act.gpu_bytes,
+        other,
+        opt.host_bytes + act.host_bytes,
+        opt.host_transient_bytes,
+        opt.shard_numel,
+        opt.offloaded_numel,
+        numel,
+    )
+
+
+# Upstream's word on optimizer CPU offload under Megatron-FSDP (Bridge 0.6.2 training/config.py; megatron-core
+# fully_sharded_optimizer.py; NVIDIA/Megatron-LM#1986: v1 crashes sharding the pin_memory copies;
+# NVIDIA/Megatron-LM#4910: checkpoint save hangs). The planner never proposes it and does not model it.
+MFSDP_OPTIMIZER_OFFLOAD = (
+    "optimizer CPU offload under Megatron-FSDP is not modelled and never recommended: Bridge refuses it with "
+    'MFSDP v2 ("MFSDP V2 does not support optimizer CPU offload."), and with v1 it crashes in pin_memory '
+    "(NVIDIA/Megatron-LM#1986) or hangs at checkpoint save (NVIDIA/Megatron-LM#4910); the numbers here ignore "
+    "the requested fraction"
+)
+
+
+def _setup_warnings(s: Setup) -> list[str]:
+    out = []
+    if s.use_megatron_fsdp and s.optimizer_offload_fraction > 0:
+        out.append(MFSDP_OPTIMIZER_OFFLOAD)
+    return out
+
+
 def estimate_memory(m: ModelSpec, s: Setup, host_ram_gb: float | None = None) -> MemoryEstimate:
     """Per-GPU memory of every pipeline stage; ``.worst`` is the stage that decides whether the run fits.
 
@@ -669,33 +287,9 @@ def estimate_memory(m: ModelSpec, s: Setup, host_ram_gb: float | None = None) ->
         True
     """
     check_setup(m, s)
-    param_bytes = DTYPE_BYTES[s.params_dtype]
-    grad_bytes = 4 if s.grad_reduce_in_fp32 else param_bytes
-    stages = []
-    for stage in range(s.pp):
-        params = stage_params(m, s, stage)
-        numel = sum(t.numel for t in params)
-        opt = optimizer_memory(m, s, params)
-        act = stage_activations(m, s, stage)
-        other = int(s.overhead_gb * GB)
-        if not s.use_precision_aware_optimizer and not s.grad_reduce_in_fp32:
-            other += 4 * opt.shard_numel  # main_param.grad = shard_grad.float(): a transient fp32 copy
-        stages.append(
-            StageMemory(
-                stage,
-                numel * param_bytes,
-                numel * grad_bytes,
-                opt.gpu_bytes,
-                act.gpu_bytes,
-                other,
-                opt.host_bytes + act.host_bytes,
-                opt.host_transient_bytes,
-                opt.shard_numel,
-                opt.offloaded_numel,
-                numel,
-            )
-        )
+    stages = [_stage_memory(m, s, stage) for stage in range(s.pp)]
     est = MemoryEstimate(m, s, stages)
+    est.warnings.extend(_setup_warnings(s))
     if host_ram_gb is not None and est.host_peak_gb > host_ram_gb:
         est.warnings.append(
             f"host memory per GPU peaks at {est.host_peak_gb:.1f} GB (pinned, power-of-two "

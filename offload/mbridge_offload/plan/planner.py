@@ -25,7 +25,7 @@ from mbridge_offload.plan import advice
 from mbridge_offload.plan import fine_grained_plan as fg
 from mbridge_offload.plan.advice import overrides_for
 from mbridge_offload.plan.anchor import Plan, prepare
-from mbridge_offload.plan.memory import GB, GiB, MemoryEstimate, Setup, estimate_memory
+from mbridge_offload.plan.memory import GB, MFSDP_OPTIMIZER_OFFLOAD, GiB, MemoryEstimate, Setup, estimate_memory
 from mbridge_offload.plan.resolve import Resolved
 from mbridge_offload.plan.results import (
     BeforeAfter,
@@ -93,7 +93,7 @@ def estimate_result(p: Plan, est: MemoryEstimate, t: TimeEstimate) -> Estimate:
         optimizer_offload_fraction=s.optimizer_offload_fraction,
         activation_offload_layers=s.activation_offload_layers,
         offload_modules=list(s.offload_modules),
-        warnings=est.warnings + t.notes,
+        warnings=est.warnings + t.notes + ([edge] if (edge := p.edge_note(est)) else []),
         notes=p.notes(),
         assumptions=p.assumptions,
         calibration=p.anchor,
@@ -165,6 +165,11 @@ def _order(p: Plan, before: MemoryEstimate, rationale: list[str]) -> tuple[str, 
     blockers = p.r.constraints.activation_blockers(before.setup, p.r.model.num_layers)
     rationale.extend(blockers)
     w = before.worst
+    if before.setup.use_megatron_fsdp:  # upstream refuses optimizer offload under Megatron-FSDP: never proposed
+        rationale.append(MFSDP_OPTIMIZER_OFFLOAD.replace("; the numbers here ignore the requested fraction", ""))
+        if not blockers:
+            return ("activation",)
+        return (fg.MODE,) if fg.useful_sets(p.r.model, before.setup, p.r.constraints.model_config()) else ()
     if blockers:
         if not fg.useful_sets(p.r.model, before.setup, p.r.constraints.model_config()):
             return ("optimizer",)
@@ -209,26 +214,30 @@ def _search(p: Plan, base: Setup, order: tuple[str, ...]) -> tuple[str, MemoryEs
             found = (_smallest_layers if mode == "activation" else _smallest_fraction)(p, base)
         if found is not None:
             return mode, found
-    most = fg.largest(m, base, cfg) if fg.MODE in order else None
+    most = fg.largest(m, base, cfg) if fg.MODE in order and "optimizer" in order else None
     if most is not None:  # the most fine-grained offload allowed, then the smallest fraction on top
         found = _smallest_fraction(p, most)
         if found is not None:  # then the fewest modules at that fraction
             at = replace(base, optimizer_offload_fraction=found.setup.optimizer_offload_fraction)
             found = fg.smallest(m, at, cfg, lambda setups: _first_fit(p, setups)) or found
         return fg.MODE_WITH_OPTIMIZER, found
-    if "activation" in order:
+    if "activation" in order and "optimizer" in order:
         # Both: the most activation offload allowed, the smallest fraction, then back off the layers.
         found = _smallest_fraction(p, replace(base, activation_offload_layers=_most_layers(p, base)))
         if found is not None:
             with_fraction = replace(base, optimizer_offload_fraction=found.setup.optimizer_offload_fraction)
             return "both", _smallest_layers(p, with_fraction) or found
+    if "optimizer" not in order:
+        return ("activation" if order else "none"), None
     return ("both" if "activation" in order else "optimizer"), None
 
 
 def _suggest(p: Plan, s: Setup) -> list[str]:
     """What would make the run fit, each with its predicted worst-stage memory."""
     m, out = p.r.model, []
-    full = replace(s, optimizer_offload_fraction=1.0, activation_offload_layers=0)
+    fraction = 0.0 if s.use_megatron_fsdp else 1.0  # no optimizer offload under Megatron-FSDP
+    full = replace(s, optimizer_offload_fraction=fraction, activation_offload_layers=0)
+    with_opt = "" if s.use_megatron_fsdp else " with optimizer offload fraction 1.0"
     pp = s.pp * 2
     while pp <= m.num_layers and s.num_gpus % (s.tp * pp * s.cp) == 0:
         try:
@@ -236,7 +245,7 @@ def _suggest(p: Plan, s: Setup) -> list[str]:
         except ValueError:
             break
         if p.fits(est):
-            out.append(f"PP={pp} with optimizer offload fraction 1.0: {p.total_gib(est):.1f} GiB per GPU")
+            out.append(f"PP={pp}{with_opt}: {p.total_gib(est):.1f} GiB per GPU")
             break
         pp *= 2
     if s.recompute_granularity != "full":
@@ -244,7 +253,7 @@ def _suggest(p: Plan, s: Setup) -> list[str]:
         est = estimate_memory(m, recompute)
         verdict = "fits" if p.fits(est) else "still does not fit"
         out.append(
-            "model.recompute_granularity=full (uniform, 1 layer) with optimizer offload fraction 1.0: "
+            f"model.recompute_granularity=full (uniform, 1 layer){with_opt}: "
             f"{p.total_gib(est):.1f} GiB per GPU, {verdict}"
         )
     for mult in (2, 4, 8, 16):
@@ -319,13 +328,10 @@ def recommend(r: Resolved) -> Recommendation:
     else:
         mode, found = _search(p, base, _order(p, before, rationale))
         suggestions = [] if found is not None else _suggest(p, base)
+        most = _most_layers(p, base) if mode in ("both", "activation") else 0
+        fraction = 0.0 if base.use_megatron_fsdp else 1.0
         after = found or estimate_memory(
-            r.model,
-            replace(
-                base,
-                optimizer_offload_fraction=1.0,
-                activation_offload_layers=_most_layers(p, base) if mode == "both" else 0,
-            ),
+            r.model, replace(base, optimizer_offload_fraction=fraction, activation_offload_layers=most)
         )
         if found is None and mode == fg.MODE_WITH_OPTIMIZER:
             most = fg.largest(r.model, base, r.constraints.model_config())

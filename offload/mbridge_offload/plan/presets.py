@@ -36,6 +36,17 @@ MODEL_PRESETS: dict[str, ModelSpec] = {
         vocab_size=128256,
         seq_length=8192,
     ),
+    "llama3.1-405b": ModelSpec(
+        name="llama3.1-405b",
+        num_layers=126,
+        hidden_size=16384,
+        ffn_hidden_size=53248,
+        num_attention_heads=128,
+        num_query_groups=8,
+        kv_channels=128,
+        vocab_size=128256,
+        seq_length=8192,
+    ),
     "qwen3-0.6b": ModelSpec(
         name="qwen3-0.6b",
         num_layers=28,

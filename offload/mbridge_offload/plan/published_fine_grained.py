@@ -101,7 +101,7 @@ def _theoretical_drop_bytes(inputs: dict[str, Any], modules: list[str]) -> float
     in-flight chunk minus the one group per module megatron-core keeps (margin / prefetch)."""
     from dataclasses import replace
 
-    from mbridge_offload.plan import memory
+    from mbridge_offload.plan import activations
     from mbridge_offload.plan.resolve import resolve
 
     r = resolve(inputs)
@@ -111,12 +111,12 @@ def _theoretical_drop_bytes(inputs: dict[str, Any], modules: list[str]) -> float
     per_layer = [
         sum(
             t.nbytes
-            for t in memory._stored(memory.layer_activations(r.model, s, i), s)
+            for t in activations._stored(activations.layer_activations(r.model, s, i), s)
             if t.name in names and t.numel >= s.min_offloaded_tensor_size
         )
-        for i in memory.stage_layers(r.model, s)[stage]
+        for i in activations.stage_layers(r.model, s)[stage]
     ]
-    groups = memory.in_flight(s, stage) * len(per_layer)
+    groups = activations.in_flight(s, stage) * len(per_layer)
     return (groups - len(modules)) * sum(per_layer) / len(per_layer)
 
 
@@ -187,7 +187,7 @@ def render_section() -> str:
     """The ``fine-grained`` section of docs/planner.md."""
     return "\n\n".join(
         [
-            "What each module moves (read from the source; tensor names are those of `plan/memory.py`):",
+            "What each module moves (read from the source; tensor names are those of `plan/activations.py`):",
             render_modules_table(),
             "Published figures against our estimate (`plan/data/published_fine_grained.yaml`, tolerances stated "
             "there before evaluation):",

@@ -15,6 +15,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from mbridge_offload.config.schema import OffloadConfig
+from mbridge_offload.plan.config_inputs import model_notes, precision_values, raw_section, with_layout
 from mbridge_offload.plan.hardware import GpuPreset, gpu_preset, with_overrides
 from mbridge_offload.plan.inputs import FIELDS, InputError, PlanInputs, validate_inputs
 from mbridge_offload.plan.memory import ModelSpec, Setup, check_setup
@@ -61,6 +62,13 @@ CONFIG_KEYS: dict[str, str] = {
     "min_offloaded_tensor_size": "model.min_offloaded_tensor_size",
     "activation_offload_fraction": "model.activation_offload_fraction",
     "moe_paged_stash": "model.moe_paged_stash",
+    "num_layers_in_first_pipeline_stage": "model.num_layers_in_first_pipeline_stage",
+    "num_layers_in_last_pipeline_stage": "model.num_layers_in_last_pipeline_stage",
+    "pipeline_layout": "model.pipeline_model_parallel_layout",
+    "cross_entropy_loss_fusion": "model.cross_entropy_loss_fusion",
+    "use_megatron_fsdp": "ddp.use_megatron_fsdp",
+    "fsdp_sharding_strategy": "ddp.data_parallel_sharding_strategy",
+    "fsdp_main_grads_dtype": "ddp.megatron_fsdp_main_grads_dtype",
 }
 
 # The value used when nothing gives one, and why (Bridge recipe defaults unless said otherwise).
@@ -84,6 +92,11 @@ DEFAULTS: dict[str, tuple[Any, str]] = {
     "cuda_graph_impl": ("none", "megatron-core default"),
     "fine_grained_activation_offloading": (False, "megatron-core default"),
     "moe_paged_stash": (False, "megatron-core default"),
+    "use_megatron_fsdp": (False, "megatron-core default: DDP with the distributed optimizer"),
+    "fsdp_sharding_strategy": ("no_shard", "megatron-core default ddp.data_parallel_sharding_strategy"),
+    "fp8_recipe": ("none", "bf16 compute: no FP8 recipe given"),
+    "fp8_param": (False, "megatron-core default fp8_param_gather=False"),
+    "cross_entropy_loss_fusion": (False, "megatron-core default: fp32 logits kept for the loss"),
     "gpu": ("h100-80gb", "the GPU of the upstream card"),
     "cpu_threads": (1, "torchrun sets OMP_NUM_THREADS=1 per rank when it starts several per node"),
     "margin": (0.05, "5 % of the usable GPU memory kept free"),
@@ -219,6 +232,18 @@ def config_values(config: OffloadConfig, raw: dict[str, Any] | None) -> dict[str
         out["params_dtype"] = "bf16" if config.model.bf16 else "fp16"
     if "recompute_granularity" in out:
         out["recompute_granularity"] = out["recompute_granularity"] or "none"
+    out.update(precision_values(config, raw))
+    tokenizer = raw_section(raw, "tokenizer")
+    if out.get("vocab_size") is None and isinstance(tokenizer.get("vocab_size"), int):
+        out["vocab_size"] = tokenizer["vocab_size"]  # Bridge keeps it there when the tokenizer decides it
+    if "pipeline_layout" in out:
+        from mbridge_offload.plan.layout import layout_text
+
+        out["pipeline_layout"] = layout_text(out["pipeline_layout"])
+    if "fsdp_main_grads_dtype" in out:
+        from mbridge_offload.config.schema import normalize_dtype
+
+        out["fsdp_main_grads_dtype"] = normalize_dtype(out["fsdp_main_grads_dtype"])
     # The offload amounts count only when their master switch is on.
     if _lookup(raw, "optimizer.optimizer_cpu_offload")[0] or "optimizer_offload_fraction" in out:
         out["optimizer_offload_fraction"] = (
@@ -296,7 +321,17 @@ def _setup(values: dict[str, Any], m: ModelSpec) -> Setup:
         recompute_num_layers=values.get("recompute_num_layers"),
         optimizer_offload_fraction=values["optimizer_offload_fraction"],
         activation_offload_layers=values["activation_offload_layers"],
+        use_megatron_fsdp=bool(values["use_megatron_fsdp"]),
+        fsdp_sharding_strategy=values["fsdp_sharding_strategy"],
+        fsdp_main_grads_dtype=values.get("fsdp_main_grads_dtype"),
+        fp8_recipe=None if values["fp8_recipe"] in (None, "none") else values["fp8_recipe"],
+        fp8_param=bool(values["fp8_param"]) and values["fp8_recipe"] not in (None, "none"),
+        num_layers_in_first_pipeline_stage=values.get("num_layers_in_first_pipeline_stage"),
+        num_layers_in_last_pipeline_stage=values.get("num_layers_in_last_pipeline_stage"),
+        cross_entropy_fusion=bool(values["cross_entropy_loss_fusion"]),
     )
+    if values.get("pipeline_layout"):
+        s = with_layout(s, values["pipeline_layout"])
     if values.get("recompute_modules"):
         s = replace(s, recompute_modules=tuple(values["recompute_modules"]))
     if values.get("fine_grained_activation_offloading") and values.get("offload_modules"):
@@ -398,6 +433,7 @@ def resolve(
             if values.get(name) is None:
                 values[name], where[name], notes[name] = value, "default", note
     s = _setup(values, m)
+    notes.update(model_notes(values, s, raw))
     _check_size(m, s)
     if values.get("num_gpus") is None:
         values["num_gpus"], where["num_gpus"] = _default_gpus(s, m), "derived"

@@ -160,11 +160,11 @@ def estimate_time(
     threads = max(1, min(cpu_threads, gpu.cpu_cores))
     rate = cpu_adam_rate(threads, cpu_params_per_s_per_core, calibration, gpu.cpu_adam_params_per_s_per_core)
     out.cpu_params_per_s = rate
-    link = gpu.link_effective_gbps * 1e9
+    d2h, h2d = gpu.d2h_effective_gbps * 1e9, gpu.h2d_effective_gbps * 1e9
     offloaded = max(st.offloaded_numel for st in est.stages)  # every rank waits for the slowest stage
     if offloaded:
-        out.d2h_s = 4 * offloaded / link
-        out.h2d_s = 4 * offloaded / link
+        out.d2h_s = 4 * offloaded / d2h
+        out.h2d_s = 4 * offloaded / h2d
         by_bandwidth = CPU_ADAM_BYTES_PER_PARAM * offloaded / (gpu.host_bw_effective_gbps * 1e9)
         out.cpu_adam_s = max(by_bandwidth, offloaded / rate)
         if overlap:
@@ -176,18 +176,24 @@ def estimate_time(
     if s.offload_modules:
         from mbridge_offload.plan.fine_grained import step_extra_s
 
-        out.activation_extra_s, note = step_extra_s(m, s, link, base, default_microbatches(s))
+        # One figure per link for both copy directions: the slower (D2H on Grace, measured), so never optimistic.
+        out.activation_extra_s, note = step_extra_s(m, s, min(d2h, h2d), base, default_microbatches(s))
         out.notes += [note] if note else []
+    if s.use_megatron_fsdp:
+        out.notes.append(
+            "Megatron-FSDP's all-gather and reduce-scatter time is not modelled (the baseline is FLOPs at the MFU); "
+            "activation copies share the host link with nothing else here"
+        )
     k = s.activation_offload_layers
     if k:
-        from mbridge_offload.plan.memory import stage_activations
+        from mbridge_offload.plan.activations import stage_activations
 
         eligible = stage_activations(m, s, 0).offloadable_bytes
         mb = default_microbatches(s)
         layers = len(stage_layers(m, s)[0])
         per_layer_fwd = base / (1 + (s.pp - 1) / mb) / mb / layers / 3  # forward ≈ 1/3 of a layer's fwd+bwd
-        copy = eligible / link
-        exposed = max(0.0, copy - per_layer_fwd) + max(0.0, copy - 2 * per_layer_fwd)
+        copy = eligible / d2h  # offload during the forward, reload (H2D) during the backward
+        exposed = max(0.0, copy - per_layer_fwd) + max(0.0, eligible / h2d - 2 * per_layer_fwd)
         out.activation_extra_s = k * exposed * mb
         if exposed > 0:
             out.notes.append(

@@ -140,6 +140,18 @@ def render_accuracy() -> str:
     return render_accuracy_table()
 
 
+def render_gpu_presets() -> str:
+    from mbridge_offload.plan.hardware import render_gpu_table
+
+    return render_gpu_table()
+
+
+def render_perf_recipes() -> str:
+    from mbridge_offload_tools.docgen.perf import render_perf_recipes as render
+
+    return render()
+
+
 # The skill's references/ folder: the full tables SKILL.md points to (mbridge_offload_tools.docgen.references renders
 # them).
 REFERENCES = (
@@ -166,7 +178,12 @@ GENERATED: dict[str, dict[str, Callable[[], str]]] = {
     "docs/benchmarks.md": {"benchmarks": render_benchmarks},
     "docs/cpu-offloading.md": {"activation-schedule": render_schedule},
     "docs/architecture.md": {"rooms": render_rooms, "arrows": render_arrows},
-    "docs/planner.md": {"accuracy": render_accuracy, "fine-grained": render_fine_grained},
+    "docs/planner.md": {
+        "accuracy": render_accuracy,
+        "perf-recipes": render_perf_recipes,
+        "gpu-presets": render_gpu_presets,
+        "fine-grained": render_fine_grained,
+    },
 }
 
 

@@ -1,0 +1,226 @@
+"""Activation memory: the tensors each transformer layer saves for backward, and a pipeline stage's peak.
+
+Activation bytes follow Korthikanti et al. (2022) in Megatron's variant (``18 + 4·ffn/h`` bytes per ``s·b·h`` for
+a GeLU MLP with dropout, flash attention so no ``5·a·s/h`` term), generalised tensor by tensor to SwiGLU, GQA,
+MLA, MoE, QK-norm, no-dropout models, TP with or without SP, CP, micro-batches > 1 (tokens = seq × MBS / CP) and
+FP8 compute (``fp8_saved``). ``layer_components`` names every saved tensor with its bytes, so a module-level
+offload can subtract exactly what it moves. Layer-level offloading (TE v2) keeps at most ``L − k`` layers of
+eligible (≥ 256 Ki elements) tensors resident. Not modelled: Mamba/SSM layers (hybrid models), MTP layers,
+FP8 attention (``fp8_dot_product_attention``), bf16 first/last layers of an FP8 recipe. Never imports torch.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+from mbridge_offload.config.upstream import TE_MIN_OFFLOAD_NUMEL
+from mbridge_offload.plan import fine_grained
+from mbridge_offload.plan.model import ModelSpec, Setup, Tensor, next_pow2, padded_vocab, stage_layers
+
+
+def layer_activations(m: ModelSpec, s: Setup, index: int) -> list[Tensor]:
+    """Tensors one GPU saves for backward in transformer layer ``index`` for one micro-batch (no recompute).
+
+    With FP8 compute (``s.fp8_recipe``) the inputs of the GEMMs are saved quantized (``fp8_saved``)."""
+    return fp8_saved(_bf16_layer_activations(m, s, index), s)
+
+
+def _bf16_layer_activations(m: ModelSpec, s: Setup, index: int) -> list[Tensor]:
+    seq = s.seq_length or m.seq_length
+    tokens = seq * s.micro_batch_size // s.cp  # tokens per GPU along the sequence after CP
+    t_sp = tokens // s.tp if s.sp else tokens  # tokens in the sequence-parallel regions (norms, residual)
+    h, tp = m.hidden_size, s.tp
+    out = [Tensor("input_norm_in", t_sp * h)]
+    if m.mla is not None:
+        a, mla = m.num_attention_heads, m.mla
+        qk = mla.qk_head_dim + mla.qk_pos_emb_head_dim
+        out.append(Tensor("qkv_in", t_sp * h))
+        if mla.q_lora_rank:
+            out += [Tensor("q_down_out", tokens * mla.q_lora_rank), Tensor("q_up_in", tokens * mla.q_lora_rank)]
+        out += [
+            Tensor("kv_down_out", tokens * (mla.kv_lora_rank + mla.qk_pos_emb_head_dim)),
+            Tensor("kv_up_in", tokens * mla.kv_lora_rank),
+            Tensor("q", tokens * a * qk // tp),
+            Tensor("k", tokens * a * qk // tp),
+            Tensor("v", tokens * a * mla.v_head_dim // tp),
+            Tensor("attn_out", tokens * a * mla.v_head_dim // tp),
+        ]
+        heads = a // tp
+    else:
+        q = m.num_attention_heads * m.kv_channels // tp
+        kv = m.num_query_groups * m.kv_channels // tp
+        out += [
+            Tensor("qkv_in", t_sp * h),
+            Tensor("q", tokens * q),
+            Tensor("k", tokens * kv),
+            Tensor("v", tokens * kv),
+            Tensor("attn_out", tokens * q),
+        ]  # flash output = proj input, saved once
+        if m.qk_layernorm:
+            out += [Tensor("q_norm_in", tokens * q), Tensor("k_norm_in", tokens * kv)]
+        heads = m.num_attention_heads // tp
+    out.append(Tensor("softmax_lse", tokens * heads, nbytes_per=4))
+    if m.dropout > 0:
+        out.append(Tensor("attn_dropout_mask", t_sp * h, nbytes_per=1))
+    out.append(Tensor("mlp_norm_in", t_sp * h))
+    gate = 2 if m.gated_linear_unit else 1
+    if not m.is_moe_layer(index):
+        ffn = m.ffn_hidden_size // tp
+        out += [Tensor("fc1_in", t_sp * h), Tensor("fc1_out", tokens * gate * ffn), Tensor("act_out", tokens * ffn)]
+    else:
+        etp = s.resolved_etp(m)
+        routed = t_sp * m.moe_router_topk * etp  # balanced routing: each GPU receives its own tokens × top-k
+        ffn = m.moe_ffn_hidden_size // etp
+        out += [
+            Tensor("router_in", t_sp * h),
+            Tensor("router_probs", t_sp * m.num_moe_experts, nbytes_per=4),
+            Tensor("expert_fc1_in", routed * h),
+            Tensor("expert_fc1_out", routed * gate * ffn),
+            Tensor("expert_act_out", routed * ffn),
+        ]
+        if m.moe_shared_expert_intermediate_size:
+            sh = m.moe_shared_expert_intermediate_size // tp
+            out += [Tensor("shared_fc1_out", tokens * gate * sh), Tensor("shared_act_out", tokens * sh)]
+    if m.dropout > 0:
+        out.append(Tensor("mlp_dropout_mask", t_sp * h, nbytes_per=1))
+    return out
+
+
+# GEMM inputs TE saves for the weight gradient: quantized (one byte per element) under FP8. The norm inputs, the
+# attention's q/k/v/output (flash attention keeps bf16 unless fp8_dot_product_attention), the SwiGLU input and the
+# router stay bf16.
+FP8_GEMM_INPUTS = frozenset(
+    {"qkv_in", "fc1_in", "act_out", "expert_fc1_in", "expert_act_out", "shared_act_out", "q_up_in", "kv_up_in"}
+)
+MXFP8_BLOCK = 32  # one e8m0 scale byte per 32 elements
+
+
+def fp8_saved(acts: list[Tensor], s: Setup) -> list[Tensor]:
+    """The saved tensors under FP8 compute: GEMM inputs in one byte, plus the output projection's own FP8 copy of
+    the attention output (flash attention keeps its bf16 output for its backward); MXFP8 adds its block scales."""
+    if not s.fp8_recipe:
+        return acts
+    out = [replace(t, nbytes_per=1) if t.name in FP8_GEMM_INPUTS else t for t in acts]
+    attn = next((t for t in acts if t.name == "attn_out"), None)
+    if attn is not None:
+        out.append(Tensor("proj_in_fp8", attn.numel, nbytes_per=1))
+    if s.fp8_recipe == "mxfp8":
+        quantized = sum(t.numel for t in out if t.nbytes_per == 1 and t.name != "attn_dropout_mask")
+        out.append(Tensor("mxfp8_scales", quantized // MXFP8_BLOCK, nbytes_per=1))
+    return out
+
+
+def layer_components(m: ModelSpec, s: Setup, index: int) -> dict[str, int]:
+    """Bytes of each tensor layer ``index`` saves for backward (one micro-batch, after selective recompute): the
+    per-module components that fine-grained offloading (``offload_modules``) and recompute subtract from."""
+    return {t.name: t.nbytes for t in _stored(layer_activations(m, s, index), s)}
+
+
+# Which saved tensors each selective-recompute module drops (MCore recompute_modules).
+_RECOMPUTE_DROPS = {
+    "core_attn": {"softmax_lse"},  # flash attention stores no scores: only its statistics go
+    "layernorm": {"qkv_in", "fc1_in", "router_in"},
+    "mlp": {"fc1_out", "act_out"},
+    "moe_act": {"expert_act_out", "shared_act_out"},
+    "moe": {"expert_fc1_in", "expert_fc1_out", "expert_act_out", "router_probs"},
+    "shared_experts": {"shared_fc1_out", "shared_act_out"},
+    "mla_up_proj": {"q", "k", "v", "q_up_in", "kv_up_in"},
+}
+
+
+def _stored(acts: list[Tensor], s: Setup) -> list[Tensor]:
+    if s.recompute_granularity != "selective":
+        return acts
+    drops = set().union(*(_RECOMPUTE_DROPS.get(name, set()) for name in s.recompute_modules))
+    return [t for t in acts if t.name not in drops]
+
+
+def in_flight(s: Setup, stage: int) -> float:
+    """Micro-batches whose activations stage ``stage`` holds at its peak, in whole-stage units.
+
+    megatron-core's ``get_pp_rank_microbatches``: without VPP, ``PP − stage − 1`` warm-up forwards plus the one
+    that starts 1F1B; with VPP, ``2·(PP − stage − 1) + (VPP − 1)·PP`` warm-up model chunks plus one, each chunk
+    ``1/VPP`` of the stage (stage 0: ``PP + (PP−1)/VPP``, Megatron's interleaving penalty). Capped by the step's
+    micro-batches.
+    """
+    if s.pp == 1:
+        return 1.0
+    mbs = s.num_microbatches()
+    if not s.vpp:
+        n = s.pp - stage
+        return float(min(n, mbs)) if mbs is not None else float(n)
+    chunks = 2 * (s.pp - stage - 1) + (s.vpp - 1) * s.pp + 1
+    if mbs is not None:
+        chunks = min(chunks, mbs * s.vpp)
+    return chunks / s.vpp
+
+
+@dataclass
+class ActivationMemory:
+    gpu_bytes: int
+    offloadable_bytes: int  # eligible bytes per layer set that activation offload moves (one micro-batch)
+    host_bytes: int
+
+
+def moe_dispatch_bytes(m: ModelSpec, s: Setup, layers: list[int]) -> int:
+    """Transient token-dispatch buffers of the layer being run: the permuted tokens before and after the
+    all-to-all (bf16, ``T_sp·k·ETP × h`` each, balanced routing); freed when the layer is done."""
+    if not any(m.is_moe_layer(i) for i in layers):
+        return 0
+    seq = s.seq_length or m.seq_length
+    t_sp = seq * s.micro_batch_size // s.cp // (s.tp if s.sp else 1)
+    return 2 * 2 * t_sp * m.moe_router_topk * s.resolved_etp(m) * m.hidden_size
+
+
+def stage_activations(m: ModelSpec, s: Setup, stage: int) -> ActivationMemory:
+    """Peak activation bytes on one GPU of ``stage`` (transformer layers, embedding input, output layer + loss)."""
+    seq = s.seq_length or m.seq_length
+    tokens = seq * s.micro_batch_size // s.cp
+    t_sp = tokens // s.tp if s.sp else tokens
+    h = m.hidden_size
+    layers = list(stage_layers(m, s)[stage])
+    per_layer = [_stored(layer_activations(m, s, i), s) for i in layers]
+    full = [sum(t.nbytes for t in acts) for acts in per_layer]
+    layer_input = 2 * t_sp * h
+    if s.recompute_granularity == "full":
+        n = s.recompute_num_layers or 1
+        if s.recompute_method == "block":
+            kept = sum(full[n:]) + layer_input * min(n, len(layers))
+            working = max(full[:n], default=0)
+        else:  # uniform: only the input of every group of n layers, n layers rebuilt at a time in backward
+            kept = layer_input * math.ceil(len(layers) / n)
+            working = sum(sorted(full, reverse=True)[:n])
+        block = kept
+    else:
+        block, working = sum(full), 0
+    eligible = [sum(t.nbytes for t in acts if t.numel >= TE_MIN_OFFLOAD_NUMEL) for acts in per_layer]
+    host = 0
+    k = s.activation_offload_layers
+    if k:
+        # TE v2 keeps at most model_layers − k layers of eligible tensors resident; small ones stay.
+        block -= sum(sorted(eligible, reverse=True)[: min(k, len(layers))])
+        host = sum(next_pow2(t.nbytes) for acts in per_layer[:k] for t in acts if t.numel >= TE_MIN_OFFLOAD_NUMEL)
+    working += moe_dispatch_bytes(m, s, layers)
+    total = block * in_flight(s, stage) + working
+    if s.offload_modules and s.recompute_granularity != "full":  # full recompute saves nothing inside the scopes
+        fg = fine_grained.stage_saving(
+            per_layer,
+            s.offload_modules,
+            in_flight(s, stage),
+            min_size=s.min_offloaded_tensor_size,
+            fraction=s.activation_offload_fraction,
+        )
+        total -= fg.gpu_saving_bytes
+        host += fg.host_bytes
+    if stage == 0:
+        extra = 8 * tokens  # int64 token ids
+        if m.dropout > 0:
+            extra += t_sp * h  # embedding dropout mask
+        total += extra * in_flight(s, stage)
+    if stage == s.pp - 1:
+        # Final norm input and output-layer input (bf16) plus the logits the loss keeps: fp32 (4·sb·V/t), or the
+        # bf16 logits whose memory the fused cross entropy reuses for their gradient (2·sb·V/t).
+        logits = 2 if s.cross_entropy_fusion else 4
+        total += 2 * t_sp * h + 2 * t_sp * h + logits * tokens * padded_vocab(m, s.tp) // s.tp
+    return ActivationMemory(int(total), max(eligible, default=0), host)

@@ -1,0 +1,95 @@
+"""What a Bridge run config says beyond its plain keys, for the planner's inputs: FP8 and the gradient dtype from the
+``mixed_precision`` block, the pipeline layout, and the notes on what the numbers leave out (hybrid layers, MTP,
+FP8 details, Megatron-FSDP). ``resolve.py`` calls these; never imports torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+from mbridge_offload.config.schema import OffloadConfig
+from mbridge_offload.plan.inputs import InputError
+from mbridge_offload.plan.model import Setup
+
+_FP8_RECIPES = {"tensorwise": "tensorwise", "delayed": "delayed", "mxfp8": "mxfp8", "blockwise": "blockwise"}
+
+
+def raw_section(raw: dict[str, Any] | None, name: str) -> dict[str, Any]:
+    node = (raw or {}).get(name)
+    return node if isinstance(node, dict) else {}
+
+
+def precision_values(config: OffloadConfig, raw: dict[str, Any]) -> dict[str, Any]:
+    """FP8 compute and parameters, and the gradient dtype, from ``model.*`` or Bridge's ``mixed_precision`` block
+    (a run_config.yaml written before Bridge applies the block carries them only there)."""
+    mp, model, ddp = raw_section(raw, "mixed_precision"), raw_section(raw, "model"), raw_section(raw, "ddp")
+    out: dict[str, Any] = {}
+    # Bridge's MixedPrecisionConfig.setup() writes its fields into model/ddp/optimizer at start-up: when the block
+    # is there it decides, whatever model.* still holds (to_yaml runs before that).
+    src = mp if mp else model
+    fp8, recipe = src.get("fp8"), src.get("fp8_recipe")
+    if fp8 is not None or recipe is not None:
+        out["fp8_recipe"] = _FP8_RECIPES.get(str(recipe or "delayed"), "delayed") if fp8 else "none"
+    param = src.get("fp8_param", src.get("fp8_param_gather", ddp.get("fp8_param_gather")))
+    if param is not None:
+        out["fp8_param"] = bool(param) and bool(fp8)
+    if mp.get("grad_reduce_in_fp32") is not None:
+        out["grad_reduce_in_fp32"] = bool(mp["grad_reduce_in_fp32"])
+    if not config.model.bf16 and not config.model.fp16 and mp.get("bf16"):
+        out["params_dtype"] = "bf16"
+    return out
+
+
+def model_notes(values: dict[str, Any], s: Setup, raw: dict[str, Any] | None) -> dict[str, str]:
+    """What the numbers leave out, next to the input that brings it in."""
+    from mbridge_offload.plan.layout import mtp_layers
+
+    notes: dict[str, str] = {}
+    layout = values.get("pipeline_layout")
+    if layout:
+        text = f"decides the layers of each stage: {list(s.pipeline_layout or ())} decoder layers per virtual stage"
+        if values.get("vpp") not in (None, s.vpp):
+            text += (
+                f"; it implies VPP {s.vpp} but VPP {values['vpp']} is configured: megatron-core asserts "
+                "'virtual_pipeline_model_parallel_size conflicts with pipeline_model_parallel_layout'"
+            )
+        if mtp_layers(layout):
+            text += "; its MTP layers are not modelled (weights and activations left out)"
+        notes["pipeline_layout"] = text
+    model = raw_section(raw, "model")
+    pattern = model.get("hybrid_layer_pattern") or model.get("hybrid_override_pattern")
+    if pattern:
+        notes["num_layers"] = (
+            f"hybrid model (pattern {str(pattern)[:40]}…): Mamba/SSM layers and the per-layer mix of MoE, MLP and "
+            "attention are not modelled; every layer is counted as a transformer layer of the given sizes"
+        )
+    if values.get("fp8_recipe") not in (None, "none"):
+        notes["fp8_recipe"] = (
+            "GEMM inputs saved in 1 byte (MXFP8: + 1/32 scale bytes), the output projection keeps an FP8 copy of "
+            "the attention output; norm inputs, q/k/v, SwiGLU input stay bf16; bf16 first/last layers and FP8 "
+            "attention not modelled"
+        )
+    if values.get("use_megatron_fsdp"):
+        notes["use_megatron_fsdp"] = (
+            "Megatron-FSDP: fp32 main weights (megatron_fsdp_main_params_dtype) and Adam moments sharded over DP·CP "
+            "(experts: expert DP); gradients in megatron_fsdp_main_grads_dtype (default the parameter dtype; "
+            "grad_reduce_in_fp32 is not read); two layers of unsharded weights and gradients; no optimizer offload"
+        )
+    return notes
+
+
+def with_layout(s: Setup, text: str) -> Setup:
+    """The layout decides the layers of each stage and VPP (= stages / PP), as megatron-core derives it."""
+    from mbridge_offload.plan.layout import decoder_counts
+
+    try:
+        counts = decoder_counts(text)
+    except ValueError as exc:
+        raise InputError(str(exc)) from None
+    if len(counts) % s.pp:
+        raise InputError(
+            f"pipeline_model_parallel_layout {text!r} has {len(counts)} stages: it must be divisible by PP {s.pp}"
+        )
+    vpp = len(counts) // s.pp
+    return replace(s, pipeline_layout=counts, vpp=vpp if vpp > 1 else None)

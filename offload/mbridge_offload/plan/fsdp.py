@@ -1,0 +1,134 @@
+"""Megatron-FSDP (``ddp.use_megatron_fsdp``) in the per-GPU memory model.
+
+What one GPU holds under each ``ddp.data_parallel_sharding_strategy`` (megatron-core 0.19
+``distributed/fsdp/src/megatron_fsdp/param_and_grad_buffer.py``, ``_init_each_parameter_group_buffers``):
+
+============================  ===============  ================  ===================  ===========================
+strategy                      compute weights  fp32 main weights  gradients            Adam moments
+============================  ===============  ================  ===================  ===========================
+``no_shard``                  full             full               full                 full
+``optim`` (ZeRO-1)            full             sharded            full                 sharded
+``optim_grads`` (ZeRO-2)      full             sharded            sharded + RS buffer  sharded
+``optim_grads_params`` (3)    sharded + AG     sharded            sharded + RS buffer  sharded
+============================  ===============  ================  ===================  ===========================
+
+- Sharded over the FSDP group: ``DP·CP`` for dense parameters, the expert data-parallel group for experts.
+- Compute weights are the model dtype (bf16), or one byte per element for FP8 parameters
+  (``fp8_param_gather``: ``float8`` parameter groups; MXFP8 adds a columnwise "transpose" buffer of the same size).
+  Norms, embedding and output layer stay in the model dtype.
+- Main weights: ``ddp.megatron_fsdp_main_params_dtype`` (default fp32). The optimizer steps these DTensor shards;
+  with the precision-aware optimizer FusedAdam's own master weights are switched off (``master_weights=False``).
+- Gradients: ``ddp.megatron_fsdp_main_grads_dtype``, default None = the parameter dtype (bf16; bf16 for FP8
+  parameters). ``ddp.grad_reduce_in_fp32`` is not read by Megatron-FSDP.
+- Unsharded buffers: a layer's weights are all-gathered before its forward and backward and its gradients
+  reduce-scattered after its backward. The all-gather pipeline prefetches the next FSDP unit (a transformer
+  layer) while the current one runs and ``fsdp_double_buffer`` keeps two persistent slots per kind, so two
+  layers' unsharded weights and two layers' unsharded gradients are counted. The embedding and output layer are
+  not FSDP units: they are gathered on their own when used; at the activation peak (the start of backward) the
+  output layer's unsharded weight and gradient are live.
+
+Not modelled: bucket padding, the HSDP/HFSDP outer group (``num_distributed_optimizer_instances``), a
+``grad_comm_dtype`` different from the gradient dtype, the transient fp32 copy of a bf16 gradient shard at the
+optimizer step (after the activation peak). Never imports torch.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from mbridge_offload.plan.model import ModelSpec, Setup, Tensor
+
+STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
+_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
+# Tensors that stay in the model dtype when FP8 parameters are on (TE keeps FP8 only for GEMM weights).
+_HIGH_PRECISION = ("norm", "bias", "embedding", "output_layer", "router")
+
+
+@dataclass
+class FsdpMemory:
+    """One GPU's Megatron-FSDP bytes of one pipeline stage."""
+
+    weights: int  # compute-weight shards (or full copies) + unsharded all-gather buffers
+    gradients: int  # gradient shards (or full) + unsharded reduce-scatter buffers
+    optimizer: int  # main-weight shards + Adam moments
+    shard_numel: int
+    buffers: int  # the unsharded part of weights + gradients (also inside them)
+    notes: list[str] = field(default_factory=list)
+
+
+def _fp8_weight(t: Tensor, s: Setup) -> bool:
+    return s.fp8_param and not any(word in t.name for word in _HIGH_PRECISION)
+
+
+def _weight_bytes(t: Tensor, s: Setup) -> int:
+    if _fp8_weight(t, s):
+        return 2 if s.fp8_recipe == "mxfp8" else 1  # MXFP8: rowwise + columnwise copies
+    return _BYTES[s.params_dtype]
+
+
+def _grad_bytes(t: Tensor, s: Setup) -> int:
+    if s.fsdp_main_grads_dtype:
+        return _BYTES[s.fsdp_main_grads_dtype]
+    return 2 if _fp8_weight(t, s) else _BYTES[s.params_dtype]
+
+
+def _moment_bytes(s: Setup) -> int:
+    if s.use_precision_aware_optimizer:
+        return _BYTES[s.exp_avg_dtype] + _BYTES[s.exp_avg_sq_dtype]
+    return 8
+
+
+def _unit_buffers(
+    m: ModelSpec, s: Setup, layers: list[int], params_sharded: bool, grads_sharded: bool
+) -> tuple[int, int]:
+    """Two layers' unsharded weights (all-gather, when params are sharded) and gradients (reduce-scatter)."""
+    from mbridge_offload.plan.model import layer_params
+
+    w = g = 0
+    for index in {m.is_moe_layer(i): i for i in layers}.values():  # one layer of each kind
+        unit = layer_params(m, s, index)
+        if params_sharded:
+            w = max(w, sum(t.numel * _weight_bytes(t, s) for t in unit))
+        if grads_sharded:
+            g = max(g, sum(t.numel * _grad_bytes(t, s) for t in unit))
+    return 2 * w, 2 * g
+
+
+def fsdp_memory(m: ModelSpec, s: Setup, params: list[Tensor], layers: list[int], last_stage: bool) -> FsdpMemory:
+    """Weights, gradients and optimizer bytes of one GPU under Megatron-FSDP.
+
+    Args:
+        m, s: the model and setup (``s.fsdp_sharding_strategy`` one of ``STRATEGIES``).
+        params: this GPU's parameter tensors (after TP/EP), as ``stage_params`` lists them.
+        layers: the stage's transformer-layer indices (the FSDP units).
+        last_stage: whether the stage holds the output layer (gathered at the activation peak).
+    """
+    strategy = s.fsdp_sharding_strategy
+    params_sharded = strategy == "optim_grads_params"
+    grads_sharded = strategy in ("optim_grads", "optim_grads_params")
+    opt_sharded = strategy != "no_shard"
+    main = _BYTES[s.fsdp_main_params_dtype] if s.fsdp_main_params_dtype else 0
+    weights = grads = optimizer = shard_numel = 0
+    for t in params:
+        group = s.expert_dp(m) if t.expert else s.dp * s.cp
+        shard = math.ceil(t.numel / group)
+        weights += (shard if params_sharded else t.numel) * _weight_bytes(t, s)
+        grads += (shard if grads_sharded else t.numel) * _grad_bytes(t, s)
+        local = shard if opt_sharded else t.numel
+        optimizer += local * (main + _moment_bytes(s))
+        shard_numel += local
+    w_buf, g_buf = _unit_buffers(m, s, layers, params_sharded, grads_sharded)
+    if last_stage and params_sharded:
+        out = [t for t in params if t.name == "output_layer"]
+        w_buf += sum(t.numel * _weight_bytes(t, s) for t in out)
+        g_buf += sum(t.numel * _grad_bytes(t, s) for t in out)
+    notes = [
+        f"Megatron-FSDP {strategy}: weights, gradients and optimizer sharded as megatron-core's "
+        "param_and_grad_buffer does (dense over DP·CP, experts over expert DP); "
+        f"{(w_buf + g_buf) / 1e9:.1f} GB of unsharded all-gather/reduce-scatter buffers (two layers prefetched "
+        "or double-buffered, plus the output layer at the start of backward); bucket padding and HSDP not modelled"
+    ]
+    return FsdpMemory(weights + w_buf, grads + g_buf, optimizer, shard_numel, w_buf + g_buf, notes)
