@@ -12,17 +12,10 @@ import pytest
 from mbridge_offload.actions.apply import ApplyError, apply_offload
 from mbridge_offload.config import sources
 from mbridge_offload.config.validate import validate
-from mbridge_offload.plan import fine_grained, published_fine_grained
+from mbridge_offload.plan import fine_grained, published_fine_grained, service
 from mbridge_offload.plan import planner as plan
-from mbridge_offload.plan.memory import (
-    MLASpec,
-    ModelSpec,
-    Setup,
-    estimate_memory,
-    in_flight,
-    layer_activations,
-    stage_activations,
-)
+from mbridge_offload.plan.activations import in_flight, layer_activations, stage_activations
+from mbridge_offload.plan.memory import MLASpec, ModelSpec, Setup, estimate_memory
 from mbridge_offload.plan.presets import model_preset
 from mbridge_offload.plan.resolve import resolve
 
@@ -180,18 +173,18 @@ def test_copies_the_link_cannot_hide_cost_step_time():
 
 
 def test_estimate_takes_the_fine_grained_inputs():
-    base = plan.estimate_for_inputs(**DSV3)
-    with_fg = plan.estimate_for_inputs(**DSV3, offload_modules=["expert_fc1"])
+    base = service.estimate_for_inputs(**DSV3)
+    with_fg = service.estimate_for_inputs(**DSV3, offload_modules=["expert_fc1"])
     assert with_fg.memory_gb.activations < base.memory_gb.activations and with_fg.host_gb > base.host_gb
     assert with_fg.offload_modules == ["expert_fc1"] and base.offload_modules == []
-    off = plan.estimate_for_inputs(**DSV3, offload_modules=["expert_fc1"], fine_grained_activation_offloading=False)
+    off = service.estimate_for_inputs(**DSV3, offload_modules=["expert_fc1"], fine_grained_activation_offloading=False)
     assert off.memory_gb.total == base.memory_gb.total  # the modules are inert with the switch off
 
 
 def test_recommend_proposes_fine_grained_where_layer_level_is_refused():
     rec = plan.recommend(resolve(DSV3))
     assert rec.mode == "fine-grained" and rec.fits and rec.offload_modules[0] == "expert_fc1"
-    assert "model.fine_grained_activation_offloading=True" in rec.overrides
+    assert "model.fine_grained_activation_offloading=true" in rec.overrides
     assert "model.transformer_impl=transformer_engine" in rec.overrides
     assert "env_vars.NVTE_CPU_OFFLOAD_V1=1" in rec.overrides
     assert any("Pipeline parallelism" in line for line in rec.rationale)
@@ -225,7 +218,7 @@ def test_fine_grained_and_optimizer_offload_together_when_neither_alone_fits():
     rec = plan.recommend(resolve({"model": "qwen3-30b-a3b", "recompute_granularity": "none", "gpu_memory_gb": 44}))
     assert rec.mode == "fine-grained+optimizer" and rec.fits
     assert rec.optimizer_offload_fraction > 0 and rec.offload_modules[0] == "expert_fc1"
-    assert "optimizer.optimizer_cpu_offload=True" in rec.overrides
+    assert "optimizer.optimizer_cpu_offload=true" in rec.overrides
 
 
 def test_no_fine_grained_set_under_full_recompute():

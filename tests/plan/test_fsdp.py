@@ -13,8 +13,8 @@ from mbridge_offload.plan.activations import layer_activations, layer_components
 from mbridge_offload.plan.fsdp import STRATEGIES
 from mbridge_offload.plan.layout import decoder_counts, mtp_layers
 from mbridge_offload.plan.memory import GiB, Setup, estimate_memory, stage_layers, total_params
-from mbridge_offload.plan.planner import estimate_for_inputs, recommend_for_inputs
 from mbridge_offload.plan.presets import model_preset
+from mbridge_offload.plan.service import estimate_for_inputs, recommend_for_inputs
 from mbridge_offload_tools import cli_plan
 
 LLAMA70 = model_preset("llama3-70b")

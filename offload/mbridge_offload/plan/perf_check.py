@@ -90,7 +90,7 @@ def _fixture_text(path: Path) -> str:
 def check_recipe(name: str, entry: dict[str, Any], directory: Path) -> RecipeCheck:
     """Estimate with and without the recipe's offloading and recommend from the switched-off config."""
     from mbridge_offload.config import sources
-    from mbridge_offload.plan.planner import estimate_for_inputs, recommend_for_inputs
+    from mbridge_offload.plan.service import estimate_for_inputs, recommend_for_inputs
 
     kind, nvidia, layers = _nvidia(entry)
     gpu = GPU_NAMES.get(entry["gpu"], entry["gpu"])

@@ -62,7 +62,7 @@ class RecipeRow:
 @lru_cache(maxsize=16)
 def recipe_row(recipe_id: str) -> RecipeRow:
     """The planner's estimate for a recipe with and without its modules."""
-    from mbridge_offload.plan.planner import estimate_for_inputs
+    from mbridge_offload.plan.service import estimate_for_inputs
 
     entry = recipe(recipe_id)
     note = entry.get("not_expressible") or entry.get("assumed", "")
