@@ -116,6 +116,20 @@ def spec_contains(spec: str, version: Version) -> bool:
 # ---------------------------------------------------------------------------------------------- context
 
 
+TE_VERSION_ASSUMED = "2.18.0"  # the Transformer Engine release Megatron Bridge 0.6.2 pins
+
+
+def nvte_cpu_offload_v1(config: OffloadConfig, raw: dict[str, Any]) -> str:
+    """``NVTE_CPU_OFFLOAD_V1`` as the job sees it: the caller's environment (``--env``) first, else the config's
+    ``env_vars``, which Bridge applies at start-up with ``os.environ.setdefault(name, str(value))``; else "0"."""
+    if "NVTE_CPU_OFFLOAD_V1" in config.env:
+        return str(config.env["NVTE_CPU_OFFLOAD_V1"])
+    env_vars = raw.get("env_vars") if isinstance(raw, dict) else None
+    if isinstance(env_vars, dict) and "NVTE_CPU_OFFLOAD_V1" in env_vars:
+        return str(env_vars["NVTE_CPU_OFFLOAD_V1"])
+    return "0"
+
+
 @dataclass
 class Context:
     """What a check function sees: the typed config, the raw dict, the target and environment facts."""
@@ -123,6 +137,8 @@ class Context:
     config: OffloadConfig
     raw: dict[str, Any]
     target: Target
+    # What Megatron Bridge's finalize() changed before megatron-core's checks: (key, as written, as Bridge sets it).
+    normalized: tuple[tuple[str, Any, Any], ...] = ()
 
     @property
     def model(self):
@@ -150,11 +166,11 @@ class Context:
     @property
     def te_version(self) -> Version:
         # Megatron Bridge HEAD pins transformer-engine 2.18.0 (uv.lock).
-        return _version(str(self.config.env.get("te_version", "2.18.0")))
+        return _version(str(self.config.env.get("te_version", TE_VERSION_ASSUMED)))
 
     @property
     def nvte_cpu_offload_v1(self) -> bool:
-        return str(self.config.env.get("NVTE_CPU_OFFLOAD_V1", "0")) == "1"
+        return nvte_cpu_offload_v1(self.config, self.raw) == "1"
 
     @property
     def te_offload_path(self) -> str:

@@ -7,6 +7,7 @@ import functools
 from mbridge_offload.config.rules.activation import ACTIVATION_RULES
 from mbridge_offload.config.rules.activation_build import BUILD_RULES
 from mbridge_offload.config.rules.base import DEFAULT_TARGET, TARGETS, Rule, spec_contains
+from mbridge_offload.config.rules.bridge import BRIDGE_RULES
 from mbridge_offload.config.rules.inputs import INPUT_RULES
 from mbridge_offload.config.rules.optimizer import CONFIG_RULES, OPTIMIZER_RULES
 from mbridge_offload.config.rules.transformer import (
@@ -16,6 +17,7 @@ from mbridge_offload.config.rules.transformer import (
     FG_MOE_RECOMPUTE,
     GRAPH_ENABLE_AND_EXTERNAL,
     GRAPH_FULL_RECOMPUTE,
+    LAYOUT_VPP,
     MOE_BIAS_ETP,
     NUM_LAYERS_TYPE_INIT,
     OPTIMIZER_DTYPE_RULES,
@@ -42,6 +44,7 @@ def _transformer_config_rules() -> tuple[Rule, ...]:
         FG_MOE_RECOMPUTE,
         *_act("ACT-FG-MIN-TENSOR-SIZE", "ACT-FG-FRACTION-RANGE", "ACT-FG-DELTA-BYTES", "ACT-FG-FUSED-GROUP-MLP"),
         FG_FUSED_PARTIAL,
+        LAYOUT_VPP,
         *_act("ACT-PAGED-STASH"),
         *PAGED_STASH_RULES,
         NUM_LAYERS_TYPE_INIT,
@@ -65,6 +68,7 @@ def all_rules() -> tuple[Rule, ...]:
     rest = tuple(r for r in OPTIMIZER_RULES if r not in optimizer_config)
     rules = (
         *INPUT_RULES,
+        *BRIDGE_RULES,
         *CONFIG_RULES,
         *VALUE_RULES,
         *transformer,

@@ -10,6 +10,8 @@ upstream code order: upstream stops at its first failing check.
 
 from __future__ import annotations
 
+import re
+
 from mbridge_offload.config.rules.activation import _fg_valid_modules
 from mbridge_offload.config.rules.base import STAGE_OPTIMIZER_CONFIG, STAGE_TRANSFORMER_CONFIG, Context, Match, Rule
 from mbridge_offload.config.schema import SECTIONS
@@ -207,6 +209,46 @@ _MOE_RULES: tuple[Rule, ...] = (
         applies_to=">=0.19",
         fix=("model.use_transformer_engine_op_fuser=true",),
     ),
+)
+
+
+def _layout_stages(layout) -> int | None:
+    """The number of PP x VPP stages in ``pipeline_model_parallel_layout``, read as megatron-core reads it
+    (``PipelineParallelLayerLayout.parse_str_to_list``: commas dropped, ``(..)*n`` and ``x*n`` unrolled, ``|``
+    separates stages); a list counts its rows. None when absent or unreadable (megatron-core's parser decides)."""
+    if isinstance(layout, list):
+        return len(layout)
+    if not isinstance(layout, str) or not layout:
+        return None
+    text = layout.replace(",", "")
+    for pattern in (r"\(([^)]+)\)\*(\d+)", r"(.)\*(\d+)"):
+        text = re.sub(pattern, lambda m: m.group(1) * int(m.group(2)), text)
+    return len(text.split("|"))
+
+
+def _layout_vpp(ctx: Context):
+    m = ctx.model
+    stages = _layout_stages(m.extras().get("pipeline_model_parallel_layout"))
+    pp = m.pipeline_model_parallel_size
+    vpp = m.virtual_pipeline_model_parallel_size
+    if stages is None or vpp is None or pp < 1 or stages % pp:
+        return None
+    detected = stages // pp
+    return Match({"vpp": vpp, "detected": detected}) if vpp != detected else None
+
+
+LAYOUT_VPP = _rule(
+    "MC-PP-LAYOUT-VPP",
+    "AssertionError",
+    "virtual_pipeline_model_parallel_size conflicts with pipeline_model_parallel_layout, "
+    "(self.virtual_pipeline_model_parallel_size={vpp},  detected_vpp_size={detected})",
+    _layout_vpp,
+    "`virtual_pipeline_model_parallel_size` must equal the stages per pipeline rank that "
+    "`pipeline_model_parallel_layout` describes.",
+    ("model.virtual_pipeline_model_parallel_size", "model.pipeline_model_parallel_layout"),
+    fix=("model.virtual_pipeline_model_parallel_size={detected}",),
+    why="TransformerConfig parses the layout (stages separated by `|`, `(..)*n` unrolled) and asserts that the "
+    "VPP size given equals stages / PP (both releases).",
 )
 
 
