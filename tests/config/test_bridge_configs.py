@@ -148,3 +148,28 @@ def test_bridge_03_finalize_does_not_clear_sequence_parallel():
     loaded = load(_BRIDGE_YAML)
     report = validate(loaded.config, loaded.raw, target="megatron-core==0.16.1")
     assert [f.rule for f in report.errors] == ["MC-SEQUENCE-PARALLEL-TP"]
+
+
+_GRAPH = """\
+model:
+  num_layers: 4
+  hidden_size: 64
+  num_attention_heads: 4
+  cpu_offloading: true
+  cpu_offloading_num_layers: 1
+  cuda_graph_impl: {impl}
+  cuda_graph_scope: full_iteration
+"""
+
+
+@pytest.mark.parametrize("impl", ["local", "none"])
+def test_full_iteration_scope_is_the_full_iteration_graph_that_offloading_may_use_on_019(impl):
+    # megatron-core 0.19.2 migrates the deprecated scope to cuda_graph_impl="full_iteration" and accepts it
+    loaded = load(_GRAPH.format(impl=impl))
+    assert validate(loaded.config, loaded.raw, target="megatron-core==0.19.2").errors == []
+
+
+def test_local_graphs_with_offloading_stay_refused_on_016():
+    loaded = load(_GRAPH.format(impl="local"))
+    report = validate(loaded.config, loaded.raw, target="megatron-core==0.16.1")
+    assert [f.rule for f in report.errors] == ["ACT-CUDA-GRAPH"]

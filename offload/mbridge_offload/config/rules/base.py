@@ -183,10 +183,21 @@ class Context:
         ``external_cuda_graph`` to ``transformer_engine`` (transformer_config.py, both releases)."""
         impl = self.model.cuda_graph_impl
         if impl == "none" and self.model.enable_cuda_graph:
-            return "local"
-        if impl == "none" and self.model.external_cuda_graph:
-            return "transformer_engine"
+            impl = "local"
+        elif impl == "none" and self.model.external_cuda_graph:
+            impl = "transformer_engine"
+        # 0.19 migrates the deprecated scope "full_iteration" (cuda_graph_scope / cuda_graph_modules) to
+        # cuda_graph_impl="full_iteration" when the impl is none or local (cuda_graph_config.py).
+        if self.target.version >= (0, 19, 0) and impl in ("none", "local") and "full_iteration" in self._scopes():
+            return "full_iteration"
         return impl
+
+    def _scopes(self) -> list[str]:
+        names: list[str] = []
+        for value in (self.model.cuda_graph_scope, self.model.extras().get("cuda_graph_modules")):
+            items = value if isinstance(value, list) else [value] if isinstance(value, str) else []
+            names.extend(str(v).strip() for item in items for v in str(item).split(","))
+        return names
 
     @property
     def cuda_graph_modules(self) -> list[str]:
