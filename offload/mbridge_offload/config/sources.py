@@ -277,18 +277,32 @@ def parse_megatron_argv(argv: list[str]) -> dict[str, Any]:
 # ---------------------------------------------------------------------------------------------- Bridge recipes
 
 
+def _stdout_to_stderr():
+    """Bridge logs (and its imports print) to stdout, which is the CLI's JSON channel: send them to stderr. Logging
+    handlers created meanwhile keep stderr as their stream."""
+    import contextlib
+
+    return contextlib.redirect_stdout(sys.stderr)
+
+
 def _defining_files(root: Path, name: str) -> list[Path]:
     return sorted(p for p in root.rglob("*.py") if f"def {name}(" in p.read_text(encoding="utf-8", errors="ignore"))
 
 
 def recipe_config(name: str) -> dict[str, Any]:
-    """Build a Megatron Bridge recipe's real ``ConfigContainer`` (e.g. ``qwen3_30b_a3b_pretrain_config``).
+    """Build a Megatron Bridge recipe's real ``ConfigContainer`` (e.g. ``qwen3_30b_a3b_pretrain_config``, or a
+    Bridge 0.6 perf recipe such as ``llama3_70b_pretrain_64gpu_gb200_bf16_config``).
 
     Needs megatron-bridge importable (the user's training environment).
 
     Raises:
         ConfigError: megatron-bridge missing, or no recipe of that name.
     """
+    with _stdout_to_stderr():
+        return _recipe_config(name)
+
+
+def _recipe_config(name: str) -> dict[str, Any]:
     import importlib
     import importlib.machinery
     import importlib.util
@@ -320,7 +334,7 @@ def recipe_config(name: str) -> dict[str, Any]:
             f"--recipe {name}: no such recipe in megatron.bridge.recipes or megatron.bridge.perf_recipes "
             "(names look like qwen3_30b_a3b_pretrain_config or llama3_70b_pretrain_64gpu_gb200_bf16_config)"
         )
-    if "megatron.bridge.recipes" not in sys.modules:
+    if package_name == "megatron.bridge.recipes" and package_name not in sys.modules:
         # A package module without its __init__ (see above), with a real spec: find_spec on the next call (same
         # process, e.g. the MCP server, which keeps these imports warm) reads the spec from sys.modules.
         package = types.ModuleType("megatron.bridge.recipes")
@@ -330,6 +344,9 @@ def recipe_config(name: str) -> dict[str, Any]:
         sys.modules["megatron.bridge.recipes"] = package
     module_name = f"{package_name}." + ".".join(hits[0].relative_to(root).with_suffix("").parts)
     try:
+        if package_name == "megatron.bridge.perf_recipes":
+            # its __init__ orders the family imports (a module imported alone can meet a partial one)
+            importlib.import_module(package_name)
         factory = getattr(importlib.import_module(module_name), name)
     except Exception as exc:
         raise ConfigError(
