@@ -85,7 +85,7 @@ def test_alias_expansion_and_depth_are_limited(monkeypatch: pytest.MonkeyPatch) 
         '{"model": {"num_layers": Infinity}}',
         '{"optimizer": {"lr": -Infinity}}',
         "model:\n  num_layers: .nan\n",
-        "optimizer:\n  lr: -.inf\n",
+        "model:\n  cpu_offloading_num_layers: -.inf\n",
         "optimizer:\n  optimizer_offload_fraction: 1e999\n",
     ],
 )

@@ -101,7 +101,7 @@ def _files() -> dict[str, str | bytes]:
         "bad_float_text.yaml": "optimizer:\n  optimizer_offload_fraction: half\n",
         "nan.yaml": "optimizer:\n  optimizer_offload_fraction: .nan\n",
         "inf.yaml": "model:\n  num_layers: .inf\n",
-        "neg_inf.yaml": "optimizer:\n  lr: -.inf\n",
+        "neg_inf.yaml": "model:\n  cpu_offloading_num_layers: -.inf\n",
         "float_overflow.yaml": "optimizer:\n  optimizer_offload_fraction: 1e999\n",
         "huge_int.yaml": "model:\n  num_layers: " + "9" * 5000 + "\n",
         "huge_int.json": '{"model": {"num_layers": ' + "9" * 5000 + "}}",

@@ -11,6 +11,9 @@ megatron-core 0.19.2 (Bridge 0.6.2's release) is in ``.mcore/0.19.2`` (``scripts
 - SHIM 2: the Transformer Engine import stub of ``tests/support/te_stub.py`` with ``__version__`` "2.18.0", the TE
   release Bridge 0.6.2 pins (TE cannot be installed on a CPU machine). megatron-core is imported first, so it keeps
   ``HAVE_TE = False``; Bridge's TE-version checks follow the stubbed version.
+- SHIM 3: the stub's ``transformer_engine.pytorch.optimizers.FusedAdam`` has TE 2.18's constructor signature
+  (megatron-core's precision-aware-optimizer check reads only the parameter names), so that check judges the
+  TE Bridge pins, not the stub.
 
 ``hub_cache(dir)`` lays out a Hugging Face hub cache holding only the ``config.json`` files under
 ``tests/data/hf-configs/<org>/<name>/`` (public model-card facts), for ``HF_HUB_OFFLINE=1``.
@@ -72,6 +75,31 @@ def offline_env(cache: Path) -> dict[str, str]:
     }
 
 
+class _FusedAdam:
+    """SHIM 3: Transformer Engine 2.18's ``FusedAdam`` constructor signature (parameter names only; no optimizer)."""
+
+    def __init__(
+        self,
+        params,
+        lr=1e-3,
+        bias_correction=True,
+        betas=(0.9, 0.999),
+        eps=1e-8,
+        weight_decay=0.0,
+        amsgrad=False,
+        *,
+        adam_w_mode=True,
+        capturable=False,
+        master_weights=False,
+        master_weight_dtype=None,
+        exp_avg_dtype=None,
+        exp_avg_sq_dtype=None,
+        use_decoupled_grad=False,
+        store_param_remainders=False,
+    ):
+        raise RuntimeError("SHIM 3: a signature for megatron-core's check, not an optimizer")
+
+
 def activate() -> None:
     """Make ``import megatron.bridge`` work here: the paths and the two labelled shims (see the module docstring)."""
     import typing
@@ -88,4 +116,7 @@ def activate() -> None:
     from tests.support import te_stub
 
     te_stub.install(TE_VERSION)  # SHIM 2 (imports megatron.core first)
+    import transformer_engine.pytorch.optimizers as te_optimizers
+
+    te_optimizers.FusedAdam = _FusedAdam  # SHIM 3
     os.environ.setdefault("HF_HUB_OFFLINE", "1")

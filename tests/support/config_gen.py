@@ -68,6 +68,19 @@ def _p_pipeline(rng, case):
         m["virtual_pipeline_model_parallel_size"] = rng.choice([2, 3])
     if rng.random() < 0.3:
         m["num_layers"] = rng.choice([6, 8, 12, 16])
+    if rng.random() < 0.3:
+        pp = m["pipeline_model_parallel_size"]
+        m["pipeline_model_parallel_layout"] = _layout(int(float(m["num_layers"])), pp, rng)
+
+
+def _layout(num_layers: int, pp: int, rng: random.Random) -> str:
+    """A valid ``pipeline_model_parallel_layout`` string (Bridge 0.6 recipes set them) with 1 or 2 stages per rank:
+    embedding first, loss last, the layers spread over the stages; its VPP may or may not match the case's."""
+    stages = pp * rng.choice([1, 2])
+    counts = [num_layers // stages + (1 if i < num_layers % stages else 0) for i in range(stages)]
+    parts = ["t" * c for c in counts]
+    parts[0], parts[-1] = "E" + parts[0], parts[-1] + "L"
+    return "|".join(parts)
 
 
 def _p_recompute(rng, case):

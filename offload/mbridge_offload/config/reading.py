@@ -9,8 +9,9 @@ eating memory or crashing:
 - at most ``MBRIDGE_OFFLOAD_MAX_CONFIG_BYTES`` bytes (default 2 MiB; Bridge configs are tens of KB);
 - at most ``MBRIDGE_OFFLOAD_MAX_DEPTH`` levels of nesting (default 32) and ``MBRIDGE_OFFLOAD_MAX_NODES`` values
   after YAML alias expansion (default 100 000), so an alias bomb ("billion laughs") stops early;
-- JSON ``NaN``/``Infinity`` and non-finite YAML numbers (``.nan``, ``.inf``, ``1e999``) are refused: no
-  Megatron setting takes them;
+- JSON ``NaN``/``Infinity`` are refused (not JSON). Non-finite YAML numbers (``.nan``, ``.inf``, ``1e999``) are
+  read: upstream float fields take them (``optimizer.grad_norm_skip_threshold: .inf`` is Bridge's own default);
+  ``schema.refuses_non_finite`` names the keys that refuse them (counts, and the bounds that are ours);
 - a server can fix, at its start, the directories configs may be read from (:func:`set_read_roots`).
 
 No torch import on this path.
@@ -218,7 +219,7 @@ def refuse_json_constant(name: str) -> Any:
 
 
 def check_number(value: Any, path: str) -> None:
-    """Refuse a non-finite float (NaN, ±inf).
+    """Refuse a non-finite float (NaN, ±inf) at ``path`` (a key that takes only finite numbers).
 
     Raises:
         InputError: ``value`` is a NaN or infinite float.

@@ -309,6 +309,22 @@ RELATED_KEYS: tuple[str, ...] = (
 )
 
 
+# Float fields whose bounds our rules and planner rely on (a fraction of layers, of optimizer state): NaN/±inf there
+# is refused as bad input. Every other float field takes them as upstream's dataclass does
+# (optimizer.grad_norm_skip_threshold: .inf is Bridge's own default; lr, clip_grad, adam_* carry no check upstream).
+_FINITE_FLOATS = {("optimizer", "optimizer_offload_fraction"), ("model", "activation_offload_fraction")}
+
+
+def refuses_non_finite(section: str, key: str) -> bool:
+    """Whether ``section.key`` takes only finite numbers: a count (an ``int`` field) or a bound that is ours."""
+    cls = OffloadConfig.model_fields[section].annotation if section in OffloadConfig.model_fields else None
+    info = cls.model_fields.get(key) if isinstance(cls, type) and issubclass(cls, Section) else None
+    if info is None:
+        return False  # an unknown key: kept as written
+    annotation = info.annotation
+    return annotation is int or int in typing.get_args(annotation) or (section, key) in _FINITE_FLOATS
+
+
 def get_value(cfg: OffloadConfig, dotted: str) -> Any:
     """``get_value(cfg, "model.cpu_offloading")`` → the effective value (defaults included)."""
     section, _, key = dotted.partition(".")

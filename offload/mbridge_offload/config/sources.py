@@ -20,7 +20,7 @@ from pydantic import ValidationError
 from mbridge_offload.config import megatron_lm, reading
 from mbridge_offload.config.errors import DeadlineError, InputError
 from mbridge_offload.config.megatron_lm import MLM_CLI_DEFAULTS  # noqa: F401 (re-exported for the docs)
-from mbridge_offload.config.schema import SECTIONS, OffloadConfig
+from mbridge_offload.config.schema import SECTIONS, OffloadConfig, refuses_non_finite
 
 
 class ConfigError(InputError):
@@ -50,7 +50,7 @@ def to_plain(node: Any, budget: reading.Budget | None = None, depth: int = 0, pa
     """ruamel's round-trip containers → plain dicts, lists and scalars, within the reader's limits.
 
     Raises:
-        InputError: too deep, too many values after alias expansion, or a non-finite number.
+        InputError: too deep, or too many values after alias expansion.
     """
     budget = budget or reading.Budget("<config>")
     budget.visit(depth)
@@ -58,7 +58,6 @@ def to_plain(node: Any, budget: reading.Budget | None = None, depth: int = 0, pa
         return {str(k): to_plain(v, budget, depth + 1, f"{path}.{k}".lstrip(".")) for k, v in node.items()}
     if isinstance(node, list | tuple):
         return [to_plain(v, budget, depth + 1, f"{path}[{i}]") for i, v in enumerate(node)]
-    reading.check_number(node, path)
     tagged_value = getattr(node, "value", None)
     if type(node).__name__ == "TaggedScalar":  # unknown !!tags: keep the scalar
         return tagged_value
@@ -247,9 +246,7 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
             )
         # The value as Hydra's grammar reads it: null is None, 'None' (any string) stays a string, as megatron-core
         # would see it (recompute_granularity: "None" is refused there).
-        value = override.value()
-        reading.check_number(value, override.key_or_group)  # nan/inf via --set, like .nan/.inf in a file
-        node[leaf] = value
+        node[leaf] = override.value()  # nan/inf as in a file: build_config refuses them where a key needs finite
     return raw
 
 
@@ -280,14 +277,32 @@ def parse_megatron_argv(argv: list[str]) -> dict[str, Any]:
 # ---------------------------------------------------------------------------------------------- Bridge recipes
 
 
+def _stdout_to_stderr():
+    """Bridge logs (and its imports print) to stdout, which is the CLI's JSON channel: send them to stderr. Logging
+    handlers created meanwhile keep stderr as their stream."""
+    import contextlib
+
+    return contextlib.redirect_stdout(sys.stderr)
+
+
+def _defining_files(root: Path, name: str) -> list[Path]:
+    return sorted(p for p in root.rglob("*.py") if f"def {name}(" in p.read_text(encoding="utf-8", errors="ignore"))
+
+
 def recipe_config(name: str) -> dict[str, Any]:
-    """Build a Megatron Bridge recipe's real ``ConfigContainer`` (e.g. ``qwen3_30b_a3b_pretrain_config``).
+    """Build a Megatron Bridge recipe's real ``ConfigContainer`` (e.g. ``qwen3_30b_a3b_pretrain_config``, or a
+    Bridge 0.6 perf recipe such as ``llama3_70b_pretrain_64gpu_gb200_bf16_config``).
 
     Needs megatron-bridge importable (the user's training environment).
 
     Raises:
         ConfigError: megatron-bridge missing, or no recipe of that name.
     """
+    with _stdout_to_stderr():
+        return _recipe_config(name)
+
+
+def _recipe_config(name: str) -> dict[str, Any]:
     import importlib
     import importlib.machinery
     import importlib.util
@@ -309,13 +324,17 @@ def recipe_config(name: str) -> dict[str, Any]:
     # recipes package's own __init__ imports every model family (VLM data loaders included), which drags in
     # optional dependencies a config check does not need.
     root = Path(next(iter(spec.submodule_search_locations)))
-    hits = sorted(p for p in root.rglob("*.py") if f"def {name}(" in p.read_text(encoding="utf-8", errors="ignore"))
+    # Bridge 0.6 also ships megatron.bridge.perf_recipes (<model>_<task>_<N>gpu_<gpu>_<precision>_config), beside.
+    package_name, hits = "megatron.bridge.recipes", _defining_files(root, name)
+    if not hits and (root.parent / "perf_recipes").is_dir():
+        package_name, root = "megatron.bridge.perf_recipes", root.parent / "perf_recipes"
+        hits = _defining_files(root, name)
     if not hits:
         raise ConfigError(
-            f"--recipe {name}: no such recipe in megatron.bridge.recipes "
-            "(names look like qwen3_30b_a3b_pretrain_config)"
+            f"--recipe {name}: no such recipe in megatron.bridge.recipes or megatron.bridge.perf_recipes "
+            "(names look like qwen3_30b_a3b_pretrain_config or llama3_70b_pretrain_64gpu_gb200_bf16_config)"
         )
-    if "megatron.bridge.recipes" not in sys.modules:
+    if package_name == "megatron.bridge.recipes" and package_name not in sys.modules:
         # A package module without its __init__ (see above), with a real spec: find_spec on the next call (same
         # process, e.g. the MCP server, which keeps these imports warm) reads the spec from sys.modules.
         package = types.ModuleType("megatron.bridge.recipes")
@@ -323,8 +342,11 @@ def recipe_config(name: str) -> dict[str, Any]:
         package.__spec__ = importlib.machinery.ModuleSpec("megatron.bridge.recipes", None, is_package=True)
         package.__spec__.submodule_search_locations = [str(root)]
         sys.modules["megatron.bridge.recipes"] = package
-    module_name = "megatron.bridge.recipes." + ".".join(hits[0].relative_to(root).with_suffix("").parts)
+    module_name = f"{package_name}." + ".".join(hits[0].relative_to(root).with_suffix("").parts)
     try:
+        if package_name == "megatron.bridge.perf_recipes":
+            # its __init__ orders the family imports (a module imported alone can meet a partial one)
+            importlib.import_module(package_name)
         factory = getattr(importlib.import_module(module_name), name)
     except Exception as exc:
         raise ConfigError(
@@ -368,6 +390,23 @@ def _line_of(tree: Any, loc: tuple[Any, ...]) -> int | None:
     return line
 
 
+def _check_finite(data: dict[str, Any], where: str, tree: Any) -> None:
+    """Refuse NaN/±inf at the keys that take only finite numbers (``schema.refuses_non_finite``); elsewhere a
+    non-finite float is kept as written, as upstream's float fields keep it."""
+    for name in SECTIONS:
+        section = data.get(name)
+        for key, value in section.items() if isinstance(section, dict) else ():
+            if not refuses_non_finite(name, key):
+                continue
+            try:
+                reading.check_number(value, f"{name}.{key}")
+            except InputError as exc:
+                line = _line_of(tree, (name, key)) if tree is not None else None
+                raise ConfigError(
+                    f"{where}:{line}: {exc.message}" if line else f"{where}: {exc.message}", exc.fix
+                ) from None
+
+
 def build_config(raw: dict[str, Any], where: str = "<config>", tree: Any = None) -> OffloadConfig:
     """Type-check a raw config.
 
@@ -379,6 +418,7 @@ def build_config(raw: dict[str, Any], where: str = "<config>", tree: Any = None)
         if name in raw and raw[name] is not None and not isinstance(raw[name], dict):
             raise ConfigError(f"{where}: section {name!r} must be a mapping, got {raw[name]!r}")
     data = {k: (v if v is not None else {}) if k in SECTIONS else v for k, v in raw.items()}
+    _check_finite(data, where, tree)
     try:
         return OffloadConfig.model_validate(data)
     except ValidationError as exc:

@@ -18,7 +18,16 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, computed_field
 
-from mbridge_offload.config.rules.base import DEFAULT_TARGET, Context, Match, Rule, parse_target
+from mbridge_offload.config import bridge
+from mbridge_offload.config.rules.base import (
+    DEFAULT_TARGET,
+    TE_VERSION_ASSUMED,
+    Context,
+    Match,
+    Rule,
+    nvte_cpu_offload_v1,
+    parse_target,
+)
 from mbridge_offload.config.rules.catalogue import all_rules
 from mbridge_offload.config.schema import OffloadConfig, effective_values
 
@@ -133,11 +142,30 @@ def validate(config: OffloadConfig, raw: dict[str, Any] | None = None, target: A
     if raw:
         _drop_unsound_fixes(findings, config, raw, tgt)
     values = effective_values(config)
-    return Report(findings=findings, config=values, target=str(tgt), env=dict(config.env))
+    return Report(findings=findings, config=values, target=str(tgt), env=_env(config, raw or {}))
+
+
+def _env(config: OffloadConfig, raw: dict[str, Any]) -> dict[str, str]:
+    """The environment facts the verdict assumed: the caller's ``--env``, the Transformer Engine version (stated
+    as an assumption when not given) and ``NVTE_CPU_OFFLOAD_V1`` as the job would see it (``env_vars`` included)."""
+    env = dict(config.env)
+    if "te_version" not in env:
+        env["te_version"] = TE_VERSION_ASSUMED
+        env["te_version_source"] = (
+            "assumed: the release Megatron Bridge 0.6.2 pins; pass --env te_version=X.Y for another"
+        )
+    env_vars = raw.get("env_vars")
+    if "NVTE_CPU_OFFLOAD_V1" not in env and isinstance(env_vars, dict) and "NVTE_CPU_OFFLOAD_V1" in env_vars:
+        env["NVTE_CPU_OFFLOAD_V1"] = nvte_cpu_offload_v1(config, raw)
+        env["NVTE_CPU_OFFLOAD_V1_source"] = "the config's env_vars (Bridge sets it at start-up)"
+    return env
 
 
 def _run_rules(config: OffloadConfig, raw: dict[str, Any], tgt: Any) -> list[Finding]:
-    ctx = Context(config=config, raw=raw, target=tgt)
+    normalized: list[tuple[str, Any, Any]] = []
+    if bridge.is_container(raw):
+        config, raw, normalized = bridge.finalize(config, raw, tgt)
+    ctx = Context(config=config, raw=raw, target=tgt, normalized=tuple(normalized))
     hits: list[tuple[Rule, Finding]] = []
     for rule in all_rules():
         if not rule.applies(tgt):

@@ -258,20 +258,20 @@ BUILD_RULES: tuple[Rule, ...] = (
     ),
     Rule(
         id="ACT-FG-NVTE-V1",
-        severity="warning",
+        severity="error",
         origin="bridge",
         stage=STAGE_BRIDGE,
         exception="ValueError",
         summary="Fine-grained offloading on TE ≥ 2.10 needs NVTE_CPU_OFFLOAD_V1=1 (Bridge).",
-        keys=("model.fine_grained_activation_offloading", "env.NVTE_CPU_OFFLOAD_V1", "env.te_version"),
+        keys=("model.fine_grained_activation_offloading", "env_vars.NVTE_CPU_OFFLOAD_V1", "env.te_version"),
         message="For fine-grained activation offloading with TE >= 2.10.0, NVTE_CPU_OFFLOAD_V1 environment variable "
         "should be set to 1 to avoid offloading weights.",
-        why="A warning, not an error: the variable belongs to the job's environment, which a config does not "
-        "carry, and megatron-core's own checks never read it (neither 0.16.1 nor 0.19.2), so every other check "
-        "still runs. Fine-grained offloading drives TE's legacy (v1) offload globals; TE ≥ 2.10 defaults to v2. Export "
-        "NVTE_CPU_OFFLOAD_V1=1 in the job environment (pass --env NVTE_CPU_OFFLOAD_V1=1 to validate that "
-        "environment; TE version via --env te_version=X.Y, default 2.18 as pinned by Bridge HEAD).",
-        fix=None,
+        why="Bridge's `_validate_fine_grained_activation_offloading` raises it in ConfigContainer.validate() at "
+        "start-up when the process environment lacks NVTE_CPU_OFFLOAD_V1=1. Bridge first copies the config's "
+        "`env_vars` into the environment (os.environ.setdefault), so either one sets it: the config's env_vars (as "
+        "NVIDIA's fine-grained perf recipes do) or the job's environment (--env NVTE_CPU_OFFLOAD_V1=1 tells "
+        "validate). The TE version is an assumption (--env te_version=X.Y; default 2.18, pinned by Bridge 0.6.2).",
+        fix=("++env_vars.NVTE_CPU_OFFLOAD_V1=1",),
         check=_fg_nvte("bridge"),
     ),
     Rule(

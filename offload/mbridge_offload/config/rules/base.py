@@ -116,6 +116,20 @@ def spec_contains(spec: str, version: Version) -> bool:
 # ---------------------------------------------------------------------------------------------- context
 
 
+TE_VERSION_ASSUMED = "2.18.0"  # the Transformer Engine release Megatron Bridge 0.6.2 pins
+
+
+def nvte_cpu_offload_v1(config: OffloadConfig, raw: dict[str, Any]) -> str:
+    """``NVTE_CPU_OFFLOAD_V1`` as the job sees it: the caller's environment (``--env``) first, else the config's
+    ``env_vars``, which Bridge applies at start-up with ``os.environ.setdefault(name, str(value))``; else "0"."""
+    if "NVTE_CPU_OFFLOAD_V1" in config.env:
+        return str(config.env["NVTE_CPU_OFFLOAD_V1"])
+    env_vars = raw.get("env_vars") if isinstance(raw, dict) else None
+    if isinstance(env_vars, dict) and "NVTE_CPU_OFFLOAD_V1" in env_vars:
+        return str(env_vars["NVTE_CPU_OFFLOAD_V1"])
+    return "0"
+
+
 @dataclass
 class Context:
     """What a check function sees: the typed config, the raw dict, the target and environment facts."""
@@ -123,6 +137,8 @@ class Context:
     config: OffloadConfig
     raw: dict[str, Any]
     target: Target
+    # What Megatron Bridge's finalize() changed before megatron-core's checks: (key, as written, as Bridge sets it).
+    normalized: tuple[tuple[str, Any, Any], ...] = ()
 
     @property
     def model(self):
@@ -150,11 +166,11 @@ class Context:
     @property
     def te_version(self) -> Version:
         # Megatron Bridge HEAD pins transformer-engine 2.18.0 (uv.lock).
-        return _version(str(self.config.env.get("te_version", "2.18.0")))
+        return _version(str(self.config.env.get("te_version", TE_VERSION_ASSUMED)))
 
     @property
     def nvte_cpu_offload_v1(self) -> bool:
-        return str(self.config.env.get("NVTE_CPU_OFFLOAD_V1", "0")) == "1"
+        return nvte_cpu_offload_v1(self.config, self.raw) == "1"
 
     @property
     def te_offload_path(self) -> str:
@@ -167,10 +183,21 @@ class Context:
         ``external_cuda_graph`` to ``transformer_engine`` (transformer_config.py, both releases)."""
         impl = self.model.cuda_graph_impl
         if impl == "none" and self.model.enable_cuda_graph:
-            return "local"
-        if impl == "none" and self.model.external_cuda_graph:
-            return "transformer_engine"
+            impl = "local"
+        elif impl == "none" and self.model.external_cuda_graph:
+            impl = "transformer_engine"
+        # 0.19 migrates the deprecated scope "full_iteration" (cuda_graph_scope / cuda_graph_modules) to
+        # cuda_graph_impl="full_iteration" when the impl is none or local (cuda_graph_config.py).
+        if self.target.version >= (0, 19, 0) and impl in ("none", "local") and "full_iteration" in self._scopes():
+            return "full_iteration"
         return impl
+
+    def _scopes(self) -> list[str]:
+        names: list[str] = []
+        for value in (self.model.cuda_graph_scope, self.model.extras().get("cuda_graph_modules")):
+            items = value if isinstance(value, list) else [value] if isinstance(value, str) else []
+            names.extend(str(v).strip() for item in items for v in str(item).split(","))
+        return names
 
     @property
     def cuda_graph_modules(self) -> list[str]:

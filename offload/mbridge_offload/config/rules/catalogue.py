@@ -11,16 +11,18 @@ from mbridge_offload.config.rules import (
     offload_extras,
     optimizer_config,
     parallelism,
+    pipeline_layout,
     recompute,
 )
 from mbridge_offload.config.rules.activation import ACTIVATION_RULES
 from mbridge_offload.config.rules.activation_build import BUILD_RULES
 from mbridge_offload.config.rules.base import DEFAULT_TARGET, STAGE_OPTIMIZER_CONFIG, TARGETS, Rule, spec_contains
+from mbridge_offload.config.rules.bridge import BRIDGE_RULES
 from mbridge_offload.config.rules.inputs import INPUT_RULES
 from mbridge_offload.config.rules.optimizer import CONFIG_RULES, OPTIMIZER_RULES
 
 # The TransformerConfig stage's files besides activation.py; the order of this list does not matter (merge_stage).
-TRANSFORMER_CONFIG_FILES = (parallelism, recompute, offload_extras, model_init, cuda_graphs)
+TRANSFORMER_CONFIG_FILES = (parallelism, recompute, offload_extras, pipeline_layout, model_init, cuda_graphs)
 
 
 def merge_stage(backbone: tuple[Rule, ...], groups: tuple[tuple[Rule, ...], ...]) -> tuple[Rule, ...]:
@@ -75,7 +77,16 @@ def all_rules() -> tuple[Rule, ...]:
         tuple(r for r in OPTIMIZER_RULES if r.stage == STAGE_OPTIMIZER_CONFIG), (optimizer_config.RULES,)
     )
     rest = tuple(r for r in OPTIMIZER_RULES if r.stage != STAGE_OPTIMIZER_CONFIG)
-    rules = (*INPUT_RULES, *CONFIG_RULES, *hygiene.RULES, *transformer, *BUILD_RULES, *optimizer_stage, *rest)
+    rules = (
+        *INPUT_RULES,
+        *BRIDGE_RULES,
+        *CONFIG_RULES,
+        *hygiene.RULES,
+        *transformer,
+        *BUILD_RULES,
+        *optimizer_stage,
+        *rest,
+    )
     ids = [r.id for r in rules]
     duplicates = {i for i in ids if ids.count(i) > 1}
     if duplicates:
