@@ -80,7 +80,8 @@ def _blockers(
     without = {**model, "fine_grained_activation_offloading": False, "offload_modules": []}
     found = {}
     for m in (model, without):
-        raw = {"model": m}
+        # The overrides set env_vars.NVTE_CPU_OFFLOAD_V1=1 with the switch (Bridge >= 0.6, TE >= 2.10): probe so.
+        raw = {"model": m, "env_vars": {"NVTE_CPU_OFFLOAD_V1": 1}}
         found[id(m)] = {(f.rule, f.message) for f in validate(OffloadConfig.model_validate(raw), raw).errors}
     added = found[id(model)] - found[id(without)]
     return tuple(f"fine-grained offloading: {message} ({rule})" for rule, message in sorted(added))
