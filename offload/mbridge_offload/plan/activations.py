@@ -14,9 +14,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from mbridge_offload.config.upstream import TE_MIN_OFFLOAD_NUMEL
 from mbridge_offload.plan import fine_grained
 from mbridge_offload.plan.model import ModelSpec, Setup, Tensor, next_pow2, padded_vocab, stage_layers
+from mbridge_offload.upstream import TE_MIN_OFFLOAD_NUMEL
 
 
 def layer_activations(m: ModelSpec, s: Setup, index: int) -> list[Tensor]:
@@ -71,10 +71,10 @@ def _bf16_layer_activations(m: ModelSpec, s: Setup, index: int) -> list[Tensor]:
     else:
         etp = s.resolved_etp(m)
         routed = t_sp * m.moe_router_topk * etp  # balanced routing: each GPU receives its own tokens × top-k
-        ffn = m.moe_ffn_hidden_size // etp
+        ffn = m.expert_ffn_hidden_size // etp
         out += [
             Tensor("router_in", t_sp * h),
-            Tensor("router_probs", t_sp * m.num_moe_experts, nbytes_per=4),
+            Tensor("router_probs", t_sp * m.experts, nbytes_per=4),
             Tensor("expert_fc1_in", routed * h),
             Tensor("expert_fc1_out", routed * gate * ffn),
             Tensor("expert_act_out", routed * ffn),
