@@ -174,7 +174,7 @@ def estimate_time(
         if out.cpu_adam_s > out.d2h_s + out.h2d_s:
             out.notes.append("the CPU AdamW step dominates the offload cost; overlap hides only the copies")
     if s.offload_modules:
-        from mbridge_offload.plan.fine_grained import step_extra_s
+        from mbridge_offload.plan.activations import step_extra_s
 
         # One figure per link for both copy directions: the slower (D2H on Grace, measured), so never optimistic.
         out.activation_extra_s, note = step_extra_s(m, s, min(d2h, h2d), base, default_microbatches(s))
