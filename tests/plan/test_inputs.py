@@ -209,3 +209,22 @@ def test_the_largest_accepted_inputs_answer_quickly_and_larger_work_is_refused()
     assert time.perf_counter() - start < 30  # generous on a shared CI core; about 2 s here
     with pytest.raises(InputError, match="at most 32768"):
         resolve({**moe, "num_layers": 1024, "num_moe_experts": 1024})
+
+
+def test_a_moe_without_moe_ffn_hidden_size_takes_the_ffn_width_as_megatron_core():
+    # TransformerConfig.__post_init__: num_moe_experts set and moe_ffn_hidden_size None -> ffn_hidden_size.
+    # Before, the estimator multiplied by None (TypeError: an internal error for a valid input).
+    moe = {"num_layers": 4, "hidden_size": 512, "num_attention_heads": 8, "vocab_size": 32000, "num_moe_experts": 8}
+    implicit = plan.estimate(resolve(moe))
+    explicit = plan.estimate(resolve({**moe, "moe_ffn_hidden_size": 4 * 512}))  # the default ffn_hidden_size
+    assert implicit.model_dump(exclude={"assumptions"}) == explicit.model_dump(exclude={"assumptions"})
+
+
+def test_an_out_of_bounds_input_is_one_of_the_bad_input_family():
+    from mbridge_offload.config import errors
+    from mbridge_offload_tools.common import EXIT_BAD_INPUT, error_payload
+
+    with pytest.raises(errors.InputError) as err:
+        validate_inputs({"tp": 0})
+    payload, code = error_payload(err.value)
+    assert code == EXIT_BAD_INPUT and payload["kind"] == "bad_input" and payload["error"].startswith("--tp = 0")

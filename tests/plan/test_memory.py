@@ -6,7 +6,6 @@ import math
 
 import pytest
 
-from mbridge_offload.config.upstream import TE_MIN_OFFLOAD_NUMEL
 from mbridge_offload.plan.activations import layer_activations, stage_activations
 from mbridge_offload.plan.memory import (
     GB,
@@ -20,6 +19,7 @@ from mbridge_offload.plan.memory import (
     total_params,
 )
 from mbridge_offload.plan.presets import MODEL_PRESETS, model_preset
+from mbridge_offload.upstream import TE_MIN_OFFLOAD_NUMEL
 
 QWEN_MOE = Setup(num_gpus=16, tp=2, pp=2, ep=4, etp=1, global_batch_size=8)
 # Upstream card (Qwen3-30B-A3B, TP2 PP2 EP4, 2 x 8 H100): GPU memory saved per GPU at each offload fraction.

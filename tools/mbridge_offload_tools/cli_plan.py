@@ -28,15 +28,12 @@ def _arg_kind(annotation: Any) -> dict[str, Any]:
 
 def _add_common(p: argparse.ArgumentParser) -> None:
     """Every planner input as a flag, generated from ``PlanInputs`` (one declaration: type, help, bounds)."""
-    from mbridge_offload.plan.inputs import GROUPS, PlanInputs, bounds_text, flag_name
+    from mbridge_offload.plan.inputs import GROUPS, PlanInputs, flag_name, group_of, help_text
 
     groups = {g: p.add_argument_group(f"{g} inputs") for g in GROUPS}
     for name, info in PlanInputs.model_fields.items():
-        extra = info.json_schema_extra or {}
-        bounds = bounds_text(name)
-        help_text = info.description + (f" [{bounds}]" if bounds else "")
-        groups[str(extra["group"])].add_argument(
-            flag_name(name), dest=name, default=None, help=help_text, **_arg_kind(info.annotation)
+        groups[group_of(name)].add_argument(
+            flag_name(name), dest=name, default=None, help=help_text(name), **_arg_kind(info.annotation)
         )
     p.add_argument("--model-config", metavar="FILE", help="a Bridge YAML/JSON: its model, parallelism and settings")
     p.add_argument(

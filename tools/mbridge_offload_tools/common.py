@@ -26,21 +26,9 @@ def emit(payload: dict[str, Any], as_json: bool, human: Callable[[dict[str, Any]
         sys.stdout.write(human(payload).rstrip("\n") + "\n")
 
 
-def user_error(exc: BaseException, where: str = "input") -> InputError | None:
-    """The InputError ``exc`` means for the caller, or None when it is a bug (see ``config.errors``)."""
-    error = as_input_error(exc, where)
-    if error is None:
-        # plan.inputs' bounds error is still a ValueError of its own (errors.BoundsError is its place in the family).
-        from mbridge_offload.plan import inputs
-
-        if isinstance(exc, inputs.InputError):
-            error = InputError(str(exc))
-    return error
-
-
 def error_payload(exc: BaseException, where: str = "input") -> tuple[dict[str, Any], int]:
     """The one JSON error object for ``exc`` and its exit code: 2 for bad input, 3 for a bug."""
-    error = user_error(exc, where)
+    error = as_input_error(exc, where)  # None: a bug (see ``config.errors``)
     return (error.to_dict(), EXIT_BAD_INPUT) if error is not None else (internal_error(exc, where), EXIT_INTERNAL)
 
 

@@ -2,7 +2,9 @@
 
 Each tool is a thin call into ``offload/`` with a pydantic output model (structured output) and annotations.
 Bad input raises ``ToolError`` with a message that names the key, the value and the fix, so the model can
-correct itself; other exceptions are bugs and the SDK hides their text.
+correct itself. Any other exception is a bug: the guard answers ``isError`` with one line,
+``input: internal error (<Type>: <first line>); please report it`` (the CLI's ``kind: "internal"``, exit 3), and
+logs the traceback to the server log, never to the client.
 
 Start-up stays fast: this module imports only the MCP SDK and pydantic; the library (and torch, for the
 parity suite only, in a subprocess) is imported inside the tools.
@@ -58,9 +60,6 @@ OverridesArg = Annotated[
 ]
 
 
-# ---------------------------------------------------------------------------------------------- models
-
-
 # ---------------------------------------------------------------------------------------------- helpers
 
 
@@ -76,7 +75,7 @@ def _load(config: str, overrides: list[str] | None, what: str = "config"):
 def _plan_parameters() -> list[inspect.Parameter]:
     """The planner tools' parameters: a config, overrides, Megatron-LM argv, and every ``PlanInputs`` field
     (type, bounds and description taken from it: one declaration for the library, the CLI and MCP)."""
-    from mbridge_offload.plan.inputs import PlanInputs, bounds_text
+    from mbridge_offload.plan.inputs import PlanInputs, help_text
 
     kw = inspect.Parameter.KEYWORD_ONLY
     params = [
@@ -101,10 +100,10 @@ def _plan_parameters() -> list[inspect.Parameter]:
             ],
         ),
     ]
+    # ``Annotated`` built at run time from each field: a type expression for the SDK, not for the checker.
+    annotated: Any = Annotated
     for name, info in PlanInputs.model_fields.items():
-        bounds = bounds_text(name)
-        text = info.description + (f" [{bounds}]" if bounds else "")
-        annotation = Annotated[(info.annotation, *info.metadata, Field(description=text))]
+        annotation = annotated[(info.annotation, *info.metadata, Field(description=help_text(name)))]
         params.append(inspect.Parameter(name, kw, default=None, annotation=annotation))
     return params
 

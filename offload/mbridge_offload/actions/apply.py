@@ -178,10 +178,7 @@ def apply_offload(
             nothing was changed.
     """
     _check_arguments(output, in_place, planner, mode, output_format)
-    text, where = read_source(source)
-    source_path = Path(where) if where not in ("<text>", "<stdin>") else None
-    if in_place and source_path is None:
-        raise ApplyError("in_place needs a config file path; inline text has no file to edit (pass output=PATH)")
+    text, where, source_path = _read(source, in_place)
     raw, tree = parse_text(text, where)
     base_cfg = build_config(_copy(raw), where, tree)
     effective_raw = apply_overrides(_copy(raw), list(overrides or []))
@@ -211,9 +208,32 @@ def apply_offload(
         overrides=[format_override(c.key, c.new) for c in changes],
         notes=notes + conflicts + nothing,
     )
+    return _write_asked(result, source_path, output, in_place, overwrite, output_format, write_roots, allowed_root)
+
+
+def _write_asked(
+    result: ApplyResult,
+    source_path: Path | None,
+    output: str | os.PathLike[str] | None,
+    in_place: bool,
+    overwrite: bool,
+    output_format: str,
+    write_roots: list[Path] | None,
+    allowed_root: str | os.PathLike[str] | None,
+) -> ApplyResult:
+    """``result``, written to ``output`` (or over the source, ``in_place``) when either is asked for."""
     if output or in_place:
         target = Path(output) if output is not None else source_path
         assert target is not None
         roots = write_roots if write_roots is not None else default_roots(source_path, allowed_root)
         write_requested(result, target, source_path, in_place or overwrite, output_format, roots)
     return result
+
+
+def _read(source: str, in_place: bool) -> tuple[str, str, Path | None]:
+    """The config's text, where it came from, and its file (None for inline text or stdin)."""
+    text, where = read_source(source)
+    source_path = Path(where) if where not in ("<text>", "<stdin>") else None
+    if in_place and source_path is None:
+        raise ApplyError("in_place needs a config file path; inline text has no file to edit (pass output=PATH)")
+    return text, where, source_path

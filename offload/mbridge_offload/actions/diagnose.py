@@ -32,6 +32,9 @@ from pydantic import BaseModel, Field
 from mbridge_offload.actions.failures import CONCEPTS, EXPLAINS_RULES, KNOWN, FailureMode
 from mbridge_offload.config.schema import OffloadConfig, effective_values
 
+# What a fix function gets for a reading by meaning, where no pattern matched: a match with no groups.
+_NO_MATCH: re.Match[str] = next(re.finditer("", ""))
+
 
 class Diagnosis(BaseModel):
     """One failure mode that the text (or the config change) shows."""
@@ -113,7 +116,7 @@ def _rule_modes() -> list[tuple[Any, re.Pattern[str]]]:
     for rule in all_rules():
         if not rule.upstream or rule.severity != "error":
             continue
-        for text in {rule.message, rule.upstream_text} - {None}:
+        for text in {t for t in (rule.message, rule.upstream_text) if t is not None}:
             try:
                 out.append((rule, re.compile(_template_regex(text), re.IGNORECASE)))
             except re.error:  # pragma: no cover - a template we cannot turn into a regex
@@ -219,7 +222,7 @@ def _by_meaning(text: str, config: OffloadConfig | None, found: set[str], out_ru
         if reason := exclusion(mode, config):
             out_ruled[mode.id] = RuledOut(failure=mode.id, title=mode.title, reason=reason)
             continue
-        fix = list(mode.fix(config, re.match("", "")) if callable(mode.fix) else mode.fix)
+        fix = list(mode.fix(config, _NO_MATCH) if callable(mode.fix) else mode.fix)
         out.append(_diagnosis(mode, fix, f"reads as: {phrasing!r}", "meaning", config))
     return out
 

@@ -75,10 +75,11 @@ def _fix_slowdown(cfg: OffloadConfig | None, _m: re.Match[str]) -> list[str]:
 
 
 def _fix_layer_range(cfg: OffloadConfig | None, m: re.Match[str]) -> list[str]:
+    total: int | None
     try:
         total = int(m.group("n"))
     except (IndexError, ValueError, TypeError):
-        total = cfg.model.num_layers if cfg is not None and cfg.model.num_layers else None
+        total = int(cfg.model.num_layers) if cfg is not None and cfg.model.num_layers else None
     return [f"model.cpu_offloading_num_layers={total - 1}"] if total else []
 
 

@@ -341,7 +341,7 @@ def field_default(dotted: str) -> Any:
     """The default of a dotted key, as the config model defines it (the single source of truth)."""
     section, _, key = dotted.partition(".")
     info = SECTIONS[section].model_fields[key]
-    return info.default_factory() if info.default_factory is not None else info.default
+    return info.get_default(call_default_factory=True)
 
 
 def suggest_key(section: str, key: str) -> str | None:

@@ -308,12 +308,11 @@ def _recipe_config(name: str) -> dict[str, Any]:
     import importlib.util
     import types
 
+    error: Exception | None = None
     try:
         spec = importlib.util.find_spec("megatron.bridge.recipes")
     except Exception as exc:  # ImportError, or TE's RuntimeError for its empty meta package
         spec, error = None, exc
-    else:
-        error = None
     if spec is None or not spec.submodule_search_locations:
         detail = f"{error.__class__.__name__}: {str(error).splitlines()[0]}" if error else "not installed"
         raise ConfigError(

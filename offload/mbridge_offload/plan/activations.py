@@ -14,9 +14,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from mbridge_offload.config.upstream import TE_MIN_OFFLOAD_NUMEL
 from mbridge_offload.plan import fine_grained
 from mbridge_offload.plan.model import ModelSpec, Setup, Tensor, next_pow2, padded_vocab, stage_layers
+from mbridge_offload.upstream import TE_MIN_OFFLOAD_NUMEL
 
 
 def layer_activations(m: ModelSpec, s: Setup, index: int) -> list[Tensor]:
@@ -71,10 +71,10 @@ def _bf16_layer_activations(m: ModelSpec, s: Setup, index: int) -> list[Tensor]:
     else:
         etp = s.resolved_etp(m)
         routed = t_sp * m.moe_router_topk * etp  # balanced routing: each GPU receives its own tokens × top-k
-        ffn = m.moe_ffn_hidden_size // etp
+        ffn = m.expert_ffn_hidden_size // etp
         out += [
             Tensor("router_in", t_sp * h),
-            Tensor("router_probs", t_sp * m.num_moe_experts, nbytes_per=4),
+            Tensor("router_probs", t_sp * m.experts, nbytes_per=4),
             Tensor("expert_fc1_in", routed * h),
             Tensor("expert_fc1_out", routed * gate * ffn),
             Tensor("expert_act_out", routed * ffn),
@@ -224,3 +224,46 @@ def stage_activations(m: ModelSpec, s: Setup, stage: int) -> ActivationMemory:
         logits = 2 if s.cross_entropy_fusion else 4
         total += 2 * t_sp * h + 2 * t_sp * h + logits * tokens * padded_vocab(m, s.tp) // s.tp
     return ActivationMemory(int(total), max(eligible, default=0), host)
+
+
+def stage_groups(m: ModelSpec, s: Setup, stage: int) -> fine_grained.FineGrainedMemory:
+    """``fine_grained.stage_saving`` of one pipeline stage."""
+    layers = stage_layers(m, s)[stage]
+    per_layer = [_stored(layer_activations(m, s, i), s) for i in layers]
+    return fine_grained.stage_saving(
+        per_layer,
+        s.offload_modules,
+        in_flight(s, stage),
+        min_size=s.min_offloaded_tensor_size,
+        fraction=s.activation_offload_fraction,
+    )
+
+
+def step_extra_s(
+    m: ModelSpec, s: Setup, link_bytes_per_s: float, baseline_s: float, microbatches: int
+) -> tuple[float, str | None]:
+    """Exposed copy time per step of fine-grained offloading, and a note when the link cannot hide it.
+
+    Every stage copies each micro-batch's groups D2H in forward and H2D in backward; the slowest stage sets the
+    step. One layer's forward is taken as a third of its share of the baseline step (backward ≈ 2× forward).
+    """
+    if not s.offload_modules or s.recompute_granularity == "full":
+        return 0.0, None
+    worst, note = 0.0, None
+    for stage, layers in enumerate(stage_layers(m, s)):
+        fg = stage_groups(m, s, stage)
+        if not fg.copied_bytes_per_microbatch or not len(layers):
+            continue
+        compute = baseline_s / (1 + (s.pp - 1) / (microbatches * (s.vpp or 1)))
+        layer_fwd = compute / microbatches / len(layers) / 3
+        per_layer_copy = fg.copied_bytes_per_microbatch / len(layers)
+        extra = (
+            fine_grained.exposed_copy_s(int(per_layer_copy), link_bytes_per_s, layer_fwd) * len(layers) * microbatches
+        )
+        if extra > worst:
+            worst = extra
+            note = (
+                f"fine-grained copies ({per_layer_copy / link_bytes_per_s * 1e3:.1f} ms per layer each way) exceed "
+                f"a layer's forward ({layer_fwd * 1e3:.1f} ms) on stage {stage}: not fully hidden"
+            )
+    return worst, note

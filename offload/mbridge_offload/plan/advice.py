@@ -235,7 +235,7 @@ def fallback(p: Any, before: MemoryEstimate, overlap: Callable[[Any, Setup], boo
         return None
     freed = p.total(before) - p.total(choice.est)
     return Fallback(
-        mode=choice.mode,  # type: ignore[arg-type]
+        mode=choice.mode,
         overrides=overrides_for(choice.est.setup, overlap(r, choice.est.setup)),
         headroom_gib=round(need / GiB, 3),
         headroom_source=source,

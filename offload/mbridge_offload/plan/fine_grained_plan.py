@@ -16,7 +16,7 @@ from dataclasses import replace
 from typing import Any
 
 from mbridge_offload.config.overrides import format_override
-from mbridge_offload.plan import fine_grained
+from mbridge_offload.plan import activations, fine_grained
 from mbridge_offload.plan.memory import ModelSpec, Setup
 
 MODE = "fine-grained"
@@ -100,7 +100,7 @@ def useful_sets(m: ModelSpec, s: Setup, model_config: dict[str, Any]) -> list[tu
         if blockers(s, trial, model_config):
             continue
         saving = max(
-            fine_grained.stage_groups(m, replace(s, offload_modules=trial), st).gpu_saving_bytes for st in range(s.pp)
+            activations.stage_groups(m, replace(s, offload_modules=trial), st).gpu_saving_bytes for st in range(s.pp)
         )
         if saving > last:
             acc, last = trial, saving

@@ -16,6 +16,9 @@ import math
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic_core import ErrorDetails
+
+from mbridge_offload.config.errors import BoundsError as InputError
 
 # Upper bounds: far above any real run, low enough that the arithmetic stays exact and fast.
 MAX_GPUS = 1_000_000
@@ -192,10 +195,20 @@ class PlanInputs(BaseModel):
 FIELDS = tuple(PlanInputs.model_fields)
 
 
+def _extra(field: str) -> dict[str, Any]:
+    """What ``_field`` declared beside pydantic's own arguments: ``group`` and, where it differs, ``flag``."""
+    extra = PlanInputs.model_fields[field].json_schema_extra
+    return extra if isinstance(extra, dict) else {}  # always a dict here: ``_field`` never passes a callable
+
+
 def flag_name(field: str) -> str:
     """The CLI flag of an input: ``--seq-length`` (or the field's declared ``flag``)."""
-    extra = PlanInputs.model_fields[field].json_schema_extra or {}
-    return "--" + str(extra.get("flag", field)).replace("_", "-")
+    return "--" + str(_extra(field).get("flag", field)).replace("_", "-")
+
+
+def group_of(field: str) -> str:
+    """The input's group (one of ``GROUPS``): its section of ``--help``."""
+    return str(_extra(field)["group"])
 
 
 def bounds_text(field: str) -> str:
@@ -210,11 +223,13 @@ def bounds_text(field: str) -> str:
     return ", ".join(out)
 
 
-class InputError(ValueError):
-    """An input out of its bounds or of the wrong type; the message names it, its value and the bound."""
+def help_text(field: str) -> str:
+    """The help of an input with its bounds, e.g. ``transformer layers [>= 1, <= 1024]``."""
+    bounds = bounds_text(field)
+    return (PlanInputs.model_fields[field].description or "") + (f" [{bounds}]" if bounds else "")
 
 
-def _message(err: dict[str, Any], where: dict[str, str]) -> str:
+def _message(err: ErrorDetails, where: dict[str, str]) -> str:
     name = str(err["loc"][0]) if err["loc"] else "input"
     value = err.get("input")
     source = where.get(name, "flag")

@@ -25,7 +25,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from mbridge_offload.config.upstream import hdo_offload_mask
 from mbridge_offload.plan.model import (
     DTYPE_BYTES,
     GB,
@@ -43,6 +42,7 @@ from mbridge_offload.plan.model import (
     stage_params,
     total_params,
 )
+from mbridge_offload.upstream import hdo_offload_mask
 
 __all__ = [
     "DTYPE_BYTES",

@@ -63,6 +63,17 @@ class ModelSpec:
     def is_moe(self) -> bool:
         return bool(self.num_moe_experts)
 
+    @property
+    def experts(self) -> int:
+        """Routed experts per MoE layer; 0 for a dense model."""
+        return self.num_moe_experts or 0
+
+    @property
+    def expert_ffn_hidden_size(self) -> int:
+        """The expert MLP width: ``moe_ffn_hidden_size``, else ``ffn_hidden_size``, as megatron-core's
+        ``TransformerConfig.__post_init__`` fills it when ``num_moe_experts`` is set and it is not."""
+        return self.ffn_hidden_size if self.moe_ffn_hidden_size is None else self.moe_ffn_hidden_size
+
     def is_moe_layer(self, index: int) -> bool:
         return self.is_moe and index >= self.first_k_dense
 
@@ -178,7 +189,7 @@ def check_setup(model: ModelSpec, setup: Setup) -> None:
     if seq % s.cp or (s.cp > 1 and seq % (2 * s.cp)):
         raise ValueError(f"seq_length {seq} must be divisible by 2·CP = {2 * s.cp}")
     if model.is_moe:
-        if model.num_moe_experts % s.ep:
+        if model.experts % s.ep:
             raise ValueError(f"EP {s.ep} does not divide num_moe_experts {model.num_moe_experts}")
         if s.num_gpus % (s.pp * s.ep * etp):
             raise ValueError(f"num_gpus {s.num_gpus} is not divisible by PP·EP·ETP = {s.pp * s.ep * etp}")
@@ -288,9 +299,9 @@ def _layer_params(m: ModelSpec, tp: int, ep: int, etp: int, moe: bool) -> tuple[
     out.append(Tensor("pre_mlp_layernorm", m.hidden_size, decay=False))
     if not moe:
         return tuple(out + _mlp_params(m, m.ffn_hidden_size, tp, False, "mlp."))
-    out.append(Tensor("router", m.hidden_size * m.num_moe_experts))
-    for e in range(m.num_moe_experts // ep):
-        out += _mlp_params(m, m.moe_ffn_hidden_size, etp, True, f"expert{e}.")
+    out.append(Tensor("router", m.hidden_size * m.experts))
+    for e in range(m.experts // ep):
+        out += _mlp_params(m, m.expert_ffn_hidden_size, etp, True, f"expert{e}.")
     if m.moe_shared_expert_intermediate_size:
         out += _mlp_params(m, m.moe_shared_expert_intermediate_size, tp, False, "shared_expert.")
     return tuple(out)

@@ -334,8 +334,8 @@ def recommend(r: Resolved) -> Recommendation:
             r.model, replace(base, optimizer_offload_fraction=fraction, activation_offload_layers=most)
         )
         if found is None and mode == fg.MODE_WITH_OPTIMIZER:
-            most = fg.largest(r.model, base, r.constraints.model_config())
-            after = estimate_memory(r.model, replace(most or base, optimizer_offload_fraction=1.0))
+            widest = fg.largest(r.model, base, r.constraints.model_config())
+            after = estimate_memory(r.model, replace(widest or base, optimizer_offload_fraction=1.0))
         if found is None:
             rationale.append(f"even the most offload allowed leaves {p.total_gib(after):.1f} GiB: nothing fits")
     rationale += [f"not proposed ({m}): {'; '.join(why)}" for m, why in p.vet.rejected.items()]

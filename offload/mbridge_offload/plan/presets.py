@@ -228,7 +228,8 @@ def model_extras(config: OffloadConfig, raw: dict[str, Any], base: ModelSpec | N
     Bridge/MCore defaults (tied embeddings unless the provider says otherwise, as ``GPTModelProvider``).
     """
     m = config.model
-    given = raw.get("model") if isinstance(raw.get("model"), dict) else {}
+    section = raw.get("model")
+    given: dict[str, Any] = section if isinstance(section, dict) else {}
     extras = m.extras()
     out: dict[str, Any] = {}
     if base is None or "gated_linear_unit" in given:

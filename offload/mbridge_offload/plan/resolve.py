@@ -346,7 +346,7 @@ def _setup(values: dict[str, Any], m: ModelSpec) -> Setup:
 
 def _check_size(m: ModelSpec, s: Setup) -> None:
     if m.is_moe and s.ep >= 1:
-        work = m.num_layers * (m.num_moe_experts // s.ep)
+        work = m.num_layers * (m.experts // s.ep)
         if work > MAX_LOCAL_EXPERT_LAYERS:
             raise InputError(
                 f"num_layers × num_moe_experts / ep = {m.num_layers} × {m.num_moe_experts} / {s.ep} = {work}: at "

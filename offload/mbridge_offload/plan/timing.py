@@ -69,13 +69,13 @@ class TimeEstimate:
 def _flops_per_token(m: ModelSpec, s: Setup) -> float:
     """Training FLOPs per token (6 × active matmul params + causal attention), whole model."""
     one = Setup(num_gpus=1)
-    active = padded_vocab(m, 1) * m.hidden_size  # output layer
+    active: float = padded_vocab(m, 1) * m.hidden_size  # output layer
     for index in range(m.num_layers):
         for t in layer_params(m, one, index):
             if "norm" in t.name or "bias" in t.name:
                 continue
             if t.expert:
-                active += t.numel * m.moe_router_topk / m.num_moe_experts
+                active += t.numel * m.moe_router_topk / m.experts
             else:
                 active += t.numel
     seq = s.seq_length or m.seq_length
@@ -174,7 +174,7 @@ def estimate_time(
         if out.cpu_adam_s > out.d2h_s + out.h2d_s:
             out.notes.append("the CPU AdamW step dominates the offload cost; overlap hides only the copies")
     if s.offload_modules:
-        from mbridge_offload.plan.fine_grained import step_extra_s
+        from mbridge_offload.plan.activations import step_extra_s
 
         # One figure per link for both copy directions: the slower (D2H on Grace, measured), so never optimistic.
         out.activation_extra_s, note = step_extra_s(m, s, min(d2h, h2d), base, default_microbatches(s))
