@@ -70,9 +70,9 @@ def estimate_result(p: Plan, est: MemoryEstimate, t: TimeEstimate) -> Estimate:
         host_gb=round(est.host_gb, 3),
         offloaded_fraction=round(est.offloaded_fraction, 4),
         step_time_factor=round(t.step_time_factor, 3),
-        fits=p.fits(est),
-        budget_gb=round(p.budget_bytes / GB, 3),
-        budget_gib=round(p.budget_bytes / GiB, 3),
+        fits=p.fits(est),  # the verdict on this config: no margin, so its budget is the allocatable peak
+        budget_gb=round(p.usable_bytes / GB, 3),
+        budget_gib=round(p.usable_bytes / GiB, 3),
         gpu_memory_gb=round(r.gpu.capacity_bytes / GB, 3),
         gpu_memory_gib=round(r.gpu.capacity_bytes / GiB, 3),
         worst_stage=est.worst.stage,
