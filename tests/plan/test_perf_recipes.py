@@ -48,22 +48,61 @@ def test_layer_level_offloading_is_what_lowers_the_prediction(name):
     assert row.with_gib < row.without_gib
 
 
+def _strict(names: list[str], reasons: dict[str, str]) -> list:
+    """``names`` as parameters, those in ``reasons`` held as strict expected failures with their reason."""
+    xfail = {n: pytest.mark.xfail(strict=True, reason=why) for n, why in reasons.items()}
+    return [pytest.param(n, marks=xfail[n]) if n in xfail else n for n in names]
+
+
+# "Fits" is the estimate's verdict on the config as given: peak x (1 + allocator overhead) within the device less
+# the CUDA context, no margin (plan/anchor.py). Where NVIDIA's own setting does not fit by that, with why (strict).
+LEGACY_SCALED = (
+    "Bridge 0.6.2 calls this recipe 'legacy-scaled GBS': it is the 64-GPU recipe through "
+    "_with_global_batch_size(..., 128), the same offload count on half the GPUs, so each GPU holds twice the "
+    "Megatron-FSDP shard (+15 GiB); the predicted peak is over the device with no allocator overhead at all "
+    "(gb200: 191.0 GiB of 184.3) or within 1.4 % of it (gb300). Bridge's performance summary publishes Llama3-70B FSDP "
+    "at 64 GPUs only"
+)
+NOT_FITTING = {
+    "llama3_70b_pretrain_32gpu_gb200_fp8cs_config": LEGACY_SCALED,
+    "llama3_70b_pretrain_32gpu_gb300_fp8cs_config": LEGACY_SCALED,
+}
+
+
 @NEEDS_FIXTURES
-@pytest.mark.parametrize("name", LAYER)
+@pytest.mark.parametrize("name", _strict(LAYER, NOT_FITTING))
+def test_with_nvidias_settings_a_layer_level_recipe_fits(name):
+    assert checked(name).with_fits is True
+
+
+# Where the recipe without its offloading is predicted to fit, with why (strict).
+FITTING_WITHOUT = {
+    "llama3_70b_pretrain_64gpu_b200_fp8cs_config": (
+        "NVIDIA offloads only 5 of 80 layers (MBS 1): its no-offload peak is within ~9 GiB of the B200's 178.35 GiB; "
+        "we predict 173.4 GiB allocated, 175.9 GiB after the dense 1.45 % overhead, 2 GiB under the device: a "
+        "2.6 % underestimate is inside the model's accuracy. recommend still offloads (4 layers): it keeps the margin"
+    ),
+}
+
+
+@NEEDS_FIXTURES
+@pytest.mark.parametrize("name", _strict(LAYER, FITTING_WITHOUT))
 def test_without_its_offloading_a_layer_level_recipe_does_not_fit(name):
     assert checked(name).without_fits is False
 
 
 # Where our layer count is further from NVIDIA's than the tolerance, with why (held strictly: it must keep failing).
+# recommend picks the fewest layers that fit with the margin kept (each offloaded layer costs step time); NVIDIA's
+# count is the one its benchmark settled on, not necessarily the least that fits.
+SAME_COUNT_ON_TWICE_THE_GPUS = (
+    "NVIDIA ships 40 layers on 256 GPUs as on 128 (Bridge 0.6.2: the same TP2/PP1 layout, DP x2), so each GPU holds "
+    "half the Megatron-FSDP shard of the 128-GPU run; we ask 22, the fewest that fit with the margin"
+)
 DEVIATIONS = {
-    "llama3_70b_pretrain_32gpu_gb300_fp8cs_config": (
-        "we ask 31 layers, NVIDIA ships 20: the 32-GPU recipe is the 64-GPU one with half the global batch "
-        "(Bridge's _with_global_batch_size), the same offload count on twice the per-GPU FSDP state"
-    ),
+    "llama31_405b_pretrain_256gpu_b300_bf16_config": SAME_COUNT_ON_TWICE_THE_GPUS,
+    "llama31_405b_pretrain_256gpu_gb300_bf16_config": SAME_COUNT_ON_TWICE_THE_GPUS,
 }
-CLOSE = [
-    pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=DEVIATIONS[n])) if n in DEVIATIONS else n for n in LAYER
-]
+CLOSE = _strict(LAYER, DEVIATIONS)
 
 
 @NEEDS_FIXTURES
@@ -73,10 +112,11 @@ def test_recommend_picks_activation_offload_close_to_nvidias_layer_count(name):
     entry = INDEX["recipes"][name]
     assert row.recommended_mode == "activation"
     assert not any(o.startswith("optimizer.") for o in row.recommended_overrides)
-    num_layers = max(row.nvidia_layers or 0, row.recommended_layers or 0)
     assert row.recommended_layers is not None
-    # Close: within an eighth of the model's layers (10 of Llama 3 70B's 80) of NVIDIA's choice.
-    assert abs(row.recommended_layers - row.nvidia_layers) <= max(10, num_layers // 8), entry
+    # Close: within 10 layers of NVIDIA's choice. That is what the 5 % margin recommend keeps plus a 5 % error in the
+    # predicted peak amount to here: 10 % of a GB200's 184 GiB is 18 GiB, ~9 Llama 3 70B layers at seq 8192, MBS 1
+    # (2.1 GiB of saved tensors each, bf16).
+    assert abs(row.recommended_layers - row.nvidia_layers) <= 10, entry
 
 
 @NEEDS_FIXTURES

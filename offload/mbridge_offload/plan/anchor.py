@@ -1,8 +1,18 @@
 """What "fits" means, and how a measurement of the user's own run anchors the predictions.
 
-Fits: the predicted peak allocated memory, grown by the caching allocator's overhead (reserved beyond allocated),
-must stay under what the device exposes less the CUDA context and the margin. The overhead is a physical
-parameter fitted to the published out-of-memory point (``data/published.yaml``, refitted by ``published.py``).
+Fits (``Plan.fits``, what ``estimate`` reports for a given config): the predicted peak allocated memory, grown by
+the caching allocator's overhead (reserved beyond allocated), stays under what the device exposes less the CUDA
+context. No margin: it is the verdict on that config. A recommendation keeps the margin on top
+(``Plan.keeps_margin``): the settings it picks fit with ``margin`` of the usable memory still free.
+
+The overhead depends on whether the tensor shapes repeat. PyTorch's caching allocator reuses a freed block for a
+request of the same (rounded) size; it fragments when "allocation sizes change frequently" (PyTorch CUDA semantics,
+``expandable_segments``). A dropless-MoE layer's per-expert token counts change every micro-batch, so its buffers do;
+a dense model at fixed sequence length and micro-batch asks for the same sizes in the same order every step.
+- dropless MoE: fitted to the published out-of-memory point (``data/published.yaml``, refitted by ``published.py``);
+- dense: the reserved/allocated ratio Megatron-LM issue #965 printed at a dense model's attention peak.
+Neither relies on ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``: Bridge 0.6.2's Llama 3 70B / 3.1 405B
+layer-offload perf recipes do not set it (their ``env_vars``), and no published run gives its overhead.
 
 Anchoring: a measured peak at the given settings shifts every prediction by (measured − predicted); a measured
 step time fixes the baseline (or, with a baseline given too and offload on, the CPU AdamW rate). "These settings
@@ -23,9 +33,19 @@ from mbridge_offload.plan.timing import baseline_step_s, cpu_adam_rate_source, d
 
 # The CUDA context and cuBLAS handles live outside PyTorch's allocator (~0.5 GiB on Hopper with CUDA 12).
 CUDA_CONTEXT_GIB = 0.5
-# Reserved beyond allocated (fragmentation of the caching allocator), fitted to the card's OOM point: the
-# 24-layer activation-offload run died with 70.3 GiB allocated on a 79.11 GiB H100 (plan/published.py).
+# Reserved beyond allocated (fragmentation of the caching allocator) for a dropless-MoE model, fitted to the card's
+# OOM point: the 24-layer activation-offload run of Qwen3-30B-A3B died with 70.3 GiB allocated on a 79.11 GiB H100
+# (plan/published.py).
 ALLOCATOR_OVERHEAD = 0.118
+# The same for a dense model (static shapes): Megatron-LM issue #965 (dense Phi-3-sized GPT, A100, MBS 1, seq 4096,
+# Megatron's memory prints inside DotProductAttention): 44,283.33 MB allocated / 44,926.00 MB reserved at its
+# highest point, 41,291.26 / 41,854.00 at the end of the forward: 1.45 % and 1.36 %; the larger one is used.
+DENSE_ALLOCATOR_OVERHEAD = 0.0145
+
+
+def allocator_overhead(is_moe: bool) -> float:
+    """Reserved beyond allocated, as a share of allocated: dropless MoE (shapes vary) or dense (shapes repeat)."""
+    return ALLOCATOR_OVERHEAD if is_moe else DENSE_ALLOCATOR_OVERHEAD
 
 
 @dataclass
@@ -41,9 +61,13 @@ class Plan:
     vet: Any = None  # advice.Vetter: the rule catalogue on each candidate (planner.recommend sets it)
 
     @property
+    def overhead(self) -> float:
+        return allocator_overhead(self.r.model.is_moe)
+
+    @property
     def usable_bytes(self) -> float:
         """Peak allocated bytes at which the device is full (no margin)."""
-        return (self.r.gpu.capacity_bytes - CUDA_CONTEXT_GIB * GiB) / (1 + ALLOCATOR_OVERHEAD)
+        return (self.r.gpu.capacity_bytes - CUDA_CONTEXT_GIB * GiB) / (1 + self.overhead)
 
     @property
     def budget_bytes(self) -> float:
@@ -56,9 +80,14 @@ class Plan:
         return self.total(est) / GiB
 
     def fits(self, est: MemoryEstimate) -> bool:
+        """The verdict on this config: its peak, after the allocator overhead, within the device (no margin)."""
         if self.r.inputs.ooms and est.setup == self.r.setup:
             return False  # the user saw it fail: never contradict a measurement
-        return self.total(est) <= self.budget_bytes
+        return self.total(est) <= self.usable_bytes
+
+    def keeps_margin(self, est: MemoryEstimate) -> bool:
+        """What a recommendation asks of the settings it picks: it fits with the margin still free."""
+        return self.fits(est) and self.total(est) <= self.budget_bytes
 
     def breakdown(self, est: MemoryEstimate, gib: bool = False) -> MemoryBreakdown:
         parts = est.breakdown_gib(self.offset) if gib else est.breakdown_gb(self.offset)
@@ -70,7 +99,7 @@ class Plan:
             f"without offload the worst stage (stage {w.stage}) peaks at {self.total_gib(before):.1f} GiB "
             f"({self.total(before) / GB:.1f} GB) allocated; the {gpu.name} exposes {gpu.capacity_bytes / GiB:.2f} "
             f"GiB, of which {self.budget_bytes / GiB:.1f} GiB can be allocated ({CUDA_CONTEXT_GIB} GiB CUDA "
-            f"context, {ALLOCATOR_OVERHEAD:.1%} allocator overhead, {self.margin:.0%} kept free)"
+            f"context, {self.overhead:.1%} allocator overhead, {self.margin:.0%} kept free by a recommendation)"
         )
 
     def edge_note(self, est: MemoryEstimate) -> str | None:
@@ -79,11 +108,12 @@ class Plan:
         total, room = self.total(est), self.r.gpu.capacity_bytes - CUDA_CONTEXT_GIB * GiB
         if self.fits(est) or total >= room:
             return None
+        kind = "dropless MoE, fitted to one published MoE OOM" if self.r.model.is_moe else "dense, Megatron-LM #965"
         return (
             f"borderline: the predicted peak {total / GiB:.1f} GiB allocated is below the {room / GiB:.1f} GiB the "
             f"device leaves after the CUDA context: it runs if the caching allocator reserves less than "
-            f"{room / total - 1:.1%} beyond it; 'does not fit' comes from the {ALLOCATOR_OVERHEAD:.1%} assumed here "
-            f"(measured on one MoE run) plus the {self.margin:.0%} kept free"
+            f"{room / total - 1:.1%} beyond it; 'does not fit' comes from the {self.overhead:.1%} assumed here "
+            f"({kind})"
         )
 
     def notes(self) -> list[str]:
@@ -149,7 +179,7 @@ def prepare(r: Resolved) -> Plan:
     rate, source = cpu_adam_rate_source(
         r.inputs.cpu_adam_params_per_s, r.inputs.calibration, r.gpu.cpu_adam_params_per_s_per_core
     )
-    p.assumptions = [*r.assumptions, _rate_assumption(rate, source)]
+    p.assumptions = [*r.assumptions, _rate_assumption(rate, source), _overhead_assumption(p)]
     peak, step, notes = _measurements(r)
     if peak is None and step is None and not r.inputs.ooms:
         p.assumptions += _baseline_assumptions(p)
@@ -194,6 +224,23 @@ def _baseline_assumptions(p: Plan) -> list[Assumption]:
             "bubble; pass --baseline-step-s with a measured step time",
         ),
     ]
+
+
+def _overhead_assumption(p: Plan) -> Assumption:
+    """The allocator overhead this answer used, and what "fits" means with it."""
+    why = (
+        "dropless MoE: per-expert buffers change size every micro-batch; fitted to the Qwen3-30B-A3B card's OOM point"
+        if p.r.model.is_moe
+        else "dense: the same tensor sizes every step, so the caching allocator reuses its blocks; reserved/allocated "
+        "of a dense Megatron run (Megatron-LM issue #965)"
+    )
+    return Assumption(
+        name="allocator_overhead",
+        value=p.overhead,
+        source="default",
+        note=f"{why}; expandable_segments not assumed. fits = peak x (1 + overhead) <= GPU memory - "
+        f"{CUDA_CONTEXT_GIB} GiB CUDA context; a recommendation also keeps the margin free",
+    )
 
 
 def _rate_assumption(rate: float, source: str) -> Assumption:

@@ -70,9 +70,9 @@ def estimate_result(p: Plan, est: MemoryEstimate, t: TimeEstimate) -> Estimate:
         host_gb=round(est.host_gb, 3),
         offloaded_fraction=round(est.offloaded_fraction, 4),
         step_time_factor=round(t.step_time_factor, 3),
-        fits=p.fits(est),
-        budget_gb=round(p.budget_bytes / GB, 3),
-        budget_gib=round(p.budget_bytes / GiB, 3),
+        fits=p.fits(est),  # the verdict on this config: no margin, so its budget is the allocatable peak
+        budget_gb=round(p.usable_bytes / GB, 3),
+        budget_gib=round(p.usable_bytes / GiB, 3),
         gpu_memory_gb=round(r.gpu.capacity_bytes / GB, 3),
         gpu_memory_gib=round(r.gpu.capacity_bytes / GiB, 3),
         worst_stage=est.worst.stage,
@@ -133,12 +133,12 @@ def _first_fit(p: Plan, setups: list[Setup]) -> MemoryEstimate | None:
     """The first of ``setups`` (ordered by growing offload, so by shrinking memory) that fits and that the rule
     catalogue accepts (no error, no new warning): a binary search, so a 1000-layer model costs ten estimates."""
     m = p.r.model
-    if not setups or not p.fits(estimate_memory(m, setups[-1])):
+    if not setups or not p.keeps_margin(estimate_memory(m, setups[-1])):
         return None
     lo, hi = 0, len(setups) - 1
     while lo < hi:
         mid = (lo + hi) // 2
-        if p.fits(estimate_memory(m, setups[mid])):
+        if p.keeps_margin(estimate_memory(m, setups[mid])):
             hi = mid
         else:
             lo = mid + 1
@@ -244,14 +244,14 @@ def _suggest(p: Plan, s: Setup) -> list[str]:
             est = estimate_memory(m, replace(full, pp=pp, vpp=None))
         except ValueError:
             break
-        if p.fits(est):
+        if p.keeps_margin(est):
             out.append(f"PP={pp}{with_opt}: {p.total_gib(est):.1f} GiB per GPU")
             break
         pp *= 2
     if s.recompute_granularity != "full":
         recompute = replace(full, recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
         est = estimate_memory(m, recompute)
-        verdict = "fits" if p.fits(est) else "still does not fit"
+        verdict = "fits" if p.keeps_margin(est) else "still does not fit"
         out.append(
             f"model.recompute_granularity=full (uniform, 1 layer){with_opt}: "
             f"{p.total_gib(est):.1f} GiB per GPU, {verdict}"
@@ -261,7 +261,7 @@ def _suggest(p: Plan, s: Setup) -> list[str]:
             est = estimate_memory(m, replace(s, num_gpus=s.num_gpus * mult))
         except ValueError:
             continue
-        if p.fits(est):
+        if p.keeps_margin(est):
             out.append(f"{s.num_gpus * mult} GPUs (DP ×{mult}) without offload: {p.total_gib(est):.1f} GiB per GPU")
             break
     else:
@@ -322,10 +322,14 @@ def recommend(r: Resolved) -> Recommendation:
     before = estimate_memory(r.model, base, r.gpu.host_ram_gb)
     rationale = [p.budget_sentence(before), *p.notes()]
     given = _as_given(r, before, rationale)
-    if p.fits(before):
+    if p.keeps_margin(before):
         rationale.append("it fits: offloading only adds step time, so none is recommended")
         mode, after, suggestions = "none", before, []
     else:
+        if p.fits(before):
+            rationale.append(
+                f"it fits the device, but with less than the {p.margin:.0%} margin free: the offload below keeps it"
+            )
         mode, found = _search(p, base, _order(p, before, rationale))
         suggestions = [] if found is not None else _suggest(p, base)
         most = _most_layers(p, base) if mode in ("both", "activation") else 0

@@ -99,7 +99,7 @@ DEFAULTS: dict[str, tuple[Any, str]] = {
     "cross_entropy_loss_fusion": (False, "megatron-core default: fp32 logits kept for the loss"),
     "gpu": ("h100-80gb", "the GPU of the upstream card"),
     "cpu_threads": (1, "torchrun sets OMP_NUM_THREADS=1 per rank when it starts several per node"),
-    "margin": (0.05, "5 % of the usable GPU memory kept free"),
+    "margin": (0.05, "5 % of the usable GPU memory a recommendation keeps free (an estimate's fits has no margin)"),
 }
 # Listed (and used) only when fine-grained offloading is on.
 FINE_GRAINED_DEFAULTS: dict[str, tuple[Any, str]] = {

@@ -44,8 +44,10 @@ def render_perf_recipes() -> str:
         lines.append(f"Not built offline by the fixture generator: {', '.join(f'`{n}`' for n in sorted(skipped))}.")
     lines.append("")
     lines.append(
-        "GiB = peak allocated on the worst stage. 'fits' compares it, grown by the allocator overhead (11.8 %, "
-        "measured on one MoE run) and with 5 % kept free, with what the GPU exposes; where only that yardstick "
-        "says 'does not fit' the answer carries a 'borderline' warning with the fragmentation it would take."
+        "GiB = peak allocated on the worst stage. 'fits' compares it, grown by the allocator overhead (dense "
+        "models 1.45 %, Megatron-LM #965; dropless MoE 11.8 %, the card's OOM point; no expandable_segments: "
+        "these recipes do not set it), with what the GPU exposes less the CUDA context, no margin. The "
+        "recommendation keeps 5 % of that free. Where only the overhead makes it 'does not fit', the answer "
+        "carries a 'borderline' warning with the fragmentation it would take."
     )
     return "\n".join(lines) + "\n"
