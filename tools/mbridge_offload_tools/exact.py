@@ -90,9 +90,9 @@ def installs() -> list[Install]:
     base = mcore_dir()
     if base.is_dir():
         for tree in sorted(base.iterdir(), reverse=True):
-            version = _package_version(tree / "megatron" / "core")
-            if version is not None:
-                found.append(Install(version, str(tree), str(tree)))
+            tree_version = _package_version(tree / "megatron" / "core")
+            if tree_version is not None:
+                found.append(Install(tree_version, str(tree), str(tree)))
     return found
 
 
