@@ -1,12 +1,14 @@
 """``validate --exact`` (CLI) and ``exact=true`` (MCP): the installed megatron-core's own errors, verbatim.
 
-Real megatron-core 0.16.1 (installed in the venv) builds the configs in a subprocess; the "not installed" case runs
-the CLI with a ``megatron`` package on PYTHONPATH that has no ``core`` (so the real one is shadowed).
+Real megatron-core builds the configs in a subprocess: the target's release, 0.16.1 from the venv or 0.19.2 from
+``.mcore/0.19.2`` (``scripts/setup``); the "not installed" case runs the CLI with a ``megatron`` package on PYTHONPATH
+that has no ``core`` (so the real one is shadowed) and ``MBRIDGE_OFFLOAD_MCORE_DIR`` at an empty folder.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -65,10 +67,16 @@ def test_exact_without_megatron_core_is_a_clear_exit_2(tmp_path):
     shadow = tmp_path / "shadow" / "megatron"
     shadow.mkdir(parents=True)
     (shadow / "__init__.py").write_text("")
-    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(tmp_path / "shadow")}
+    (tmp_path / "no-trees").mkdir()
+    env = {
+        "PATH": "/usr/bin:/bin",
+        "PYTHONPATH": os.pathsep.join(str(p) for p in (tmp_path / "shadow", ROOT / "offload", ROOT / "tools")),
+        "MBRIDGE_OFFLOAD_MCORE_DIR": str(tmp_path / "no-trees"),
+    }
     code, payload = _cli(tmp_path, "--exact", env=env)
     assert code == 2
     assert payload["ok"] is False and "megatron-core installed" in payload["error"]  # the one JSON error object
+    assert "none could run" in payload["error"] and "scripts/setup" in payload["error"]
 
 
 def test_mcp_validate_config_exact_parameter(tmp_path):
@@ -82,4 +90,100 @@ def test_mcp_validate_config_exact_parameter(tmp_path):
     report = anyio.run(lambda: server.validate_config(config=str(path), exact=True))
     messages = [f.message for f in report.findings if f.rule == "MCORE-EXACT"]
     assert "num_attention_heads (6) must be a multiple of tensor_model_parallel_size (4)." in messages
-    assert "MCORE-EXACT-VERSION" in {f.rule for f in report.findings}  # default target 0.19.2, 0.16.1 installed
+    assert "MCORE-EXACT-VERSION" in {f.rule for f in report.findings}  # every exact answer names the release that ran
+
+
+# --- Bridge's normalisations, TE's absence, the target's release (issue 20, item 2) ---------------------------------
+
+PERF = ROOT / "tests" / "data" / "bridge-0.6.2" / "perf"
+MCORE_NEW = ROOT / ".mcore" / "0.19.2" / "megatron" / "core"
+needs_019 = pytest.mark.skipif(not MCORE_NEW.is_dir(), reason="scripts/setup installs megatron-core 0.19.2 in .mcore/")
+PP2 = """
+model:
+  {target}num_layers: 4
+  hidden_size: 64
+  num_attention_heads: 4
+  pipeline_model_parallel_size: 2
+  bf16: true
+"""
+PRECISION_AWARE = """
+optimizer:
+  optimizer: adam
+  use_distributed_optimizer: true
+  use_precision_aware_optimizer: true
+  main_grads_dtype: bf16
+  exp_avg_dtype: bf16
+  exp_avg_sq_dtype: bf16
+ddp:
+  use_distributed_optimizer: true
+"""
+
+
+def _exact(source: str, target: str = "megatron-core==0.19.2"):
+    from mbridge_offload.config.sources import load
+    from mbridge_offload.config.validate import validate
+    from mbridge_offload_tools.exact import exact_report
+
+    loaded = load(source)
+    report = validate(loaded.config, loaded.raw, target=target)
+    report.source = loaded.source
+    return report, exact_report(report, loaded.raw, 300, loaded.config)
+
+
+@pytest.mark.parametrize("target", [pytest.param("megatron-core==0.19.2", marks=needs_019), "megatron-core==0.16.1"])
+def test_bridge_yaml_with_pp_and_no_pipeline_dtype_is_clean_and_names_the_release_that_ran(target):
+    bridge_yaml = PP2.format(target="_target_: megatron.bridge.models.gpt_provider.GPTModelProvider\n  ")
+    fast, exact = _exact(bridge_yaml, target)
+    assert exact.errors == [] and fast.ok
+    (note,) = exact.by_rule("MCORE-EXACT-VERSION")
+    label = target.split("==")[1]
+    assert exact.env["exact_megatron_core"] == label and f"megatron-core {label}, the target" in note.message
+    # A plain megatron-core config gets no Bridge normalisation: megatron-core's own error stands.
+    _, plain = _exact(PP2.format(target=""), target)
+    assert [f.message for f in plain.errors] == ["When using pipeline parallelism, pipeline_dtype must be specified"]
+
+
+@pytest.mark.parametrize("target", [pytest.param("megatron-core==0.19.2", marks=needs_019), "megatron-core==0.16.1"])
+def test_precision_aware_optimizer_without_te_is_a_stated_skip_not_an_error(target):
+    _, exact = _exact(PRECISION_AWARE, target)
+    assert exact.errors == []
+    assert not any("NoneType" in f.message for f in exact.findings)
+    skipped = [f.message for f in exact.by_rule("MCORE-EXACT-SKIPPED")]
+    assert any("OptimizerConfig" in m and "is_te_min_version('2.1.0')" in m and "not installed" in m for m in skipped)
+    # the checks that need no TE still run: precision-aware with a non-adam optimizer is still refused
+    _, refused = _exact(PRECISION_AWARE.replace("optimizer: adam", "optimizer: sgd"), target)
+    assert [f.message for f in refused.errors] == ["--use-precision-aware-optimizer only supported with adam"]
+
+
+@needs_019
+@pytest.mark.parametrize(
+    "path",
+    [
+        ROOT / "examples" / "qwen3_30b_a3b_pretrain.yaml",
+        *(
+            PERF / (json.loads((PERF / "index.json").read_text())["recipes"][name]["fixture"])
+            for name in (
+                "llama3_70b_pretrain_64gpu_gb200_bf16_config",
+                "deepseek_v3_pretrain_128gpu_gb300_fp8mx_hsdp_config",
+                "nemotron_3_5_lightning_pretrain_16gpu_h100_bf16_config",
+                "deepseek_v3_pretrain_256gpu_gb200_fp8mx_partial_cg_dev_config",
+            )
+        ),
+    ],
+    ids=lambda p: p.stem,
+)
+def test_exact_and_catalogue_agree_on_bridge_configs(path):
+    fast, exact = _exact(str(path))
+    assert exact.ok == fast.ok, [f.message for f in exact.errors]
+    assert exact.env["exact_megatron_core"] == "0.19.2"
+    if "partial_cg_dev" in path.name:  # Bridge 0.6.2 itself refuses it: its VPP size contradicts its layout
+        assert any("conflicts with pipeline_model_parallel_layout" in f.message for f in exact.errors)
+
+
+def test_a_target_that_is_not_installed_says_which_release_ran_and_how_to_get_it(tmp_path, monkeypatch):
+    monkeypatch.setenv("MBRIDGE_OFFLOAD_MCORE_DIR", str(tmp_path))  # no side-by-side trees: only the venv's 0.16.1
+    _, exact = _exact(textwrap.dedent(CONFIG), "megatron-core==0.19.2")
+    (note,) = exact.by_rule("MCORE-EXACT-VERSION")
+    assert exact.env["exact_megatron_core"] == "0.16.1"
+    assert "ran megatron-core 0.16.1" in note.message and "not the target megatron-core==0.19.2" in note.message
+    assert "scripts/setup" in note.message

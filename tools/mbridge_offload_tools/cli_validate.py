@@ -58,8 +58,9 @@ def add_parsers(sub: Any) -> None:
     p.add_argument(
         "--exact",
         action="store_true",
-        help="also build the real TransformerConfig/OptimizerConfig/DDP config with the megatron-core installed "
-        "here (a subprocess, ~10-30 s) and report every error it raises, verbatim",
+        help="also build the real TransformerConfig/OptimizerConfig/DDP config with the target's megatron-core "
+        "(the environment's, or .mcore/<version> from scripts/setup; a subprocess, ~10-30 s) and report every "
+        "error it raises, verbatim, and the release that ran",
     )
     p.add_argument(
         "--deadline", type=float, default=120.0, metavar="S", help="time limit for --exact in seconds (default 120)"
@@ -108,7 +109,7 @@ def run(args: argparse.Namespace) -> int:
     report = validate(loaded.config, loaded.raw, target=target)
     report.source = loaded.source
     if args.exact:
-        report = _exact(report, loaded.raw, args.deadline, as_json)
+        report = _exact(report, loaded.raw, args.deadline, as_json, loaded.config)
     if args.megatron_args is not None:  # fixes as the flags to edit on that command line
         from mbridge_offload.config.mlm_fixes import megatron_lm_fixes
 
@@ -117,13 +118,13 @@ def run(args: argparse.Namespace) -> int:
     return EXIT_OK if report.ok else EXIT_FINDINGS
 
 
-def _exact(report: Any, raw: dict[str, Any], deadline: float, as_json: bool) -> Any:
+def _exact(report: Any, raw: dict[str, Any], deadline: float, as_json: bool, config: Any = None) -> Any:
     from mbridge_offload_tools.exact import ExactUnavailable, exact_report
 
     if not 0 < deadline <= 3600:
         fail(f"--deadline {deadline:g}: give a number of seconds in (0, 3600]", as_json)
     try:
-        return exact_report(report, raw, deadline)
+        return exact_report(report, raw, deadline, config)
     except ExactUnavailable as exc:
         fail(str(exc), as_json)
 

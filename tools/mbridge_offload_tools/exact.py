@@ -1,73 +1,209 @@
-"""``validate --exact`` / MCP ``exact=true``: ask the installed megatron-core itself, in a subprocess with a deadline.
+"""``validate --exact`` / MCP ``exact=true``: ask the target's megatron-core itself, in a subprocess with a deadline.
 
 The fast path (the rule catalogue) stays torch-free; exact mode builds the real ``TransformerConfig``,
-``OptimizerConfig`` and ``DistributedDataParallelConfig`` from the config's sections, as the user wrote them, in a
-child process (``mbridge_offload_tools.exact_child``: importing megatron-core takes ~10 s and torch), and reports
-every error it
+``OptimizerConfig`` and ``DistributedDataParallelConfig`` from the config's sections in a child process
+(``mbridge_offload_tools.exact_child``: importing megatron-core takes ~10 s and torch), and reports every error it
 raises as a finding with origin ``mcore`` and the message verbatim. Those findings replace the catalogue's findings of
 the same stages (megatron-core's own answer wins); the other findings (Transformer Engine, Bridge, advisory) stay.
+
+- The release: the target's megatron-core (``--target``, default 0.19.2): this Python environment's when it is that
+  release, else ``.mcore/<version>`` of the skill folder (``scripts/setup`` installs 0.19.2 there; env
+  ``MBRIDGE_OFFLOAD_MCORE_DIR`` names another folder of such trees). When the target is not installed, the installed
+  release runs and the answer says so. Every answer names the release that ran (finding ``MCORE-EXACT-VERSION``,
+  ``env.exact_megatron_core``).
+- Bridge configs (a ``ConfigContainer`` YAML, a run_config.yaml, a recipe) first get their ``mixed_precision``
+  section (:func:`mbridge_offload.config.bridge.mixed_precision`) and Bridge's model ``finalize()``
+  normalisations for the target's Bridge release (:func:`mbridge_offload.config.bridge.finalize`, the function the
+  catalogue uses, rule ``CFG-BRIDGE-FINALIZE``); a plain megatron-core config is built as written.
+- Without Transformer Engine, megatron-core's TE checks are skipped or answered for the assumed TE release, each
+  named in a ``MCORE-EXACT-SKIPPED`` finding with the reason, never a false error.
 """
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import json
+import os
+import re
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mbridge_offload.config.rules.base import STAGE_OPTIMIZER_CONFIG, STAGE_TRANSFORMER_CONFIG
+from mbridge_offload.config import bridge
+from mbridge_offload.config.rules.base import STAGE_OPTIMIZER_CONFIG, STAGE_TRANSFORMER_CONFIG, parse_target
+from mbridge_offload.config.schema import OffloadConfig
+from mbridge_offload.config.sources import ConfigError, build_config
 from mbridge_offload.config.validate import Finding, Report
 
 CHILD = Path(__file__).with_name("exact_child.py")
+ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_DEADLINE_S = 120.0
 _STAGES = {"TransformerConfig": STAGE_TRANSFORMER_CONFIG, "OptimizerConfig": STAGE_OPTIMIZER_CONFIG}
+_SETUP_HINT = {
+    "0.19.2": "scripts/setup (full mode) installs megatron-core 0.19.2 into .mcore/0.19.2",
+    "0.16.1": "pip install megatron-core==0.16.1 into this Python environment (scripts/setup's venv has it)",
+    "main": "megatron-core main (Megatron-LM HEAD) is no release; no installed tree is it",
+}
 
 
 class ExactUnavailable(RuntimeError):
     """Exact mode cannot run here (megatron-core not installed, or the child failed or ran out of time)."""
 
 
-def megatron_core_installed() -> bool:
+@dataclass(frozen=True)
+class Install:
+    """One megatron-core release that exact mode can run: its version and the path entry that imports it."""
+
+    version: str
+    pythonpath: str | None  # None: this Python environment's own
+    where: str
+
+
+def mcore_dir() -> Path:
+    """The folder of side-by-side megatron-core trees (``<dir>/<version>/megatron/core``)."""
+    return Path(os.environ.get("MBRIDGE_OFFLOAD_MCORE_DIR") or ROOT / ".mcore")
+
+
+def _package_version(core: Path) -> str | None:
     try:
-        return importlib.util.find_spec("megatron.core") is not None
+        text = (core / "package_info.py").read_text()
+    except OSError:
+        return None
+    parts = [re.search(rf"^{name}\s*=\s*(\d+)", text, re.M) for name in ("MAJOR", "MINOR", "PATCH")]
+    return ".".join(p.group(1) for p in parts if p) if all(parts) else None
+
+
+def installs() -> list[Install]:
+    """The megatron-core releases found here: this environment's first, then those under :func:`mcore_dir`."""
+    found: list[Install] = []
+    try:
+        spec = importlib.util.find_spec("megatron.core")
     except (ImportError, ValueError):
-        return False
+        spec = None
+    if spec is not None and spec.submodule_search_locations:
+        core = Path(next(iter(spec.submodule_search_locations)))
+        version = _package_version(core) or "unknown"
+        found.append(Install(version, None, f"this Python environment ({core.parent.parent})"))
+    base = mcore_dir()
+    if base.is_dir():
+        for tree in sorted(base.iterdir(), reverse=True):
+            tree_version = _package_version(tree / "megatron" / "core")
+            if tree_version is not None:
+                found.append(Install(tree_version, str(tree), str(tree)))
+    return found
 
 
-def run_child(raw: dict[str, Any], deadline_s: float = DEFAULT_DEADLINE_S) -> dict[str, Any]:
-    """The child's answer for the config sections of ``raw``.
+def megatron_core_installed() -> bool:
+    return bool(installs())
+
+
+def choose(target_label: str) -> Install:
+    """The target's release when installed here, else the first one found (the answer then says so).
+
+    Raises:
+        ExactUnavailable: no megatron-core at all.
+    """
+    found = installs()
+    for install in found:
+        if install.version == target_label:
+            return install
+    if not found:
+        raise ExactUnavailable(
+            f"--exact needs megatron-core installed (the target is {target_label}); none could run: this Python "
+            f"environment has no megatron.core and {mcore_dir()} holds no release. "
+            f"{_SETUP_HINT.get(target_label, f'pip install megatron-core=={target_label}')}; without it, validate "
+            "without --exact uses the built-in rule catalogue"
+        )
+    return found[0]
+
+
+def payload(raw: dict[str, Any], config: OffloadConfig | None, target: str, source: str | None) -> dict[str, Any]:
+    """The sections the child builds: as written; for a Bridge config after its ``mixed_precision`` section and
+    its model ``finalize()`` (in Bridge's order)."""
+    if not bridge.is_container(raw, source):
+        return {k: copy.deepcopy(raw.get(k) or {}) for k in ("model", "optimizer", "ddp")}
+    mixed = bridge.mixed_precision(raw)
+    data: dict[str, Any] = {k: copy.deepcopy(mixed.get(k) or {}) for k in ("model", "optimizer", "ddp")}
+    if config is None or mixed is not raw:
+        try:
+            config = build_config(copy.deepcopy(mixed))
+        except ConfigError:
+            if config is None:
+                return data
+    _, _, changes = bridge.finalize(config, mixed, parse_target(target))
+    for dotted, _old, new in changes:
+        section, key = dotted.split(".", 1)
+        data[section][key] = new
+    return data
+
+
+def run_child(
+    raw: dict[str, Any],
+    deadline_s: float = DEFAULT_DEADLINE_S,
+    *,
+    config: OffloadConfig | None = None,
+    target: str = "megatron-core==0.19.2",
+    source: str | None = None,
+    te_version: str | None = None,
+) -> dict[str, Any]:
+    """The child's answer for the config sections of ``raw``, from the target's megatron-core where installed.
 
     Raises:
         ExactUnavailable: megatron-core is not importable, or the child failed or passed the deadline.
     """
-    if not megatron_core_installed():
-        raise ExactUnavailable(
-            "--exact needs megatron-core installed in this Python environment (pip install megatron-core); "
-            "without it, validate without --exact uses the built-in rule catalogue"
-        )
-    payload = {k: raw.get(k) or {} for k in ("model", "optimizer", "ddp")}
+    install = choose(parse_target(target).label)
+    body = payload(raw, config, target, source)
+    body["te_version"] = te_version
+    env = dict(os.environ)
+    if install.pythonpath is not None:
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (install.pythonpath, env.get("PYTHONPATH")) if p)
     try:
         proc = subprocess.run(
             [sys.executable, str(CHILD)],
-            input=json.dumps(payload, default=str),
+            input=json.dumps(body, default=str),
             capture_output=True,
             text=True,
             timeout=deadline_s,
+            env=env,
         )
     except subprocess.TimeoutExpired:
-        raise ExactUnavailable(f"--exact: megatron-core did not answer within {deadline_s:g} s") from None
+        raise ExactUnavailable(
+            f"--exact: megatron-core {install.version} did not answer within {deadline_s:g} s"
+        ) from None
     if proc.returncode != 0:
         last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-        raise ExactUnavailable(f"--exact: building the megatron-core configs failed ({last})")
-    return json.loads(proc.stdout)
+        raise ExactUnavailable(
+            f"--exact: building the megatron-core {install.version} configs failed ({last}); none could run"
+        )
+    answer: dict[str, Any] = json.loads(proc.stdout)
+    answer["where"] = install.where
+    return answer
 
 
-def exact_report(report: Report, raw: dict[str, Any], deadline_s: float = DEFAULT_DEADLINE_S) -> Report:
-    """``report`` with its megatron-core config findings replaced by what the installed megatron-core raises."""
-    answer = run_child(raw, deadline_s)
+def exact_report(
+    report: Report,
+    raw: dict[str, Any],
+    deadline_s: float = DEFAULT_DEADLINE_S,
+    config: OffloadConfig | None = None,
+) -> Report:
+    """``report`` with its megatron-core config findings replaced by what the target's megatron-core raises.
+
+    ``config`` (the typed config ``raw`` built) lets a Bridge config get Bridge's ``finalize()`` first.
+    """
+    target = parse_target(report.target)
+    answer = run_child(
+        raw,
+        deadline_s,
+        config=config,
+        target=str(target),
+        source=report.source,
+        te_version=report.env.get("te_version"),
+    )
     version = answer["version"]
+    ran = f"megatron-core {version} ({answer['where']})"
     stages = set(_STAGES.values()) | {"DistributedDataParallelConfig"}
     kept = [f for f in report.findings if f.stage not in stages]
     exact = [
@@ -78,7 +214,7 @@ def exact_report(report: Report, raw: dict[str, Any], deadline_s: float = DEFAUL
             keys=[],
             message=e["message"] or f"{e['type']} (no message)",
             fix=None,
-            why=f"raised by megatron-core {version} installed here, building {e['stage']} (exact mode)",
+            why=f"raised by {ran}, building {e['stage']} (exact mode)",
             stage=_STAGES.get(e["stage"], e["stage"]),
             upstream_message=e["message"],
             exception=e["type"],
@@ -93,20 +229,25 @@ def exact_report(report: Report, raw: dict[str, Any], deadline_s: float = DEFAUL
             keys=[],
             message=text,
             fix=None,
-            why=f"exact mode with megatron-core {version}",
+            why=f"exact mode with {ran}",
         )
         for text in answer["skipped"]
     ]
-    if not report.target.endswith("==" + version):
-        notes.append(
-            Finding(
-                rule="MCORE-EXACT-VERSION",
-                severity="info",
-                origin="mcore",
-                keys=[],
-                message=f"exact mode ran megatron-core {version} (installed here), not {report.target}",
-                fix=None,
-                why="exact mode can only ask the release that is installed; the other findings follow the target",
-            )
+    if version == target.label:
+        message = f"exact mode ran megatron-core {version}, the target, from {answer['where']}"
+        why = "megatron-core's own checks of the target release"
+    else:
+        hint = _SETUP_HINT.get(target.label, f"install megatron-core=={target.label}")
+        message = (
+            f"exact mode ran megatron-core {version} from {answer['where']}, not the target {target}: "
+            f"{target.label} is not installed here ({hint})"
         )
-    return report.model_copy(update={"findings": exact + kept + notes})
+        why = "exact mode can only ask a release that is installed; the other findings follow the target"
+    notes.append(
+        Finding(
+            rule="MCORE-EXACT-VERSION", severity="info", origin="mcore", keys=[], message=message, fix=None, why=why
+        )
+    )
+    env = {**report.env, "exact_megatron_core": version, "exact_megatron_core_from": answer["where"]}
+    env["exact_transformer_engine"] = answer.get("te") or "not installed (TE checks skipped, see MCORE-EXACT-SKIPPED)"
+    return report.model_copy(update={"findings": exact + kept + notes, "env": env})

@@ -175,8 +175,9 @@ def validate_config(
     exact: Annotated[
         bool,
         Field(
-            description="also build the real megatron-core configs with the megatron-core installed on the server "
-            "(a subprocess, ~10-30 s) and report every error it raises verbatim (origin mcore)"
+            description="also build the real megatron-core configs with the target's megatron-core on the server "
+            "(its environment's, or .mcore/<version> from scripts/setup; a subprocess, ~10-30 s) and report every "
+            "error it raises verbatim (origin mcore) and the release that ran (MCORE-EXACT-VERSION)"
         ),
     ] = False,
     recipe: Annotated[
@@ -228,7 +229,7 @@ def validate_config(
         from mbridge_offload_tools.exact import ExactUnavailable, exact_report
 
         try:
-            report = exact_report(report, loaded.raw)
+            report = exact_report(report, loaded.raw, config=loaded.config)
         except ExactUnavailable as exc:
             raise ToolError(str(exc)) from None
     if megatron_args is not None:

@@ -3,7 +3,8 @@
 Bridge's model providers defer megatron-core's ``TransformerConfig.__post_init__`` to ``finalize()``, which first
 normalises a few values (``models/transformer_config.py``):
 
-- every release: ``pipeline_dtype = params_dtype`` when pipeline parallel size > 1 and it is unset;
+- every release: ``pipeline_dtype = params_dtype`` (fp32, the dataclass default, when unset) when pipeline
+  parallel size > 1 and it is unset;
 - 0.6.x (megatron-core 0.19) and later, also: ``sequence_parallel = False`` when tensor parallel size <= 1, and
   ``expert_tensor_parallel_size = 1`` when it is unset and expert parallel size > 1 (megatron-core's own default
   would be the tensor parallel size).
@@ -39,8 +40,9 @@ def is_container(raw: dict[str, Any], source: str | None = None) -> bool:
 def _changes(config: OffloadConfig, target: Target) -> list[Change]:
     m = config.model
     out: list[Change] = []
-    if m.pipeline_model_parallel_size > 1 and m.pipeline_dtype is None and m.params_dtype is not None:
-        out.append(("model.pipeline_dtype", None, m.params_dtype))
+    if m.pipeline_model_parallel_size > 1 and m.pipeline_dtype is None:
+        # params_dtype unset is the dataclass default, torch.float32, which Bridge copies as it is.
+        out.append(("model.pipeline_dtype", None, m.params_dtype or "fp32"))
     if target.version >= (0, 19, 0):
         if m.sequence_parallel and m.tensor_model_parallel_size <= 1:
             out.append(("model.sequence_parallel", m.sequence_parallel, False))
@@ -69,3 +71,27 @@ def finalize(
         if model_raw is not None and key in model_raw:
             model_raw[key] = new
     return config, raw, changes
+
+
+def mixed_precision(raw: dict[str, Any]) -> dict[str, Any]:
+    """``raw`` with its ``mixed_precision`` section applied as Bridge's ``runtime_config_update`` applies it.
+
+    Bridge (0.6.2 ``training/mixed_precision.py``) first finalizes the section (``fp8_param`` and ``fp4_param``
+    unset take ``fp8_param_gather`` / ``fp4_param_gather``), then copies each of its fields onto the model, optimizer
+    and DDP configs that have that field, before ``finalize()`` and megatron-core's checks. A field counts as present
+    when the section writes it (a run_config.yaml writes every field). A copy; ``raw`` without a ``mixed_precision``
+    mapping is returned as it is. Used by ``validate --exact``; the catalogue does not apply it yet.
+    """
+    section = raw.get("mixed_precision")
+    if not isinstance(section, dict):
+        return raw
+    values = {k: v for k, v in section.items() if not k.startswith("_")}
+    for name in ("fp8", "fp4"):
+        if values.get(f"{name}_param") is None and f"{name}_param_gather" in values:
+            values[f"{name}_param"] = values[f"{name}_param_gather"]
+    raw = copy.deepcopy(raw)
+    for part in ("model", "optimizer", "ddp"):
+        body = raw.get(part)
+        if isinstance(body, dict):
+            body.update({k: copy.deepcopy(v) for k, v in values.items() if k in body})
+    return raw
