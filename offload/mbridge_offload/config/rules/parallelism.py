@@ -37,9 +37,9 @@ def _groups_tp(ctx: Context):
 
 def _num_layers_string(ctx: Context):
     # megatron-core keeps num_layers as given; with offloading on, `cpu_offloading_num_layers >= num_layers`
-    # compares an int with a str first.
+    # compares an int with a str -- unless `cpu_offloading_num_layers < 0` already short-circuits to the ValueError.
     if isinstance(ctx.seen("model.num_layers"), str) and ctx.model.cpu_offloading:
-        return Match()
+        return None if ctx.model.cpu_offloading_num_layers < 0 else Match()
     return None
 
 
