@@ -232,10 +232,11 @@ def test_env_facts_drive_te_and_bridge_rules(capsys, tmp_path):
         """,
     )
     code, payload = run_cli(capsys, path)
-    # A warning: the variable is the job's environment, which megatron-core's config checks never read.
-    assert code == 0
+    # An error: Bridge 0.6 (TE >= 2.10, the assumed 2.18) raises a ValueError at start-up when neither the config's
+    # env_vars nor the job's environment sets the variable.
+    assert code == 1
     assert the(payload, "ACT-FG-NVTE-V1")["origin"] == "bridge"
-    assert the(payload, "ACT-FG-NVTE-V1")["severity"] == "warning"
+    assert the(payload, "ACT-FG-NVTE-V1")["severity"] == "error"
     code, payload = run_cli(capsys, path, "--env", "NVTE_CPU_OFFLOAD_V1=1")
     assert code == 0, payload["findings"]
     code, payload = run_cli(capsys, path, "--env", "te_version=2.9")
