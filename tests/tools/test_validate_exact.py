@@ -93,7 +93,7 @@ def test_mcp_validate_config_exact_parameter(tmp_path):
     assert "MCORE-EXACT-VERSION" in {f.rule for f in report.findings}  # every exact answer names the release that ran
 
 
-# --- Bridge's normalisations, TE's absence, the target's release (issue 20, item 2) ---------------------------------
+# --- Bridge's normalisations, TE's absence, the target's release ---------------------------------
 
 PERF = ROOT / "tests" / "data" / "bridge-0.6.2" / "perf"
 MCORE_NEW = ROOT / ".mcore" / "0.19.2" / "megatron" / "core"

@@ -10,7 +10,7 @@ request of the same (rounded) size; it fragments when "allocation sizes change f
 ``expandable_segments``). A dropless-MoE layer's per-expert token counts change every micro-batch, so its buffers do;
 a dense model at fixed sequence length and micro-batch asks for the same sizes in the same order every step.
 - dropless MoE: fitted to the published out-of-memory point (``data/published.yaml``, refitted by ``published.py``);
-- dense: the reserved/allocated ratio Megatron-LM issue #965 printed at a dense model's attention peak.
+- dense: the reserved/allocated ratio NVIDIA/Megatron-LM#965 printed at a dense model's attention peak.
 Neither relies on ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``: Bridge 0.6.2's Llama 3 70B / 3.1 405B
 layer-offload perf recipes do not set it (their ``env_vars``), and no published run gives its overhead.
 
@@ -37,7 +37,7 @@ CUDA_CONTEXT_GIB = 0.5
 # OOM point: the 24-layer activation-offload run of Qwen3-30B-A3B died with 70.3 GiB allocated on a 79.11 GiB H100
 # (plan/published.py).
 ALLOCATOR_OVERHEAD = 0.118
-# The same for a dense model (static shapes): Megatron-LM issue #965 (dense Phi-3-sized GPT, A100, MBS 1, seq 4096,
+# The same for a dense model (static shapes): NVIDIA/Megatron-LM#965 (dense Phi-3-sized GPT, A100, MBS 1, seq 4096,
 # Megatron's memory prints inside DotProductAttention): 44,283.33 MB allocated / 44,926.00 MB reserved at its
 # highest point, 41,291.26 / 41,854.00 at the end of the forward: 1.45 % and 1.36 %; the larger one is used.
 DENSE_ALLOCATOR_OVERHEAD = 0.0145
@@ -232,7 +232,7 @@ def _overhead_assumption(p: Plan) -> Assumption:
         "dropless MoE: per-expert buffers change size every micro-batch; fitted to the Qwen3-30B-A3B card's OOM point"
         if p.r.model.is_moe
         else "dense: the same tensor sizes every step, so the caching allocator reuses its blocks; reserved/allocated "
-        "of a dense Megatron run (Megatron-LM issue #965)"
+        "of a dense Megatron run (NVIDIA/Megatron-LM#965)"
     )
     return Assumption(
         name="allocator_overhead",

@@ -96,10 +96,14 @@ def failure_modes() -> list[Any]:
     return list(KNOWN)
 
 
+SKILL_FIXES_SHOWN = 2  # SKILL.md's body stays under 20k characters; references/failures.md lists every fix
+
+
 def _short_fix(fix: tuple[str, ...]) -> str:
-    """The first three overrides (SKILL.md stays short; references/failures.md lists them all)."""
-    shown = ", ".join(f"`{f}`" for f in fix[:3])
-    return shown + (f", … (+{len(fix) - 3})" if len(fix) > 3 else "")
+    """The first overrides of a fix, and how many more references/failures.md lists."""
+    n = SKILL_FIXES_SHOWN
+    shown = ", ".join(f"`{f}`" for f in fix[:n])
+    return shown + (f", … (+{len(fix) - n})" if len(fix) > n else "")
 
 
 def render_diagnosis_summary() -> str:
