@@ -9,6 +9,7 @@ from dataclasses import replace
 import pytest
 
 from mbridge_offload.config import sources
+from mbridge_offload.config.errors import InputError
 from mbridge_offload.plan.activations import layer_activations, layer_components
 from mbridge_offload.plan.fsdp import STRATEGIES
 from mbridge_offload.plan.layout import decoder_counts, mtp_layers
@@ -157,3 +158,28 @@ def test_cli_has_the_new_flags():
          "--fp8-recipe", "mxfp8", "--pipeline-layout", "Et|tL", "--gpu", "gb300"]
     )  # fmt: skip
     assert args.use_megatron_fsdp is True and args.fsdp_sharding_strategy == "optim" and args.fp8_recipe == "mxfp8"
+
+
+def test_the_tokenizers_padded_vocab_size_wins_over_its_raw_one(tmp_path):
+    # Bridge builds the embedding with the padded size when the tokenizer section carries one.
+    cfg = {
+        "model": {"num_layers": 4, "hidden_size": 256, "num_attention_heads": 4, "vocab_size": None},
+        "tokenizer": {"vocab_size": 1000, "padded_vocab_size": 1024},
+    }
+    path = tmp_path / "run_config.yaml"
+    path.write_text(json.dumps(cfg))
+    loaded = sources.load(str(path))
+    est = estimate_for_inputs(loaded.config, loaded.raw, gpu="h100-80gb", num_gpus=1)
+    assert {a.name: a.value for a in est.assumptions}["vocab_size"] == 1024
+
+
+def test_a_vocabulary_only_the_tokenizer_knows_is_asked_for_by_name(tmp_path):
+    cfg = {
+        "model": {"num_layers": 4, "hidden_size": 256, "num_attention_heads": 4, "vocab_size": None},
+        "tokenizer": {"tokenizer_type": "HuggingFaceTokenizer", "tokenizer_model": "org/model"},
+    }
+    path = tmp_path / "run_config.yaml"
+    path.write_text(json.dumps(cfg))
+    loaded = sources.load(str(path))
+    with pytest.raises(InputError, match="pass --vocab-size"):
+        estimate_for_inputs(loaded.config, loaded.raw, gpu="h100-80gb", num_gpus=1)

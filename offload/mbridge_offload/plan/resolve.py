@@ -234,8 +234,11 @@ def config_values(config: OffloadConfig, raw: dict[str, Any] | None) -> dict[str
         out["recompute_granularity"] = out["recompute_granularity"] or "none"
     out.update(precision_values(config, raw))
     tokenizer = raw_section(raw, "tokenizer")
-    if out.get("vocab_size") is None and isinstance(tokenizer.get("vocab_size"), int):
-        out["vocab_size"] = tokenizer["vocab_size"]  # Bridge keeps it there when the tokenizer decides it
+    if out.get("vocab_size") is None:  # Bridge keeps it with the tokenizer when the tokenizer decides it
+        for key in ("padded_vocab_size", "vocab_size"):  # the padded one is what the embedding is built with
+            if isinstance(tokenizer.get(key), int) and not isinstance(tokenizer.get(key), bool):
+                out["vocab_size"] = tokenizer[key]
+                break
     if "pipeline_layout" in out:
         from mbridge_offload.plan.layout import layout_text
 
@@ -281,7 +284,8 @@ def _model_spec(values: dict[str, Any], base: ModelSpec | None, extras: dict[str
         lead = "no model: " if len(missing) == len(REQUIRED) else ""
         raise InputError(
             f"{lead}model sizes missing: {', '.join(missing)} (give a model preset, e.g. --model / model= "
-            "qwen3-30b-a3b, or a Bridge config with a model section, or the sizes as inputs)"
+            "qwen3-30b-a3b, or a Bridge config with a model section, or the sizes as inputs; a Bridge config whose "
+            "Hugging Face tokenizer decides the vocabulary leaves it null: pass --vocab-size / vocab_size)"
         )
     hidden, heads = int(values["hidden_size"]), int(values["num_attention_heads"])
     arch = {
