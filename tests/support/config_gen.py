@@ -141,9 +141,12 @@ def _p_paged_stash(rng, case):
 
 def _p_type_variant(rng, case):
     m = case["model"]
-    kind = rng.choice(["num_layers-str", "bool-str", "impl-null", "layers-float"])
+    kind = rng.choice(["num_layers-str", "bool-str", "impl-null", "layers-float", "offload-layers-str-or-null"])
     if kind == "num_layers-str":
         m["num_layers"] = str(int(float(m["num_layers"])))
+    elif kind == "offload-layers-str-or-null":  # compared with 0 as given once offloading is on
+        m["cpu_offloading"] = True
+        m["cpu_offloading_num_layers"] = rng.choice(["1", "0", None])
     elif kind == "bool-str":
         m[rng.choice(["cpu_offloading", "bf16", "sequence_parallel"])] = rng.choice(["false", "true", "False"])
     elif kind == "impl-null":

@@ -43,6 +43,14 @@ def _num_layers_string(ctx: Context):
     return None
 
 
+def _offload_layers_type(ctx: Context):
+    # `cpu_offloading_num_layers < 0` is megatron-core's first comparison of it: a string or null fails right there.
+    value = ctx.seen("model.cpu_offloading_num_layers")
+    if ctx.model.cpu_offloading and (value is None or isinstance(value, str)):
+        return Match({"type": type(value).__name__})
+    return None
+
+
 def _moe_extra(ctx: Context, key: str, default: str) -> str:
     return str(ctx.model.extras().get(key, default))
 
@@ -139,6 +147,15 @@ EARLY_RULES: tuple[Rule, ...] = (
         ("model.num_query_groups", "model.tensor_model_parallel_size"),
     ),
     *_MOE_RULES,
+    mcore_rule(
+        "MC-CPU-OFFLOAD-LAYERS-TYPE",
+        "TypeError",
+        "'<' not supported between instances of '{type}' and 'int'",
+        _offload_layers_type,
+        "`cpu_offloading_num_layers` given as a string or null (megatron-core compares it as given).",
+        ("model.cpu_offloading_num_layers",),
+        why="megatron-core's dataclass does not convert types: with offloading on it compares the value with 0.",
+    ),
     mcore_rule(
         "MC-NUM-LAYERS-TYPE",
         "TypeError",
