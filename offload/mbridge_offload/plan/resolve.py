@@ -152,8 +152,8 @@ class Constraints:
         }
 
     def model_config(self) -> dict[str, Any]:
-        """These facts as ``model.*`` keys for the fine-grained rules (which switch fine-grained on themselves)."""
-        return {"cuda_graph_impl": self.cuda_graph_impl, "moe_paged_stash": self.moe_paged_stash}
+        """:meth:`model_keys` for the fine-grained rules, which switch fine-grained offloading on themselves."""
+        return {k: v for k, v in self.model_keys().items() if k != "fine_grained_activation_offloading"}
 
     def activation_blockers(self, s: Setup, num_layers: int) -> list[str]:
         """Why upstream would refuse layer-level activation offload for this setup, empty when it allows it.
