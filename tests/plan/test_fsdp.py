@@ -115,7 +115,13 @@ def test_deepseek_layout_gives_uneven_stages_and_vpp_from_the_layout():
     params = [st.params for st in est.stages]
     assert params[0] > params[3]
     note = next(a.note for a in est.assumptions if a.name == "pipeline_layout")
-    assert "MTP layers are not modelled" in (note or "")
+    assert "MTP layers sit on the last stage" in (note or "")
+    without = estimate_for_inputs(
+        model="deepseek-v3", gpu="gb200", num_gpus=256, pp=4, ep=64, etp=1, seq_length=4096,
+        pipeline_layout="Et*4|(tttt|)*14tL", global_batch_size=8192,
+    )  # fmt: skip
+    assert est.stages[3].params > without.stages[3].params  # the MTP layer's weights on the last stage
+    assert est.stages[0].params == without.stages[0].params
 
 
 def test_first_and_last_stage_layer_counts():

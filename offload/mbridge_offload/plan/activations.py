@@ -5,8 +5,10 @@ a GeLU MLP with dropout, flash attention so no ``5·a·s/h`` term), generalised 
 MLA, MoE, QK-norm, no-dropout models, TP with or without SP, CP, micro-batches > 1 (tokens = seq × MBS / CP) and
 FP8 compute (``fp8_saved``). ``layer_components`` names every saved tensor with its bytes, so a module-level
 offload can subtract exactly what it moves. Layer-level offloading (TE v2) keeps at most ``L − k`` layers of
-eligible (≥ 256 Ki elements) tensors resident. Not modelled: Mamba/SSM layers (hybrid models), MTP layers,
-FP8 attention (``fp8_dot_product_attention``), bf16 first/last layers of an FP8 recipe. Never imports torch.
+eligible (≥ 256 Ki elements) tensors resident. Hybrid stacks: each pattern symbol is a layer of its own (Mamba
+mixer, attention, MLP or MoE); MTP depths sit on the last stage with their own pass through the output layer.
+Not modelled: FP8 attention (``fp8_dot_product_attention``), bf16 first/last layers of an FP8 recipe. Never
+imports torch.
 """
 
 from __future__ import annotations
@@ -15,7 +17,17 @@ import math
 from dataclasses import dataclass, replace
 
 from mbridge_offload.plan import fine_grained
-from mbridge_offload.plan.model import ModelSpec, Setup, Tensor, next_pow2, padded_vocab, stage_layers
+from mbridge_offload.plan.model import (
+    ATTENTION_SYMBOLS,
+    MAMBA,
+    MOE,
+    ModelSpec,
+    Setup,
+    Tensor,
+    next_pow2,
+    padded_vocab,
+    stage_layers,
+)
 from mbridge_offload.upstream import TE_MIN_OFFLOAD_NUMEL
 
 
@@ -27,9 +39,29 @@ def layer_activations(m: ModelSpec, s: Setup, index: int) -> list[Tensor]:
 
 
 def _bf16_layer_activations(m: ModelSpec, s: Setup, index: int) -> list[Tensor]:
+    return kind_activations(m, s, m.layer_kind(index), m.is_moe_layer(index))
+
+
+def kind_activations(m: ModelSpec, s: Setup, kind: str, moe: bool) -> list[Tensor]:
+    """bf16 tensors one layer of ``kind`` (``T`` or a hybrid symbol) saves for one micro-batch."""
     seq = s.seq_length or m.seq_length
     tokens = seq * s.micro_batch_size // s.cp  # tokens per GPU along the sequence after CP
     t_sp = tokens // s.tp if s.sp else tokens  # tokens in the sequence-parallel regions (norms, residual)
+    if kind in (MAMBA, "G"):
+        return _mamba_activations(m, s, tokens, t_sp)
+    out: list[Tensor] = []
+    if kind == "T" or kind in ATTENTION_SYMBOLS:
+        out += _attention_activations(m, s, tokens, t_sp)
+    if kind in ATTENTION_SYMBOLS:
+        return out
+    out.append(Tensor("mlp_norm_in", t_sp * m.hidden_size))
+    out += _moe_activations(m, s, tokens, t_sp) if moe else _mlp_activations(m, s, tokens, t_sp)
+    if m.dropout > 0:
+        out.append(Tensor("mlp_dropout_mask", t_sp * m.hidden_size, nbytes_per=1))
+    return out
+
+
+def _attention_activations(m: ModelSpec, s: Setup, tokens: int, t_sp: int) -> list[Tensor]:
     h, tp = m.hidden_size, s.tp
     out = [Tensor("input_norm_in", t_sp * h)]
     if m.mla is not None:
@@ -63,28 +95,76 @@ def _bf16_layer_activations(m: ModelSpec, s: Setup, index: int) -> list[Tensor]:
     out.append(Tensor("softmax_lse", tokens * heads, nbytes_per=4))
     if m.dropout > 0:
         out.append(Tensor("attn_dropout_mask", t_sp * h, nbytes_per=1))
-    out.append(Tensor("mlp_norm_in", t_sp * h))
-    gate = 2 if m.gated_linear_unit else 1
-    if not m.is_moe_layer(index):
-        ffn = m.ffn_hidden_size // tp
-        out += [Tensor("fc1_in", t_sp * h), Tensor("fc1_out", tokens * gate * ffn), Tensor("act_out", tokens * ffn)]
-    else:
-        etp = s.resolved_etp(m)
-        routed = t_sp * m.moe_router_topk * etp  # balanced routing: each GPU receives its own tokens × top-k
-        ffn = m.expert_ffn_hidden_size // etp
-        out += [
-            Tensor("router_in", t_sp * h),
-            Tensor("router_probs", t_sp * m.experts, nbytes_per=4),
-            Tensor("expert_fc1_in", routed * h),
-            Tensor("expert_fc1_out", routed * gate * ffn),
-            Tensor("expert_act_out", routed * ffn),
-        ]
-        if m.moe_shared_expert_intermediate_size:
-            sh = m.moe_shared_expert_intermediate_size // tp
-            out += [Tensor("shared_fc1_out", tokens * gate * sh), Tensor("shared_act_out", tokens * sh)]
-    if m.dropout > 0:
-        out.append(Tensor("mlp_dropout_mask", t_sp * h, nbytes_per=1))
     return out
+
+
+def _mlp_activations(m: ModelSpec, s: Setup, tokens: int, t_sp: int) -> list[Tensor]:
+    gate, ffn = 2 if m.gated_linear_unit else 1, m.ffn_hidden_size // s.tp
+    return [
+        Tensor("fc1_in", t_sp * m.hidden_size),
+        Tensor("fc1_out", tokens * gate * ffn),
+        Tensor("act_out", tokens * ffn),
+    ]
+
+
+def _moe_activations(m: ModelSpec, s: Setup, tokens: int, t_sp: int) -> list[Tensor]:
+    gate, h, etp = 2 if m.gated_linear_unit else 1, m.hidden_size, s.resolved_etp(m)
+    routed = t_sp * m.moe_router_topk * etp  # balanced routing: each GPU receives its own tokens × top-k
+    ffn = m.expert_ffn_hidden_size // etp
+    out = [
+        Tensor("router_in", t_sp * h),
+        Tensor("router_probs", t_sp * m.experts, nbytes_per=4),
+        Tensor("expert_fc1_in", routed * h),
+        Tensor("expert_fc1_out", routed * gate * ffn),
+        Tensor("expert_act_out", routed * ffn),
+    ]
+    if m.moe_shared_expert_intermediate_size:
+        sh = m.moe_shared_expert_intermediate_size // s.tp
+        out += [Tensor("shared_fc1_out", tokens * gate * sh), Tensor("shared_act_out", tokens * sh)]
+    return out
+
+
+def _mamba_activations(m: ModelSpec, s: Setup, tokens: int, t_sp: int) -> list[Tensor]:
+    """What megatron-core's ``MambaMixer`` keeps for backward (mamba_ssm's causal-conv1d and chunk-scan kernels,
+    the gated RMSNorm, the output projection): the norm input and ``in_proj``'s input (sequence-parallel), the
+    packed z/x/B/C/dt ``in_proj`` output, the convolution's output (x, B, C), the scan output, the gated norm's
+    output (``out_proj``'s input) and the fp32 per-chunk cumulative decay. Chunk states are recomputed."""
+    mb, tp, h = m.mamba, s.tp, m.hidden_size
+    if mb is None:
+        raise ValueError(f"{m.name}: Mamba layers without Mamba shapes")
+    return [
+        Tensor("mamba_norm_in", t_sp * h),
+        Tensor("in_proj_in", t_sp * h),
+        Tensor("zxbcdt", tokens * mb.in_proj_width // tp),
+        Tensor("conv_out", tokens * mb.conv_dim // tp),
+        Tensor("ssm_out", tokens * mb.d_inner // tp),
+        Tensor("out_proj_in", tokens * mb.d_inner // tp),
+        Tensor("dA_cumsum", tokens * mb.num_heads // tp, nbytes_per=4),
+    ]
+
+
+def mtp_activations(m: ModelSpec, s: Setup) -> int:
+    """Bytes one micro-batch's MTP depths keep on the last stage: per depth the two norms' inputs, ``eh_proj``'s
+    input (2h), the depth's layers, and its own pass through the output layer and the loss (the logits again)."""
+    if not m.mtp_num_layers:
+        return 0
+    seq = s.seq_length or m.seq_length
+    tokens = seq * s.micro_batch_size // s.cp
+    t_sp = tokens // s.tp if s.sp else tokens
+    h = m.hidden_size
+    per_depth = 2 * t_sp * h * 2 + 2 * t_sp * 2 * h
+    for kind in m.mtp_kinds():
+        acts = kind_activations(m, s, kind, kind == MOE or (kind == "T" and m.is_moe))
+        per_depth += sum(t.nbytes for t in _stored(fp8_saved(acts, s), s))
+    per_depth += output_bytes(m, s, tokens, t_sp)
+    return per_depth * m.mtp_num_layers
+
+
+def output_bytes(m: ModelSpec, s: Setup, tokens: int, t_sp: int) -> int:
+    """Final norm input and output-layer input (bf16) plus the logits the loss keeps: fp32 (4·sb·V/t), or the bf16
+    logits whose memory the fused cross entropy reuses for their gradient (2·sb·V/t)."""
+    logits = 2 if s.cross_entropy_fusion else 4
+    return 2 * t_sp * m.hidden_size + 2 * t_sp * m.hidden_size + logits * tokens * padded_vocab(m, s.tp) // s.tp
 
 
 # GEMM inputs TE saves for the weight gradient: quantized (one byte per element) under FP8. The norm inputs, the
@@ -219,10 +299,7 @@ def stage_activations(m: ModelSpec, s: Setup, stage: int) -> ActivationMemory:
             extra += t_sp * h  # embedding dropout mask
         total += extra * in_flight(s, stage)
     if stage == s.pp - 1:
-        # Final norm input and output-layer input (bf16) plus the logits the loss keeps: fp32 (4·sb·V/t), or the
-        # bf16 logits whose memory the fused cross entropy reuses for their gradient (2·sb·V/t).
-        logits = 2 if s.cross_entropy_fusion else 4
-        total += 2 * t_sp * h + 2 * t_sp * h + logits * tokens * padded_vocab(m, s.tp) // s.tp
+        total += output_bytes(m, s, tokens, t_sp) + mtp_activations(m, s) * in_flight(s, stage)
     return ActivationMemory(int(total), max(eligible, default=0), host)
 
 

@@ -11,7 +11,17 @@ from typing import Any
 from mbridge_offload.config.schema import OffloadConfig
 from mbridge_offload.plan.inputs import InputError
 from mbridge_offload.plan.model import Setup
+from mbridge_offload.plan.vocab import tokenizer_vocab
 
+_KINDS = (
+    ("M", "Mamba"),
+    ("G", "gated delta net"),
+    ("*", "attention"),
+    ("D", "DSA"),
+    ("+", "MLA"),
+    ("-", "MLP"),
+    ("E", "MoE"),
+)
 _FP8_RECIPES = {"tensorwise": "tensorwise", "delayed": "delayed", "mxfp8": "mxfp8", "blockwise": "blockwise"}
 
 
@@ -55,14 +65,22 @@ def model_notes(values: dict[str, Any], s: Setup, raw: dict[str, Any] | None) ->
                 "'virtual_pipeline_model_parallel_size conflicts with pipeline_model_parallel_layout'"
             )
         if mtp_layers(layout):
-            text += "; its MTP layers are not modelled (weights and activations left out)"
+            text += "; its MTP layers sit on the last stage, as mtp_num_layers puts them"
         notes["pipeline_layout"] = text
     model = raw_section(raw, "model")
     pattern = model.get("hybrid_layer_pattern") or model.get("hybrid_override_pattern")
     if pattern:
+        main = str(pattern).split("/")[0]
+        counts = ", ".join(f"{main.count(c)} {name}" for c, name in _KINDS if main.count(c))
         notes["num_layers"] = (
-            f"hybrid model (pattern {str(pattern)[:40]}…): Mamba/SSM layers and the per-layer mix of MoE, MLP and "
-            "attention are not modelled; every layer is counted as a transformer layer of the given sizes"
+            f"hybrid model (pattern {str(pattern)[:40]}…): {counts}, each a layer of its own; '|' stage marks are "
+            "not followed (stages split evenly)"
+        )
+    if model.get("vocab_size") is None and (known := tokenizer_vocab(raw_section(raw, "tokenizer"))) is not None:
+        name, vocab = known
+        notes["vocab_size"] = (
+            f"decided by the Hugging Face tokenizer {name} at start-up; taken from the shipped table "
+            f"(mbridge_offload/plan/data/hf_vocab.yaml, {vocab.basis} size): {vocab.source}"
         )
     if values.get("fp8_recipe") not in (None, "none"):
         notes["fp8_recipe"] = (

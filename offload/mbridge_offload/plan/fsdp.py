@@ -88,7 +88,7 @@ def _unit_buffers(
     from mbridge_offload.plan.model import layer_params
 
     w = g = 0
-    for index in {m.is_moe_layer(i): i for i in layers}.values():  # one layer of each kind
+    for index in {(m.layer_kind(i), m.is_moe_layer(i)): i for i in layers}.values():  # one layer of each kind
         unit = layer_params(m, s, index)
         if params_sharded:
             w = max(w, sum(t.numel * _weight_bytes(t, s) for t in unit))

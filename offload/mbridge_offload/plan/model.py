@@ -33,6 +33,40 @@ class MLASpec:
 
 
 @dataclass(frozen=True)
+class MambaSpec:
+    """Mamba-2 mixer shapes (megatron-core ``MambaMixer``: ``mamba_num_heads``, ``mamba_head_dim``,
+    ``mamba_state_dim``, ``mamba_num_groups``; ``d_conv`` 4 and the SSD chunk 128 are its defaults)."""
+
+    num_heads: int
+    head_dim: int
+    state_dim: int
+    num_groups: int
+    d_conv: int = 4
+    chunk_size: int = 128
+
+    @property
+    def d_inner(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the causal convolution: x, B and C."""
+        return self.d_inner + 2 * self.num_groups * self.state_dim
+
+    @property
+    def in_proj_width(self) -> int:
+        """``in_proj`` packs z, x, B, C and dt into one column-parallel GEMM."""
+        return 2 * self.d_inner + 2 * self.num_groups * self.state_dim + self.num_heads
+
+
+# Hybrid layer symbols (megatron-core ``models/hybrid/hybrid_layer_allocation.Symbols``): each is one layer of its
+# own. ``T`` is ours: a whole transformer layer (attention + MLP or MoE) of a GPT model.
+MAMBA, ATTENTION, MLP, MOE = "M", "*", "-", "E"
+ATTENTION_SYMBOLS = frozenset("*D+")  # attention, DeepSeek sparse attention, MLA
+HYBRID_SYMBOLS = frozenset("MG*D+-E")
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     """The architecture, in Megatron ``TransformerConfig`` terms."""
 
@@ -58,6 +92,14 @@ class ModelSpec:
     mla: MLASpec | None = None
     # Expert-TP the public Bridge recipe uses (MCore's own default is ETP = TP).
     default_etp: int | None = None
+    # Hybrid (Mamba) stacks: one symbol per decoder layer (``hybrid_layer_pattern``), the Mamba mixer's shapes.
+    layer_pattern: str | None = None
+    mamba: MambaSpec | None = None
+    # Multi-token prediction: depths on the last stage, each an ``mtp_pattern`` block (hybrid) or one transformer
+    # layer (GPT); with ``mtp_repeated`` the depths share one block's parameters.
+    mtp_num_layers: int = 0
+    mtp_pattern: str | None = None
+    mtp_repeated: bool = False
 
     @property
     def is_moe(self) -> bool:
@@ -74,8 +116,38 @@ class ModelSpec:
         ``TransformerConfig.__post_init__`` fills it when ``num_moe_experts`` is set and it is not."""
         return self.ffn_hidden_size if self.moe_ffn_hidden_size is None else self.moe_ffn_hidden_size
 
+    def layer_kind(self, index: int) -> str:
+        """``T`` (a transformer layer) for a GPT model, else the hybrid pattern's symbol of layer ``index``."""
+        return self.layer_pattern[index] if self.layer_pattern else "T"
+
     def is_moe_layer(self, index: int) -> bool:
+        if self.layer_pattern:
+            return self.layer_pattern[index] == MOE
         return self.is_moe and index >= self.first_k_dense
+
+    def has_attention(self, index: int) -> bool:
+        return self.layer_kind(index) in ATTENTION_SYMBOLS or self.layer_kind(index) == "T"
+
+    @property
+    def attention_layers(self) -> int:
+        """Decoder layers with attention (every layer of a GPT model; the attention symbols of a hybrid one)."""
+        if not self.layer_pattern:
+            return self.num_layers
+        return sum(self.layer_pattern.count(c) for c in ATTENTION_SYMBOLS)
+
+    def ssm_flops_per_token(self) -> float:
+        """Training FLOPs per token of the Mamba-2 scans (SSD, chunked), outside the GEMMs of in/out_proj:
+        per head, forward ``2·Q·(N + P)`` within the chunk plus ``4·N·P`` for the chunk states (Dao & Gu 2024), and
+        backward twice the forward."""
+        if not self.layer_pattern or self.mamba is None:
+            return 0.0
+        mb = self.mamba
+        forward = 2 * mb.num_heads * (mb.chunk_size * (mb.state_dim + mb.head_dim) + 2 * mb.state_dim * mb.head_dim)
+        return 3.0 * forward * (self.layer_pattern.count(MAMBA) + self.layer_pattern.count("G"))
+
+    def mtp_kinds(self) -> str:
+        """The layer symbols of one MTP depth: its hybrid pattern, else one transformer layer."""
+        return self.mtp_pattern or "T"
 
 
 @dataclass(frozen=True)
@@ -176,6 +248,7 @@ def check_setup(model: ModelSpec, setup: Setup) -> None:
         raise ValueError(f"TP {s.tp} does not divide num_query_groups {model.num_query_groups}")
     if model.num_layers < s.pp:
         raise ValueError(f"PP {s.pp} exceeds num_layers {model.num_layers}")
+    _check_hybrid(model, s)
     if s.pipeline_layout is not None:
         _check_layout(model, s)
     elif s.vpp is not None and (s.vpp < 1 or s.pp == 1 or model.num_layers % (s.pp * s.vpp)):
@@ -200,6 +273,22 @@ def check_setup(model: ModelSpec, setup: Setup) -> None:
     fine_grained.check(s)
     if s.activation_offload_layers:
         _check_activation_offload(model, s)
+
+
+def _check_hybrid(model: ModelSpec, s: Setup) -> None:
+    """megatron-core's hybrid-model checks: the pattern has one symbol per layer; the Mamba mixer asserts that TP
+    divides its heads and groups."""
+    if model.layer_pattern is None:
+        return
+    if len(model.layer_pattern) != model.num_layers:
+        raise ValueError(
+            f"hybrid_layer_pattern has {len(model.layer_pattern)} layers but num_layers is {model.num_layers}"
+        )
+    if model.mamba is not None and MAMBA in model.layer_pattern:
+        if model.mamba.num_heads % s.tp:
+            raise ValueError("nheads must be evenly divisble by tp_size")
+        if model.mamba.num_groups % s.tp:
+            raise ValueError("ngroups must be evenly divisible by tp_size")
 
 
 def _check_activation_offload(model: ModelSpec, s: Setup) -> None:
@@ -288,23 +377,79 @@ def _mlp_params(m: ModelSpec, ffn: int, shard: int, expert: bool, prefix: str) -
 
 
 def layer_params(m: ModelSpec, s: Setup, index: int) -> list[Tensor]:
-    """The parameter shards of transformer layer ``index`` held by one GPU."""
-    return list(_layer_params(m, s.tp, s.ep, s.resolved_etp(m), m.is_moe_layer(index)))
+    """The parameter shards of decoder layer ``index`` held by one GPU."""
+    return kind_params(m, s, m.layer_kind(index), m.is_moe_layer(index))
 
 
-@functools.lru_cache(maxsize=256)
-def _layer_params(m: ModelSpec, tp: int, ep: int, etp: int, moe: bool) -> tuple[Tensor, ...]:
-    # Every layer of a kind is the same: built once per (model, TP, EP, ETP), the planner's search reuses it.
-    out = _attention_params(m, tp)
-    out.append(Tensor("pre_mlp_layernorm", m.hidden_size, decay=False))
-    if not moe:
-        return tuple(out + _mlp_params(m, m.ffn_hidden_size, tp, False, "mlp."))
-    out.append(Tensor("router", m.hidden_size * m.experts))
+def kind_params(m: ModelSpec, s: Setup, kind: str, moe: bool) -> list[Tensor]:
+    """The parameter shards of one layer of ``kind`` (``T`` or a hybrid symbol) held by one GPU."""
+    return list(_layer_params(m, s.tp, s.ep, s.resolved_etp(m), kind, moe))
+
+
+def _moe_params(m: ModelSpec, tp: int, ep: int, etp: int) -> list[Tensor]:
+    out = [Tensor("router", m.hidden_size * m.experts)]
     for e in range(m.experts // ep):
         out += _mlp_params(m, m.expert_ffn_hidden_size, etp, True, f"expert{e}.")
     if m.moe_shared_expert_intermediate_size:
         out += _mlp_params(m, m.moe_shared_expert_intermediate_size, tp, False, "shared_expert.")
-    return tuple(out)
+    return out
+
+
+def _mamba_params(m: ModelSpec, tp: int) -> list[Tensor]:
+    """megatron-core ``MambaMixer``: TP shards d_inner, the heads and the groups; A_log, D and dt_bias are fp32
+    parameters in the module but counted like the others here (a few thousand elements)."""
+    if m.mamba is None:
+        raise ValueError(
+            f"{m.name}: the hybrid pattern has Mamba layers but the Mamba shapes are missing "
+            "(mamba_num_heads, mamba_head_dim, mamba_state_dim, mamba_num_groups)"
+        )
+    mb, h = m.mamba, m.hidden_size
+    return [
+        Tensor("mamba_norm", h, decay=False),
+        Tensor("in_proj", h * mb.in_proj_width // tp),
+        Tensor("conv1d_weight", mb.conv_dim * mb.d_conv // tp, decay=False),
+        Tensor("conv1d_bias", mb.conv_dim // tp, decay=False),
+        Tensor("dt_bias", mb.num_heads // tp, decay=False),
+        Tensor("A_log", mb.num_heads // tp, decay=False),
+        Tensor("D", mb.num_heads // tp, decay=False),
+        Tensor("mixer_norm", mb.d_inner // tp, decay=False),
+        Tensor("out_proj", mb.d_inner * h // tp),
+    ]
+
+
+@functools.lru_cache(maxsize=256)
+def _layer_params(m: ModelSpec, tp: int, ep: int, etp: int, kind: str, moe: bool) -> tuple[Tensor, ...]:
+    # Every layer of a kind is the same: built once per (model, TP, EP, ETP), the planner's search reuses it.
+    if kind == MAMBA or kind == "G":  # GDN layers are counted as Mamba layers of the same shapes
+        return tuple(_mamba_params(m, tp))
+    out = _attention_params(m, tp) if kind == "T" or kind in ATTENTION_SYMBOLS else []
+    if kind in ATTENTION_SYMBOLS:
+        return tuple(out)
+    out.append(Tensor("pre_mlp_layernorm", m.hidden_size, decay=False))
+    if not moe:
+        return tuple(out + _mlp_params(m, m.ffn_hidden_size, tp, False, "mlp."))
+    return tuple(out + _moe_params(m, tp, ep, etp))
+
+
+def mtp_params(m: ModelSpec, s: Setup) -> list[Tensor]:
+    """The MTP block(s) on the last stage: one per depth, or one for all when the depths repeat one block
+    (``mtp_use_repeated_layer``)."""
+    return mtp_depth_params(m, s) * (1 if m.mtp_repeated else m.mtp_num_layers)
+
+
+def mtp_depth_params(m: ModelSpec, s: Setup) -> list[Tensor]:
+    """One MTP depth: the embedding and hidden norms, ``eh_proj`` (2h → h), the depth's layers, its final norm."""
+    if not m.mtp_num_layers:
+        return []
+    h = m.hidden_size
+    out = [
+        Tensor("mtp.enorm", h, decay=False),
+        Tensor("mtp.hnorm", h, decay=False),
+        Tensor("mtp.eh_proj", 2 * h * h // s.tp),
+    ]
+    for kind in m.mtp_kinds():
+        out += kind_params(m, s, kind, kind == MOE or (kind == "T" and m.is_moe))
+    return [*out, Tensor("mtp.final_layernorm", h, decay=False)]
 
 
 def _check_layout(m: ModelSpec, s: Setup) -> None:
@@ -354,6 +499,7 @@ def stage_params(m: ModelSpec, s: Setup, stage: int) -> list[Tensor]:
         out += layer_params(m, s, index)
     if stage == s.pp - 1:
         out.append(Tensor("final_layernorm", m.hidden_size, decay=False))
+        out += mtp_params(m, s)
         # Untied: a separate output layer. Tied with PP > 1: the last stage keeps its own copy of the embedding.
         if not m.tied_embeddings or s.pp > 1:
             out.append(Tensor("output_layer", vocab_shard))
@@ -364,9 +510,10 @@ def total_params(m: ModelSpec) -> int:
     """Unsharded parameter count (no vocab padding), for reports."""
     one = Setup(num_gpus=1)
     n = m.vocab_size * m.hidden_size * (1 if m.tied_embeddings else 2) + m.hidden_size
+    flat = replace(one, ep=1, etp=1)
     for index in range(m.num_layers):
-        n += sum(t.numel for t in layer_params(m, replace(one, ep=1, etp=1), index))
-    return n
+        n += sum(t.numel for t in layer_params(m, flat, index))
+    return n + sum(t.numel for t in mtp_params(m, flat))
 
 
 def next_pow2(n: int) -> int:

@@ -249,4 +249,49 @@ def model_extras(config: OffloadConfig, raw: dict[str, Any], base: ModelSpec | N
         out["first_k_dense"] = _first_k_dense(m.moe_layer_freq, int(m.num_layers or 0)) if m.num_moe_experts else 0
     if base is None or "multi_latent_attention" in given:
         out["mla"] = _mla(config)
+    out.update(hybrid_extras(extras, m.hidden_size))
+    return out
+
+
+def _int(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def hybrid_extras(extras: dict[str, Any], hidden: int | None) -> dict[str, Any]:
+    """The hybrid layer pattern, the Mamba mixer's shapes and the MTP depths a config states.
+
+    megatron-core's unified pattern (0.19: ``hybrid_layer_pattern``; older: ``hybrid_override_pattern``) is
+    ``<decoder>/<mtp depth>/<mtp depth>…``, with ``|`` marking pipeline stages (not modelled: stages split evenly).
+    Raises:
+        InputError: a pattern symbol megatron-core does not know.
+    """
+    from mbridge_offload.plan.inputs import InputError
+    from mbridge_offload.plan.model import HYBRID_SYMBOLS, MambaSpec
+
+    out: dict[str, Any] = {}
+    pattern = extras.get("hybrid_layer_pattern") or extras.get("hybrid_override_pattern")
+    mtp_pattern = extras.get("mtp_hybrid_override_pattern")
+    mtp = _int(extras.get("mtp_num_layers")) or 0
+    if isinstance(pattern, str) and pattern:
+        main, *depths = pattern.split("/")
+        main = main.replace("|", "")
+        bad = sorted(set(main + "".join(depths)) - HYBRID_SYMBOLS)
+        if bad:
+            raise InputError(
+                f"hybrid_layer_pattern {pattern[:60]!r}: unknown layer symbol(s) {''.join(bad)} "
+                "(M Mamba, G gated delta net, * attention, D DSA, + MLA, - MLP, E MoE, | stage, / MTP)"
+            )
+        out["layer_pattern"] = main
+        if depths:
+            mtp, mtp_pattern = len(depths), depths[0]
+        heads, head_dim = _int(extras.get("mamba_num_heads")), _int(extras.get("mamba_head_dim")) or 64
+        state, groups = _int(extras.get("mamba_state_dim")) or 128, _int(extras.get("mamba_num_groups")) or 8
+        if heads is None and hidden:  # megatron-core: nheads = d_inner / headdim, d_inner = expand (2) × hidden
+            heads = 2 * hidden // head_dim
+        if heads:
+            out["mamba"] = MambaSpec(num_heads=heads, head_dim=head_dim, state_dim=state, num_groups=groups)
+    if mtp:
+        out["mtp_num_layers"] = mtp
+        out["mtp_pattern"] = mtp_pattern if isinstance(mtp_pattern, str) and mtp_pattern else None
+        out["mtp_repeated"] = bool(extras.get("mtp_use_repeated_layer", False))
     return out

@@ -18,7 +18,9 @@ from mbridge_offload.config.schema import OffloadConfig
 from mbridge_offload.plan.config_inputs import model_notes, precision_values, raw_section, with_layout
 from mbridge_offload.plan.hardware import GpuPreset, gpu_preset, with_overrides
 from mbridge_offload.plan.inputs import FIELDS, InputError, PlanInputs, validate_inputs
+from mbridge_offload.plan.layout import layout_text
 from mbridge_offload.plan.memory import ModelSpec, Setup, check_setup
+from mbridge_offload.plan.vocab import tokenizer_vocab
 
 # Input → dotted config key (Bridge ConfigContainer; Megatron-LM argv is mapped onto the same keys by sources.py).
 CONFIG_KEYS: dict[str, str] = {
@@ -239,6 +241,8 @@ def config_values(config: OffloadConfig, raw: dict[str, Any] | None) -> dict[str
             if isinstance(tokenizer.get(key), int) and not isinstance(tokenizer.get(key), bool):
                 out["vocab_size"] = tokenizer[key]
                 break
+    if out.get("vocab_size") is None and (known := tokenizer_vocab(tokenizer)) is not None:
+        out["vocab_size"] = known[1].vocab_size  # the tokenizer decides it at start-up: the shipped table says
     if "pipeline_layout" in out:
         from mbridge_offload.plan.layout import layout_text
 
@@ -422,6 +426,11 @@ def resolve(
     values = inputs.model_dump()
     extras = _config_model_spec(config, raw, base) if config is not None else {}
     m = _model_spec(values, base, extras)
+    if values.get("pipeline_layout") and not m.mtp_num_layers:
+        from mbridge_offload.plan.layout import mtp_layers
+
+        # megatron-core asserts that the layout's MTP layers are mtp_num_layers: the layout alone says how many
+        m = replace(m, mtp_num_layers=mtp_layers(layout_text(values["pipeline_layout"]) or ""))
     notes = {k: note for k, (_, note) in DEFAULTS.items() if where.get(k) == "default"}
     if values.get("etp") is None:
         values["etp"], where["etp"] = values["tp"], "default"

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from mbridge_offload.plan import calibration as calibrate
 from mbridge_offload.plan.hardware import GpuPreset
 from mbridge_offload.plan.memory import MemoryEstimate, ModelSpec, Setup, layer_params, padded_vocab, stage_layers
+from mbridge_offload.plan.model import mtp_depth_params
 
 # torch 2.13 fused CPU AdamW, fp32, one thread, four 8 M-element tensors, measured on the development host
 # (Intel Xeon, `mbridge-offload calibrate --threads 1`): median of five runs 0.82 · 10⁹ params/s (0.57-0.83).
@@ -44,6 +45,10 @@ MFU_MOE_SOURCE = "published: implied by the Qwen3-30B-A3B card's measured baseli
 # Dense: assumed; no dense baseline with all its settings is published in plan/data/published.yaml.
 DEFAULT_MFU_DENSE = 0.35
 MFU_DENSE_SOURCE = "assumed (no published dense baseline with its settings)"
+
+
+# Mamba parameters that are not GEMM weights (the convolution and the per-head SSM scalars).
+_NOT_GEMMS = frozenset({"conv1d_weight", "A_log", "D", "dt_bias"})
 
 
 @dataclass
@@ -70,17 +75,17 @@ def _flops_per_token(m: ModelSpec, s: Setup) -> float:
     """Training FLOPs per token (6 × active matmul params + causal attention), whole model."""
     one = Setup(num_gpus=1)
     active: float = padded_vocab(m, 1) * m.hidden_size  # output layer
-    for index in range(m.num_layers):
-        for t in layer_params(m, one, index):
-            if "norm" in t.name or "bias" in t.name:
-                continue
-            if t.expert:
-                active += t.numel * m.moe_router_topk / m.experts
-            else:
-                active += t.numel
+    tensors = [t for index in range(m.num_layers) for t in layer_params(m, one, index)]
+    tensors += mtp_depth_params(m, one) * m.mtp_num_layers  # each depth runs its block, shared weights or not
+    active += padded_vocab(m, 1) * m.hidden_size * m.mtp_num_layers
+    for t in tensors:
+        if "norm" in t.name or "bias" in t.name or t.name in _NOT_GEMMS:
+            continue
+        active += t.numel * m.moe_router_topk / m.experts if t.expert else t.numel
     seq = s.seq_length or m.seq_length
     attn_dim = m.num_attention_heads * (m.mla.qk_head_dim + m.mla.qk_pos_emb_head_dim if m.mla else m.kv_channels)
-    attention = 6 * m.num_layers * seq * attn_dim  # 12·s·d per layer, halved by the causal mask
+    attention: float = 6 * m.attention_layers * seq * attn_dim  # 12·s·d per layer, halved by the causal mask
+    attention += m.ssm_flops_per_token()
     factor = 8 / 6 if s.recompute_granularity == "full" else 1.0
     return (6 * active + attention) * factor
 
