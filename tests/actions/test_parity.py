@@ -11,8 +11,9 @@ import torch
 from mbridge_offload.actions.parity import (
     LOSS_BAR,
     MIN_RELATIVE_DROP,
-    TASK,
+    STRIDES,
     TINY_LAYERS,
+    VOCAB,
     loss_fall,
     run_parity,
     settings_from_config,
@@ -92,10 +93,10 @@ def test_the_stride_task_is_deterministic_and_learnable_in_principle() -> None:
         assert all(torch.equal(a[k], b[k]) for k in a)
     batch = first[0]
     tokens = torch.cat([batch["input_ids"], batch["labels"][:, -1:]], dim=1)
-    steps = (tokens[:, 1:] - tokens[:, :-1]) % TASK["vocab"]
+    steps = (tokens[:, 1:] - tokens[:, :-1]) % VOCAB
     # Every sequence keeps one stride from the task's set: the next token follows from the two before it.
     assert (steps == steps[:, :1]).all()
-    assert set(steps[:, 0].tolist()) <= set(TASK["strides"])
+    assert set(steps[:, 0].tolist()) <= set(STRIDES)
     assert torch.equal(batch["labels"][:, :-1], batch["input_ids"][:, 1:])
 
 

@@ -47,7 +47,8 @@ END_WINDOW = 3  # the end loss is the mean of the last steps: single steps of th
 TINY_LAYERS = 4
 MIN_TENSOR_SIZE = 1024  # tiny activations are far below TE's 256 Ki threshold; offload them anyway
 # The task and the tiny model: small enough for seconds on 2 CPU cores, large enough to learn the strides.
-TASK = {"vocab": 32, "seq_length": 16, "batch_size": 8, "hidden": 32, "heads": 4, "strides": (1, 2, 3)}
+VOCAB, SEQ_LENGTH, BATCH_SIZE, HIDDEN, HEADS = 32, 16, 8, 32, 4
+STRIDES = (1, 2, 3)
 HYPER: dict[str, Any] = {"lr": 1e-2, "weight_decay": 0.01, "betas": (0.9, 0.999), "eps": 1e-8}
 
 ProgressFn = Callable[[int, int, str], None]
@@ -105,8 +106,8 @@ def stride_batches(steps: int, seed: int, device: Any) -> list[dict[str, Any]]:
     """
     import torch
 
-    vocab, seq, batch = TASK["vocab"], TASK["seq_length"], TASK["batch_size"]
-    strides = torch.tensor(TASK["strides"])
+    vocab, seq, batch = VOCAB, SEQ_LENGTH, BATCH_SIZE
+    strides = torch.tensor(STRIDES)
     generator = torch.Generator().manual_seed(seed)
     mask = torch.triu(torch.ones(seq, seq, dtype=torch.bool), diagonal=1).view(1, 1, seq, seq)  # True = hidden
     positions = torch.arange(seq).unsqueeze(0).expand(batch, seq)
@@ -131,7 +132,7 @@ class _TorchTinyLM:
 
         from mbridge_offload.runtime.activation import get_cpu_offload_context
 
-        hidden, vocab = TASK["hidden"], TASK["vocab"]
+        hidden, vocab = HIDDEN, VOCAB
         torch.manual_seed(seed)
         self.embed = torch.nn.Embedding(vocab, hidden).to(device)
         self.blocks = torch.nn.ModuleList(
@@ -173,10 +174,10 @@ class _MegatronTinyGPT:
 
         self.model = build_tiny_gpt(
             num_layers=TINY_LAYERS,
-            hidden=TASK["hidden"],
-            heads=TASK["heads"],
-            vocab=TASK["vocab"],
-            seq=TASK["seq_length"],
+            hidden=HIDDEN,
+            heads=HEADS,
+            vocab=VOCAB,
+            seq=SEQ_LENGTH,
             cpu_offloading=offload_layers > 0,
             cpu_offloading_num_layers=offload_layers,
             min_tensor_size=MIN_TENSOR_SIZE,
@@ -440,8 +441,13 @@ def _report(settings: Settings, runs: dict[str, Any], steps: int, model: str, de
         "activation_bytes_offloaded_per_step": _bytes_per_step(runs["offload"]),
         "steps": steps,
         "task": {
-            **{k: list(v) if isinstance(v, tuple) else v for k, v in TASK.items()},
+            "vocab": VOCAB,
+            "seq_length": SEQ_LENGTH,
+            "batch_size": BATCH_SIZE,
+            "strides": list(STRIDES),
             "layers": TINY_LAYERS,
+            "hidden": HIDDEN,
+            "heads": HEADS,
             "lr": HYPER["lr"],
             "what": "sequences (start + s*i) mod vocab, random start and stride s per sequence; next-token loss",
         },
