@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -15,6 +16,7 @@ from mbridge_offload.actions.parity import (
     TINY_LAYERS,
     VOCAB,
     loss_fall,
+    main,
     run_parity,
     settings_from_config,
     stride_batches,
@@ -139,3 +141,14 @@ def test_parity_suite_through_the_test_runner(config_file: Path) -> None:
     assert result.details["settings"]["optimizer_offload_fraction"] == 0.75
     assert result.details["loss_fall"]["offload"]["relative_drop"] >= MIN_RELATIVE_DROP
     assert events[-1][:2] == (80, 80)
+
+
+def test_the_cli_exits_1_when_the_loss_did_not_fall(capsys: pytest.CaptureFixture[str]) -> None:
+    # Two steps: the runs agree to the last bit, yet the verdict fails, because nothing was learned to compare.
+    code = main(["--torch-model", "--steps", "2", "--json"])
+    result = json.loads(capsys.readouterr().out)
+    assert code == 1 and not result["ok"]
+    failed = [c["name"] for c in result["checks"] if not c["ok"]]
+    assert failed == ["loss_fell"]
+    assert result["max_loss_delta"] < LOSS_BAR
+    assert len(result["losses"]["baseline"]) == 2
