@@ -2,12 +2,25 @@
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
 import pytest
+import torch
 
-from mbridge_offload.actions.parity import LOSS_BAR, TINY_LAYERS, run_parity, settings_from_config
+from mbridge_offload.actions.parity import (
+    LOSS_BAR,
+    MIN_RELATIVE_DROP,
+    STRIDES,
+    TINY_LAYERS,
+    VOCAB,
+    loss_fall,
+    main,
+    run_parity,
+    settings_from_config,
+    stride_batches,
+)
 from mbridge_offload.actions.testsuite import DEPTH_ENV, run_tests
 from mbridge_offload.config.sources import load
 
@@ -22,6 +35,16 @@ optimizer:
   optimizer_offload_fraction: 0.75
   overlap_cpu_optimizer_d2h_h2d: true
 """
+
+
+CHECKS = [
+    "loss_fell",
+    "loss_delta",
+    "optimizer_loss_delta",
+    "activation_loss_delta",
+    "optimizer_split",
+    "activation_offloaded",
+]
 
 
 @pytest.fixture
@@ -43,11 +66,11 @@ def test_a_config_without_offload_is_said_to_compare_identical_runs() -> None:
     assert "offloads nothing" in settings.notes[0]
 
 
-def test_torch_fallback_parity_meets_the_upstream_bar(config_file: Path) -> None:
+def test_torch_fallback_parity_meets_the_upstream_bar_on_a_loss_that_falls(config_file: Path) -> None:
     events = []
     result = run_parity(
         load(str(config_file)).config,
-        steps=8,
+        steps=20,
         use_megatron=False,
         on_progress=lambda done, total, msg: events.append((done, total)),
     )
@@ -56,18 +79,46 @@ def test_torch_fallback_parity_meets_the_upstream_bar(config_file: Path) -> None
     assert result["model"] == "torch MLP stack"
     assert abs(result["optimizer_split"]["achieved"] - 0.75) < 0.2
     assert result["activation_bytes_offloaded_per_step"] > 0
-    assert result["step_time_ratio"] > 0
-    assert events[-1] == (16, 16)
+    # Four runs (baseline, optimizer only, activation only, both) of 20 steps each.
+    assert set(result["losses"]) == {"baseline", "optimizer_offload", "activation_offload", "offload"}
+    assert events[-1] == (80, 80)
+    for name, fall in result["loss_fall"].items():
+        assert fall["start"] == result["losses"][name][0]
+        assert fall["relative_drop"] >= MIN_RELATIVE_DROP, (name, fall)
+    # No CPU timing is presented as a speed figure.
+    assert not any("time" in key for key in result)
+
+
+def test_the_stride_task_is_deterministic_and_learnable_in_principle() -> None:
+    first, again = stride_batches(3, seed=7, device="cpu"), stride_batches(3, seed=7, device="cpu")
+    for a, b in zip(first, again, strict=True):
+        assert all(torch.equal(a[k], b[k]) for k in a)
+    batch = first[0]
+    tokens = torch.cat([batch["input_ids"], batch["labels"][:, -1:]], dim=1)
+    steps = (tokens[:, 1:] - tokens[:, :-1]) % VOCAB
+    # Every sequence keeps one stride from the task's set: the next token follows from the two before it.
+    assert (steps == steps[:, :1]).all()
+    assert set(steps[:, 0].tolist()) <= set(STRIDES)
+    assert torch.equal(batch["labels"][:, :-1], batch["input_ids"][:, 1:])
+
+
+def test_loss_fall_reads_the_start_and_the_mean_of_the_last_steps() -> None:
+    fall = loss_fall([4.0, 3.0, 2.0, 2.0, 2.0, 1.0])
+    assert fall["start"] == 4.0 and fall["end"] == pytest.approx(5 / 3)
+    assert fall["relative_drop"] == pytest.approx(1 - 5 / 12)
+    assert loss_fall([3.0, 3.0])["relative_drop"] == 0.0
 
 
 @pytest.mark.megatron
 def test_real_megatron_tiny_gpt_parity() -> None:
     pytest.importorskip("megatron.core")
-    result = run_parity(None, steps=6, use_megatron=True)
+    result = run_parity(None, steps=20, use_megatron=True)
     assert result["model"] == "megatron-core GPTModel (tiny)"
     assert result["ok"], result["checks"]
-    assert {c["name"] for c in result["checks"]} == {"loss_delta", "optimizer_split", "activation_offloaded"}
-    assert len(result["losses"]["baseline"]) == 6
+    assert [c["name"] for c in result["checks"]] == CHECKS
+    assert len(result["losses"]["baseline"]) == len(result["losses"]["offload"]) == 20
+    assert result["loss_fall"]["baseline"]["relative_drop"] >= MIN_RELATIVE_DROP
+    assert result["max_loss_delta"] == max(result["loss_deltas"].values()) < LOSS_BAR
 
 
 def test_too_few_steps_is_refused() -> None:
@@ -81,15 +132,23 @@ def test_parity_suite_through_the_test_runner(config_file: Path) -> None:
     result = run_tests(
         suite="parity",
         config=str(config_file),
-        steps=4,
-        timeout_s=120,
+        steps=20,
+        timeout_s=300,
         on_progress=lambda done, total, msg: events.append((done, total, msg)),
     )
     assert result.ok, (result.notes, result.output_tail)
-    assert [t.nodeid for t in result.tests] == [
-        "parity::loss_delta",
-        "parity::optimizer_split",
-        "parity::activation_offloaded",
-    ]
+    assert [t.nodeid for t in result.tests] == [f"parity::{name}" for name in CHECKS]
     assert result.details["settings"]["optimizer_offload_fraction"] == 0.75
-    assert events[-1][:2] == (8, 8)
+    assert result.details["loss_fall"]["offload"]["relative_drop"] >= MIN_RELATIVE_DROP
+    assert events[-1][:2] == (80, 80)
+
+
+def test_the_cli_exits_1_when_the_loss_did_not_fall(capsys: pytest.CaptureFixture[str]) -> None:
+    # Two steps: the runs agree to the last bit, yet the verdict fails, because nothing was learned to compare.
+    code = main(["--torch-model", "--steps", "2", "--json"])
+    result = json.loads(capsys.readouterr().out)
+    assert code == 1 and not result["ok"]
+    failed = [c["name"] for c in result["checks"] if not c["ok"]]
+    assert failed == ["loss_fell"]
+    assert result["max_loss_delta"] < LOSS_BAR
+    assert len(result["losses"]["baseline"]) == 2

@@ -54,7 +54,7 @@ class TestRunResult(BaseModel):
     notes: list[str] = Field(default_factory=list)
     output_tail: str = Field(default="", exclude=True)
     details: dict[str, Any] | None = Field(
-        default=None, description="parity suite: loss delta, split, bytes, step ratio"
+        default=None, description="parity suite: loss curves and deltas, the loss fall, split, bytes (no timing)"
     )
 
     @computed_field(description="everything selected passed and at least one test ran")  # type: ignore[prop-decorator]
