@@ -223,7 +223,7 @@ def validate_config(
         parsed_target = parse_target(target)
     except ValueError as exc:
         raise ToolError(f"target {target!r}: {exc}") from None
-    report = validate(loaded.config, loaded.raw, target=parsed_target)
+    report = validate(loaded.config, loaded.raw, target=parsed_target, source=loaded.source)
     report.source = loaded.source
     if exact:
         from mbridge_offload_tools.exact import ExactUnavailable, exact_report
