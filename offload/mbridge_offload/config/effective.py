@@ -194,7 +194,9 @@ def _derive_precision(b: _Builder) -> None:
     has_fp8, fp8, fp8_src = _mp_or_model(b, "fp8")
     b.put("model.fp8", fp8 if has_fp8 else None, fp8_src)
     has_recipe, recipe, recipe_src = _mp_or_model(b, "fp8_recipe")
-    if not fp8:
+    if not fp8 and not has_fp8 and not has_recipe:
+        b.put("model.fp8_recipe", "none", b.default)
+    elif not fp8:
         b.put("model.fp8_recipe", "none", f"derived: no FP8 compute (model.fp8 is {fp8!r})")
     else:
         name = str(recipe) if has_recipe and str(recipe) in _FP8_RECIPES else "delayed"
@@ -204,7 +206,10 @@ def _derive_precision(b: _Builder) -> None:
         has_param, param, param_src = _mp_or_model(b, "fp8_param_gather")
     if not has_param and b.cfg.ddp.fp8_param_gather:
         has_param, param, param_src = True, True, b.source_of("ddp.fp8_param_gather", {})
-    b.put("model.fp8_param", bool(param) and bool(fp8), param_src if fp8 else "derived: no FP8 compute")
+    if fp8:
+        b.put("model.fp8_param", bool(param), param_src)
+    else:
+        b.put("model.fp8_param", False, "derived: no FP8 compute" if has_param else b.default)
 
 
 def _derive_parallel(b: _Builder) -> None:
@@ -223,6 +228,8 @@ def _derive_optimizer(b: _Builder) -> None:
     if b.where != "argv" and not opt.value and ddp.value:
         # Bridge keeps optimizer.* and ddp.* in sync: either one switches the distributed optimizer on.
         b.put("optimizer.use_distributed_optimizer", True, "derived: ddp.use_distributed_optimizer is true")
+    elif opt.source in DEFAULT_SOURCES and ddp.source not in DEFAULT_SOURCES:
+        b.put("optimizer.use_distributed_optimizer", ddp.value, f"derived: ddp.use_distributed_optimizer is {ddp.value}")
     fraction = b.out["optimizer.optimizer_offload_fraction"]
     if not b.cfg.optimizer.optimizer_cpu_offload and fraction.value:
         b.put("optimizer.optimizer_offload_fraction", 0.0, "derived: optimizer.optimizer_cpu_offload is false")
