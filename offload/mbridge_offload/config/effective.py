@@ -106,7 +106,7 @@ class Effective:
         what is written); ``(False, None)`` when only a frontend default does, so a planner may assume its own."""
         entry = self.values.get(dotted)
         if entry is not None:
-            return (entry.source not in DEFAULT_SOURCES, entry.value)
+            return (False, None) if entry.source in DEFAULT_SOURCES else (True, entry.value)
         if dotted in self.written:
             section, _, key = dotted.partition(".")
             node = getattr(self.config, section, None)

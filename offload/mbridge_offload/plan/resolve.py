@@ -414,8 +414,8 @@ def resolve(
     m = _model_spec(values, base, extras)
     notes = {k: note for k, (_, note) in DEFAULTS.items() if where.get(k) == "default"}
     if values.get("etp") is None:
-        values["etp"], where["etp"] = values["tp"], "derived" if eff is not None else "default"
-        notes["etp"] = "megatron-core sets expert_tensor_parallel_size = tensor_model_parallel_size when unset"
+        values["etp"], where["etp"] = values["tp"], "default"
+        notes["etp"] = "megatron-core default: expert_tensor_parallel_size = TP"
     if values.get("seq_length") is None:
         values["seq_length"], where["seq_length"] = m.seq_length, "preset" if base else "default"
     if values.get("offload_modules") and where.get("fine_grained_activation_offloading", "default") == "default":
