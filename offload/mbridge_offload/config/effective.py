@@ -35,6 +35,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from mbridge_offload.config import bridge
+from mbridge_offload.config.megatron_lm import MLM_CLI_DEFAULTS
 from mbridge_offload.config.rules.base import DEFAULT_TARGET, Target, parse_target
 from mbridge_offload.config.schema import OFFLOAD_KEYS, RELATED_KEYS, SECTIONS, OffloadConfig, get_value
 
@@ -79,7 +80,7 @@ class EffectiveValue(BaseModel):
     value: Any
     source: str = Field(
         description="config, argv, Bridge recipe default, mixed_precision, bridge finalize (0.6), megatron-core "
-        "default, Megatron-LM default, or 'derived: <why>'"
+        "default, Megatron-LM default, Megatron-LM CLI default, or 'derived: <why>'"
     )
 
 
@@ -124,7 +125,7 @@ def _lookup(raw: dict[str, Any], dotted: str) -> tuple[bool, Any]:
 
 
 def _written(raw: dict[str, Any]) -> frozenset[str]:
-    out = set()
+    out: set[str] = set()
     for section, body in raw.items():
         if isinstance(body, dict):
             out.update(f"{section}.{k}" for k in body if not str(k).startswith("_"))
@@ -170,6 +171,8 @@ class _Builder:
         mixed_has, mixed_value = _lookup(self.mixed, dotted)
         if mixed_has and (not written or mixed_value != value) and _lookup(self.mixed, "mixed_precision")[0]:
             return "mixed_precision"
+        if written and self.where == "argv" and MLM_CLI_DEFAULTS.get(dotted, object()) == value:
+            return "Megatron-LM CLI default"  # the parser writes it; it decides (not a planner's to replace)
         return self.where if written else self.default
 
     def put(self, dotted: str, value: Any, source: str) -> None:
@@ -229,7 +232,9 @@ def _derive_optimizer(b: _Builder) -> None:
         # Bridge keeps optimizer.* and ddp.* in sync: either one switches the distributed optimizer on.
         b.put("optimizer.use_distributed_optimizer", True, "derived: ddp.use_distributed_optimizer is true")
     elif opt.source in DEFAULT_SOURCES and ddp.source not in DEFAULT_SOURCES:
-        b.put("optimizer.use_distributed_optimizer", ddp.value, f"derived: ddp.use_distributed_optimizer is {ddp.value}")
+        b.put(
+            "optimizer.use_distributed_optimizer", ddp.value, f"derived: ddp.use_distributed_optimizer is {ddp.value}"
+        )
     fraction = b.out["optimizer.optimizer_offload_fraction"]
     if not b.cfg.optimizer.optimizer_cpu_offload and fraction.value:
         b.put("optimizer.optimizer_offload_fraction", 0.0, "derived: optimizer.optimizer_cpu_offload is false")
@@ -270,7 +275,7 @@ def resolve(
     where = "argv" if frontend == "megatron-lm" else "config"
     if source is not None and source.startswith("recipe:"):
         where = "Bridge recipe default"
-    eff_config, mixed, changes = config, raw, []
+    eff_config, mixed, changes = config, raw, list[bridge.Change]()
     if container:
         mixed = _with_mixed_precision(raw)
         if mixed is not raw:

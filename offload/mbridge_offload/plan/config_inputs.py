@@ -9,9 +9,9 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from mbridge_offload.config.schema import OffloadConfig
 from mbridge_offload.plan.inputs import InputError
 from mbridge_offload.plan.model import Setup
+
 
 def raw_section(raw: dict[str, Any] | None, name: str) -> dict[str, Any]:
     node = (raw or {}).get(name)
