@@ -97,6 +97,7 @@ class Effective:
     container: bool
     normalized: tuple[bridge.Change, ...] = ()
     written: frozenset[str] = field(default_factory=frozenset)
+    source: str | None = None  # where the config came from (``recipe:NAME`` marks a Bridge recipe)
 
     def to_json(self) -> dict[str, dict[str, Any]]:
         """The ``effective`` block of every answer: dotted key → ``{"value", "source"}``."""
@@ -294,4 +295,4 @@ def resolve(
         b.put(key, typed if typed is not None or not has else value, b.source_of(key, finalized))
     for step in (_derive_precision, _derive_parallel, _derive_optimizer, _derive_seq):
         step(b)
-    return Effective(eff_config, mixed, b.out, tgt, frontend, container, tuple(changes), _written(mixed))
+    return Effective(eff_config, mixed, b.out, tgt, frontend, container, tuple(changes), _written(mixed), source)
