@@ -191,6 +191,11 @@ class Resolved:
     effective: Effective | None = None  # the config's one resolution (config.effective), None without a config
 
     @property
+    def source(self) -> str | None:
+        """Where the config came from, as ``config.effective`` read it (a recipe is a Bridge config)."""
+        return self.effective.source if self.effective is not None else None
+
+    @property
     def overlap(self) -> bool:
         return bool(self.inputs.overlap)
 
