@@ -198,3 +198,32 @@ async def test_the_mcp_tools_print_the_cli_block(tmp_path: Path, monkeypatch: py
             result = await client.call_tool(tool, args)
             assert not result.is_error, tool
             assert result.structured_content["effective"] == expected, tool
+
+
+def test_apply_prints_the_effective_config_of_the_file_it_would_write(tmp_path: Path) -> None:
+    from mbridge_offload.actions.apply import apply_offload
+
+    path = _qwen_without_etp(tmp_path)
+    result = apply_offload(str(path), "optimizer", fraction=0.25)
+    edited = tmp_path / "edited.yaml"
+    edited.write_text(result.text)
+    loaded = sources.load(str(edited))
+    expected = validate(loaded.config, loaded.raw, source=loaded.source).to_dict()["effective"]
+    assert result.to_dict()["effective"] == expected
+    assert expected["optimizer.optimizer_offload_fraction"] == {"value": 0.25, "source": "config"}
+    assert expected["model.expert_tensor_parallel_size"] == {"value": 1, "source": "bridge finalize (0.6)"}
+
+
+def test_recommends_catalogue_vetting_and_memory_model_see_the_same_etp(tmp_path: Path) -> None:
+    import copy
+
+    from mbridge_offload.plan.resolve import resolve
+
+    loaded = sources.load(str(_qwen_without_etp(tmp_path)))
+    r = resolve(dict(FLAGS), loaded.config, loaded.raw, loaded.source)
+    assert r.raw_config is not None
+    raw = copy.deepcopy(r.raw_config)  # what advice.Vetter validates, candidate overrides applied on top
+    vetted = validate(sources.build_config(raw), raw, source=r.source)
+    assert vetted.effective["model.expert_tensor_parallel_size"].value == r.setup.etp == 1
+    etp = next(a for a in r.assumptions if a.name == "etp")
+    assert (etp.source, etp.note) == ("config", "effective model.expert_tensor_parallel_size: bridge finalize (0.6)")

@@ -370,6 +370,19 @@ def _gpu(values: dict[str, Any]) -> GpuPreset:
     )
 
 
+def _effective_notes(eff: Effective | None, where: dict[str, str], cfg_source: str) -> dict[str, str]:
+    """For a value the config decided other than by writing it (mixed_precision, Bridge's finalize(), derived):
+    the effective config's source, so the assumption says what ``effective`` says."""
+    if eff is None:
+        return {}
+    out = {}
+    for name, dotted in {**CONFIG_KEYS, **_EFFECTIVE_INPUTS}.items():
+        entry = eff.values.get(dotted)
+        if entry is not None and where.get(name) == cfg_source and entry.source != cfg_source:
+            out[name] = f"effective {dotted}: {entry.source}"
+    return out
+
+
 def _assumptions(values: dict[str, Any], where: dict[str, str], notes: dict[str, str]) -> list[Assumption]:
     out = []
     for name in FIELDS:
@@ -433,6 +446,7 @@ def resolve(
                 values[name], where[name], notes[name] = value, "default", note
     s = _setup(values, m)
     notes.update(model_notes(values, s, raw))
+    notes = {**_effective_notes(eff, where, cfg_source), **notes}
     _check_size(m, s)
     if values.get("num_gpus") is None:
         values["num_gpus"], where["num_gpus"] = _default_gpus(s, m), "derived"
