@@ -283,7 +283,7 @@ def test_nothing_matched_lists_the_closest_modes() -> None:
 def test_report_is_one_pydantic_schema() -> None:
     report = diagnose(error="GPU memory did not go down")
     data = report.model_dump(mode="json")
-    assert set(data) == {"matches", "ruled_out", "findings", "comparison", "closest", "notes"}
+    assert set(data) == {"matches", "ruled_out", "findings", "comparison", "closest", "notes", "effective"}
     assert data["matches"][0]["source"] == "meaning"
 
 

@@ -281,3 +281,43 @@ def case_to_source(case: Case) -> dict[str, Any]:
     if case["source"] == "overrides":
         return {"overrides": [f"+{s}.{k}={_override_value(v)}" for s, body in raw.items() for k, v in body.items()]}
     return {"raw": raw}
+
+
+# ---------------------------------------------------------------------------------------------- planner variants
+
+_BRIDGE_TARGET = "megatron.bridge.models.gpt_provider.GPTModelProvider"
+
+
+def planner_variant(rng: random.Random, case: Case) -> Case:
+    """``case`` made sizeable by the planner and read the ways a Bridge user writes it: a vocabulary; sometimes a
+    Bridge ``ConfigContainer`` (``_target_``, so Bridge's ``finalize()`` applies), a MoE with EP > 1 and no ETP, PP
+    without ``pipeline_dtype``, a ``mixed_precision`` block, or the distributed optimizer only in ``ddp``. Used by
+    the test that every tool prints the same ``effective`` block and memory (tests/tools/test_effective_agreement.py).
+    """
+    case = json.loads(json.dumps(case))
+    m, o = case["model"], case["optimizer"]
+    m["vocab_size"] = rng.choice([1000, 32000])
+    if rng.random() < 0.6:
+        m["_target_"] = _BRIDGE_TARGET
+    if rng.random() < 0.4:
+        m.update(num_moe_experts=8, moe_ffn_hidden_size=m["hidden_size"], moe_router_topk=2)
+        m["expert_model_parallel_size"] = rng.choice([2, 4])
+        m.pop("expert_tensor_parallel_size", None)
+    if rng.random() < 0.3:
+        m["pipeline_model_parallel_size"] = 2
+        m.pop("pipeline_dtype", None)
+    if rng.random() < 0.3:
+        case["mixed_precision"] = {"bf16": True, "params_dtype": "bf16", "grad_reduce_in_fp32": rng.random() < 0.5}
+    if rng.random() < 0.3 and "use_distributed_optimizer" in o:
+        case["ddp"] = {"use_distributed_optimizer": o.pop("use_distributed_optimizer")}
+    if rng.random() < 0.3:
+        case.setdefault("ddp", {})["grad_reduce_in_fp32"] = rng.random() < 0.5
+    return case
+
+
+def planner_raw(case: Case) -> dict[str, Any]:
+    """:func:`raw_config` with a planner variant's ``mixed_precision`` block."""
+    raw = raw_config(case)
+    if "mixed_precision" in case:
+        raw["mixed_precision"] = dict(case["mixed_precision"])
+    return raw

@@ -268,8 +268,8 @@ def cmd_diagnose(args: argparse.Namespace) -> int:
         log = read_text_file(args.log, what="log", tail=True)
     try:
         cfg = load(args.config) if args.config else None
-        before = load(args.before).config if args.before else None
-        after = load(args.after).config if args.after else None
+        before = load(args.before) if args.before else None  # loaded: raw dict and source kept
+        after = load(args.after) if args.after else None
     except ConfigError as exc:
         raise UsageError(str(exc)) from None
     report = diagnose(
@@ -279,6 +279,7 @@ def cmd_diagnose(args: argparse.Namespace) -> int:
         raw=cfg.raw if cfg else None,
         before=before,
         after=after,
+        source=cfg.source if cfg else None,
     )
     emit(report.model_dump(mode="json"), args.json, _human_diagnose)
     return EXIT_OK

@@ -107,8 +107,8 @@ def _plan(kind: str, args: argparse.Namespace) -> Any:
     loaded = _load(args)
     flags = {name: getattr(args, name) for name in FIELDS}
     try:
-        config, raw = (loaded.config, loaded.raw) if loaded else (None, None)
-        return plan(kind, flags, config, raw)  # type: ignore[arg-type]
+        config, raw, source = (loaded.config, loaded.raw, loaded.source) if loaded else (None, None, None)
+        return plan(kind, flags, config, raw, source)  # type: ignore[arg-type]
     except (KeyError, ValueError) as exc:
         raise UsageError(str(exc).strip("'\"")) from None
 

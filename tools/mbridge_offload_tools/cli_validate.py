@@ -106,7 +106,7 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:  # e.g. an unbalanced quote in --megatron-args
         fail(f"cannot read the config: {exc}", as_json)
     loaded.config.env.update(env)
-    report = validate(loaded.config, loaded.raw, target=target)
+    report = validate(loaded.config, loaded.raw, target=target, source=loaded.source)
     report.source = loaded.source
     if args.exact:
         report = _exact(report, loaded.raw, args.deadline, as_json, loaded.config)

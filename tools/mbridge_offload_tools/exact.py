@@ -11,10 +11,10 @@ the same stages (megatron-core's own answer wins); the other findings (Transform
   ``MBRIDGE_OFFLOAD_MCORE_DIR`` names another folder of such trees). When the target is not installed, the installed
   release runs and the answer says so. Every answer names the release that ran (finding ``MCORE-EXACT-VERSION``,
   ``env.exact_megatron_core``).
-- Bridge configs (a ``ConfigContainer`` YAML, a run_config.yaml, a recipe) first get their ``mixed_precision``
-  section (:func:`mbridge_offload.config.bridge.mixed_precision`) and Bridge's model ``finalize()``
-  normalisations for the target's Bridge release (:func:`mbridge_offload.config.bridge.finalize`, the function the
-  catalogue uses, rule ``CFG-BRIDGE-FINALIZE``); a plain megatron-core config is built as written.
+- Bridge configs (a ``ConfigContainer`` YAML, a run_config.yaml, a recipe) are built as the one effective config
+  reads them (:func:`mbridge_offload.config.effective.resolve`, what the catalogue judges): their ``mixed_precision``
+  section, then Bridge's model ``finalize()`` normalisations for the target's Bridge release (rule
+  ``CFG-BRIDGE-FINALIZE``); a plain megatron-core config is built as written.
 - Without Transformer Engine, megatron-core's TE checks are skipped or answered for the assumed TE release, each
   named in a ``MCORE-EXACT-SKIPPED`` finding with the reason, never a false error.
 """
@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mbridge_offload.config import bridge
+from mbridge_offload.config import bridge, effective
 from mbridge_offload.config.rules.base import STAGE_OPTIMIZER_CONFIG, STAGE_TRANSFORMER_CONFIG, parse_target
 from mbridge_offload.config.schema import OffloadConfig
 from mbridge_offload.config.sources import ConfigError, build_config
@@ -121,20 +121,21 @@ def choose(target_label: str) -> Install:
 
 
 def payload(raw: dict[str, Any], config: OffloadConfig | None, target: str, source: str | None) -> dict[str, Any]:
-    """The sections the child builds: as written; for a Bridge config after its ``mixed_precision`` section and
-    its model ``finalize()`` (in Bridge's order)."""
+    """The sections the child builds: as written; for a Bridge config the one effective config's sections
+    (:mod:`mbridge_offload.config.effective`: its ``mixed_precision`` section, then its model ``finalize()``, in
+    Bridge's order), the same reading the rule catalogue judges."""
+    sections = ("model", "optimizer", "ddp")
     if not bridge.is_container(raw, source):
-        return {k: copy.deepcopy(raw.get(k) or {}) for k in ("model", "optimizer", "ddp")}
-    mixed = bridge.mixed_precision(raw)
-    data: dict[str, Any] = {k: copy.deepcopy(mixed.get(k) or {}) for k in ("model", "optimizer", "ddp")}
-    if config is None or mixed is not raw:
+        return {k: copy.deepcopy(raw.get(k) or {}) for k in sections}
+    if config is None:
         try:
-            config = build_config(copy.deepcopy(mixed))
-        except ConfigError:
-            if config is None:
-                return data
-    _, _, changes = bridge.finalize(config, mixed, parse_target(target))
-    for dotted, _old, new in changes:
+            config = build_config(copy.deepcopy(raw))
+        except ConfigError:  # a value that does not type-check: megatron-core judges the sections as written
+            mixed = bridge.mixed_precision(raw)
+            return {k: copy.deepcopy(mixed.get(k) or {}) for k in sections}
+    eff = effective.resolve(config, raw, parse_target(target), source)
+    data: dict[str, Any] = {k: copy.deepcopy(eff.raw.get(k) or {}) for k in sections}
+    for dotted, _old, new in eff.normalized:  # finalize() sets them whether or not the file wrote the key
         section, key = dotted.split(".", 1)
         data[section][key] = new
     return data

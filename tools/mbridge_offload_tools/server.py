@@ -132,8 +132,8 @@ def _plan(kind: str, args: dict[str, Any]) -> Any:
     try:
         loaded = load(argv=shlex.split(argv), overrides=overrides) if argv is not None else None
         loaded = _load(config, overrides) if config is not None else loaded
-        config_, raw = (loaded.config, loaded.raw) if loaded else (None, None)
-        return plan(kind, args, config_, raw)  # type: ignore[arg-type]
+        config_, raw, source = (loaded.config, loaded.raw, loaded.source) if loaded else (None, None, None)
+        return plan(kind, args, config_, raw, source)  # type: ignore[arg-type]
     except (ValueError, KeyError, ConfigError) as exc:
         raise ToolError(str(exc).strip("'\"")) from None
 
@@ -223,7 +223,7 @@ def validate_config(
         parsed_target = parse_target(target)
     except ValueError as exc:
         raise ToolError(f"target {target!r}: {exc}") from None
-    report = validate(loaded.config, loaded.raw, target=parsed_target)
+    report = validate(loaded.config, loaded.raw, target=parsed_target, source=loaded.source)
     report.source = loaded.source
     if exact:
         from mbridge_offload_tools.exact import ExactUnavailable, exact_report
@@ -459,8 +459,9 @@ def diagnose_failure(
         log=log,
         config=loaded.config if loaded else None,
         raw=loaded.raw if loaded else None,
-        before=b.config if b else None,
-        after=a.config if a else None,
+        before=b,  # loaded: raw dict and source kept, read as estimate reads them
+        after=a,
+        source=loaded.source if loaded else None,
     )
     return report
 

@@ -54,12 +54,13 @@ __all__ = [
 # ---------------------------------------------------------------------------------------------- entry point
 
 
-def _validate(config: OffloadConfig, raw: dict[str, Any]) -> tuple[bool, list[dict[str, Any]]]:
+def _validate(config: OffloadConfig, raw: dict[str, Any]) -> tuple[bool, list[dict[str, Any]], dict[str, Any]]:
+    """The verdict on the edited config, its findings and its one effective config (``config.effective``)."""
     from mbridge_offload.config.validate import validate
 
     report = validate(config, raw)
     data = report.to_dict()
-    return bool(report.ok), list(data.get("findings", []))
+    return bool(report.ok), list(data.get("findings", [])), dict(report.effective)
 
 
 def _copy(raw: dict[str, Any]) -> dict[str, Any]:
@@ -109,7 +110,7 @@ def _written(raw: dict[str, Any], key: str, value: Any) -> bool:
 def _result(text: str, where: str, label: str, new_text: str, **fields: Any) -> ApplyResult:
     """Validate the edited text and build the result with its diff."""
     new_raw, _ = parse_text(new_text, where)
-    ok, findings = _validate(build_config(new_raw, where), new_raw)
+    ok, findings, effective = _validate(build_config(new_raw, where), new_raw)
     diff = "".join(
         difflib.unified_diff(
             text.splitlines(keepends=True),
@@ -118,7 +119,7 @@ def _result(text: str, where: str, label: str, new_text: str, **fields: Any) -> 
             tofile=f"b/{label}",
         )
     )
-    return ApplyResult(ok=ok, findings=findings, diff=diff, text=new_text, **fields)
+    return ApplyResult(ok=ok, findings=findings, diff=diff, text=new_text, effective=effective, **fields)
 
 
 def _check_arguments(output: Any, in_place: bool, planner: dict[str, Any] | None, mode: str, fmt: str) -> None:

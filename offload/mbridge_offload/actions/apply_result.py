@@ -9,6 +9,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field, computed_field
 
+from mbridge_offload.config.effective import EffectiveValue
 from mbridge_offload.config.sources import ConfigError
 
 
@@ -41,6 +42,11 @@ class ApplyResult(BaseModel):
     overrides: list[str] = Field(description="the same edit as command-line overrides")
     refused: str | None = Field(None, description="why nothing was written although a write was asked for")
     notes: list[str] = Field(default_factory=list)
+    effective: dict[str, EffectiveValue] = Field(
+        default_factory=dict,
+        description="the edited config's one effective config (mbridge_offload.config.effective): dotted key → "
+        "{value, source}, as validate prints it for the edited file",
+    )
     text: str = Field("", exclude=True, description="the edited config text (library only)")
 
     @computed_field  # type: ignore[prop-decorator]

@@ -30,7 +30,13 @@ from typing import Any
 from pydantic import BaseModel, Field
 
 from mbridge_offload.actions.failures import CONCEPTS, EXPLAINS_RULES, KNOWN, FailureMode
-from mbridge_offload.config.schema import OffloadConfig, effective_values
+from mbridge_offload.config import effective as effective_config
+from mbridge_offload.config.effective import EffectiveValue
+from mbridge_offload.config.schema import OFFLOAD_KEYS, RELATED_KEYS, OffloadConfig
+from mbridge_offload.config.sources import LoadedConfig
+
+# A config to diagnose: loaded (raw dict and source known: the same reading as every other tool), or only typed.
+AnyConfig = OffloadConfig | LoadedConfig
 
 # What a fix function gets for a reading by meaning, where no pattern matched: a match with no groups.
 _NO_MATCH: re.Match[str] = next(re.finditer("", ""))
@@ -78,6 +84,11 @@ class DiagnoseReport(BaseModel):
     )
     closest: list[Closest] = Field([], description="when nothing matched: the nearest failure modes")
     notes: list[str] = []
+    effective: dict[str, EffectiveValue] = Field(
+        default_factory=dict,
+        description="the one effective config of config (else of after): dotted key → {value, source}, identical "
+        "to validate's and estimate's for the same file",
+    )
 
 
 # ---------------------------------------------------------------------------------------------- matching
@@ -297,7 +308,13 @@ def match_text(text: str, config: OffloadConfig | None = None) -> list[Diagnosis
 # ---------------------------------------------------------------------------------------------- before / after
 
 
-def _memory(config: OffloadConfig) -> dict[str, Any]:
+def _parts(config: AnyConfig) -> tuple[OffloadConfig, dict[str, Any] | None, str | None]:
+    if isinstance(config, LoadedConfig):
+        return config.config, config.raw, config.source
+    return config, None, None
+
+
+def _memory(config: AnyConfig) -> dict[str, Any]:
     """The planner's per-GPU memory estimate for a config (worst pipeline stage), host memory and step time.
 
     Raises:
@@ -305,7 +322,8 @@ def _memory(config: OffloadConfig) -> dict[str, Any]:
     """
     from mbridge_offload.plan.service import estimate_for_inputs
 
-    est = estimate_for_inputs(config)  # the same entry point as `estimate` and `recommend`
+    typed, raw, source = _parts(config)
+    est = estimate_for_inputs(typed, raw, source)  # `estimate`'s own path, with the raw dict: the same GiB
     return {
         "memory_gb": est.memory_gb.model_dump(),
         "memory_gib": est.memory_gib.model_dump(),
@@ -317,10 +335,23 @@ def _memory(config: OffloadConfig) -> dict[str, Any]:
     }
 
 
-def compare_configs(before: OffloadConfig, after: OffloadConfig) -> dict[str, Any]:
-    """The offload-related keys that differ, and the predicted per-GPU memory change."""
-    old, new = effective_values(before), effective_values(after)
-    changed = [{"key": k, "before": old[k], "after": new[k]} for k in old if old[k] != new[k]]
+def _effective(config: AnyConfig) -> effective_config.Effective:
+    typed, raw, source = _parts(config)
+    return effective_config.resolve(typed, raw, source=source)
+
+
+def compare_configs(before: AnyConfig, after: AnyConfig) -> dict[str, Any]:
+    """The offload-related keys whose effective values differ, and the predicted per-GPU memory change.
+
+    Pass :class:`LoadedConfig` objects (``sources.load``) so that keys a file does not write take the same defaults
+    as in ``estimate``; a bare ``OffloadConfig`` counts every value as written.
+    """
+    old, new = _effective(before).values, _effective(after).values
+    changed = [
+        {"key": k, "before": old[k].value, "after": new[k].value}
+        for k in (*OFFLOAD_KEYS, *RELATED_KEYS)
+        if old[k].value != new[k].value
+    ]
     out: dict[str, Any] = {"changed": changed}
     try:
         mem_before, mem_after = _memory(before), _memory(after)
@@ -342,10 +373,10 @@ def compare_configs(before: OffloadConfig, after: OffloadConfig) -> dict[str, An
     return out
 
 
-def _findings(config: OffloadConfig, raw: dict[str, Any] | None) -> list[dict[str, Any]]:
+def _findings(config: OffloadConfig, raw: dict[str, Any] | None, source: str | None) -> list[dict[str, Any]]:
     from mbridge_offload.config.validate import validate
 
-    return list(validate(config, raw).to_dict().get("findings", []))
+    return list(validate(config, raw, source=source).to_dict().get("findings", []))
 
 
 def diagnose(
@@ -353,8 +384,9 @@ def diagnose(
     log: str | None = None,
     config: OffloadConfig | None = None,
     raw: dict[str, Any] | None = None,
-    before: OffloadConfig | None = None,
-    after: OffloadConfig | None = None,
+    before: AnyConfig | None = None,
+    after: AnyConfig | None = None,
+    source: str | None = None,
 ) -> DiagnoseReport:
     """Match an error message and/or a log excerpt against the known failure modes.
 
@@ -363,22 +395,30 @@ def diagnose(
         log: a log excerpt.
         config: the config of the failing run; narrows matches and adds the validator's findings.
         raw: the raw dict of ``config`` (for rules that read unknown keys).
-        before, after: two configs around a change; adds ``comparison`` (offload diff, predicted memory).
+        before, after: two configs around a change; adds ``comparison`` (offload diff, predicted memory). Pass them
+            as ``sources.load`` results so that they are read as ``estimate`` reads the files.
+        source: where ``config`` came from (``LoadedConfig.source``).
 
     Returns:
         DiagnoseReport; ``matches`` is empty when nothing known matched (the notes say so).
     """
     text = "\n".join(t for t in (error, log) if t)
-    matches, ruled = match_and_exclude(text, config or after) if text else ([], [])
+    typed_before = _parts(before)[0] if before is not None else None
+    typed_after = _parts(after)[0] if after is not None else None
+    matches, ruled = match_and_exclude(text, config or typed_after) if text else ([], [])
     report = DiagnoseReport(matches=matches, ruled_out=ruled)
     for r in ruled:
         report.notes.append(f"ruled out by the config: {r.failure} ({r.title}): {r.reason}")
     if config is not None:
-        report.findings = _findings(config, raw)
-    if before is not None and after is not None:
+        report.findings = _findings(config, raw, source)
+        report.effective = effective_config.resolve(config, raw, source=source).values
+    elif after is not None:
+        report.effective = _effective(after).values
+    if before is not None and after is not None and typed_before is not None and typed_after is not None:
         report.comparison = compare_configs(before, after)
         if not text:
-            report.matches = match_text("out of memory", after) if _got_smaller(before, after) else []
+            smaller = _got_smaller(typed_before, typed_after)
+            report.matches = match_text("out of memory", typed_after) if smaller else []
     if text and not report.matches:
         report.closest = closest_modes(text)
         nearest = ", ".join(f"{c.failure} ({c.score:.0%} of '{c.phrasing}')" for c in report.closest) or "none"

@@ -80,7 +80,8 @@ def mixed_precision(raw: dict[str, Any]) -> dict[str, Any]:
     unset take ``fp8_param_gather`` / ``fp4_param_gather``), then copies each of its fields onto the model, optimizer
     and DDP configs that have that field, before ``finalize()`` and megatron-core's checks. A field counts as present
     when the section writes it (a run_config.yaml writes every field). A copy; ``raw`` without a ``mixed_precision``
-    mapping is returned as it is. Used by ``validate --exact``; the catalogue does not apply it yet.
+    mapping is returned as it is. ``config.effective`` applies it (the catalogue, the planner and ``validate --exact``
+    all read that one resolution).
     """
     section = raw.get("mixed_precision")
     if not isinstance(section, dict):

@@ -18,7 +18,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, computed_field
 
-from mbridge_offload.config import bridge
+from mbridge_offload.config import effective as effective_config
+from mbridge_offload.config.effective import EffectiveValue
 from mbridge_offload.config.rules.base import (
     DEFAULT_TARGET,
     TE_VERSION_ASSUMED,
@@ -71,6 +72,11 @@ class Report(BaseModel):
 
     findings: list[Finding]
     config: dict[str, Any] = Field(description="effective values of the offload-related keys")
+    effective: dict[str, EffectiveValue] = Field(
+        default_factory=dict,
+        description="the one effective config (mbridge_offload.config.effective): dotted key → {value, source}, "
+        "the same block estimate, recommend, diagnose and apply print for the same input",
+    )
     target: str = Field(description="the megatron-core release validated against, e.g. megatron-core==0.19.2")
     env: dict[str, str] = Field(default_factory=dict)
     source: str | None = Field(None, description="where the config came from (path, <text>, recipe:NAME, <argv>)")
@@ -123,13 +129,16 @@ def _finding(rule: Rule, match: Match) -> Finding:
     )
 
 
-def validate(config: OffloadConfig, raw: dict[str, Any] | None = None, target: Any = DEFAULT_TARGET) -> Report:
+def validate(
+    config: OffloadConfig, raw: dict[str, Any] | None = None, target: Any = DEFAULT_TARGET, source: str | None = None
+) -> Report:
     """Run every rule that applies to ``target`` on ``config``.
 
     Args:
         config: the typed config (``mbridge_offload.config.sources.load(...).config``).
         raw: the raw dict it came from; enables did-you-mean warnings for misspelled offload keys.
         target: the upstream release, e.g. ``"megatron-core==0.16.1"`` (default: newest supported).
+        source: where the config came from (``recipe:NAME`` marks a Bridge recipe; see ``config.effective``).
 
     Returns:
         A :class:`Report`; findings in catalogue order (upstream code order within each group).
@@ -138,11 +147,15 @@ def validate(config: OffloadConfig, raw: dict[str, Any] | None = None, target: A
         ValueError: an unsupported ``target``.
     """
     tgt = parse_target(target)
-    findings = _run_rules(config, raw or {}, tgt)
+    eff = effective_config.resolve(config, raw if raw is not None else {}, tgt, source)
+    findings = _run_rules(eff)
     if raw:
-        _drop_unsound_fixes(findings, config, raw, tgt)
+        _drop_unsound_fixes(findings, config, raw, tgt, source)
     values = effective_values(config)
-    return Report(findings=findings, config=values, target=str(tgt), env=_env(config, raw or {}))
+    shown = eff if raw is not None else effective_config.resolve(config, None, tgt, source)
+    return Report(
+        findings=findings, config=values, effective=shown.values, target=str(tgt), env=_env(config, raw or {})
+    )
 
 
 def _env(config: OffloadConfig, raw: dict[str, Any]) -> dict[str, str]:
@@ -161,21 +174,21 @@ def _env(config: OffloadConfig, raw: dict[str, Any]) -> dict[str, str]:
     return env
 
 
-def _run_rules(config: OffloadConfig, raw: dict[str, Any], tgt: Any) -> list[Finding]:
-    normalized: list[tuple[str, Any, Any]] = []
-    if bridge.is_container(raw):
-        config, raw, normalized = bridge.finalize(config, raw, tgt)
-    ctx = Context(config=config, raw=raw, target=tgt, normalized=tuple(normalized))
+def _run_rules(eff: effective_config.Effective) -> list[Finding]:
+    # The catalogue judges the one effective config: after Bridge's mixed_precision block and finalize().
+    ctx = Context(config=eff.config, raw=eff.raw, target=eff.target, normalized=eff.normalized)
     hits: list[tuple[Rule, Finding]] = []
     for rule in all_rules():
-        if not rule.applies(tgt):
+        if not rule.applies(eff.target):
             continue
         hits.extend((rule, _finding(rule, match)) for match in rule.run(ctx))
     fired = {rule.id for rule, _ in hits}
     return [f for rule, f in hits if not fired.intersection(rule.shadowed_by)]
 
 
-def _drop_unsound_fixes(findings: list[Finding], config: OffloadConfig, raw: dict[str, Any], tgt: Any) -> None:
+def _drop_unsound_fixes(
+    findings: list[Finding], config: OffloadConfig, raw: dict[str, Any], tgt: Any, source: str | None
+) -> None:
     """Every fix we propose must validate under the same rules: applied to the config, it must clear its own
     finding and bring no new error (e.g. never the distributed optimizer for an optimizer that cannot use it).
     A fix that fails this is withdrawn (``fix: null``) and the ``why`` says so."""
@@ -194,7 +207,7 @@ def _drop_unsound_fixes(findings: list[Finding], config: OffloadConfig, raw: dic
             fixed = None
         if fixed is not None:
             fixed.env.update(config.env)
-            after = _run_rules(fixed, fixed_raw, tgt)
+            after = _run_rules(effective_config.resolve(fixed, fixed_raw, tgt, source))
             new_errors = {f.rule for f in after if f.severity == "error"} - before
             still = any(f.rule == finding.rule and f.message == finding.message for f in after)
             if not new_errors and not still:

@@ -122,6 +122,7 @@ class Vetter:
     _baseline: set[str] | None = None
     _cache: dict[tuple[str, ...], list[str]] = field(default_factory=dict)
     rejected: dict[str, list[str]] = field(default_factory=dict)  # mode → why its fitting candidates were refused
+    source: str | None = None  # the config's source: a recipe is a Bridge config (config.effective reads it so)
 
     def _findings(self, s: Setup, overrides: list[str]) -> list[Any]:
         from mbridge_offload.config import sources
@@ -129,7 +130,7 @@ class Vetter:
 
         edited = copy.deepcopy(self.raw) if self.raw is not None else _synthesized(s, self.num_layers, self.extra)
         sources.apply_overrides(edited, overrides)
-        return list(validate(sources.build_config(edited, "<candidate>"), edited).findings)
+        return list(validate(sources.build_config(edited, "<candidate>"), edited, source=self.source).findings)
 
     def problems(self, s: Setup, overlap: bool = True) -> list[str]:
         """``rule: message`` for each error, and each warning the config without offload does not raise."""

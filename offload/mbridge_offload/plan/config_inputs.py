@@ -1,6 +1,7 @@
-"""What a Bridge run config says beyond its plain keys, for the planner's inputs: FP8 and the gradient dtype from the
-``mixed_precision`` block, the pipeline layout, and the notes on what the numbers leave out (hybrid layers, MTP,
-FP8 details, Megatron-FSDP). ``resolve.py`` calls these; never imports torch.
+"""What a Bridge run config says beyond its plain keys, for the planner's inputs: the pipeline layout, and the notes on
+what the numbers leave out (hybrid layers, MTP, FP8 details, Megatron-FSDP). FP8, the gradient dtype and the
+``mixed_precision`` block are read once, by ``mbridge_offload.config.effective``. ``resolve.py`` calls these; never
+imports torch.
 """
 
 from __future__ import annotations
@@ -8,7 +9,6 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from mbridge_offload.config.schema import OffloadConfig
 from mbridge_offload.plan.inputs import InputError
 from mbridge_offload.plan.model import Setup
 from mbridge_offload.plan.vocab import tokenizer_vocab
@@ -22,33 +22,11 @@ _KINDS = (
     ("-", "MLP"),
     ("E", "MoE"),
 )
-_FP8_RECIPES = {"tensorwise": "tensorwise", "delayed": "delayed", "mxfp8": "mxfp8", "blockwise": "blockwise"}
 
 
 def raw_section(raw: dict[str, Any] | None, name: str) -> dict[str, Any]:
     node = (raw or {}).get(name)
     return node if isinstance(node, dict) else {}
-
-
-def precision_values(config: OffloadConfig, raw: dict[str, Any]) -> dict[str, Any]:
-    """FP8 compute and parameters, and the gradient dtype, from ``model.*`` or Bridge's ``mixed_precision`` block
-    (a run_config.yaml written before Bridge applies the block carries them only there)."""
-    mp, model, ddp = raw_section(raw, "mixed_precision"), raw_section(raw, "model"), raw_section(raw, "ddp")
-    out: dict[str, Any] = {}
-    # Bridge's MixedPrecisionConfig.setup() writes its fields into model/ddp/optimizer at start-up: when the block
-    # is there it decides, whatever model.* still holds (to_yaml runs before that).
-    src = mp if mp else model
-    fp8, recipe = src.get("fp8"), src.get("fp8_recipe")
-    if fp8 is not None or recipe is not None:
-        out["fp8_recipe"] = _FP8_RECIPES.get(str(recipe or "delayed"), "delayed") if fp8 else "none"
-    param = src.get("fp8_param", src.get("fp8_param_gather", ddp.get("fp8_param_gather")))
-    if param is not None:
-        out["fp8_param"] = bool(param) and bool(fp8)
-    if mp.get("grad_reduce_in_fp32") is not None:
-        out["grad_reduce_in_fp32"] = bool(mp["grad_reduce_in_fp32"])
-    if not config.model.bf16 and not config.model.fp16 and mp.get("bf16"):
-        out["params_dtype"] = "bf16"
-    return out
 
 
 def model_notes(values: dict[str, Any], s: Setup, raw: dict[str, Any] | None) -> dict[str, str]:

@@ -317,7 +317,7 @@ def recommend(r: Resolved) -> Recommendation:
         'none'
     """
     p = prepare(r)
-    p.vet = advice.Vetter(r.raw_config, r.model.num_layers, r.constraints.model_keys())
+    p.vet = advice.Vetter(r.raw_config, r.model.num_layers, r.constraints.model_keys(), source=r.source)
     base = replace(r.setup, optimizer_offload_fraction=0.0, activation_offload_layers=0, offload_modules=())
     before = estimate_memory(r.model, base, r.gpu.host_ram_gb)
     rationale = [p.budget_sentence(before), *p.notes()]

@@ -14,8 +14,10 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from mbridge_offload.config.effective import Effective
+from mbridge_offload.config.effective import resolve as resolve_config
 from mbridge_offload.config.schema import OffloadConfig
-from mbridge_offload.plan.config_inputs import model_notes, precision_values, raw_section, with_layout
+from mbridge_offload.plan.config_inputs import model_notes, raw_section, with_layout
 from mbridge_offload.plan.hardware import GpuPreset, gpu_preset, with_overrides
 from mbridge_offload.plan.inputs import FIELDS, InputError, PlanInputs, validate_inputs
 from mbridge_offload.plan.layout import layout_text
@@ -188,6 +190,12 @@ class Resolved:
     constraints: Constraints
     assumptions: list[Assumption] = field(default_factory=list)
     raw_config: dict[str, Any] | None = None  # the user's config as read, for the rule catalogue
+    effective: Effective | None = None  # the config's one resolution (config.effective), None without a config
+
+    @property
+    def source(self) -> str | None:
+        """Where the config came from, as ``config.effective`` read it (a recipe is a Bridge config)."""
+        return self.effective.source if self.effective is not None else None
 
     @property
     def overlap(self) -> bool:
@@ -208,34 +216,25 @@ class Resolved:
 # ------------------------------------------------------------------------------------------- layers
 
 
-def _lookup(raw: dict[str, Any], dotted: str) -> tuple[bool, Any]:
-    node: Any = raw
-    for part in dotted.split("."):
-        if not isinstance(node, dict) or part not in node:
-            return False, None
-        node = node[part]
-    return True, node
+# Effective keys the planner reads besides CONFIG_KEYS: FP8 is decided from model.* or the mixed_precision block.
+_EFFECTIVE_INPUTS = {"fp8_recipe": "model.fp8_recipe", "fp8_param": "model.fp8_param"}
 
 
-def config_values(config: OffloadConfig, raw: dict[str, Any] | None) -> dict[str, Any]:
-    """The inputs a config sets explicitly (keys absent from it stay unset, so presets and defaults apply)."""
-    raw = raw if raw is not None else config.model_dump()
+def config_values(eff: Effective) -> dict[str, Any]:
+    """The inputs the config decides (``Effective.given``): written, from ``mixed_precision``, Bridge's
+    ``finalize()`` or derived from what is written. Keys only a frontend default decides stay unset, so presets
+    and the planner's defaults apply."""
     out: dict[str, Any] = {}
-    for name, dotted in CONFIG_KEYS.items():
-        present, _ = _lookup(raw, dotted)
-        if present:
-            section, leaf = dotted.split(".")
-            out[name] = getattr(getattr(config, section), leaf)
-    if "seq_length" not in out and config.seq_length:
-        out["seq_length"] = config.seq_length
-    if "distributed_optimizer" not in out and _lookup(raw, "ddp.use_distributed_optimizer")[0]:
-        out["distributed_optimizer"] = config.ddp.use_distributed_optimizer
-    if "params_dtype" not in out and (config.model.bf16 or config.model.fp16):
-        out["params_dtype"] = "bf16" if config.model.bf16 else "fp16"
+    for name, dotted in {**CONFIG_KEYS, **_EFFECTIVE_INPUTS}.items():
+        given, value = eff.given(dotted)
+        if given:
+            out[name] = value
+    etp = eff.values.get("model.expert_tensor_parallel_size")
+    if etp is not None and etp.source.startswith("derived:"):
+        del out["etp"]  # ETP = TP is decided on the final TP (a --tp flag may change it): resolve() derives it
     if "recompute_granularity" in out:
         out["recompute_granularity"] = out["recompute_granularity"] or "none"
-    out.update(precision_values(config, raw))
-    tokenizer = raw_section(raw, "tokenizer")
+    tokenizer = raw_section(eff.raw, "tokenizer")
     if out.get("vocab_size") is None:  # Bridge keeps it with the tokenizer when the tokenizer decides it
         for key in ("padded_vocab_size", "vocab_size"):  # the padded one is what the embedding is built with
             if isinstance(tokenizer.get(key), int) and not isinstance(tokenizer.get(key), bool):
@@ -251,13 +250,6 @@ def config_values(config: OffloadConfig, raw: dict[str, Any] | None) -> dict[str
         from mbridge_offload.config.schema import normalize_dtype
 
         out["fsdp_main_grads_dtype"] = normalize_dtype(out["fsdp_main_grads_dtype"])
-    # The offload amounts count only when their master switch is on.
-    if _lookup(raw, "optimizer.optimizer_cpu_offload")[0] or "optimizer_offload_fraction" in out:
-        out["optimizer_offload_fraction"] = (
-            config.optimizer.optimizer_offload_fraction if config.optimizer.optimizer_cpu_offload else 0.0
-        )
-    if _lookup(raw, "model.cpu_offloading")[0] or "activation_offload_layers" in out:
-        out["activation_offload_layers"] = config.model.cpu_offloading_num_layers if config.model.cpu_offloading else 0
     return {k: v for k, v in out.items() if v is not None}
 
 
@@ -382,6 +374,19 @@ def _gpu(values: dict[str, Any]) -> GpuPreset:
     )
 
 
+def _effective_notes(eff: Effective | None, where: dict[str, str], cfg_source: str) -> dict[str, str]:
+    """For a value the config decided other than by writing it (mixed_precision, Bridge's finalize(), derived):
+    the effective config's source, so the assumption says what ``effective`` says."""
+    if eff is None:
+        return {}
+    out = {}
+    for name, dotted in {**CONFIG_KEYS, **_EFFECTIVE_INPUTS}.items():
+        entry = eff.values.get(dotted)
+        if entry is not None and where.get(name) == cfg_source and entry.source != cfg_source:
+            out[name] = f"effective {dotted}: {entry.source}"
+    return out
+
+
 def _assumptions(values: dict[str, Any], where: dict[str, str], notes: dict[str, str]) -> list[Assumption]:
     out = []
     for name in FIELDS:
@@ -395,6 +400,7 @@ def resolve(
     flags: dict[str, Any] | None = None,
     config: OffloadConfig | None = None,
     raw: dict[str, Any] | None = None,
+    source: str | None = None,
 ) -> Resolved:
     """Merge defaults, the model preset's recipe, a config and flags; validate; build the models' inputs.
 
@@ -402,6 +408,7 @@ def resolve(
         flags: input name → value given directly (CLI flags, MCP parameters); ``None`` values are ignored.
         config: a loaded Bridge config or Megatron-LM argv (``sources.load``), or None.
         raw: the config's raw dict (tells which keys it sets).
+        source: where the config came from (``recipe:NAME`` marks a Bridge recipe for ``config.effective``).
 
     Returns:
         The merged ``PlanInputs``, the source of each value, the model, setup, GPU and constraints.
@@ -415,7 +422,8 @@ def resolve(
 
     flags = {k: v for k, v in (flags or {}).items() if v is not None}
     validate_inputs(flags)  # bounds of what was given directly, named as flags
-    cfg = config_values(config, raw) if config is not None else {}
+    eff = resolve_config(config, raw, source=source) if config is not None else None
+    cfg = config_values(eff) if eff is not None else {}
     cfg_source = "argv" if config is not None and config.env.get("frontend") == "megatron-lm" else "config"
     name = flags.get("model")
     base = model_preset(name) if name else None
@@ -447,6 +455,7 @@ def resolve(
                 values[name], where[name], notes[name] = value, "default", note
     s = _setup(values, m)
     notes.update(model_notes(values, s, raw))
+    notes = {**_effective_notes(eff, where, cfg_source), **notes}
     _check_size(m, s)
     if values.get("num_gpus") is None:
         values["num_gpus"], where["num_gpus"] = _default_gpus(s, m), "derived"
@@ -459,4 +468,4 @@ def resolve(
     final = PlanInputs.model_validate({k: values.get(k) for k in FIELDS})
     assumptions = _assumptions(values, where, notes)
     raw_config = raw if raw is not None else (config.model_dump(mode="json") if config is not None else None)
-    return Resolved(final, where, m, s, _gpu(values), constraints, assumptions, raw_config)
+    return Resolved(final, where, m, s, _gpu(values), constraints, assumptions, raw_config, eff)

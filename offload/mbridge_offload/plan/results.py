@@ -12,7 +12,13 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
+from mbridge_offload.config.effective import EffectiveValue
 from mbridge_offload.plan.resolve import Assumption
+
+EFFECTIVE_DOC = (
+    "the config's one resolution (mbridge_offload.config.effective): dotted key → {value, source}, identical to "
+    "validate's for the same input; empty without a config"
+)
 
 UNIT = (
     "memory_gb: decimal GB (10^9 bytes); memory_gib: GiB (2^30 bytes, the unit of Megatron's memory report, "
@@ -109,6 +115,7 @@ class Estimate(BaseModel):
     notes: list[str] = []
     assumptions: list[Assumption]
     calibration: Anchor | None = None
+    effective: dict[str, EffectiveValue] = Field(default_factory=dict, description=EFFECTIVE_DOC)
 
 
 class Recommendation(BaseModel):
@@ -139,3 +146,4 @@ class Recommendation(BaseModel):
     fallback: Fallback | None = Field(None, description="mode none: the cheapest offload that frees the headroom")
     assumptions: list[Assumption]
     calibration: Anchor | None = None
+    effective: dict[str, EffectiveValue] = Field(default_factory=dict, description=EFFECTIVE_DOC)

@@ -23,6 +23,7 @@ def plan(
     flags: dict[str, Any] | None = None,
     config: OffloadConfig | None = None,
     raw: dict[str, Any] | None = None,
+    source: str | None = None,
 ) -> Estimate | Recommendation:
     """Answer ``estimate`` or ``recommend`` for a loaded config and/or planner inputs.
 
@@ -31,6 +32,7 @@ def plan(
         flags: ``PlanInputs`` values given directly (CLI flags, MCP parameters); None values are ignored.
         config: a loaded config (``sources.load(...).config``), or None.
         raw: the config's raw dict (which keys it sets).
+        source: where the config came from (``LoadedConfig.source``; ``recipe:NAME`` marks a Bridge recipe).
 
     Returns:
         The ``Estimate`` or the ``Recommendation``, the latter re-validated by the rule catalogue.
@@ -43,15 +45,21 @@ def plan(
         >>> plan("recommend", {"model": "qwen3-30b-a3b", "gpu": "h100-80gb"}).mode
         'none'
     """
-    r = resolve(flags or {}, config, raw)
+    r = resolve(flags or {}, config, raw, source)
+    effective = r.effective.values if r.effective is not None else {}
     if kind == "estimate":
-        return estimate(r)
+        est = estimate(r)
+        est.effective = effective
+        return est
     rec = recommend(r)
-    revalidate(rec, config, raw)
+    rec.effective = effective
+    revalidate(rec, config, raw, source)
     return rec
 
 
-def revalidate(rec: Recommendation, config: OffloadConfig | None, raw: dict[str, Any] | None) -> None:
+def revalidate(
+    rec: Recommendation, config: OffloadConfig | None, raw: dict[str, Any] | None, source: str | None = None
+) -> None:
     """Run the rule catalogue on the config with the recommended overrides; note the verdict in the rationale."""
     if config is None or not rec.overrides:
         return
@@ -61,7 +69,7 @@ def revalidate(rec: Recommendation, config: OffloadConfig | None, raw: dict[str,
     edited = copy.deepcopy(raw if raw is not None else config.model_dump())
     try:
         sources.apply_overrides(edited, rec.overrides)
-        report = validate(sources.build_config(edited, "<recommended>"), edited)
+        report = validate(sources.build_config(edited, "<recommended>"), edited, source=source)
     except Exception as exc:  # never let the lint step hide the plan itself
         rec.rationale.append(f"could not re-validate the recommended overrides: {exc}")
         return
@@ -81,10 +89,10 @@ def revalidate(rec: Recommendation, config: OffloadConfig | None, raw: dict[str,
 
 
 def recommend_for_inputs(
-    config: OffloadConfig | None = None, raw: dict[str, Any] | None = None, **flags: Any
+    config: OffloadConfig | None = None, raw: dict[str, Any] | None = None, source: str | None = None, **flags: Any
 ) -> Recommendation:
     """``recommend`` from a loaded config and/or inputs (``model``, ``gpu``, ``tp``, ...), re-validated."""
-    rec = plan("recommend", flags, config, raw)
+    rec = plan("recommend", flags, config, raw, source)
     assert isinstance(rec, Recommendation)
     return rec
 
@@ -95,9 +103,9 @@ def recommend_for_config(config: OffloadConfig, raw: dict[str, Any] | None = Non
 
 
 def estimate_for_inputs(
-    config: OffloadConfig | None = None, raw: dict[str, Any] | None = None, **flags: Any
+    config: OffloadConfig | None = None, raw: dict[str, Any] | None = None, source: str | None = None, **flags: Any
 ) -> Estimate:
     """``estimate`` from a loaded config and/or inputs."""
-    est = plan("estimate", flags, config, raw)
+    est = plan("estimate", flags, config, raw, source)
     assert isinstance(est, Estimate)
     return est
