@@ -16,6 +16,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from mbridge_offload.actions import failure_conditions as fc
+from mbridge_offload.actions.apply_plan import DEFAULT_FRACTION
+from mbridge_offload.config.rules.optimizer import overlap_advised
 from mbridge_offload.config.schema import OffloadConfig
 
 FixFn = Callable[[OffloadConfig | None, "re.Match[str]"], list[str]]
@@ -56,13 +58,19 @@ def _fraction(cfg: OffloadConfig | None) -> float | None:
     return cfg.optimizer.optimizer_offload_fraction
 
 
+def _fraction_overrides(fraction: float) -> list[str]:
+    """The fraction, and the overlap switch where the rule catalogue advises it (OPT-OVERLAP's one threshold,
+    the same that ``apply`` and the planner use): never overlap advice that ``validate`` would not give."""
+    out = [f"optimizer.optimizer_offload_fraction={fraction}"]
+    if overlap_advised(fraction):
+        out.append("optimizer.overlap_cpu_optimizer_d2h_h2d=true")
+    return out
+
+
 def _fix_oom_partial(cfg: OffloadConfig | None, _m: re.Match[str]) -> list[str]:
     current = _fraction(cfg) or 0.5
     higher = min(1.0, round(current + 0.25, 2))
-    fix = ["optimizer.optimizer_cpu_offload=true", f"optimizer.optimizer_offload_fraction={higher}"]
-    if higher >= 0.5:
-        fix.append("optimizer.overlap_cpu_optimizer_d2h_h2d=true")
-    return fix
+    return ["optimizer.optimizer_cpu_offload=true", *_fraction_overrides(higher)]
 
 
 def _fix_slowdown(cfg: OffloadConfig | None, _m: re.Match[str]) -> list[str]:
@@ -71,7 +79,7 @@ def _fix_slowdown(cfg: OffloadConfig | None, _m: re.Match[str]) -> list[str]:
     if cfg is not None and cfg.model.cpu_offloading and not cfg.optimizer.optimizer_cpu_offload:
         layers = max(1, cfg.model.cpu_offloading_num_layers // 2)
         return [f"model.cpu_offloading_num_layers={layers}"]
-    return [f"optimizer.optimizer_offload_fraction={lower}", "optimizer.overlap_cpu_optimizer_d2h_h2d=true"]
+    return _fraction_overrides(lower)
 
 
 def _fix_layer_range(cfg: OffloadConfig | None, m: re.Match[str]) -> list[str]:
@@ -84,11 +92,12 @@ def _fix_layer_range(cfg: OffloadConfig | None, m: re.Match[str]) -> list[str]:
 
 
 _OOM = (r"CUDA out of memory", r"OutOfMemoryError", r"CUDA error: out of memory", r"\bOOM\b", r"out of memory")
+# Optimizer offload starts where `apply` starts it (the balanced starting point).
+_START_FRACTION = DEFAULT_FRACTION
 _SWITCH_TO_OPTIMIZER = (
     "model.cpu_offloading=false",
     "optimizer.optimizer_cpu_offload=true",
-    "optimizer.optimizer_offload_fraction=0.5",
-    "optimizer.overlap_cpu_optimizer_d2h_h2d=true",
+    *_fraction_overrides(_START_FRACTION),
 )
 
 # ---------------------------------------------------------------------------------------------- meaning
@@ -457,11 +466,7 @@ KNOWN: tuple[FailureMode, ...] = (
         _OOM,
         "nothing is offloaded yet; optimizer states (12 bytes/param with fp32 masters) are the cheapest to move",
         "`mbridge-offload recommend CONFIG` predicts the memory before/after",
-        (
-            "optimizer.optimizer_cpu_offload=true",
-            "optimizer.optimizer_offload_fraction=0.5",
-            "optimizer.overlap_cpu_optimizer_d2h_h2d=true",
-        ),
+        ("optimizer.optimizer_cpu_offload=true", *_fraction_overrides(_START_FRACTION)),
         rules_out=fc.rules_out_oom_none,
         without_config=False,
         phrasings=("GPU memory ran out", "the job does not fit on the GPU"),
