@@ -231,9 +231,14 @@ def _human_diagnose(d: dict[str, Any]) -> str:
     lines = []
     for m in d["matches"]:
         lines += [f"{m['failure']}: {m['title']}", f"  cause:   {m['cause']}", f"  confirm: {m['confirm']}"]
+        if m.get("confirm_overrides"):  # the experiment's overrides: a check, never to keep
+            lines.append(f"  check:   {' '.join(m['confirm_overrides'])}  (to confirm only; not a fix)")
         if m["fix"]:
             lines.append(f"  fix:     {' '.join(m['fix'])}")
+        elif m["actions"] and not d.get("needs"):
+            lines.append("  fix:     not a config key; the steps below")
         lines += [f"  also:    {a}" for a in m["actions"]]
+    lines += [f"to decide, pass: {n}" for n in d.get("needs", [])]
     for f in d["findings"]:
         lines.append(f"{f['severity']}: {f['rule']}: {f['message']}")
     if d.get("comparison"):
