@@ -184,8 +184,13 @@ def cmd_apply(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------------------------------------- test
 
 
-def _human_test(d: dict[str, Any]) -> str:
-    lines = [f"{t['outcome']:8} {t['nodeid']}" for t in d["tests"]]
+_OUTCOMES = frozenset({"passed", "failed", "skipped", "error", "xfailed", "xpassed"})
+
+
+def _human_test(d: dict[str, Any], streamed: frozenset[str] = frozenset()) -> str:
+    """The human summary; the ``streamed`` node ids were already shown one per line as they ran (stderr), so they
+    are not listed again: a terminal shows each test once."""
+    lines = [f"{t['outcome']:8} {t['nodeid']}" for t in d["tests"] if t["nodeid"] not in streamed]
     for f in d["failures"]:
         lines += [f"--- {f['nodeid']}", f["message"] or ""]
     lines += d["notes"]
@@ -201,9 +206,14 @@ def _human_test(d: dict[str, Any]) -> str:
 def cmd_test(args: argparse.Namespace) -> int:
     from mbridge_offload.actions.testsuite import TestSuiteError, run_tests
 
+    streamed: set[str] = set()  # node ids a progress line already showed ("<outcome>: <nodeid>")
+
     def progress(done: int, total: int | None, message: str) -> None:
         if not args.json:
             sys.stderr.write(f"[{done}/{total if total is not None else '?'}] {message}\n")
+            outcome, sep, nodeid = message.partition(": ")
+            if sep and outcome in _OUTCOMES:
+                streamed.add(nodeid)
 
     if args.all and args.suite not in ("unit", "full"):
         raise UsageError(f"--all runs the whole unit suite; it does not combine with --suite {args.suite}")
@@ -220,7 +230,7 @@ def cmd_test(args: argparse.Namespace) -> int:
         )
     except TestSuiteError as exc:
         raise UsageError(str(exc)) from None
-    emit(result.to_dict(), args.json, _human_test)
+    emit(result.to_dict(), args.json, lambda d: _human_test(d, frozenset(streamed)))
     return EXIT_OK if result.ok else EXIT_FINDINGS
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import inspect
 import logging
+import sys
 from typing import Annotated, Any, Literal
 
 from mcp.server import MCPServer
@@ -194,6 +195,15 @@ def validate_config(
             "--cpu-offloading-num-layers 4'; fixes then come back as flags (fix: add or set, fix_remove: delete)"
         ),
     ] = None,
+    te_version: Annotated[
+        str | None,
+        Field(
+            description="the Transformer Engine release the training cluster runs, e.g. '2.9' or '2.10.0' (the "
+            "CLI's --env te_version=X.Y); the TE-dependent rules (activation offload v1/v2, fine-grained "
+            "NVTE_CPU_OFFLOAD_V1) read it. Default: assumed 2.18, the release Megatron Bridge 0.6.2 pins "
+            "(env.te_version_source says so)"
+        ),
+    ] = None,
 ) -> ValidateOutput:
     """Check a Megatron Bridge config's offload settings (or a Megatron-LM command line) against every upstream rule.
 
@@ -223,6 +233,13 @@ def validate_config(
         parsed_target = parse_target(target)
     except ValueError as exc:
         raise ToolError(f"target {target!r}: {exc}") from None
+    if te_version is not None:
+        from mbridge_offload.config.validate import check_te_version
+
+        try:
+            loaded.config.env["te_version"] = check_te_version(te_version)
+        except ValueError as exc:
+            raise ToolError(str(exc)) from None
     report = validate(loaded.config, loaded.raw, target=parsed_target)
     report.source = loaded.source
     if exact:
@@ -492,9 +509,17 @@ def run(
     if transport not in ("stdio", "streamable-http"):
         raise ValueError(f"transport {transport!r} is not one of stdio, streamable-http")
     guard.configure(roots or [], bridge_repos or [], bridge_venv)
+    # Started by hand, the server would otherwise look hung. stderr only: on stdio, stdout is the protocol.
     if transport == "stdio":
+        sys.stderr.write(
+            "mbridge-offload MCP server: waiting for an MCP client on stdio (stdin/stdout carry the protocol; "
+            "an MCP client such as Claude Code or the MCP inspector starts this command). Ctrl-C stops it.\n"
+        )
+        sys.stderr.flush()
         mcp.run("stdio")
     else:
+        sys.stderr.write(f"mbridge-offload MCP server: streamable HTTP on http://{host}:{port}/mcp. Ctrl-C stops it.\n")
+        sys.stderr.flush()
         mcp.run("streamable-http", host=host, port=port)
 
 
