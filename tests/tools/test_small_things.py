@@ -133,3 +133,25 @@ async def test_a_bad_te_version_is_bad_input_on_both_surfaces(tmp_path: Path, mo
     path.write_text(FINE_GRAINED, encoding="utf-8")
     cli = _cli("validate", str(path), "--env", "te_version=latest", "--json", cwd=tmp_path)
     assert cli.returncode == 2 and "X.Y" in json.loads(cli.stdout)["error"]
+
+
+# ---------------------------------------------------------------------------------------------- wording
+
+
+def test_recommend_names_a_fine_grained_offload_it_advises_to_remove() -> None:
+    from mbridge_offload.config import sources
+    from mbridge_offload.plan import service
+
+    loaded = sources.load(
+        "examples/qwen3_30b_a3b_pretrain.yaml",
+        [
+            "optimizer.optimizer_cpu_offload=false",
+            "model.fine_grained_activation_offloading=true",
+            "model.offload_modules=[expert_fc1]",
+            "model.transformer_impl=transformer_engine",
+        ],
+    )
+    rec = service.recommend_for_inputs(loaded.config, loaded.raw, num_gpus=16)
+    assert rec.given_mode == "fine-grained" and rec.advice
+    assert "has fine-grained activation offload of expert_fc1" in rec.advice
+    assert not any(" ;" in line or "has ;" in line for line in rec.rationale)
