@@ -59,6 +59,14 @@ OverridesArg = Annotated[
     list[str],
     Field(description="Hydra-style overrides applied first, e.g. ['optimizer.optimizer_offload_fraction=0.5']"),
 ]
+TeVersionArg = Annotated[
+    str | None,
+    Field(
+        description="the Transformer Engine release the training cluster runs, e.g. '2.9' or '2.10.0' (the CLI's "
+        "--env te_version=X.Y); the TE-dependent rules (activation offload v1/v2, fine-grained NVTE_CPU_OFFLOAD_V1) "
+        "read it. Default: assumed 2.18, the release Megatron Bridge 0.6.2 pins (env.te_version_source says so)"
+    ),
+]
 
 
 # ---------------------------------------------------------------------------------------------- helpers
@@ -195,15 +203,7 @@ def validate_config(
             "--cpu-offloading-num-layers 4'; fixes then come back as flags (fix: add or set, fix_remove: delete)"
         ),
     ] = None,
-    te_version: Annotated[
-        str | None,
-        Field(
-            description="the Transformer Engine release the training cluster runs, e.g. '2.9' or '2.10.0' (the "
-            "CLI's --env te_version=X.Y); the TE-dependent rules (activation offload v1/v2, fine-grained "
-            "NVTE_CPU_OFFLOAD_V1) read it. Default: assumed 2.18, the release Megatron Bridge 0.6.2 pins "
-            "(env.te_version_source says so)"
-        ),
-    ] = None,
+    te_version: TeVersionArg = None,
 ) -> ValidateOutput:
     """Check a Megatron Bridge config's offload settings (or a Megatron-LM command line) against every upstream rule.
 
@@ -233,13 +233,7 @@ def validate_config(
         parsed_target = parse_target(target)
     except ValueError as exc:
         raise ToolError(f"target {target!r}: {exc}") from None
-    if te_version is not None:
-        from mbridge_offload.config.validate import check_te_version
-
-        try:
-            loaded.config.env["te_version"] = check_te_version(te_version)
-        except ValueError as exc:
-            raise ToolError(str(exc)) from None
+    _set_te_version(loaded.config, te_version)
     report = validate(loaded.config, loaded.raw, target=parsed_target)
     report.source = loaded.source
     if exact:
@@ -254,6 +248,18 @@ def validate_config(
 
         report = megatron_lm_fixes(report)
     return report
+
+
+def _set_te_version(config: Any, te_version: str | None) -> None:
+    """The caller's Transformer Engine release into the config's environment facts, as the CLI's --env does."""
+    if te_version is None:
+        return
+    from mbridge_offload.config.validate import check_te_version
+
+    try:
+        config.env["te_version"] = check_te_version(te_version)
+    except ValueError as exc:
+        raise ToolError(str(exc)) from None
 
 
 def _load_argv(megatron_args: str, overrides: list[str] | None):

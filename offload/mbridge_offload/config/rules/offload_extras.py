@@ -39,8 +39,9 @@ def _fg_fused_partial(ctx: Context):
         return None
     partial = {"expert_fc1", "moe_act"} & set(m.offload_modules)
     if not partial:
-        return None  # fused_group_mlp is left, so the list never ends up empty
-    return Match({"partial": set_repr(partial)}, fix=[_without("model.offload_modules", m.offload_modules, partial)])
+        return None
+    fix = _without("model.offload_modules", list(m.offload_modules), partial)
+    return Match({"partial": set_repr(partial)}, fix=[fix] if fix else None)  # fused_group_mlp stays: never None
 
 
 def _paged_capacity(ctx: Context) -> bool:
