@@ -1,4 +1,4 @@
-"""Issue 25's small things: ``serve`` says on stderr what it waits for, the test tool shows each test once in a
+"""The small things: ``serve`` says on stderr what it waits for, the test tool shows each test once in a
 terminal, and MCP ``validate_config`` takes the Transformer Engine version with the CLI's meaning."""
 
 from __future__ import annotations
