@@ -97,8 +97,8 @@ def _add_diagnose(sub: Any) -> None:
         "diagnose",
         help="explain an offload failure from an error message or log",
         description="Match an error message or log against the known offload failure modes: the cause, how to "
-        "confirm it, and the fix as overrides. With --before/--after it lists the offload keys that changed and the "
-        "predicted memory change.",
+        "confirm it (a check, kept apart from the fix), and the fix as overrides; when the text cannot decide, what "
+        "to pass. With --before/--after it lists the offload keys that changed and the predicted memory change.",
     )
     p.add_argument("--log", help="log file")
     p.add_argument("--error", help="error text")

@@ -459,7 +459,9 @@ def diagnose_failure(
 ) -> DiagnoseReport:
     """Match an error or log against the known offload failure modes: cause, how to confirm, fix as overrides.
 
-    With before/after configs it also lists the offload keys that changed and the predicted memory change.
+    A confirming experiment (e.g. resuming without the optimizer state) is in confirm / confirm_overrides, never in
+    fix. When the text cannot decide (a bare CUDA OOM and no config), needs says what to pass. With before/after
+    configs it also lists the offload keys that changed and the predicted memory change.
     """
     from mbridge_offload.actions.diagnose import diagnose
 
