@@ -56,8 +56,9 @@ def test_layer_range_fix_uses_the_number_in_the_message() -> None:
     assert report.matches[0].fix == ["model.cpu_offloading_num_layers=47"]
 
 
-def test_oom_without_config_lists_the_two_offload_readings() -> None:
-    assert _ids(diagnose(error=OOM)) == ["oom_activation_offload", "oom_partial_optimizer_offload"]
+def test_oom_naming_both_offloads_without_config_lists_the_two_offload_readings() -> None:
+    text = OOM + " (activation offload of 4 layers and optimizer offload at fraction 0.5)"
+    assert _ids(diagnose(error=text)) == ["oom_activation_offload", "oom_partial_optimizer_offload"]
 
 
 def test_oom_with_activation_offload_config_points_to_optimizer_offload(tmp_path: Path) -> None:
@@ -254,14 +255,28 @@ def test_plain_phrasings_are_understood(failure: str, text: str) -> None:
     "text",
     [
         "after enabling optimizer offload the GPU ran out of memory space",
+        "not enough GPU memory with offload fraction 0.25",
+        "with the Adam states offloaded the card still runs out of memory",
+    ],
+)
+def test_oom_paraphrases_naming_optimizer_offload_give_that_reading_not_activation_offload(text: str) -> None:
+    ids = _ids(diagnose(error=text))
+    assert "oom_partial_optimizer_offload" in ids
+    assert not {"oom_activation_offload", "oom_unattributed"} & set(ids)
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
         "the device memory got exhausted at step 3",
         "my training does not fit on the card anymore",
         "HBM is full and the job crashes",
-        "not enough GPU memory with offload fraction 0.25",
     ],
 )
-def test_oom_paraphrases_give_the_oom_readings(text: str) -> None:
-    assert {"oom_activation_offload", "oom_partial_optimizer_offload"} <= set(_ids(diagnose(error=text)))
+def test_oom_paraphrases_naming_no_mechanism_ask_for_the_config(text: str) -> None:
+    report = diagnose(error=text)
+    assert _ids(report) == ["oom_unattributed"] and report.matches[0].fix == []
+    assert any("config" in n for n in report.needs)
 
 
 def test_every_mode_with_phrasings_has_at_least_two_ways_to_say_it() -> None:
@@ -283,7 +298,7 @@ def test_nothing_matched_lists_the_closest_modes() -> None:
 def test_report_is_one_pydantic_schema() -> None:
     report = diagnose(error="GPU memory did not go down")
     data = report.model_dump(mode="json")
-    assert set(data) == {"matches", "ruled_out", "findings", "comparison", "closest", "notes", "effective"}
+    assert set(data) == {"matches", "ruled_out", "findings", "comparison", "closest", "needs", "notes", "effective"}
     assert data["matches"][0]["source"] == "meaning"
 
 
@@ -375,7 +390,10 @@ def test_finetune_mode_supersedes_the_resume_fix_when_both_match(tmp_path: Path)
     report = diagnose(error=text, config=_cfg(tmp_path, FINETUNE))
     assert _ids(report)[0] == "finetune_stale_masters"
     assert "pretrained_checkpoint='/ckpt/hf'" in report.matches[0].cause
-    assert "load_optim=false does not apply" in {r.failure: r.reason for r in report.ruled_out}["resume_loss_jump"]
+    assert (
+        "checkpoint.load_optim=false) tells nothing"
+        in {r.failure: r.reason for r in report.ruled_out}["resume_loss_jump"]
+    )
 
 
 def test_resume_jump_is_ruled_out_when_no_optimizer_state_is_loaded(tmp_path: Path) -> None:

@@ -97,8 +97,8 @@ def _add_diagnose(sub: Any) -> None:
         "diagnose",
         help="explain an offload failure from an error message or log",
         description="Match an error message or log against the known offload failure modes: the cause, how to "
-        "confirm it, and the fix as overrides. With --before/--after it lists the offload keys that changed and the "
-        "predicted memory change.",
+        "confirm it (a check, kept apart from the fix), and the fix as overrides; when the text cannot decide, what "
+        "to pass. With --before/--after it lists the offload keys that changed and the predicted memory change.",
     )
     p.add_argument("--log", help="log file")
     p.add_argument("--error", help="error text")
@@ -184,8 +184,13 @@ def cmd_apply(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------------------------------------- test
 
 
-def _human_test(d: dict[str, Any]) -> str:
-    lines = [f"{t['outcome']:8} {t['nodeid']}" for t in d["tests"]]
+_OUTCOMES = frozenset({"passed", "failed", "skipped", "error", "xfailed", "xpassed"})
+
+
+def _human_test(d: dict[str, Any], streamed: frozenset[str] = frozenset()) -> str:
+    """The human summary; the ``streamed`` node ids were already shown one per line as they ran (stderr), so they
+    are not listed again: a terminal shows each test once."""
+    lines = [f"{t['outcome']:8} {t['nodeid']}" for t in d["tests"] if t["nodeid"] not in streamed]
     for f in d["failures"]:
         lines += [f"--- {f['nodeid']}", f["message"] or ""]
     lines += d["notes"]
@@ -201,9 +206,14 @@ def _human_test(d: dict[str, Any]) -> str:
 def cmd_test(args: argparse.Namespace) -> int:
     from mbridge_offload.actions.testsuite import TestSuiteError, run_tests
 
+    streamed: set[str] = set()  # node ids a progress line already showed ("<outcome>: <nodeid>")
+
     def progress(done: int, total: int | None, message: str) -> None:
         if not args.json:
             sys.stderr.write(f"[{done}/{total if total is not None else '?'}] {message}\n")
+            outcome, sep, nodeid = message.partition(": ")
+            if sep and outcome in _OUTCOMES:
+                streamed.add(nodeid)
 
     if args.all and args.suite not in ("unit", "full"):
         raise UsageError(f"--all runs the whole unit suite; it does not combine with --suite {args.suite}")
@@ -220,7 +230,7 @@ def cmd_test(args: argparse.Namespace) -> int:
         )
     except TestSuiteError as exc:
         raise UsageError(str(exc)) from None
-    emit(result.to_dict(), args.json, _human_test)
+    emit(result.to_dict(), args.json, lambda d: _human_test(d, frozenset(streamed)))
     return EXIT_OK if result.ok else EXIT_FINDINGS
 
 
@@ -231,9 +241,14 @@ def _human_diagnose(d: dict[str, Any]) -> str:
     lines = []
     for m in d["matches"]:
         lines += [f"{m['failure']}: {m['title']}", f"  cause:   {m['cause']}", f"  confirm: {m['confirm']}"]
+        if m.get("confirm_overrides"):  # the experiment's overrides: a check, never to keep
+            lines.append(f"  check:   {' '.join(m['confirm_overrides'])}  (to confirm only; not a fix)")
         if m["fix"]:
             lines.append(f"  fix:     {' '.join(m['fix'])}")
+        elif m["actions"] and not d.get("needs"):
+            lines.append("  fix:     not a config key; the steps below")
         lines += [f"  also:    {a}" for a in m["actions"]]
+    lines += [f"to decide, pass: {n}" for n in d.get("needs", [])]
     for f in d["findings"]:
         lines.append(f"{f['severity']}: {f['rule']}: {f['message']}")
     if d.get("comparison"):

@@ -75,6 +75,13 @@ def _parse_env(items: list[str], as_json: bool) -> dict[str, str]:
         key, sep, value = item.partition("=")
         if not sep or not key.strip():
             fail(f"--env {item!r}: expected KEY=VALUE, e.g. NVTE_CPU_OFFLOAD_V1=1", as_json)
+        if key.strip() == "te_version":  # the one fact the rules parse: a typo must not read as release 0.0.0
+            from mbridge_offload.config.validate import check_te_version
+
+            try:
+                value = check_te_version(value)
+            except ValueError as exc:
+                fail(f"--env {exc}", as_json)
         env[key.strip()] = value.strip()
     return env
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import inspect
 import logging
+import sys
 from typing import Annotated, Any, Literal
 
 from mcp.server import MCPServer
@@ -57,6 +58,14 @@ ConfigArg = Annotated[
 OverridesArg = Annotated[
     list[str],
     Field(description="Hydra-style overrides applied first, e.g. ['optimizer.optimizer_offload_fraction=0.5']"),
+]
+TeVersionArg = Annotated[
+    str | None,
+    Field(
+        description="the Transformer Engine release the training cluster runs, e.g. '2.9' or '2.10.0' (the CLI's "
+        "--env te_version=X.Y); the TE-dependent rules (activation offload v1/v2, fine-grained NVTE_CPU_OFFLOAD_V1) "
+        "read it. Default: assumed 2.18, the release Megatron Bridge 0.6.2 pins (env.te_version_source says so)"
+    ),
 ]
 
 
@@ -194,6 +203,7 @@ def validate_config(
             "--cpu-offloading-num-layers 4'; fixes then come back as flags (fix: add or set, fix_remove: delete)"
         ),
     ] = None,
+    te_version: TeVersionArg = None,
 ) -> ValidateOutput:
     """Check a Megatron Bridge config's offload settings (or a Megatron-LM command line) against every upstream rule.
 
@@ -223,6 +233,7 @@ def validate_config(
         parsed_target = parse_target(target)
     except ValueError as exc:
         raise ToolError(f"target {target!r}: {exc}") from None
+    _set_te_version(loaded.config, te_version)
     report = validate(loaded.config, loaded.raw, target=parsed_target, source=loaded.source)
     report.source = loaded.source
     if exact:
@@ -237,6 +248,18 @@ def validate_config(
 
         report = megatron_lm_fixes(report)
     return report
+
+
+def _set_te_version(config: Any, te_version: str | None) -> None:
+    """The caller's Transformer Engine release into the config's environment facts, as the CLI's --env does."""
+    if te_version is None:
+        return
+    from mbridge_offload.config.validate import check_te_version
+
+    try:
+        config.env["te_version"] = check_te_version(te_version)
+    except ValueError as exc:
+        raise ToolError(str(exc)) from None
 
 
 def _load_argv(megatron_args: str, overrides: list[str] | None):
@@ -436,7 +459,9 @@ def diagnose_failure(
 ) -> DiagnoseReport:
     """Match an error or log against the known offload failure modes: cause, how to confirm, fix as overrides.
 
-    With before/after configs it also lists the offload keys that changed and the predicted memory change.
+    A confirming experiment (e.g. resuming without the optimizer state) is in confirm / confirm_overrides, never in
+    fix. When the text cannot decide (a bare CUDA OOM and no config), needs says what to pass. With before/after
+    configs it also lists the offload keys that changed and the predicted memory change.
     """
     from mbridge_offload.actions.diagnose import diagnose
 
@@ -493,9 +518,17 @@ def run(
     if transport not in ("stdio", "streamable-http"):
         raise ValueError(f"transport {transport!r} is not one of stdio, streamable-http")
     guard.configure(roots or [], bridge_repos or [], bridge_venv)
+    # Started by hand, the server would otherwise look hung. stderr only: on stdio, stdout is the protocol.
     if transport == "stdio":
+        sys.stderr.write(
+            "mbridge-offload MCP server: waiting for an MCP client on stdio (stdin/stdout carry the protocol; "
+            "an MCP client such as Claude Code or the MCP inspector starts this command). Ctrl-C stops it.\n"
+        )
+        sys.stderr.flush()
         mcp.run("stdio")
     else:
+        sys.stderr.write(f"mbridge-offload MCP server: streamable HTTP on http://{host}:{port}/mcp. Ctrl-C stops it.\n")
+        sys.stderr.flush()
         mcp.run("streamable-http", host=host, port=port)
 
 

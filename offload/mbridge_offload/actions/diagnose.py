@@ -29,7 +29,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from mbridge_offload.actions.failures import CONCEPTS, EXPLAINS_RULES, KNOWN, FailureMode
+from mbridge_offload.actions.failures import CONCEPTS, EXPLAINS_RULES, KNOWN, OOM_UNATTRIBUTED, FailureMode
 from mbridge_offload.config import effective as effective_config
 from mbridge_offload.config.effective import EffectiveValue
 from mbridge_offload.config.schema import OFFLOAD_KEYS, RELATED_KEYS, OffloadConfig
@@ -38,8 +38,18 @@ from mbridge_offload.config.sources import LoadedConfig
 # A config to diagnose: loaded (raw dict and source known: the same reading as every other tool), or only typed.
 AnyConfig = OffloadConfig | LoadedConfig
 
-# What a fix function gets for a reading by meaning, where no pattern matched: a match with no groups.
-_NO_MATCH: re.Match[str] = next(re.finditer("", ""))
+# Ideas that say how a symptom looks, not which mechanism causes it: sharing only these with a failure mode's
+# phrasing ("at step 2 it jumps": a step, an increase) makes no mode a candidate for ``closest``.
+_INCIDENTAL = frozenset(
+    {"time", "increase", "decrease", "negation", "early_step", "differ", "sizes", "state", "failure", "args"}
+)
+
+
+def _whole(text: str) -> re.Match[str]:
+    """What a fix function gets for a reading by meaning: a match over the whole text, with no groups."""
+    hit = re.match(r"(?s).*", text)
+    assert hit is not None  # ".*" matches every string
+    return hit
 
 
 class Diagnosis(BaseModel):
@@ -48,7 +58,10 @@ class Diagnosis(BaseModel):
     failure: str = Field(description="failure-mode id")
     title: str
     cause: str
-    confirm: str = Field(description="how to confirm this is the cause")
+    confirm: str = Field(description="how to confirm this is the cause (a check, not a fix)")
+    confirm_overrides: list[str] = Field(
+        [], description="overrides of the confirming experiment: they show the cause and are never a fix"
+    )
     fix: list[str] = Field(description="overrides that fix it (may be empty when the fix is not a config key)")
     actions: list[str] = Field([], description="other steps: upgrades, environment changes, alternatives")
     evidence: str | None = None
@@ -83,6 +96,9 @@ class DiagnoseReport(BaseModel):
         None, description="with before/after: changed offload keys and predicted per-GPU memory"
     )
     closest: list[Closest] = Field([], description="when nothing matched: the nearest failure modes")
+    needs: list[str] = Field(
+        [], description="what to pass for a firmer diagnosis (config, log, command line) when the text cannot decide"
+    )
     notes: list[str] = []
     effective: dict[str, EffectiveValue] = Field(
         default_factory=dict,
@@ -180,6 +196,7 @@ def _diagnosis(
         title=mode.title,
         cause=cause or mode.cause,
         confirm=mode.confirm,
+        confirm_overrides=list(mode.confirm_with),
         fix=fix,
         actions=list(mode.actions),
         evidence=evidence,
@@ -218,6 +235,14 @@ def exclusion(mode: FailureMode, config: OffloadConfig | None) -> str | None:
     return None
 
 
+def _offered(mode: FailureMode, config: OffloadConfig | None, ideas: frozenset[str]) -> bool:
+    """Whether ``mode`` is a reading at all: with a config its conditions decide (``exclusion``); without one the
+    text must show the mechanism (``FailureMode.shows``), never only the symptom."""
+    if config is not None:
+        return True
+    return mode.without_config and (not mode.shows or bool(ideas & set(mode.shows)))
+
+
 def _by_meaning(text: str, config: OffloadConfig | None, found: set[str], out_ruled: dict[str, RuledOut]):
     """Failure modes one of whose phrasings the text expresses (all of its ideas present)."""
     ideas = concepts(text)
@@ -225,7 +250,7 @@ def _by_meaning(text: str, config: OffloadConfig | None, found: set[str], out_ru
     for mode in KNOWN:
         if mode.id in found or mode.id in out_ruled or not mode.phrasings:
             continue
-        if config is None and not mode.without_config:
+        if not _offered(mode, config, ideas):
             continue
         phrasing = next((p for p in mode.phrasings if _phrasing_concepts(p) <= ideas), None)
         if phrasing is None:
@@ -233,18 +258,23 @@ def _by_meaning(text: str, config: OffloadConfig | None, found: set[str], out_ru
         if reason := exclusion(mode, config):
             out_ruled[mode.id] = RuledOut(failure=mode.id, title=mode.title, reason=reason)
             continue
-        fix = list(mode.fix(config, _NO_MATCH) if callable(mode.fix) else mode.fix)
+        fix = list(mode.fix(config, _whole(text)) if callable(mode.fix) else mode.fix)
         out.append(_diagnosis(mode, fix, f"reads as: {phrasing!r}", "meaning", config))
     return out
 
 
 def closest_modes(text: str, n: int = 3) -> list[Closest]:
-    """The ``n`` failure modes whose phrasings share the most ideas with the text (score > 0)."""
+    """The ``n`` failure modes whose phrasings share the most ideas with the text, counting only phrasings that
+    share at least one idea of the mechanism (not only incidental words such as "step" or "jump")."""
     ideas = concepts(text)
     scored = []
     for mode in KNOWN:
         best = max(
-            ((len(_phrasing_concepts(p) & ideas) / len(_phrasing_concepts(p)), p) for p in mode.phrasings),
+            (
+                (len(_phrasing_concepts(p) & ideas) / len(_phrasing_concepts(p)), p)
+                for p in mode.phrasings
+                if (_phrasing_concepts(p) & ideas) - _INCIDENTAL
+            ),
             default=(0.0, ""),
         )
         if best[0] > 0:
@@ -278,8 +308,9 @@ def match_and_exclude(text: str, config: OffloadConfig | None = None) -> tuple[l
     matches: list[Diagnosis] = []
     ruled: dict[str, RuledOut] = {}
     covered: set[str] = set()
+    ideas = concepts(text)
     for mode in KNOWN:
-        if config is None and not mode.without_config:
+        if not _offered(mode, config, ideas):
             continue
         hit = _pattern_hit(mode, text, flat)
         if hit is None:
@@ -294,10 +325,22 @@ def match_and_exclude(text: str, config: OffloadConfig | None = None) -> tuple[l
     matches += _from_rules(text, covered)
     matches += _by_meaning(text, config, {m.failure for m in matches}, ruled)
     matches = _supersede(matches, ruled)
+    matches += _unattributed_oom(text, flat, config, matches)
     # A config error explains a crash better than the generic symptoms that may also match its log.
-    specific = [m for m in matches if not m.failure.startswith(("oom_", "slowdown", "host_oom"))]
+    specific = [m for m in matches if not m.failure.startswith(("oom_", "slowdown", "host_oom", "no_saving"))]
     generic = [m for m in matches if m not in specific]
     return specific + generic, list(ruled.values())
+
+
+def _unattributed_oom(text: str, flat: str, config: OffloadConfig | None, matches: list[Diagnosis]) -> list[Diagnosis]:
+    """A GPU OOM no reading could take (no config, no mechanism in the text): say so, and guess no fix."""
+    if config is not None or any(m.failure.startswith(("oom_", "host_oom")) for m in matches):
+        return []
+    if "oom" not in concepts(text) and _pattern_hit(OOM_UNATTRIBUTED, text, flat) is None:
+        return []
+    hit = _pattern_hit(OOM_UNATTRIBUTED, text, flat)
+    evidence = _line_around(hit.string, hit.start(), hit.end()) if hit else None
+    return [_diagnosis(OOM_UNATTRIBUTED, [], evidence, "known" if hit else "meaning")]
 
 
 def match_text(text: str, config: OffloadConfig | None = None) -> list[Diagnosis]:
@@ -419,15 +462,39 @@ def diagnose(
         if not text:
             smaller = _got_smaller(typed_before, typed_after)
             report.matches = match_text("out of memory", typed_after) if smaller else []
+    report.needs = _needs(report.matches, config or typed_after)
     if text and not report.matches:
         report.closest = closest_modes(text)
-        nearest = ", ".join(f"{c.failure} ({c.score:.0%} of '{c.phrasing}')" for c in report.closest) or "none"
-        report.notes.append(
-            "no known offload failure matched; the closest failure modes: "
-            f"{nearest}. Pass the config (and the log around the first error) for more, or run "
-            "`mbridge-offload validate CONFIG`"
-        )
+        report.notes.append(_nothing_matched(report.closest))
+        if config is None:
+            report.needs = list(_NEEDS_WHEN_UNMATCHED)
     return report
+
+
+_NEEDS_WHEN_UNMATCHED = (
+    "the log around the first error (--log FILE, MCP log): the exception line and the traceback above it",
+    "the failing run's config (--config FILE, MCP config), or check it with `mbridge-offload validate CONFIG`",
+)
+
+
+def _needs(matches: list[Diagnosis], config: OffloadConfig | None) -> list[str]:
+    """What the matched modes ask for to decide further: only without a config, or where no fix was found."""
+    by_id = {mode.id: mode for mode in (*KNOWN, OOM_UNATTRIBUTED)}
+    out: list[str] = []
+    for m in matches:
+        mode = by_id.get(m.failure)
+        if mode is not None and (config is None or not m.fix):
+            out += [n for n in mode.needs if n not in out and not (config is not None and "config" in n)]
+    return out
+
+
+def _nothing_matched(closest: list[Closest]) -> str:
+    """The note when no failure mode matched: the near ones if any, else what would help; never an empty list."""
+    ask = "pass the config and the log around the first error, or run `mbridge-offload validate CONFIG`"
+    if not closest:
+        return f"no known offload failure matched this text, and none is close: {ask}."
+    nearest = ", ".join(f"{c.failure} ({c.score:.0%} of '{c.phrasing}')" for c in closest)
+    return f"no known offload failure matched; the closest failure modes are {nearest}. For a firmer answer, {ask}."
 
 
 def _got_smaller(before: OffloadConfig, after: OffloadConfig) -> bool:

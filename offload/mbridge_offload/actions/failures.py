@@ -16,6 +16,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from mbridge_offload.actions import failure_conditions as fc
+from mbridge_offload.actions.apply_plan import DEFAULT_FRACTION
+from mbridge_offload.config.rules.optimizer import overlap_advised
 from mbridge_offload.config.schema import OffloadConfig
 
 FixFn = Callable[[OffloadConfig | None, "re.Match[str]"], list[str]]
@@ -45,6 +47,14 @@ class FailureMode:
     explain: Callable[[OffloadConfig], str] | None = None
     # Modes this one explains better when both match: (id, why the other one does not apply).
     supersedes: tuple[tuple[str, str], ...] = ()
+    # The overrides of the confirming experiment (``confirm``): they show the cause, they do not fix it (e.g.
+    # resuming without the optimizer state throws that state away), so they never appear in ``fix``.
+    confirm_with: tuple[str, ...] = ()
+    # Without a config: the ideas (CONCEPTS) of which the text must show one before this reading is offered, so
+    # that a bare symptom never leads with a mechanism nothing showed (a plain OOM is not "activation offload").
+    shows: tuple[str, ...] = ()
+    # What the report's ``needs`` asks for when this mode matched without a config (or with an empty fix).
+    needs: tuple[str, ...] = ()
 
 
 # ------------------------------------------------------------------------------------- fixes that read the config
@@ -56,13 +66,19 @@ def _fraction(cfg: OffloadConfig | None) -> float | None:
     return cfg.optimizer.optimizer_offload_fraction
 
 
+def _fraction_overrides(fraction: float) -> list[str]:
+    """The fraction, and the overlap switch where the rule catalogue advises it (OPT-OVERLAP's one threshold,
+    the same that ``apply`` and the planner use): never overlap advice that ``validate`` would not give."""
+    out = [f"optimizer.optimizer_offload_fraction={fraction}"]
+    if overlap_advised(fraction):
+        out.append("optimizer.overlap_cpu_optimizer_d2h_h2d=true")
+    return out
+
+
 def _fix_oom_partial(cfg: OffloadConfig | None, _m: re.Match[str]) -> list[str]:
     current = _fraction(cfg) or 0.5
     higher = min(1.0, round(current + 0.25, 2))
-    fix = ["optimizer.optimizer_cpu_offload=true", f"optimizer.optimizer_offload_fraction={higher}"]
-    if higher >= 0.5:
-        fix.append("optimizer.overlap_cpu_optimizer_d2h_h2d=true")
-    return fix
+    return ["optimizer.optimizer_cpu_offload=true", *_fraction_overrides(higher)]
 
 
 def _fix_slowdown(cfg: OffloadConfig | None, _m: re.Match[str]) -> list[str]:
@@ -71,7 +87,41 @@ def _fix_slowdown(cfg: OffloadConfig | None, _m: re.Match[str]) -> list[str]:
     if cfg is not None and cfg.model.cpu_offloading and not cfg.optimizer.optimizer_cpu_offload:
         layers = max(1, cfg.model.cpu_offloading_num_layers // 2)
         return [f"model.cpu_offloading_num_layers={layers}"]
-    return [f"optimizer.optimizer_offload_fraction={lower}", "optimizer.overlap_cpu_optimizer_d2h_h2d=true"]
+    return _fraction_overrides(lower)
+
+
+# Megatron-LM's validate_args checks of the offload flags (rule ids, origin megatron-lm), and the words that
+# point at each one in a user's description; the fixes come from the rule catalogue, the one source.
+_MLM_RULES: tuple[tuple[str, str], ...] = (
+    ("ACT-MLM-FG-TE-IMPL", r"fine.?grained|offload.?modules"),
+    ("OPT-MLM-FP8-PARAM-GATHER", r"fp8"),
+    ("OPT-MLM-PRECISION-AWARE", r"optimi[sz]er|precision|fraction"),
+)
+
+
+def _mlm_rule(rule_id: str):
+    from mbridge_offload.config.rules.catalogue import all_rules
+
+    return next(r for r in all_rules() if r.id == rule_id)
+
+
+def _fix_mlm_args(_cfg: OffloadConfig | None, m: re.Match[str]) -> list[str]:
+    """The fix of the first validate_args check the description points at; none when it names no mechanism."""
+    for rule_id, words in _MLM_RULES:
+        if re.search(words, m.string, re.IGNORECASE):
+            return list(_mlm_rule(rule_id).fix or ())
+    return []
+
+
+def _mlm_actions() -> tuple[str, ...]:
+    from mbridge_offload.config.mlm_fixes import flag_edit
+
+    out = []
+    for rule_id, _words in reversed(_MLM_RULES):  # the check every --optimizer-cpu-offload meets first
+        rule = _mlm_rule(rule_id)
+        flags = [" ".join(edit[0]) for f in rule.fix or () if (edit := flag_edit(f))]
+        out.append(f"if the AssertionError reads {rule.message!r}: add {' '.join(flags)} ({rule_id})")
+    return tuple(out)
 
 
 def _fix_layer_range(cfg: OffloadConfig | None, m: re.Match[str]) -> list[str]:
@@ -84,11 +134,12 @@ def _fix_layer_range(cfg: OffloadConfig | None, m: re.Match[str]) -> list[str]:
 
 
 _OOM = (r"CUDA out of memory", r"OutOfMemoryError", r"CUDA error: out of memory", r"\bOOM\b", r"out of memory")
+# Optimizer offload starts where `apply` starts it (the balanced starting point).
+_START_FRACTION = DEFAULT_FRACTION
 _SWITCH_TO_OPTIMIZER = (
     "model.cpu_offloading=false",
     "optimizer.optimizer_cpu_offload=true",
-    "optimizer.optimizer_offload_fraction=0.5",
-    "optimizer.overlap_cpu_optimizer_d2h_h2d=true",
+    *_fraction_overrides(_START_FRACTION),
 )
 
 # ---------------------------------------------------------------------------------------------- meaning
@@ -184,6 +235,15 @@ CONCEPTS: dict[str, str] = {
     "stale": (
         r"\bstale\b|\bprevious (step|iteration)'?s? grad\w*|\bold grad\w*|\bre-?appl\w*|\bapplied again|"
         r"\bleftover grad\w*|\bcached grad\w*|\blast step'?s? grad\w*"
+    ),
+    "megatron_lm": r"megatron.?lm\b|\bmlm\b|pretrain_gpt|megatron/training|\barguments\.py|\bvalidate_args",
+    "args": (
+        r"\bvalidate_args|\bargs?\b|\barguments?\b|\bflags?\b|\bargv\b|command.?line|\boptions?\b|"
+        r"(?<![\w-])--[a-z][\w-]+"
+    ),
+    "failure": (
+        r"\bfail\w*|\berrors?\b|\bassert\w*|\breject\w*|\brefus\w*|\bcrash\w*|\bbreaks?\b|\bbroke\w*|"
+        r"\bcomplain\w*|\bdies\b|\bdied\b|\bexits?\b|won't (start|run)|does ?n[o']t (start|run|work)|\bblows? up"
     ),
     "no_grad": (
         r"\bno grad\w*|\bgrad(ient)? (is |was )?none|\bwithout (a )?grad\w*|\bunused (expert|param\w*)|"
@@ -305,6 +365,28 @@ KNOWN: tuple[FailureMode, ...] = (
         ("on the Megatron-LM command line add --use-precision-aware-optimizer",),
     ),
     FailureMode(
+        "mlm_validate_args",
+        "Megatron-LM's argument check rejects the offload flags",
+        (),
+        "Megatron-LM's validate_args (megatron/training/arguments.py) asserts on offload flag combinations that "
+        "megatron-core's own configs accept: --optimizer-cpu-offload needs --use-precision-aware-optimizer, with "
+        "--fp8-param-gather also --fp8-recipe delayed, and --fine-grained-activation-offloading needs "
+        "--transformer-impl transformer_engine",
+        'run `mbridge-offload validate --megatron-args "<the launch flags>"` (it applies these checks and answers '
+        "with the flag to add), or read the AssertionError line just above the validate_args frame",
+        _fix_mlm_args,
+        _mlm_actions(),
+        phrasings=(
+            "Megatron-LM validate_args fails with the offload flags",
+            "Megatron-LM rejects the offload command-line arguments",
+            "pretrain_gpt argument check fails with the offload options",
+        ),
+        needs=(
+            'the Megatron-LM command line (`mbridge-offload validate --megatron-args "..."`, MCP validate_config '
+            "megatron_args) or the AssertionError text: it names the one check that failed",
+        ),
+    ),
+    FailureMode(
         "mfsdp_v2",
         "Megatron-FSDP v2 does not support optimizer offload",
         (r"MFSDP v2 does not (currently )?support optimizer CPU offload",),
@@ -331,12 +413,13 @@ KNOWN: tuple[FailureMode, ...] = (
         "torch's foreach/fused Adam groups tensors by device and dtype and refuses the mix",
         "after load, print {k: (v.device, v.dtype)} of each optimizer.state entry next to its parameter's; the "
         "traceback ends in torch/utils/_foreach_utils.py _group_tensors_by_device_and_dtype",
-        ("checkpoint.load_optim=false",),
+        (),
         (
-            "that resumes the weights only (the Adam moments restart); keep the optimizer state by upgrading "
-            "megatron-core / Megatron Bridge (the HDO's load hooks move each state to its sub-optimizer's device), "
-            "or resume with this project's HybridDeviceOptimizer, whose load_state_dict places every state with "
-            "its sub-optimizer",
+            "upgrade megatron-core / Megatron Bridge (the HDO's load hooks move each state to its sub-optimizer's "
+            "device), or resume with this project's HybridDeviceOptimizer, whose load_state_dict places every "
+            "state with its sub-optimizer",
+            "workaround that loses the Adam moments (they restart from zero): resume the weights only with "
+            "checkpoint.load_optim=false",
         ),
         ("NVIDIA-NeMo/Speech#14574",),
         rules_out=fc.rules_out_save_assert,
@@ -423,6 +506,7 @@ KNOWN: tuple[FailureMode, ...] = (
         _SWITCH_TO_OPTIMIZER,
         ("then raise model.pipeline_model_parallel_size (optimizer offload works with PP>1)",),
         rules_out=fc.rules_out_oom_activation,
+        shows=("activation",),
         phrasings=("GPU memory ran out", "the job does not fit on the GPU", "activation offload ran out of GPU memory"),
     ),
     FailureMode(
@@ -436,6 +520,7 @@ KNOWN: tuple[FailureMode, ...] = (
         _fix_oom_partial,
         ("or add pipeline parallelism (model.pipeline_model_parallel_size)",),
         rules_out=fc.rules_out_oom_partial,
+        shows=("optimizer",),
         phrasings=("GPU memory ran out", "the job does not fit on the GPU", "optimizer offload ran out of GPU memory"),
     ),
     FailureMode(
@@ -457,11 +542,7 @@ KNOWN: tuple[FailureMode, ...] = (
         _OOM,
         "nothing is offloaded yet; optimizer states (12 bytes/param with fp32 masters) are the cheapest to move",
         "`mbridge-offload recommend CONFIG` predicts the memory before/after",
-        (
-            "optimizer.optimizer_cpu_offload=true",
-            "optimizer.optimizer_offload_fraction=0.5",
-            "optimizer.overlap_cpu_optimizer_d2h_h2d=true",
-        ),
+        ("optimizer.optimizer_cpu_offload=true", *_fraction_overrides(_START_FRACTION)),
         rules_out=fc.rules_out_oom_none,
         without_config=False,
         phrasings=("GPU memory ran out", "the job does not fit on the GPU"),
@@ -537,8 +618,8 @@ KNOWN: tuple[FailureMode, ...] = (
         supersedes=(
             (
                 "resume_loss_jump",
-                "a fine-tune start loads no optimizer state, so the resume fix checkpoint.load_optim=false does not "
-                "apply; the stale copies are the HybridDeviceOptimizer's (finetune_stale_masters)",
+                "a fine-tune start loads no optimizer state, so resuming without it (checkpoint.load_optim=false) "
+                "tells nothing; the stale copies are the HybridDeviceOptimizer's (finetune_stale_masters)",
             ),
         ),
         phrasings=(
@@ -558,12 +639,23 @@ KNOWN: tuple[FailureMode, ...] = (
         "resuming a run (model and optimizer state), the HybridDeviceOptimizer's fp32 masters or its Adam step "
         "counter were not restored: precision-aware + offload resume (Megatron-LM#1842), stale 'step' in "
         "DP-reshardable loads (SkyRL#1401, Megatron-LM PR #5929)",
-        "resume once with checkpoint.load_optim=false (--no-load-optim): if the jump disappears, the optimizer "
-        "state restore is at fault",
-        ("checkpoint.load_optim=false",),
-        ("upgrade megatron-core (PR #5929 on main restores 'step' in DP-reshardable loads)",),
-        ("NVIDIA/Megatron-LM#1842", "NovaSky-AI/SkyRL#1401"),
+        "a confirmation, not a fix: resume once from the same checkpoint with checkpoint.load_optim=false "
+        "(--no-load-optim); if the jump goes away, the optimizer-state restore is at fault (that run throws the Adam "
+        "state away, so do not keep training with it)",
+        (),
+        (
+            "upgrade Megatron Bridge to >= 0.6.2: PR #4082 (Megatron-Bridge#3949) calls "
+            "sync_hybrid_device_optimizer_fp32_master_copies after every checkpoint load, refreshing the "
+            "HybridDeviceOptimizer's CPU copies and fp32 masters from the loaded weights",
+            "upgrade megatron-core past Megatron-LM PR #5929 (main; Megatron-LM PR #6124 on dev): it restores the "
+            "Adam 'step' in DP-reshardable loads and the fp32 masters of native-fp32 parameters",
+            "or use this project's HybridDeviceOptimizer (install_optimizer_offload): its load_state_dict refreshes "
+            "the host copies and masters from the loaded weights, then restores the saved masters and each "
+            "parameter's step (resume is bit-exact: tests/runtime/test_optimizer_resume.py)",
+        ),
+        ("NVIDIA/Megatron-LM#1842", "NVIDIA-NeMo/Megatron-Bridge#4082", "NovaSky-AI/SkyRL#1401"),
         rules_out=fc.rules_out_resume_jump,
+        confirm_with=("checkpoint.load_optim=false",),
         phrasings=(
             "loss jumped after resuming",
             "loss increased after loading the checkpoint",
@@ -580,9 +672,13 @@ KNOWN: tuple[FailureMode, ...] = (
         ),
         "torch AdamW's 0-dim 'step' tensor went through the per-bucket shape assertion of the distributed "
         "optimizer's save path (fixed in megatron-core 0.18.0, Megatron-LM PR #2874)",
-        "the traceback ends in distrib_optimizer.py's state save; check `pip show megatron-core`",
-        ("checkpoint.save_optim=false",),
-        ("upgrade to megatron-core >= 0.18.0 / Megatron Bridge >= 0.5.0",),
+        "the traceback ends in distrib_optimizer.py's state save; check `pip show megatron-core` (< 0.18.0)",
+        (),
+        (
+            "upgrade to megatron-core >= 0.18.0 / Megatron Bridge >= 0.5.0 (Megatron-LM PR #2874)",
+            "workaround until then, which writes checkpoints without the optimizer state (a resume restarts the "
+            "Adam moments): checkpoint.save_optim=false",
+        ),
         ("NVIDIA-NeMo/Megatron-Bridge#1942", "NVIDIA/Megatron-LM#1872"),
         rules_out=fc.rules_out_save_assert,
         phrasings=("assertion fails saving a checkpoint", "assert while saving the optimizer state"),
@@ -654,11 +750,21 @@ KNOWN: tuple[FailureMode, ...] = (
         "Checkpoint save hangs with Megatron-FSDP and optimizer offload",
         (r"hang.{0,80}(?:save|checkpoint)", r"(?:save|checkpoint).{0,80}hang"),
         "Megatron-FSDP's optimizer checkpoint save with optimizer_cpu_offload=True can hang (Megatron-LM#4910)",
-        "the hang is in the optimizer state save; it does not happen with checkpoint.save_optim=false",
-        ("checkpoint.save_optim=false",),
-        ("or use the distributed optimizer instead of Megatron-FSDP",),
+        "the hang is in the optimizer state save: py-spy dump shows the ranks in the optimizer checkpoint save, "
+        "and one save with checkpoint.save_optim=false completes",
+        (
+            "ddp.use_megatron_fsdp=false",
+            "ddp.use_distributed_optimizer=true",
+            "optimizer.use_distributed_optimizer=true",
+        ),
+        (
+            "the distributed optimizer saves the offloaded state without the hang; Megatron-LM PR #4623 fixed the "
+            "small reproducer (a full Qwen3.5-35B-A3B still hung)",
+            "workaround that writes checkpoints without the optimizer state: checkpoint.save_optim=false",
+        ),
         ("NVIDIA/Megatron-LM#4910",),
         rules_out=fc.rules_out_fsdp,
+        confirm_with=("checkpoint.save_optim=false",),
         phrasings=("checkpoint save hangs", "stuck saving the optimizer state"),
     ),
     FailureMode(
@@ -754,6 +860,28 @@ KNOWN: tuple[FailureMode, ...] = (
             "precision-aware dtypes are ignored with optimizer CPU offload",
             "offloaded optimizer moments are float32 instead of bf16",
         ),
+    ),
+)
+
+
+# A GPU OOM that neither the text nor a config attributes to a mechanism: no fix is guessed (advising to switch off
+# something nobody said was on would mislead); the report asks for what tells the readings apart.
+OOM_UNATTRIBUTED = FailureMode(
+    "oom_unattributed",
+    "GPU out of memory (which offload is on is not known yet)",
+    _OOM,
+    "the text shows a GPU out-of-memory error, but neither it nor a config says whether activation offloading, "
+    "optimizer offloading (and at which fraction) or nothing is offloaded; each has a different fix",
+    "pass the run's config (`--config FILE`; MCP: config) or the log lines that show the offload settings: diagnose "
+    "then tells the activation-offload, partial/full optimizer-offload and no-offload readings apart",
+    (),
+    (
+        "`mbridge-offload estimate CONFIG` shows where the per-GPU memory goes; `mbridge-offload recommend CONFIG` "
+        "picks the smallest offload that fits",
+    ),
+    needs=(
+        "the failing run's config (--config FILE, MCP config): which offloads are on decides the reading and the fix",
+        "the log around the OOM (--log FILE): the allocation that failed and the step it happened at",
     ),
 )
 

@@ -13,6 +13,7 @@ Example:
 
 from __future__ import annotations
 
+import re
 from functools import lru_cache
 from typing import Any, Literal
 
@@ -158,6 +159,21 @@ def validate(
     )
 
 
+def check_te_version(text: str) -> str:
+    """A Transformer Engine release as the caller states it (``2.9``, ``2.10.0``, ``2.9.0+cu12``), stripped.
+
+    Raises:
+        ValueError: not a release number; the message says what to give.
+    """
+    value = str(text).strip()
+    if not re.fullmatch(r"v?\d+(\.\d+){0,2}([+.\-]\w[\w.+-]*)?", value):
+        raise ValueError(
+            f"te_version {text!r} is not a Transformer Engine release: give it as X.Y or X.Y.Z (e.g. 2.9 or "
+            "2.10.0), as `pip show transformer-engine` prints it on the cluster"
+        )
+    return value
+
+
 def _env(config: OffloadConfig, raw: dict[str, Any]) -> dict[str, str]:
     """The environment facts the verdict assumed: the caller's ``--env``, the Transformer Engine version (stated
     as an assumption when not given) and ``NVTE_CPU_OFFLOAD_V1`` as the job would see it (``env_vars`` included)."""
@@ -165,7 +181,7 @@ def _env(config: OffloadConfig, raw: dict[str, Any]) -> dict[str, str]:
     if "te_version" not in env:
         env["te_version"] = TE_VERSION_ASSUMED
         env["te_version_source"] = (
-            "assumed: the release Megatron Bridge 0.6.2 pins; pass --env te_version=X.Y for another"
+            "assumed: the release Megatron Bridge 0.6.2 pins; pass --env te_version=X.Y (MCP: te_version) for another"
         )
     env_vars = raw.get("env_vars")
     if "NVTE_CPU_OFFLOAD_V1" not in env and isinstance(env_vars, dict) and "NVTE_CPU_OFFLOAD_V1" in env_vars:

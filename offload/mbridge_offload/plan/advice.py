@@ -76,7 +76,9 @@ def advice_sentence(given: Setup, mode: str, given_factor: float | None = None) 
         what.append(f"optimizer offload at fraction {given.optimizer_offload_fraction:g}")
     if given.activation_offload_layers > 0:
         what.append(f"activation offload of {given.activation_offload_layers} layers")
-    has = " and ".join(what)
+    if given.offload_modules:  # fine-grained offloading: without it the sentence would read "has ;"
+        what.append(f"fine-grained activation offload of {', '.join(given.offload_modules)}")
+    has = " and ".join(what) or f"{had} offload"
     cost = f" (predicted step time x{given_factor:.2f} with it)" if given_factor is not None else ""
     if mode == "none":
         return (

@@ -124,6 +124,8 @@ def render_diagnosis() -> str:
     lines = ["| failure | what you see | cause | confirm | fix |", "|---|---|---|---|---|"]
     for mode in failure_modes():
         fix = ", ".join(f"`{f}`" for f in mode.fix) if isinstance(mode.fix, tuple) else "computed from the config"
+        # No override resolves it: the first step is the remedy (an upgrade, an environment change).
+        fix = fix or (f"not a config key: {mode.actions[0]}" if mode.actions else "")
         lines.append(
             f"| `{mode.id}` | {_cell(mode.title)} | {_cell(mode.cause)} | {_cell(mode.confirm)} | {_cell(fix or '—')} |"
         )

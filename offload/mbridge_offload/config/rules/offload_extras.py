@@ -3,6 +3,7 @@ activation rules' files, each placed after the activation check upstream runs ju
 
 from __future__ import annotations
 
+from mbridge_offload.config.overrides import format_override
 from mbridge_offload.config.rules.activation import _fg_valid_modules
 from mbridge_offload.config.rules.base import Context, Match, Rule
 from mbridge_offload.config.rules.mcore import MOE_INSIDE, following, mcore_rule, set_repr
@@ -13,11 +14,23 @@ def fg_on(ctx: Context) -> bool:
     return _fg_valid_modules(ctx)
 
 
+def _without(key: str, items: list[str], drop: set[str]) -> str | None:
+    """``key=[items minus drop]``, or None when nothing would be left (an empty list is no fix here)."""
+    kept = [x for x in items if x not in drop]
+    return format_override(key, kept) if kept else None
+
+
 def _fg_moe_recompute(ctx: Context):
     if not fg_on(ctx) or granularity(ctx) != "selective" or "moe" not in recompute_modules(ctx):
         return None
     inside = set(MOE_INSIDE) & set(ctx.model.offload_modules)
-    return Match({"inside": set_repr(inside)}) if inside else None
+    if not inside:
+        return None
+    # Keep recomputing the MoE layer (it saves more) and offload what lies outside it; else stop recomputing 'moe'.
+    fix = _without("model.offload_modules", list(ctx.model.offload_modules), inside) or _without(
+        "model.recompute_modules", recompute_modules(ctx), {"moe"}
+    )
+    return Match({"inside": set_repr(inside)}, fix=[fix or "model.recompute_granularity=null"])
 
 
 def _fg_fused_partial(ctx: Context):
@@ -25,7 +38,10 @@ def _fg_fused_partial(ctx: Context):
     if not fg_on(ctx) or "fused_group_mlp" not in m.offload_modules or not m.use_transformer_engine_op_fuser:
         return None
     partial = {"expert_fc1", "moe_act"} & set(m.offload_modules)
-    return Match({"partial": set_repr(partial)}) if partial else None
+    if not partial:
+        return None
+    fix = _without("model.offload_modules", list(m.offload_modules), partial)
+    return Match({"partial": set_repr(partial)}, fix=[fix] if fix else None)  # fused_group_mlp stays: never None
 
 
 def _paged_capacity(ctx: Context) -> bool:
@@ -38,7 +54,10 @@ def _paged_modules(ctx: Context):
     if not m.moe_paged_stash or m.cpu_offloading or m.moe_expert_rank_capacity_factor is None:
         return None
     conflict = set(MOE_INSIDE) & set(m.offload_modules)
-    return Match({"conflict": set_repr(conflict)}) if conflict else None
+    if not conflict:
+        return None
+    fix = _without("model.offload_modules", list(m.offload_modules), conflict)
+    return Match({"conflict": set_repr(conflict)}, fix=[fix or "model.fine_grained_activation_offloading=false"])
 
 
 FG_MOE_RECOMPUTE = mcore_rule(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from mbridge_offload.config.overrides import format_override
 from mbridge_offload.config.rules.base import Context, Match, Rule
 from mbridge_offload.config.rules.mcore import following, mcore_rule, set_repr
 
@@ -83,12 +84,13 @@ def _moe_act_gemm(ctx: Context) -> bool:
     return granularity(ctx) == "selective" and "moe_act" in recompute_modules(ctx) and not ctx.model.moe_grouped_gemm
 
 
-def _mla_up_proj(ctx: Context) -> bool:
-    return (
-        granularity(ctx) == "selective"
-        and "mla_up_proj" in recompute_modules(ctx)
-        and not ctx.model.multi_latent_attention
-    )
+def _mla_up_proj(ctx: Context):
+    modules = recompute_modules(ctx)
+    if granularity(ctx) != "selective" or "mla_up_proj" not in modules or ctx.model.multi_latent_attention:
+        return None
+    kept = [x for x in modules if x != "mla_up_proj"]
+    # With nothing else to recompute, selective recompute has no module left: switch it off.
+    return Match(fix=[format_override("model.recompute_modules", kept) if kept else "model.recompute_granularity=null"])
 
 
 RECOMPUTE_RULES: tuple[Rule, ...] = (
@@ -154,6 +156,7 @@ RECOMPUTE_RULES: tuple[Rule, ...] = (
         _distribute_sp,
         "`distribute_saved_activations` excludes sequence parallelism.",
         ("model.distribute_saved_activations", "model.sequence_parallel"),
+        fix=("model.distribute_saved_activations=false",),
     ),
     mcore_rule(
         "MC-RECOMPUTE-MODULES",
