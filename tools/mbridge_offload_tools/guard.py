@@ -3,7 +3,9 @@
 Containment comes from the server's start, never from a tool argument (docs/security.md):
 
 - ``roots``: the directories tools may read configs from and write configs to. ``serve --root DIR``
-  (repeatable) or ``MBRIDGE_OFFLOAD_ROOTS`` (``os.pathsep``-separated); default: the working directory at start.
+  (repeatable) or ``MBRIDGE_OFFLOAD_ROOTS`` (``os.pathsep``-separated); default: the launch directory (the
+  working directory at start: the shipped launchers keep the host's, which is the user's project). A client
+  that declares MCP roots narrows this per session to its roots plus the explicit ones (``roots.py``).
 - ``bridge_repos``: Megatron Bridge checkouts whose tests ``run_unit_tests(bridge_repo=...)`` may run (that
   imports the checkout's ``conftest.py``: code execution). ``serve --allow-bridge-repo DIR`` or
   ``MBRIDGE_OFFLOAD_BRIDGE_REPOS``; default: none.
@@ -42,8 +44,15 @@ class Policy:
     roots: tuple[Path, ...] | None = None
     bridge_repos: tuple[Path, ...] = ()
     bridge_venv: bool = False
+    explicit_roots: tuple[Path, ...] = ()  # --root / MBRIDGE_OFFLOAD_ROOTS: kept when a client declares roots
 
     def write_roots(self) -> list[Path]:
+        """Where a tool may write now: the calling session's roots (:mod:`roots`), else the server's."""
+        from mbridge_offload.config.reading import read_roots
+
+        current = read_roots()
+        if current is not None:
+            return list(current)
         return list(self.roots) if self.roots is not None else [Path.cwd().resolve()]
 
 
@@ -81,9 +90,11 @@ def configure(roots: Iterable[str] = (), bridge_repos: Iterable[str] = (), bridg
     global _policy
     env_roots = [r for r in os.environ.get(ROOTS_ENV, "").split(os.pathsep) if r]
     env_repos = [r for r in os.environ.get(BRIDGE_REPOS_ENV, "").split(os.pathsep) if r]
-    chosen = _paths([*roots, *env_roots]) or (Path.cwd().resolve(),)
+    explicit = _paths([*roots, *env_roots])
+    chosen = explicit or (Path.cwd().resolve(),)
     _policy = Policy(
         roots=chosen,
+        explicit_roots=explicit,
         bridge_repos=_paths([*bridge_repos, *env_repos]),
         bridge_venv=bridge_venv or os.environ.get(BRIDGE_VENV_ENV, "") == "1",
     )

@@ -34,7 +34,7 @@ from mbridge_offload.actions.testsuite import TestRunResult
 # The library's own result models are the tools' structured output (one schema for library, CLI --json and MCP).
 from mbridge_offload.config.validate import Report as ValidateOutput
 from mbridge_offload.plan.results import Estimate, Recommendation
-from mbridge_offload_tools import guard
+from mbridge_offload_tools import guard, roots
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +50,7 @@ Configs are a file path or inline YAML/JSON; overrides are Hydra-style, e.g.
 optimizer.optimizer_offload_fraction=0.5. Fixes come back as override lists you can pass on a command line."""
 
 mcp = MCPServer("mbridge-offload", version=__version__, instructions=INSTRUCTIONS)
+roots.install(mcp)  # a client that declares MCP roots confines each call to them (roots.py)
 
 ConfigArg = Annotated[
     str, Field(description="a Bridge YAML/JSON config: a file path, or the YAML/JSON text itself", min_length=1)
