@@ -45,6 +45,7 @@ TEST_HOME = _isolate_home()
 def pytest_unconfigure(config: pytest.Config) -> None:
     shutil.rmtree(TEST_HOME, ignore_errors=True)
 
+
 _DIFFERENTIAL = pytest.StashKey[list]()
 _TRACKED = pytest.StashKey[dict]()
 _CHANGED = pytest.StashKey[list]()

@@ -95,9 +95,7 @@ async def test_a_client_that_declares_roots_is_asked_and_its_roots_are_followed(
 @pytest.mark.anyio
 async def test_declared_roots_keep_the_servers_explicit_root_flags(tmp_path) -> None:
     a, extra = _project(tmp_path / "a"), _project(tmp_path / "extra")
-    async with Client(
-        _server(tmp_path, "--root", str(extra)), mode="legacy", list_roots_callback=Roots(a)
-    ) as client:
+    async with Client(_server(tmp_path, "--root", str(extra)), mode="legacy", list_roots_callback=Roots(a)) as client:
         assert not (await _validate(client, a / "pretrain.yaml")).is_error
         assert not (await _validate(client, extra / "pretrain.yaml")).is_error
 
