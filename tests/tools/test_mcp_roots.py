@@ -108,6 +108,10 @@ async def test_every_file_a_tool_reads_is_bounded_and_inside_the_roots(tmp_path)
     with huge.open("wb") as f:
         f.truncate(64 * 1024 * 1024)  # sparse: 64 MiB on paper
     (project / "profile.json").write_text(json.dumps({"cpu_adam_params_per_s_per_core": 1e8}))
+    (project / ".mbridge-offload" / "host-profiles").mkdir(parents=True)
+    (project / ".mbridge-offload" / "host-profiles" / "box.json").write_text(
+        json.dumps({"name": "box", "cpu_adam_params_per_s_per_core": 2e8})
+    )
     plan = {"model": "llama3-8b", "gpu": "h100-80gb"}
     bad = {
         "measured_log": [project / "fifo", Path("/dev/zero"), outside / "run.log"],
@@ -126,6 +130,12 @@ async def test_every_file_a_tool_reads_is_bounded_and_inside_the_roots(tmp_path)
             )
             assert not ok.is_error
             assert ok.structured_content["calibration"]["measured_step_s"] == pytest.approx(2.5)
+            # A profile by NAME is looked up in the roots; a huge log is read by its tail, not refused or slurped.
+            named = await client.call_tool("recommend_mode", {**plan, "host_profile": "box"})
+            (rate,) = [a for a in named.structured_content["assumptions"] if a["name"].startswith("cpu_adam")]
+            assert rate["source"] == "host-profile" and rate["value"] == 2e8
+            tail = await client.call_tool("recommend_mode", {**plan, "measured_log": str(huge)})
+            assert not tail.is_error and tail.structured_content["calibration"] is None  # nothing measured in it
             for before, after in (
                 (outside / "pretrain.yaml", project / "pretrain.yaml"),
                 (project / "pretrain.yaml", project / "fifo"),
