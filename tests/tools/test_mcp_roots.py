@@ -145,6 +145,11 @@ async def test_every_file_a_tool_reads_is_bounded_and_inside_the_roots(tmp_path)
                 assert result.is_error, (before, after)
             refused = await client.call_tool("diagnose_failure", {"config": str(outside / "pretrain.yaml")})
             assert refused.is_error and "outside" in refused.content[0].text
+            # The parity run's config is read here, inside the roots, before any child process starts.
+            parity = await client.call_tool(
+                "run_unit_tests", {"suite": "parity", "config": str(outside / "pretrain.yaml"), "timeout_s": 60}
+            )
+            assert parity.is_error and "outside" in parity.content[0].text
 
 
 @pytest.mark.anyio
