@@ -148,7 +148,7 @@ def add_policy_flags(parser: argparse.ArgumentParser) -> None:
         default=[],
         metavar="DIR",
         help=f"a directory tools may read configs from and write to (repeatable; also ${ROOTS_ENV}; "
-        "default: the working directory)",
+        "default: the working directory; kept beside the roots an MCP client declares)",
     )
     parser.add_argument(
         "--allow-bridge-repo",
