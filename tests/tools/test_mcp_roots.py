@@ -192,3 +192,13 @@ async def test_the_shipped_launcher_serves_the_users_project_without_a_restart(l
     async with Client(_launcher(light_copy, elsewhere, CLAUDE_PROJECT_DIR=str(project))) as client:
         assert not (await _validate(client, project / "pretrain.yaml")).is_error
         assert (await _validate(client, elsewhere / "pretrain.yaml")).is_error
+
+
+def test_only_local_file_uris_become_roots(tmp_path) -> None:
+    from mbridge_offload_tools.roots import paths_of
+
+    link = tmp_path / "link"
+    link.symlink_to(tmp_path / "real", target_is_directory=True)
+    spaced = tmp_path / "with space"
+    got = paths_of([link.as_uri(), spaced.as_uri(), "https://example.com/x", "file://otherhost/etc", "file:///a/../b"])
+    assert got == ((tmp_path / "real").resolve(), spaced.resolve(), Path("/b"))
