@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -232,3 +233,26 @@ def test_main_cli_registers_plan_subcommands():
         pytest.skip("another subcommand module of mbridge_offload_tools.cli is not present yet")
     assert done.returncode == 0, done.stderr
     assert "memory_gb" in json.loads(done.stdout)
+
+
+def test_unreadable_measured_logs_and_host_profiles_exit_2_with_one_json_error(tmp_path):
+    os.mkfifo(tmp_path / "fifo")
+    cases = [
+        ("--measured-log", str(tmp_path / "fifo"), "FIFO"),
+        ("--measured-log", "/dev/zero", "character device"),
+        ("--measured-log", str(tmp_path / "missing.log"), "no such file"),
+        ("--host-profile", str(tmp_path / "fifo"), "FIFO"),
+        ("--host-profile", "no-such-profile", "calibrate --name no-such-profile"),
+    ]
+    for flag, value, words in cases:
+        done = subprocess.run(
+            [sys.executable, "-m", "mbridge_offload_tools", "estimate", "--model", "llama3-8b", flag, value, "--json"],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert done.returncode == 2, (flag, value, done.stderr)
+        (error,) = [json.loads(line) for line in done.stdout.splitlines() if line.strip()]
+        assert error["ok"] is False and words in error["error"], (flag, value, error)
+        assert "Traceback" not in done.stderr
