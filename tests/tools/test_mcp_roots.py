@@ -161,6 +161,11 @@ async def test_a_client_without_roots_gets_the_launch_directory(tmp_path) -> Non
     async with Client(_server(project), mode="legacy") as client:  # a 2025 client that declares no roots
         assert not (await _validate(client, project / "pretrain.yaml")).is_error
         assert (await _validate(client, outside / "pretrain.yaml")).is_error
+    extra = _project(tmp_path / "extra")
+    async with Client(_server(project, "--root", str(extra))) as client:  # --root adds to the launch directory
+        assert not (await _validate(client, project / "pretrain.yaml")).is_error
+        assert not (await _validate(client, extra / "pretrain.yaml")).is_error
+        assert (await _validate(client, outside / "pretrain.yaml")).is_error
 
 
 @pytest.fixture(scope="module")

@@ -2,10 +2,10 @@
 
 Containment comes from the server's start, never from a tool argument (docs/security.md):
 
-- ``roots``: the directories tools may read configs from and write configs to. ``serve --root DIR``
-  (repeatable) or ``MBRIDGE_OFFLOAD_ROOTS`` (``os.pathsep``-separated); default: the launch directory (the
-  working directory at start: the shipped launchers keep the host's, which is the user's project). A client
-  that declares MCP roots narrows this per session to its roots plus the explicit ones (``roots.py``).
+- ``roots``: the directories tools may read configs from and write configs to: the launch directory (the
+  working directory at start: the shipped launchers keep the host's, which is the user's project) plus
+  ``serve --root DIR`` (repeatable) and ``MBRIDGE_OFFLOAD_ROOTS`` (``os.pathsep``-separated). A client that
+  declares MCP roots replaces the launch directory, per session, by its roots (``roots.py``).
 - ``bridge_repos``: Megatron Bridge checkouts whose tests ``run_unit_tests(bridge_repo=...)`` may run (that
   imports the checkout's ``conftest.py``: code execution). ``serve --allow-bridge-repo DIR`` or
   ``MBRIDGE_OFFLOAD_BRIDGE_REPOS``; default: none.
@@ -75,7 +75,8 @@ def configure(roots: Iterable[str] = (), bridge_repos: Iterable[str] = (), bridg
     """Fix the policy at server start from flags, then the environment. Reading is contained to the roots.
 
     Args:
-        roots: directories tools may read and write (flags); plus ``MBRIDGE_OFFLOAD_ROOTS``; default: cwd.
+        roots: directories tools may read and write (flags), plus ``MBRIDGE_OFFLOAD_ROOTS``, plus the launch
+            directory (cwd).
         bridge_repos: Bridge checkouts whose tests may run; plus ``MBRIDGE_OFFLOAD_BRIDGE_REPOS``.
         bridge_venv: allow those checkouts' ``.venv`` Python; or ``MBRIDGE_OFFLOAD_ALLOW_BRIDGE_VENV=1``.
 
@@ -91,7 +92,7 @@ def configure(roots: Iterable[str] = (), bridge_repos: Iterable[str] = (), bridg
     env_roots = [r for r in os.environ.get(ROOTS_ENV, "").split(os.pathsep) if r]
     env_repos = [r for r in os.environ.get(BRIDGE_REPOS_ENV, "").split(os.pathsep) if r]
     explicit = _paths([*roots, *env_roots])
-    chosen = explicit or (Path.cwd().resolve(),)
+    chosen = tuple(dict.fromkeys((Path.cwd().resolve(), *explicit)))  # the launch directory plus the explicit ones
     _policy = Policy(
         roots=chosen,
         explicit_roots=explicit,
@@ -148,7 +149,7 @@ def add_policy_flags(parser: argparse.ArgumentParser) -> None:
         default=[],
         metavar="DIR",
         help=f"a directory tools may read configs from and write to (repeatable; also ${ROOTS_ENV}; "
-        "default: the working directory; kept beside the roots an MCP client declares)",
+        "added to the launch directory, or to the roots an MCP client declares)",
     )
     parser.add_argument(
         "--allow-bridge-repo",

@@ -483,7 +483,7 @@ def run(
         transport: ``stdio`` or ``streamable-http``.
         host: streamable-http host.
         port: streamable-http port.
-        roots: directories tools may read and write (default: the working directory).
+        roots: directories tools may read and write, added to the working directory.
         bridge_repos: Bridge checkouts whose tests may run.
         bridge_venv: allow those checkouts' own ``.venv`` Python.
 
