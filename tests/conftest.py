@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -10,6 +13,38 @@ from tests.support import tracked, tree
 
 # Subprocesses the tests start (the CLI, the MCP server, workers) import this tree's code too, never an installed copy.
 os.environ["PYTHONPATH"] = tree.pythonpath(inherit=True)
+
+
+def _isolate_home() -> Path:
+    """Point HOME and the XDG folders at an empty directory for this process and every subprocess it starts.
+
+    No answer may depend on a file in the user's home (a stale calibration there once changed every step-time
+    factor); a test that needs such a file writes it into this home. Package caches keep their real place: they
+    change what is installed, never an answer, and a fresh one per run would download again.
+    """
+    real = Path(os.environ.get("HOME") or Path.home())
+    os.environ.setdefault("PIP_CACHE_DIR", str(real / ".cache" / "pip"))
+    os.environ.setdefault("UV_CACHE_DIR", str(real / ".cache" / "uv"))
+    home = Path(tempfile.mkdtemp(prefix="mbridge-offload-test-home-"))
+    os.environ["HOME"] = str(home)
+    for var, sub in (
+        ("XDG_CONFIG_HOME", ".config"),
+        ("XDG_CACHE_HOME", ".cache"),
+        ("XDG_DATA_HOME", ".local/share"),
+        ("XDG_STATE_HOME", ".local/state"),
+    ):
+        os.environ[var] = str(home / sub)
+    for var in ("MBRIDGE_OFFLOAD_CALIBRATION", "MBRIDGE_OFFLOAD_ROOTS", "CLAUDE_PROJECT_DIR"):
+        os.environ.pop(var, None)  # set by a user's shell or host, never by the suite
+    return home
+
+
+TEST_HOME = _isolate_home()
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    shutil.rmtree(TEST_HOME, ignore_errors=True)
+
 
 _DIFFERENTIAL = pytest.StashKey[list]()
 _TRACKED = pytest.StashKey[dict]()

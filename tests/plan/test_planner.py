@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -186,12 +185,9 @@ def test_every_gpu_preset_says_where_its_figures_come_from():
     assert gpu_preset("b300").capacity_gib == pytest.approx(267.69)
 
 
-def test_time_model_reads_calibration_file(tmp_path, monkeypatch):
-    path = tmp_path / "cal.json"
-    path.write_text(json.dumps({"cpu_adam_params_per_s_per_core": 2.0e9}))
-    monkeypatch.setenv("MBRIDGE_OFFLOAD_CALIBRATION", str(path))
-    assert cpu_adam_rate(3) == 6.0e9
-    monkeypatch.setenv("MBRIDGE_OFFLOAD_CALIBRATION", str(tmp_path / "missing.json"))
+def test_cpu_adam_rate_takes_the_callers_rate_else_the_preset_else_the_default():
+    assert cpu_adam_rate(3, 2.0e9) == 6.0e9
+    assert cpu_adam_rate(2, None, 1.5e9) == 3.0e9
     assert cpu_adam_rate(1) == DEFAULT_CPU_ADAM_PARAMS_PER_S_PER_CORE
 
 

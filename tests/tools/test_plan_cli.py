@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -184,16 +185,40 @@ def test_estimate_and_recommend_never_import_torch():
     assert done.returncode == 0, done.stderr
 
 
-def test_calibrate_writes_params_per_second(capsys, tmp_path):
+def test_calibrate_writes_a_named_host_profile_in_the_project(capsys, tmp_path, monkeypatch):
     pytest.importorskip("torch")
-    target = tmp_path / "cal.json"
-    code, out, _ = run(
-        ["calibrate", "--output", str(target), "--numel", "262144", "--steps", "1", "--threads", "1", "--json"], capsys
-    )
+    monkeypatch.chdir(tmp_path)
+    argv = ["calibrate", "--name", "box-1", "--numel", "262144", "--steps", "1", "--threads", "1", "--json"]
+    code, out, _ = run(argv, capsys)
     assert code == 0
+    target = tmp_path / ".mbridge-offload" / "host-profiles" / "box-1.json"
     stored = json.loads(target.read_text())
+    assert stored["name"] == "box-1" and stored["threads"] == 1
     assert stored["cpu_adam_params_per_s_per_core"] > 1e6
+    assert stored["torch_version"] and stored["measured_at"] and "cpu_model" in stored
     assert json.loads(out)["path"] == str(target)
+    # Used only when named: by its name, from the project.
+    code, out, _ = run(["estimate", "--model", "llama3-8b", "--host-profile", "box-1", "--json"], capsys)
+    (rate,) = [a for a in json.loads(out)["assumptions"] if a["name"] == "cpu_adam_params_per_s_per_core"]
+    assert code == 0 and rate["source"] == "host-profile" and rate["value"] == stored["cpu_adam_params_per_s_per_core"]
+
+
+def test_calibrate_writes_to_output_and_refuses_a_bad_name_before_timing(capsys, tmp_path):
+    pytest.importorskip("torch")
+    target = tmp_path / "profiles" / "cal.json"
+    argv = ["calibrate", "--output", str(target), "--numel", "262144", "--steps", "1", "--threads", "1", "--json"]
+    code, out, _ = run(argv, capsys)
+    assert code == 0 and json.loads(out)["path"] == str(target)
+    assert json.loads(target.read_text())["cpu_adam_params_per_s_per_core"] > 1e6
+    done = subprocess.run(
+        [sys.executable, "-m", "mbridge_offload_tools", "calibrate", "--name", "../x", "--json"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2 and "not a plain name" in json.loads(done.stdout)["error"]
+    assert "Traceback" not in done.stderr and not (tmp_path / ".mbridge-offload").exists()
 
 
 def test_main_cli_registers_plan_subcommands():
@@ -208,3 +233,26 @@ def test_main_cli_registers_plan_subcommands():
         pytest.skip("another subcommand module of mbridge_offload_tools.cli is not present yet")
     assert done.returncode == 0, done.stderr
     assert "memory_gb" in json.loads(done.stdout)
+
+
+def test_unreadable_measured_logs_and_host_profiles_exit_2_with_one_json_error(tmp_path):
+    os.mkfifo(tmp_path / "fifo")
+    cases = [
+        ("--measured-log", str(tmp_path / "fifo"), "FIFO"),
+        ("--measured-log", "/dev/zero", "character device"),
+        ("--measured-log", str(tmp_path / "missing.log"), "no such file"),
+        ("--host-profile", str(tmp_path / "fifo"), "FIFO"),
+        ("--host-profile", "no-such-profile", "calibrate --name no-such-profile"),
+    ]
+    for flag, value, words in cases:
+        done = subprocess.run(
+            [sys.executable, "-m", "mbridge_offload_tools", "estimate", "--model", "llama3-8b", flag, value, "--json"],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert done.returncode == 2, (flag, value, done.stderr)
+        (error,) = [json.loads(line) for line in done.stdout.splitlines() if line.strip()]
+        assert error["ok"] is False and words in error["error"], (flag, value, error)
+        assert "Traceback" not in done.stderr

@@ -6,8 +6,10 @@
 from __future__ import annotations
 
 import argparse
+import json
 import shlex
 import typing
+from pathlib import Path
 from typing import Any
 
 from mbridge_offload_tools.common import EXIT_OK, UsageError, emit
@@ -64,14 +66,19 @@ def add_parsers(sub: Any) -> None:
     rec.set_defaults(handler=run_recommend)
     cal = sub.add_parser(
         "calibrate",
-        help="time torch's fused CPU AdamW here and store params/s",
-        description="Time torch's fused CPU AdamW on this host and store the parameters-per-second figure the "
-        "planner's step-time model uses for the CPU optimizer step.",
+        help="time torch's fused CPU AdamW here and store it as a named host profile",
+        description="Time torch's fused CPU AdamW on this host and store the parameters-per-second figure as a "
+        "named host profile (CPU model, threads, torch version, date, rate). estimate and recommend use it only "
+        "when named: --host-profile NAME|FILE (MCP host_profile).",
+    )
+    cal.add_argument(
+        "--name",
+        help="the profile's name (letters, digits, '._-'; default: this host's name)",
     )
     cal.add_argument(
         "--output",
         metavar="PATH",
-        help="where to store it (else $MBRIDGE_OFFLOAD_CALIBRATION or ~/.cache/mbridge-offload/calibration.json)",
+        help="where to store it (default: .mbridge-offload/host-profiles/NAME.json in the working directory)",
     )
     cal.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
     cal.add_argument("--numel", type=int, default=32 * 1024 * 1024, help="elements updated per step")
@@ -202,23 +209,53 @@ def run_recommend(args: argparse.Namespace) -> int:
 
 
 def run_calibrate(args: argparse.Namespace) -> int:
-    from mbridge_offload.plan import calibration as calibrate
+    from mbridge_offload.actions.safe_write import atomic_write
+    from mbridge_offload.plan import host_profile
 
     if args.numel < 1024 or args.steps < 1 or (args.threads is not None and args.threads < 1):
         raise UsageError("--numel must be at least 1024, --steps and --threads at least 1")
+    name = args.name or _host_name()
+    default = host_profile.default_path(name)  # a bad --name is refused before the timing starts
+    target = Path(args.output).expanduser() if args.output else default
     try:
         from mbridge_offload.runtime.adam_throughput import measure
 
-        result = measure(numel=args.numel, steps=args.steps, threads=args.threads)
+        measured = measure(numel=args.numel, steps=args.steps, threads=args.threads)
     except ImportError as exc:
         raise UsageError(f"calibrate needs torch ({exc}); install mbridge-offload[runtime]") from None
-    result["path"] = str(calibrate.save(result, args.output))
+    profile = host_profile.make(name, measured, _cpu_model())
+    target.parent.mkdir(parents=True, exist_ok=True)
+    profile["path"] = str(atomic_write(target, json.dumps(profile, indent=2) + "\n"))
     emit(
-        result,
+        profile,
         args.json,
         lambda d: (
             f"fused CPU AdamW: {d['cpu_adam_params_per_s'] / 1e9:.2f}e9 params/s on {d['threads']} threads "
-            f"({d['cpu_adam_params_per_s_per_core'] / 1e9:.2f}e9 per core); stored in {d['path']}"
+            f"({d['cpu_adam_params_per_s_per_core'] / 1e9:.2f}e9 per core); host profile {d['name']!r} stored in "
+            f"{d['path']}; use it with --host-profile {d['name'] if not args.output else d['path']}"
         ),
     )
     return EXIT_OK
+
+
+def _host_name() -> str:
+    """This host's name as a profile name (characters a name may not hold become '-')."""
+    import re
+    import socket
+
+    name = re.sub(r"[^A-Za-z0-9_.-]", "-", socket.gethostname()).strip("-.")[:64]
+    return name or "this-host"
+
+
+def _cpu_model() -> str | None:
+    """The CPU model as the kernel names it (Linux), else the platform's word for it."""
+    import platform
+
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as info:  # a fixed system file
+            for line in info:
+                if line.lower().startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or None

@@ -2,8 +2,10 @@
 
 Containment comes from the server's start, never from a tool argument (docs/security.md):
 
-- ``roots``: the directories tools may read configs from and write configs to. ``serve --root DIR``
-  (repeatable) or ``MBRIDGE_OFFLOAD_ROOTS`` (``os.pathsep``-separated); default: the working directory at start.
+- ``roots``: the directories tools may read configs from and write configs to: the launch directory (the
+  working directory at start: the shipped launchers keep the host's, which is the user's project) plus
+  ``serve --root DIR`` (repeatable) and ``MBRIDGE_OFFLOAD_ROOTS`` (``os.pathsep``-separated). A client that
+  declares MCP roots replaces the launch directory, per session, by its roots (``roots.py``).
 - ``bridge_repos``: Megatron Bridge checkouts whose tests ``run_unit_tests(bridge_repo=...)`` may run (that
   imports the checkout's ``conftest.py``: code execution). ``serve --allow-bridge-repo DIR`` or
   ``MBRIDGE_OFFLOAD_BRIDGE_REPOS``; default: none.
@@ -42,8 +44,15 @@ class Policy:
     roots: tuple[Path, ...] | None = None
     bridge_repos: tuple[Path, ...] = ()
     bridge_venv: bool = False
+    explicit_roots: tuple[Path, ...] = ()  # --root / MBRIDGE_OFFLOAD_ROOTS: kept when a client declares roots
 
     def write_roots(self) -> list[Path]:
+        """Where a tool may write now: the calling session's roots (:mod:`roots`), else the server's."""
+        from mbridge_offload.config.reading import read_roots
+
+        current = read_roots()
+        if current is not None:
+            return list(current)
         return list(self.roots) if self.roots is not None else [Path.cwd().resolve()]
 
 
@@ -66,7 +75,8 @@ def configure(roots: Iterable[str] = (), bridge_repos: Iterable[str] = (), bridg
     """Fix the policy at server start from flags, then the environment. Reading is contained to the roots.
 
     Args:
-        roots: directories tools may read and write (flags); plus ``MBRIDGE_OFFLOAD_ROOTS``; default: cwd.
+        roots: directories tools may read and write (flags), plus ``MBRIDGE_OFFLOAD_ROOTS``, plus the launch
+            directory (cwd).
         bridge_repos: Bridge checkouts whose tests may run; plus ``MBRIDGE_OFFLOAD_BRIDGE_REPOS``.
         bridge_venv: allow those checkouts' ``.venv`` Python; or ``MBRIDGE_OFFLOAD_ALLOW_BRIDGE_VENV=1``.
 
@@ -81,9 +91,11 @@ def configure(roots: Iterable[str] = (), bridge_repos: Iterable[str] = (), bridg
     global _policy
     env_roots = [r for r in os.environ.get(ROOTS_ENV, "").split(os.pathsep) if r]
     env_repos = [r for r in os.environ.get(BRIDGE_REPOS_ENV, "").split(os.pathsep) if r]
-    chosen = _paths([*roots, *env_roots]) or (Path.cwd().resolve(),)
+    explicit = _paths([*roots, *env_roots])
+    chosen = tuple(dict.fromkeys((Path.cwd().resolve(), *explicit)))  # the launch directory plus the explicit ones
     _policy = Policy(
         roots=chosen,
+        explicit_roots=explicit,
         bridge_repos=_paths([*bridge_repos, *env_repos]),
         bridge_venv=bridge_venv or os.environ.get(BRIDGE_VENV_ENV, "") == "1",
     )
@@ -137,7 +149,7 @@ def add_policy_flags(parser: argparse.ArgumentParser) -> None:
         default=[],
         metavar="DIR",
         help=f"a directory tools may read configs from and write to (repeatable; also ${ROOTS_ENV}; "
-        "default: the working directory)",
+        "added to the launch directory, or to the roots an MCP client declares)",
     )
     parser.add_argument(
         "--allow-bridge-repo",

@@ -35,7 +35,7 @@ from mbridge_offload.actions.testsuite import TestRunResult
 # The library's own result models are the tools' structured output (one schema for library, CLI --json and MCP).
 from mbridge_offload.config.validate import Report as ValidateOutput
 from mbridge_offload.plan.results import Estimate, Recommendation
-from mbridge_offload_tools import guard
+from mbridge_offload_tools import guard, roots
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +51,7 @@ Configs are a file path or inline YAML/JSON; overrides are Hydra-style, e.g.
 optimizer.optimizer_offload_fraction=0.5. Fixes come back as override lists you can pass on a command line."""
 
 mcp = MCPServer("mbridge-offload", version=__version__, instructions=INSTRUCTIONS)
+roots.install(mcp)  # a client that declares MCP roots confines each call to them (roots.py)
 
 ConfigArg = Annotated[
     str, Field(description="a Bridge YAML/JSON config: a file path, or the YAML/JSON text itself", min_length=1)
@@ -508,7 +509,7 @@ def run(
         transport: ``stdio`` or ``streamable-http``.
         host: streamable-http host.
         port: streamable-http port.
-        roots: directories tools may read and write (default: the working directory).
+        roots: directories tools may read and write, added to the working directory.
         bridge_repos: Bridge checkouts whose tests may run.
         bridge_venv: allow those checkouts' own ``.venv`` Python.
 

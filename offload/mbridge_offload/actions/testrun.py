@@ -239,11 +239,33 @@ def parity_run(
     config: str | None, steps: int | None, timeout_s: float, on_progress: ProgressFn | None
 ) -> TestRunResult:
     """Run ``mbridge_offload.actions.parity`` in a subprocess; each of its checks becomes one test outcome."""
-    command = [sys.executable, "-m", "mbridge_offload.actions.parity", "--json", "--progress"]
-    if config is not None:
-        command += ["--config", config]
-    if steps is not None:
-        command += ["--steps", str(int(steps))]
+    with tempfile.TemporaryDirectory(prefix="mbridge-offload-parity-") as scratch:
+        command = [sys.executable, "-m", "mbridge_offload.actions.parity", "--json", "--progress"]
+        if config is not None:
+            command += ["--config", _config_here(config, Path(scratch))]
+        if steps is not None:
+            command += ["--steps", str(int(steps))]
+        return _parity_subprocess(command, timeout_s, on_progress)
+
+
+def _config_here(config: str, scratch: Path) -> str:
+    """The parity config as the child should read it: a file is read here, through the bounded reader and the
+    server's roots (the child runs in the project root, with no roots), and handed over as a copy in ``scratch``.
+
+    Raises:
+        ConfigError: the file is missing, not a regular file, too large or outside the read roots.
+    """
+    from mbridge_offload.config.sources import read_source
+
+    text, where = read_source(config)
+    if where == "<text>":
+        return config
+    copy = scratch / f"config{Path(where).suffix or '.yaml'}"
+    copy.write_text(text, encoding="utf-8")
+    return str(copy)
+
+
+def _parity_subprocess(command: list[str], timeout_s: float, on_progress: ProgressFn | None) -> TestRunResult:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(PROJECT_ROOT), *filter(None, [env.get("PYTHONPATH")])])
     env["PYTHONUNBUFFERED"] = "1"

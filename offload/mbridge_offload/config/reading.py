@@ -12,18 +12,21 @@ eating memory or crashing:
 - JSON ``NaN``/``Infinity`` are refused (not JSON). Non-finite YAML numbers (``.nan``, ``.inf``, ``1e999``) are
   read: upstream float fields take them (``optimizer.grad_norm_skip_threshold: .inf`` is Bridge's own default);
   ``schema.refuses_non_finite`` names the keys that refuse them (counts, and the bounds that are ours);
-- a server can fix, at its start, the directories configs may be read from (:func:`set_read_roots`).
+- a server can fix, at its start, the directories configs may be read from (:func:`set_read_roots`), and narrow
+  them for one MCP session to the roots its client declares (:func:`using_roots`).
 
 No torch import on this path.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
 import os
 import re
 import stat
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +40,11 @@ DEFAULT_MAX_DEPTH = 32
 DEFAULT_MAX_NODES = 100_000
 
 _read_roots: tuple[Path, ...] | None = None
+# The roots of the MCP session whose tool call is running (its client's declared roots): a context variable, so
+# concurrent sessions of one HTTP server each see their own; anyio copies it into the worker thread of the call.
+_session_roots: contextvars.ContextVar[tuple[Path, ...] | None] = contextvars.ContextVar(
+    "mbridge_offload_session_roots", default=None
+)
 
 
 def _env_int(name: str, default: int) -> int:
@@ -76,6 +84,22 @@ def set_read_roots(roots: Iterable[str | os.PathLike[str]] | None) -> None:
     _read_roots = None if roots is None else tuple(Path(r).resolve() for r in roots)
 
 
+def read_roots() -> tuple[Path, ...] | None:
+    """The directories reads are confined to now: this session's roots, else the server's, else None (anywhere)."""
+    session = _session_roots.get()
+    return session if session is not None else _read_roots
+
+
+@contextlib.contextmanager
+def using_roots(roots: Iterable[Path]) -> Iterator[None]:
+    """Confine reads (and the server's writes) to ``roots`` for the calls made inside the block."""
+    token = _session_roots.set(tuple(roots))
+    try:
+        yield
+    finally:
+        _session_roots.reset(token)
+
+
 def check_inside(path: Path, roots: Iterable[Path], what: str) -> Path:
     """``path`` resolved (symlinks followed); refused when it is outside every root.
 
@@ -87,7 +111,8 @@ def check_inside(path: Path, roots: Iterable[Path], what: str) -> Path:
     if not any(resolved == root or resolved.is_relative_to(root) for root in roots):
         raise InputError(
             f"{path}: outside the directories this server may {what} ({', '.join(str(r) for r in roots)})",
-            "use a path inside them, or restart the server with --root DIR",
+            "use a path inside them, or add its directory as a root: declare it in the MCP client's roots, or "
+            "restart the server with --root DIR",
         )
     return resolved
 
@@ -134,12 +159,14 @@ def read_text_file(path: str | os.PathLike[str], what: str = "config", tail: boo
     """
     where = str(path)
     p = Path(path)
-    if _read_roots is not None:
-        check_inside(p, _read_roots, "read")
+    roots = read_roots()
+    if roots is not None:
+        check_inside(p, roots, "read")
     try:
         fd = os.open(p, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOCTTY", 0) | getattr(os, "O_CLOEXEC", 0))
     except FileNotFoundError:
-        raise InputError(f"{where}: no such file", f"pass an existing {what} file (YAML or JSON)") from None
+        kind = f"{what} file (YAML or JSON)" if what == "config" else f"{what} file"
+        raise InputError(f"{where}: no such file", f"pass an existing {kind}") from None
     except IsADirectoryError:
         raise InputError(f"{where}: is a directory", f"pass the {what} file inside it") from None
     except PermissionError:

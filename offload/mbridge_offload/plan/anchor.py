@@ -29,7 +29,7 @@ from mbridge_offload.plan import calibration
 from mbridge_offload.plan.memory import GB, GiB, MemoryEstimate, estimate_memory
 from mbridge_offload.plan.resolve import Assumption, Resolved
 from mbridge_offload.plan.results import Anchor, MemoryBreakdown
-from mbridge_offload.plan.timing import baseline_step_s, cpu_adam_rate_source, default_mfu, estimate_time
+from mbridge_offload.plan.timing import baseline_step_s, default_mfu, estimate_time
 
 # The CUDA context and cuBLAS handles live outside PyTorch's allocator (~0.5 GiB on Hopper with CUDA 12).
 CUDA_CONTEXT_GIB = 0.5
@@ -176,10 +176,8 @@ def _anchor_oom(p: Plan, predicted: float, a: Anchor) -> None:
 def prepare(r: Resolved) -> Plan:
     """The yardstick for one answer: margin, time settings, and the anchor from the user's own run."""
     p = Plan(r, margin=r.inputs.margin if r.inputs.margin is not None else 0.05, time_kwargs=r.time_kwargs())
-    rate, source = cpu_adam_rate_source(
-        r.inputs.cpu_adam_params_per_s, r.inputs.calibration, r.gpu.cpu_adam_params_per_s_per_core
-    )
-    p.assumptions = [*r.assumptions, _rate_assumption(rate, source), _overhead_assumption(p)]
+    rate, source = r.cpu_adam_rate_source()
+    p.assumptions = [*r.assumptions, _rate_assumption(r, rate, source), _overhead_assumption(p)]
     peak, step, notes = _measurements(r)
     if peak is None and step is None and not r.inputs.ooms:
         p.assumptions += _baseline_assumptions(p)
@@ -243,10 +241,10 @@ def _overhead_assumption(p: Plan) -> Assumption:
     )
 
 
-def _rate_assumption(rate: float, source: str) -> Assumption:
+def _rate_assumption(r: Resolved, rate: float, source: str) -> Assumption:
     notes = {
         "preset": "the GPU preset's host CPU, fitted to the upstream card (plan/data/published.yaml)",
-        "calibration": "measured on this host by `mbridge-offload calibrate`",
+        "host-profile": f"`mbridge-offload calibrate`: {r.host_profile.describe()}" if r.host_profile else None,
         "default": "fused CPU AdamW on one core of the development host (torch 2.13)",
         "flag": None,
     }

@@ -1,49 +1,19 @@
-"""Where the measured CPU AdamW throughput is stored, and reading it back for the time model.
+"""Calibration from the user's own run: the peak memory and step time a Megatron training log reports.
 
-``mbridge-offload calibrate`` measures (``mbridge_offload.runtime.adam_throughput``) and saves here; the time model
-(``mbridge_offload.plan.timing``) reads the file when present, else uses the default figure documented there.
+``--measured-log`` / MCP ``measured_log`` is a log file or the log text; a file is read through the one bounded
+reader (regular files only, its last ``MBRIDGE_OFFLOAD_MAX_CONFIG_BYTES`` bytes, inside the server's roots).
+The measured CPU AdamW rate of a host is a named host profile: ``plan/host_profile.py``.
 """
 
 from __future__ import annotations
 
-import json
-import os
 import re
 import statistics
 from pathlib import Path
 from typing import Any
 
-ENV_VAR = "MBRIDGE_OFFLOAD_CALIBRATION"
-
-
-def calibration_path(path: str | os.PathLike[str] | None = None) -> Path:
-    """``path``, else ``$MBRIDGE_OFFLOAD_CALIBRATION``, else ``~/.cache/mbridge-offload/calibration.json``."""
-    if path:
-        return Path(path).expanduser()
-    if os.environ.get(ENV_VAR):
-        return Path(os.environ[ENV_VAR]).expanduser()
-    return Path("~/.cache/mbridge-offload/calibration.json").expanduser()
-
-
-def save(result: dict[str, Any], path: str | os.PathLike[str] | None = None) -> Path:
-    """Write the calibration atomically; returns the path."""
-    target = calibration_path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_suffix(".tmp")
-    tmp.write_text(json.dumps(result, indent=2) + "\n")
-    tmp.replace(target)
-    return target
-
-
-def load(path: str | os.PathLike[str] | None = None) -> dict[str, Any] | None:
-    """The stored calibration, or None when there is none (or it is unreadable)."""
-    target = calibration_path(path)
-    try:
-        data = json.loads(target.read_text())
-    except (OSError, ValueError):
-        return None
-    return data if isinstance(data, dict) and data.get("cpu_adam_params_per_s_per_core") else None
-
+from mbridge_offload.config.errors import InputError
+from mbridge_offload.config.reading import read_text_file
 
 # ------------------------------------------------------------------------------------------- the user's run
 
@@ -74,9 +44,19 @@ def parse_megatron_log(text: str) -> dict[str, Any]:
 
 
 def read_log(source: str) -> str:
-    """``source`` is a path to a log file, or the log text itself."""
-    if "\n" not in source and len(source) < 4096:
-        path = Path(source).expanduser()
-        if path.is_file():
-            return path.read_text(errors="replace")
-    return source
+    """``source`` is a path to a log file, or the log text itself.
+
+    One line that holds none of the lines :func:`parse_megatron_log` reads is taken as a path: read through the
+    bounded reader (a FIFO, a device or a path outside the server's roots is refused, a huge log keeps its tail).
+
+    Raises:
+        InputError: a path that is missing, not a regular file, unreadable or outside the read roots.
+    """
+    if "\n" in source or _MAX_ALLOCATED.search(source) or _ITERATION_MS.search(source):
+        return source
+    if len(source) > 4096:
+        raise InputError(
+            "measured_log: one line of text with no 'max allocated' or 'elapsed time per iteration (ms)'",
+            "pass the log file's path or the log's lines",
+        )
+    return read_text_file(Path(source).expanduser(), what="measured log", tail=True)

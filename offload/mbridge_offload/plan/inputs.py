@@ -164,11 +164,22 @@ class PlanInputs(BaseModel):
         group="time", help="CPU threads per rank (OMP_NUM_THREADS; torchrun sets 1)", ge=1, le=MAX_GPUS
     )
     cpu_adam_params_per_s: float | None = _field(
-        group="time", help="CPU AdamW params/s per core (else calibration, else the preset's)", gt=0, le=1e13
+        group="time",
+        help="CPU AdamW params/s per core (else the named host profile's, else the preset's)",
+        gt=0,
+        le=1e13,
     )
     baseline_step_s: float | None = _field(group="time", help="measured step time without offload, s", gt=0, le=1e6)
     mfu: float | None = _field(group="time", help="assumed MFU for a derived baseline step time", gt=0, le=1)
-    calibration: str | None = _field(group="time", help="CPU AdamW calibration file (from `calibrate`)")
+    host_profile: str | None = _field(
+        group="time",
+        help="a host profile from `calibrate` (its measured CPU AdamW rate): a NAME in .mbridge-offload/"
+        "host-profiles/ of the project (the server's roots), or a FILE; used only when given",
+        max_length=4096,
+    )
+    calibration: str | None = _field(
+        group="time", help="the older name of host_profile: a host profile FILE (from `calibrate`)", max_length=4096
+    )
     # --- decision
     margin: float | None = _field(
         group="decision", help="fraction of usable GPU memory kept free (default 0.05)", ge=0.0, lt=1.0

@@ -17,11 +17,14 @@ from pydantic import BaseModel
 from mbridge_offload.config.effective import Effective
 from mbridge_offload.config.effective import resolve as resolve_config
 from mbridge_offload.config.schema import OffloadConfig
+from mbridge_offload.plan import host_profile
 from mbridge_offload.plan.config_inputs import model_notes, raw_section, with_layout
 from mbridge_offload.plan.hardware import GpuPreset, gpu_preset, with_overrides
+from mbridge_offload.plan.host_profile import HostProfile
 from mbridge_offload.plan.inputs import FIELDS, InputError, PlanInputs, validate_inputs
 from mbridge_offload.plan.layout import layout_text
 from mbridge_offload.plan.memory import ModelSpec, Setup, check_setup
+from mbridge_offload.plan.timing import cpu_adam_rate_source
 from mbridge_offload.plan.vocab import tokenizer_vocab
 
 # Input → dotted config key (Bridge ConfigContainer; Megatron-LM argv is mapped onto the same keys by sources.py).
@@ -127,7 +130,7 @@ REQUIRED = ("num_layers", "hidden_size", "num_attention_heads", "vocab_size")
 # walks in well under a second. Published MoEs: DeepSeek-V3 61 x 256, Kimi K2 61 x 384 (at EP 1).
 MAX_LOCAL_EXPERT_LAYERS = 32_768
 # Not listed as assumptions: how to read the inputs, not settings of the run.
-_NOT_ASSUMPTIONS = {"measured_log", "calibration", "model"}
+_NOT_ASSUMPTIONS = {"measured_log", "calibration", "host_profile", "model"}
 
 
 class Assumption(BaseModel):
@@ -191,6 +194,7 @@ class Resolved:
     assumptions: list[Assumption] = field(default_factory=list)
     raw_config: dict[str, Any] | None = None  # the user's config as read, for the rule catalogue
     effective: Effective | None = None  # the config's one resolution (config.effective), None without a config
+    host_profile: HostProfile | None = None  # the profile the caller named (host_profile / calibration), read once
 
     @property
     def source(self) -> str | None:
@@ -206,11 +210,17 @@ class Resolved:
         i = self.inputs
         return {
             "cpu_threads": i.cpu_threads or 1,
-            "cpu_params_per_s_per_core": i.cpu_adam_params_per_s,
+            "cpu_params_per_s_per_core": self.cpu_adam_rate_source()[0],
             "baseline_s": i.baseline_step_s,
             "mfu": i.mfu,
-            "calibration": i.calibration,
         }
+
+    def cpu_adam_rate_source(self) -> tuple[float, str]:
+        """The per-core CPU AdamW rate in force and its source: the flag, the named host profile, the GPU
+        preset's host figure, the measured default; in that order."""
+        if self.inputs.cpu_adam_params_per_s is None and self.host_profile is not None:
+            return self.host_profile.rate_per_core, "host-profile"
+        return cpu_adam_rate_source(self.inputs.cpu_adam_params_per_s, self.gpu.cpu_adam_params_per_s_per_core)
 
 
 # ------------------------------------------------------------------------------------------- layers
@@ -468,4 +478,19 @@ def resolve(
     final = PlanInputs.model_validate({k: values.get(k) for k in FIELDS})
     assumptions = _assumptions(values, where, notes)
     raw_config = raw if raw is not None else (config.model_dump(mode="json") if config is not None else None)
-    return Resolved(final, where, m, s, _gpu(values), constraints, assumptions, raw_config, eff)
+    profile = _host_profile(final)
+    return Resolved(final, where, m, s, _gpu(values), constraints, assumptions, raw_config, eff, profile)
+
+
+def _host_profile(i: PlanInputs) -> HostProfile | None:
+    """The host profile the caller named, or None: nothing is looked up unless asked for (no HOME default).
+
+    Raises:
+        InputError: both ``host_profile`` and ``calibration`` given, or the profile cannot be read.
+    """
+    if i.host_profile is not None and i.calibration is not None and i.host_profile != i.calibration:
+        raise host_profile.InputError(
+            "pass host_profile or calibration, not both", "use --host-profile NAME|FILE (calibration is its old name)"
+        )
+    ref = i.host_profile or i.calibration
+    return host_profile.load(ref) if ref else None

@@ -6,7 +6,8 @@ Optimizer offload (HybridDeviceOptimizer, per step, for the ``N`` offloaded fp32
   directions run on separate copy engines, so they overlap each other (full duplex).
 - the CPU AdamW step: ``max(N·36 B / host bandwidth, N / (threads × params/s per core))``. 36 B = read param,
   grad, m, v (16) + write param, m, v (12) + the DMA traffic of the two copies (8). The per-core rate is the
-  measured one (``mbridge-offload calibrate``) or ``DEFAULT_CPU_ADAM_PARAMS_PER_S_PER_CORE``; ``threads`` defaults
+  caller's (a flag, or a host profile ``mbridge-offload calibrate`` measured, when named), the GPU preset's host
+  figure, or ``DEFAULT_CPU_ADAM_PARAMS_PER_S_PER_CORE``; ``threads`` defaults
   to 1 because ``torchrun`` sets ``OMP_NUM_THREADS=1`` for every rank when it starts more than one per node.
 - without ``overlap_cpu_optimizer_d2h_h2d`` the three run one after another; with it (one CPU optimizer per
   param, D2H queued up front, each H2D launched after its update) the step costs their maximum.
@@ -25,7 +26,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from mbridge_offload.plan import calibration as calibrate
 from mbridge_offload.plan.hardware import GpuPreset
 from mbridge_offload.plan.memory import MemoryEstimate, ModelSpec, Setup, layer_params, padded_vocab, stage_layers
 from mbridge_offload.plan.model import mtp_depth_params
@@ -111,26 +111,20 @@ def baseline_step_s(m: ModelSpec, s: Setup, gpu: GpuPreset, mfu: float | None = 
     return compute * (1 + bubble)
 
 
-def cpu_adam_rate(
-    threads: int, per_core: float | None = None, calibration: str | None = None, preset: float | None = None
-) -> float:
+def cpu_adam_rate(threads: int, per_core: float | None = None, preset: float | None = None) -> float:
     """Params/s of one rank's CPU AdamW: ``threads × per-core rate``.
 
-    The per-core rate is, in order: the argument, the calibration file, the GPU preset's host figure
-    (``preset``), the measured default.
+    The per-core rate is, in order: the argument (a flag, or a named host profile's), the GPU preset's host
+    figure (``preset``), the measured default. No file is consulted here: a host profile counts only when the
+    caller names it (``plan/host_profile.py``).
     """
-    return threads * cpu_adam_rate_source(per_core, calibration, preset)[0]
+    return threads * cpu_adam_rate_source(per_core, preset)[0]
 
 
-def cpu_adam_rate_source(
-    per_core: float | None = None, calibration: str | None = None, preset: float | None = None
-) -> tuple[float, str]:
-    """The per-core CPU AdamW rate in force and where it comes from (flag, calibration, preset, default)."""
+def cpu_adam_rate_source(per_core: float | None = None, preset: float | None = None) -> tuple[float, str]:
+    """The per-core CPU AdamW rate in force and where it comes from (flag, preset, default)."""
     if per_core is not None:
         return per_core, "flag"
-    stored = calibrate.load(calibration)
-    if stored:
-        return float(stored["cpu_adam_params_per_s_per_core"]), "calibration"
     if preset is not None:
         return preset, "preset"
     return DEFAULT_CPU_ADAM_PARAMS_PER_S_PER_CORE, "default"
@@ -145,7 +139,6 @@ def estimate_time(
     cpu_params_per_s_per_core: float | None = None,
     baseline_s: float | None = None,
     mfu: float | None = None,
-    calibration: str | None = None,
 ) -> TimeEstimate:
     """Extra step time of the offload settings in ``est.setup`` on ``gpu``.
 
@@ -154,16 +147,16 @@ def estimate_time(
         gpu: link and host figures.
         overlap: ``optimizer.overlap_cpu_optimizer_d2h_h2d``.
         cpu_threads: CPU threads each rank's optimizer gets (``OMP_NUM_THREADS``), capped at ``gpu.cpu_cores``.
-        cpu_params_per_s_per_core: override of the measured/default CPU AdamW rate.
+        cpu_params_per_s_per_core: the caller's CPU AdamW rate per core (a flag or a named host profile); else
+            the preset's, else the default.
         baseline_s: the measured step time without offload; else derived from FLOPs at ``mfu``.
         mfu: assumed model-FLOPs utilisation for the derived baseline.
-        calibration: path of the calibration file (default: see ``mbridge_offload.plan.calibration``).
     """
     m, s = est.model, est.setup
     base = baseline_s if baseline_s is not None else baseline_step_s(m, s, gpu, mfu)
     out = TimeEstimate(baseline_s=base)
     threads = max(1, min(cpu_threads, gpu.cpu_cores))
-    rate = cpu_adam_rate(threads, cpu_params_per_s_per_core, calibration, gpu.cpu_adam_params_per_s_per_core)
+    rate = cpu_adam_rate(threads, cpu_params_per_s_per_core, gpu.cpu_adam_params_per_s_per_core)
     out.cpu_params_per_s = rate
     d2h, h2d = gpu.d2h_effective_gbps * 1e9, gpu.h2d_effective_gbps * 1e9
     offloaded = max(st.offloaded_numel for st in est.stages)  # every rank waits for the slowest stage
