@@ -29,7 +29,7 @@ from mbridge_offload.plan import calibration
 from mbridge_offload.plan.memory import GB, GiB, MemoryEstimate, estimate_memory
 from mbridge_offload.plan.resolve import Assumption, Resolved
 from mbridge_offload.plan.results import Anchor, MemoryBreakdown
-from mbridge_offload.plan.timing import baseline_step_s, cpu_adam_rate_source, default_mfu, estimate_time
+from mbridge_offload.plan.timing import baseline_step_s, compute_efficiency, cpu_adam_rate_source, estimate_time
 
 # The CUDA context and cuBLAS handles live outside PyTorch's allocator (~0.5 GiB on Hopper with CUDA 12).
 CUDA_CONTEXT_GIB = 0.5
@@ -212,16 +212,23 @@ def _baseline_assumptions(p: Plan) -> list[Assumption]:
         source = "flag" if r.inputs.baseline_step_s is not None else "measured"
         note = "measured step time without offload" if source == "flag" else "implied by the measured step"
         return [Assumption(name="baseline_step_s", value=round(measured, 4), source=source, note=note)]
-    mfu, mfu_source = (r.inputs.mfu, "flag") if r.inputs.mfu is not None else default_mfu(r.model)
+    mfu, mfu_source = compute_efficiency(r.model, r.setup, r.gpu, mfu=r.inputs.mfu)
     value = baseline_step_s(r.model, r.setup, r.gpu, mfu)
     return [
-        Assumption(name="mfu", value=mfu, source="flag" if mfu_source == "flag" else "default", note=mfu_source),
+        Assumption(
+            name="mfu",
+            value=round(mfu, 4),
+            source="flag" if r.inputs.mfu is not None else "default",
+            note=f"compute efficiency (fraction of peak on the compute terms): {mfu_source}",
+        ),
         Assumption(
             name="baseline_step_s",
             value=round(value, 4),
             source="derived",
-            note=f"model FLOPs at MFU {mfu:g} of the GPU's {r.gpu.peak_tflops:g} TFLOP/s bf16 peak, plus the 1F1B "
-            "bubble; pass --baseline-step-s with a measured step time",
+            note=f"step-time model (plan/step_time.py): model FLOPs at efficiency {mfu:.3f} of the GPU's peak "
+            f"({r.gpu.peak_tflops:g} TFLOP/s bf16, {r.gpu.fp8_tflops or r.gpu.peak_tflops:g} FP8), TP/CP/EP/DP "
+            "communication over NVLink or the network, the 1F1B bubble; pass --baseline-step-s with a measured "
+            "step time to calibrate the efficiency",
         ),
     ]
 
