@@ -94,7 +94,7 @@ SAPPHIRE_RAPIDS_ADAM = 0.705e9
 _PCIE5 = "host link PCIe Gen5 x16 (63 GB/s per direction nominal, x LINK_EFFICIENCY)"
 _C2C = "NVLink-C2C, 900 GB/s bidirectional = 450 GB/s per direction nominal"
 _MCORE_6491 = "NVIDIA/Megatron-LM#6491 comments (nvbandwidth, 4-GPU nodes, all GPUs copying at once, 2026-08)"
-# Step-time model figures (GpuPreset.generation ... network_gbps), one datasheet line each. NVLink figures are
+# Step-time model figures (GpuPreset.fp8_tflops ... network_gbps), one datasheet line each. NVLink figures are
 # NVIDIA's "total bandwidth" (both directions) halved; NIC figures are the line rate of the one NIC per GPU / 8.
 _H100_LINKS = (
     "NVIDIA H100 Tensor Core GPU datasheet (SXM): FP8 1,979 TFLOPS dense (3,958 with sparsity), NVLink 900 GB/s; "

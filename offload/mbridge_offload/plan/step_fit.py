@@ -2,7 +2,7 @@
 
 Each published row becomes a ``ModelSpec`` and a ``Setup`` with that row's settings; its measured step time is
 ``GBS x seq / (tokens/s/GPU x GPUs)``. ``row_efficiency`` solves the compute efficiency at which the model's step
-equals it; ``fit`` takes the geometric mean of those per group (GPU generation x precision x dense/MoE), which
+equals it; ``fit`` takes the geometric mean of those per group (GPU preset x precision x dense/MoE), which
 ``step_time.EFFICIENCY`` holds rounded (a test checks they agree); ``leave_one_out`` refits without each row in
 turn. Never imports torch.
 """
@@ -101,7 +101,7 @@ def row_efficiency(index: int) -> float:
 
 
 def fit(leave_out: int | None = None) -> dict[tuple[str, str, str], float]:
-    """Efficiency per (generation, precision, dense/moe): the geometric mean over that group's rows."""
+    """Efficiency per (GPU preset, precision, dense/moe): the geometric mean over that group's rows."""
     logs: dict[tuple[str, str, str], list[float]] = defaultdict(list)
     for i, r in enumerate(rows()):
         if i != leave_out:

@@ -4,7 +4,7 @@ Per GPU and per optimizer step, for ``m`` micro-batches per DP rank:
 
 - **compute**: model FLOPs (6 x active params per token + causal attention; MoE counts the routed top-k share;
   MLA its real projections) / number of GPUs, at the GPU's peak (dense FP8 peak for the linear layers of an FP8 run,
-  bf16 for attention and the output layer) x the compute efficiency (fitted per GPU generation x precision x
+  bf16 for attention and the output layer) x the compute efficiency (fitted per GPU preset x precision x
   dense/MoE on Megatron Bridge's performance summary, ``plan/data/performance_summary.yaml``) x a GEMM efficiency
   ``d / (d + GEMM_HALF_DIM)`` of each GEMM's smallest per-GPU dimension ``d`` (TP, ETP, CP and small expert batches
   shrink it, so splitting a model more finely is not free).
@@ -327,7 +327,7 @@ def step_terms(m: ModelSpec, s: Setup, gpu: GpuPreset) -> StepTerms:
         cp_first_hop=cp_first,
         microbatches=mb,
         bubble_stages=(s.pp - 1) / (s.vpp or 1),
-        moe_passes=moe_layers * mb * (1 + full_fraction),
+        moe_passes=moe_layers * mb * (1 + full_fraction / 2),  # a recomputed forward: half a pass
         notes=notes,
     )
 
