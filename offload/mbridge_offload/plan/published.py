@@ -14,7 +14,6 @@ Nothing is special-cased per point: every prediction is the planner's ordinary a
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from functools import lru_cache
 from importlib import resources

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache, lru_cache
 from importlib import resources
 from typing import Any
 
@@ -90,7 +90,7 @@ def rows() -> tuple[Row, ...]:
     return tuple(_row(r) for r in load()["rows"])
 
 
-@lru_cache(maxsize=None)
+@cache
 def row_efficiency(index: int) -> float:
     """The compute efficiency at which row ``index``'s predicted step equals its measured one."""
     r = rows()[index]

@@ -41,8 +41,9 @@ GEMM_HALF_DIM = 512
 TP_OVERLAP_EXPOSED = 0.25
 # Fixed time each MoE layer costs per micro-batch (forward + backward) beyond its FLOPs and all-to-alls: dropless
 # dispatch waits for the token counts on the host (a device-to-host sync per layer), then permutes and launches
-# per-expert work. FITTED (grid, see GEMM_HALF_DIM; 6 ms and more leave rows no efficiency can match): it is what makes a small-expert MoE at MBS 1
-# (Qwen3-30B-A3B on B200, 64 micro-batches) 2.5x slower per token than at MBS 4 (GB200, 16 micro-batches).
+# per-expert work. FITTED (grid, see GEMM_HALF_DIM; 6 ms and more leave rows no efficiency can match): it is what
+# makes a small-expert MoE at MBS 1 (Qwen3-30B-A3B on B200, 64 micro-batches) 2.5x slower per token than at MBS 4
+# (GB200, 16 micro-batches).
 MOE_LAYER_OVERHEAD_S = 0.004
 # Recompute modules that cost memory traffic but no matmul FLOPs (elementwise kernels): counted as free.
 ELEMENTWISE_MODULES = ("layernorm", "moe_act")
@@ -62,7 +63,15 @@ class Flops:
 
     @property
     def total(self) -> float:
-        return self.attn_linear + self.mla_up_proj + self.core_attn + self.mlp + self.moe + self.shared_experts + self.output
+        return (
+            self.attn_linear
+            + self.mla_up_proj
+            + self.core_attn
+            + self.mlp
+            + self.moe
+            + self.shared_experts
+            + self.output
+        )
 
     @property
     def layers(self) -> float:
@@ -303,7 +312,7 @@ def step_terms(m: ModelSpec, s: Setup, gpu: GpuPreset) -> StepTerms:
     tp, tp_again, tp_link = _tp_seconds(m, s, gpu, layers, full_fraction * layers)
     cp, cp_first, cp_link = _cp_seconds(m, s, gpu, layers)
     ep, ep_link = _ep_seconds(m, s, gpu, moe_layers)
-    if "moe" in s.recompute_modules and s.recompute_granularity == "selective" or full_fraction:
+    if ("moe" in s.recompute_modules and s.recompute_granularity == "selective") or full_fraction:
         ep_again = ep / 4 * 2 * (full_fraction or 1.0)  # the recomputed forward dispatches and combines again
     else:
         ep_again = 0.0
@@ -369,6 +378,8 @@ def efficiency(m: ModelSpec, s: Setup, gpu: GpuPreset) -> tuple[float, str]:
     like = EFFICIENCY_LIKE.get(name, name)
     for key in ((name, precision, kind), (name, other, kind), (like, precision, kind), (like, other, kind)):
         if key in EFFICIENCY:
-            borrowed = "" if key == (name, precision, kind) else f" (borrowed: no published {name} {precision} {kind} row)"
+            borrowed = (
+                "" if key == (name, precision, kind) else f" (borrowed: no published {name} {precision} {kind} row)"
+            )
             return EFFICIENCY[key], f"{EFFICIENCY_SOURCE}, group {'/'.join(key)}{borrowed}"
     return 0.45, "assumed 0.45 (no fitted group applies)"

@@ -95,9 +95,7 @@ def default_microbatches(s: Setup) -> int:
 
 def no_lever_setup(s: Setup) -> Setup:
     """The same run with recomputation off and every offload off: what ``step_time_factor`` divides by."""
-    return replace(
-        offload_off(s), recompute_granularity=None, recompute_method=None, recompute_num_layers=None
-    )
+    return replace(offload_off(s), recompute_granularity=None, recompute_method=None, recompute_num_layers=None)
 
 
 def offload_off(s: Setup) -> Setup:
@@ -184,7 +182,14 @@ def estimate_time(
     out = TimeEstimate(
         baseline_s=step_time.step_terms(m, no_lever_setup(s), gpu).step(eff),
         run_s=sum(secs.values()),
-        **{f"{k}_s": v for k, v in secs.items()},
+        compute_s=secs["compute"],
+        recompute_s=secs["recompute"],
+        tp_comm_s=secs["tp_comm"],
+        cp_comm_s=secs["cp_comm"],
+        ep_comm_s=secs["ep_comm"],
+        moe_overhead_s=secs["moe_overhead"],
+        dp_comm_s=secs["dp_comm"],
+        bubble_s=secs["bubble"],
         efficiency=eff,
         efficiency_source=source,
         assumptions=[f"compute efficiency {eff:.3f}: {source}", *terms.notes],
@@ -213,22 +218,30 @@ def estimate_time(
         out.activation_extra_s, note = step_extra_s(m, s, min(d2h, h2d), base, default_microbatches(s))
         out.notes += [note] if note else []
     if s.use_megatron_fsdp:
-        out.notes.append("activation copies share the host link with nothing else here (Megatron-FSDP's own traffic "
-                         "runs over NVLink and the network)")
-    k = s.activation_offload_layers
-    if k:
-        from mbridge_offload.plan.activations import stage_activations
-
-        eligible = stage_activations(m, s, 0).offloadable_bytes
-        mb = default_microbatches(s)
-        layers = len(stage_layers(m, s)[0])
-        per_layer_fwd = base / (1 + (s.pp - 1) / mb) / mb / layers / 3  # forward ≈ 1/3 of a layer's fwd+bwd
-        copy = eligible / d2h  # offload during the forward, reload (H2D) during the backward
-        exposed = max(0.0, copy - per_layer_fwd) + max(0.0, eligible / h2d - 2 * per_layer_fwd)
-        out.activation_extra_s = k * exposed * mb
-        if exposed > 0:
-            out.notes.append(
-                f"activation copies ({copy * 1e3:.1f} ms per layer) exceed a layer's forward "
-                f"({per_layer_fwd * 1e3:.1f} ms): not fully hidden"
-            )
+        out.notes.append(
+            "activation copies share the host link with nothing else here (Megatron-FSDP's own traffic "
+            "runs over NVLink and the network)"
+        )
+    if s.activation_offload_layers:
+        _layer_offload(out, est, d2h, h2d)
     return out
+
+
+def _layer_offload(out: TimeEstimate, est: MemoryEstimate, d2h: float, h2d: float) -> None:
+    """Layer-level activation offload: each offloaded layer's eligible bytes go D2H during the next layer's forward
+    and come back during the backward; only what the link cannot hide is added."""
+    from mbridge_offload.plan.activations import stage_activations
+
+    m, s = est.model, est.setup
+    eligible = stage_activations(m, s, 0).offloadable_bytes
+    mb = default_microbatches(s)
+    layers = len(stage_layers(m, s)[0])
+    per_layer_fwd = out.compute_s / mb / layers / 3  # forward ≈ 1/3 of a layer's fwd+bwd compute
+    copy = eligible / d2h  # offload during the forward, reload (H2D) during the backward
+    exposed = max(0.0, copy - per_layer_fwd) + max(0.0, eligible / h2d - 2 * per_layer_fwd)
+    out.activation_extra_s = s.activation_offload_layers * exposed * mb
+    if exposed > 0:
+        out.notes.append(
+            f"activation copies ({copy * 1e3:.1f} ms per layer) exceed a layer's forward "
+            f"({per_layer_fwd * 1e3:.1f} ms): not fully hidden"
+        )
