@@ -307,14 +307,17 @@ def with_overrides(preset: GpuPreset, **values: float | int | None) -> GpuPreset
 def render_gpu_table() -> str:
     """The GPU presets as a Markdown table with each figure's source (docs/planner.md, section gpu-presets)."""
     lines = [
-        "| preset | exposed GiB | D2H / H2D GB/s used | host GB/s per GPU | cores per GPU | source |",
-        "|---|---|---|---|---|---|",
+        "| preset | exposed GiB | D2H / H2D GB/s used | host GB/s per GPU | cores per GPU | bf16 / FP8 TFLOP/s "
+        "| NVLink GB/s per direction (domain) | network GB/s per GPU | source |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for p in GPU_PRESETS.values():
         exposed = f"{p.capacity_gib:.2f}" if p.capacity_gib else f"{p.hbm_gb:g} GB (marketed)"
         measured = " (measured)" if p.measured_d2h_gbps or p.measured_h2d_gbps else ""
+        fp8 = f"{p.fp8_tflops:g}" if p.fp8_tflops else "—"
         lines.append(
             f"| `{p.name}` | {exposed} | {p.d2h_effective_gbps:.0f} / {p.h2d_effective_gbps:.0f}{measured} "
-            f"| {p.host_bw_gbps:.0f} | {p.cpu_cores} | {p.source} |"
+            f"| {p.host_bw_gbps:.0f} | {p.cpu_cores} | {p.peak_tflops:g} / {fp8} | {p.nvlink_gbps:g} "
+            f"({p.nvlink_domain}) | {p.network_gbps:g} | {p.source}; {p.link_source} |"
         )
     return "\n".join(lines) + "\n"

@@ -167,7 +167,12 @@ class PlanInputs(BaseModel):
         group="time", help="CPU AdamW params/s per core (else calibration, else the preset's)", gt=0, le=1e13
     )
     baseline_step_s: float | None = _field(group="time", help="measured step time without offload, s", gt=0, le=1e6)
-    mfu: float | None = _field(group="time", help="compute efficiency (fraction of peak on the compute terms) instead of the fitted one", gt=0, le=1)
+    mfu: float | None = _field(
+        group="time",
+        help="compute efficiency (fraction of peak on the compute terms) instead of the fitted one",
+        gt=0,
+        le=1,
+    )
     calibration: str | None = _field(group="time", help="CPU AdamW calibration file (from `calibrate`)")
     # --- decision
     margin: float | None = _field(

@@ -130,3 +130,26 @@ def errors() -> list[tuple[str, float, float | None]]:
             (r.label, pred / r.tokens_per_s_per_gpu - 1, None if loo is None else loo / r.tokens_per_s_per_gpu - 1)
         )
     return out
+
+
+def render_table() -> str:
+    """The step-time model's accuracy per published row (docs/planner.md, section step-time; generated)."""
+    lines = [
+        "| row (GPU, model, precision, layout) | published tokens/s/GPU | predicted | error | leave-one-out |",
+        "|---|---|---|---|---|",
+    ]
+    fitted = fit()
+    for i, (label, err, loo) in enumerate(errors()):
+        r = rows()[i]
+        pred = predicted_tokens(i, fitted) or 0.0
+        loo_text = "— (alone in its group)" if loo is None else f"{loo:+.1%}"
+        lines.append(f"| {label} | {r.tokens_per_s_per_gpu:g} | {pred:.0f} | {err:+.1%} | {loo_text} |")
+    groups = ", ".join(f"{'/'.join(k)} {v:.3f}" for k, v in fitted.items())
+    lines += [
+        "",
+        f"Fitted compute efficiencies (GPU preset/precision/kind): {groups}. Source: Megatron Bridge "
+        "`docs/performance-summary.md` (NeMo 25.11), copied with its settings into "
+        "`offload/mbridge_offload/plan/data/performance_summary.yaml`; the settings it does not publish "
+        "(recompute, TP overlap, ETP) are assumed as that file says. Measured by NVIDIA; none was run by this project.",
+    ]
+    return "\n".join(lines) + "\n"
