@@ -183,3 +183,25 @@ def test_every_figure_names_its_efficiency_source():
     assert any("performance summary" in a and "h100-80gb/fp8/dense" in a for a in t.assumptions)
     borrowed = _time(DENSE_8K, gpu=gpu_preset("h200-141gb"))
     assert any("borrowed" in a for a in borrowed.assumptions)
+
+
+def test_the_configs_overlap_settings_reach_the_step_time(tmp_path):
+    from mbridge_offload.config import sources
+    from mbridge_offload.plan import planner as plan
+    from mbridge_offload.plan.resolve import resolve
+    from mbridge_offload.plan.service import estimate_for_inputs
+
+    config = tmp_path / "run.yaml"
+    config.write_text("ddp:\n  overlap_grad_reduce: false\n  overlap_param_gather: false\n")
+    flags = {"model": "llama3-8b", "num_gpus": 8, "global_batch_size": 8, "seq_length": 8192}
+    hidden = plan.estimate(resolve(flags)).time_s
+    loaded = sources.load(str(config))
+    result = estimate_for_inputs(loaded.config, loaded.raw, **flags)
+    assert {a.name: a.value for a in result.assumptions}["overlap_grad_reduce"] is False
+    exposed = result.time_s
+    assert exposed.dp_comm > hidden.dp_comm and exposed.step > hidden.step
+    tp_flags = {**flags, "tp": 4}
+    assert (
+        plan.estimate(resolve({**tp_flags, "tp_comm_overlap": True})).time_s.tp_comm
+        < plan.estimate(resolve(tp_flags)).time_s.tp_comm
+    )

@@ -174,6 +174,15 @@ class PlanInputs(BaseModel):
         le=1,
     )
     calibration: str | None = _field(group="time", help="CPU AdamW calibration file (from `calibrate`)")
+    overlap_grad_reduce: bool | None = _field(
+        group="time", help="ddp.overlap_grad_reduce (gradient reduce-scatter behind the backward)"
+    )
+    overlap_param_gather: bool | None = _field(
+        group="time", help="ddp.overlap_param_gather (parameter all-gather behind the forward)"
+    )
+    tp_comm_overlap: bool | None = _field(
+        group="time", help="comm_overlap.tp_comm_overlap (TE userbuffers hide most TP traffic)"
+    )
     # --- decision
     margin: float | None = _field(
         group="decision", help="fraction of usable GPU memory kept free (default 0.05)", ge=0.0, lt=1.0
