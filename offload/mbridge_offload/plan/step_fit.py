@@ -148,7 +148,7 @@ def render_table() -> str:
     lines += [
         "",
         f"Fitted compute efficiencies (GPU preset/precision/kind): {groups}. Source: Megatron Bridge "
-        "`docs/performance-summary.md` (NeMo 25.11), copied with its settings into "
+        "performance summary page (NVIDIA-NeMo/Megatron-Bridge, NeMo 25.11), copied with its settings into "
         "`offload/mbridge_offload/plan/data/performance_summary.yaml`; the settings it does not publish "
         "(recompute, TP overlap, ETP) are assumed as that file says. Measured by NVIDIA; none was run by this project.",
     ]
