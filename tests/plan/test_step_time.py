@@ -205,3 +205,18 @@ def test_the_configs_overlap_settings_reach_the_step_time(tmp_path):
         plan.estimate(resolve({**tp_flags, "tp_comm_overlap": True})).time_s.tp_comm
         < plan.estimate(resolve(tp_flags)).time_s.tp_comm
     )
+
+
+def test_a_measured_step_calibrates_once_and_other_settings_use_that_efficiency():
+    from mbridge_offload.plan.anchor import prepare
+    from mbridge_offload.plan.resolve import resolve
+
+    r = resolve(
+        {"model": "llama3-8b", "num_gpus": 8, "global_batch_size": 128, "seq_length": 8192, "baseline_step_s": 9}
+    )
+    p = prepare(r)
+    assert "calibrated" in p.time_kwargs["mfu_source"]
+    same = estimate_time(estimate_memory(r.model, r.setup), r.gpu, **p.time_kwargs)
+    assert same.without_offload_s == pytest.approx(9.0, rel=1e-3)
+    tp8 = estimate_time(estimate_memory(r.model, replace(r.setup, tp=8)), r.gpu, **p.time_kwargs)
+    assert tp8.efficiency == same.efficiency and tp8.without_offload_s > 9.0  # not pinned to the measured 9 s

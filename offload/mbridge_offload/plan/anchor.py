@@ -183,6 +183,7 @@ def prepare(r: Resolved) -> Plan:
     peak, step, notes = _measurements(r)
     if peak is None and step is None and not r.inputs.ooms:
         p.assumptions += _baseline_assumptions(p)
+        _freeze_efficiency(p)
         return p
     est = estimate_memory(r.model, r.setup)
     predicted = float(est.worst.total)
@@ -201,7 +202,20 @@ def prepare(r: Resolved) -> Plan:
     a.memory_offset_gib = round(p.offset / GiB, 3)
     p.anchor = a
     p.assumptions += _baseline_assumptions(p)
+    _freeze_efficiency(p)
     return p
+
+
+def _freeze_efficiency(p: Plan) -> None:
+    """A measured step calibrates the compute efficiency at the measured settings, once; every other setting the
+    planner tries (another offload, recompute, TP) is then predicted at that efficiency, not pinned to the measured
+    seconds."""
+    r, kw = p.r, p.time_kwargs
+    if kw.get("baseline_s") is None or kw.get("mfu") is not None:
+        return
+    eff, source = compute_efficiency(r.model, r.setup, r.gpu, baseline_s=kw["baseline_s"])
+    if source.startswith("calibrated"):
+        kw.update(mfu=eff, mfu_source=f"{source} (at TP{r.setup.tp} PP{r.setup.pp} CP{r.setup.cp} EP{r.setup.ep})")
 
 
 def _baseline_assumptions(p: Plan) -> list[Assumption]:

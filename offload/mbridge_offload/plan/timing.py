@@ -104,12 +104,18 @@ def offload_off(s: Setup) -> Setup:
 
 
 def compute_efficiency(
-    m: ModelSpec, s: Setup, gpu: GpuPreset, *, mfu: float | None = None, baseline_s: float | None = None
+    m: ModelSpec,
+    s: Setup,
+    gpu: GpuPreset,
+    *,
+    mfu: float | None = None,
+    baseline_s: float | None = None,
+    mfu_source: str | None = None,
 ) -> tuple[float, str]:
-    """The efficiency on the compute terms and where it comes from: ``mfu`` as given, else the one at which the
-    run without offload takes the measured ``baseline_s``, else the fitted one."""
+    """The efficiency on the compute terms and where it comes from: ``mfu`` as given (``mfu_source`` says why),
+    else the one at which the run without offload takes the measured ``baseline_s``, else the fitted one."""
     if mfu is not None:
-        return mfu, "flag (--mfu: fraction of peak on the compute terms)"
+        return mfu, mfu_source or "flag (--mfu: fraction of peak on the compute terms)"
     fitted, source = step_time.efficiency(m, s, gpu)
     if baseline_s is not None:
         measured = step_time.step_terms(m, offload_off(s), gpu).efficiency_for(baseline_s)
@@ -161,6 +167,7 @@ def estimate_time(
     baseline_s: float | None = None,
     mfu: float | None = None,
     calibration: str | None = None,
+    mfu_source: str | None = None,
 ) -> TimeEstimate:
     """Step time of ``est.setup`` on ``gpu`` by term, what its offload adds, and the step without any lever.
 
@@ -174,9 +181,10 @@ def estimate_time(
             efficiency (``compute_efficiency``), which then applies to every setting.
         mfu: the compute efficiency (fraction of peak on the compute terms) to use instead of the fitted one.
         calibration: path of the calibration file (default: see ``mbridge_offload.plan.calibration``).
+        mfu_source: where ``mfu`` comes from (e.g. a measured step of another setting), for the assumptions.
     """
     m, s = est.model, est.setup
-    eff, source = compute_efficiency(m, s, gpu, mfu=mfu, baseline_s=baseline_s)
+    eff, source = compute_efficiency(m, s, gpu, mfu=mfu, baseline_s=baseline_s, mfu_source=mfu_source)
     terms = step_time.step_terms(m, offload_off(s), gpu)
     secs = terms.seconds(eff)
     out = TimeEstimate(
