@@ -17,7 +17,7 @@ from mbridge_offload.plan.inputs import InputError
 from mbridge_offload.plan.model import MambaSpec, Setup, check_setup, layer_params, stage_params, total_params
 from mbridge_offload.plan.resolve import resolve
 from mbridge_offload.plan.service import estimate_for_inputs, recommend_for_inputs
-from mbridge_offload.plan.timing import _flops_per_token
+from mbridge_offload.plan.step_time import forward_flops
 from mbridge_offload.plan.vocab import tokenizer_vocab
 from tests.support import tree
 from tests.support.tree import ROOT
@@ -105,10 +105,12 @@ def test_mtp_depths_sit_on_the_last_stage_with_their_own_logits():
 
 def test_mtp_and_mamba_count_in_the_step_flops():
     m = _model()
-    s = Setup(num_gpus=16, ep=8, etp=1)
     plain = replace(m, mtp_num_layers=0)
-    assert _flops_per_token(m, s) > _flops_per_token(plain, s)
+    assert forward_flops(m, 8192).total > forward_flops(plain, 8192).total
+    assert forward_flops(m, 8192).output == 3 * forward_flops(plain, 8192).output  # two MTP depths' logits
     assert m.ssm_flops_per_token() > 0 and m.attention_layers == 6
+    dense_attention = replace(plain, layer_pattern=None, mamba=None)
+    assert forward_flops(plain, 8192).core_attn < forward_flops(dense_attention, 8192).core_attn
 
 
 def test_the_lightning_recipe_is_estimated_and_recommended_with_its_tokenizer_vocabulary():

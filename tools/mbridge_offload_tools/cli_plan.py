@@ -161,10 +161,22 @@ def _human_estimate(d: dict[str, Any]) -> str:
             "offloaded",
             f"{d['offloaded_fraction']:.1%} of optimizer shards, {d['activation_offload_layers']} activation layers",
         ),
-        ("step time", f"x{d['step_time_factor']:.2f} (baseline {d['time_s']['baseline']:.3f} s)"),
+        ("step time", _step_time_text(d["step_time_factor"], d["time_s"])),
     ]
     lines = [head, _table(rows)] + [f"note: {n}" for n in d["notes"]] + [f"warning: {w}" for w in d["warnings"]]
     return "\n".join([*lines, f"unit: {d['unit']}", *_assumption_lines(d)])
+
+
+def _step_time_text(factor: float, t: dict[str, Any]) -> str:
+    """The step in seconds, its largest terms, and the factor over the run without recompute or offload."""
+    names = ("compute", "recompute", "tp_comm", "cp_comm", "ep_comm", "moe_overhead", "dp_comm", "bubble")
+    terms = sorted(((t.get(k, 0.0), k) for k in names), reverse=True)
+    shown = ", ".join(f"{k} {v:.3f}" for v, k in terms if v > 0)
+    offload = t["optimizer_extra"] + t["activation_extra"]
+    return (
+        f"{t['step']:.3f} s ({shown}{f', offload {offload:.3f}' if offload else ''}); x{factor:.2f} over "
+        f"{t['baseline']:.3f} s without recompute or offload"
+    )
 
 
 def run_estimate(args: argparse.Namespace) -> int:

@@ -29,7 +29,7 @@ from mbridge_offload.plan import calibration
 from mbridge_offload.plan.memory import GB, GiB, MemoryEstimate, estimate_memory
 from mbridge_offload.plan.resolve import Assumption, Resolved
 from mbridge_offload.plan.results import Anchor, MemoryBreakdown
-from mbridge_offload.plan.timing import baseline_step_s, default_mfu, estimate_time
+from mbridge_offload.plan.timing import baseline_step_s, compute_efficiency, estimate_time
 
 # The CUDA context and cuBLAS handles live outside PyTorch's allocator (~0.5 GiB on Hopper with CUDA 12).
 CUDA_CONTEXT_GIB = 0.5
@@ -181,6 +181,7 @@ def prepare(r: Resolved) -> Plan:
     peak, step, notes = _measurements(r)
     if peak is None and step is None and not r.inputs.ooms:
         p.assumptions += _baseline_assumptions(p)
+        _freeze_efficiency(p)
         return p
     est = estimate_memory(r.model, r.setup)
     predicted = float(est.worst.total)
@@ -199,7 +200,20 @@ def prepare(r: Resolved) -> Plan:
     a.memory_offset_gib = round(p.offset / GiB, 3)
     p.anchor = a
     p.assumptions += _baseline_assumptions(p)
+    _freeze_efficiency(p)
     return p
+
+
+def _freeze_efficiency(p: Plan) -> None:
+    """A measured step calibrates the compute efficiency at the measured settings, once; every other setting the
+    planner tries (another offload, recompute, TP) is then predicted at that efficiency, not pinned to the measured
+    seconds."""
+    r, kw = p.r, p.time_kwargs
+    if kw.get("baseline_s") is None or kw.get("mfu") is not None:
+        return
+    eff, source = compute_efficiency(r.model, r.setup, r.gpu, baseline_s=kw["baseline_s"])
+    if source.startswith("calibrated"):
+        kw.update(mfu=eff, mfu_source=f"{source} (at TP{r.setup.tp} PP{r.setup.pp} CP{r.setup.cp} EP{r.setup.ep})")
 
 
 def _baseline_assumptions(p: Plan) -> list[Assumption]:
@@ -210,16 +224,23 @@ def _baseline_assumptions(p: Plan) -> list[Assumption]:
         source = "flag" if r.inputs.baseline_step_s is not None else "measured"
         note = "measured step time without offload" if source == "flag" else "implied by the measured step"
         return [Assumption(name="baseline_step_s", value=round(measured, 4), source=source, note=note)]
-    mfu, mfu_source = (r.inputs.mfu, "flag") if r.inputs.mfu is not None else default_mfu(r.model)
+    mfu, mfu_source = compute_efficiency(r.model, r.setup, r.gpu, mfu=r.inputs.mfu)
     value = baseline_step_s(r.model, r.setup, r.gpu, mfu)
     return [
-        Assumption(name="mfu", value=mfu, source="flag" if mfu_source == "flag" else "default", note=mfu_source),
+        Assumption(
+            name="mfu",
+            value=round(mfu, 4),
+            source="flag" if r.inputs.mfu is not None else "default",
+            note=f"compute efficiency (fraction of peak on the compute terms): {mfu_source}",
+        ),
         Assumption(
             name="baseline_step_s",
             value=round(value, 4),
             source="derived",
-            note=f"model FLOPs at MFU {mfu:g} of the GPU's {r.gpu.peak_tflops:g} TFLOP/s bf16 peak, plus the 1F1B "
-            "bubble; pass --baseline-step-s with a measured step time",
+            note=f"step-time model (plan/step_time.py): model FLOPs at efficiency {mfu:.3f} of the GPU's peak "
+            f"({r.gpu.peak_tflops:g} TFLOP/s bf16, {r.gpu.fp8_tflops or r.gpu.peak_tflops:g} FP8), TP/CP/EP/DP "
+            "communication over NVLink or the network, the 1F1B bubble; pass --baseline-step-s with a measured "
+            "step time to calibrate the efficiency",
         ),
     ]
 

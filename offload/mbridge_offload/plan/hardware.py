@@ -49,6 +49,16 @@ class GpuPreset:
     measured_d2h_gbps: float | None = None
     measured_h2d_gbps: float | None = None
     source: str = ""
+    # The step-time model's figures (plan/step_time.py), from the datasheets named in ``link_source``:
+    # ``fp8_tflops`` the dense FP8 tensor-core peak (0 = no FP8,
+    # FP8 runs at the bf16 peak); ``nvlink_gbps`` the GPU-GPU NVLink bandwidth per direction; ``nvlink_domain`` how
+    # many GPUs share one NVLink domain (8 in an HGX/DGX node, 72 in an NVL72 rack); ``network_gbps`` the scale-out
+    # NIC bandwidth per GPU per direction (what a collective that leaves the NVLink domain is limited by).
+    fp8_tflops: float = 0.0
+    nvlink_gbps: float = 450.0
+    nvlink_domain: int = 8
+    network_gbps: float = 50.0
+    link_source: str = ""
 
     @property
     def capacity_bytes(self) -> float:
@@ -84,6 +94,36 @@ SAPPHIRE_RAPIDS_ADAM = 0.705e9
 _PCIE5 = "host link PCIe Gen5 x16 (63 GB/s per direction nominal, x LINK_EFFICIENCY)"
 _C2C = "NVLink-C2C, 900 GB/s bidirectional = 450 GB/s per direction nominal"
 _MCORE_6491 = "NVIDIA/Megatron-LM#6491 comments (nvbandwidth, 4-GPU nodes, all GPUs copying at once, 2026-08)"
+# Step-time model figures (GpuPreset.fp8_tflops ... network_gbps), one datasheet line each. NVLink figures are
+# NVIDIA's "total bandwidth" (both directions) halved; NIC figures are the line rate of the one NIC per GPU / 8.
+_H100_LINKS = (
+    "NVIDIA H100 Tensor Core GPU datasheet (SXM): FP8 1,979 TFLOPS dense (3,958 with sparsity), NVLink 900 GB/s; "
+    "DGX H100 datasheet: 8 x ConnectX-7 400 Gb/s (50 GB/s per GPU), NVLink domain = the 8-GPU node"
+)
+_GH200_LINKS = (
+    "NVIDIA GH200 Grace Hopper Superchip datasheet: FP8 1,979 TFLOPS dense, NVLink 900 GB/s; one GPU per node "
+    "assumed (NVLink domain 1), scale-out over one ConnectX-7 400 Gb/s (50 GB/s)"
+)
+_GB200_LINKS = (
+    "NVIDIA GB200 NVL72 datasheet: FP8 360 PFLOPS dense per 72 GPUs (5,000 per GPU), fifth-generation NVLink 1.8 TB/s "
+    "per GPU, 72-GPU NVLink domain; ConnectX-7 400 Gb/s per GPU (50 GB/s) scale-out"
+)
+_GB300_LINKS = (
+    "NVIDIA GB300 NVL72 datasheet: FP8 360 PFLOPS dense per 72 GPUs (5,000 per GPU), NVLink 1.8 TB/s per GPU, 72-GPU "
+    "NVLink domain; ConnectX-8 SuperNIC 800 Gb/s per GPU (100 GB/s)"
+)
+_B200_LINKS = (
+    "NVIDIA DGX B200 datasheet: 72 PFLOPS FP8 training per 8 GPUs (9,000 sparse = 4,500 dense per GPU), NVLink "
+    "1.8 TB/s per GPU (14.4 TB/s aggregate), 8 x ConnectX-7 400 Gb/s (50 GB/s per GPU)"
+)
+_B300_LINKS = (
+    "NVIDIA DGX B300 datasheet: 72 PFLOPS FP8 training per 8 GPUs (4,500 dense per GPU), NVLink 1.8 TB/s per GPU, "
+    "8 x ConnectX-8 800 Gb/s (100 GB/s per GPU)"
+)
+_A100_LINKS = (
+    "NVIDIA A100 datasheet (SXM): no FP8 (FP8 runs at the bf16 peak), NVLink 600 GB/s; DGX A100 datasheet: "
+    "8 x ConnectX-6 200 Gb/s HDR (25 GB/s per GPU)"
+)
 GPU_PRESETS: dict[str, GpuPreset] = {
     # DGX/HGX H100: 2 x Xeon 8480C (56 cores, 8 x DDR5-4800 = 307 GB/s each), 2 TB RAM, Gen5 x16 per GPU.
     "h100-80gb": GpuPreset(
@@ -98,6 +138,11 @@ GPU_PRESETS: dict[str, GpuPreset] = {
         capacity_gib=79.11,
         cpu_adam_params_per_s_per_core=SAPPHIRE_RAPIDS_ADAM,
         source=f"capacity 79.11 GiB: PyTorch OOM messages on H100 80 GB; {_PCIE5}; DGX H100 datasheet (host)",
+        fp8_tflops=1979.0,
+        nvlink_gbps=450.0,
+        nvlink_domain=8,
+        network_gbps=50.0,
+        link_source=_H100_LINKS,
     ),
     # HGX H200: same host platform as H100 (Emerald Rapids DDR5-5600 nodes are also common).
     "h200-141gb": GpuPreset(
@@ -112,6 +157,11 @@ GPU_PRESETS: dict[str, GpuPreset] = {
         capacity_gib=139.80,
         cpu_adam_params_per_s_per_core=SAPPHIRE_RAPIDS_ADAM,
         source=f"capacity 139.80 GiB: PyTorch OOM messages on H200; {_PCIE5}",
+        fp8_tflops=1979.0,
+        nvlink_gbps=450.0,
+        nvlink_domain=8,
+        network_gbps=50.0,
+        link_source=_H100_LINKS,
     ),
     # GH200: one Grace (72 cores, ~500 GB/s LPDDR5X, 480 GB) per Hopper, NVLink-C2C. The link is asymmetric in
     # practice: GPU->CPU ~170 GB/s, CPU->GPU ~415 GB/s measured.
@@ -128,6 +178,11 @@ GPU_PRESETS: dict[str, GpuPreset] = {
         measured_h2d_gbps=415.0,
         source=f"{_C2C}; measured D2H 169.9-170.1 GB/s, H2D 411-421 GB/s: {_MCORE_6491}; capacity: marketed 96 GB "
         "(no exposed figure known)",
+        fp8_tflops=1979.0,
+        nvlink_gbps=450.0,
+        nvlink_domain=1,
+        network_gbps=50.0,
+        link_source=_GH200_LINKS,
     ),
     # GB200 NVL72: one Grace (72 cores, 480 GB LPDDR5X, ~512 GB/s) per two Blackwell GPUs.
     "gb200": GpuPreset(
@@ -144,6 +199,11 @@ GPU_PRESETS: dict[str, GpuPreset] = {
         measured_h2d_gbps=176.0,
         source=f"capacity 184.31 GiB: PyTorch OOM messages on GB200 in public issues; {_C2C}; measured 176 GB/s "
         f"CPU->GPU with all GPUs of a Grace pair copying ({_MCORE_6491}); GPU->CPU not published, assumed the same",
+        fp8_tflops=5000.0,
+        nvlink_gbps=900.0,
+        nvlink_domain=72,
+        network_gbps=50.0,
+        link_source=_GB200_LINKS,
     ),
     # GB300 NVL72: Grace as in GB200, Blackwell Ultra 288 GB HBM3e.
     "gb300": GpuPreset(
@@ -160,6 +220,11 @@ GPU_PRESETS: dict[str, GpuPreset] = {
         measured_h2d_gbps=172.0,
         source=f"{_C2C}; measured all_to_host 181.9-183.9 GB/s, host_to_all 168.6-175.4 GB/s ({_MCORE_6491}); "
         "capacity: no GB300 figure published, assumed the B300's 267.69 GiB (the same 288 GB HBM3e)",
+        fp8_tflops=5000.0,
+        nvlink_gbps=900.0,
+        nvlink_domain=72,
+        network_gbps=100.0,
+        link_source=_GB300_LINKS,
     ),
     # DGX A100: 2 x EPYC 7742 (64 cores, 8 x DDR4-3200 = 204.8 GB/s each), Gen4 x16 per GPU.
     "a100-80gb": GpuPreset(
@@ -173,6 +238,11 @@ GPU_PRESETS: dict[str, GpuPreset] = {
         "A100 SXM 80 GB, PCIe Gen4 host link, 2-socket EPYC Rome node",
         capacity_gib=79.15,
         source="capacity 79.15 GiB: PyTorch OOM messages on A100 80 GB; PCIe Gen4 x16 (31.5 GB/s per direction)",
+        fp8_tflops=0.0,
+        nvlink_gbps=300.0,
+        nvlink_domain=8,
+        network_gbps=25.0,
+        link_source=_A100_LINKS,
     ),
     # DGX B200: 2 x Xeon 8570 (56 cores, 8 x DDR5-5600 = 358 GB/s each), Gen5 x16 per GPU, 180 GB HBM3e.
     "b200": GpuPreset(
@@ -186,6 +256,11 @@ GPU_PRESETS: dict[str, GpuPreset] = {
         "B200 180 GB, PCIe Gen5 host link, 2-socket Emerald Rapids node",
         capacity_gib=178.35,
         source=f"capacity 178.35 GiB: PyTorch OOM messages on B200; {_PCIE5}; DGX B200 datasheet (host)",
+        fp8_tflops=4500.0,
+        nvlink_gbps=900.0,
+        nvlink_domain=8,
+        network_gbps=50.0,
+        link_source=_B200_LINKS,
     ),
     # DGX B300: 2 x Xeon 6776P (64 cores, 8 x DDR5-6400 = 410 GB/s each), 2 TB RAM; the CPUs are PCIe Gen5.
     "b300": GpuPreset(
@@ -200,6 +275,11 @@ GPU_PRESETS: dict[str, GpuPreset] = {
         capacity_gib=267.69,
         source=f"capacity 267.69 GiB: PyTorch OOM message on a 2 x 8 B300 system in a public report; {_PCIE5} "
         "(the host CPUs are Gen5 even where the GPU side is Gen6); DGX B300 datasheet (host)",
+        fp8_tflops=4500.0,
+        nvlink_gbps=900.0,
+        nvlink_domain=8,
+        network_gbps=100.0,
+        link_source=_B300_LINKS,
     ),
 }
 
@@ -227,14 +307,17 @@ def with_overrides(preset: GpuPreset, **values: float | int | None) -> GpuPreset
 def render_gpu_table() -> str:
     """The GPU presets as a Markdown table with each figure's source (docs/planner.md, section gpu-presets)."""
     lines = [
-        "| preset | exposed GiB | D2H / H2D GB/s used | host GB/s per GPU | cores per GPU | source |",
-        "|---|---|---|---|---|---|",
+        "| preset | exposed GiB | D2H / H2D GB/s used | host GB/s per GPU | cores per GPU | bf16 / FP8 TFLOP/s "
+        "| NVLink GB/s per direction (domain) | network GB/s per GPU | source |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for p in GPU_PRESETS.values():
         exposed = f"{p.capacity_gib:.2f}" if p.capacity_gib else f"{p.hbm_gb:g} GB (marketed)"
         measured = " (measured)" if p.measured_d2h_gbps or p.measured_h2d_gbps else ""
+        fp8 = f"{p.fp8_tflops:g}" if p.fp8_tflops else "—"
         lines.append(
             f"| `{p.name}` | {exposed} | {p.d2h_effective_gbps:.0f} / {p.h2d_effective_gbps:.0f}{measured} "
-            f"| {p.host_bw_gbps:.0f} | {p.cpu_cores} | {p.source} |"
+            f"| {p.host_bw_gbps:.0f} | {p.cpu_cores} | {p.peak_tflops:g} / {fp8} | {p.nvlink_gbps:g} "
+            f"({p.nvlink_domain}) | {p.network_gbps:g} | {p.source}; {p.link_source} |"
         )
     return "\n".join(lines) + "\n"

@@ -170,7 +170,12 @@ class PlanInputs(BaseModel):
         le=1e13,
     )
     baseline_step_s: float | None = _field(group="time", help="measured step time without offload, s", gt=0, le=1e6)
-    mfu: float | None = _field(group="time", help="assumed MFU for a derived baseline step time", gt=0, le=1)
+    mfu: float | None = _field(
+        group="time",
+        help="compute efficiency (fraction of peak on the compute terms) instead of the fitted one",
+        gt=0,
+        le=1,
+    )
     host_profile: str | None = _field(
         group="time",
         help="a host profile from `calibrate` (its measured CPU AdamW rate): a NAME in .mbridge-offload/"
@@ -179,6 +184,15 @@ class PlanInputs(BaseModel):
     )
     calibration: str | None = _field(
         group="time", help="the older name of host_profile: a host profile FILE (from `calibrate`)", max_length=4096
+    )
+    overlap_grad_reduce: bool | None = _field(
+        group="time", help="ddp.overlap_grad_reduce (gradient reduce-scatter behind the backward)"
+    )
+    overlap_param_gather: bool | None = _field(
+        group="time", help="ddp.overlap_param_gather (parameter all-gather behind the forward)"
+    )
+    tp_comm_overlap: bool | None = _field(
+        group="time", help="comm_overlap.tp_comm_overlap (TE userbuffers hide most TP traffic)"
     )
     # --- decision
     margin: float | None = _field(

@@ -199,6 +199,11 @@ class Setup:
     num_layers_in_last_pipeline_stage: int | None = None
     pipeline_layout: tuple[int, ...] | None = None
     cross_entropy_fusion: bool = False  # model.cross_entropy_loss_fusion
+    # Communication overlap (step-time model only): ddp.overlap_grad_reduce / ddp.overlap_param_gather, which
+    # Bridge recipes switch on, and comm_overlap.tp_comm_overlap (TE userbuffers), which its performance recipes do.
+    overlap_grad_reduce: bool = True
+    overlap_param_gather: bool = True
+    tp_comm_overlap: bool = False
 
     def resolved_etp(self, model: ModelSpec) -> int:
         if self.etp is not None:

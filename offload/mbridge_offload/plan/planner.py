@@ -61,6 +61,14 @@ def _parallel(r: Resolved) -> dict[str, Any]:
     }
 
 
+def time_terms(t: TimeEstimate) -> dict[str, Any]:
+    """The step-time model's terms of ``TimeBreakdown`` (seconds, rounded)."""
+    names = ("compute", "recompute", "tp_comm", "cp_comm", "ep_comm", "moe_overhead", "dp_comm", "bubble")
+    out: dict[str, Any] = {k: round(getattr(t, f"{k}_s"), 4) for k in names}
+    out.update(step=round(t.step_s, 4), without_offload=round(t.without_offload_s, 4))
+    return {**out, "efficiency": round(t.efficiency, 4), "assumptions": list(t.assumptions)}
+
+
 def estimate_result(p: Plan, est: MemoryEstimate, t: TimeEstimate) -> Estimate:
     """The ``Estimate`` of one memory and time estimate under the plan's yardstick."""
     r, s = p.r, est.setup
@@ -85,6 +93,7 @@ def estimate_result(p: Plan, est: MemoryEstimate, t: TimeEstimate) -> Estimate:
             h2d=round(t.h2d_s, 4),
             optimizer_extra=round(t.optimizer_extra_s, 4),
             activation_extra=round(t.activation_extra_s, 4),
+            **time_terms(t),
         ),
         model=r.model.name,
         gpu=r.gpu.name,

@@ -3,8 +3,8 @@
 - ``fit_cpu_adam``: the CPU AdamW rate of one core of the card's host (Sapphire Rapids), least squares on the
   relative error of the step factor over the points marked ``fit: cpu_adam``; ``hardware.SAPPHIRE_RAPIDS_ADAM``
   holds the rounded result (a test checks they agree).
-- ``fit_mfu_moe``: the MFU of a MoE step without offload, from the measured baseline of every MoE run whose settings
-  are all published (today: the card's job 10119286); ``timing.DEFAULT_MFU_MOE`` holds it.
+- the compute efficiency of the step without offload is no longer fitted here but on Megatron Bridge's performance
+  summary (``plan/step_fit.py``); the card's baseline is a held-out check of it.
 - ``fit_allocator_overhead``: reserved beyond allocated, from the OOM point (allocated at the OOM vs what the
   device exposes less the CUDA context); ``anchor.ALLOCATOR_OVERHEAD`` holds it.
 
@@ -14,7 +14,6 @@ Nothing is special-cased per point: every prediction is the planner's ordinary a
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from functools import lru_cache
 from importlib import resources
@@ -75,7 +74,8 @@ def _predict(run: dict[str, Any], point: dict[str, Any], measured_baseline: bool
     from mbridge_offload.plan.planner import estimate
 
     e = estimate(resolve(_flags(run, point, measured_baseline)))
-    return e.memory_gib.total, e.step_time_factor, e.fits
+    # The published factors divide by the same run without offload (its recompute kept), not by the lever-free run.
+    return e.memory_gib.total, e.time_s.step / e.time_s.without_offload, e.fits
 
 
 def _points(run: dict[str, Any], measured_baseline: bool = True) -> list[Point]:
@@ -126,7 +126,7 @@ def _fit_terms(run: dict[str, Any], point: dict[str, Any]) -> tuple[float, float
     t = estimate_time(est, r.gpu, overlap=r.overlap, baseline_s=r.inputs.baseline_step_s, cpu_params_per_s_per_core=1)
     n = max(st.offloaded_numel for st in est.stages)
     fixed = 0.0 if r.overlap else t.d2h_s + t.h2d_s
-    return t.baseline_s, fixed, float(n), point["step_ms"] / run["baseline_step_ms"]
+    return t.without_offload_s, fixed, float(n), point["step_ms"] / run["baseline_step_ms"]
 
 
 def fit_cpu_adam() -> float:
@@ -138,19 +138,6 @@ def fit_cpu_adam() -> float:
 
     grid = [0.2e9 + i * 0.005e9 for i in range(600)]
     return min(grid, key=loss)
-
-
-def fit_mfu_moe() -> float:
-    """The MFU at which the FLOP model gives the measured baseline step of every MoE run whose settings are all
-    published (``compare: absolute``); their geometric mean. ``timing.DEFAULT_MFU_MOE`` holds the rounded result."""
-    from mbridge_offload.plan.timing import baseline_step_s
-
-    logs = []
-    for run in load()["runs"]:
-        r = resolve(_flags(run, run["points"][0], measured_baseline=False))
-        if run["compare"] == "absolute" and r.model.is_moe:
-            logs.append(math.log(baseline_step_s(r.model, r.setup, r.gpu, mfu=1.0) / (run["baseline_step_ms"] / 1000)))
-    return math.exp(sum(logs) / len(logs))
 
 
 def fit_allocator_overhead() -> float:
@@ -201,10 +188,10 @@ def render_accuracy_table() -> str:
     rows += [
         "",
         f"Fitted physical parameters: CPU AdamW {rate / 1e9:.3f}·10⁹ params/s per Sapphire Rapids core (from the "
-        f"points marked (fit)); allocator overhead {overhead:.1%} of allocated (from the OOM point); MoE MFU "
-        f"{fit_mfu_moe():.3f} for the baseline when none is given (from the card's measured baseline, job 10119286; "
-        "the dense MFU is an assumption, so the NeMo-RL run, whose batch and sequence are not published, is far off "
-        "without its measured baseline). All "
+        f"points marked (fit)); allocator overhead {overhead:.1%} of allocated (from the OOM point). Without a "
+        "measured baseline the step comes from the step-time model, its efficiency fitted on Megatron Bridge's "
+        "performance summary (plan/data/performance_summary.yaml), so the card's baseline is held out; the NeMo-RL "
+        "run, whose batch and sequence are not published, is far off without its measured baseline. All "
         "measurements are published GPU runs by others (sources in "
         "`offload/mbridge_offload/plan/data/published.yaml`); none "
         "was run by this project.",

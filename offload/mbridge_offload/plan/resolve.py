@@ -51,6 +51,8 @@ CONFIG_KEYS: dict[str, str] = {
     "global_batch_size": "train.global_batch_size",
     "params_dtype": "model.params_dtype",
     "grad_reduce_in_fp32": "ddp.grad_reduce_in_fp32",
+    "overlap_grad_reduce": "ddp.overlap_grad_reduce",
+    "overlap_param_gather": "ddp.overlap_param_gather",
     "distributed_optimizer": "optimizer.use_distributed_optimizer",
     "precision_aware_optimizer": "optimizer.use_precision_aware_optimizer",
     "main_params_dtype": "optimizer.main_params_dtype",
@@ -88,6 +90,12 @@ DEFAULTS: dict[str, tuple[Any, str]] = {
     "params_dtype": ("bf16", "Bridge recipes train in bf16"),
     "grad_reduce_in_fp32": (True, "Bridge recipes set ddp.grad_reduce_in_fp32=True (megatron-core's default is False)"),
     "distributed_optimizer": (True, "Bridge recipes use the distributed optimizer"),
+    "overlap_grad_reduce": (True, "Bridge recipes set ddp.overlap_grad_reduce=True (megatron-core's default is False)"),
+    "overlap_param_gather": (
+        True,
+        "Bridge recipes set ddp.overlap_param_gather=True (megatron-core's default is False)",
+    ),
+    "tp_comm_overlap": (False, "Bridge's CommOverlapConfig default (its performance recipes switch it on for TP > 1)"),
     "precision_aware_optimizer": (False, "megatron-core default"),
     "main_params_dtype": ("fp32", "megatron-core default"),
     "exp_avg_dtype": ("fp32", "megatron-core default"),
@@ -339,6 +347,9 @@ def _setup(values: dict[str, Any], m: ModelSpec) -> Setup:
         num_layers_in_first_pipeline_stage=values.get("num_layers_in_first_pipeline_stage"),
         num_layers_in_last_pipeline_stage=values.get("num_layers_in_last_pipeline_stage"),
         cross_entropy_fusion=bool(values["cross_entropy_loss_fusion"]),
+        overlap_grad_reduce=bool(values["overlap_grad_reduce"]),
+        overlap_param_gather=bool(values["overlap_param_gather"]),
+        tp_comm_overlap=bool(values["tp_comm_overlap"]),
     )
     if values.get("pipeline_layout"):
         s = with_layout(s, values["pipeline_layout"])

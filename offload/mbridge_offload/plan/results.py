@@ -63,14 +63,28 @@ class StageTotal(BaseModel):
 
 
 class TimeBreakdown(BaseModel):
-    """Seconds per step: the baseline and what offloading adds."""
+    """Seconds per step: the step without any lever (``baseline``), the configured run by term, and what offloading
+    adds. ``step`` = ``without_offload`` + ``optimizer_extra`` + ``activation_extra``; ``without_offload`` is the sum
+    of ``compute`` ... ``bubble``."""
 
-    baseline: float
+    baseline: float = Field(description="the same run with recompute and every offload off (step_time_factor's base)")
     d2h: float
     cpu_adam: float
     h2d: float
     optimizer_extra: float
     activation_extra: float
+    step: float = Field(0.0, description="the configured run's step time, offload included")
+    without_offload: float = Field(0.0, description="the configured run's step without its offload cost")
+    compute: float = Field(0.0, description="model FLOPs at the compute efficiency and the GEMM efficiency")
+    recompute: float = Field(0.0, description="forward FLOPs that activation recomputation runs again")
+    tp_comm: float = Field(0.0, description="tensor-parallel all-gather/reduce-scatter (or all-reduce), exposed")
+    cp_comm: float = Field(0.0, description="context-parallel K/V ring, the part attention does not hide")
+    ep_comm: float = Field(0.0, description="expert-parallel all-to-all of the routed tokens")
+    moe_overhead: float = Field(0.0, description="fixed per-MoE-layer cost per micro-batch (fitted)")
+    dp_comm: float = Field(0.0, description="gradient reduce-scatter + parameter all-gather not hidden by overlap")
+    bubble: float = Field(0.0, description="pipeline bubble, (PP-1)/VPP micro-batch times")
+    efficiency: float = Field(0.0, description="fraction of peak on the compute terms (fitted or calibrated)")
+    assumptions: list[str] = Field([], description="what these seconds rest on: efficiency source, links, overlap")
 
 
 class Anchor(BaseModel):

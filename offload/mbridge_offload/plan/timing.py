@@ -18,42 +18,44 @@ and come back behind its backward; the slowest stage's exposed remainder counts.
 Activation offload: each offloaded layer's eligible bytes go D2H during the next layers' forward and come back
 during backward; only what the link cannot hide behind one layer's compute is exposed.
 
-The baseline step (to turn seconds into a factor) comes from model FLOPs at an assumed MFU, or from the user's
-measured step time (``baseline_step_s``), which is what the docs compare against. Never imports torch.
+The run's own step (compute, recompute, TP/CP/EP/DP communication, pipeline bubble) comes from
+``plan/step_time.py`` at a compute efficiency fitted on Megatron Bridge's performance summary; a measured step time
+(``baseline_s``: the configured run without offload) calibrates that efficiency instead, so a changed setting still
+changes the prediction. ``step_time_factor`` divides by the step of ``no_lever_setup`` (recompute and every offload
+off), so both recomputation and offloading show their cost. Never imports torch.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
+from mbridge_offload.plan import step_time
 from mbridge_offload.plan.hardware import GpuPreset
-from mbridge_offload.plan.memory import MemoryEstimate, ModelSpec, Setup, layer_params, padded_vocab, stage_layers
-from mbridge_offload.plan.model import mtp_depth_params
+from mbridge_offload.plan.memory import MemoryEstimate, ModelSpec, Setup, stage_layers
 
 # torch 2.13 fused CPU AdamW, fp32, one thread, four 8 M-element tensors, measured on the development host
 # (Intel Xeon, `mbridge-offload calibrate --threads 1`): median of five runs 0.82 · 10⁹ params/s (0.57-0.83).
 DEFAULT_CPU_ADAM_PARAMS_PER_S_PER_CORE = 0.82e9
 CPU_ADAM_BYTES_PER_PARAM = 36
-# Model-FLOPs utilisation (recomputation counted as work) of the baseline step when none is measured.
-# MoE: implied by the one published MoE baseline whose settings are all published — the Qwen3-30B-A3B card's job
-# 10119286 (0.996 s; TP2 PP2 EP4, full recompute, global batch 8 on 2 x 8 H100; plan/data/published.yaml;
-# published.fit_mfu_moe refits it, a test checks they agree). Tuned large-batch MoE runs reach about twice that
-# (Bridge moe-hardware-configs skill: Qwen3 30B on H100 "low-200s TFLOPS/GPU"), so for large global batches this
-# baseline is long and the predicted factors low: pass --baseline-step-s when you have a measured step.
-DEFAULT_MFU_MOE = 0.096
-MFU_MOE_SOURCE = "published: implied by the Qwen3-30B-A3B card's measured baseline (job 10119286, 0.996 s)"
-# Dense: assumed; no dense baseline with all its settings is published in plan/data/published.yaml.
-DEFAULT_MFU_DENSE = 0.35
-MFU_DENSE_SOURCE = "assumed (no published dense baseline with its settings)"
-
-
-# Mamba parameters that are not GEMM weights (the convolution and the per-head SSM scalars).
-_NOT_GEMMS = frozenset({"conv1d_weight", "A_log", "D", "dt_bias"})
 
 
 @dataclass
 class TimeEstimate:
+    """Seconds per step. ``baseline_s``: the run with no lever (``no_lever_setup``); ``run_s``: the configured run
+    without its offload cost, by term (``compute_s`` ... ``bubble_s``); ``step_s`` adds the offload cost."""
+
     baseline_s: float
+    run_s: float | None = None  # None: the same as baseline_s (a caller that builds one by hand)
+    compute_s: float = 0.0
+    recompute_s: float = 0.0
+    tp_comm_s: float = 0.0
+    cp_comm_s: float = 0.0
+    ep_comm_s: float = 0.0
+    moe_overhead_s: float = 0.0
+    dp_comm_s: float = 0.0
+    bubble_s: float = 0.0
+    efficiency: float = 0.0
+    efficiency_source: str = ""
     d2h_s: float = 0.0
     cpu_adam_s: float = 0.0
     h2d_s: float = 0.0
@@ -61,33 +63,29 @@ class TimeEstimate:
     activation_extra_s: float = 0.0
     cpu_params_per_s: float = 0.0
     notes: list[str] = field(default_factory=list)
+    assumptions: list[str] = field(default_factory=list)  # what the seconds rest on: efficiency source, links
+
+    @property
+    def without_offload_s(self) -> float:
+        """The configured run's step without its offload cost (recomputation included)."""
+        return self.baseline_s if self.run_s is None else self.run_s
+
+    @property
+    def offload_s(self) -> float:
+        return self.optimizer_extra_s + self.activation_extra_s
 
     @property
     def step_s(self) -> float:
-        return self.baseline_s + self.optimizer_extra_s + self.activation_extra_s
+        return self.without_offload_s + self.offload_s
+
+    @property
+    def offload_factor(self) -> float:
+        """Step time over the same run without offload (what a measured offload sweep compares)."""
+        return self.step_s / self.without_offload_s if self.without_offload_s > 0 else 1.0
 
     @property
     def step_time_factor(self) -> float:
         return self.step_s / self.baseline_s if self.baseline_s > 0 else 1.0
-
-
-def _flops_per_token(m: ModelSpec, s: Setup) -> float:
-    """Training FLOPs per token (6 × active matmul params + causal attention), whole model."""
-    one = Setup(num_gpus=1)
-    active: float = padded_vocab(m, 1) * m.hidden_size  # output layer
-    tensors = [t for index in range(m.num_layers) for t in layer_params(m, one, index)]
-    tensors += mtp_depth_params(m, one) * m.mtp_num_layers  # each depth runs its block, shared weights or not
-    active += padded_vocab(m, 1) * m.hidden_size * m.mtp_num_layers
-    for t in tensors:
-        if "norm" in t.name or "bias" in t.name or t.name in _NOT_GEMMS:
-            continue
-        active += t.numel * m.moe_router_topk / m.experts if t.expert else t.numel
-    seq = s.seq_length or m.seq_length
-    attn_dim = m.num_attention_heads * (m.mla.qk_head_dim + m.mla.qk_pos_emb_head_dim if m.mla else m.kv_channels)
-    attention: float = 6 * m.attention_layers * seq * attn_dim  # 12·s·d per layer, halved by the causal mask
-    attention += m.ssm_flops_per_token()
-    factor = 8 / 6 if s.recompute_granularity == "full" else 1.0
-    return (6 * active + attention) * factor
 
 
 def default_microbatches(s: Setup) -> int:
@@ -95,20 +93,43 @@ def default_microbatches(s: Setup) -> int:
     return s.num_microbatches() or 4 * s.pp
 
 
-def default_mfu(m: ModelSpec) -> tuple[float, str]:
-    """The MFU a derived baseline uses for this model without a measured step, and where it comes from."""
-    return (DEFAULT_MFU_MOE, MFU_MOE_SOURCE) if m.is_moe else (DEFAULT_MFU_DENSE, MFU_DENSE_SOURCE)
+def no_lever_setup(s: Setup) -> Setup:
+    """The same run with recomputation off and every offload off: what ``step_time_factor`` divides by."""
+    return replace(offload_off(s), recompute_granularity=None, recompute_method=None, recompute_num_layers=None)
+
+
+def offload_off(s: Setup) -> Setup:
+    """The same run with every offload off (recomputation as configured): what a measured baseline step is."""
+    return replace(s, optimizer_offload_fraction=0.0, activation_offload_layers=0, offload_modules=())
+
+
+def compute_efficiency(
+    m: ModelSpec,
+    s: Setup,
+    gpu: GpuPreset,
+    *,
+    mfu: float | None = None,
+    baseline_s: float | None = None,
+    mfu_source: str | None = None,
+) -> tuple[float, str]:
+    """The efficiency on the compute terms and where it comes from: ``mfu`` as given (``mfu_source`` says why),
+    else the one at which the run without offload takes the measured ``baseline_s``, else the fitted one."""
+    if mfu is not None:
+        return mfu, mfu_source or "flag (--mfu: fraction of peak on the compute terms)"
+    fitted, source = step_time.efficiency(m, s, gpu)
+    if baseline_s is not None:
+        measured = step_time.step_terms(m, offload_off(s), gpu).efficiency_for(baseline_s)
+        if measured is not None:
+            return measured, f"calibrated: the run without offload takes the measured {baseline_s:.3f} s"
+        return fitted, f"{source}; the measured {baseline_s:.3f} s is out of reach of any efficiency, not used"
+    return fitted, source
 
 
 def baseline_step_s(m: ModelSpec, s: Setup, gpu: GpuPreset, mfu: float | None = None) -> float:
-    """Step time without offload from FLOPs at ``mfu`` of peak, plus the 1F1B bubble ``(PP−1)/(m·VPP)``."""
-    mfu = mfu or default_mfu(m)[0]
-    mb = default_microbatches(s)
-    seq = s.seq_length or m.seq_length
-    tokens = mb * s.micro_batch_size * seq * s.dp
-    compute = tokens * _flops_per_token(m, s) / s.num_gpus / (gpu.peak_tflops * 1e12 * mfu)
-    bubble = (s.pp - 1) / (mb * (s.vpp or 1))
-    return compute * (1 + bubble)
+    """Seconds per step of the run without offload (recomputation as configured) at ``mfu`` or the fitted
+    efficiency."""
+    eff, _ = compute_efficiency(m, s, gpu, mfu=mfu)
+    return step_time.step_terms(m, offload_off(s), gpu).step(eff)
 
 
 def cpu_adam_rate(threads: int, per_core: float | None = None, preset: float | None = None) -> float:
@@ -139,8 +160,9 @@ def estimate_time(
     cpu_params_per_s_per_core: float | None = None,
     baseline_s: float | None = None,
     mfu: float | None = None,
+    mfu_source: str | None = None,
 ) -> TimeEstimate:
-    """Extra step time of the offload settings in ``est.setup`` on ``gpu``.
+    """Step time of ``est.setup`` on ``gpu`` by term, what its offload adds, and the step without any lever.
 
     Args:
         est: the memory estimate (gives offloaded elements and activation bytes).
@@ -149,12 +171,31 @@ def estimate_time(
         cpu_threads: CPU threads each rank's optimizer gets (``OMP_NUM_THREADS``), capped at ``gpu.cpu_cores``.
         cpu_params_per_s_per_core: the caller's CPU AdamW rate per core (a flag or a named host profile); else
             the preset's, else the default.
-        baseline_s: the measured step time without offload; else derived from FLOPs at ``mfu``.
-        mfu: assumed model-FLOPs utilisation for the derived baseline.
+        baseline_s: the measured step time of the configured run without offload: calibrates the compute
+            efficiency (``compute_efficiency``), which then applies to every setting.
+        mfu: the compute efficiency (fraction of peak on the compute terms) to use instead of the fitted one.
+        mfu_source: where ``mfu`` comes from (e.g. a measured step of another setting), for the assumptions.
     """
     m, s = est.model, est.setup
-    base = baseline_s if baseline_s is not None else baseline_step_s(m, s, gpu, mfu)
-    out = TimeEstimate(baseline_s=base)
+    eff, source = compute_efficiency(m, s, gpu, mfu=mfu, baseline_s=baseline_s, mfu_source=mfu_source)
+    terms = step_time.step_terms(m, offload_off(s), gpu)
+    secs = terms.seconds(eff)
+    out = TimeEstimate(
+        baseline_s=step_time.step_terms(m, no_lever_setup(s), gpu).step(eff),
+        run_s=sum(secs.values()),
+        compute_s=secs["compute"],
+        recompute_s=secs["recompute"],
+        tp_comm_s=secs["tp_comm"],
+        cp_comm_s=secs["cp_comm"],
+        ep_comm_s=secs["ep_comm"],
+        moe_overhead_s=secs["moe_overhead"],
+        dp_comm_s=secs["dp_comm"],
+        bubble_s=secs["bubble"],
+        efficiency=eff,
+        efficiency_source=source,
+        assumptions=[f"compute efficiency {eff:.3f}: {source}", *terms.notes],
+    )
+    base = out.without_offload_s
     threads = max(1, min(cpu_threads, gpu.cpu_cores))
     rate = cpu_adam_rate(threads, cpu_params_per_s_per_core, gpu.cpu_adam_params_per_s_per_core)
     out.cpu_params_per_s = rate
@@ -179,23 +220,29 @@ def estimate_time(
         out.notes += [note] if note else []
     if s.use_megatron_fsdp:
         out.notes.append(
-            "Megatron-FSDP's all-gather and reduce-scatter time is not modelled (the baseline is FLOPs at the MFU); "
-            "activation copies share the host link with nothing else here"
+            "activation copies share the host link with nothing else here (Megatron-FSDP's own traffic "
+            "runs over NVLink and the network)"
         )
-    k = s.activation_offload_layers
-    if k:
-        from mbridge_offload.plan.activations import stage_activations
-
-        eligible = stage_activations(m, s, 0).offloadable_bytes
-        mb = default_microbatches(s)
-        layers = len(stage_layers(m, s)[0])
-        per_layer_fwd = base / (1 + (s.pp - 1) / mb) / mb / layers / 3  # forward ≈ 1/3 of a layer's fwd+bwd
-        copy = eligible / d2h  # offload during the forward, reload (H2D) during the backward
-        exposed = max(0.0, copy - per_layer_fwd) + max(0.0, eligible / h2d - 2 * per_layer_fwd)
-        out.activation_extra_s = k * exposed * mb
-        if exposed > 0:
-            out.notes.append(
-                f"activation copies ({copy * 1e3:.1f} ms per layer) exceed a layer's forward "
-                f"({per_layer_fwd * 1e3:.1f} ms): not fully hidden"
-            )
+    if s.activation_offload_layers:
+        _layer_offload(out, est, d2h, h2d)
     return out
+
+
+def _layer_offload(out: TimeEstimate, est: MemoryEstimate, d2h: float, h2d: float) -> None:
+    """Layer-level activation offload: each offloaded layer's eligible bytes go D2H during the next layer's forward
+    and come back during the backward; only what the link cannot hide is added."""
+    from mbridge_offload.plan.activations import stage_activations
+
+    m, s = est.model, est.setup
+    eligible = stage_activations(m, s, 0).offloadable_bytes
+    mb = default_microbatches(s)
+    layers = len(stage_layers(m, s)[0])
+    per_layer_fwd = out.compute_s / mb / layers / 3  # forward ≈ 1/3 of a layer's fwd+bwd compute
+    copy = eligible / d2h  # offload during the forward, reload (H2D) during the backward
+    exposed = max(0.0, copy - per_layer_fwd) + max(0.0, eligible / h2d - 2 * per_layer_fwd)
+    out.activation_extra_s = s.activation_offload_layers * exposed * mb
+    if exposed > 0:
+        out.notes.append(
+            f"activation copies ({copy * 1e3:.1f} ms per layer) exceed a layer's forward "
+            f"({per_layer_fwd * 1e3:.1f} ms): not fully hidden"
+        )

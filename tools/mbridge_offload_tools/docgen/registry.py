@@ -146,6 +146,12 @@ def render_gpu_presets() -> str:
     return render_gpu_table()
 
 
+def render_step_time() -> str:
+    from mbridge_offload.plan.step_fit import render_table
+
+    return render_table()
+
+
 def render_perf_recipes() -> str:
     from mbridge_offload_tools.docgen.perf import render_perf_recipes as render
 
@@ -183,6 +189,7 @@ GENERATED: dict[str, dict[str, Callable[[], str]]] = {
         "perf-recipes": render_perf_recipes,
         "gpu-presets": render_gpu_presets,
         "fine-grained": render_fine_grained,
+        "step-time": render_step_time,
     },
 }
 
