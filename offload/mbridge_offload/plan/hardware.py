@@ -15,6 +15,13 @@ from typing import Any
 # STREAM reaches 70-85 % of the DRAM figure (published STREAM results). We take the middle of each range.
 LINK_EFFICIENCY = 0.70
 HOST_MEMORY_EFFICIENCY = 0.80
+# The share of a node's host RAM the planner lets the offload buffers of all its GPUs take (assumption). Pinned
+# (page-locked) memory cannot be swapped or reclaimed; the rest of the node needs the other half: the OS and page
+# cache, the data loader's workers and their prefetch queues, NCCL's and the CUDA driver's host buffers, and
+# distributed checkpointing, which stages the model and optimizer state in host memory while it writes
+# (Megatron's async save). Half is a round figure between the CUDA guide's warning that "allocating excessive
+# amounts of pinned memory may degrade system performance" and a node that has nothing else to do.
+PINNED_HOST_SHARE = 0.5
 
 
 @dataclass(frozen=True)
@@ -28,7 +35,7 @@ class GpuPreset:
         host_bw_gbps: theoretical host DRAM bandwidth available to one GPU's rank, GB/s.
         cpu_cores: CPU cores per GPU (node cores / GPUs per node).
         peak_tflops: dense bf16 tensor-core peak, TFLOP/s (used for the baseline step time only).
-        host_ram_gb: host RAM per GPU, GB (for the pinned-memory warning).
+        host_ram_gb: host RAM per GPU, GB: the node's RAM over its GPUs (the pinned-memory check).
         capacity_gib: what the device exposes to CUDA (``torch.cuda.mem_get_info()[1] / 2**30``), GiB.
         cpu_adam_params_per_s_per_core: CPU AdamW rate of one core of the node's CPU, or None (then the
             calibration file or the timing default applies).
@@ -49,6 +56,14 @@ class GpuPreset:
     measured_d2h_gbps: float | None = None
     measured_h2d_gbps: float | None = None
     source: str = ""
+    # GPUs that share one node's host RAM (``host_ram_gb × gpus_per_node`` is the node's), and where both come from.
+    gpus_per_node: int = 8
+    host_source: str = ""
+
+    @property
+    def host_ram_node_gb(self) -> float:
+        """The host RAM of one node, GB: what the offload buffers of all its GPUs share."""
+        return self.host_ram_gb * self.gpus_per_node
 
     @property
     def capacity_bytes(self) -> float:
@@ -98,6 +113,8 @@ GPU_PRESETS: dict[str, GpuPreset] = {
         capacity_gib=79.11,
         cpu_adam_params_per_s_per_core=SAPPHIRE_RAPIDS_ADAM,
         source=f"capacity 79.11 GiB: PyTorch OOM messages on H100 80 GB; {_PCIE5}; DGX H100 datasheet (host)",
+        gpus_per_node=8,
+        host_source="DGX H100 datasheet: 2 TB system memory for 8 GPUs",
     ),
     # HGX H200: same host platform as H100 (Emerald Rapids DDR5-5600 nodes are also common).
     "h200-141gb": GpuPreset(
@@ -112,6 +129,8 @@ GPU_PRESETS: dict[str, GpuPreset] = {
         capacity_gib=139.80,
         cpu_adam_params_per_s_per_core=SAPPHIRE_RAPIDS_ADAM,
         source=f"capacity 139.80 GiB: PyTorch OOM messages on H200; {_PCIE5}",
+        gpus_per_node=8,
+        host_source="DGX H200 datasheet: 2 TB system memory for 8 GPUs",
     ),
     # GH200: one Grace (72 cores, ~500 GB/s LPDDR5X, 480 GB) per Hopper, NVLink-C2C. The link is asymmetric in
     # practice: GPU->CPU ~170 GB/s, CPU->GPU ~415 GB/s measured.
@@ -128,6 +147,8 @@ GPU_PRESETS: dict[str, GpuPreset] = {
         measured_h2d_gbps=415.0,
         source=f"{_C2C}; measured D2H 169.9-170.1 GB/s, H2D 411-421 GB/s: {_MCORE_6491}; capacity: marketed 96 GB "
         "(no exposed figure known)",
+        gpus_per_node=1,
+        host_source="GH200 Grace Hopper superchip: up to 480 GB LPDDR5X for its one GPU",
     ),
     # GB200 NVL72: one Grace (72 cores, 480 GB LPDDR5X, ~512 GB/s) per two Blackwell GPUs.
     "gb200": GpuPreset(
@@ -144,6 +165,9 @@ GPU_PRESETS: dict[str, GpuPreset] = {
         measured_h2d_gbps=176.0,
         source=f"capacity 184.31 GiB: PyTorch OOM messages on GB200 in public issues; {_C2C}; measured 176 GB/s "
         f"CPU->GPU with all GPUs of a Grace pair copying ({_MCORE_6491}); GPU->CPU not published, assumed the same",
+        gpus_per_node=4,
+        host_source="GB200 NVL72: up to 17 TB LPDDR5X over 36 Grace CPUs (about 480 GB each), two GPUs per "
+        "Grace; a compute tray holds two Graces and four GPUs",
     ),
     # GB300 NVL72: Grace as in GB200, Blackwell Ultra 288 GB HBM3e.
     "gb300": GpuPreset(
@@ -160,6 +184,9 @@ GPU_PRESETS: dict[str, GpuPreset] = {
         measured_h2d_gbps=172.0,
         source=f"{_C2C}; measured all_to_host 181.9-183.9 GB/s, host_to_all 168.6-175.4 GB/s ({_MCORE_6491}); "
         "capacity: no GB300 figure published, assumed the B300's 267.69 GiB (the same 288 GB HBM3e)",
+        gpus_per_node=4,
+        host_source="GB300 NVL72: Grace as in GB200 (about 480 GB LPDDR5X per Grace, two GPUs each, four GPUs "
+        "per compute tray)",
     ),
     # DGX A100: 2 x EPYC 7742 (64 cores, 8 x DDR4-3200 = 204.8 GB/s each), Gen4 x16 per GPU.
     "a100-80gb": GpuPreset(
@@ -173,6 +200,8 @@ GPU_PRESETS: dict[str, GpuPreset] = {
         "A100 SXM 80 GB, PCIe Gen4 host link, 2-socket EPYC Rome node",
         capacity_gib=79.15,
         source="capacity 79.15 GiB: PyTorch OOM messages on A100 80 GB; PCIe Gen4 x16 (31.5 GB/s per direction)",
+        gpus_per_node=8,
+        host_source="DGX A100 (640 GB) datasheet: 2 TB system memory for 8 GPUs",
     ),
     # DGX B200: 2 x Xeon 8570 (56 cores, 8 x DDR5-5600 = 358 GB/s each), Gen5 x16 per GPU, 180 GB HBM3e.
     "b200": GpuPreset(
@@ -182,10 +211,12 @@ GPU_PRESETS: dict[str, GpuPreset] = {
         2 * 358.4 / 8,
         14,
         2250.0,
-        500.0,
+        250.0,
         "B200 180 GB, PCIe Gen5 host link, 2-socket Emerald Rapids node",
         capacity_gib=178.35,
         source=f"capacity 178.35 GiB: PyTorch OOM messages on B200; {_PCIE5}; DGX B200 datasheet (host)",
+        gpus_per_node=8,
+        host_source="DGX B200 user guide: 2 TB system memory (32 DIMMs, upgradable to 4 TB) for 8 GPUs",
     ),
     # DGX B300: 2 x Xeon 6776P (64 cores, 8 x DDR5-6400 = 410 GB/s each), 2 TB RAM; the CPUs are PCIe Gen5.
     "b300": GpuPreset(
@@ -200,6 +231,9 @@ GPU_PRESETS: dict[str, GpuPreset] = {
         capacity_gib=267.69,
         source=f"capacity 267.69 GiB: PyTorch OOM message on a 2 x 8 B300 system in a public report; {_PCIE5} "
         "(the host CPUs are Gen5 even where the GPU side is Gen6); DGX B300 datasheet (host)",
+        gpus_per_node=8,
+        host_source="DGX B300: 2 TB system memory for 8 GPUs assumed, as DGX B200 (configurations up to 4 TB "
+        "exist: pass --host-ram-gb)",
     ),
 }
 
@@ -221,20 +255,24 @@ def with_overrides(preset: GpuPreset, **values: float | int | None) -> GpuPreset
     given: dict[str, Any] = {k: v for k, v in values.items() if v is not None}
     if "link_gbps" in given:  # a stated link replaces the measured figures of the preset
         given.update(measured_d2h_gbps=None, measured_h2d_gbps=None)
+    if "host_ram_gb" in given or "gpus_per_node" in given:
+        given["host_source"] = "given (--host-ram-gb per GPU, --gpus-per-node)"
     return replace(preset, **given)
 
 
 def render_gpu_table() -> str:
     """The GPU presets as a Markdown table with each figure's source (docs/planner.md, section gpu-presets)."""
     lines = [
-        "| preset | exposed GiB | D2H / H2D GB/s used | host GB/s per GPU | cores per GPU | source |",
-        "|---|---|---|---|---|---|",
+        "| preset | exposed GiB | D2H / H2D GB/s used | host GB/s per GPU | cores per GPU | host RAM per node "
+        "(GPUs) | source |",
+        "|---|---|---|---|---|---|---|",
     ]
     for p in GPU_PRESETS.values():
         exposed = f"{p.capacity_gib:.2f}" if p.capacity_gib else f"{p.hbm_gb:g} GB (marketed)"
         measured = " (measured)" if p.measured_d2h_gbps or p.measured_h2d_gbps else ""
         lines.append(
             f"| `{p.name}` | {exposed} | {p.d2h_effective_gbps:.0f} / {p.h2d_effective_gbps:.0f}{measured} "
-            f"| {p.host_bw_gbps:.0f} | {p.cpu_cores} | {p.source} |"
+            f"| {p.host_bw_gbps:.0f} | {p.cpu_cores} | {p.host_ram_node_gb:.0f} GB ({p.gpus_per_node}) "
+            f"| {p.source}; host RAM: {p.host_source} |"
         )
     return "\n".join(lines) + "\n"

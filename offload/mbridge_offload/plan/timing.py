@@ -23,7 +23,7 @@ measured step time (``baseline_step_s``), which is what the docs compare against
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from mbridge_offload.plan import calibration as calibrate
 from mbridge_offload.plan.hardware import GpuPreset
@@ -64,6 +64,23 @@ class TimeEstimate:
     @property
     def step_time_factor(self) -> float:
         return self.step_s / self.baseline_s if self.baseline_s > 0 else 1.0
+
+
+def no_lever_setup(s: Setup) -> Setup:
+    """``s`` with none of the levers ``recommend`` pulls inside the layout: recompute off, every offload off.
+
+    The yardstick of an option's ``step_time_factor`` (design.md: "relative to the same run with none of the levers
+    the planner may change"); the parallel layout and the micro-batch size stay as given.
+    """
+    return replace(
+        s,
+        recompute_granularity=None,
+        recompute_method=None,
+        recompute_num_layers=None,
+        optimizer_offload_fraction=0.0,
+        activation_offload_layers=0,
+        offload_modules=(),
+    )
 
 
 def _flops_per_token(m: ModelSpec, s: Setup) -> float:
