@@ -15,13 +15,15 @@ from typing import Any
 # STREAM reaches 70-85 % of the DRAM figure (published STREAM results). We take the middle of each range.
 LINK_EFFICIENCY = 0.70
 HOST_MEMORY_EFFICIENCY = 0.80
-# The share of a node's host RAM the planner lets the offload buffers of all its GPUs take (assumption). Pinned
-# (page-locked) memory cannot be swapped or reclaimed; the rest of the node needs the other half: the OS and page
-# cache, the data loader's workers and their prefetch queues, NCCL's and the CUDA driver's host buffers, and
-# distributed checkpointing, which stages the model and optimizer state in host memory while it writes
-# (Megatron's async save). Half is a round figure between the CUDA guide's warning that "allocating excessive
-# amounts of pinned memory may degrade system performance" and a node that has nothing else to do.
-PINNED_HOST_SHARE = 0.5
+# The share of a node's host RAM the planner lets the offload buffers of all its GPUs take (an assumption, set by
+# evidence). Pinned (page-locked) memory cannot be swapped or reclaimed, and the rest of the node needs room: the OS
+# and page cache, the data loader's workers, NCCL's and the driver's host buffers, checkpoint staging. The largest
+# share a published run is known to work with: Megatron Bridge 0.6.2's Llama 3 70B GB200 FP8 perf recipe
+# (40 layers offloaded, MBS 1, seq 8192) needs 169 GB of pinned host memory per GPU here (the caching host allocator's
+# power-of-two blocks) of the 240 GB a GB200 has per GPU: 70.5 %; rounded up to 72 %. Beyond it no published run
+# says the node still works, so no offload beyond it is offered (the cross-check: Llama 3.1 405B's recipe moved to
+# B200 would need 185 GB per GPU, 74 % of a 2 TB DGX B200, and is refused).
+PINNED_HOST_SHARE = 0.72
 
 
 @dataclass(frozen=True)

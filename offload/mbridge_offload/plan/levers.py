@@ -81,7 +81,7 @@ def layout_variants(lever: str, m: ModelSpec, s: Setup) -> list[Setup]:
         while cp <= MAX_CP:
             out.append(replace(s, cp=cp))
             cp *= 2
-    elif lever == "mbs":
+    elif lever == "mbs" and s.global_batch_size is not None:  # without it, a smaller MBS is a smaller step
         mbs = s.micro_batch_size // 2
         while mbs >= 1:
             out.append(replace(s, micro_batch_size=mbs))
@@ -103,6 +103,8 @@ def why_not_layout(lever: str, m: ModelSpec, s: Setup) -> str:
             f"no CP above {s.cp} divides seq_length {seq} into 2·CP chunks, num_gpus {s.num_gpus} and the global "
             f"batch ({s.global_batch_size}) into whole micro-batches per DP rank"
         )
+    if s.global_batch_size is None:
+        return "no global batch size given (--global-batch-size): a smaller micro-batch would be a smaller step"
     return (
         f"micro_batch_size is {s.micro_batch_size}: no smaller micro-batch splits the global batch "
         f"{s.global_batch_size} over DP {s.dp}"

@@ -5,7 +5,8 @@ setting: layers, fraction, module sets, recompute blocks), and a "comfortable" o
 free (default: a tenth of the GPU's memory). A candidate is offered only if the rule catalogue accepts it
 (``advice.Vetter``: no error, no new warning) and the node's host RAM holds the offload buffers of all its GPUs
 (``anchor.Plan.host_ok``). Options are ranked by predicted step time (``timing.estimate_time(...).step_s``) among
-those that fit; options that pull a lever the caller did not allow come after (``alternative``). Each option's
+those that fit (within ``STEP_TIE`` the decision table's pick goes first); options that pull a lever the caller did
+not allow come after (``alternative``). Each option's
 ``step_time_factor`` is its step over the step of ``timing.no_lever_setup(base)``. Never imports torch.
 """
 
@@ -31,10 +32,16 @@ COMFORT_SHARE = 0.10
 Fit = Callable[[MemoryEstimate], bool]
 
 
+# Step times closer than this are a tie: the time model is first-order (timing.py says which terms it has), so
+# within it the skill's decision table (the mechanism that targets the dominant memory) decides, then fewer changes.
+STEP_TIE = 0.03
+
+
 @dataclass
 class Candidate:
     est: MemoryEstimate
     label: str
+    from_table: bool = False  # the decision table's pick (planner._search)
 
 
 def first_fit(p: Plan, setups: list[Setup], ok: Fit) -> MemoryEstimate | None:
@@ -113,7 +120,7 @@ def candidates(p: Plan, base: Setup, before: MemoryEstimate, given: MemoryEstima
     if p.keeps_margin(before):
         out.append(Candidate(before, "no change"))
     if given is not None and given.setup != base and p.keeps_margin(given):
-        out.append(Candidate(given, "the offload the decision table picks: " + _label("", given.setup)))
+        out.append(Candidate(given, "the offload the decision table picks: " + _label("", given.setup), True))
     room = headroom_gib(p)
     comfortable: Fit = lambda est: p.keeps_margin(est) and _free_gib(p, est) >= room  # noqa: E731
     for ok in (p.keeps_margin, comfortable):
@@ -209,6 +216,17 @@ def overrides_for(given: Setup, base: Setup, s: Setup, overlap: bool) -> list[st
     return advice.switch_off_overrides(given, s) + levers.lever_overrides(base, s) + advice.overrides_for(s, overlap)
 
 
+def _prefer_table(ordered: list[tuple[float, Candidate, Option]]) -> list[tuple[float, Candidate, Option]]:
+    """The decision table's pick first when it ties (``STEP_TIE``) with the fastest allowed option that fits."""
+    if not ordered or ordered[0][2].alternative or not ordered[0][2].fits:
+        return ordered
+    fastest = ordered[0][0]
+    for i, (step, c, option) in enumerate(ordered):
+        if c.from_table and option.fits and not option.alternative and step <= fastest * (1 + STEP_TIE):
+            return [ordered[i], *ordered[:i], *ordered[i + 1 :]]
+    return ordered
+
+
 def rank(
     p: Plan,
     base: Setup,
@@ -232,6 +250,7 @@ def rank(
             step, option = _option(p, c, ctx, overlap)
             seen[key] = (step, c, option)
     ordered = sorted(seen.values(), key=lambda e: (e[2].alternative, not e[2].fits, round(e[0], 6), len(e[2].changes)))
+    ordered = _prefer_table(ordered)
     out = []
     for i, (_, c, option) in enumerate(ordered):
         option.rank = i
