@@ -145,6 +145,7 @@ def apply_offload(
     write_roots: list[Path] | None = None,
     planner: dict[str, Any] | None = None,
     modules: str | list[str] | None = None,
+    option: int | None = None,
 ) -> ApplyResult:
     """Switch an offload mode on (or off) in a config, resolve the conflicts it implies, and optionally write it.
 
@@ -164,6 +165,8 @@ def apply_offload(
         write_roots: the exact directories writes may go to (an MCP server's roots); overrides the default.
         planner: keyword arguments for the planner (``gpu``, ``num_gpus``, ...) when ``mode="recommended"``.
         modules: ``model.offload_modules`` for ``mode="fine-grained"`` (a list or ``"expert_fc1,attn_proj"``).
+        option: with ``mode="recommended"``, write recommend's option N (``options[N]``: its recompute, layout and
+            offload changes) instead of the recommendation (option 0).
 
     Returns:
         ApplyResult with ``changes`` (each with a why), the unified ``diff``, the ``overrides`` that make the same
@@ -193,6 +196,7 @@ def apply_offload(
         planner=planner,
         notes=notes,
         modules=fge.parse_modules(modules),
+        option=option,
     )
     changes, conflicts = _changes(base_cfg, raw, wanted, list(overrides or []), effective_raw, resolved_mode)
     is_json = text.lstrip().startswith("{")
