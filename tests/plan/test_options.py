@@ -4,6 +4,7 @@ against ``estimate`` on the same config with the option's changes written into i
 from __future__ import annotations
 
 import copy
+import shlex
 from pathlib import Path
 
 import pytest
@@ -171,14 +172,13 @@ def test_405b_recipe_moved_to_b200_is_refused_layer_offload_for_host_memory():
 
 
 def test_megatron_lm_argv_gets_its_changes_as_flags():
-    loaded = sources.load(
-        argv=[
-            *("--num-layers 32 --hidden-size 4096 --ffn-hidden-size 14336 --num-attention-heads 32".split()),
-            *("--group-query-attention --num-query-groups 8 --seq-length 16384 --max-position-embeddings 16384".split()),
-            *("--micro-batch-size 1 --global-batch-size 64 --bf16 --use-distributed-optimizer".split()),
-            *("--vocab-size 128256 --swiglu --untie-embeddings-and-output-weights".split()),
-        ]
+    argv = (
+        "--num-layers 32 --hidden-size 4096 --ffn-hidden-size 14336 --num-attention-heads 32 "
+        "--group-query-attention --num-query-groups 8 --seq-length 16384 --max-position-embeddings 16384 "
+        "--micro-batch-size 1 --global-batch-size 64 --bf16 --use-distributed-optimizer "
+        "--vocab-size 128256 --swiglu --untie-embeddings-and-output-weights"
     )
+    loaded = sources.load(argv=shlex.split(argv))
     rec = _recommend(loaded, gpu="h100-80gb", num_gpus=8)
     changed = [o for o in rec.options if o.changes]
     assert changed and all(o.notation == "megatron-lm" for o in changed)
