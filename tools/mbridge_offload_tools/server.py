@@ -290,9 +290,9 @@ _plan_tool(
 def apply_offload(
     config: ConfigArg,
     mode: Annotated[
-        Literal["optimizer", "activation", "both", "none", "recommended", "fine-grained"] | None,
-        Field(description="what to switch on; 'recommended' asks the planner (default with option)"),
-    ] = None,
+        Literal["optimizer", "activation", "both", "none", "recommended", "fine-grained"],
+        Field(description="what to switch on; 'recommended' (the default) asks the planner, option N picks its option"),
+    ] = "recommended",
     fraction: Annotated[
         float | None, Field(gt=0, le=1, description="optimizer_offload_fraction (optimizer/both)")
     ] = None,
@@ -328,9 +328,6 @@ def apply_offload(
     """
     from mbridge_offload.actions.apply import apply_offload as run_apply
 
-    mode = mode or ("recommended" if option is not None else None)
-    if mode is None:
-        raise ToolError("give mode (optimizer, activation, both, none, fine-grained, recommended) or option=N")
     planner = {"gpu": gpu, "gpu_memory_gb": gpu_memory_gb, "num_gpus": num_gpus, "levers": levers}
     try:
         from mbridge_offload.plan.hardware import gpu_preset
