@@ -108,10 +108,11 @@ def _recompute_sweeps(p: Plan, base: Setup) -> list[tuple[str, list[Setup]]]:
 
 
 def _search(p: Plan, sweeps: list[tuple[str, list[Setup]]], ok: Fit, out: list[Candidate]) -> None:
-    for lever, setups in sweeps:
+    base = p.vet.base if p.vet is not None and p.vet.base is not None else p.r.setup
+    for _, setups in sweeps:
         found = first_fit(p, setups, ok)
         if found is not None:
-            out.append(Candidate(found, _label(lever, found.setup)))
+            out.append(Candidate(found, _label(base, found.setup)))
 
 
 def candidates(p: Plan, base: Setup, before: MemoryEstimate, given: MemoryEstimate | None) -> list[Candidate]:
@@ -120,13 +121,18 @@ def candidates(p: Plan, base: Setup, before: MemoryEstimate, given: MemoryEstima
     if p.keeps_margin(before):
         out.append(Candidate(before, "no change"))
     if given is not None and given.setup != base and p.keeps_margin(given):
-        out.append(Candidate(given, "the offload the decision table picks: " + _label("", given.setup), True))
+        out.append(Candidate(given, "the offload the decision table picks: " + _label(base, given.setup), True))
     room = headroom_gib(p)
     comfortable: Fit = lambda est: p.keeps_margin(est) and _free_gib(p, est) >= room  # noqa: E731
-    for ok in (p.keeps_margin, comfortable):
+    for tight, ok in ((True, p.keeps_margin), (False, comfortable)):
         _search(p, _offload_sweeps(p, base) + _recompute_sweeps(p, base), ok, out)
         for lever in levers.LAYOUT_LEVERS:
-            _search(p, [(lever, levers.layout_variants(lever, p.r.model, base))], ok, out)
+            variants = levers.layout_variants(lever, p.r.model, base)
+            before_count = len(out)
+            _search(p, [(lever, variants)], ok, out)
+            if variants and len(out) == before_count and tight:
+                # The layout change alone does not fit: its smallest step with the other levers on top.
+                _search(p, _offload_sweeps(p, variants[0]) + _recompute_sweeps(p, variants[0]), ok, out)
     if not base.use_megatron_fsdp and base.recompute_granularity != "full":
         # Full recompute with the least optimizer offload on top: where recompute alone does not fit, or leaves
         # less than the headroom free.
@@ -137,11 +143,12 @@ def candidates(p: Plan, base: Setup, before: MemoryEstimate, given: MemoryEstima
     return out
 
 
-def _label(lever: str, s: Setup) -> str:
-    parts = []
-    if s.recompute_granularity == "selective":
+def _label(base: Setup, s: Setup) -> str:
+    """What ``s`` changes from ``base``, in words."""
+    used, parts = levers.used(base, s), []
+    if "recompute" in used and s.recompute_granularity == "selective":
         parts.append(f"selective recompute ({', '.join(s.recompute_modules)})")
-    elif s.recompute_granularity == "full":
+    elif "recompute" in used:
         parts.append(f"full recompute ({s.recompute_method}, recompute_num_layers={s.recompute_num_layers})")
     if s.activation_offload_layers:
         parts.append(f"activation offload of {s.activation_offload_layers} layers")
@@ -149,10 +156,8 @@ def _label(lever: str, s: Setup) -> str:
         parts.append(f"fine-grained offload of {', '.join(s.offload_modules)}")
     if s.optimizer_offload_fraction:
         parts.append(f"optimizer offload fraction {s.optimizer_offload_fraction:g}")
-    if lever in levers.LAYOUT_LEVERS:
-        parts.append(
-            {"tp": f"TP {s.tp} with SP", "cp": f"CP {s.cp}", "mbs": f"micro-batch {s.micro_batch_size}"}[lever]
-        )
+    shown = {"tp": f"TP {s.tp} with SP", "cp": f"CP {s.cp}", "mbs": f"micro-batch {s.micro_batch_size}"}
+    parts += [shown[lever] for lever in used if lever in shown]
     return " + ".join(parts) or "no change"
 
 
