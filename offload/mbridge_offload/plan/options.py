@@ -118,13 +118,16 @@ def _search(p: Plan, sweeps: list[tuple[str, list[Setup]]], ok: Fit, out: list[C
 def candidates(p: Plan, base: Setup, before: MemoryEstimate, given: MemoryEstimate | None) -> list[Candidate]:
     """Every lever's least setting that fits with the margin, and the least that keeps the headroom free."""
     out: list[Candidate] = []
-    if p.keeps_margin(before):
-        out.append(Candidate(before, "no change"))
-    if given is not None and given.setup != base and p.keeps_margin(given):
-        out.append(Candidate(given, "the offload the decision table picks: " + _label(base, given.setup), True))
     room = headroom_gib(p)
     comfortable: Fit = lambda est: p.keeps_margin(est) and _free_gib(p, est) >= room  # noqa: E731
-    for tight, ok in ((True, p.keeps_margin), (False, comfortable)):
+    if p.keeps_margin(before):
+        out.append(Candidate(before, "no change"))
+        if comfortable(before):
+            return out  # nothing to gain: every lever costs step time (the fallback key covers more headroom)
+    if given is not None and given.setup != base and p.keeps_margin(given):
+        out.append(Candidate(given, "the offload the decision table picks: " + _label(base, given.setup), True))
+    passes = ((False, comfortable),) if p.keeps_margin(before) else ((True, p.keeps_margin), (False, comfortable))
+    for tight, ok in passes:
         _search(p, _offload_sweeps(p, base) + _recompute_sweeps(p, base), ok, out)
         for lever in levers.LAYOUT_LEVERS:
             variants = levers.layout_variants(lever, p.r.model, base)
