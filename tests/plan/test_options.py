@@ -184,3 +184,24 @@ def test_megatron_lm_argv_gets_its_changes_as_flags():
     assert changed and all(o.notation == "megatron-lm" for o in changed)
     recompute = next(o for o in changed if o.levers == ["recompute"])
     assert {c.key for c in recompute.changes} >= {"--recompute-granularity", "--recompute-method"}
+
+
+def test_every_gpu_preset_states_its_nodes_host_ram_and_gpu_count_with_a_source():
+    from mbridge_offload.plan.hardware import GPU_PRESETS
+
+    for preset in GPU_PRESETS.values():
+        assert preset.gpus_per_node >= 1 and preset.host_source, preset.name
+        assert preset.host_ram_node_gb == pytest.approx(preset.host_ram_gb * preset.gpus_per_node)
+    # DGX H100/H200/B200: 2 TB for 8 GPUs; GB200: about 480 GB per Grace, two GPUs each.
+    assert gpu_preset("b200").host_ram_node_gb == pytest.approx(2000) and gpu_preset("b200").gpus_per_node == 8
+    assert gpu_preset("gb200").host_ram_gb == pytest.approx(240)
+
+
+def test_host_ram_and_gpus_per_node_flags_replace_the_presets_figures(tmp_path):
+    loaded = _config(tmp_path, SFT_YAML)
+    rec = _recommend(loaded, **SFT, host_ram_gb=80.0, gpus_per_node=4)
+    node = next(a for a in rec.assumptions if a.name == "host_ram_per_node_gb")
+    assert node.value == pytest.approx(320.0) and node.source == "flag"
+    # 72 GB per GPU of activation offload is more than 72 % of 80 GB: refused, and said so.
+    assert not any(o.levers == ["activation"] for o in rec.options)
+    assert any(r.startswith("not offered (activation)") for r in rec.rationale)

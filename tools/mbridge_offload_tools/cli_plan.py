@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import shlex
 import typing
 from typing import Any
@@ -203,7 +204,7 @@ def _human_recommend(d: dict[str, Any]) -> str:
                 f"{'fits' if o['fits'] else 'DOES NOT FIT'}{' (comfortable)' if o['comfortable'] else ''}{mark}"
             )
             lines.append(f"     {o['why']}")
-            lines += [f"     {c['key']}={c['value']}" for c in o["changes"]]
+            lines += [f"     {c['key']}={json.dumps(c['value'])}" for c in o["changes"]]
     if d.get("fallback"):
         f = d["fallback"]
         lines.append(
