@@ -205,3 +205,15 @@ def test_host_ram_and_gpus_per_node_flags_replace_the_presets_figures(tmp_path):
     # 72 GB per GPU of activation offload is more than 72 % of 80 GB: refused, and said so.
     assert not any(o.levers == ["activation"] for o in rec.options)
     assert any(r.startswith("not offered (activation)") for r in rec.rationale)
+
+
+def test_llama3_70b_fsdp_on_64_gb200_gets_a_comfortable_option_beside_the_tightest():
+    loaded = sources.load(str(PERF / "llama3_70b_pretrain_64gpu_gb200_bf16_config.yaml"))
+    rec = _recommend(loaded, gpu="gb200", num_gpus=64)
+    offload = [o for o in rec.options if o.levers == ["activation"]]
+    tight = min(offload, key=lambda o: o.margin_gib)
+    roomy = [o for o in offload if o.comfortable]
+    assert tight.fits and roomy and roomy[0].margin_gib >= rec.headroom_gib > tight.margin_gib
+    # More layers for the room: each of them costs host memory, never GPU memory.
+    assert roomy[0].host_gb > tight.host_gb and roomy[0].memory_gib.total < tight.memory_gib.total
+    assert not any("optimizer" in o.levers for o in rec.options)  # Megatron-FSDP: never optimizer offload
