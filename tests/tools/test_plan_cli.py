@@ -124,6 +124,8 @@ def test_recommend_activation_for_small_model(capsys):
             "16384",
             "--micro-batch-size",
             "4",
+            "--levers",  # offload only: with recompute allowed, full recompute is faster here (tests/plan/test_options)
+            "activation,optimizer,fine-grained",
             "--json",
         ],
         capsys,

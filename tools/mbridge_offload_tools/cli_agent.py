@@ -26,10 +26,21 @@ def _add_apply(sub: Any) -> None:
     p.add_argument("config", help="YAML/JSON config path, or - for stdin")
     p.add_argument(
         "--mode",
-        required=True,
         choices=MODES,
         help="what to switch on; none switches offload off; fine-grained offloads the --modules' activations; "
-        "recommended asks the planner",
+        "recommended asks the planner (required unless --option is given)",
+    )
+    p.add_argument(
+        "--option",
+        type=int,
+        metavar="N",
+        help="write recommend's option N (its options[N]: recompute, layout and offload changes; 0 = the "
+        "recommendation); implies --mode recommended, re-validated like every apply",
+    )
+    p.add_argument(
+        "--levers",
+        metavar="L[,L...]",
+        help="--mode recommended / --option: the levers recommend may pull (as recommend --levers)",
     )
     p.add_argument("--fraction", type=float, help="optimizer_offload_fraction, in (0, 1]")
     p.add_argument("--num-layers", type=int, help="cpu_offloading_num_layers")
@@ -149,10 +160,14 @@ def cmd_apply(args: argparse.Namespace) -> int:
     from mbridge_offload.actions.apply import apply_offload
     from mbridge_offload.config.sources import ConfigError
 
+    mode = args.mode or ("recommended" if args.option is not None else None)
+    if mode is None:
+        raise UsageError("give --mode (optimizer, activation, both, none, fine-grained, recommended) or --option N")
     try:
         result = apply_offload(
             args.config,
-            args.mode,
+            mode,
+            option=args.option,
             fraction=args.fraction,
             num_layers=args.num_layers,
             modules=args.modules,
@@ -164,7 +179,12 @@ def cmd_apply(args: argparse.Namespace) -> int:
             allowed_root=args.allowed_root,
             planner={
                 k: v
-                for k, v in {"gpu": args.gpu, "gpu_memory_gb": args.gpu_memory_gb, "num_gpus": args.num_gpus}.items()
+                for k, v in {
+                    "gpu": args.gpu,
+                    "gpu_memory_gb": args.gpu_memory_gb,
+                    "num_gpus": args.num_gpus,
+                    "levers": [args.levers] if args.levers else None,
+                }.items()
                 if v is not None
             }
             or None,

@@ -57,9 +57,15 @@ def add_parsers(sub: Any) -> None:
     est.set_defaults(handler=run_estimate)
     rec = sub.add_parser(
         "recommend",
-        help="the smallest offload that fits: none, optimizer, activation or both",
+        help="the cheapest way to fit: ranked options over recompute, offload, CP, TP and MBS",
         description="Pick the smallest offload that makes the run fit (none, optimizer with a fraction, activation, "
-        "or both) and print the overrides, memory before and after, the step-time factor and the reasons.",
+        "or both) and print the overrides, memory before and after, the step-time factor and the reasons. Also "
+        "ranks options[]: each lever allowed by --levers (default recompute,activation,fine-grained,optimizer; "
+        "cp, tp and mbs are then shown as alternatives) at the least setting that fits with the margin and at one "
+        "that keeps --headroom-gib free (default a tenth of the GPU), with memory per stage, host memory per GPU "
+        "and per node, step time and its factor over the run with no lever pulled; the first is the "
+        "recommendation (mode/overrides). Offload whose pinned buffers exceed 72%% of the node's host RAM "
+        "(--host-ram-gb per GPU, --gpus-per-node) is never offered. apply --option N writes option N.",
     )
     _add_common(rec)
     rec.add_argument("config", nargs="?", metavar="CONFIG", help="Bridge YAML/JSON (same as --model-config)")
@@ -201,6 +207,22 @@ def _human_recommend(d: dict[str, Any]) -> str:
     if d.get("suggestions"):
         lines.append("what would fit:")
         lines += [f"  - {r}" for r in d["suggestions"]]
+    if d.get("options"):
+        lines.append(
+            f"options (ranked by step time among those that fit; comfortable = at least {d['headroom_gib']:.1f} GiB "
+            "free; apply --option N writes one):"
+        )
+        for o in d["options"]:
+            flags = [f for f, on in (("alternative", o["alternative"]), ("changes layout", o["changes_layout"])) if on]
+            mark = f" [{', '.join(flags)}]" if flags else ""
+            lines.append(
+                f"  {o['rank']}. x{o['step_time_factor']:.2f} ({o['step_time_s']:.2f} s), "
+                f"{o['memory_gib']['total']:.1f} GiB, {o['margin_gib']:.1f} GiB free, "
+                f"host {o['host_gb']:.0f} GB/GPU ({o['host_gb_per_node']:.0f} GB/node), "
+                f"{'fits' if o['fits'] else 'DOES NOT FIT'}{' (comfortable)' if o['comfortable'] else ''}{mark}"
+            )
+            lines.append(f"     {o['why']}")
+            lines += [f"     {c['key']}={json.dumps(c['value'])}" for c in o["changes"]]
     if d.get("fallback"):
         f = d["fallback"]
         lines.append(

@@ -315,8 +315,8 @@ def apply_offload(
     config: ConfigArg,
     mode: Annotated[
         Literal["optimizer", "activation", "both", "none", "recommended", "fine-grained"],
-        Field(description="what to switch on; 'recommended' asks the planner"),
-    ],
+        Field(description="what to switch on; 'recommended' (the default) asks the planner, option N picks its option"),
+    ] = "recommended",
     fraction: Annotated[
         float | None, Field(gt=0, le=1, description="optimizer_offload_fraction (optimizer/both)")
     ] = None,
@@ -336,6 +336,13 @@ def apply_offload(
     gpu: Annotated[str | None, Field(description="mode=recommended: GPU preset, e.g. h100-80gb")] = None,
     gpu_memory_gb: Annotated[float | None, Field(gt=0, description="mode=recommended: GPU memory (GB)")] = None,
     num_gpus: Annotated[int | None, Field(ge=1, description="mode=recommended: number of GPUs")] = None,
+    option: Annotated[
+        int | None,
+        Field(ge=0, description="write recommend_mode's options[N] (0 = the recommendation); implies recommended"),
+    ] = None,
+    levers: Annotated[
+        list[str] | None, Field(description="mode=recommended / option: the levers recommend may pull")
+    ] = None,
 ) -> ApplyResult:
     """Edit a config to enable (or disable) CPU offloading, resolving the conflicts the mode implies.
 
@@ -345,7 +352,7 @@ def apply_offload(
     """
     from mbridge_offload.actions.apply import apply_offload as run_apply
 
-    planner = {"gpu": gpu, "gpu_memory_gb": gpu_memory_gb, "num_gpus": num_gpus}
+    planner = {"gpu": gpu, "gpu_memory_gb": gpu_memory_gb, "num_gpus": num_gpus, "levers": levers}
     try:
         from mbridge_offload.plan.hardware import gpu_preset
 
@@ -359,6 +366,7 @@ def apply_offload(
         fraction=fraction,
         num_layers=num_layers,
         modules=modules,
+        option=option,
         overrides=overrides,
         output=output,
         in_place=in_place,

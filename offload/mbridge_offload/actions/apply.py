@@ -146,18 +146,17 @@ def apply_offload(
     write_roots: list[Path] | None = None,
     planner: dict[str, Any] | None = None,
     modules: str | list[str] | None = None,
+    option: int | None = None,
 ) -> ApplyResult:
     """Switch an offload mode on (or off) in a config, resolve the conflicts it implies, and optionally write it.
 
     Args:
         source: a YAML/JSON path or inline YAML/JSON text.
-        mode: ``optimizer``, ``activation``, ``both``, ``none``, ``fine-grained`` or ``recommended`` (ask the
-            planner).
+        mode: ``optimizer``, ``activation``, ``both``, ``none``, ``fine-grained`` or ``recommended`` (the planner).
         fraction: ``optimizer_offload_fraction`` for optimizer modes, in (0, 1].
         num_layers: ``cpu_offloading_num_layers`` for activation modes.
         overrides: Hydra-style ``KEY=VALUE`` overrides (``section.key``) applied before the mode and written with it.
-        output: write the result to this path; an existing file only with ``overwrite`` (then backed up). The
-            input's own path counts as in place.
+        output: write the result here; an existing file only with ``overwrite`` (backed up); the input's = in place.
         in_place: overwrite ``source`` (a file), keeping a unique ``<name>.bak[.N]`` of the original.
         output_format: ``yaml`` writes the edited config; ``overrides`` writes the override list, one per line.
         overwrite: allow ``output`` to replace an existing file (CLI ``--force``, MCP ``overwrite=true``).
@@ -165,6 +164,7 @@ def apply_offload(
         write_roots: the exact directories writes may go to (an MCP server's roots); overrides the default.
         planner: keyword arguments for the planner (``gpu``, ``num_gpus``, ...) when ``mode="recommended"``.
         modules: ``model.offload_modules`` for ``mode="fine-grained"`` (a list or ``"expert_fc1,attn_proj"``).
+        option: ``mode="recommended"`` only: write recommend's ``options[N]`` instead of its recommendation.
 
     Returns:
         ApplyResult with ``changes`` (each with a why), the unified ``diff``, the ``overrides`` that make the same
@@ -194,6 +194,7 @@ def apply_offload(
         planner=planner,
         notes=notes,
         modules=fge.parse_modules(modules),
+        option=option,
     )
     changes, conflicts = _changes(base_cfg, raw, wanted, list(overrides or []), effective_raw, resolved_mode)
     is_json = text.lstrip().startswith("{")

@@ -106,10 +106,18 @@ def _activation_edits(cfg: OffloadConfig, num_layers: int | None, edits: Edits) 
         _want(edits, key, value, reason)
 
 
+def _option_mode(levers: list[str]) -> str:
+    """The offload mode an option's levers amount to (what apply's mode table runs before its other keys)."""
+    opt, act, fine = "optimizer" in levers, "activation" in levers, "fine-grained" in levers
+    if fine:
+        return fge.MODE + "+optimizer" if opt else fge.MODE
+    return "both" if opt and act else "optimizer" if opt else "activation" if act else "none"
+
+
 def _recommended(
-    cfg: OffloadConfig, raw: dict[str, Any], planner: dict[str, Any] | None
+    cfg: OffloadConfig, raw: dict[str, Any], planner: dict[str, Any] | None, option: int | None = None
 ) -> tuple[str, list[str], str | None]:
-    """Ask the planner for (mode, overrides) on this config."""
+    """Ask the planner for (mode, overrides) on this config: its recommendation, or its option ``option``."""
     try:
         from mbridge_offload.plan import service as plan
     except ImportError as exc:  # pragma: no cover - the planner ships with the package
@@ -120,7 +128,15 @@ def _recommended(
         rec = plan.recommend_for_config(cfg, raw=raw, **(planner or {}))
     except (KeyError, ValueError, TypeError) as exc:  # no model sizes, unknown preset, a setup Megatron rejects
         raise ApplyError(f"mode=recommended: the planner cannot size this config: {str(exc).strip(chr(39))}") from None
-    return str(rec.mode), list(rec.overrides), rec.advice
+    if option is None:
+        return str(rec.mode), list(rec.overrides), rec.advice
+    if not 0 <= option < len(rec.options):
+        raise ApplyError(
+            f"option {option}: recommend lists {len(rec.options)} option(s) for this config (0 to "
+            f"{len(rec.options) - 1}); run recommend with the same config and flags to see them"
+        )
+    chosen = rec.options[option]
+    return _option_mode(chosen.levers), list(chosen.overrides), f"option {option}: {chosen.why}"
 
 
 def requested_edits(overrides: list[str], effective_raw: dict[str, Any]) -> dict[str, Any]:
@@ -155,6 +171,7 @@ def plan_edits(
     planner: dict[str, Any] | None = None,
     notes: list[str] | None = None,
     modules: list[str] | None = None,
+    option: int | None = None,
 ) -> tuple[str, Edits]:
     """The key edits a mode implies: ``(resolved mode, {dotted key: (new value, why)})``.
 
@@ -164,6 +181,11 @@ def plan_edits(
     """
     if mode not in MODES:
         raise ApplyError(f"mode {mode!r} is not one of {', '.join(MODES)}")
+    if option is not None and (mode != "recommended" or fraction is not None or num_layers is not None):
+        raise ApplyError(
+            f"option {option} is one of recommend's options: it goes with mode=recommended only, without fraction "
+            "or num_layers (the option sets them)"
+        )
     if fraction is not None and not 0.0 < fraction <= 1.0:
         raise ApplyError(
             f"fraction is {fraction}: optimizer_offload_fraction must be in (0, 1]; 0 offloads nothing "
@@ -180,7 +202,7 @@ def plan_edits(
         )
     edits: Edits = {}
     if mode == "recommended":
-        chosen, overrides, advice = _recommended(cfg, raw, planner)
+        chosen, overrides, advice = _recommended(cfg, raw, planner, option)
         if notes is not None:
             notes += [f"the planner chose mode={chosen}", *([advice] if advice else [])]
         from_planner: dict[str, Any] = {}
@@ -199,8 +221,11 @@ def plan_edits(
         rest = {fge.MODE: None, fge.MODE + "+optimizer": "optimizer"}.get(chosen, chosen)
         if rest is not None:
             edits.update(plan_edits(cfg, raw, rest, fraction=fraction, num_layers=num_layers)[1])
+        why = "recommended by the planner" if option is None else f"recommend's option {option}"
         for key, value in from_planner.items():
-            edits.setdefault(key, (value, "recommended by the planner"))
+            if option is not None:  # the option's own values win over the mode table's defaults
+                edits[key] = (value, why)
+            edits.setdefault(key, (value, why))
         return chosen, edits
     if modules is not None and mode != fge.MODE:
         raise ApplyError(

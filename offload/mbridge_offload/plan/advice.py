@@ -64,10 +64,13 @@ def switch_off_overrides(given: Setup, kept: Setup | None = None) -> list[str]:
     return out
 
 
-def advice_sentence(given: Setup, mode: str, given_factor: float | None = None) -> str | None:
+def advice_sentence(
+    given: Setup, mode: str, given_factor: float | None = None, instead: str | None = None
+) -> str | None:
     """The advice in words when it changes the offload the config already has; None when it has none.
 
-    ``given_factor``: the predicted step-time factor of the config as given (over the step without offload)."""
+    ``given_factor``: the predicted step-time factor of the config as given (over the step without offload).
+    ``instead``: the recommended option when it pulls a lever other than offload (recompute, TP, CP, MBS)."""
     had = mode_of(given)
     if had == "none":
         return None
@@ -80,6 +83,8 @@ def advice_sentence(given: Setup, mode: str, given_factor: float | None = None) 
         what.append(f"fine-grained activation offload of {', '.join(given.offload_modules)}")
     has = " and ".join(what) or f"{had} offload"
     cost = f" (predicted step time x{given_factor:.2f} with it)" if given_factor is not None else ""
+    if instead is not None:
+        return f"the config as given has {has}{cost}; the advice is {instead} ('after'; options[0])"
     if mode == "none":
         return (
             f"the config as given has {has}{cost}; it fits without: the advice is to switch that offload off "
@@ -125,6 +130,9 @@ class Vetter:
     _cache: dict[tuple[str, ...], list[str]] = field(default_factory=dict)
     rejected: dict[str, list[str]] = field(default_factory=dict)  # mode → why its fitting candidates were refused
     source: str | None = None  # the config's source: a recipe is a Bridge config (config.effective reads it so)
+    # The setup the candidates change (recommend's base): a candidate's recompute and layout changes from it are
+    # vetted with its offload (levers.lever_overrides); None: offload keys only.
+    base: Setup | None = None
 
     def _findings(self, s: Setup, overrides: list[str]) -> list[Any]:
         from mbridge_offload.config import sources
@@ -136,9 +144,11 @@ class Vetter:
 
     def problems(self, s: Setup, overlap: bool = True) -> list[str]:
         """``rule: message`` for each error, and each warning the config without offload does not raise."""
-        key = tuple(overrides_for(s, overlap))
+        from mbridge_offload.plan.levers import lever_overrides
+
+        key = tuple((lever_overrides(self.base, s) if self.base is not None else []) + overrides_for(s, overlap))
         if key not in self._cache:
-            off = replace(s, optimizer_offload_fraction=0.0, activation_offload_layers=0)
+            off = replace(self.base or s, optimizer_offload_fraction=0.0, activation_offload_layers=0)
             if self._baseline is None:
                 base = self._findings(off, list(_ALL_OFF))
                 self._baseline = {f.rule for f in base if f.severity == "warning"}

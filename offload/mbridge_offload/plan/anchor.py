@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mbridge_offload.plan import calibration
+from mbridge_offload.plan.hardware import PINNED_HOST_SHARE
 from mbridge_offload.plan.memory import GB, GiB, MemoryEstimate, estimate_memory
 from mbridge_offload.plan.resolve import Assumption, Resolved
 from mbridge_offload.plan.results import Anchor, MemoryBreakdown
@@ -59,6 +60,7 @@ class Plan:
     anchor: Anchor | None = None
     assumptions: list[Assumption] = field(default_factory=list)
     vet: Any = None  # advice.Vetter: the rule catalogue on each candidate (planner.recommend sets it)
+    host_refused: dict[str, str] = field(default_factory=dict)  # mode → why the node's host RAM refuses it
 
     @property
     def overhead(self) -> float:
@@ -88,6 +90,24 @@ class Plan:
     def keeps_margin(self, est: MemoryEstimate) -> bool:
         """What a recommendation asks of the settings it picks: it fits with the margin still free."""
         return self.fits(est) and self.total(est) <= self.budget_bytes
+
+    @property
+    def host_budget_gb(self) -> float:
+        """Host memory the offload buffers of one GPU may take: its share of the node (``PINNED_HOST_SHARE``)."""
+        return self.r.gpu.host_ram_gb * PINNED_HOST_SHARE
+
+    def host_ok(self, est: MemoryEstimate) -> bool:
+        """The node's host RAM holds the offload buffers of all its GPUs within the share allowed."""
+        return est.host_peak_gb <= self.host_budget_gb + 1e-9
+
+    def host_sentence(self, est: MemoryEstimate) -> str:
+        """Why an offload is refused on host memory: per GPU, per node, and the node's RAM."""
+        g = self.r.gpu
+        return (
+            f"{est.host_peak_gb:.0f} GB of host memory per GPU ({est.host_peak_gb * g.gpus_per_node:,.0f} GB on a "
+            f"{g.gpus_per_node}-GPU node) is more than {PINNED_HOST_SHARE:.0%} of the node's "
+            f"{g.host_ram_node_gb:,.0f} GB ({g.host_source or 'preset'}; --host-ram-gb sets it per GPU)"
+        )
 
     def breakdown(self, est: MemoryEstimate, gib: bool = False) -> MemoryBreakdown:
         parts = est.breakdown_gib(self.offset) if gib else est.breakdown_gb(self.offset)

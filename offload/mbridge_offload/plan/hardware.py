@@ -15,6 +15,15 @@ from typing import Any
 # STREAM reaches 70-85 % of the DRAM figure (published STREAM results). We take the middle of each range.
 LINK_EFFICIENCY = 0.70
 HOST_MEMORY_EFFICIENCY = 0.80
+# The share of a node's host RAM the planner lets the offload buffers of all its GPUs take (an assumption, set by
+# evidence). Pinned (page-locked) memory cannot be swapped or reclaimed, and the rest of the node needs room: the OS
+# and page cache, the data loader's workers, NCCL's and the driver's host buffers, checkpoint staging. The largest
+# share a published run is known to work with: Megatron Bridge 0.6.2's Llama 3 70B GB200 FP8 perf recipe
+# (40 layers offloaded, MBS 1, seq 8192) needs 169 GB of pinned host memory per GPU here (the caching host allocator's
+# power-of-two blocks) of the 240 GB a GB200 has per GPU: 70.5 %; rounded up to 72 %. Beyond it no published run
+# says the node still works, so no offload beyond it is offered (the cross-check: Llama 3.1 405B's recipe moved to
+# B200 would need 185 GB per GPU, 74 % of a 2 TB DGX B200, and is refused).
+PINNED_HOST_SHARE = 0.72
 
 
 @dataclass(frozen=True)
@@ -28,7 +37,7 @@ class GpuPreset:
         host_bw_gbps: theoretical host DRAM bandwidth available to one GPU's rank, GB/s.
         cpu_cores: CPU cores per GPU (node cores / GPUs per node).
         peak_tflops: dense bf16 tensor-core peak, TFLOP/s (used for the baseline step time only).
-        host_ram_gb: host RAM per GPU, GB (for the pinned-memory warning).
+        host_ram_gb: host RAM per GPU, GB: the node's RAM over its GPUs (the pinned-memory check).
         capacity_gib: what the device exposes to CUDA (``torch.cuda.mem_get_info()[1] / 2**30``), GiB.
         cpu_adam_params_per_s_per_core: CPU AdamW rate of one core of the node's CPU, or None (then the
             calibration file or the timing default applies).
@@ -59,6 +68,14 @@ class GpuPreset:
     nvlink_domain: int = 8
     network_gbps: float = 50.0
     link_source: str = ""
+    # GPUs that share one node's host RAM (``host_ram_gb × gpus_per_node`` is the node's), and where both come from.
+    gpus_per_node: int = 8
+    host_source: str = ""
+
+    @property
+    def host_ram_node_gb(self) -> float:
+        """The host RAM of one node, GB: what the offload buffers of all its GPUs share."""
+        return self.host_ram_gb * self.gpus_per_node
 
     @property
     def capacity_bytes(self) -> float:
@@ -143,6 +160,8 @@ GPU_PRESETS: dict[str, GpuPreset] = {
         nvlink_domain=8,
         network_gbps=50.0,
         link_source=_H100_LINKS,
+        gpus_per_node=8,
+        host_source="DGX H100 datasheet: 2 TB system memory for 8 GPUs",
     ),
     # HGX H200: same host platform as H100 (Emerald Rapids DDR5-5600 nodes are also common).
     "h200-141gb": GpuPreset(
@@ -162,6 +181,8 @@ GPU_PRESETS: dict[str, GpuPreset] = {
         nvlink_domain=8,
         network_gbps=50.0,
         link_source=_H100_LINKS,
+        gpus_per_node=8,
+        host_source="DGX H200 datasheet: 2 TB system memory for 8 GPUs",
     ),
     # GH200: one Grace (72 cores, ~500 GB/s LPDDR5X, 480 GB) per Hopper, NVLink-C2C. The link is asymmetric in
     # practice: GPU->CPU ~170 GB/s, CPU->GPU ~415 GB/s measured.
@@ -183,6 +204,8 @@ GPU_PRESETS: dict[str, GpuPreset] = {
         nvlink_domain=1,
         network_gbps=50.0,
         link_source=_GH200_LINKS,
+        gpus_per_node=1,
+        host_source="GH200 Grace Hopper superchip: up to 480 GB LPDDR5X for its one GPU",
     ),
     # GB200 NVL72: one Grace (72 cores, 480 GB LPDDR5X, ~512 GB/s) per two Blackwell GPUs.
     "gb200": GpuPreset(
@@ -204,6 +227,9 @@ GPU_PRESETS: dict[str, GpuPreset] = {
         nvlink_domain=72,
         network_gbps=50.0,
         link_source=_GB200_LINKS,
+        gpus_per_node=4,
+        host_source="GB200 NVL72: up to 17 TB LPDDR5X over 36 Grace CPUs (about 480 GB each), two GPUs per "
+        "Grace; a compute tray holds two Graces and four GPUs",
     ),
     # GB300 NVL72: Grace as in GB200, Blackwell Ultra 288 GB HBM3e.
     "gb300": GpuPreset(
@@ -225,6 +251,9 @@ GPU_PRESETS: dict[str, GpuPreset] = {
         nvlink_domain=72,
         network_gbps=100.0,
         link_source=_GB300_LINKS,
+        gpus_per_node=4,
+        host_source="GB300 NVL72: Grace as in GB200 (about 480 GB LPDDR5X per Grace, two GPUs each, four GPUs "
+        "per compute tray)",
     ),
     # DGX A100: 2 x EPYC 7742 (64 cores, 8 x DDR4-3200 = 204.8 GB/s each), Gen4 x16 per GPU.
     "a100-80gb": GpuPreset(
@@ -243,6 +272,8 @@ GPU_PRESETS: dict[str, GpuPreset] = {
         nvlink_domain=8,
         network_gbps=25.0,
         link_source=_A100_LINKS,
+        gpus_per_node=8,
+        host_source="DGX A100 (640 GB) datasheet: 2 TB system memory for 8 GPUs",
     ),
     # DGX B200: 2 x Xeon 8570 (56 cores, 8 x DDR5-5600 = 358 GB/s each), Gen5 x16 per GPU, 180 GB HBM3e.
     "b200": GpuPreset(
@@ -252,7 +283,7 @@ GPU_PRESETS: dict[str, GpuPreset] = {
         2 * 358.4 / 8,
         14,
         2250.0,
-        500.0,
+        250.0,
         "B200 180 GB, PCIe Gen5 host link, 2-socket Emerald Rapids node",
         capacity_gib=178.35,
         source=f"capacity 178.35 GiB: PyTorch OOM messages on B200; {_PCIE5}; DGX B200 datasheet (host)",
@@ -261,6 +292,8 @@ GPU_PRESETS: dict[str, GpuPreset] = {
         nvlink_domain=8,
         network_gbps=50.0,
         link_source=_B200_LINKS,
+        gpus_per_node=8,
+        host_source="DGX B200 user guide: 2 TB system memory (32 DIMMs, upgradable to 4 TB) for 8 GPUs",
     ),
     # DGX B300: 2 x Xeon 6776P (64 cores, 8 x DDR5-6400 = 410 GB/s each), 2 TB RAM; the CPUs are PCIe Gen5.
     "b300": GpuPreset(
@@ -280,6 +313,9 @@ GPU_PRESETS: dict[str, GpuPreset] = {
         nvlink_domain=8,
         network_gbps=100.0,
         link_source=_B300_LINKS,
+        gpus_per_node=8,
+        host_source="DGX B300: 2 TB system memory for 8 GPUs assumed, as DGX B200 (configurations up to 4 TB "
+        "exist: pass --host-ram-gb)",
     ),
 }
 
@@ -301,15 +337,17 @@ def with_overrides(preset: GpuPreset, **values: float | int | None) -> GpuPreset
     given: dict[str, Any] = {k: v for k, v in values.items() if v is not None}
     if "link_gbps" in given:  # a stated link replaces the measured figures of the preset
         given.update(measured_d2h_gbps=None, measured_h2d_gbps=None)
+    if "host_ram_gb" in given or "gpus_per_node" in given:
+        given["host_source"] = "given (--host-ram-gb per GPU, --gpus-per-node)"
     return replace(preset, **given)
 
 
 def render_gpu_table() -> str:
     """The GPU presets as a Markdown table with each figure's source (docs/planner.md, section gpu-presets)."""
     lines = [
-        "| preset | exposed GiB | D2H / H2D GB/s used | host GB/s per GPU | cores per GPU | bf16 / FP8 TFLOP/s "
-        "| NVLink GB/s per direction (domain) | network GB/s per GPU | source |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| preset | exposed GiB | D2H / H2D GB/s used | host GB/s per GPU | cores per GPU | host RAM per node "
+        "(GPUs) | bf16 / FP8 TFLOP/s | NVLink GB/s per direction (domain) | network GB/s per GPU | source |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for p in GPU_PRESETS.values():
         exposed = f"{p.capacity_gib:.2f}" if p.capacity_gib else f"{p.hbm_gb:g} GB (marketed)"
@@ -317,7 +355,8 @@ def render_gpu_table() -> str:
         fp8 = f"{p.fp8_tflops:g}" if p.fp8_tflops else "—"
         lines.append(
             f"| `{p.name}` | {exposed} | {p.d2h_effective_gbps:.0f} / {p.h2d_effective_gbps:.0f}{measured} "
-            f"| {p.host_bw_gbps:.0f} | {p.cpu_cores} | {p.peak_tflops:g} / {fp8} | {p.nvlink_gbps:g} "
-            f"({p.nvlink_domain}) | {p.network_gbps:g} | {p.source}; {p.link_source} |"
+            f"| {p.host_bw_gbps:.0f} | {p.cpu_cores} | {p.host_ram_node_gb:.0f} GB ({p.gpus_per_node}) "
+            f"| {p.peak_tflops:g} / {fp8} | {p.nvlink_gbps:g} ({p.nvlink_domain}) | {p.network_gbps:g} "
+            f"| {p.source}; {p.link_source}; host RAM: {p.host_source} |"
         )
     return "\n".join(lines) + "\n"

@@ -155,7 +155,15 @@ class PlanInputs(BaseModel):
     gpu_memory_gb: float | None = _field(
         group="hardware", help="GPU memory the device exposes, decimal GB (instead of the preset's)", gt=0, le=1e5
     )
-    host_ram_gb: float | None = _field(group="hardware", help="host RAM per GPU, GB", gt=0, le=1e7)
+    host_ram_gb: float | None = _field(
+        group="hardware",
+        help="host RAM per GPU, GB: the node's RAM over its GPUs (default: the preset's)",
+        gt=0,
+        le=1e7,
+    )
+    gpus_per_node: int | None = _field(
+        group="hardware", help="GPUs sharing one node's host RAM (default: the preset's)", ge=1, le=1024
+    )
     link_gbps: float | None = _field(group="hardware", help="GPU<->host GB/s per direction (theoretical)", gt=0, le=1e5)
     host_bw_gbps: float | None = _field(group="hardware", help="host memory GB/s per GPU (theoretical)", gt=0, le=1e5)
     cpu_cores: int | None = _field(group="hardware", help="CPU cores per GPU", ge=1, le=MAX_GPUS)
@@ -200,9 +208,15 @@ class PlanInputs(BaseModel):
     )
     headroom_gib: float | None = _field(
         group="decision",
-        help="when it already fits: memory a fallback offload must free, GiB (default: a tenth of the budget)",
+        help="when it already fits: memory a fallback offload must free, GiB (default: a tenth of the budget); "
+        "recommend's options: the free memory a 'comfortable' option keeps (default: a tenth of the GPU's memory)",
         gt=0,
         le=1e4,
+    )
+    levers: list[str] | None = _field(
+        group="decision",
+        help="what recommend may change, comma-separated: recompute, activation, fine-grained, optimizer, cp, tp, mbs "
+        "(default: recompute and the three offloads; cp, tp and mbs are then shown as alternatives)",
     )
     # --- the user's own run at these settings
     measured_peak_gib: float | None = _field(

@@ -21,22 +21,23 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from mbridge_offload.plan import advice
+from mbridge_offload.plan import advice, levers, options
 from mbridge_offload.plan import fine_grained_plan as fg
 from mbridge_offload.plan.advice import overrides_for
 from mbridge_offload.plan.anchor import Plan, prepare
 from mbridge_offload.plan.memory import GB, MFSDP_OPTIMIZER_OFFLOAD, GiB, MemoryEstimate, Setup, estimate_memory
-from mbridge_offload.plan.resolve import Resolved
+from mbridge_offload.plan.resolve import Assumption, Resolved
 from mbridge_offload.plan.results import (
     BeforeAfter,
     Estimate,
+    Option,
     Recommendation,
     StageTotal,
     TimeBreakdown,
 )
 from mbridge_offload.plan.timing import TimeEstimate, estimate_time
 
-FRACTION_STEP = 0.05
+FRACTION_STEP = options.FRACTION_STEP
 __all__ = ["FRACTION_STEP", "estimate", "estimate_result", "overrides_for", "recommend"]
 
 
@@ -139,23 +140,9 @@ def _what_would_fit(p: Plan) -> str:
 
 
 def _first_fit(p: Plan, setups: list[Setup]) -> MemoryEstimate | None:
-    """The first of ``setups`` (ordered by growing offload, so by shrinking memory) that fits and that the rule
-    catalogue accepts (no error, no new warning): a binary search, so a 1000-layer model costs ten estimates."""
-    m = p.r.model
-    if not setups or not p.keeps_margin(estimate_memory(m, setups[-1])):
-        return None
-    lo, hi = 0, len(setups) - 1
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if p.keeps_margin(estimate_memory(m, setups[mid])):
-            hi = mid
-        else:
-            lo = mid + 1
-    for s in setups[lo:]:  # more offload still fits; the catalogue only objects at the far end (k = L − 1)
-        if p.vet is None or p.vet.clean(s):
-            return estimate_memory(m, s)
-        p.vet.rejected.setdefault(advice.mode_of(s), p.vet.problems(s))
-    return None
+    """The first of ``setups`` (ordered by growing offload) that fits with the margin, that the node's host RAM
+    holds and that the rule catalogue accepts (``options.first_fit``: a binary search)."""
+    return options.first_fit(p, setups, p.keeps_margin)
 
 
 def _smallest_fraction(p: Plan, s: Setup) -> MemoryEstimate | None:
@@ -326,40 +313,32 @@ def recommend(r: Resolved) -> Recommendation:
         'none'
     """
     p = prepare(r)
-    p.vet = advice.Vetter(r.raw_config, r.model.num_layers, r.constraints.model_keys(), source=r.source)
     base = replace(r.setup, optimizer_offload_fraction=0.0, activation_offload_layers=0, offload_modules=())
+    allowed, explicit = levers.parse(r.inputs.levers)
+    if explicit:
+        levers.check_usable(allowed, r, base)
+    p.vet = advice.Vetter(r.raw_config, r.model.num_layers, r.constraints.model_keys(), source=r.source, base=base)
     before = estimate_memory(r.model, base, r.gpu.host_ram_gb)
     rationale = [p.budget_sentence(before), *p.notes()]
     given = _as_given(r, before, rationale)
-    if p.keeps_margin(before):
-        rationale.append("it fits: offloading only adds step time, so none is recommended")
-        mode, after, suggestions = "none", before, []
-    else:
-        if p.fits(before):
-            rationale.append(
-                f"it fits the device, but with less than the {p.margin:.0%} margin free: the offload below keeps it"
-            )
-        mode, found = _search(p, base, _order(p, before, rationale))
-        suggestions = [] if found is not None else _suggest(p, base)
-        most = _most_layers(p, base) if mode in ("both", "activation") else 0
-        fraction = 0.0 if base.use_megatron_fsdp else 1.0
-        after = found or estimate_memory(
-            r.model, replace(base, optimizer_offload_fraction=fraction, activation_offload_layers=most)
-        )
-        if found is None and mode == fg.MODE_WITH_OPTIMIZER:
-            widest = fg.largest(r.model, base, r.constraints.model_config())
-            after = estimate_memory(r.model, replace(widest or base, optimizer_offload_fraction=1.0))
-        if found is None:
-            rationale.append(f"even the most offload allowed leaves {p.total_gib(after):.1f} GiB: nothing fits")
+    mode, after, suggestions, found = _offload_search(p, base, before, rationale)
+    ranked = options.rank(p, base, options.candidates(p, base, before, after if found else None), allowed, _overlap)
+    top = ranked[0] if ranked and ranked[0][1].fits and not ranked[0][1].alternative else None
+    if top is not None and top[0].est.setup != after.setup:
+        after, mode, suggestions = top[0].est, advice.mode_of(top[0].est.setup), []
     rationale += [f"not proposed ({m}): {'; '.join(why)}" for m, why in p.vet.rejected.items()]
+    rationale += [f"not offered ({m}): {why}" for m, why in p.host_refused.items()]
     overlap = _overlap(r, after.setup)
     t = estimate_time(after, r.gpu, overlap=overlap and mode != "none", **p.time_kwargs)
-    rationale += _explain(p, before, after, t, mode)
+    rationale += _explain(p, before, after, t, mode) + _verdict(base, [o for _, o in ranked], allowed)
     given_t = estimate_time(given, r.gpu, overlap=r.overlap, **p.time_kwargs) if given is not before else None
-    sentence = advice.advice_sentence(r.setup, mode, given_t.step_time_factor if given_t else None)
+    pulled = top is not None and bool(set(top[1].levers) - _OFFLOADS)
+    sentence = advice.advice_sentence(
+        r.setup, mode, given_t.step_time_factor if given_t else None, top[1].why if top and pulled else None
+    )
     return Recommendation(
         mode=mode,
-        overrides=advice.switch_off_overrides(r.setup, after.setup) + overrides_for(after.setup, overlap),
+        overrides=options.overrides_for(r.setup, base, after.setup, overlap),
         memory_gb=BeforeAfter(before=p.breakdown(given), after=p.breakdown(after), without_offload=p.breakdown(before)),
         memory_gib=BeforeAfter(
             before=p.breakdown(given, gib=True),
@@ -367,7 +346,8 @@ def recommend(r: Resolved) -> Recommendation:
             without_offload=p.breakdown(before, gib=True),
         ),
         fits=p.fits(after),
-        step_time_factor=round(t.step_time_factor, 3),
+        # Relative to the step without offload, as before; with recompute or a layout change, to no lever pulled.
+        step_time_factor=top[1].step_time_factor if top is not None and pulled else round(t.step_time_factor, 3),
         rationale=rationale + ([sentence] if sentence else []),
         budget_gb=round(p.budget_bytes / GB, 3),
         budget_gib=round(p.budget_bytes / GiB, 3),
@@ -379,14 +359,92 @@ def recommend(r: Resolved) -> Recommendation:
         host_peak_gb=round(after.host_peak_gb, 3),
         suggestions=suggestions,
         warnings=after.warnings,
-        assumptions=p.assumptions,
+        assumptions=p.assumptions + _host_assumptions(p),
         calibration=p.anchor,
         gpu=r.gpu.name,
         num_gpus=r.setup.num_gpus,
         given_mode=advice.mode_of(r.setup),
         advice=sentence,
-        fallback=advice.fallback(p, before, _overlap, FRACTION_STEP) if mode == "none" else None,
+        fallback=advice.fallback(p, before, _overlap, FRACTION_STEP) if mode == "none" and not pulled else None,
+        options=[o for _, o in ranked],
+        levers=list(allowed),
+        headroom_gib=round(options.headroom_gib(p), 3),
     )
+
+
+def _offload_search(
+    p: Plan, base: Setup, before: MemoryEstimate, rationale: list[str]
+) -> tuple[str, MemoryEstimate, list[str], bool]:
+    """The skill's decision table: (mode, the estimate with it, what would fit otherwise, whether it fits)."""
+    r = p.r
+    if p.keeps_margin(before):
+        rationale.append("it fits: offloading only adds step time, so none is recommended")
+        return "none", before, [], True
+    if p.fits(before):
+        rationale.append(
+            f"it fits the device, but with less than the {p.margin:.0%} margin free: the offload below keeps it"
+        )
+    mode, found = _search(p, base, _order(p, before, rationale))
+    if found is not None:
+        return mode, found, [], True
+    most = _most_layers(p, base) if mode in ("both", "activation") else 0
+    fraction = 0.0 if base.use_megatron_fsdp else 1.0
+    after = estimate_memory(r.model, replace(base, optimizer_offload_fraction=fraction, activation_offload_layers=most))
+    if mode == fg.MODE_WITH_OPTIMIZER:
+        widest = fg.largest(r.model, base, r.constraints.model_config())
+        after = estimate_memory(r.model, replace(widest or base, optimizer_offload_fraction=1.0))
+    rationale.append(f"even the most offload allowed leaves {p.total_gib(after):.1f} GiB: no offload alone fits")
+    return mode, after, _suggest(p, base), False
+
+
+_OFFLOADS = {"activation", "optimizer", "fine-grained"}
+
+
+def _verdict(base: Setup, ranked: list[Option], allowed: tuple[str, ...]) -> list[str]:
+    """The ranking in words: what the first option is, and when no offload or recompute is the better answer."""
+    if not ranked:
+        return ["no option fits: none of the levers (" + ", ".join(levers.LEVERS) + ") alone makes it fit"]
+    first = ranked[0]
+    if not first.fits or first.alternative:
+        return [
+            f"none of the allowed levers ({', '.join(allowed)}) fits; the best alternative: {first.why} "
+            f"(pulls {', '.join(first.levers)}: allow it with --levers)"
+        ]
+    out = [f"option 0 of {len(ranked)} (fastest that fits): {first.why}"]
+    if not first.levers:
+        out.append("no offload is the better answer: the run fits as it is, and every lever costs step time")
+    elif "recompute" in first.levers and not _OFFLOADS & set(first.levers):
+        offload = next((o for o in ranked if o.fits and not o.alternative and set(o.levers) <= _OFFLOADS), None)
+        than = f" (the fastest offload: ×{offload.step_time_factor:.2f})" if offload else ""
+        out.append(f"recompute is the better answer here: ×{first.step_time_factor:.2f}{than}")
+    comfortable = next((o for o in ranked if o.comfortable and not o.alternative), None)
+    if comfortable is not None and comfortable.rank != first.rank:
+        out.append(f"with more headroom (option {comfortable.rank}): {comfortable.why}")
+    return out
+
+
+def _host_assumptions(p: Plan) -> list[Assumption]:
+    """The host RAM the pinned-memory check uses, and the share of it offload may take."""
+    from mbridge_offload.plan.hardware import PINNED_HOST_SHARE
+
+    g = p.r.gpu
+    return [
+        Assumption(
+            name="host_ram_per_node_gb",
+            value=round(g.host_ram_node_gb, 1),
+            source="flag" if p.r.inputs.host_ram_gb or p.r.inputs.gpus_per_node else "preset",
+            note=f"{g.gpus_per_node} GPUs per node; {g.host_source or 'preset'}",
+        ),
+        Assumption(
+            name="pinned_host_share",
+            value=PINNED_HOST_SHARE,
+            source="default",
+            note="share of a node's host RAM the offload buffers of all its GPUs may take (assumption: the largest "
+            "share a published recipe runs with, Bridge 0.6.2 Llama 3 70B GB200 FP8 at 70.5 %, rounded up); the rest "
+            "is the OS, page cache, data loader, NCCL/CUDA host buffers and checkpoint staging; offload beyond it is "
+            "never offered",
+        ),
+    ]
 
 
 def _as_given(r: Resolved, without: MemoryEstimate, rationale: list[str]) -> MemoryEstimate:

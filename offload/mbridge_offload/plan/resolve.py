@@ -138,7 +138,7 @@ REQUIRED = ("num_layers", "hidden_size", "num_attention_heads", "vocab_size")
 # walks in well under a second. Published MoEs: DeepSeek-V3 61 x 256, Kimi K2 61 x 384 (at EP 1).
 MAX_LOCAL_EXPERT_LAYERS = 32_768
 # Not listed as assumptions: how to read the inputs, not settings of the run.
-_NOT_ASSUMPTIONS = {"measured_log", "calibration", "host_profile", "model"}
+_NOT_ASSUMPTIONS = {"measured_log", "calibration", "host_profile", "model", "levers"}
 
 
 class Assumption(BaseModel):
@@ -389,6 +389,7 @@ def _gpu(values: dict[str, Any]) -> GpuPreset:
         hbm_gb=capacity,
         capacity_gib=capacity * 1e9 / 2**30 if capacity is not None else None,
         host_ram_gb=values.get("host_ram_gb"),
+        gpus_per_node=values.get("gpus_per_node"),
         link_gbps=values.get("link_gbps"),
         host_bw_gbps=values.get("host_bw_gbps"),
         cpu_cores=values.get("cpu_cores"),

@@ -132,6 +132,41 @@ class Estimate(BaseModel):
     effective: dict[str, EffectiveValue] = Field(default_factory=dict, description=EFFECTIVE_DOC)
 
 
+class Change(BaseModel):
+    """One edit of an option, in the config's own notation: a Bridge dotted key, or a Megatron-LM flag when the
+    input was Megatron-LM argv (value null: delete the flag; true: a bare switch)."""
+
+    key: str
+    value: Any
+
+
+class StageGib(BaseModel):
+    stage: int
+    total_gib: float = Field(description="predicted peak allocated on one GPU of this pipeline stage, GiB")
+
+
+class Option(BaseModel):
+    """One way to make the run fit: its changes, memory, host memory and step time (``recommend``'s ``options``)."""
+
+    rank: int = Field(description="0 = the recommendation (what mode/overrides/memory_gb.after describe)")
+    changes: list[Change] = Field(description="the edits, in the config's notation (see notation)")
+    notation: Literal["bridge", "megatron-lm"] = "bridge"
+    overrides: list[str] = Field(description="the same edits as Bridge/Hydra overrides (what apply --option writes)")
+    levers: list[str] = Field(description="the levers it pulls: recompute, activation, fine-grained, optimizer, ...")
+    memory_gib: MemoryBreakdown = Field(description="worst pipeline stage, GiB")
+    stages_gib: list[StageGib]
+    host_gb: float = Field(description="host memory per GPU (pinned buffers and pageable moments, peak), GB")
+    host_gb_per_node: float = Field(description="host_gb times the GPUs of one node")
+    step_time_s: float
+    step_time_factor: float = Field(description="step_time_s over the same run with no lever pulled")
+    fits: bool = Field(description="fits the device with the recommendation margin kept free")
+    margin_gib: float = Field(description="allocatable GPU memory left free at the predicted peak, GiB")
+    comfortable: bool = Field(description="margin_gib is at least the headroom asked for (headroom_gib)")
+    alternative: bool = Field(description="pulls a lever the caller did not allow: shown, not ranked first")
+    changes_layout: bool = Field(description="changes TP, CP or the micro-batch size (checkpoints, throughput)")
+    why: str
+
+
 class Recommendation(BaseModel):
     """``recommend``: the smallest offload that fits, with the why and the assumptions behind it."""
 
@@ -158,6 +193,9 @@ class Recommendation(BaseModel):
     given_mode: str = Field("none", description="the offload the config as given switches on")
     advice: str | None = Field(None, description="the advice in words when it changes the config's own offload")
     fallback: Fallback | None = Field(None, description="mode none: the cheapest offload that frees the headroom")
+    options: list[Option] = Field([], description="ways to fit, ranked by step time among those that fit")
+    levers: list[str] = Field([], description="the levers the caller allowed (ranked first); others are alternatives")
+    headroom_gib: float | None = Field(None, description="the free memory a 'comfortable' option keeps, GiB")
     assumptions: list[Assumption]
     calibration: Anchor | None = None
     effective: dict[str, EffectiveValue] = Field(default_factory=dict, description=EFFECTIVE_DOC)

@@ -1,0 +1,219 @@
+"""The levers ``recommend`` may pull to make a run fit, which of them a run can use, and their config edits.
+
+Seven levers, in the user's words (``--levers`` on the CLI, ``levers`` over MCP):
+
+- ``recompute``: selective (``core_attn``), or full with ``uniform`` (every layer, one at a time) or ``block``
+  (the first N layers of each stage);
+- ``activation``: layer-level activation offload (``model.cpu_offloading_num_layers``);
+- ``fine-grained``: fine-grained activation offload (``model.offload_modules``);
+- ``optimizer``: HybridDeviceOptimizer (``optimizer.optimizer_offload_fraction``);
+- ``cp``, ``tp`` (with sequence parallelism) and ``mbs``: change the parallel layout or the micro-batch, so
+  checkpoints and throughput change with them: evaluated and shown, ranked first only when the caller allows them.
+
+PP is suggested (``planner._suggest``), never changed. Which combinations upstream accepts is the rule catalogue's
+word (``resolve.Constraints.activation_blockers``, ``advice.Vetter``, ``fine_grained_plan.blockers``), never a copy
+here. Never imports torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from mbridge_offload.config.errors import InputError
+from mbridge_offload.config.overrides import format_override
+from mbridge_offload.plan import fine_grained_plan as fg
+from mbridge_offload.plan.memory import ModelSpec, Setup, check_setup, stage_layers
+from mbridge_offload.plan.resolve import Resolved
+
+LEVERS = ("recompute", "activation", "fine-grained", "optimizer", "cp", "tp", "mbs")
+# The default keeps the parallel layout and the checkpoints as they are: recompute and the three offloads.
+DEFAULT_LEVERS = ("recompute", "activation", "fine-grained", "optimizer")
+LAYOUT_LEVERS = ("cp", "tp", "mbs")
+# TP stays inside one NVLink domain of an 8-GPU node: across nodes its per-layer collectives go over the network
+# (memory-levers.md, "TP inside an NVLink domain").
+MAX_TP = 8
+MAX_CP = 64
+
+
+def parse(given: list[str] | None) -> tuple[tuple[str, ...], bool]:
+    """The levers asked for (``["recompute,optimizer"]`` or ``["recompute", "optimizer"]``) and whether they were
+    asked for at all (else the defaults).
+
+    Raises:
+        InputError: an unknown lever, or none, with the list of levers.
+    """
+    if given is None:
+        return DEFAULT_LEVERS, False
+    names = [n.strip().lower().replace("_", "-") for item in given for n in str(item).split(",") if n.strip()]
+    unknown = [n for n in names if n not in LEVERS]
+    if unknown or not names:
+        what = f"unknown lever {', '.join(map(repr, unknown))}" if unknown else "no lever given"
+        raise InputError(
+            f"--levers / levers: {what}; allowed: {', '.join(LEVERS)} (comma-separated, e.g. "
+            "--levers recompute,activation,optimizer)"
+        )
+    return tuple(dict.fromkeys(names)), True
+
+
+# ------------------------------------------------------------------------------------------- layout levers
+
+
+def _valid(m: ModelSpec, s: Setup) -> bool:
+    """Megatron accepts the layout and the global batch splits into whole micro-batches of every DP rank."""
+    try:
+        check_setup(m, replace(s, optimizer_offload_fraction=0.0, activation_offload_layers=0, offload_modules=()))
+    except ValueError:
+        return False
+    return s.global_batch_size is None or s.global_batch_size % (s.micro_batch_size * s.dp) == 0
+
+
+def layout_variants(lever: str, m: ModelSpec, s: Setup) -> list[Setup]:
+    """``s`` with ``lever`` (cp, tp, mbs) changed, every value Megatron and the global batch allow, smallest change
+    first: TP and CP double (TP with sequence parallelism, as Bridge recipes run it), MBS halves."""
+    out: list[Setup] = []
+    if lever == "tp":
+        tp = s.tp * 2
+        while tp <= MAX_TP:
+            out.append(replace(s, tp=tp, sequence_parallel=True))
+            tp *= 2
+    elif lever == "cp":
+        cp = s.cp * 2
+        while cp <= MAX_CP:
+            out.append(replace(s, cp=cp))
+            cp *= 2
+    elif lever == "mbs" and s.global_batch_size is not None:  # without it, a smaller MBS is a smaller step
+        mbs = s.micro_batch_size // 2
+        while mbs >= 1:
+            out.append(replace(s, micro_batch_size=mbs))
+            mbs //= 2
+    return [v for v in out if _valid(m, v)]
+
+
+def why_not_layout(lever: str, m: ModelSpec, s: Setup) -> str:
+    """In words, why ``lever`` has no value this run can take."""
+    seq = s.seq_length or m.seq_length
+    if lever == "tp":
+        return (
+            f"no TP above {s.tp} up to {MAX_TP} divides num_attention_heads {m.num_attention_heads} and "
+            f"num_query_groups {m.num_query_groups}, num_gpus {s.num_gpus} and the global batch "
+            f"({s.global_batch_size}) into whole micro-batches per DP rank"
+        )
+    if lever == "cp":
+        return (
+            f"no CP above {s.cp} divides seq_length {seq} into 2·CP chunks, num_gpus {s.num_gpus} and the global "
+            f"batch ({s.global_batch_size}) into whole micro-batches per DP rank"
+        )
+    if s.global_batch_size is None:
+        return "no global batch size given (--global-batch-size): a smaller micro-batch would be a smaller step"
+    return (
+        f"micro_batch_size is {s.micro_batch_size}: no smaller micro-batch splits the global batch "
+        f"{s.global_batch_size} over DP {s.dp}"
+        if s.micro_batch_size > 1
+        else "micro_batch_size is already 1"
+    )
+
+
+# ------------------------------------------------------------------------------------------- recompute
+
+
+def recompute_variants(m: ModelSpec, s: Setup) -> list[tuple[str, Setup]]:
+    """Recompute settings beyond the ones ``s`` has, least recompute first: selective (``core_attn``), full
+    ``block`` of N = 1 … layers of the first stage (``recompute_num_layers``), full ``uniform`` 1 (every layer)."""
+    out: list[tuple[str, Setup]] = []
+    if s.recompute_granularity is None:
+        out.append(("selective", replace(s, recompute_granularity="selective", recompute_modules=("core_attn",))))
+    per_stage = len(stage_layers(m, s)[0])
+    if s.recompute_granularity != "full" or s.recompute_method == "block":
+        first = (s.recompute_num_layers or 0) + 1 if s.recompute_granularity == "full" else 1
+        for n in range(first, per_stage):  # N = every layer of the stage is uniform 1's memory
+            full = replace(s, recompute_granularity="full", recompute_method="block", recompute_num_layers=n)
+            out.append((f"full block {n}", full))
+    if (s.recompute_granularity, s.recompute_method, s.recompute_num_layers) != ("full", "uniform", 1):
+        out.append(
+            (
+                "full uniform 1",
+                replace(s, recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
+            )
+        )
+    return out
+
+
+def usable(lever: str, r: Resolved, base: Setup) -> str | None:
+    """None when ``lever`` can change something for this run; else why not, in words."""
+    m = r.model
+    if lever == "recompute":
+        return None if recompute_variants(m, base) else "recompute is already full (uniform, 1 layer)"
+    if lever == "activation":
+        blockers = r.constraints.activation_blockers(base, m.num_layers)
+        return "; ".join(blockers) if blockers else None
+    if lever == "fine-grained":
+        if fg.useful_sets(m, base, r.constraints.model_config()):
+            return None
+        return "fine-grained offloading frees nothing here, or the rule catalogue refuses every module set"
+    if lever == "optimizer":
+        return "Megatron-FSDP: upstream refuses optimizer CPU offload" if base.use_megatron_fsdp else None
+    return None if layout_variants(lever, m, base) else why_not_layout(lever, m, base)
+
+
+def check_usable(levers: tuple[str, ...], r: Resolved, base: Setup) -> None:
+    """Every lever the caller named explicitly can be used here.
+
+    Raises:
+        InputError: naming each lever that cannot, why, and the levers that can.
+    """
+    refused = {lever: why for lever in levers if (why := usable(lever, r, base)) is not None}
+    if refused:
+        allowed = [lever for lever in LEVERS if lever in refused or usable(lever, r, base) is None]
+        allowed = [lever for lever in allowed if lever not in refused]
+        reasons = "; ".join(f"{lever}: {why}" for lever, why in refused.items())
+        raise InputError(
+            f"--levers / levers: cannot use {', '.join(refused)} for this run ({reasons}); levers this run can use: "
+            f"{', '.join(allowed) or 'none'}"
+        )
+
+
+# ------------------------------------------------------------------------------------------- edits
+
+
+def used(base: Setup, s: Setup) -> list[str]:
+    """The levers ``s`` pulls relative to ``base``."""
+    out = []
+    recompute = ("recompute_granularity", "recompute_method", "recompute_num_layers", "recompute_modules")
+    if any(getattr(base, k) != getattr(s, k) for k in recompute):
+        out.append("recompute")
+    if s.activation_offload_layers:
+        out.append("activation")
+    if s.offload_modules:
+        out.append("fine-grained")
+    if s.optimizer_offload_fraction:
+        out.append("optimizer")
+    out += [
+        lever
+        for lever, key in (("cp", "cp"), ("tp", "tp"), ("mbs", "micro_batch_size"))
+        if getattr(base, key) != getattr(s, key)
+    ]
+    return out
+
+
+def lever_overrides(base: Setup, s: Setup) -> list[str]:
+    """Hydra-style overrides (Bridge keys) of the recompute and layout changes from ``base`` to ``s``; the offload
+    keys are ``advice.overrides_for``'s."""
+    out = []
+    if s.tp != base.tp:
+        out += [
+            format_override("model.tensor_model_parallel_size", s.tp),
+            format_override("model.sequence_parallel", s.sp),
+        ]
+    if s.cp != base.cp:
+        out.append(format_override("model.context_parallel_size", s.cp))
+    if s.micro_batch_size != base.micro_batch_size:
+        out.append(format_override("train.micro_batch_size", s.micro_batch_size))
+    if "recompute" in used(base, s):
+        out.append(format_override("model.recompute_granularity", s.recompute_granularity))
+        if s.recompute_granularity == "selective":
+            out.append(format_override("model.recompute_modules", list(s.recompute_modules)))
+        if s.recompute_granularity == "full" or base.recompute_method is not None:
+            out.append(format_override("model.recompute_method", s.recompute_method))
+        if s.recompute_granularity == "full" or base.recompute_num_layers is not None:
+            out.append(format_override("model.recompute_num_layers", s.recompute_num_layers))
+    return out
