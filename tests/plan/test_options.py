@@ -106,8 +106,9 @@ def test_a_run_that_fits_gets_no_change_first():
     assert isinstance(rec, Recommendation)
     first = rec.options[0]
     assert first.changes == [] and first.levers == [] and rec.mode == "none" and rec.overrides == []
-    # The preset's own full recompute stays, and costs: the factor is over the same run with recompute off.
-    assert first.step_time_factor == pytest.approx(4 / 3, rel=0.01)
+    # The preset's own full recompute stays, and costs: the factor is over the same run with recompute off. The
+    # recomputed forward (4/3 of the compute) also repeats its TP and EP communication, so a little more than 4/3.
+    assert 4 / 3 <= first.step_time_factor <= 1.5
     assert any("no offload is the better answer" in r for r in rec.rationale)
 
 

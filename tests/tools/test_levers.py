@@ -13,6 +13,7 @@ import pytest
 import yaml
 from mcp import Client
 
+from mbridge_offload.config import sources
 from mbridge_offload.plan.levers import LEVERS
 from mbridge_offload_tools.server import mcp
 
@@ -103,11 +104,11 @@ def test_apply_option_n_writes_exactly_option_n(tmp_path, config_file):
     out = tmp_path / "option.yaml"
     code, applied = cli(["apply", str(config_file), "--option", str(n), *plan, "--output", str(out)], tmp_path)
     assert code == 0 and applied["written"] == str(out), applied
-    written = yaml.safe_load(out.read_text())
+    written = sources.load(str(out)).config  # a key already at the option's value needs no edit
     for override in rec["options"][n]["overrides"]:
         key, _, value = override.partition("=")
         section, leaf = key.split(".")
-        assert written[section][leaf] == yaml.safe_load(value), override
+        assert getattr(getattr(written, section), leaf) == yaml.safe_load(value), override
     assert "# Llama 3.1 8B SFT" in out.read_text()  # the untouched bytes stay
     # Option 0 differs: what is written is option N's, not the recommendation's.
     assert rec["options"][n]["overrides"] != rec["options"][0]["overrides"]

@@ -28,6 +28,7 @@ from mbridge_offload.plan.resolve import Resolved
 LEVERS = ("recompute", "activation", "fine-grained", "optimizer", "cp", "tp", "mbs")
 # The default keeps the parallel layout and the checkpoints as they are: recompute and the three offloads.
 DEFAULT_LEVERS = ("recompute", "activation", "fine-grained", "optimizer")
+OFFLOAD_LEVERS = ("activation", "fine-grained", "optimizer")
 LAYOUT_LEVERS = ("cp", "tp", "mbs")
 # TP stays inside one NVLink domain of an 8-GPU node: across nodes its per-layer collectives go over the network
 # (memory-levers.md, "TP inside an NVLink domain").

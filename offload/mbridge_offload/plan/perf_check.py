@@ -87,9 +87,22 @@ def _fixture_text(path: Path) -> str:
     return re.sub(r":[ \t]*\.inf\b", ": null", path.read_text(encoding="utf-8"))
 
 
+def _offload_lever_sets(kind: str) -> list[tuple[str, ...]]:
+    """The lever of NVIDIA's own kind of offload first (the comparison is how much of it), then every non-empty
+    subset of the offload levers, largest first."""
+    from itertools import combinations
+
+    from mbridge_offload.plan.levers import OFFLOAD_LEVERS
+
+    own = {"layer": ("activation",), "fine-grained": ("fine-grained",)}.get(kind)
+    n = len(OFFLOAD_LEVERS)
+    return ([own] if own else []) + [c for k in range(n, 0, -1) for c in combinations(OFFLOAD_LEVERS, k)]
+
+
 def check_recipe(name: str, entry: dict[str, Any], directory: Path) -> RecipeCheck:
     """Estimate with and without the recipe's offloading and recommend from the switched-off config."""
     from mbridge_offload.config import sources
+    from mbridge_offload.config.errors import InputError
     from mbridge_offload.plan.service import estimate_for_inputs, recommend_for_inputs
 
     kind, nvidia, layers = _nvidia(entry)
@@ -102,7 +115,17 @@ def check_recipe(name: str, entry: dict[str, Any], directory: Path) -> RecipeChe
         off_raw = switched_off(loaded.raw)
         off_cfg = sources.build_config(copy.deepcopy(off_raw), "<offload off>")
         off = estimate_for_inputs(off_cfg, off_raw, **flags)
-        rec = recommend_for_inputs(off_cfg, off_raw, **flags)
+        # NVIDIA's recipes answer "how much of this offload"; the comparison asks the planner the same (recompute
+        # and the other offloads, which the default levers also weigh, are not what these recipes chose).
+        rec = None
+        for allowed in _offload_lever_sets(kind):  # those this run can use (asking for one it cannot is bad input)
+            try:
+                rec = recommend_for_inputs(off_cfg, off_raw, **flags, levers=list(allowed))
+                break
+            except InputError:
+                continue
+        if rec is None:  # no offload lever this run can use at all: the planner's own answer
+            rec = recommend_for_inputs(off_cfg, off_raw, **flags)
     except (ValueError, KeyError, sources.ConfigError) as exc:
         row.error = str(exc)
         return row
