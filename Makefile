@@ -7,12 +7,11 @@ BIN := $(VENV)/bin
 
 setup: $(VENV)/.ready
 
-# scripts/setup: the venv, torch from the CPU wheel (a bare `torch` requirement would pull a CUDA build), the package
-# with its test extras, and megatron-core 0.19.2 beside it in .mcore/0.19.2 (validate --exact's default target and the
-# differential tests). Then what only this repository's tests need: triton.
+# scripts/setup, the one set-up command: the venv, torch from the CPU wheel (a bare `torch` requirement would pull a
+# CUDA build), the package with its test extras, megatron-core 0.19.2 beside it in .mcore/0.19.2 (validate --exact's
+# default target and the differential tests) and the triton it imports. Nothing is installed here beyond it.
 $(VENV)/.ready: pyproject.toml scripts/setup
 	scripts/setup --python $(PY)
-	$(BIN)/pip install -q triton
 	touch $@
 
 run: setup

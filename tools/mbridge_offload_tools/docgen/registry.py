@@ -1,8 +1,9 @@
 """The one registry of generated docs: the tables that restate code are rendered from the code.
 
 Two kinds of entry. ``WHOLE`` files are rendered entirely (``docs/rules.md``; the skill's ``references/*.md``, from
-``references.py``; ``card.yaml``'s measured block is rendered into the whole file). ``GENERATED`` files keep their
-hand-written text; only marked sections are rendered.
+``references.py``; ``card.yaml``'s measured block is rendered into the whole file; ``docs/img/plots.json``, the
+numbers the pictures under ``docs/img/`` plot, which ``plots.py`` redraws when they change). ``GENERATED`` files
+keep their hand-written text; only marked sections are rendered.
 
 A generated section sits between two marker comments; everything outside them is hand-written and left alone::
 
@@ -146,6 +147,12 @@ def render_gpu_presets() -> str:
     return render_gpu_table()
 
 
+def render_plot_values() -> str:
+    from mbridge_offload_tools.docgen.plots import render_values
+
+    return render_values()
+
+
 def render_perf_recipes() -> str:
     from mbridge_offload_tools.docgen.perf import render_perf_recipes as render
 
@@ -165,6 +172,7 @@ REFERENCES = (
 WHOLE: dict[str, Callable[[], str]] = {
     "docs/rules.md": render_rules,
     "card.yaml": render_card,
+    "docs/img/plots.json": render_plot_values,
     **{path: _reference(path) for path in REFERENCES},
 }
 
@@ -221,6 +229,9 @@ def stale(root: Path = ROOT, only: set[str] | None = None) -> list[str]:
             file = root / path
             if not file.exists() or file.read_text(encoding="utf-8") != render():
                 out.append(path)
+        from mbridge_offload_tools.docgen.plots import stale_images
+
+        out += stale_images(root)
     return out
 
 
@@ -241,4 +252,6 @@ def regenerate(root: Path = ROOT, skipped: list[str] | None = None) -> list[str]
             file.parent.mkdir(parents=True, exist_ok=True)
             file.write_text(new, encoding="utf-8")
             changed.append(path)
-    return changed
+    from mbridge_offload_tools.docgen.plots import redraw
+
+    return changed + redraw(root)
