@@ -105,6 +105,18 @@ def render_benchmarks() -> str:
     return render_index()
 
 
+def render_test_counts() -> str:
+    from mbridge_offload_tools.docgen.benchmarks import render_test_counts as render
+
+    return render()
+
+
+def render_test_summary() -> str:
+    from mbridge_offload_tools.docgen.benchmarks import render_test_summary as render
+
+    return render()
+
+
 def render_rooms() -> str:
     from mbridge_offload_tools.docgen.house import render_rooms as render
 
@@ -183,6 +195,9 @@ GENERATED: dict[str, dict[str, Callable[[], str]]] = {
         "tools": render_tools,
     },
     "docs/parameters.md": {"parameters": render_parameters_doc},
+    # Before docs/benchmarks.md, which includes the fragment.
+    "docs/benchmarks-testtool.md": {"test-counts": render_test_counts},
+    "README.md": {"test-counts": render_test_summary},
     "docs/benchmarks.md": {"benchmarks": render_benchmarks},
     "docs/cpu-offloading.md": {"activation-schedule": render_schedule},
     "docs/architecture.md": {"rooms": render_rooms, "arrows": render_arrows},
