@@ -118,7 +118,7 @@ def render_test_counts() -> str:
         "| suite | tests | files |",
         "|---|---:|---:|",
         f"| the whole suite (`make test`; `mbridge-offload test --all`) | {total} | {files} |",
-        f"| the offload suite (`mbridge-offload test`: marker `cpu_offload`) | {offload} | {offload_files} |",
+        f"| the offload suite (`mbridge-offload test -k cpu_offload`) | {offload} | {offload_files} |",
         f"| not in the offload suite | {total - offload} | {files - offload_files} |",
     ]
     for marker in SUITE_MARKERS[1:]:
@@ -132,6 +132,6 @@ def render_test_summary() -> str:
     total, files = _counts(collected())
     offload, offload_files = _counts(collected(), "cpu_offload")
     return (
-        f"The suite has {total} tests in {files} files; the offload suite (`mbridge-offload test`, marker "
-        f"`cpu_offload`) {offload} of them in {offload_files} files (counted by `pytest --collect-only`)."
+        f"The suite has {total} tests in {files} files; the offload suite (`mbridge-offload test -k cpu_offload`) "
+        f"{offload} of them in {offload_files} files (counted by `pytest --collect-only`)."
     )
