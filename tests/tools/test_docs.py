@@ -125,6 +125,36 @@ def test_generated_sections_are_fresh():
     assert render_card(card) == card, "card.yaml measured_results is stale: run `make docs`"
 
 
+def test_freshness_check_catches_a_changed_test_count(monkeypatch):
+    from mbridge_offload_tools.docgen import benchmarks
+
+    # One test more (or one offload test fewer) than the docs say: both places that quote the counts are stale.
+    monkeypatch.setattr(benchmarks, "COLLECTED", {**benchmarks.collected(), "tests/x.py::test_new": ["cpu_offload"]})
+    assert set(skilldocs.stale(only={"test-counts"})) == {
+        "README.md#test-counts",
+        "docs/benchmarks-testtool.md#test-counts",
+    }
+
+
+def test_a_picture_not_drawn_from_the_current_numbers_is_stale(tmp_path):
+    from mbridge_offload_tools.docgen import plots
+
+    values = plots.plot_values()
+    assert plots.stale_images(ROOT, values) == [], "run `make docs`: a picture under docs/img is stale"
+    assert plots.stale_images(tmp_path, values) == [f"docs/img/{n}.png" for n in plots.IMAGES]  # none drawn yet
+    # The planner moves one bar; the picture drawn from the old numbers is stale, one drawn from the new ones is not.
+    moved = json.loads(json.dumps(values))
+    moved["memory_vs_offload"]["qwen3_30b_a3b"]["parts_gib"]["optimizer"][0] += 1.0
+    png = tmp_path / "docs" / "img" / "memory_vs_offload.png"
+    plots.draw("memory_vs_offload", values["memory_vs_offload"], png)
+    assert "docs/img/memory_vs_offload.png" not in plots.stale_images(tmp_path, values)
+    assert "docs/img/memory_vs_offload.png" in plots.stale_images(tmp_path, moved)
+    # Drawn twice from the same numbers: the same bytes (no timestamp, no matplotlib version stamp).
+    again = tmp_path / "again.png"
+    plots.draw("memory_vs_offload", values["memory_vs_offload"], again)
+    assert again.read_bytes() == png.read_bytes() and b"matplotlib" not in png.read_bytes()
+
+
 def _reference_fresh(path: str) -> bool:
     return (ROOT / path).read_text() == skilldocs.WHOLE[path]()
 
