@@ -247,3 +247,14 @@ def test_a_mixed_precision_section_sets_fields_the_model_section_does_not_write(
 def test_an_unknown_mixed_precision_recipe_changes_nothing():
     body = _payload(PP2.format(target="") + "mixed_precision: no_such_recipe\n")
     assert "fp8" not in body["model"] and body["model"]["pipeline_dtype"] == "fp32"  # finalize() only
+
+
+@needs_019
+def test_without_triton_the_0192_error_says_to_run_the_setup(tmp_path):
+    # A fresh clone before this set-up pinned triton: megatron-core 0.19.2 cannot load; the answer is exit 2 with the
+    # command that installs it, never a traceback. A `triton` on PYTHONPATH that fails to import stands for its absence.
+    (tmp_path / "triton").mkdir()
+    (tmp_path / "triton" / "__init__.py").write_text("raise ModuleNotFoundError(\"No module named 'triton'\")\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    code, payload = _cli(tmp_path, "--exact", env=env)
+    assert code == 2 and "No module named 'triton'" in payload["error"] and "scripts/setup" in payload["error"]
