@@ -48,7 +48,8 @@ $(BRIDGE)/.ready-0.6.2: | setup
 # 0.3.1 through MBRIDGE_OFFLOAD_BRIDGE_PATH; the 0.6.2 tests find .bridge/0.6.2 themselves (tests/support/bridge062.py).
 test-bridge: bridge-env
 	MBRIDGE_OFFLOAD_BRIDGE_PATH="$(BRIDGE)/0.3.1:$(BRIDGE)/deps" $(BIN)/python -m pytest -q tests/config/test_recipe_bridge.py tests/runtime/test_optimizer_megatron.py -k "recipe or bridge"
-	MBRIDGE_OFFLOAD_BRIDGE_PATH="$(BRIDGE)/0.6.2" $(BIN)/python -m pytest -q tests/config/test_bridge062_fixtures.py tests/config/test_bridge062.py
+	MBRIDGE_OFFLOAD_BRIDGE_PATH="$(BRIDGE)/0.6.2" $(BIN)/python -m pytest -q tests/config/test_bridge062_fixtures.py tests/config/test_bridge062.py \
+		tests/config/test_bridge_mixed_precision.py
 
 lint: setup
 	$(BIN)/ruff check offload tools tests benchmarks
