@@ -7,12 +7,11 @@ BIN := $(VENV)/bin
 
 setup: $(VENV)/.ready
 
-# scripts/setup: the venv, torch from the CPU wheel (a bare `torch` requirement would pull a CUDA build), the package
-# with its test extras, and megatron-core 0.19.2 beside it in .mcore/0.19.2 (validate --exact's default target and the
-# differential tests). Then what only this repository's tests need: triton.
+# scripts/setup, the one set-up command: the venv, torch from the CPU wheel (a bare `torch` requirement would pull a
+# CUDA build), the package with its test extras, megatron-core 0.19.2 beside it in .mcore/0.19.2 (validate --exact's
+# default target and the differential tests) and the triton it imports. Nothing is installed here beyond it.
 $(VENV)/.ready: pyproject.toml scripts/setup
 	scripts/setup --python $(PY)
-	$(BIN)/pip install -q triton
 	touch $@
 
 run: setup
@@ -49,7 +48,8 @@ $(BRIDGE)/.ready-0.6.2: | setup
 # 0.3.1 through MBRIDGE_OFFLOAD_BRIDGE_PATH; the 0.6.2 tests find .bridge/0.6.2 themselves (tests/support/bridge062.py).
 test-bridge: bridge-env
 	MBRIDGE_OFFLOAD_BRIDGE_PATH="$(BRIDGE)/0.3.1:$(BRIDGE)/deps" $(BIN)/python -m pytest -q tests/config/test_recipe_bridge.py tests/runtime/test_optimizer_megatron.py -k "recipe or bridge"
-	MBRIDGE_OFFLOAD_BRIDGE_PATH="$(BRIDGE)/0.6.2" $(BIN)/python -m pytest -q tests/config/test_bridge062_fixtures.py tests/config/test_bridge062.py
+	MBRIDGE_OFFLOAD_BRIDGE_PATH="$(BRIDGE)/0.6.2" $(BIN)/python -m pytest -q tests/config/test_bridge062_fixtures.py tests/config/test_bridge062.py \
+		tests/config/test_bridge_mixed_precision.py
 
 lint: setup
 	$(BIN)/ruff check offload tools tests benchmarks

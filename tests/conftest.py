@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import tempfile
@@ -55,6 +56,22 @@ def pytest_configure(config: pytest.Config) -> None:
     config.stash[_DIFFERENTIAL] = []
     if not hasattr(config, "workerinput"):  # the controller only, under xdist
         config.stash[_TRACKED] = tracked.snapshot(tree.ROOT)
+
+
+@pytest.hookimpl(tryfirst=True)  # before -k, -m and --deselect drop any: the counts are of the whole collection
+def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The collected tests and their markers, for the test counts the docs quote (docgen.benchmarks.collected):
+    written to the file ``MBRIDGE_OFFLOAD_COLLECTED_OUT`` names, and handed to the doc generators when this session
+    collected the whole suite (so checking the counts costs nothing then)."""
+    from mbridge_offload_tools.docgen import benchmarks
+
+    marks = {item.nodeid: sorted({m.name for m in item.iter_markers()}) for item in items}
+    out = os.environ.get(benchmarks.COUNT_ENV)
+    if out:
+        Path(out).write_text(json.dumps(marks))
+    whole = [Path(a).resolve() for a in config.args] in ([tree.ROOT / "tests"], [tree.ROOT])
+    if whole and not config.getoption("lf", False) and not config.getoption("ff", False):
+        benchmarks.COLLECTED = marks
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:

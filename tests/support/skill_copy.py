@@ -16,6 +16,8 @@ import tarfile
 import tempfile
 from pathlib import Path
 
+from tests.support import tree
+
 ROOT = Path(__file__).resolve().parents[2]
 _BUILT: dict[str, Path] = {}
 
@@ -41,15 +43,13 @@ def clean_env() -> dict[str, str]:
     return env
 
 
-def copy_tree(dest: Path) -> Path:
-    """The installer's view of the repository (``git ls-files -co --exclude-standard``) copied to ``dest``."""
-    listed = subprocess.run(
-        ["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=ROOT, capture_output=True, text=True, timeout=60
-    )
+def copy_tree(dest: Path, root: Path = ROOT) -> Path:
+    """The installer's view of the repository (:func:`tests.support.tree.shipped`) copied to ``dest``."""
+    listed = tree.shipped(root)
     dest.mkdir(parents=True, exist_ok=True)
-    if listed.returncode == 0:
-        for rel in filter(None, listed.stdout.split("\0")):
-            src = ROOT / rel
+    if listed is not None:
+        for rel in listed:
+            src = root / rel
             if src.is_file():
                 (dest / rel).parent.mkdir(parents=True, exist_ok=True)
                 shutil.copy2(src, dest / rel)
@@ -58,7 +58,7 @@ def copy_tree(dest: Path) -> Path:
             archive = Path(tmp) / "tree.tar"
             skip = {".venv", ".mcore", ".bridge", ".git", "__pycache__", "dist"}
             with tarfile.open(archive, "w") as tar:
-                for child in ROOT.iterdir():
+                for child in root.iterdir():
                     if child.name not in skip:
                         tar.add(child, arcname=child.name, filter=lambda t: None if "__pycache__" in t.name else t)
             with tarfile.open(archive) as tar:

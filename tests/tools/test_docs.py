@@ -24,6 +24,7 @@ from mbridge_offload.config.schema import SECTIONS, field_default
 from mbridge_offload_tools.docgen import registry as skilldocs
 from mbridge_offload_tools.docgen.catalogue import CLI_EQUIVALENTS
 from mbridge_offload_tools.docgen.params import SKILL_KEYS, all_keys
+from tests.support import tree
 
 ROOT = Path(__file__).resolve().parents[2]
 SKILL = ROOT / "SKILL.md"
@@ -122,6 +123,36 @@ def test_generated_sections_are_fresh():
     assert skilldocs.stale() == [], "run `make docs` (python -m mbridge_offload_tools.docgen)"
     card = (ROOT / "card.yaml").read_text()
     assert render_card(card) == card, "card.yaml measured_results is stale: run `make docs`"
+
+
+def test_freshness_check_catches_a_changed_test_count(monkeypatch):
+    from mbridge_offload_tools.docgen import benchmarks
+
+    # One test more (or one offload test fewer) than the docs say: both places that quote the counts are stale.
+    monkeypatch.setattr(benchmarks, "COLLECTED", {**benchmarks.collected(), "tests/x.py::test_new": ["cpu_offload"]})
+    assert set(skilldocs.stale(only={"test-counts"})) == {
+        "README.md#test-counts",
+        "docs/benchmarks-testtool.md#test-counts",
+    }
+
+
+def test_a_picture_not_drawn_from_the_current_numbers_is_stale(tmp_path):
+    from mbridge_offload_tools.docgen import plots
+
+    values = plots.plot_values()
+    assert plots.stale_images(ROOT, values) == [], "run `make docs`: a picture under docs/img is stale"
+    assert plots.stale_images(tmp_path, values) == [f"docs/img/{n}.png" for n in plots.IMAGES]  # none drawn yet
+    # The planner moves one bar; the picture drawn from the old numbers is stale, one drawn from the new ones is not.
+    moved = json.loads(json.dumps(values))
+    moved["memory_vs_offload"]["qwen3_30b_a3b"]["parts_gib"]["optimizer"][0] += 1.0
+    png = tmp_path / "docs" / "img" / "memory_vs_offload.png"
+    plots.draw("memory_vs_offload", values["memory_vs_offload"], png)
+    assert "docs/img/memory_vs_offload.png" not in plots.stale_images(tmp_path, values)
+    assert "docs/img/memory_vs_offload.png" in plots.stale_images(tmp_path, moved)
+    # Drawn twice from the same numbers: the same bytes (no timestamp, no matplotlib version stamp).
+    again = tmp_path / "again.png"
+    plots.draw("memory_vs_offload", values["memory_vs_offload"], again)
+    assert again.read_bytes() == png.read_bytes() and b"matplotlib" not in png.read_bytes()
 
 
 def _reference_fresh(path: str) -> bool:
@@ -516,20 +547,17 @@ def test_npx_skills_lists_the_skill():
 # ---------------------------------------------------------------------------------------------- what ships
 
 
-def _shipped_files() -> list[Path]:
-    """The files an installer takes (tracked, or untracked but not ignored), text-like ones only."""
-    listed = subprocess.run(
-        ["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=ROOT, capture_output=True, text=True, timeout=60
-    )
-    if listed.returncode != 0:
+def _shipped_files(root: Path = ROOT) -> list[Path]:
+    """The files an installer takes (tests.support.tree.shipped: never a user's file in the root), text-like ones."""
+    listed = tree.shipped(root)
+    if listed is None:
         pytest.skip("not a git checkout")
     suffixes = {".md", ".py", ".yaml", ".yml", ".json", ".toml", ".txt", ""}
-    out = []
-    for rel in filter(None, listed.stdout.split("\0")):
-        path = ROOT / rel
-        if path.is_file() and path.suffix in suffixes and rel != "tests/tools/test_docs.py":
-            out.append(path)
-    return out
+    return [
+        root / rel
+        for rel in listed
+        if (root / rel).is_file() and (root / rel).suffix in suffixes and rel != "tests/tools/test_docs.py"
+    ]
 
 
 # Built from pieces so that this file does not match itself.
@@ -546,16 +574,42 @@ _UPSTREAM = re.compile(
 )
 
 
-def test_docs_and_code_cite_only_what_ships():
+def _citation_problems(root: Path = ROOT) -> list[str]:
     bad = []
-    for path in _shipped_files():
-        rel = path.relative_to(ROOT)
+    for path in _shipped_files(root):
+        rel = path.relative_to(root)
         for n, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
             bad += [f"{rel}:{n}: {why}: {line.strip()[:120]}" for pattern, why in _INTERNAL if pattern.search(line)]
             for m in re.finditer(r"""(?<![\w/&"'-])#(\d+)\b""", line):
                 if not _UPSTREAM.search(line[max(0, m.start() - 30) : m.start()]):
                     bad.append(f"{rel}:{n}: a bare tracker number: {line.strip()[:120]}")
+    return bad
+
+
+def test_docs_and_code_cite_only_what_ships():
+    bad = _citation_problems()
     assert not bad, "\n".join(bad)
+
+
+def test_a_users_files_in_the_root_are_not_the_skills(tmp_path):
+    # A copy of the tree as its own git checkout, with what a user leaves in the root after the README's commands
+    # (their config, apply's output, a JSON): neither the shipped-files checks nor the skill copy see them, while a
+    # new file inside the repository's folders is still checked before it is added.
+    from tests.support.skill_copy import copy_tree
+
+    repo = copy_tree(tmp_path / "repo")
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-c", "commit.gpgsign=false"]
+    for args in (["init", "-q"], ["add", "-A"], ["commit", "-qm", "copy"]):
+        subprocess.run([*git, *args], cwd=repo, check=True, capture_output=True, timeout=120)
+    hostile = "# copied from issue #12 of our tracker, see ../shared/notes\nmodel: {num_layers: 4}\n"
+    for name in ("my_run.yaml", "my_run.offload.yaml", "my_run.json"):
+        (repo / name).write_text(hostile)
+    assert _citation_problems(repo) == []
+    listed = tree.shipped(repo) or []
+    assert "SKILL.md" in listed and not [rel for rel in listed if rel.startswith("my_run")]
+    assert not list(copy_tree(tmp_path / "copy", repo).glob("my_run*"))
+    (repo / "docs" / "new.md").write_text(hostile)  # a developer's new doc, not yet added: still checked
+    assert "docs/new.md" in tree.shipped(repo) and any(p.startswith("docs/new.md:1") for p in _citation_problems(repo))
 
 
 _CITED_PATH = re.compile(r"`((?:offload|tools|docs|scripts|references|tests|examples|benchmarks|evals)/[\w./-]+)`")

@@ -68,9 +68,78 @@ def test_each_readme_command_runs_as_written(argv: list[str], tmp_path: Path) ->
     assert "Traceback" not in done.stderr
 
 
+def _ci_steps(script: str) -> list[str]:
+    """The make targets ``.ci/run`` always runs, in order (a trailing comment allowed; the opt-in step not)."""
+    return re.findall(r"^make ([\w-]+)\s*(?:#.*)?$", script, re.M)
+
+
 def test_readme_says_what_ci_runs() -> None:
-    ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8")
-    targets = re.findall(r"^\s*make ([\w-]+)\s*$", ci, re.M)
-    assert targets[:2] == ["test", "test-bridge"], targets
-    sentence = next(line for line in README.splitlines() if "`.ci/run`" in line)
-    assert all(f"`make {t}`" in sentence for t in targets), (sentence, targets)
+    from mbridge_offload_tools.docgen.references import number_word
+
+    targets = _ci_steps((ROOT / ".ci" / "run").read_text(encoding="utf-8"))
+    assert targets == ["lint", "test", "test-bridge"], targets
+    sentence = " ".join(README.split("CI (`.ci/run`)", 1)[1].split("\n\n", 1)[0].split())
+    assert f"runs {number_word(len(targets))} steps" in sentence, sentence
+    named = re.findall(r"`make ([\w-]+)`", sentence)
+    assert named == targets, (named, targets)
+
+
+def test_the_ci_steps_are_read_with_their_comments() -> None:
+    script = "set -e\nmake lint  # ruff\nmake test\n    timeout 1800 make check-hosts\n"
+    assert _ci_steps(script) == ["lint", "test"]
+
+
+# ---------------------------------------------------------------------------------------------- the one set-up
+
+
+def _venv_with(tmp_path: Path, python: str) -> Path:
+    """A venv folder whose stamp says a full set-up of this checkout and whose python is ``python``."""
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "python").write_text(f'#!/bin/sh\nexec {shlex.quote(python)} "$@"\n')
+    (venv / "bin" / "python").chmod(0o755)
+    cksum = subprocess.run(["cksum"], stdin=(ROOT / "pyproject.toml").open("rb"), capture_output=True, timeout=30)
+    (venv / ".mbridge-offload-setup").write_text(f"full {cksum.stdout.split()[0].decode()} {ROOT}\n")
+    return venv
+
+
+@pytest.mark.skipif(os.uname().sysname != "Linux", reason="triton is installed on Linux only")
+@pytest.mark.skipif(not (ROOT / ".mcore/0.19.2/megatron/core").is_dir(), reason="needs scripts/setup's .mcore/0.19.2")
+def test_setup_check_wants_the_pinned_triton_that_megatron_core_0192_imports(tmp_path: Path) -> None:
+    import sys
+
+    from tests.support.skill_copy import base_python
+
+    pin = re.search(r"^TRITON_VERSION=(\S+)$", (ROOT / "scripts" / "setup").read_text(), re.M)
+    assert pin is not None
+    check = [str(ROOT / "scripts" / "setup"), "--check", "--venv"]
+    # This test venv has what scripts/setup installs, triton at the pin included.
+    ok = subprocess.run([*check, str(_venv_with(tmp_path / "a", sys.executable))], capture_output=True, text=True)
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    # A Python without triton: the same stamp is not enough, and the answer names what is missing.
+    done = subprocess.run([*check, str(_venv_with(tmp_path / "b", base_python()))], capture_output=True, text=True)
+    assert done.returncode == 3 and f"missing: triton=={pin.group(1)}" in done.stdout, done.stdout
+    # The Makefile installs nothing that scripts/setup does not.
+    recipe = (ROOT / "Makefile").read_text().split("$(VENV)/.ready:", 1)[1].split("\n\n", 1)[0]
+    assert "pip install" not in recipe and "scripts/setup" in recipe
+
+
+def _du(path: Path) -> float:
+    """Bytes under ``path`` (symlinks followed at the top only), in GB."""
+    total = 0
+    for folder, _, files in os.walk(path.resolve()):
+        total += sum(os.lstat(os.path.join(folder, f)).st_size for f in files)
+    return total / 1e9
+
+
+@pytest.mark.skipif(not (ROOT / ".venv" / "bin").is_dir(), reason="needs the set-up venv")
+def test_readme_states_the_set_up_size_as_measured() -> None:
+    claim = re.search(r"installs about ([\d.]+) GB:\s+`\.venv` ([\d.]+) GB, of which triton is ([\d.]+) GB", README)
+    assert claim is not None
+    total, venv, triton = (float(x) for x in claim.groups())
+    site = next((ROOT / ".venv" / "lib").glob("python3*/site-packages"))
+    measured = {"venv": _du(ROOT / ".venv"), "triton": _du(site / "triton")}
+    measured["total"] = measured["venv"] + (_du(ROOT / ".mcore") if (ROOT / ".mcore").exists() else 0.0)
+    # Within 25 %: a different platform's wheels differ a little; a stale claim (a dependency added or dropped) not.
+    for name, said in (("total", total), ("venv", venv), ("triton", triton)):
+        assert abs(measured[name] - said) <= 0.25 * said, (name, said, measured)

@@ -187,3 +187,74 @@ def test_a_target_that_is_not_installed_says_which_release_ran_and_how_to_get_it
     assert exact.env["exact_megatron_core"] == "0.16.1"
     assert "ran megatron-core 0.16.1" in note.message and "not the target megatron-core==0.19.2" in note.message
     assert "scripts/setup" in note.message
+
+
+# --- the fallback release and Bridge's mixed_precision ----------------------------------------------------------
+
+PP2_BRIDGE = {
+    "provider": PP2.format(target="_target_: megatron.bridge.models.gpt_provider.GPTModelProvider\n  "),
+    "recipe-name": PP2.format(target="") + "mixed_precision: bf16_mixed\n",
+    "section": PP2.format(target="")
+    + "mixed_precision:\n  bf16: true\n  params_dtype: {_target_: torch.bfloat16, _call_: false}\n"
+    + "  pipeline_dtype: {_target_: torch.bfloat16, _call_: false}\n",
+}
+
+
+@pytest.mark.parametrize("variant", sorted(PP2_BRIDGE))
+def test_on_the_fallback_release_a_bridge_pp2_bf16_yaml_gets_bridges_normalisations(variant, tmp_path, monkeypatch):
+    # The target 0.19.2 is not installed (no side-by-side trees): the venv's 0.16.1 runs, after the same
+    # mixed_precision and finalize() as on the target's path, and the answer names the release that ran.
+    monkeypatch.setenv("MBRIDGE_OFFLOAD_MCORE_DIR", str(tmp_path))
+    _, exact = _exact(PP2_BRIDGE[variant], "megatron-core==0.19.2")
+    assert exact.errors == [], [f.message for f in exact.errors]
+    assert (
+        exact.env["exact_megatron_core"] == "0.16.1"
+        and "this Python environment" in exact.env["exact_megatron_core_from"]
+    )
+    (note,) = exact.by_rule("MCORE-EXACT-VERSION")
+    assert "ran megatron-core 0.16.1" in note.message and "not the target megatron-core==0.19.2" in note.message
+    # Without Bridge's normalisations the same model is refused by megatron-core itself: the check can fail.
+    _, plain = _exact(PP2.format(target=""), "megatron-core==0.19.2")
+    assert [f.message for f in plain.errors] == ["When using pipeline parallelism, pipeline_dtype must be specified"]
+
+
+def _payload(text: str) -> dict:
+    from mbridge_offload.config.sources import load
+    from mbridge_offload_tools.exact import payload
+
+    loaded = load(text)
+    return payload(loaded.raw, loaded.config, "megatron-core==0.19.2", loaded.source)
+
+
+def test_a_mixed_precision_recipe_name_is_applied_as_bridge_resolves_it():
+    bf16 = _payload(PP2_BRIDGE["recipe-name"])
+    assert bf16["model"]["pipeline_dtype"] == {"_target_": "torch.bfloat16", "_call_": False}
+    assert bf16["model"]["params_dtype"] == bf16["model"]["pipeline_dtype"] and bf16["ddp"]["grad_reduce_in_fp32"]
+    fp16 = _payload(PP2.format(target="") + "mixed_precision: fp16-mixed\n")  # the hyphenated name too
+    assert fp16["model"]["fp16"] is True and fp16["ddp"]["grad_reduce_in_fp32"] is False
+    assert fp16["model"]["pipeline_dtype"] == {"_target_": "torch.float16", "_call_": False}
+
+
+def test_a_mixed_precision_section_sets_fields_the_model_section_does_not_write():
+    # Bridge copies every field of MixedPrecisionConfig onto each config that has it (hasattr), written or not.
+    body = _payload(PP2_BRIDGE["section"])
+    assert body["model"]["pipeline_dtype"] == {"_target_": "torch.bfloat16", "_call_": False}
+    # Fields the section leaves out take MixedPrecisionConfig's defaults, as Bridge's dataclass does.
+    assert body["ddp"]["grad_reduce_in_fp32"] is True and body["model"]["fp8"] is None
+    assert body["optimizer"]["fp8_param"] is False  # finalize(): fp8_param unset takes fp8_param_gather
+
+
+def test_an_unknown_mixed_precision_recipe_changes_nothing():
+    body = _payload(PP2.format(target="") + "mixed_precision: no_such_recipe\n")
+    assert "fp8" not in body["model"] and body["model"]["pipeline_dtype"] == "fp32"  # finalize() only
+
+
+@needs_019
+def test_without_triton_the_0192_error_says_to_run_the_setup(tmp_path):
+    # A fresh clone before this set-up pinned triton: megatron-core 0.19.2 cannot load; the answer is exit 2 with the
+    # command that installs it, never a traceback. A `triton` on PYTHONPATH that fails to import stands for its absence.
+    (tmp_path / "triton").mkdir()
+    (tmp_path / "triton" / "__init__.py").write_text("raise ModuleNotFoundError(\"No module named 'triton'\")\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    code, payload = _cli(tmp_path, "--exact", env=env)
+    assert code == 2 and "No module named 'triton'" in payload["error"] and "scripts/setup" in payload["error"]

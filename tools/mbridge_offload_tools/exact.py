@@ -176,8 +176,10 @@ def run_child(
         ) from None
     if proc.returncode != 0:
         last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        # megatron-core 0.19 imports triton when it loads (GPU kernels no config check calls); scripts/setup pins it.
+        hint = "; run scripts/setup, which installs the triton it imports" if "'triton'" in last else ""
         raise ExactUnavailable(
-            f"--exact: building the megatron-core {install.version} configs failed ({last}); none could run"
+            f"--exact: building the megatron-core {install.version} configs failed ({last}); none could run{hint}"
         )
     answer: dict[str, Any] = json.loads(proc.stdout)
     answer["where"] = install.where

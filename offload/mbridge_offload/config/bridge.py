@@ -30,6 +30,8 @@ def is_container(raw: dict[str, Any], source: str | None = None) -> bool:
     """Whether ``raw`` is a Megatron Bridge ``ConfigContainer``: its YAML names Bridge classes, or a recipe built it."""
     if source is not None and source.startswith("recipe:"):
         return True
+    if "mixed_precision" in raw:  # only a ConfigContainer has that section (a recipe name or a mapping)
+        return True
     for node in (raw, raw.get("model")):
         target = node.get("_target_") if isinstance(node, dict) else None
         if isinstance(target, str) and target.startswith("megatron.bridge."):
@@ -73,26 +75,88 @@ def finalize(
     return config, raw, changes
 
 
+# Bridge 0.6.2's MixedPrecisionConfig (training/mixed_precision.py): its fields and defaults (0.3.1 has the same but
+# fp4_param and fp4_param_gather, which a 0.3.1 target's megatron-core then drops as unknown fields).
+_BF16 = {"_target_": "torch.bfloat16", "_call_": False}
+_FP16 = {"_target_": "torch.float16", "_call_": False}
+MIXED_PRECISION_DEFAULTS: dict[str, Any] = {
+    "fp32": False, "fp16": False, "bf16": False, "params_dtype": None, "pipeline_dtype": None,
+    "autocast_dtype": None, "autocast_enabled": False, "grad_reduce_in_fp32": True, "fp8": None,
+    "fp8_recipe": "tensorwise", "first_last_layers_bf16": False, "fp8_margin": 0, "fp8_amax_history_len": 1,
+    "fp8_amax_compute_algo": "most_recent", "fp8_wgrad": True, "fp8_dot_product_attention": False,
+    "fp8_multi_head_attention": False, "fp8_param": None, "fp8_param_gather": False, "fp4": None,
+    "fp4_recipe": "nvfp4", "fp4_param": None, "fp4_param_gather": False, "loss_scale": None,
+    "initial_loss_scale": 4294967296, "min_loss_scale": 1.0, "loss_scale_window": 1000, "hysteresis": 2,
+    "num_layers_at_start_in_bf16": 0, "num_layers_at_end_in_bf16": 0, "reuse_grad_buf_for_mxfp8_param_ag": False,
+}  # fmt: skip
+_BF16_MIXED = {"bf16": True, "params_dtype": _BF16, "pipeline_dtype": _BF16, "grad_reduce_in_fp32": True}
+_FP16_MIXED = {"fp16": True, "params_dtype": _FP16, "pipeline_dtype": _FP16, "grad_reduce_in_fp32": False}
+_DELAYED = {"fp8": "hybrid", "fp8_recipe": "delayed", "fp8_amax_history_len": 1024, "fp8_amax_compute_algo": "max"}
+_MX = {"fp8": "e4m3", "fp8_recipe": "mxfp8", "fp8_param_gather": True, "reuse_grad_buf_for_mxfp8_param_ag": True}
+_CURRENT = {"fp8": "hybrid", "fp8_recipe": "tensorwise", "first_last_layers_bf16": True, "fp8_param_gather": True}
+_NVFP4 = {"fp4": "e2m1", "fp4_recipe": "nvfp4", "fp4_param_gather": True}
+# The named recipes a ConfigContainer's ``mixed_precision: <name>`` resolves to (``get_mixed_precision_config``; a
+# hyphenated name is the same recipe): each the fields it sets over the defaults above.
+MIXED_PRECISION_RECIPES: dict[str, dict[str, Any]] = {
+    "bf16_mixed": _BF16_MIXED,
+    "fp16_mixed": _FP16_MIXED,
+    "bf16_with_fp8_delayed_scaling_mixed": {**_BF16_MIXED, **_DELAYED, "fp8_param_gather": True},
+    "fp16_with_fp8_delayed_scaling_mixed": {**_FP16_MIXED, **_DELAYED, "fp8_param_gather": True},
+    "bf16_with_mxfp8_mixed": {**_BF16_MIXED, **_MX},
+    "fp16_with_mxfp8_mixed": {**_FP16_MIXED, **_MX},
+    "bf16_with_fp8_current_scaling_mixed": {**_BF16_MIXED, **_CURRENT, "num_layers_at_start_in_bf16": 1,
+                                            "num_layers_at_end_in_bf16": 1},
+    "nemotron_h_bf16_with_fp8_current_scaling_mixed": {**_BF16_MIXED, **_CURRENT, "num_layers_at_start_in_bf16": 2,
+                                                       "num_layers_at_end_in_bf16": 2},
+    "nanov2_bf16_with_fp8_current_scaling_mixed": {**_BF16_MIXED, **_CURRENT, "fp8_recipe": "blockwise",
+                                                   "num_layers_at_start_in_bf16": 2, "num_layers_at_end_in_bf16": 2},
+    "fp16_with_fp8_current_scaling_mixed": {**_FP16_MIXED, **_CURRENT, "num_layers_at_start_in_bf16": 1,
+                                            "num_layers_at_end_in_bf16": 1},
+    "bf16_with_fp8_subchannel_scaling_mixed": {**_BF16_MIXED, "fp8": "hybrid", "fp8_recipe": "blockwise"},
+    "fp16_with_fp8_subchannel_scaling_mixed": {**_FP16_MIXED, "fp8": "hybrid", "fp8_recipe": "blockwise"},
+    "bf16_with_nvfp4_mixed": {**_BF16_MIXED, **_NVFP4},
+    "nemotron_3_super_bf16_with_nvfp4_mixed": {**_BF16_MIXED, **_NVFP4, "first_last_layers_bf16": True,
+                                               "num_layers_at_end_in_bf16": 14},
+    "nemotron_3_ultra_bf16_with_nvfp4_mixed": {**_BF16_MIXED, **_NVFP4, "first_last_layers_bf16": True,
+                                               "num_layers_at_end_in_bf16": 16},
+}  # fmt: skip
+
+
+def mixed_precision_section(raw: dict[str, Any]) -> dict[str, Any] | None:
+    """The ``mixed_precision`` section of a ConfigContainer as Bridge instantiates it: every field of
+    ``MixedPrecisionConfig`` (the defaults where the section is silent; a recipe name resolved), after its
+    ``finalize()`` (``fp8_param`` / ``fp4_param`` unset take ``fp8_param_gather`` / ``fp4_param_gather``). None
+    without one, or for a name that is no recipe (Bridge raises there; the catalogue reports the config).
+    """
+    section = raw.get("mixed_precision")
+    if isinstance(section, str):
+        section = MIXED_PRECISION_RECIPES.get(section.replace("-", "_"))
+    if not isinstance(section, dict):
+        return None
+    values = {**MIXED_PRECISION_DEFAULTS, **{k: v for k, v in section.items() if not k.startswith("_")}}
+    for name in ("fp8", "fp4"):
+        if values.get(f"{name}_param") is None:
+            values[f"{name}_param"] = values.get(f"{name}_param_gather")
+    return values
+
+
 def mixed_precision(raw: dict[str, Any]) -> dict[str, Any]:
     """``raw`` with its ``mixed_precision`` section applied as Bridge's ``runtime_config_update`` applies it.
 
-    Bridge (0.6.2 ``training/mixed_precision.py``) first finalizes the section (``fp8_param`` and ``fp4_param``
-    unset take ``fp8_param_gather`` / ``fp4_param_gather``), then copies each of its fields onto the model, optimizer
-    and DDP configs that have that field, before ``finalize()`` and megatron-core's checks. A field counts as present
-    when the section writes it (a run_config.yaml writes every field). A copy; ``raw`` without a ``mixed_precision``
-    mapping is returned as it is. ``config.effective`` applies it (the catalogue, the planner and ``validate --exact``
-    all read that one resolution).
+    Bridge (0.6.2 ``training/mixed_precision.py``, ``MixedPrecisionConfig.setup``) copies every field of the
+    section (:func:`mixed_precision_section`) onto the model, optimizer and DDP configs that have a field of that
+    name, before ``finalize()`` and megatron-core's checks: a field the YAML's model section does not write (e.g.
+    ``pipeline_dtype``) is still the dataclass's, so it is copied. Here each field goes into each section; the exact
+    mode child passes on only the fields of the installed release's dataclasses, which is Bridge's ``hasattr`` test.
+    A copy; ``raw`` without a usable section is returned as it is. ``config.effective`` applies it (the catalogue,
+    the planner and ``validate --exact`` all read that one resolution).
     """
-    section = raw.get("mixed_precision")
-    if not isinstance(section, dict):
+    values = mixed_precision_section(raw)
+    if values is None:
         return raw
-    values = {k: v for k, v in section.items() if not k.startswith("_")}
-    for name in ("fp8", "fp4"):
-        if values.get(f"{name}_param") is None and f"{name}_param_gather" in values:
-            values[f"{name}_param"] = values[f"{name}_param_gather"]
     raw = copy.deepcopy(raw)
     for part in ("model", "optimizer", "ddp"):
-        body = raw.get(part)
+        body = raw.setdefault(part, {})
         if isinstance(body, dict):
-            body.update({k: copy.deepcopy(v) for k, v in values.items() if k in body})
+            body.update(copy.deepcopy(values))
     return raw

@@ -67,3 +67,71 @@ def render_index(docs: Path = DOCS) -> str:
     else:
         parts.append("_No plot under `docs/img/` yet._")
     return "\n".join(parts).rstrip("\n")
+
+
+# ---------------------------------------------------------------------------------------------- test counts
+# The counts of tests the docs quote, from pytest's own collection of the suite (``pytest --collect-only tests``):
+# tests/conftest.py writes each collected test's markers to the file named by COUNT_ENV, and hands the same to
+# :data:`COLLECTED` when its own session collected the whole suite (then ``make test`` pays nothing for the check).
+COUNT_ENV = "MBRIDGE_OFFLOAD_COLLECTED_OUT"
+SUITE_MARKERS = ("cpu_offload", "slow", "megatron", "ordering")
+COLLECTED: dict[str, list[str]] | None = None
+
+
+def collected(root: Path = DOCS.parent) -> dict[str, list[str]]:
+    """Test id → its marker names, for every test ``pytest --collect-only tests`` collects (about 30 s; cached)."""
+    global COLLECTED
+    if COLLECTED is None:
+        import json
+        import os
+        import subprocess
+        import sys
+        import tempfile
+
+        with tempfile.TemporaryDirectory() as tmp:
+            out = Path(tmp) / "collected.json"
+            done = subprocess.run(
+                [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", "tests"],
+                cwd=root,
+                env={**os.environ, COUNT_ENV: str(out)},
+                capture_output=True,
+                text=True,
+                timeout=600,
+            )
+            if not out.is_file():
+                raise RuntimeError(f"pytest --collect-only tests failed: {(done.stdout + done.stderr)[-600:]}")
+            COLLECTED = json.loads(out.read_text())
+    return COLLECTED
+
+
+def _counts(items: dict[str, list[str]], marker: str | None = None) -> tuple[int, int]:
+    chosen = [nodeid for nodeid, marks in items.items() if marker is None or marker in marks]
+    return len(chosen), len({nodeid.split("::")[0] for nodeid in chosen})
+
+
+def render_test_counts() -> str:
+    """The table of docs/benchmarks-testtool.md: the whole suite, the offload suite, each marker."""
+    items = collected()
+    total, files = _counts(items)
+    offload, offload_files = _counts(items, "cpu_offload")
+    rows = [
+        "| suite | tests | files |",
+        "|---|---:|---:|",
+        f"| the whole suite (`make test`; `mbridge-offload test --all`) | {total} | {files} |",
+        f"| the offload suite (`mbridge-offload test -k cpu_offload`) | {offload} | {offload_files} |",
+        f"| not in the offload suite | {total - offload} | {files - offload_files} |",
+    ]
+    for marker in SUITE_MARKERS[1:]:
+        count, in_files = _counts(items, marker)
+        rows.append(f"| marker `{marker}` | {count} | {in_files} |")
+    return "\n".join(rows)
+
+
+def render_test_summary() -> str:
+    """The README's sentence with the same counts."""
+    total, files = _counts(collected())
+    offload, offload_files = _counts(collected(), "cpu_offload")
+    return (
+        f"The suite has {total} tests in {files} files; the offload suite (`mbridge-offload test -k cpu_offload`) "
+        f"{offload} of them in {offload_files} files (counted by `pytest --collect-only`)."
+    )

@@ -1,8 +1,9 @@
 """The one registry of generated docs: the tables that restate code are rendered from the code.
 
 Two kinds of entry. ``WHOLE`` files are rendered entirely (``docs/rules.md``; the skill's ``references/*.md``, from
-``references.py``; ``card.yaml``'s measured block is rendered into the whole file). ``GENERATED`` files keep their
-hand-written text; only marked sections are rendered.
+``references.py``; ``card.yaml``'s measured block is rendered into the whole file; ``docs/img/plots.json``, the
+numbers the pictures under ``docs/img/`` plot, which ``plots.py`` redraws when they change). ``GENERATED`` files
+keep their hand-written text; only marked sections are rendered.
 
 A generated section sits between two marker comments; everything outside them is hand-written and left alone::
 
@@ -104,6 +105,18 @@ def render_benchmarks() -> str:
     return render_index()
 
 
+def render_test_counts() -> str:
+    from mbridge_offload_tools.docgen.benchmarks import render_test_counts as render
+
+    return render()
+
+
+def render_test_summary() -> str:
+    from mbridge_offload_tools.docgen.benchmarks import render_test_summary as render
+
+    return render()
+
+
 def render_rooms() -> str:
     from mbridge_offload_tools.docgen.house import render_rooms as render
 
@@ -152,6 +165,12 @@ def render_step_time() -> str:
     return render_table()
 
 
+def render_plot_values() -> str:
+    from mbridge_offload_tools.docgen.plots import render_values
+
+    return render_values()
+
+
 def render_perf_recipes() -> str:
     from mbridge_offload_tools.docgen.perf import render_perf_recipes as render
 
@@ -171,6 +190,7 @@ REFERENCES = (
 WHOLE: dict[str, Callable[[], str]] = {
     "docs/rules.md": render_rules,
     "card.yaml": render_card,
+    "docs/img/plots.json": render_plot_values,
     **{path: _reference(path) for path in REFERENCES},
 }
 
@@ -181,6 +201,9 @@ GENERATED: dict[str, dict[str, Callable[[], str]]] = {
         "tools": render_tools,
     },
     "docs/parameters.md": {"parameters": render_parameters_doc},
+    # Before docs/benchmarks.md, which includes the fragment.
+    "docs/benchmarks-testtool.md": {"test-counts": render_test_counts},
+    "README.md": {"test-counts": render_test_summary},
     "docs/benchmarks.md": {"benchmarks": render_benchmarks},
     "docs/cpu-offloading.md": {"activation-schedule": render_schedule},
     "docs/architecture.md": {"rooms": render_rooms, "arrows": render_arrows},
@@ -228,6 +251,9 @@ def stale(root: Path = ROOT, only: set[str] | None = None) -> list[str]:
             file = root / path
             if not file.exists() or file.read_text(encoding="utf-8") != render():
                 out.append(path)
+        from mbridge_offload_tools.docgen.plots import stale_images
+
+        out += stale_images(root)
     return out
 
 
@@ -248,4 +274,6 @@ def regenerate(root: Path = ROOT, skipped: list[str] | None = None) -> list[str]
             file.parent.mkdir(parents=True, exist_ok=True)
             file.write_text(new, encoding="utf-8")
             changed.append(path)
-    return changed
+    from mbridge_offload_tools.docgen.plots import redraw
+
+    return changed + redraw(root)
