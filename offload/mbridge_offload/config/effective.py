@@ -136,8 +136,8 @@ def _written(raw: dict[str, Any]) -> frozenset[str]:
 def _with_mixed_precision(raw: dict[str, Any]) -> dict[str, Any]:
     """Bridge's copy of the ``mixed_precision`` block onto every config that has the field: the block's fields a
     partial YAML does not write yet are added first (our schema mirrors upstream's fields), then bridge.py copies."""
-    section = raw.get("mixed_precision")
-    if not isinstance(section, dict):
+    section = bridge.mixed_precision_section(raw)  # a recipe name resolved, Bridge's defaults filled in
+    if section is None:
         return raw
     raw = copy.deepcopy(raw)
     for part in ("model", "optimizer", "ddp"):
@@ -149,10 +149,11 @@ def _with_mixed_precision(raw: dict[str, Any]) -> dict[str, Any]:
             if key in known and key not in body:
                 body[key] = None
     mixed = bridge.mixed_precision(raw)
-    for part in ("model", "optimizer", "ddp"):  # a field the block leaves unset keeps its default
+    written = raw.get("mixed_precision") if isinstance(raw.get("mixed_precision"), dict) else {}
+    for part in ("model", "optimizer", "ddp"):  # a field the block writes as null keeps the config's default
         body = mixed.get(part)
         if isinstance(body, dict):
-            for key in [k for k, v in body.items() if v is None and k in section and section.get(k) is None]:
+            for key in [k for k, v in body.items() if v is None and k in written and written.get(k) is None]:
                 body.pop(key)
     return mixed
 
@@ -181,10 +182,13 @@ class _Builder:
 
 
 def _mp_or_model(b: _Builder, key: str) -> tuple[bool, Any, str]:
-    for where, name in (("mixed_precision", "mixed_precision"), ("model", b.where)):
-        has, value = _lookup(b.mixed if where == "model" else b.raw, f"{where}.{key}")
-        if has and value is not None:
-            return True, value, name
+    # The block as Bridge instantiates and finalizes it (fp8_param unset takes fp8_param_gather), then the model.
+    section = bridge.mixed_precision_section(b.raw) or {}
+    if section.get(key) is not None:
+        return True, section[key], "mixed_precision"
+    has, value = _lookup(b.mixed, f"model.{key}")
+    if has and value is not None:
+        return True, value, b.where
     return False, None, b.default
 
 
