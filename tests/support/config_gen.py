@@ -23,6 +23,8 @@ import random
 from collections.abc import Callable
 from typing import Any
 
+from tests.support import config_gen_fields as fields
+
 Case = dict[str, Any]
 FG_MODULES = ["core_attn", "attn_proj", "expert_fc1", "moe_act", "attn_norm", "mlp_norm", "qkv_linear"]
 
@@ -220,7 +222,15 @@ PERTURBATIONS: list[tuple[str, Callable[[random.Random, Case], None], int]] = [
     ("precision", _p_precision, 2),
     ("optimizer", _p_optimizer, 3),
     ("offload-flags", _p_offload_flags, 1),
+    # Checks that are not about offloading, and wrong-type values (tests/support/config_gen_fields.py).
+    ("wrong-type", fields.p_wrong_type, 4),
+    ("parallel-sizes", fields.p_parallel_sizes, 2),
+    ("moe", fields.p_moe, 3),
+    ("attention-sizes", fields.p_attention_sizes, 2),
+    ("low-precision", fields.p_low_precision, 2),
+    ("pipeline-stages", fields.p_pipeline_stages, 1),
 ]
+_LAST = ("type-variant", "wrong-type")  # they break the numbers other perturbations compute with: applied last
 
 
 def _drop_pao_without_offload(case: Case) -> None:
@@ -234,10 +244,11 @@ def generate_case(rng: random.Random, case_id: int) -> Case:
     case = _base(rng)
     names = [name for name, _, weight in PERTURBATIONS for _ in range(weight)]
     chosen = rng.sample(names, rng.choice([1, 1, 2]))
-    for name in chosen:
+    for name in sorted(chosen, key=lambda n: n in _LAST):
         dict((n, f) for n, f, _ in PERTURBATIONS)[name](rng, case)
     m = case["model"]
-    if isinstance(m.get("pipeline_model_parallel_size"), int) and m["pipeline_model_parallel_size"] > 1:
+    pp = m.get("pipeline_model_parallel_size")
+    if isinstance(pp, int) and not isinstance(pp, bool) and pp > 1:
         m.setdefault("pipeline_dtype", "fp32")
     _drop_pao_without_offload(case)
     case.update(id=case_id, perturbations=chosen, source=rng.choice(["dict", "dict", "yaml", "overrides"]))
