@@ -8,8 +8,8 @@ field megatron-core compares. megatron-core's dataclasses convert nothing: a wro
 1, ``2.0`` divides like 2) or fails with a ``TypeError`` at upstream's first comparison of it; either way the
 oracle decides, and a ``TypeError`` counts as a refusal like any other exception.
 
-Conventions: FP8 is never drawn together with MoE (that branch asks which Transformer Engine is installed, so the
-verdict would depend on the machine).
+Conventions: FP8 is never drawn together with MoE, and ``apply_rope_fusion`` is never set: both branches ask
+whether Transformer Engine is installed, so the verdict would depend on the machine (a CPU box has none).
 """
 
 from __future__ import annotations
@@ -57,7 +57,6 @@ MODEL_FLAGS = (
     "moe_grouped_gemm",
     "apply_query_key_layer_scaling",
     "bias_activation_fusion",
-    "apply_rope_fusion",
     "multi_latent_attention",
 )
 OPTIMIZER_NUMBERS: dict[str, float] = {
