@@ -126,7 +126,10 @@ def _capacity_balancing(ctx: Context):
 def _pad_without_capacity(ctx: Context) -> bool:
     # A negative capacity factor is reset to None just before this check.
     capacity = given(ctx, "moe_expert_capacity_factor", None)
-    unset = capacity is None or capacity < 0
+    negative, error = upstream_compare(operator.lt, capacity, 0) if capacity is not None else (False, None)
+    if error is not None:  # MC-MOE-CAPACITY-BALANCING already stops megatron-core at that comparison
+        return False
+    unset = capacity is None or bool(negative)
     return bool(given(ctx, "moe_pad_expert_input_to_capacity", False)) and unset
 
 
