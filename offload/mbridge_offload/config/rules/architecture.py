@@ -12,30 +12,9 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Callable
-from typing import Any
 
 from mbridge_offload.config.rules.base import Context, Match
-from mbridge_offload.config.rules.mcore import following, mcore_rule
-
-_MISSING = object()
-
-
-def given(ctx: Context, key: str, default: Any) -> Any:
-    """``model.<key>`` as written (a string stays a string), else upstream's dataclass default."""
-    body = ctx.raw.get("model") if isinstance(ctx.raw, dict) else None
-    if isinstance(body, dict) and key in body:
-        return body[key]
-    value = getattr(ctx.model, key, _MISSING)
-    return default if value is _MISSING or value is None else value
-
-
-def upstream_compare(op: Callable[[Any, Any], Any], left: Any, right: Any) -> tuple[Any, Match | None]:
-    """``op(left, right)`` as megatron-core evaluates it: ``(result, None)``, or ``(None, Match)`` carrying the
-    ``TypeError`` Python raises for these operand types (megatron-core raises that very exception)."""
-    try:
-        return op(left, right), None
-    except TypeError as exc:
-        return None, Match(message=str(exc), exception="TypeError")
+from mbridge_offload.config.rules.mcore import following, given, mcore_rule, upstream_compare
 
 
 def _fp8_param(ctx: Context) -> bool:
@@ -296,4 +275,25 @@ _ROUTER = following(
     ),
 )
 
-RULES = (*_PRECISION_AND_MOE, *_MOE_AFTER_NCCLEP, *_ROUTER)
+
+def _top1_without_pre_softmax(ctx: Context) -> bool:
+    # Checked whether or not the model has experts (both releases).
+    return (
+        given(ctx, "moe_router_topk", 2) == 1
+        and given(ctx, "moe_router_score_function", "softmax") == "softmax"
+        and not given(ctx, "moe_router_pre_softmax", False)
+        and given(ctx, "moe_router_load_balancing_type", "aux_loss") != "sinkhorn"
+    )
+
+
+TOP1_PRE_SOFTMAX = mcore_rule(
+    "MC-MOE-TOP1-PRE-SOFTMAX",
+    "ValueError",
+    "Please use --moe-router-pre-softmax when topk is 1.",
+    _top1_without_pre_softmax,
+    "Top-1 softmax routing needs `moe_router_pre_softmax` (softmax over one expert has no gradient).",
+    ("model.moe_router_topk", "model.moe_router_pre_softmax", "model.moe_router_score_function"),
+    fix=("model.moe_router_pre_softmax=true",),
+)
+
+RULES = (*_PRECISION_AND_MOE, *_MOE_AFTER_NCCLEP, *_ROUTER, TOP1_PRE_SOFTMAX)
