@@ -5,7 +5,9 @@ Used by the differential test (``tests/config/test_differential.py``) and the be
 and by ``validate``. A case is a small valid config (a base) plus perturbations drawn from the knobs that decide
 offloading verdicts and from the common refusals of megatron-core's ``TransformerConfig`` / ``OptimizerConfig``:
 boundaries (``cpu_offloading_num_layers`` at num_layers − 1 / num_layers), type variants (``"2"`` for 2, the string
-``'false'``, ``null``), malformed recompute settings, CUDA-graph spellings, parallel sizes that do not divide.
+``'false'``, ``null``), malformed recompute settings, CUDA-graph spellings, parallel sizes that do not divide; and
+(``tests/support/config_gen_fields.py``) the checks that are not about offloading (MoE, attention sizes, FP8/FP4,
+uneven pipeline stages) and wrong-type values (text, null, float, bool, list) in any field megatron-core compares.
 
 Each case names a source: ``dict`` (the raw dict), ``yaml`` (written as YAML text and read back) or ``overrides``
 (Hydra-style ``section.key=value`` on an empty config); :func:`case_to_source` renders it.
@@ -229,6 +231,7 @@ PERTURBATIONS: list[tuple[str, Callable[[random.Random, Case], None], int]] = [
     ("attention-sizes", fields.p_attention_sizes, 2),
     ("low-precision", fields.p_low_precision, 2),
     ("pipeline-stages", fields.p_pipeline_stages, 1),
+    ("graphed-recompute", fields.p_graphed_recompute, 1),
 ]
 _LAST = ("type-variant", "wrong-type")  # they break the numbers other perturbations compute with: applied last
 

@@ -200,3 +200,19 @@ def p_pipeline_stages(rng: random.Random, case: Case) -> None:
     m[key] = rng.choice([0, -1, 1, 2, 3])
     if rng.random() < 0.3:
         m["virtual_pipeline_model_parallel_size"] = 2
+
+
+def p_graphed_recompute(rng: random.Random, case: Case) -> None:
+    """Selective recompute inside a CUDA graph, with or without dropout (graphed modules replay random numbers)."""
+    m = case["model"]
+    m.pop("cpu_offloading", None)
+    m["recompute_granularity"] = "selective"
+    m["recompute_modules"] = rng.choice([["core_attn"], ["mlp"], ["core_attn", "mlp"], ["layernorm"]])
+    kind = rng.choice(["enable", "local", "transformer_engine"])
+    if kind == "enable":
+        m["enable_cuda_graph"] = True
+    else:
+        m["cuda_graph_impl"] = kind
+    for key in ("attention_dropout", "hidden_dropout"):
+        if rng.random() < 0.5:
+            m[key] = rng.choice([0.0, 0.1])
