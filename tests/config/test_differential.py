@@ -4,9 +4,10 @@ Two generators feed it: the seeded near-valid generator of ``tests/support/confi
 perturbations per config: boundaries, type variants, malformed recompute, CUDA-graph spellings, parallel sizes,
 optimizer dtypes, and -- ``tests/support/config_gen_fields.py`` -- megatron-core's checks that are not about
 offloading (MoE, attention sizes, FP8/FP4, uneven pipeline stages) and values of the wrong type (text, null, float,
-bool, list) in every field megatron-core compares; loaded through YAML text, Hydra overrides or a plain dict) and the older offload-key generator below
-(``generate_case``), plus directed cases for rules random draws reach rarely. Each version's oracle
-(``tests/support/mcore_oracle.py``) is one subprocess for the whole batch (``tests/support/differential.py``).
+bool, list) in every field megatron-core compares; loaded through YAML text, Hydra overrides or a plain dict) and
+the older offload-key generator below (``generate_case``), plus directed cases for rules random draws reach rarely.
+Each version's oracle (``tests/support/mcore_oracle.py``) is one subprocess for the whole batch
+(``tests/support/differential.py``).
 
 - Verdict: megatron-core refuses when TransformerConfig, OptimizerConfig or the optimizer factory's asserts raise
   anything (a TypeError from comparing a value of the wrong type is a refusal like any other); we refuse when
@@ -274,6 +275,7 @@ DIRECTED += [
     {"num_layers": 4, "init_method_std": None},
     {"num_layers": 4, "cpu_offloading": True, "cpu_offloading_num_layers": [1]},
     {"num_layers": 4, "fp8_param": True},
+    {"num_layers": "4", "fp8": "e4m3"},
     {"num_layers": 4, "fp4_param": True},
     {"num_layers": 4, "fp4": "nvfp4", "fp8": "hybrid"},
     {"num_layers": 4, "expert_model_parallel_size": 2},

@@ -251,7 +251,7 @@ def generate_case(rng: random.Random, case_id: int) -> Case:
         dict((n, f) for n, f, _ in PERTURBATIONS)[name](rng, case)
     m = case["model"]
     pp = m.get("pipeline_model_parallel_size")
-    if isinstance(pp, int) and not isinstance(pp, bool) and pp > 1:
+    if isinstance(pp, (int, float)) and not isinstance(pp, bool) and pp > 1:
         m.setdefault("pipeline_dtype", "fp32")
     _drop_pao_without_offload(case)
     case.update(id=case_id, perturbations=chosen, source=rng.choice(["dict", "dict", "yaml", "overrides"]))

@@ -80,7 +80,9 @@ def _validated_fields(cls: type[BaseModel]) -> frozenset[str]:
 @functools.cache
 def _adapter(cls: type[BaseModel], key: str) -> TypeAdapter:
     info = cls.model_fields[key]
-    return TypeAdapter(Annotated[info.annotation, *info.metadata]) if info.metadata else TypeAdapter(info.annotation)
+    # The field's constraints (ge=1) count too: a value outside them is megatron-core's to judge, like a type.
+    annotation: Any = Annotated[(info.annotation, *info.metadata)] if info.metadata else info.annotation
+    return TypeAdapter(annotation)
 
 
 def _as_upstream_keeps_it(cls: type[BaseModel], key: str, value: Any) -> tuple[bool, Any]:

@@ -17,6 +17,14 @@ from mbridge_offload.config.rules.base import Context, Match
 from mbridge_offload.config.rules.mcore import following, given, mcore_rule, upstream_compare
 
 
+def _fp8_stage_layers_type(ctx: Context):
+    # With FP8, megatron-core computes the BF16 layers a pipeline stage may hold: num_layers // PP, as written.
+    if not given(ctx, "fp8", None):
+        return None
+    layers, pp = given(ctx, "num_layers", 0), given(ctx, "pipeline_model_parallel_size", 1)
+    return upstream_compare(operator.floordiv, layers, pp)[1]
+
+
 def _fp8_param(ctx: Context) -> bool:
     return bool(given(ctx, "fp8_param", False)) and not given(ctx, "fp8", None)
 
@@ -114,6 +122,16 @@ def _pad_without_capacity(ctx: Context) -> bool:
 
 _PRECISION_AND_MOE = following(
     "MC-QUERY-GROUPS-TP",
+    mcore_rule(
+        "MC-FP8-STAGE-LAYERS-TYPE",
+        "TypeError",
+        "unsupported operand type(s) for //: 'str' and 'int'",
+        _fp8_stage_layers_type,
+        "With `fp8`, `num_layers` / `pipeline_model_parallel_size` of a type megatron-core cannot divide.",
+        ("model.fp8", "model.num_layers", "model.pipeline_model_parallel_size"),
+        why="megatron-core's dataclass does not convert types; write the numbers without quotes. The message is "
+        "Python's own for the operands given.",
+    ),
     mcore_rule(
         "MC-FP8-PARAM",
         "ValueError",
