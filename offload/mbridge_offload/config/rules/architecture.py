@@ -13,28 +13,39 @@ from __future__ import annotations
 import operator
 from collections.abc import Callable
 
+from mbridge_offload.config.bridge import mixed_precision
 from mbridge_offload.config.rules.base import Context, Match
 from mbridge_offload.config.rules.mcore import following, given, mcore_rule, upstream_compare
 
 
+def _precision(ctx: Context, key: str, default: object) -> object:
+    """``model.<key>`` for the low-precision flags as megatron-core gets them: in a Bridge container, the
+    ``mixed_precision`` section is copied onto the model first (Bridge's runtime_config_update)."""
+    if isinstance(ctx.raw, dict) and isinstance(ctx.raw.get("mixed_precision"), dict):
+        body = mixed_precision(ctx.raw).get("model")
+        if isinstance(body, dict) and key in body:
+            return body[key]
+    return given(ctx, key, default)
+
+
 def _fp8_stage_layers_type(ctx: Context):
     # With FP8, megatron-core computes the BF16 layers a pipeline stage may hold: num_layers // PP, as written.
-    if not given(ctx, "fp8", None):
+    if not _precision(ctx, "fp8", None):
         return None
     layers, pp = given(ctx, "num_layers", 0), given(ctx, "pipeline_model_parallel_size", 1)
     return upstream_compare(operator.floordiv, layers, pp)[1]
 
 
 def _fp8_param(ctx: Context) -> bool:
-    return bool(given(ctx, "fp8_param", False)) and not given(ctx, "fp8", None)
+    return bool(_precision(ctx, "fp8_param", False)) and not _precision(ctx, "fp8", None)
 
 
 def _fp4_param(ctx: Context) -> bool:
-    return bool(given(ctx, "fp4_param", False)) and not given(ctx, "fp4", None)
+    return bool(_precision(ctx, "fp4_param", False)) and not _precision(ctx, "fp4", None)
 
 
 def _fp4_and_fp8(ctx: Context) -> bool:
-    return bool(given(ctx, "fp4", None)) and bool(given(ctx, "fp8", None))
+    return bool(_precision(ctx, "fp4", None)) and bool(_precision(ctx, "fp8", None))
 
 
 def _ep_without_experts(ctx: Context):

@@ -21,7 +21,8 @@ def _parallel_sizes_type(ctx: Context):
     tp = given(ctx, "tensor_model_parallel_size", 1)
     steps: list = []
     if ctx.target.version >= (0, 19, 0):  # resolve_tensor_parallel_weight_shards: tp * gtp_weight_remat_size
-        steps += [(operator.mul, tp, 1), (operator.mul, given(ctx, "expert_tensor_parallel_size", tp), 1)]
+        etp = given(ctx, "expert_tensor_parallel_size", None)  # None: ModelParallelConfig sets it to tp first
+        steps += [(operator.mul, tp, 1), (operator.mul, tp if etp is None else etp, 1)]
     steps.append((operator.gt, given(ctx, "pipeline_model_parallel_size", 1), 1))
     ep = given(ctx, "expert_model_parallel_size", 1)
     steps.append((operator.gt, ep, 1))
