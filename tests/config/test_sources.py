@@ -106,6 +106,24 @@ def test_wrong_type_names_key_value_and_line(tmp_path):
     assert "\n" not in message
 
 
+@pytest.mark.parametrize(
+    "text,message",
+    [
+        ("model:\n  num_layers: abc\n", "can't multiply sequence by non-int of type 'float'"),
+        ("model:\n  num_layers: [1, 2]\n", "can't multiply sequence by non-int of type 'float'"),
+        ("model:\n  num_layers: {a: 1}\n", "unsupported operand type(s) for *: 'float' and 'dict'"),
+    ],
+)
+def test_wrong_type_in_megatron_core_section_gets_pythons_own_type_error(tmp_path, text, message):
+    # What megatron-core 0.16.1 / 0.19.2 raise for these (the output layer's init method multiplies num_layers).
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    loaded = load(str(path))
+    for target in ("megatron-core==0.16.1", "megatron-core==0.19.2"):
+        report = validate(loaded.config, loaded.raw, target=target)
+        assert [(f.exception, f.upstream_message) for f in report.errors] == [("TypeError", message)]
+
+
 def test_wrong_type_in_megatron_core_section_is_refused_with_upstreams_error(tmp_path):
     # Loaded as written; megatron-core multiplies num_layers "4" in the output layer's init method and fails there.
     path = tmp_path / "c.yaml"
