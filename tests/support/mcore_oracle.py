@@ -14,8 +14,9 @@ upstream stages, each ``null`` (passed) or ``{"type", "message"}``:
   checks run for real; the one thing replaced is the ``HybridDeviceOptimizer`` constructor, which needs CUDA
   streams, by a sentinel that makes the constructor's first use of the config (the offload fraction times the
   GPU parameters' size, compared with a count: a TypeError for text, a list or null) and then stops the call.
-  It is only called when the optimizer config was accepted and either ``optimizer_cpu_offload`` or ``skip_megatron_wrapping`` is set
-  (otherwise the function goes on to wrap a plain optimizer, which needs CUDA); ``"not-run"`` otherwise.
+  It is only called when the optimizer config was accepted and either ``optimizer_cpu_offload`` or
+  ``skip_megatron_wrapping`` is set (otherwise the function goes on to wrap a plain optimizer, which needs CUDA);
+  ``"not-run"`` otherwise.
 
 Two labelled environment stand-ins, because this machine has no Transformer Engine: ``is_te_min_version``
 in ``optimizer_config`` returns True (TE ≥ 2.1 present, as in any training environment; without it 0.16.1
