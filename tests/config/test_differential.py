@@ -312,6 +312,8 @@ DIRECTED_OPTIMIZER: list[dict] = [
 ] + [
     {"optimizer_cpu_offload": True, "use_precision_aware_optimizer": True, "optimizer": "sgd"},
     {"optimizer_cpu_offload": True, "use_precision_aware_optimizer": True},
+    {"optimizer_cpu_offload": True, "optimizer_offload_fraction": "half", "use_distributed_optimizer": True},
+    {"optimizer_cpu_offload": True, "optimizer_offload_fraction": None, "use_distributed_optimizer": True},
 ]
 
 
