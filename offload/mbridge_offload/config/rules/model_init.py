@@ -1,5 +1,5 @@
-"""``TransformerConfig.__post_init__``'s checks after the offload ones and before the CUDA-graph ones: the output
-layer's init method (``num_layers`` as text) and MoE linear biases."""
+"""``TransformerConfig.__post_init__``'s checks after the pipeline-split ones and before the CUDA-graph ones: the
+output layer's init method (``num_layers`` / ``init_method_std`` of the wrong type) and MoE linear biases."""
 
 from __future__ import annotations
 
@@ -59,4 +59,4 @@ MOE_BIAS_ETP = mcore_rule(
 )
 
 
-RULES = following("MC-PAGED-STASH-MODULES", NUM_LAYERS_TYPE_INIT, MOE_BIAS_ETP)
+RULES = following("MC-PP-UNEVEN-MIDDLE-VPP", NUM_LAYERS_TYPE_INIT, MOE_BIAS_ETP)

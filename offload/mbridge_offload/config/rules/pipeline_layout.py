@@ -1,6 +1,6 @@
 """``TransformerConfig.__post_init__``'s pipeline-split checks (both releases), placed right after the
-fine-grained checks upstream runs before them: the layout agrees with the VPP size, or else (no layout) uneven
-first / last stages leave a middle that divides evenly."""
+fine-grained offloading and (0.19) paged-stash checks upstream runs before them: the layout agrees with the VPP
+size, or else (no layout) uneven first / last stages leave a middle that divides evenly."""
 
 from __future__ import annotations
 
@@ -172,4 +172,4 @@ UNEVEN_RULES = (
     ),
 )
 
-RULES = following("MC-FG-FUSED-GROUP-MLP-PARTIAL", LAYOUT_VPP, *UNEVEN_RULES)
+RULES = following("MC-PAGED-STASH-MODULES", LAYOUT_VPP, *UNEVEN_RULES)  # 0.19.2: after the paged-stash checks
