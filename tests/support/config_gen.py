@@ -242,6 +242,14 @@ def _drop_pao_without_offload(case: Case) -> None:
         o["use_precision_aware_optimizer"] = False
 
 
+def _drop_fp8_with_moe(case: Case) -> None:
+    # Convention (config_gen_fields.py): FP8 with MoE asks which Transformer Engine is installed; a wrong-type
+    # perturbation can turn the experts on after the FP8 one ran.
+    m = case["model"]
+    if m.get("fp8") and m.get("num_moe_experts"):
+        m.pop("fp8")
+
+
 def generate_case(rng: random.Random, case_id: int) -> Case:
     """One case: ``{"id", "source", "perturbations", "model", "optimizer"[, "ddp"]}``."""
     case = _base(rng)
@@ -254,6 +262,7 @@ def generate_case(rng: random.Random, case_id: int) -> Case:
     if isinstance(pp, (int, float)) and not isinstance(pp, bool) and pp > 1:
         m.setdefault("pipeline_dtype", "fp32")
     _drop_pao_without_offload(case)
+    _drop_fp8_with_moe(case)
     case.update(id=case_id, perturbations=chosen, source=rng.choice(["dict", "dict", "yaml", "overrides"]))
     return case
 

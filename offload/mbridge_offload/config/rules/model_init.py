@@ -42,9 +42,11 @@ NUM_LAYERS_TYPE_INIT = mcore_rule(
 
 
 def _moe_bias_etp(ctx: Context) -> bool:
-    m = ctx.model
-    etp = m.expert_tensor_parallel_size if m.expert_tensor_parallel_size is not None else m.tensor_model_parallel_size
-    return m.num_moe_experts is not None and bool(m.add_bias_linear) and etp != 1
+    # Values as written: a float expert count (4.5) is still an expert count there.
+    etp = given(ctx, "expert_tensor_parallel_size", None)
+    etp = given(ctx, "tensor_model_parallel_size", 1) if etp is None else etp
+    experts = given(ctx, "num_moe_experts", None)
+    return experts is not None and bool(given(ctx, "add_bias_linear", True)) and etp != 1
 
 
 MOE_BIAS_ETP = mcore_rule(
