@@ -198,7 +198,7 @@ def test_offload_fraction_as_text_gets_the_optimizers_type_error(capsys, tmp_pat
     code, payload = run_cli(capsys, path)
     assert code == 1
     [error] = [f for f in payload["findings"] if f["severity"] == "error"]
-    assert error["rule"] == "OPT-OFFLOAD-FRACTION-TYPE" and error["exception"] == "TypeError"
+    assert error["rule"] == "MC-OPT-FRACTION-TYPE" and error["exception"] == "TypeError"
 
 
 def test_malformed_yaml_is_bad_input(capsys, tmp_path):

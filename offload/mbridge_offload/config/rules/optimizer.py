@@ -273,7 +273,7 @@ OPTIMIZER_RULES: tuple[Rule, ...] = (
         check=_decoupled_wd,
     ),
     Rule(
-        id="OPT-OFFLOAD-FRACTION-TYPE",
+        id="MC-OPT-FRACTION-TYPE",
         severity="error",
         origin="mcore",
         stage=STAGE_OPTIMIZER_FACTORY,
