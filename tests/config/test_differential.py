@@ -270,6 +270,7 @@ DIRECTED += [
     {"num_layers": 4, "tensor_model_parallel_size": None},
     {"num_layers": 4, "hidden_size": "64"},
     {"num_layers": 4, "context_parallel_size": "1"},
+    {"num_layers": 4, "pipeline_model_parallel_size": 0},
     {"num_layers": 4, "num_query_groups": [2]},
     {"num_layers": [4]},
     {"num_layers": 4, "init_method_std": None},

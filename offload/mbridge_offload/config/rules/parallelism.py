@@ -256,5 +256,26 @@ CP_TYPE = mcore_rule(
     "own for the operands given.",
 )
 
-# EARLY_RULES open the stage (they follow no other check); the context-parallel comparison closes it.
-RULES = (*EARLY_RULES, *following("MC-FG-CUDA-GRAPH-INFLIGHT", CP_TYPE))
+
+def _pp_not_positive(ctx: Context) -> bool:
+    # ModelParallelConfig's `pp > 1` let a 0 (or False) through; this assert, right after the context-parallel
+    # comparison, stops it.
+    positive, error = upstream_compare(operator.gt, given(ctx, "pipeline_model_parallel_size", 1), 0)
+    return error is None and not positive
+
+
+PP_POSITIVE = mcore_rule(
+    "MC-PP-POSITIVE",
+    "AssertionError",
+    "Pipeline model parallel size must be larger than 0             when enable --standalone-embedding-stage and "
+    "--standalone-loss-stage",
+    _pp_not_positive,
+    "`pipeline_model_parallel_size` must be at least 1.",
+    ("model.pipeline_model_parallel_size",),
+    fix=("model.pipeline_model_parallel_size=1",),
+    why="The message's run of spaces is upstream's (a line continuation inside its f-string).",
+)
+
+# EARLY_RULES open the stage (they follow no other check); the context-parallel comparison and the pipeline size
+# assert close it.
+RULES = (*EARLY_RULES, *following("MC-FG-CUDA-GRAPH-INFLIGHT", CP_TYPE, PP_POSITIVE))
