@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from mbridge_offload.config.sources import ConfigError, apply_overrides, load, parse_megatron_argv
+from mbridge_offload.config.validate import validate
 from tests.support import tree
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -95,13 +96,43 @@ def test_megatron_lm_parser_refuses_bad_choices_in_one_line():
 
 
 def test_wrong_type_names_key_value_and_line(tmp_path):
+    # Outside megatron-core's sections (there a wrong type is kept as written for the rules: test_schema.py).
     path = tmp_path / "c.yaml"
-    path.write_text("model:\n  num_layers: 4\noptimizer:\n  optimizer_offload_fraction: half\n")
+    path.write_text("model:\n  num_layers: 4\ntrain:\n  micro_batch_size: one\n")
     with pytest.raises(ConfigError) as exc:
         load(str(path))
     message = str(exc.value)
-    assert message.startswith(f"{path}:4: optimizer.optimizer_offload_fraction = 'half'")
+    assert message.startswith(f"{path}:4: train.micro_batch_size = 'one'")
     assert "\n" not in message
+
+
+@pytest.mark.parametrize(
+    "text,message",
+    [
+        ("model:\n  num_layers: abc\n", "can't multiply sequence by non-int of type 'float'"),
+        ("model:\n  num_layers: [1, 2]\n", "can't multiply sequence by non-int of type 'float'"),
+        ("model:\n  num_layers: {a: 1}\n", "unsupported operand type(s) for *: 'float' and 'dict'"),
+    ],
+)
+def test_wrong_type_in_megatron_core_section_gets_pythons_own_type_error(tmp_path, text, message):
+    # What megatron-core 0.16.1 / 0.19.2 raise for these (the output layer's init method multiplies num_layers).
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    loaded = load(str(path))
+    for target in ("megatron-core==0.16.1", "megatron-core==0.19.2"):
+        report = validate(loaded.config, loaded.raw, target=target)
+        assert [(f.exception, f.upstream_message) for f in report.errors] == [("TypeError", message)]
+
+
+def test_wrong_type_in_megatron_core_section_is_refused_with_upstreams_error(tmp_path):
+    # Loaded as written; megatron-core multiplies num_layers "4" in the output layer's init method and fails there.
+    path = tmp_path / "c.yaml"
+    path.write_text('model:\n  num_layers: "4"\n  hidden_size: 64\n  num_attention_heads: 4\n')
+    loaded = load(str(path))
+    report = validate(loaded.config, loaded.raw, target="megatron-core==0.19.2")
+    assert [(f.rule, f.exception, f.message) for f in report.errors] == [
+        ("MC-NUM-LAYERS-TYPE-INIT", "TypeError", "can't multiply sequence by non-int of type 'float'")
+    ]
 
 
 def test_malformed_and_missing_inputs(tmp_path):

@@ -5,7 +5,9 @@ Used by the differential test (``tests/config/test_differential.py``) and the be
 and by ``validate``. A case is a small valid config (a base) plus perturbations drawn from the knobs that decide
 offloading verdicts and from the common refusals of megatron-core's ``TransformerConfig`` / ``OptimizerConfig``:
 boundaries (``cpu_offloading_num_layers`` at num_layers − 1 / num_layers), type variants (``"2"`` for 2, the string
-``'false'``, ``null``), malformed recompute settings, CUDA-graph spellings, parallel sizes that do not divide.
+``'false'``, ``null``), malformed recompute settings, CUDA-graph spellings, parallel sizes that do not divide; and
+(``tests/support/config_gen_fields.py``) the checks that are not about offloading (MoE, attention sizes, FP8/FP4,
+uneven pipeline stages) and wrong-type values (text, null, float, bool, list) in any field megatron-core compares.
 
 Each case names a source: ``dict`` (the raw dict), ``yaml`` (written as YAML text and read back) or ``overrides``
 (Hydra-style ``section.key=value`` on an empty config); :func:`case_to_source` renders it.
@@ -22,6 +24,8 @@ import json
 import random
 from collections.abc import Callable
 from typing import Any
+
+from tests.support import config_gen_fields as fields
 
 Case = dict[str, Any]
 FG_MODULES = ["core_attn", "attn_proj", "expert_fc1", "moe_act", "attn_norm", "mlp_norm", "qkv_linear"]
@@ -220,7 +224,16 @@ PERTURBATIONS: list[tuple[str, Callable[[random.Random, Case], None], int]] = [
     ("precision", _p_precision, 2),
     ("optimizer", _p_optimizer, 3),
     ("offload-flags", _p_offload_flags, 1),
+    # Checks that are not about offloading, and wrong-type values (tests/support/config_gen_fields.py).
+    ("wrong-type", fields.p_wrong_type, 4),
+    ("parallel-sizes", fields.p_parallel_sizes, 2),
+    ("moe", fields.p_moe, 3),
+    ("attention-sizes", fields.p_attention_sizes, 2),
+    ("low-precision", fields.p_low_precision, 2),
+    ("pipeline-stages", fields.p_pipeline_stages, 1),
+    ("graphed-recompute", fields.p_graphed_recompute, 1),
 ]
+_LAST = ("type-variant", "wrong-type")  # they break the numbers other perturbations compute with: applied last
 
 
 def _drop_pao_without_offload(case: Case) -> None:
@@ -229,17 +242,27 @@ def _drop_pao_without_offload(case: Case) -> None:
         o["use_precision_aware_optimizer"] = False
 
 
+def _drop_fp8_with_moe(case: Case) -> None:
+    # Convention (config_gen_fields.py): FP8 with MoE asks which Transformer Engine is installed; a wrong-type
+    # perturbation can turn the experts on after the FP8 one ran.
+    m = case["model"]
+    if m.get("fp8") and m.get("num_moe_experts"):
+        m.pop("fp8")
+
+
 def generate_case(rng: random.Random, case_id: int) -> Case:
     """One case: ``{"id", "source", "perturbations", "model", "optimizer"[, "ddp"]}``."""
     case = _base(rng)
     names = [name for name, _, weight in PERTURBATIONS for _ in range(weight)]
     chosen = rng.sample(names, rng.choice([1, 1, 2]))
-    for name in chosen:
+    for name in sorted(chosen, key=lambda n: n in _LAST):
         dict((n, f) for n, f, _ in PERTURBATIONS)[name](rng, case)
     m = case["model"]
-    if isinstance(m.get("pipeline_model_parallel_size"), int) and m["pipeline_model_parallel_size"] > 1:
+    pp = m.get("pipeline_model_parallel_size")
+    if isinstance(pp, (int, float)) and not isinstance(pp, bool) and pp > 1:
         m.setdefault("pipeline_dtype", "fp32")
     _drop_pao_without_offload(case)
+    _drop_fp8_with_moe(case)
     case.update(id=case_id, perturbations=chosen, source=rng.choice(["dict", "dict", "yaml", "overrides"]))
     return case
 

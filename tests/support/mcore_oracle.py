@@ -12,9 +12,11 @@ upstream stages, each ``null`` (passed) or ``{"type", "message"}``:
 - ``factory``: the real ``_get_megatron_optimizer_based_on_param_groups`` — where the offload asserts
   (``decoupled_weight_decay``, ``skip_megatron_wrapping``) live — called with one CPU parameter group. Its
   checks run for real; the one thing replaced is the ``HybridDeviceOptimizer`` constructor, which needs CUDA
-  streams, by a sentinel that stops the call once every check has passed. It is only called when the
-  optimizer config was accepted and either ``optimizer_cpu_offload`` or ``skip_megatron_wrapping`` is set
-  (otherwise the function goes on to wrap a plain optimizer, which needs CUDA); ``"not-run"`` otherwise.
+  streams, by a sentinel that makes the constructor's first use of the config (the offload fraction times the
+  GPU parameters' size, compared with a count: a TypeError for text, a list or null) and then stops the call.
+  It is only called when the optimizer config was accepted and either ``optimizer_cpu_offload`` or
+  ``skip_megatron_wrapping`` is set (otherwise the function goes on to wrap a plain optimizer, which needs CUDA);
+  ``"not-run"`` otherwise.
 
 Two labelled environment stand-ins, because this machine has no Transformer Engine: ``is_te_min_version``
 in ``optimizer_config`` returns True (TE ≥ 2.1 present, as in any training environment; without it 0.16.1
@@ -59,7 +61,12 @@ def main() -> None:
     mopt_config.is_te_min_version = lambda *args, **kwargs: True
 
     class _HDOSentinel:
-        def __init__(self, *args, **kwargs):
+        def __init__(self, *args, offload_fraction=0.5, **kwargs):
+            # The first use of the config in the real constructor (HybridDeviceOptimizer.
+            # _get_sub_optimizer_param_groups, both releases): `threshold = gpu_params_total_numel *
+            # offload_fraction`, then `offload_params_numel < threshold`; here no parameter is on a GPU (0).
+            threshold = 0 * offload_fraction
+            _ = 0 < threshold  # noqa: SIM300 -- upstream's operand order decides the TypeError's text
             raise _ChecksPassed
 
     mopt.HybridDeviceOptimizer = _HDOSentinel

@@ -182,14 +182,23 @@ def test_out_of_range_fraction_is_a_clear_finding(capsys, tmp_path):
 
 
 def test_wrong_type_is_bad_input_naming_key_and_line(capsys, tmp_path):
-    path = write(tmp_path, 'optimizer:\n  optimizer_cpu_offload: true\n  optimizer_offload_fraction: "half"\n')
+    # Outside megatron-core's sections; there a wrong type is kept as written and judged as upstream judges it.
+    path = write(tmp_path, 'model:\n  num_layers: 4\ntrain:\n  micro_batch_size: "one"\n')
     code, payload = run_cli(capsys, path)
     assert code == 2
     assert payload["ok"] is False
     message = payload["error"]
     assert "\n" not in message
-    assert "optimizer.optimizer_offload_fraction" in message and "'half'" in message
-    assert f"{path}:3" in message
+    assert "train.micro_batch_size" in message and "'one'" in message
+    assert f"{path}:4" in message
+
+
+def test_offload_fraction_as_text_gets_the_optimizers_type_error(capsys, tmp_path):
+    path = write(tmp_path, 'optimizer:\n  optimizer_cpu_offload: true\n  optimizer_offload_fraction: "half"\n')
+    code, payload = run_cli(capsys, path)
+    assert code == 1
+    [error] = [f for f in payload["findings"] if f["severity"] == "error"]
+    assert error["rule"] == "MC-OPT-FRACTION-TYPE" and error["exception"] == "TypeError"
 
 
 def test_malformed_yaml_is_bad_input(capsys, tmp_path):

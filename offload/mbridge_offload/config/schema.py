@@ -18,10 +18,11 @@ never imports torch.
 from __future__ import annotations
 
 import difflib
+import functools
 import typing
-from typing import Any
+from typing import Annotated, Any, ClassVar
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator, model_validator
 
 _DTYPE_ALIASES = {
     "float32": "fp32",
@@ -70,16 +71,57 @@ def _truthiness(cls: type[BaseModel], key: str, value: Any) -> Any:
     return value
 
 
+@functools.cache
+def _validated_fields(cls: type[BaseModel]) -> frozenset[str]:
+    decorators = cls.__pydantic_decorators__.field_validators.values()
+    return frozenset(name for d in decorators for name in d.info.fields)
+
+
+@functools.cache
+def _adapter(cls: type[BaseModel], key: str) -> TypeAdapter:
+    info = cls.model_fields[key]
+    # The field's constraints (ge=1) count too: a value outside them is megatron-core's to judge, like a type.
+    annotation: Any = Annotated[(info.annotation, *info.metadata)] if info.metadata else info.annotation
+    return TypeAdapter(annotation)
+
+
+def _as_upstream_keeps_it(cls: type[BaseModel], key: str, value: Any) -> tuple[bool, Any]:
+    """``(keep, value)`` for a field of a megatron-core dataclass section: a flag is read by truthiness (a list,
+    a number or null too), and a value of the wrong type is left out of the typed section (the field keeps its
+    default) because megatron-core's dataclass keeps it as written; the raw config still holds it, and the rules
+    read it from there (``Context.seen``), reporting upstream's own TypeError where upstream compares it."""
+    info = cls.model_fields.get(key)
+    if info is None:
+        return True, value
+    if info.annotation is bool:
+        return True, bool(value)
+    if value is None and not _accepts_none(info.annotation):
+        return False, None
+    if key in _validated_fields(cls):  # its own validator reads the spellings (dtypes) and says what is wrong
+        return True, value
+    try:
+        _adapter(cls, key).validate_python(value)
+    except ValidationError:
+        return False, None
+    return True, value
+
+
 class Section(BaseModel):
     """A config namespace: typed known fields, unknown keys kept as extras."""
 
     model_config = ConfigDict(extra="allow", validate_default=False, protected_namespaces=())
+    # The sections that mirror megatron-core's dataclasses, which convert nothing and check types only where they
+    # compare a value: there a value of the wrong type is not a load error (see _as_upstream_keeps_it).
+    keeps_values_as_written: ClassVar[bool] = False
 
     @model_validator(mode="before")
     @classmethod
     def _null_means_default(cls, data: Any) -> Any:
         # Bridge's to_yaml() writes `null` for fields whose dataclass default is None in that release (e.g.
         # offload_modules in 0.3.x); where our field takes no None, null means "the default".
+        if isinstance(data, dict) and cls.keeps_values_as_written:
+            kept = {k: _as_upstream_keeps_it(cls, k, v) for k, v in data.items()}
+            return {k: v for k, (keep, v) in kept.items() if keep}
         if isinstance(data, dict):
             return {
                 k: _truthiness(cls, k, v)
@@ -101,6 +143,8 @@ DType = str | None
 
 class ModelSection(Section):
     """``model.*``: architecture, parallelism, recompute, CUDA graphs and activation offloading."""
+
+    keeps_values_as_written = True
 
     # Architecture (sizes are None = not given; upstream's placeholder default is 0).
     # int | float: megatron-core's dataclass keeps 4.0 and 2.5 as given (CFG-NOT-INTEGER warns about a fraction).
@@ -180,6 +224,8 @@ class ModelSection(Section):
 class OptimizerSection(Section):
     """``optimizer.*``: Megatron Core ``OptimizerConfig`` fields that offloading reads."""
 
+    keeps_values_as_written = True
+
     optimizer: str = "adam"
     lr: float | None = None
     min_lr: float | None = None
@@ -222,6 +268,8 @@ class OptimizerSection(Section):
 
 class DDPSection(Section):
     """``ddp.*``: the DistributedDataParallelConfig fields that interact with offloading."""
+
+    keeps_values_as_written = True
 
     use_distributed_optimizer: bool = False
     use_megatron_fsdp: bool = False

@@ -126,7 +126,7 @@ def _finding(rule: Rule, match: Match) -> Finding:
         why=rule.why,
         stage=rule.stage,
         upstream_message=upstream_message,
-        exception=rule.exception,
+        exception=match.exception or rule.exception,
     )
 
 

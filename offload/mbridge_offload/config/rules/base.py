@@ -232,6 +232,9 @@ class Match:
     message: str | None = None
     fix: list[str] | None = None
     keys: list[str] | None = None
+    # The exception upstream raises for this hit when it is not the rule's own: a value of the wrong type makes
+    # upstream's comparison raise a TypeError where the rule's check would raise its ValueError.
+    exception: str | None = None
 
 
 CheckResult = bool | Match | Iterable[Match] | None

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 
 from mbridge_offload.config.rules import (
+    architecture,
     cuda_graphs,
     hygiene,
     model_init,
@@ -22,7 +23,15 @@ from mbridge_offload.config.rules.inputs import INPUT_RULES
 from mbridge_offload.config.rules.optimizer import CONFIG_RULES, OPTIMIZER_RULES
 
 # The TransformerConfig stage's files besides activation.py; the order of this list does not matter (merge_stage).
-TRANSFORMER_CONFIG_FILES = (parallelism, recompute, offload_extras, pipeline_layout, model_init, cuda_graphs)
+TRANSFORMER_CONFIG_FILES = (
+    parallelism,
+    architecture,
+    recompute,
+    offload_extras,
+    pipeline_layout,
+    model_init,
+    cuda_graphs,
+)
 
 
 def merge_stage(backbone: tuple[Rule, ...], groups: tuple[tuple[Rule, ...], ...]) -> tuple[Rule, ...]:

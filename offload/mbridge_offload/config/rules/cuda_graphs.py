@@ -4,7 +4,7 @@ upstream's order."""
 from __future__ import annotations
 
 from mbridge_offload.config.rules.base import Context, Match, Rule
-from mbridge_offload.config.rules.mcore import following, mcore_rule
+from mbridge_offload.config.rules.mcore import following, given, mcore_rule
 from mbridge_offload.config.rules.offload_extras import fg_on
 from mbridge_offload.config.rules.recompute import granularity
 
@@ -24,6 +24,40 @@ def _graph_full_recompute(ctx: Context) -> bool:
         return impl != "full_iteration"
     scope = ctx.model.cuda_graph_scope
     return scope not in ("full_iteration", ["full_iteration"])
+
+
+def _graphed_selective(ctx: Context) -> tuple[bool, list[str], list[str]] | None:
+    """``(full_cudagraph, graphed parts, recompute_modules)`` when selective recompute meets CUDA graphs and the
+    earlier graph checks pass (upstream then checks that no recomputed module that draws random numbers is
+    graphed); None otherwise."""
+    impl = ctx.cuda_graph_impl
+    if impl in (None, "none") or impl not in ctx.allowed_cuda_graph_impls or granularity(ctx) != "selective":
+        return None
+    if ctx.model.cpu_offloading:
+        return None  # "CUDA graphs not supported with CPU offloading." comes first
+    modules = ctx.model.recompute_modules
+    modules = ["core_attn"] if modules is None else [str(x) for x in modules]
+    if ctx.target.version >= (0, 19, 0):
+        parts = ctx.cuda_graph_modules
+        return impl == "full_iteration" or not parts, parts, modules
+    parts = [p for p in ctx._scopes() if p and p != "full"]
+    return not parts or "full_iteration" in parts, parts, modules
+
+
+def _attention_dropout_graphed(ctx: Context) -> bool:
+    graphed = _graphed_selective(ctx)
+    if graphed is None or given(ctx, "attention_dropout", 0.1) == 0.0:
+        return False
+    full, parts, modules = graphed
+    return "core_attn" in modules and (full or "attn" in parts)
+
+
+def _hidden_dropout_graphed(ctx: Context) -> bool:
+    graphed = _graphed_selective(ctx)
+    if graphed is None or _attention_dropout_graphed(ctx) or given(ctx, "hidden_dropout", 0.1) == 0.0:
+        return False
+    full, parts, modules = graphed
+    return any(name in modules and (full or name in parts) for name in ("mlp", "moe"))
 
 
 def _fg_graph(ctx: Context) -> bool:
@@ -110,6 +144,29 @@ GRAPH_FULL_RECOMPUTE = mcore_rule(
     ("model.recompute_granularity", "model.cuda_graph_impl", "model.cuda_graph_scope"),
 )
 _FG = "fine-grained activation offloading with cuda_graph_impl='local' "
+DROPOUT_RULES: tuple[Rule, ...] = (
+    mcore_rule(
+        "MC-CUDA-GRAPH-RECOMPUTE-ATTN-DROPOUT",
+        "AssertionError",
+        "attention dropout is not supported with graphed attention recomputation.",
+        _attention_dropout_graphed,
+        "Selective recompute of `core_attn` inside a CUDA graph needs `attention_dropout` 0.",
+        ("model.recompute_modules", "model.attention_dropout", "model.cuda_graph_impl", "model.cuda_graph_scope"),
+        fix=("model.attention_dropout=0.0",),
+        why="A graphed module replays fixed random numbers, so a recomputed dropout would not match the original.",
+    ),
+    mcore_rule(
+        "MC-CUDA-GRAPH-RECOMPUTE-HIDDEN-DROPOUT",
+        "AssertionError",
+        "hidden dropout is not supported with graphed MLP/MoE recomputation.",
+        _hidden_dropout_graphed,
+        "Selective recompute of `mlp` / `moe` inside a CUDA graph needs `hidden_dropout` 0.",
+        ("model.recompute_modules", "model.hidden_dropout", "model.cuda_graph_impl", "model.cuda_graph_scope"),
+        fix=("model.hidden_dropout=0.0",),
+        why="A graphed module replays fixed random numbers, so a recomputed dropout would not match the original.",
+    ),
+)
+
 FG_GRAPH_RULES: tuple[Rule, ...] = (
     mcore_rule(
         "MC-FG-CUDA-GRAPH-LOCAL-MODULES",
@@ -168,5 +225,5 @@ FG_GRAPH_RULES: tuple[Rule, ...] = (
 
 RULES = (
     *following("ACT-CUDA-GRAPH-ENABLE-AND-IMPL", GRAPH_ENABLE_AND_EXTERNAL),
-    *following("ACT-CUDA-GRAPH", GRAPH_FULL_RECOMPUTE, *FG_GRAPH_RULES),
+    *following("ACT-CUDA-GRAPH", GRAPH_FULL_RECOMPUTE, *DROPOUT_RULES, *FG_GRAPH_RULES),
 )

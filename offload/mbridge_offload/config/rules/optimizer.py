@@ -7,6 +7,8 @@ Sources: MCore ``optimizer_config.py``
 
 from __future__ import annotations
 
+import operator
+
 from mbridge_offload.config.overrides import format_override
 from mbridge_offload.config.rules.base import (
     STAGE_BRIDGE,
@@ -17,6 +19,7 @@ from mbridge_offload.config.rules.base import (
     Match,
     Rule,
 )
+from mbridge_offload.config.rules.mcore import upstream_compare
 from mbridge_offload.config.schema import unknown_offload_keys
 
 _ON = "optimizer.optimizer_cpu_offload"
@@ -186,6 +189,15 @@ def _overlap(ctx: Context) -> bool:
     )
 
 
+def _fraction_type(ctx: Context):
+    # HybridDeviceOptimizer._get_sub_optimizer_param_groups: `threshold = gpu_numel * offload_fraction`, then
+    # `offloaded < threshold` (both releases); an int times a str or list repeats it, so the comparison fails.
+    if not ctx.opt.optimizer_cpu_offload:
+        return None
+    threshold, error = upstream_compare(operator.mul, 0, ctx.seen(_F))
+    return error or upstream_compare(operator.lt, 0, threshold)[1]
+
+
 OPTIMIZER_RULES: tuple[Rule, ...] = (
     # ---- MCore OptimizerConfig.__post_init__ (code order)
     Rule(
@@ -259,6 +271,20 @@ OPTIMIZER_RULES: tuple[Rule, ...] = (
         "later, in get_megatron_optimizer, when the job builds its optimizer.",
         fix=("optimizer.decoupled_weight_decay=true",),
         check=_decoupled_wd,
+    ),
+    Rule(
+        id="MC-OPT-FRACTION-TYPE",
+        severity="error",
+        origin="mcore",
+        stage=STAGE_OPTIMIZER_FACTORY,
+        exception="TypeError",
+        summary="`optimizer_offload_fraction` given as text, a list or null with optimizer offload on.",
+        keys=(_ON, _F),
+        message="'<' not supported between instances of 'int' and 'str'",
+        why="OptimizerConfig keeps the value as written; HybridDeviceOptimizer multiplies the GPU parameters' size "
+        "by it and compares the running total with the result, which fails for these types. The message is "
+        "Python's own for the value given.",
+        check=_fraction_type,
     ),
     Rule(
         id="OPT-MFSDP-V2",

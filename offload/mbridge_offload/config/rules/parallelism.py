@@ -3,12 +3,33 @@ MoE dispatch, and the type of ``num_layers``; they open the TransformerConfig st
 
 from __future__ import annotations
 
+import operator
+
 from mbridge_offload.config.rules.base import Context, Match, Rule
-from mbridge_offload.config.rules.mcore import mcore_rule
+from mbridge_offload.config.rules.mcore import first_failure, following, given, mcore_rule, upstream_compare, written
 
 
-def _sp_without_tp(ctx: Context) -> bool:
-    return bool(ctx.model.sequence_parallel) and ctx.model.tensor_model_parallel_size <= 1
+def _sp_without_tp(ctx: Context):
+    if not given(ctx, "sequence_parallel", False):
+        return None
+    small, error = upstream_compare(operator.le, given(ctx, "tensor_model_parallel_size", 1), 1)
+    return error or bool(small)
+
+
+def _parallel_sizes_type(ctx: Context):
+    # ModelParallelConfig.__post_init__ computes with the sizes as written (after the sequence-parallel check).
+    tp = given(ctx, "tensor_model_parallel_size", 1)
+    steps: list = []
+    if ctx.target.version >= (0, 19, 0):  # resolve_tensor_parallel_weight_shards: tp * gtp_weight_remat_size
+        etp = given(ctx, "expert_tensor_parallel_size", None)  # None: ModelParallelConfig sets it to tp first
+        steps += [(operator.mul, tp, 1), (operator.mul, tp if etp is None else etp, 1)]
+    steps.append((operator.gt, given(ctx, "pipeline_model_parallel_size", 1), 1))
+    ep = given(ctx, "expert_model_parallel_size", 1)
+    steps.append((operator.gt, ep, 1))
+    failure = first_failure(steps)
+    if failure is None and upstream_compare(operator.gt, ep, 1)[0]:
+        failure = first_failure([(operator.gt, tp, 1)])
+    return failure
 
 
 def _fp16_bf16(ctx: Context):
@@ -18,35 +39,62 @@ def _fp16_bf16(ctx: Context):
 
 
 def _heads_tp(ctx: Context):
-    heads, tp = ctx.model.num_attention_heads, ctx.model.tensor_model_parallel_size
-    if heads is not None and heads % tp != 0:
-        return Match({"heads": heads, "tp": tp})
-    return None
+    heads, tp = given(ctx, "num_attention_heads", None), given(ctx, "tensor_model_parallel_size", 1)
+    if heads is None and not written(ctx, "num_attention_heads"):
+        return None  # not given: a partial config (upstream's placeholder 0 would pass)
+    rest, error = upstream_compare(operator.mod, heads, tp)
+    if error is not None:
+        return error
+    return Match({"heads": heads, "tp": tp}) if rest != 0 else None
+
+
+def _sizes_type(ctx: Context):
+    # The derived sizes, computed from the values as written: ffn_hidden_size = 4 * hidden_size and
+    # kv_channels = hidden_size // num_attention_heads, when not given.
+    hidden, heads = given(ctx, "hidden_size", None), given(ctx, "num_attention_heads", None)
+    if not written(ctx, "hidden_size") or heads is None:
+        return None
+    steps: list = []
+    if given(ctx, "ffn_hidden_size", None) is None:
+        steps.append((operator.mul, 4, hidden))
+    if given(ctx, "kv_channels", None) is None:
+        steps.append((operator.floordiv, hidden, heads))
+    return first_failure(steps)
 
 
 def _groups_tp(ctx: Context):
-    m = ctx.model
-    groups = m.num_query_groups if m.num_query_groups is not None else m.num_attention_heads
-    tp = m.tensor_model_parallel_size
-    if groups is None or (m.num_attention_heads is not None and m.num_attention_heads % tp != 0):
+    heads, tp = given(ctx, "num_attention_heads", None), given(ctx, "tensor_model_parallel_size", 1)
+    groups = given(ctx, "num_query_groups", None)
+    groups = heads if groups is None else groups
+    if groups is None:
         return None
-    if groups % tp != 0 and tp % groups != 0:
-        return Match({"groups": groups, "tp": tp})
-    return None
+    by_tp, error = upstream_compare(operator.mod, groups, tp)
+    if error is not None:
+        return error
+    if by_tp == 0:
+        return None
+    of_tp, error = upstream_compare(operator.mod, tp, groups)
+    if error is not None:
+        return error
+    return Match({"groups": groups, "tp": tp}) if of_tp != 0 else None
 
 
 def _num_layers_string(ctx: Context):
     # megatron-core keeps num_layers as given; with offloading on, `cpu_offloading_num_layers >= num_layers`
     # compares an int with a str -- unless `cpu_offloading_num_layers < 0` already short-circuits to the ValueError.
-    if isinstance(ctx.seen("model.num_layers"), str) and ctx.model.cpu_offloading:
-        return None if ctx.model.cpu_offloading_num_layers < 0 else Match()
-    return None
+    if not ctx.model.cpu_offloading or upstream_compare(operator.lt, ctx.seen("model.cpu_offloading_num_layers"), 0)[1]:
+        return None
+    offloaded = ctx.seen("model.cpu_offloading_num_layers")
+    if offloaded < 0:
+        return None
+    return upstream_compare(operator.ge, offloaded, given(ctx, "num_layers", 0))[1]
 
 
 def _offload_layers_type(ctx: Context):
-    # `cpu_offloading_num_layers < 0` is megatron-core's first comparison of it: a string or null fails right there.
+    # `cpu_offloading_num_layers < 0` is megatron-core's first comparison of it: a string, a list or null fails
+    # right there.
     value = ctx.seen("model.cpu_offloading_num_layers")
-    if ctx.model.cpu_offloading and (value is None or isinstance(value, str)):
+    if ctx.model.cpu_offloading and upstream_compare(operator.lt, value, 0)[1] is not None:
         return Match({"type": type(value).__name__})
     return None
 
@@ -121,6 +169,21 @@ EARLY_RULES: tuple[Rule, ...] = (
         fix=("model.sequence_parallel=false",),
     ),
     mcore_rule(
+        "MC-PARALLEL-SIZES-TYPE",
+        "TypeError",
+        "'>' not supported between instances of 'str' and 'int'",
+        _parallel_sizes_type,
+        "A parallel size given as text, a list or null (ModelParallelConfig computes with it as written).",
+        (
+            "model.tensor_model_parallel_size",
+            "model.pipeline_model_parallel_size",
+            "model.expert_model_parallel_size",
+            "model.expert_tensor_parallel_size",
+        ),
+        why="megatron-core's dataclass does not convert types; write the number without quotes. The message is "
+        "Python's own for the operands given (this one: a string compared with 1).",
+    ),
+    mcore_rule(
         "MC-FP16-BF16",
         "ValueError",
         "Only one of self.fp16: {fp16} and self.bf16 {bf16} should be True.",
@@ -137,6 +200,16 @@ EARLY_RULES: tuple[Rule, ...] = (
         _heads_tp,
         "`num_attention_heads` must be divisible by the tensor parallel size.",
         ("model.num_attention_heads", "model.tensor_model_parallel_size"),
+    ),
+    mcore_rule(
+        "MC-SIZES-TYPE",
+        "TypeError",
+        "unsupported operand type(s) for //: 'str' and 'int'",
+        _sizes_type,
+        "`hidden_size` (or `num_attention_heads`) of a type megatron-core cannot derive the FFN / KV sizes from.",
+        ("model.hidden_size", "model.num_attention_heads", "model.ffn_hidden_size", "model.kv_channels"),
+        why="megatron-core computes ffn_hidden_size = 4 * hidden_size and kv_channels = hidden_size // "
+        "num_attention_heads from the values as written. The message is Python's own for the operands given.",
     ),
     mcore_rule(
         "MC-QUERY-GROUPS-TP",
@@ -168,4 +241,41 @@ EARLY_RULES: tuple[Rule, ...] = (
 )
 
 
-RULES = EARLY_RULES  # first in the stage: follows no other check
+def _cp_type(ctx: Context):
+    return upstream_compare(operator.gt, given(ctx, "context_parallel_size", 1), 1)[1]
+
+
+CP_TYPE = mcore_rule(
+    "MC-CP-TYPE",
+    "TypeError",
+    "'>' not supported between instances of 'str' and 'int'",
+    _cp_type,
+    "`context_parallel_size` given as text, a list or null (compared with 1 as written).",
+    ("model.context_parallel_size",),
+    why="megatron-core's dataclass does not convert types; write the number without quotes. The message is Python's "
+    "own for the operands given.",
+)
+
+
+def _pp_not_positive(ctx: Context) -> bool:
+    # ModelParallelConfig's `pp > 1` let a 0 (or False) through; this assert, right after the context-parallel
+    # comparison, stops it.
+    positive, error = upstream_compare(operator.gt, given(ctx, "pipeline_model_parallel_size", 1), 0)
+    return error is None and not positive
+
+
+PP_POSITIVE = mcore_rule(
+    "MC-PP-POSITIVE",
+    "AssertionError",
+    "Pipeline model parallel size must be larger than 0             when enable --standalone-embedding-stage and "
+    "--standalone-loss-stage",
+    _pp_not_positive,
+    "`pipeline_model_parallel_size` must be at least 1.",
+    ("model.pipeline_model_parallel_size",),
+    fix=("model.pipeline_model_parallel_size=1",),
+    why="The message's run of spaces is upstream's (a line continuation inside its f-string).",
+)
+
+# EARLY_RULES open the stage (they follow no other check); the context-parallel comparison and the pipeline size
+# assert close it.
+RULES = (*EARLY_RULES, *following("MC-FG-CUDA-GRAPH-INFLIGHT", CP_TYPE, PP_POSITIVE))
