@@ -149,7 +149,8 @@ def _with_mixed_precision(raw: dict[str, Any]) -> dict[str, Any]:
             if key in known and key not in body:
                 body[key] = None
     mixed = bridge.mixed_precision(raw)
-    written = raw.get("mixed_precision") if isinstance(raw.get("mixed_precision"), dict) else {}
+    block = raw.get("mixed_precision")
+    written: dict[str, Any] = block if isinstance(block, dict) else {}
     for part in ("model", "optimizer", "ddp"):  # a field the block writes as null keeps the config's default
         body = mixed.get(part)
         if isinstance(body, dict):
