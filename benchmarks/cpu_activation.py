@@ -39,7 +39,7 @@ from torch import nn
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from benchmarks.doc_fragment import DOCS, table, write_section
-from mbridge_offload.runtime.activation import offload_layers
+from mbridge_offload.runtime.activation.layers import offload_layers
 
 DOC = DOCS / "benchmarks-activation.md"
 

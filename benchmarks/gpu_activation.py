@@ -47,7 +47,7 @@ from torch import nn
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from benchmarks.doc_fragment import DOCS, table, write_section
 from mbridge_offload.runtime import device
-from mbridge_offload.runtime.activation import offload_layers
+from mbridge_offload.runtime.activation.layers import offload_layers
 
 DOC = DOCS / "benchmarks-activation.md"
 
@@ -175,7 +175,7 @@ def run_variant(model: GPT, tokens: torch.Tensor, setup: contextlib.AbstractCont
 
 def measure_all(model: GPT, tokens: torch.Tensor, ks: list[int], steps: int) -> dict[str, dict]:
     """Every variant: no offload, ours (hooks and TE's call shape), upstream TE where installed, save_on_cpu."""
-    from mbridge_offload.runtime.activation import get_cpu_offload_context as ours_factory
+    from mbridge_offload.runtime.activation.context import get_cpu_offload_context as ours_factory
 
     min_size = 256 * 1024 if device.has_cuda() else 1024
     te_factory = upstream_te()

@@ -1,5 +1,5 @@
 """Draw the planner's pictures under ``docs/img/`` (no GPU needed: the measurements are published runs by others,
-offload/mbridge_offload/plan/data/published.yaml).
+tools/mbridge_offload_tools/evidence/data/published.yaml).
 
 The doc generators own the pictures, ``docs/img/memory_vs_offload.png`` and ``docs/img/predicted_vs_measured.png``
 (``mbridge_offload_tools.docgen.plots``: what each shows, and the committed numbers they are drawn from,

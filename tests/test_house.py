@@ -50,6 +50,31 @@ def test_offload_holds_at_most_ten_modules_directly():
     assert len(direct) <= 10, direct
 
 
+def test_the_planner_is_in_rooms_of_at_most_ten_modules_each():
+    # plan/ shows the model: spec, memory, time, inputs, search; the rule holds inside every one of its folders.
+    plan = ROOT / house.PACKAGES["mbridge_offload"] / "plan"
+    folders = [plan, *(p for p in plan.iterdir() if (p / "__init__.py").is_file())]
+    crowded = {f.name: n for f in folders if (n := len(list(f.glob("*.py")))) > 10}
+    assert crowded == {}
+    assert {f.name for f in folders} >= {"plan", "spec", "memory", "time", "inputs", "search"}
+
+
+def test_one_import_path_per_name():
+    # No module re-exports another's names: each name is imported from the module that defines it (a package's
+    # __init__ may gather a public API). mypy's implicit_reexport = false holds attribute access to the same rule.
+    extra = tuple(p for d in ("tests", "benchmarks") for p in sorted((ROOT / d).rglob("*.py")))
+    assert house.reexports(extra=extra) == []
+
+
+def test_published_evidence_is_outside_the_librarys_import_path():
+    plan = ROOT / house.PACKAGES["mbridge_offload"] / "plan"
+    assert not any(
+        p.stem in {"published", "published_fine_grained", "perf_check", "step_fit"} for p in plan.rglob("*.py")
+    )
+    offload = [m for m in house.modules().values() if m.name.startswith("mbridge_offload.")]
+    assert not any("mbridge_offload_tools" in t for m in offload for t in m.imports)
+
+
 def test_no_function_is_longer_than_80_lines():
     assert house.long_functions() == []
 

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from mbridge_offload.actions.apply import ApplyError, apply_offload
+from mbridge_offload.actions.apply import apply_offload
+from mbridge_offload.actions.apply_result import ApplyError
 from mbridge_offload.config.sources import ConfigError, load
 from mbridge_offload.config.validate import validate
 

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from mbridge_offload.actions.diagnose import KNOWN, diagnose
+from mbridge_offload.actions.diagnose import diagnose
+from mbridge_offload.actions.failures import KNOWN
 from mbridge_offload.config.rules.catalogue import all_rules
 from mbridge_offload.config.sources import load
 

@@ -21,7 +21,8 @@ from mbridge_offload.actions.parity import (
     settings_from_config,
     stride_batches,
 )
-from mbridge_offload.actions.testsuite import DEPTH_ENV, run_tests
+from mbridge_offload.actions.testrun import DEPTH_ENV
+from mbridge_offload.actions.testsuite import run_tests
 from mbridge_offload.config.sources import load
 
 CONFIG = """\

@@ -11,17 +11,10 @@ from pathlib import Path
 import pytest
 
 from mbridge_offload.actions import testselect
-from mbridge_offload.actions.testsuite import (
-    BRIDGE_SELECTOR,
-    DEPTH_ENV,
-    OFFLOAD_MARKER,
-    TestRunResult,
-    TestSuiteError,
-    check_expression,
-    missing_modules,
-    offload_suite_files,
-    run_tests,
-)
+from mbridge_offload.actions.testresult import TestRunResult, TestSuiteError
+from mbridge_offload.actions.testrun import DEPTH_ENV
+from mbridge_offload.actions.testselect import BRIDGE_SELECTOR, OFFLOAD_MARKER, check_expression, offload_suite_files
+from mbridge_offload.actions.testsuite import missing_modules, run_tests
 
 nested = pytest.mark.skipif(int(os.environ.get(DEPTH_ENV, "0") or 0) > 0, reason="nested inside run_unit_tests")
 

@@ -17,8 +17,8 @@ from mbridge_offload.actions.diagnose import diagnose
 from mbridge_offload.config.rules.optimizer import OVERLAP_FROM_FRACTION, overlap_advised
 from mbridge_offload.config.sources import load
 from mbridge_offload.config.validate import validate
-from mbridge_offload.plan import planner
-from mbridge_offload.plan.resolve import resolve
+from mbridge_offload.plan.inputs.resolve import resolve
+from mbridge_offload.plan.search import planner
 
 ROOT = Path(__file__).resolve().parents[2]
 FRACTIONS = (0.25, 0.5, 0.74, 0.75, 1.0)

@@ -7,9 +7,9 @@ import json
 
 import pytest
 
-from mbridge_offload.plan import planner as plan
-from mbridge_offload.plan.calibration import parse_megatron_log
-from mbridge_offload.plan.resolve import resolve
+from mbridge_offload.plan.inputs.measured_log import parse_megatron_log
+from mbridge_offload.plan.inputs.resolve import resolve
+from mbridge_offload.plan.search import planner as plan
 from mbridge_offload_tools import cli_plan
 
 # Megatron's report_memory and training_log lines (megatron/training/utils.py, training.py), MB = bytes / 1024².

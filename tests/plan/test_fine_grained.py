@@ -9,15 +9,19 @@ from pathlib import Path
 
 import pytest
 
-from mbridge_offload.actions.apply import ApplyError, apply_offload
+from mbridge_offload.actions.apply import apply_offload
+from mbridge_offload.actions.apply_result import ApplyError
 from mbridge_offload.config import sources
 from mbridge_offload.config.validate import validate
-from mbridge_offload.plan import fine_grained, published_fine_grained, service
-from mbridge_offload.plan import planner as plan
-from mbridge_offload.plan.activations import in_flight, layer_activations, stage_activations
-from mbridge_offload.plan.memory import MLASpec, ModelSpec, Setup, estimate_memory
-from mbridge_offload.plan.presets import model_preset
-from mbridge_offload.plan.resolve import resolve
+from mbridge_offload.plan import service
+from mbridge_offload.plan.inputs.presets import model_preset
+from mbridge_offload.plan.inputs.resolve import resolve
+from mbridge_offload.plan.memory import fine_grained
+from mbridge_offload.plan.memory.activations import in_flight, layer_activations, stage_activations
+from mbridge_offload.plan.memory.stage import estimate_memory
+from mbridge_offload.plan.search import planner as plan
+from mbridge_offload.plan.spec.model import MLASpec, ModelSpec, Setup
+from mbridge_offload_tools.evidence import published_fine_grained
 
 ROOT = Path(__file__).resolve().parents[2]
 MCORE = ROOT / ".mcore" / "0.19.2" / "megatron" / "core" / "transformer" / "transformer_config.py"
@@ -222,7 +226,7 @@ def test_fine_grained_and_optimizer_offload_together_when_neither_alone_fits():
 
 
 def test_no_fine_grained_set_under_full_recompute():
-    from mbridge_offload.plan import fine_grained_plan
+    from mbridge_offload.plan.search import fine_grained_plan
 
     s = Setup(num_gpus=16, pp=2, recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     assert fine_grained_plan.useful_sets(model_preset("qwen3-30b-a3b"), s, {}) == []
@@ -301,7 +305,7 @@ def test_the_recipe_rows_show_what_their_modules_save():
 
 
 def test_dense_models_get_only_modules_that_free_something():
-    from mbridge_offload.plan import fine_grained_plan
+    from mbridge_offload.plan.search import fine_grained_plan
 
     s = Setup(num_gpus=2, pp=2)
     sets = fine_grained_plan.useful_sets(DENSE, s, {})

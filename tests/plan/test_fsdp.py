@@ -10,12 +10,13 @@ import pytest
 
 from mbridge_offload.config import sources
 from mbridge_offload.config.errors import InputError
-from mbridge_offload.plan.activations import layer_activations, layer_components
-from mbridge_offload.plan.fsdp import STRATEGIES
-from mbridge_offload.plan.layout import decoder_counts, mtp_layers
-from mbridge_offload.plan.memory import GiB, Setup, estimate_memory, stage_layers, total_params
-from mbridge_offload.plan.presets import model_preset
+from mbridge_offload.plan.inputs.presets import model_preset
+from mbridge_offload.plan.memory.activations import layer_activations, layer_components
+from mbridge_offload.plan.memory.fsdp import STRATEGIES
+from mbridge_offload.plan.memory.stage import estimate_memory
 from mbridge_offload.plan.service import estimate_for_inputs, recommend_for_inputs
+from mbridge_offload.plan.spec.layout import decoder_counts, mtp_layers
+from mbridge_offload.plan.spec.model import GiB, Setup, stage_layers, total_params
 from mbridge_offload_tools import cli_plan
 
 LLAMA70 = model_preset("llama3-70b")

@@ -12,8 +12,8 @@ import pytest
 
 from mbridge_offload.config.errors import InputError
 from mbridge_offload.config.reading import set_read_roots
-from mbridge_offload.plan import host_profile
 from mbridge_offload.plan.service import plan
+from mbridge_offload.plan.time import host_profile
 
 ROOT = Path(__file__).resolve().parents[2]
 LLAMA = {"model": "llama3-8b", "gpu": "h100-80gb", "optimizer_offload_fraction": 1.0}

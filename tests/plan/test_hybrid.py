@@ -12,13 +12,13 @@ from pathlib import Path
 import pytest
 
 from mbridge_offload.config import sources
-from mbridge_offload.plan.activations import kind_activations, mtp_activations, stage_activations
-from mbridge_offload.plan.inputs import InputError
-from mbridge_offload.plan.model import MambaSpec, Setup, check_setup, layer_params, stage_params, total_params
-from mbridge_offload.plan.resolve import resolve
+from mbridge_offload.config.errors import BoundsError as InputError
+from mbridge_offload.plan.inputs.resolve import resolve
+from mbridge_offload.plan.inputs.vocab import tokenizer_vocab
+from mbridge_offload.plan.memory.activations import kind_activations, mtp_activations, stage_activations
 from mbridge_offload.plan.service import estimate_for_inputs, recommend_for_inputs
-from mbridge_offload.plan.step_time import forward_flops
-from mbridge_offload.plan.vocab import tokenizer_vocab
+from mbridge_offload.plan.spec.model import MambaSpec, Setup, check_setup, layer_params, stage_params, total_params
+from mbridge_offload.plan.time.terms import forward_flops
 from tests.support import tree
 from tests.support.tree import ROOT
 

@@ -11,9 +11,10 @@ import anyio
 import pytest
 
 from mbridge_offload.config import sources
-from mbridge_offload.plan import planner as plan
-from mbridge_offload.plan.inputs import FIELDS, InputError, PlanInputs, flag_name, validate_inputs
-from mbridge_offload.plan.resolve import resolve
+from mbridge_offload.config.errors import BoundsError as InputError
+from mbridge_offload.plan.inputs.fields import FIELDS, PlanInputs, flag_name, validate_inputs
+from mbridge_offload.plan.inputs.resolve import resolve
+from mbridge_offload.plan.search import planner as plan
 from mbridge_offload_tools import cli_plan
 
 ROOT = Path(__file__).resolve().parents[2]

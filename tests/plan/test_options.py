@@ -1,4 +1,5 @@
-"""``recommend``'s levers and ranked options (plan/levers.py, plan/options.py): what each option says, checked
+"""``recommend``'s levers and ranked options (plan/search/levers.py, plan/search/options.py): what each option says,
+checked
 against ``estimate`` on the same config with the option's changes written into it."""
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import pytest
 from mbridge_offload.config import sources
 from mbridge_offload.config.errors import InputError
 from mbridge_offload.plan import service
-from mbridge_offload.plan.hardware import PINNED_HOST_SHARE, gpu_preset
+from mbridge_offload.plan.inputs.hardware import PINNED_HOST_SHARE, gpu_preset
 from mbridge_offload.plan.results import Recommendation
 
 PERF = Path(__file__).resolve().parents[1] / "data" / "bridge-0.6.2" / "perf"
@@ -188,7 +189,7 @@ def test_megatron_lm_argv_gets_its_changes_as_flags():
 
 
 def test_every_gpu_preset_states_its_nodes_host_ram_and_gpu_count_with_a_source():
-    from mbridge_offload.plan.hardware import GPU_PRESETS
+    from mbridge_offload.plan.inputs.hardware import GPU_PRESETS
 
     for preset in GPU_PRESETS.values():
         assert preset.gpus_per_node >= 1 and preset.host_source, preset.name

@@ -11,7 +11,7 @@ import functools
 
 import pytest
 
-from mbridge_offload.plan import perf_check
+from mbridge_offload_tools.evidence import perf_check
 
 INDEX = perf_check.load_index()
 NEEDS_FIXTURES = pytest.mark.skipif(
@@ -56,7 +56,8 @@ def _strict(names: list[str], reasons: dict[str, str]) -> list:
 
 
 # "Fits" is the estimate's verdict on the config as given: peak x (1 + allocator overhead) within the device less
-# the CUDA context, no margin (plan/anchor.py). Where NVIDIA's own setting does not fit by that, with why (strict).
+# the CUDA context, no margin (plan/search/anchor.py). Where NVIDIA's own setting does not fit by that, with why
+# (strict).
 LEGACY_SCALED = (
     "Bridge 0.6.2 calls this recipe 'legacy-scaled GBS': it is the 64-GPU recipe through "
     "_with_global_batch_size(..., 128), the same offload count on half the GPUs, so each GPU holds twice the "

@@ -7,13 +7,14 @@ from pathlib import Path
 import pytest
 
 from mbridge_offload.config import sources
-from mbridge_offload.plan import planner as plan
 from mbridge_offload.plan import service
-from mbridge_offload.plan.hardware import GPU_PRESETS, LINK_EFFICIENCY, gpu_preset, with_overrides
-from mbridge_offload.plan.memory import Setup, estimate_memory
-from mbridge_offload.plan.presets import model_preset
-from mbridge_offload.plan.resolve import resolve
-from mbridge_offload.plan.timing import DEFAULT_CPU_ADAM_PARAMS_PER_S_PER_CORE, cpu_adam_rate, estimate_time
+from mbridge_offload.plan.inputs.hardware import GPU_PRESETS, LINK_EFFICIENCY, gpu_preset, with_overrides
+from mbridge_offload.plan.inputs.presets import model_preset
+from mbridge_offload.plan.inputs.resolve import resolve
+from mbridge_offload.plan.memory.stage import estimate_memory
+from mbridge_offload.plan.search import planner as plan
+from mbridge_offload.plan.spec.model import Setup
+from mbridge_offload.plan.time.step import DEFAULT_CPU_ADAM_PARAMS_PER_S_PER_CORE, cpu_adam_rate, estimate_time
 
 H100 = gpu_preset("h100-80gb")
 # Upstream card: step time at 25/50/75/100 % optimizer offload on a 996 ms baseline (no overlap), and 100 % + overlap.

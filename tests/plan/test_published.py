@@ -1,13 +1,17 @@
-"""The planner against published GPU measurements (offload/mbridge_offload/plan/data/published.yaml), and its fitted
+"""The planner against published GPU measurements (tools/mbridge_offload_tools/evidence/data/published.yaml), and its
+fitted
 parameters."""
 
 from __future__ import annotations
 
 import pytest
 
-from mbridge_offload.plan import anchor, hardware, published, timing
-from mbridge_offload.plan import planner as plan
-from mbridge_offload.plan.resolve import resolve
+from mbridge_offload.plan.inputs import hardware
+from mbridge_offload.plan.inputs.resolve import resolve
+from mbridge_offload.plan.search import anchor
+from mbridge_offload.plan.search import planner as plan
+from mbridge_offload.plan.time import step as timing
+from mbridge_offload_tools.evidence import published
 
 POINTS = published.accuracy()
 CARD = [p for p in POINTS if p.run == "qwen3-30b-a3b-card" and not p.oom]

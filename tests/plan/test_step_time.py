@@ -1,6 +1,7 @@
-"""The step-time model in seconds (plan/step_time.py) against Megatron Bridge's performance summary, and its shape.
+"""The step-time model in seconds (plan/time/terms.py) against Megatron Bridge's performance summary, and its shape.
 
-Accuracy on the 31 published rows (NeMo 25.11; plan/data/performance_summary.yaml), tokens/s/GPU predicted vs
+Accuracy on the 31 published rows (NeMo 25.11; mbridge_offload_tools/evidence/data/performance_summary.yaml),
+tokens/s/GPU predicted vs
 published, with the efficiencies fitted on all rows ("fit") and refitted without the row ("leave-one-out"; "—":
 the row is alone in its group, so nothing is left to predict it from). Printed by ``step_fit.errors()``:
 
@@ -51,11 +52,13 @@ from dataclasses import replace
 
 import pytest
 
-from mbridge_offload.plan import step_fit, step_time
-from mbridge_offload.plan.hardware import gpu_preset
-from mbridge_offload.plan.memory import Setup, estimate_memory
-from mbridge_offload.plan.presets import model_preset
-from mbridge_offload.plan.timing import TimeEstimate, estimate_time, no_lever_setup
+from mbridge_offload.plan.inputs.hardware import gpu_preset
+from mbridge_offload.plan.inputs.presets import model_preset
+from mbridge_offload.plan.memory.stage import estimate_memory
+from mbridge_offload.plan.spec.model import Setup
+from mbridge_offload.plan.time import terms as step_time
+from mbridge_offload.plan.time.step import TimeEstimate, estimate_time, no_lever_setup
+from mbridge_offload_tools.evidence import step_fit
 
 H100 = gpu_preset("h100-80gb")
 LLAMA8B = model_preset("llama3-8b")
@@ -187,8 +190,8 @@ def test_every_figure_names_its_efficiency_source():
 
 def test_the_configs_overlap_settings_reach_the_step_time(tmp_path):
     from mbridge_offload.config import sources
-    from mbridge_offload.plan import planner as plan
-    from mbridge_offload.plan.resolve import resolve
+    from mbridge_offload.plan.inputs.resolve import resolve
+    from mbridge_offload.plan.search import planner as plan
     from mbridge_offload.plan.service import estimate_for_inputs
 
     config = tmp_path / "run.yaml"
@@ -208,8 +211,8 @@ def test_the_configs_overlap_settings_reach_the_step_time(tmp_path):
 
 
 def test_a_measured_step_calibrates_once_and_other_settings_use_that_efficiency():
-    from mbridge_offload.plan.anchor import prepare
-    from mbridge_offload.plan.resolve import resolve
+    from mbridge_offload.plan.inputs.resolve import resolve
+    from mbridge_offload.plan.search.anchor import prepare
 
     r = resolve(
         {"model": "llama3-8b", "num_gpus": 8, "global_batch_size": 128, "seq_length": 8192, "baseline_step_s": 9}

@@ -16,14 +16,10 @@ import torch
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from mbridge_offload.runtime.activation import (
-    DEFAULT_MIN_TENSOR_SIZE,
-    OffloadContext,
-    get_cpu_offload_context,
-    keep_on_device,
-    offload_layers,
-)
-from mbridge_offload.runtime.activation.schedule import LayerPhase, check_transition
+from mbridge_offload.runtime.activation.context import OffloadContext, get_cpu_offload_context
+from mbridge_offload.runtime.activation.eligibility import keep_on_device
+from mbridge_offload.runtime.activation.layers import offload_layers
+from mbridge_offload.runtime.activation.schedule import DEFAULT_MIN_TENSOR_SIZE, LayerPhase, check_transition
 
 # The offload suite (`mbridge-offload test -k cpu_offload`, `pytest -k cpu_offload`): see pyproject.toml.
 pytestmark = pytest.mark.cpu_offload

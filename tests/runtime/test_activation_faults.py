@@ -16,7 +16,8 @@ import pytest
 import torch
 from torch import nn
 
-from mbridge_offload.runtime.activation import get_cpu_offload_context, offload_layers
+from mbridge_offload.runtime.activation.context import get_cpu_offload_context
+from mbridge_offload.runtime.activation.layers import offload_layers
 from mbridge_offload.runtime.activation.passes import BackwardStep, LayerStore, Pass
 from mbridge_offload.runtime.activation.pool import HostBufferPool
 from mbridge_offload.runtime.ordering import recording

@@ -20,7 +20,7 @@ pytest.importorskip("megatron.core")
 from megatron.core.tensor_parallel import layers as mcore_layers
 from megatron.core.transformer import transformer_block
 
-from mbridge_offload.runtime.activation import OffloadContext
+from mbridge_offload.runtime.activation.context import OffloadContext
 from mbridge_offload.runtime.megatron import (
     build_tiny_gpt,
     cpu_compat_shims,

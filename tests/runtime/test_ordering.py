@@ -13,7 +13,8 @@ import torch
 from torch import nn
 
 from mbridge_offload.runtime import device
-from mbridge_offload.runtime.activation import get_cpu_offload_context, offload_layers
+from mbridge_offload.runtime.activation.context import get_cpu_offload_context
+from mbridge_offload.runtime.activation.layers import offload_layers
 from mbridge_offload.runtime.ordering import CpuEvent, CpuStream, OrderingError, recording
 
 pytestmark = pytest.mark.ordering

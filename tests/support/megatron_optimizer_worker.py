@@ -190,7 +190,7 @@ def torch_state_round_trip(model, opt, setup: str, fraction: float | None, path:
 
 
 def scenario(setup: str, tmp: str) -> dict:
-    from mbridge_offload.runtime.optimizer import HybridDeviceOptimizer
+    from mbridge_offload.runtime.optimizer.hybrid import HybridDeviceOptimizer
 
     out: dict = {}
     model, opt = build(setup, None)
@@ -248,7 +248,7 @@ def bridge_scenario() -> dict:
     from megatron.core.optimizer import OptimizerConfig
 
     from mbridge_offload.runtime.megatron import build_tiny_gpt
-    from mbridge_offload.runtime.optimizer import HybridDeviceOptimizer
+    from mbridge_offload.runtime.optimizer.hybrid import HybridDeviceOptimizer
     from tests.support import te_stub
 
     models = {}
@@ -283,7 +283,7 @@ def rank_main(rank: int, world: int, store_path: str, out_path: str) -> None:
     from megatron.core import parallel_state
 
     from mbridge_offload.runtime.megatron import cpu_compat_shims
-    from mbridge_offload.runtime.optimizer import HybridDeviceOptimizer
+    from mbridge_offload.runtime.optimizer.hybrid import HybridDeviceOptimizer
     from mbridge_offload.runtime.optimizer.megatron import install_optimizer_offload
 
     parallel_state.initialize_model_parallel(1, 1)

@@ -233,7 +233,8 @@ def test_constraints_match_the_rule_catalogue():
 
 
 def test_failure_modes_match_the_diagnosis_catalogue():
-    from mbridge_offload.actions.diagnose import KNOWN, match_text
+    from mbridge_offload.actions.diagnose import match_text
+    from mbridge_offload.actions.failures import KNOWN
 
     for text in (_section(SKILL, "diagnosis"), (ROOT / "references/failures.md").read_text()):
         rows = [r for r in _rows(text) if r[0].startswith("`")]
@@ -265,7 +266,7 @@ def test_every_mcp_tool_is_in_the_skill_and_vice_versa():
     table = {r[0].strip("`") for r in _rows(_section(SKILL, "tools")) if r[0].startswith("`")}
     text = SKILL.read_text() + (ROOT / "README.md").read_text()
     mentioned = set(re.findall(r"mcp__mbridge-offload__(\w+)", text))
-    from mbridge_offload.actions.diagnose import KNOWN
+    from mbridge_offload.actions.failures import KNOWN
 
     # Config fields and failure ids share the look of a tool name; they are not tools.
     fields = {f for section in SECTIONS.values() for f in section.model_fields} | {m.id for m in KNOWN}
@@ -448,7 +449,7 @@ def test_card_measured_results_are_ours_and_quoted_from_their_source():
 
 
 def test_card_failure_modes_exist_in_the_diagnosis_catalogue():
-    from mbridge_offload.actions.diagnose import KNOWN
+    from mbridge_offload.actions.failures import KNOWN
 
     known = {mode.id for mode in KNOWN}
     for mode in _card()["failure_modes"]:

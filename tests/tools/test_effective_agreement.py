@@ -22,8 +22,8 @@ from ruamel.yaml import YAML
 
 from mbridge_offload.actions.diagnose import diagnose
 from mbridge_offload.config import sources
+from mbridge_offload.config.errors import BoundsError as InputError
 from mbridge_offload.config.validate import validate
-from mbridge_offload.plan.inputs import InputError
 from mbridge_offload.plan.service import plan
 from tests.support import config_gen, tree
 
@@ -217,7 +217,7 @@ def test_apply_prints_the_effective_config_of_the_file_it_would_write(tmp_path: 
 def test_recommends_catalogue_vetting_and_memory_model_see_the_same_etp(tmp_path: Path) -> None:
     import copy
 
-    from mbridge_offload.plan.resolve import resolve
+    from mbridge_offload.plan.inputs.resolve import resolve
 
     loaded = sources.load(str(_qwen_without_etp(tmp_path)))
     r = resolve(dict(FLAGS), loaded.config, loaded.raw, loaded.source)

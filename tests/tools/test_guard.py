@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from mcp import Client
 
-from mbridge_offload.actions.testsuite import DEPTH_ENV
+from mbridge_offload.actions.testrun import DEPTH_ENV
 from mbridge_offload.config import reading
 from mbridge_offload_tools import guard
 from mbridge_offload_tools.server import mcp

@@ -14,7 +14,7 @@ import pytest
 from mcp import Client, StdioServerParameters, types
 from mcp.shared.exceptions import MCPDeprecationWarning
 
-from mbridge_offload.actions.testsuite import DEPTH_ENV
+from mbridge_offload.actions.testrun import DEPTH_ENV
 from tests.support import tree
 
 CONFIG = "model:\n  num_layers: 4\n  hidden_size: 256\n  num_attention_heads: 4\n  vocab_size: 1024\n"

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from mcp import Client
 
-from mbridge_offload.actions.testsuite import DEPTH_ENV
+from mbridge_offload.actions.testrun import DEPTH_ENV
 from mbridge_offload_tools.server import mcp
 
 TOOLS = {"validate_config", "estimate_memory", "recommend_mode", "apply_offload", "run_unit_tests", "diagnose_failure"}

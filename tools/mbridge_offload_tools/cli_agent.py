@@ -224,7 +224,8 @@ def _human_test(d: dict[str, Any], streamed: frozenset[str] = frozenset()) -> st
 
 
 def cmd_test(args: argparse.Namespace) -> int:
-    from mbridge_offload.actions.testsuite import TestSuiteError, run_tests
+    from mbridge_offload.actions.testresult import TestSuiteError
+    from mbridge_offload.actions.testsuite import run_tests
 
     streamed: set[str] = set()  # node ids a progress line already showed ("<outcome>: <nodeid>")
 

@@ -30,7 +30,7 @@ def _arg_kind(annotation: Any) -> dict[str, Any]:
 
 def _add_common(p: argparse.ArgumentParser) -> None:
     """Every planner input as a flag, generated from ``PlanInputs`` (one declaration: type, help, bounds)."""
-    from mbridge_offload.plan.inputs import GROUPS, PlanInputs, flag_name, group_of, help_text
+    from mbridge_offload.plan.inputs.fields import GROUPS, PlanInputs, flag_name, group_of, help_text
 
     groups = {g: p.add_argument_group(f"{g} inputs") for g in GROUPS}
     for name, info in PlanInputs.model_fields.items():
@@ -114,7 +114,7 @@ def _load(args: argparse.Namespace) -> Any:
 
 def _plan(kind: str, args: argparse.Namespace) -> Any:
     """The planner's one entry point (``plan.service.plan``) on this command's config and flags."""
-    from mbridge_offload.plan.inputs import FIELDS
+    from mbridge_offload.plan.inputs.fields import FIELDS
     from mbridge_offload.plan.service import plan
 
     loaded = _load(args)
@@ -244,7 +244,7 @@ def run_recommend(args: argparse.Namespace) -> int:
 
 def run_calibrate(args: argparse.Namespace) -> int:
     from mbridge_offload.actions.safe_write import atomic_write
-    from mbridge_offload.plan import host_profile
+    from mbridge_offload.plan.time import host_profile
 
     if args.numel < 1024 or args.steps < 1 or (args.threads is not None and args.threads < 1):
         raise UsageError("--numel must be at least 1024, --steps and --threads at least 1")

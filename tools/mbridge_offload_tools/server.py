@@ -28,9 +28,9 @@ from mcp.types import ToolAnnotations
 from pydantic import Field
 
 from mbridge_offload import __version__
-from mbridge_offload.actions.apply import ApplyResult
+from mbridge_offload.actions.apply_result import ApplyResult
 from mbridge_offload.actions.diagnose import DiagnoseReport
-from mbridge_offload.actions.testsuite import TestRunResult
+from mbridge_offload.actions.testresult import TestRunResult
 
 # The library's own result models are the tools' structured output (one schema for library, CLI --json and MCP).
 from mbridge_offload.config.validate import Report as ValidateOutput
@@ -85,7 +85,7 @@ def _load(config: str, overrides: list[str] | None, what: str = "config"):
 def _plan_parameters() -> list[inspect.Parameter]:
     """The planner tools' parameters: a config, overrides, Megatron-LM argv, and every ``PlanInputs`` field
     (type, bounds and description taken from it: one declaration for the library, the CLI and MCP)."""
-    from mbridge_offload.plan.inputs import PlanInputs, help_text
+    from mbridge_offload.plan.inputs.fields import PlanInputs, help_text
 
     kw = inspect.Parameter.KEYWORD_ONLY
     params = [
@@ -354,7 +354,7 @@ def apply_offload(
 
     planner = {"gpu": gpu, "gpu_memory_gb": gpu_memory_gb, "num_gpus": num_gpus, "levers": levers}
     try:
-        from mbridge_offload.plan.hardware import gpu_preset
+        from mbridge_offload.plan.inputs.hardware import gpu_preset
 
         if gpu is not None:
             gpu_preset(gpu)
@@ -425,7 +425,8 @@ def run_unit_tests(
     """
     import anyio.from_thread
 
-    from mbridge_offload.actions.testsuite import TestSuiteError, run_tests
+    from mbridge_offload.actions.testresult import TestSuiteError
+    from mbridge_offload.actions.testsuite import run_tests
     from mbridge_offload.config.sources import ConfigError
 
     def progress(done: int, total: int | None, message: str) -> None:

@@ -28,27 +28,17 @@ from pathlib import Path
 from typing import Any
 
 from mbridge_offload.actions import fine_grained_edit as fge
-from mbridge_offload.actions.apply_plan import DEFAULT_FRACTION, MODE_EDITS, MODES, plan_edits, requested_edits
+from mbridge_offload.actions.apply_plan import plan_edits, requested_edits
 from mbridge_offload.actions.apply_result import ApplyError, ApplyResult, Change
 from mbridge_offload.actions.apply_write import default_roots, write_requested
 from mbridge_offload.actions.yaml_render import render
 from mbridge_offload.config.overrides import format_override, format_value
-from mbridge_offload.config.rules.optimizer import OVERLAP_FROM_FRACTION
 from mbridge_offload.config.schema import OffloadConfig, get_value
 from mbridge_offload.config.sources import apply_overrides, build_config, parse_text, read_source
 
 # The public names of ``apply`` (its parts live in apply_plan, apply_result, apply_write and yaml_render).
 __all__ = [
-    "DEFAULT_FRACTION",
-    "MODES",
-    "MODE_EDITS",
-    "OVERLAP_FROM_FRACTION",
-    "ApplyError",
-    "ApplyResult",
-    "Change",
     "apply_offload",
-    "format_value",
-    "plan_edits",
 ]
 
 # ---------------------------------------------------------------------------------------------- entry point

@@ -122,7 +122,7 @@ def _recommended(
         from mbridge_offload.plan import service as plan
     except ImportError as exc:  # pragma: no cover - the planner ships with the package
         raise ApplyError(
-            f"mode=recommended needs mbridge_offload.plan.planner ({exc}); pick a mode explicitly"
+            f"mode=recommended needs mbridge_offload.plan.search.planner ({exc}); pick a mode explicitly"
         ) from None
     try:
         rec = plan.recommend_for_config(cfg, raw=raw, **(planner or {}))

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from mbridge_offload.plan.fine_grained import ALLOWED_MODULES, module_errors
+from mbridge_offload.plan.memory.fine_grained import ALLOWED_MODULES, module_errors
 
 MODE = "fine-grained"
 _MOE_INSIDE = {"expert_fc1", "moe_act", "fused_group_mlp"}

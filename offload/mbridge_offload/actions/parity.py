@@ -130,7 +130,7 @@ class _TorchTinyLM:
     def __init__(self, offload_layers: int, seed: int, device: Any) -> None:
         import torch
 
-        from mbridge_offload.runtime.activation import get_cpu_offload_context
+        from mbridge_offload.runtime.activation.context import get_cpu_offload_context
 
         hidden, vocab = HIDDEN, VOCAB
         torch.manual_seed(seed)
@@ -477,7 +477,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def progress(done: int, total: int, message: str) -> None:
         if args.progress:
-            from mbridge_offload.actions.testsuite import MARK
+            from mbridge_offload.actions.testrun import MARK
 
             sys.stdout.write(
                 "\n" + MARK + json.dumps({"event": "progress", "done": done, "total": total, "message": message}) + "\n"

@@ -27,11 +27,10 @@ import sys
 from pathlib import Path
 
 from mbridge_offload.actions import testselect
-from mbridge_offload.actions.testresult import TestFailure, TestOutcome, TestRunResult, TestSuiteError
-from mbridge_offload.actions.testrun import DEPTH_ENV, MARK, PROJECT_ROOT, ProgressFn, parity_run, pytest_run
+from mbridge_offload.actions.testresult import TestRunResult, TestSuiteError
+from mbridge_offload.actions.testrun import DEPTH_ENV, PROJECT_ROOT, ProgressFn, parity_run, pytest_run
 from mbridge_offload.actions.testselect import (
     BRIDGE_SELECTOR,
-    BRIDGE_TEST_FILES,
     OFFLOAD_MARKER,
     OFFLOAD_SUITE_ALIASES,
     bridge_files,
@@ -41,22 +40,8 @@ from mbridge_offload.actions.testselect import (
 )
 
 __all__ = [
-    "BRIDGE_SELECTOR",
-    "BRIDGE_TEST_FILES",
-    "DEPTH_ENV",
-    "MARK",
-    "OFFLOAD_MARKER",
-    "PROJECT_ROOT",
     "SUITES",
-    "TestFailure",
-    "TestOutcome",
-    "TestRunResult",
-    "TestSuiteError",
-    "bridge_files",
-    "check_expression",
-    "check_test_path",
     "missing_modules",
-    "offload_suite_files",
     "require_modules",
     "run_tests",
     "setup_command",

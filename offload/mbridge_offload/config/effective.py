@@ -13,7 +13,8 @@ A config file says only part of what a run uses. The rest comes, in this order, 
    switches on, ETP = TP, the parameter dtype from ``bf16``/``fp16``, the offload amounts only under their master
    switches, the FP8 recipe).
 
-``validate`` runs its rule catalogue on :attr:`Effective.config`; the planner (``plan/resolve.py``) takes every value
+``validate`` runs its rule catalogue on :attr:`Effective.config`; the planner (``plan/inputs/resolve.py``) takes every
+value
 the config decides from :meth:`Effective.given`; diagnose, apply and exact mode read the same object; and every
 answer prints :meth:`Effective.to_json` under the JSON key ``effective`` (dotted key → ``{"value", "source"}``).
 Config side: no torch, and nothing from ``plan/``.

@@ -19,7 +19,6 @@ from pydantic import ValidationError
 
 from mbridge_offload.config import megatron_lm, reading
 from mbridge_offload.config.errors import DeadlineError, InputError
-from mbridge_offload.config.megatron_lm import MLM_CLI_DEFAULTS  # noqa: F401 (re-exported for the docs)
 from mbridge_offload.config.schema import SECTIONS, OffloadConfig, refuses_non_finite
 
 

@@ -244,7 +244,7 @@ def activation_offload_errors(model: dict[str, object]) -> list[tuple[str, str]]
     """``(rule id, message)`` of every catalogue error that layer-level activation offloading raises on ``model``.
 
     The one home of its constraints (PP = 1, the layer range, no recomputation, CUDA graphs, fine-grained
-    offloading, …): the planner (``plan.resolve``), the memory model and ``apply`` ask this instead of restating
+    offloading, …): the planner (``plan.inputs.resolve``), the memory model and ``apply`` ask this instead of restating
     them. ``model`` holds ``model.*`` values; ``cpu_offloading`` is switched on here.
 
     Example:

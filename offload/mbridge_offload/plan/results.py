@@ -13,7 +13,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field
 
 from mbridge_offload.config.effective import EffectiveValue
-from mbridge_offload.plan.resolve import Assumption
+from mbridge_offload.plan.inputs.resolve import Assumption
 
 EFFECTIVE_DOC = (
     "the config's one resolution (mbridge_offload.config.effective): dotted key → {value, source}, identical to "

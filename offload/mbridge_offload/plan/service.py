@@ -11,9 +11,9 @@ import copy
 from typing import Any, Literal
 
 from mbridge_offload.config.schema import OffloadConfig
-from mbridge_offload.plan.planner import estimate, recommend
-from mbridge_offload.plan.resolve import resolve
+from mbridge_offload.plan.inputs.resolve import resolve
 from mbridge_offload.plan.results import Estimate, Recommendation
+from mbridge_offload.plan.search.planner import estimate, recommend
 
 Kind = Literal["estimate", "recommend"]
 

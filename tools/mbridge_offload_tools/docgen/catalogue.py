@@ -91,7 +91,7 @@ def render_tools() -> str:
 
 def failure_modes() -> list[Any]:
     """The diagnosis catalogue (``mbridge_offload.actions.diagnose.KNOWN``)."""
-    from mbridge_offload.actions.diagnose import KNOWN
+    from mbridge_offload.actions.failures import KNOWN
 
     return list(KNOWN)
 

@@ -202,3 +202,40 @@ def render_arrows() -> str:
     lines = ["| from room | imports | import statements |", "|---|---|---|"]
     lines += [f"| `{a}` | `{b}` | {n} |" for (a, b), n in sorted(counts.items())]
     return "\n".join(lines) + "\n"
+
+
+def _top_level_names(tree: ast.Module) -> set[str]:
+    """Names a module defines itself (functions, classes, assignments), one level into ``if``/``try`` blocks."""
+    names: set[str] = set()
+    body = list(tree.body)
+    for node in tree.body:
+        if isinstance(node, ast.If | ast.Try):
+            body += node.body + node.orelse
+    for node in body:
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            names.add(node.name)
+        elif isinstance(node, ast.Assign | ast.AnnAssign | ast.AugAssign):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names |= {n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)}
+    return names
+
+
+def reexports(mods: dict[str, Module] | None = None, extra: tuple[Path, ...] = ()) -> list[str]:
+    """``importer: name from module`` for every import of a name from a module that does not define it (it only
+    imported it): one import path per name. A package's ``__init__`` may gather its public API; ``extra`` files
+    (tests, benchmarks) are checked as importers too."""
+    mods = mods or modules()
+    defined = {name: _top_level_names(ast.parse(m.path.read_text(encoding="utf-8"))) for name, m in mods.items()}
+    importers = [(name, m.path) for name, m in mods.items() if m.path.name != "__init__.py"]
+    importers += [(str(p.relative_to(ROOT)), p) for p in extra]
+    bad = []
+    for importer, path in importers:
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if not (isinstance(node, ast.ImportFrom) and node.level == 0 and node.module in mods):
+                continue
+            if mods[node.module].path.name == "__init__.py":
+                continue
+            for alias in node.names:
+                if f"{node.module}.{alias.name}" not in mods and alias.name not in defined[node.module]:
+                    bad.append(f"{importer}: {alias.name} from {node.module}")
+    return bad

@@ -192,7 +192,7 @@ def megatron_lm_flags() -> dict[str, str]:
 
 
 def _row(key: str, flags: dict[str, str]) -> str:
-    from mbridge_offload.config.sources import MLM_CLI_DEFAULTS
+    from mbridge_offload.config.megatron_lm import MLM_CLI_DEFAULTS
 
     default = format_default(field_default(key))
     flag = f"`{flags[key]}`" if key in flags else ""

@@ -1,6 +1,7 @@
 """The table of Megatron Bridge's offload perf recipes against the planner (docs/planner.md, section perf-recipes).
 
-Rows come from ``mbridge_offload.plan.perf_check`` over the committed ``bridge`` fixtures; the fine-grained column
+Rows come from ``mbridge_offload_tools.evidence.perf_check`` over the committed ``bridge`` fixtures; the fine-grained
+column
 is whatever ``perf_check.FINE_GRAINED_SAVING`` returns (the fine-grained module fills it in).
 """
 
@@ -14,7 +15,7 @@ def _gib(value: float | None, fits: bool | None) -> str:
 
 
 def render_perf_recipes() -> str:
-    from mbridge_offload.plan.perf_check import check_all, load_index
+    from mbridge_offload_tools.evidence.perf_check import check_all, load_index
 
     rows = check_all()
     if not rows:

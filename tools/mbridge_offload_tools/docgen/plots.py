@@ -39,8 +39,8 @@ def _r(value: float) -> float:
 
 
 def _sweep(flags: dict[str, Any], key: str, xs: list[Any]) -> dict[str, Any]:
-    from mbridge_offload.plan.planner import estimate
-    from mbridge_offload.plan.resolve import resolve
+    from mbridge_offload.plan.inputs.resolve import resolve
+    from mbridge_offload.plan.search.planner import estimate
 
     rows = [estimate(resolve({**flags, key: x})) for x in xs]
     return {
@@ -51,7 +51,7 @@ def _sweep(flags: dict[str, Any], key: str, xs: list[Any]) -> dict[str, Any]:
 
 
 def _memory_vs_offload() -> dict[str, Any]:
-    from mbridge_offload.plan import published
+    from mbridge_offload_tools.evidence import published
 
     qwen = _sweep({"model": "qwen3-30b-a3b"}, "optimizer_offload_fraction", [i / 10 for i in range(11)])
     card = [p for p in published.accuracy() if p.run == "qwen3-30b-a3b-card" and not p.oom and "overlap" not in p.label]
@@ -62,7 +62,7 @@ def _memory_vs_offload() -> dict[str, Any]:
 
 
 def _predicted_vs_measured() -> dict[str, Any]:
-    from mbridge_offload.plan import published
+    from mbridge_offload_tools.evidence import published
 
     points = published.accuracy()
     memory = [

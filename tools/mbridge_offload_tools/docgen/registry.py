@@ -142,25 +142,25 @@ def render_card() -> str:
 
 
 def render_fine_grained() -> str:
-    from mbridge_offload.plan.published_fine_grained import render_section
+    from mbridge_offload_tools.evidence.published_fine_grained import render_section
 
     return render_section()
 
 
 def render_accuracy() -> str:
-    from mbridge_offload.plan.published import render_accuracy_table
+    from mbridge_offload_tools.evidence.published import render_accuracy_table
 
     return render_accuracy_table()
 
 
 def render_gpu_presets() -> str:
-    from mbridge_offload.plan.hardware import render_gpu_table
+    from mbridge_offload.plan.inputs.hardware import render_gpu_table
 
     return render_gpu_table()
 
 
 def render_step_time() -> str:
-    from mbridge_offload.plan.step_fit import render_table
+    from mbridge_offload_tools.evidence.step_fit import render_table
 
     return render_table()
 

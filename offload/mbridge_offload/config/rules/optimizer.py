@@ -171,7 +171,8 @@ def _no_distributed_optimizer(ctx: Context) -> bool:
 
 # From this fraction on, overlapping D2H/H2D with the CPU step is advised (OPT-OVERLAP) and switched on by `apply`:
 # one threshold for both. Published: at 100 % overlap cut the step 4.19 → 3.88 s (Qwen3-30B-A3B card, ≈7 %); at 50 %
-# it did not help (NeMo-RL PR #3628, Qwen3-0.6B: 1.187 s without, 1.216 s with; plan/data/published.yaml).
+# it did not help (NeMo-RL PR #3628, Qwen3-0.6B: 1.187 s without, 1.216 s with;
+# mbridge_offload_tools/evidence/data/published.yaml).
 OVERLAP_FROM_FRACTION = 0.75
 
 

@@ -5,7 +5,8 @@ Per GPU and per optimizer step, for ``m`` micro-batches per DP rank:
 - **compute**: model FLOPs (6 x active params per token + causal attention; MoE counts the routed top-k share;
   MLA its real projections) / number of GPUs, at the GPU's peak (dense FP8 peak for the linear layers of an FP8 run,
   bf16 for attention and the output layer) x the compute efficiency (fitted per GPU preset x precision x
-  dense/MoE on Megatron Bridge's performance summary, ``plan/data/performance_summary.yaml``) x a GEMM efficiency
+  dense/MoE on Megatron Bridge's performance summary, ``mbridge_offload_tools/evidence/data/performance_summary.yaml``)
+  x a GEMM efficiency
   ``d / (d + GEMM_HALF_DIM)`` of each GEMM's smallest per-GPU dimension ``d`` (TP, ETP, CP and small expert batches
   shrink it, so splitting a model more finely is not free).
 - **recompute**: the forward FLOPs (and forward TP traffic) that recomputation runs again: full recompute re-runs
@@ -26,8 +27,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from mbridge_offload.plan.hardware import GpuPreset
-from mbridge_offload.plan.model import DTYPE_BYTES, ModelSpec, Setup, layer_params, mtp_depth_params, padded_vocab
+from mbridge_offload.plan.inputs.hardware import GpuPreset
+from mbridge_offload.plan.spec.model import DTYPE_BYTES, ModelSpec, Setup, layer_params, mtp_depth_params, padded_vocab
 
 # Achieved fraction of the datasheet link bandwidth by NCCL ring collectives of tens of MB (nccl-tests "busbw" on
 # DGX H100 reaches ~340-370 GB/s of the 450 GB/s NVLink per direction): assumed, the same for the network.
@@ -371,7 +372,10 @@ EFFICIENCY: dict[tuple[str, str, str], float] = {
 # Presets without published rows: the nearest published system (same GPU die or generation). A100 has no row
 # and no FP8; it borrows H100's efficiencies (an assumption: pass --baseline-step-s to calibrate).
 EFFICIENCY_LIKE = {"h200-141gb": "h100-80gb", "gh200": "h100-80gb", "a100-80gb": "h100-80gb", "b300": "b200"}
-EFFICIENCY_SOURCE = "fitted on Megatron Bridge's performance summary (NeMo 25.11), plan/data/performance_summary.yaml"
+EFFICIENCY_SOURCE = (
+    "fitted on Megatron Bridge's performance summary (NeMo 25.11), "
+    "mbridge_offload_tools/evidence/data/performance_summary.yaml"
+)
 
 
 def efficiency_key(m: ModelSpec, s: Setup, gpu: GpuPreset) -> tuple[str, str, str]:

@@ -16,8 +16,8 @@ from dataclasses import replace
 from typing import Any
 
 from mbridge_offload.config.overrides import format_override
-from mbridge_offload.plan import activations, fine_grained
-from mbridge_offload.plan.memory import ModelSpec, Setup
+from mbridge_offload.plan.memory import activations, fine_grained
+from mbridge_offload.plan.spec.model import ModelSpec, Setup
 
 MODE = "fine-grained"
 MODE_WITH_OPTIMIZER = "fine-grained+optimizer"

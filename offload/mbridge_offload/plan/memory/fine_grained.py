@@ -23,7 +23,7 @@ the pinned pool, which reuses tensors by (shape, dtype) and never shrinks: the i
 rounded to a power of two by PyTorch's pinned caching allocator. Step time: the copies run on their own streams;
 only what one layer's forward (D2H) or backward (H2D) cannot hide is exposed (``exposed_copy_s``).
 
-Plain Python: takes the saved-tensor lists of ``plan.activations.layer_activations`` (name, numel, nbytes); never
+Plain Python: takes the saved-tensor lists of ``plan.memory.activations.layer_activations`` (name, numel, nbytes); never
 imports torch.
 """
 
@@ -52,7 +52,8 @@ DEFAULT_MIN_OFFLOADED_TENSOR_SIZE = 1024 * 1024  # elements (TransformerConfig.m
 class OffloadPoint:
     """One ``offload_modules`` entry: the sub-module call it wraps in 0.19.2 and the saved tensors that scope holds.
 
-    ``tensors`` are names of ``plan.activations.layer_activations``; ``transfer_only`` are saved inside the scope and
+    ``tensors`` are names of ``plan.memory.activations.layer_activations``; ``transfer_only`` are saved inside the
+    scope and
     copied, but another module still holds the same storage, so the GPU keeps it (``core_attn``'s output is the
     input ``linear_proj`` saves; only ``attn_proj`` releases it, which is why upstream refuses ``attn_proj`` alone).
     """

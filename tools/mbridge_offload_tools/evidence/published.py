@@ -4,7 +4,7 @@
   relative error of the step factor over the points marked ``fit: cpu_adam``; ``hardware.SAPPHIRE_RAPIDS_ADAM``
   holds the rounded result (a test checks they agree).
 - the compute efficiency of the step without offload is no longer fitted here but on Megatron Bridge's performance
-  summary (``plan/step_fit.py``); the card's baseline is a held-out check of it.
+  summary (``tools/mbridge_offload_tools/evidence/step_fit.py``); the card's baseline is a held-out check of it.
 - ``fit_allocator_overhead``: reserved beyond allocated, from the OOM point (allocated at the OOM vs what the
   device exposes less the CUDA context); ``anchor.ALLOCATOR_OVERHEAD`` holds it.
 
@@ -19,10 +19,10 @@ from functools import lru_cache
 from importlib import resources
 from typing import Any
 
-from mbridge_offload.plan.anchor import CUDA_CONTEXT_GIB
-from mbridge_offload.plan.memory import estimate_memory
-from mbridge_offload.plan.resolve import resolve
-from mbridge_offload.plan.timing import estimate_time
+from mbridge_offload.plan.inputs.resolve import resolve
+from mbridge_offload.plan.memory.stage import estimate_memory
+from mbridge_offload.plan.search.anchor import CUDA_CONTEXT_GIB
+from mbridge_offload.plan.time.step import estimate_time
 
 
 @lru_cache(maxsize=1)
@@ -30,7 +30,7 @@ def load() -> dict[str, Any]:
     """The data file, parsed."""
     from ruamel.yaml import YAML
 
-    text = resources.files("mbridge_offload.plan").joinpath("data/published.yaml").read_text()
+    text = resources.files("mbridge_offload_tools.evidence").joinpath("data/published.yaml").read_text()
     return YAML(typ="safe").load(text)
 
 
@@ -71,7 +71,7 @@ def _flags(run: dict[str, Any], point: dict[str, Any], measured_baseline: bool =
 
 
 def _predict(run: dict[str, Any], point: dict[str, Any], measured_baseline: bool = True) -> tuple[float, float, bool]:
-    from mbridge_offload.plan.planner import estimate
+    from mbridge_offload.plan.search.planner import estimate
 
     e = estimate(resolve(_flags(run, point, measured_baseline)))
     # The published factors divide by the same run without offload (its recompute kept), not by the lever-free run.
@@ -142,7 +142,7 @@ def fit_cpu_adam() -> float:
 
 def fit_allocator_overhead() -> float:
     """Reserved/allocated − 1 at the ``fit: allocator_overhead`` OOM point(s): the device was full there."""
-    from mbridge_offload.plan.hardware import gpu_preset
+    from mbridge_offload.plan.inputs.hardware import gpu_preset
 
     ratios = []
     for run in load()["runs"]:
@@ -190,10 +190,11 @@ def render_accuracy_table() -> str:
         f"Fitted physical parameters: CPU AdamW {rate / 1e9:.3f}·10⁹ params/s per Sapphire Rapids core (from the "
         f"points marked (fit)); allocator overhead {overhead:.1%} of allocated (from the OOM point). Without a "
         "measured baseline the step comes from the step-time model, its efficiency fitted on Megatron Bridge's "
-        "performance summary (plan/data/performance_summary.yaml), so the card's baseline is held out; the NeMo-RL "
+        "performance summary (mbridge_offload_tools/evidence/data/performance_summary.yaml), so the card's baseline "
+        "is held out; the NeMo-RL "
         "run, whose batch and sequence are not published, is far off without its measured baseline. All "
         "measurements are published GPU runs by others (sources in "
-        "`offload/mbridge_offload/plan/data/published.yaml`); none "
+        "`tools/mbridge_offload_tools/evidence/data/published.yaml`); none "
         "was run by this project.",
         "",
         "¹ The two 50 % NeMo-RL runs differ by 0.52 GiB although overlap does not change what stays resident: their "

@@ -58,7 +58,7 @@ class GpuPreset:
     measured_d2h_gbps: float | None = None
     measured_h2d_gbps: float | None = None
     source: str = ""
-    # The step-time model's figures (plan/step_time.py), from the datasheets named in ``link_source``:
+    # The step-time model's figures (plan/time/terms.py), from the datasheets named in ``link_source``:
     # ``fp8_tflops`` the dense FP8 tensor-core peak (0 = no FP8,
     # FP8 runs at the bf16 peak); ``nvlink_gbps`` the GPU-GPU NVLink bandwidth per direction; ``nvlink_domain`` how
     # many GPUs share one NVLink domain (8 in an HGX/DGX node, 72 in an NVL72 rack); ``network_gbps`` the scale-out
@@ -101,8 +101,9 @@ class GpuPreset:
 
 
 # CPU AdamW rate of one Sapphire Rapids core as HDO runs it, fitted (least squares on the step factors) to the
-# upstream card's no-overlap fraction sweep, whose nodes are the H100 preset's host (plan/data/published.yaml;
-# plan/published.py refits it and a test checks the two agree).
+# upstream card's no-overlap fraction sweep, whose nodes are the H100 preset's host
+# (mbridge_offload_tools/evidence/data/published.yaml;
+# tools/mbridge_offload_tools/evidence/published.py refits it and a test checks the two agree).
 SAPPHIRE_RAPIDS_ADAM = 0.705e9
 
 # capacity_gib: what CUDA exposes (PyTorch's OOM message "GPU 0 has a total capacity of X GiB" on that GPU, as

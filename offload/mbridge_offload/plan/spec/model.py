@@ -1,9 +1,8 @@
 """The model and the run as the planner sees them: architecture (``ModelSpec``), settings (``Setup``), the checks
 megatron-core would make (``check_setup``), the parameter shards one GPU holds and the layers of each pipeline stage.
 
-Shared by the memory model (``memory.py``), Megatron-FSDP (``fsdp.py``) and activations (``activations.py``);
-``memory.py`` re-exports every name, so ``from mbridge_offload.plan.memory import ModelSpec`` keeps working. Never
-imports torch.
+Shared by the memory model (``plan/memory/``), the step-time model (``plan/time/``), the inputs and the search; each
+name is imported from here, the one place it is defined. Never imports torch.
 """
 
 from __future__ import annotations
@@ -12,7 +11,7 @@ import functools
 import math
 from dataclasses import dataclass, replace
 
-from mbridge_offload.plan import fine_grained
+from mbridge_offload.plan.memory import fine_grained
 
 GB = 1e9
 GiB = 2**30
@@ -179,7 +178,7 @@ class Setup:
     recompute_modules: tuple[str, ...] = ("core_attn",)
     optimizer_offload_fraction: float = 0.0
     activation_offload_layers: int = 0
-    # Fine-grained activation offloading (model.offload_modules; on when non-empty): see plan/fine_grained.py.
+    # Fine-grained activation offloading (model.offload_modules; on when non-empty): see plan/memory/fine_grained.py.
     offload_modules: tuple[str, ...] = ()
     min_offloaded_tensor_size: int = 1024 * 1024
     activation_offload_fraction: float = 1.0

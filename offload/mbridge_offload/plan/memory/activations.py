@@ -16,8 +16,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from mbridge_offload.plan import fine_grained
-from mbridge_offload.plan.model import (
+from mbridge_offload.plan.memory import fine_grained
+from mbridge_offload.plan.spec.model import (
     ATTENTION_SYMBOLS,
     MAMBA,
     MOE,

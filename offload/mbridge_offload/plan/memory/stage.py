@@ -15,7 +15,8 @@ modelled as the upstream code does it:
   *eligible* saved tensors (≥ 256 Ki elements) stay resident; smaller ones never move.
 
 Megatron-FSDP (``use_megatron_fsdp``) replaces the DDP/DistOpt accounting of weights, gradients and optimizer state
-(``plan/fsdp.py``); activations are ``plan/activations.py``. Pipeline stages follow megatron-core: even split,
+(``plan/memory/fsdp.py``); activations are ``plan/memory/activations.py``. Pipeline stages follow megatron-core: even
+split,
 ``num_layers_in_first/last_pipeline_stage``, or ``pipeline_model_parallel_layout`` (layers per virtual stage).
 Sizes are bytes; ``GB`` = 10⁹ bytes. Never imports torch. See ``docs/planner.md`` for every formula.
 """
@@ -25,46 +26,26 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from mbridge_offload.plan.model import (
+from mbridge_offload.plan.spec.model import (
     DTYPE_BYTES,
     GB,
-    VOCAB_DIVISIBLE_BY,
     GiB,
-    MLASpec,
     ModelSpec,
     Setup,
     Tensor,
     check_setup,
-    layer_params,
     next_pow2,
-    padded_vocab,
     stage_layers,
     stage_params,
-    total_params,
 )
 from mbridge_offload.upstream import hdo_offload_mask
 
 __all__ = [
-    "DTYPE_BYTES",
-    "GB",
-    "VOCAB_DIVISIBLE_BY",
-    "GiB",
-    "MLASpec",
     "MemoryEstimate",
-    "ModelSpec",
-    "Setup",
     "StageMemory",
-    "Tensor",
-    "check_setup",
     "estimate_memory",
     "greedy_offload",
-    "layer_params",
-    "next_pow2",
     "optimizer_memory",
-    "padded_vocab",
-    "stage_layers",
-    "stage_params",
-    "total_params",
 ]
 
 # ------------------------------------------------------------------------------------------- optimizer
@@ -216,14 +197,14 @@ class MemoryEstimate:
 
 
 def _stage_memory(m: ModelSpec, s: Setup, stage: int) -> StageMemory:
-    from mbridge_offload.plan.activations import stage_activations
+    from mbridge_offload.plan.memory.activations import stage_activations
 
     params = stage_params(m, s, stage)
     numel = sum(t.numel for t in params)
     act = stage_activations(m, s, stage)
     other = int(s.overhead_gb * GB)
     if s.use_megatron_fsdp:
-        from mbridge_offload.plan.fsdp import fsdp_memory
+        from mbridge_offload.plan.memory.fsdp import fsdp_memory
 
         layers = stage_layers(m, s)[stage]
         f = fsdp_memory(m, s, params, layers, last_stage=stage == s.pp - 1)
@@ -281,7 +262,7 @@ def estimate_memory(m: ModelSpec, s: Setup, host_ram_gb: float | None = None) ->
         ValueError: for a setup Megatron would reject (see ``check_setup``).
 
     Example:
-        >>> from mbridge_offload.plan.presets import model_preset
+        >>> from mbridge_offload.plan.inputs.presets import model_preset
         >>> est = estimate_memory(model_preset("llama3-8b"), Setup(num_gpus=8, tp=2))
         >>> est.breakdown_gb()["weights"] > 7
         True

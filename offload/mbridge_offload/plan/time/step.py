@@ -12,14 +12,15 @@ Optimizer offload (HybridDeviceOptimizer, per step, for the ``N`` offloaded fp32
 - without ``overlap_cpu_optimizer_d2h_h2d`` the three run one after another; with it (one CPU optimizer per
   param, D2H queued up front, each H2D launched after its update) the step costs their maximum.
 
-Fine-grained activation offload (``plan/fine_grained.py``): each layer's groups go D2H behind that layer's forward
+Fine-grained activation offload (``plan/memory/fine_grained.py``): each layer's groups go D2H behind that layer's
+forward
 and come back behind its backward; the slowest stage's exposed remainder counts.
 
 Activation offload: each offloaded layer's eligible bytes go D2H during the next layers' forward and come back
 during backward; only what the link cannot hide behind one layer's compute is exposed.
 
 The run's own step (compute, recompute, TP/CP/EP/DP communication, pipeline bubble) comes from
-``plan/step_time.py`` at a compute efficiency fitted on Megatron Bridge's performance summary; a measured step time
+``plan/time/terms.py`` at a compute efficiency fitted on Megatron Bridge's performance summary; a measured step time
 (``baseline_s``: the configured run without offload) calibrates that efficiency instead, so a changed setting still
 changes the prediction. ``step_time_factor`` divides by the step of ``no_lever_setup`` (recompute and every offload
 off), so both recomputation and offloading show their cost. Never imports torch.
@@ -29,9 +30,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from mbridge_offload.plan import step_time
-from mbridge_offload.plan.hardware import GpuPreset
-from mbridge_offload.plan.memory import MemoryEstimate, ModelSpec, Setup, stage_layers
+from mbridge_offload.plan.inputs.hardware import GpuPreset
+from mbridge_offload.plan.memory.stage import MemoryEstimate
+from mbridge_offload.plan.spec.model import ModelSpec, Setup, stage_layers
+from mbridge_offload.plan.time import terms as step_time
 
 # torch 2.13 fused CPU AdamW, fp32, one thread, four 8 M-element tensors, measured on the development host
 # (Intel Xeon, `mbridge-offload calibrate --threads 1`): median of five runs 0.82 · 10⁹ params/s (0.57-0.83).
@@ -137,7 +139,7 @@ def cpu_adam_rate(threads: int, per_core: float | None = None, preset: float | N
 
     The per-core rate is, in order: the argument (a flag, or a named host profile's), the GPU preset's host
     figure (``preset``), the measured default. No file is consulted here: a host profile counts only when the
-    caller names it (``plan/host_profile.py``).
+    caller names it (``plan/time/host_profile.py``).
     """
     return threads * cpu_adam_rate_source(per_core, preset)[0]
 
@@ -213,7 +215,7 @@ def estimate_time(
         if out.cpu_adam_s > out.d2h_s + out.h2d_s:
             out.notes.append("the CPU AdamW step dominates the offload cost; overlap hides only the copies")
     if s.offload_modules:
-        from mbridge_offload.plan.activations import step_extra_s
+        from mbridge_offload.plan.memory.activations import step_extra_s
 
         # One figure per link for both copy directions: the slower (D2H on Grace, measured), so never optimistic.
         out.activation_extra_s, note = step_extra_s(m, s, min(d2h, h2d), base, default_microbatches(s))
@@ -231,7 +233,7 @@ def estimate_time(
 def _layer_offload(out: TimeEstimate, est: MemoryEstimate, d2h: float, h2d: float) -> None:
     """Layer-level activation offload: each offloaded layer's eligible bytes go D2H during the next layer's forward
     and come back during the backward; only what the link cannot hide is added."""
-    from mbridge_offload.plan.activations import stage_activations
+    from mbridge_offload.plan.memory.activations import stage_activations
 
     m, s = est.model, est.setup
     eligible = stage_activations(m, s, 0).offloadable_bytes

@@ -17,10 +17,11 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from mbridge_offload.config.overrides import format_override
-from mbridge_offload.plan import fine_grained_plan
-from mbridge_offload.plan.memory import GB, GiB, MemoryEstimate, Setup, estimate_memory
+from mbridge_offload.plan.memory.stage import MemoryEstimate, estimate_memory
 from mbridge_offload.plan.results import Fallback
-from mbridge_offload.plan.timing import estimate_time
+from mbridge_offload.plan.search import fine_grained_plan
+from mbridge_offload.plan.spec.model import GB, GiB, Setup
+from mbridge_offload.plan.time.step import estimate_time
 
 # Without a headroom asked for (--headroom-gib), a fallback frees this share of the allocatable budget.
 DEFAULT_HEADROOM_SHARE = 0.10
@@ -144,7 +145,7 @@ class Vetter:
 
     def problems(self, s: Setup, overlap: bool = True) -> list[str]:
         """``rule: message`` for each error, and each warning the config without offload does not raise."""
-        from mbridge_offload.plan.levers import lever_overrides
+        from mbridge_offload.plan.search.levers import lever_overrides
 
         key = tuple((lever_overrides(self.base, s) if self.base is not None else []) + overrides_for(s, overlap))
         if key not in self._cache:

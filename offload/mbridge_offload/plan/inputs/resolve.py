@@ -14,18 +14,20 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from mbridge_offload.config import errors
 from mbridge_offload.config.effective import Effective
 from mbridge_offload.config.effective import resolve as resolve_config
+from mbridge_offload.config.errors import BoundsError as InputError
 from mbridge_offload.config.schema import OffloadConfig
-from mbridge_offload.plan import host_profile
-from mbridge_offload.plan.config_inputs import model_notes, raw_section, with_layout
-from mbridge_offload.plan.hardware import GpuPreset, gpu_preset, with_overrides
-from mbridge_offload.plan.host_profile import HostProfile
-from mbridge_offload.plan.inputs import FIELDS, InputError, PlanInputs, validate_inputs
-from mbridge_offload.plan.layout import layout_text
-from mbridge_offload.plan.memory import ModelSpec, Setup, check_setup
-from mbridge_offload.plan.timing import cpu_adam_rate_source
-from mbridge_offload.plan.vocab import tokenizer_vocab
+from mbridge_offload.plan.inputs.config_facts import model_notes, raw_section, with_layout
+from mbridge_offload.plan.inputs.fields import FIELDS, PlanInputs, validate_inputs
+from mbridge_offload.plan.inputs.hardware import GpuPreset, gpu_preset, with_overrides
+from mbridge_offload.plan.inputs.vocab import tokenizer_vocab
+from mbridge_offload.plan.spec.layout import layout_text
+from mbridge_offload.plan.spec.model import ModelSpec, Setup, check_setup
+from mbridge_offload.plan.time import host_profile
+from mbridge_offload.plan.time.host_profile import HostProfile
+from mbridge_offload.plan.time.step import cpu_adam_rate_source
 
 # Input → dotted config key (Bridge ConfigContainer; Megatron-LM argv is mapped onto the same keys by sources.py).
 CONFIG_KEYS: dict[str, str] = {
@@ -261,7 +263,7 @@ def config_values(eff: Effective) -> dict[str, Any]:
     if out.get("vocab_size") is None and (known := tokenizer_vocab(tokenizer)) is not None:
         out["vocab_size"] = known[1].vocab_size  # the tokenizer decides it at start-up: the shipped table says
     if "pipeline_layout" in out:
-        from mbridge_offload.plan.layout import layout_text
+        from mbridge_offload.plan.spec.layout import layout_text
 
         out["pipeline_layout"] = layout_text(out["pipeline_layout"])
     if "fsdp_main_grads_dtype" in out:
@@ -273,7 +275,7 @@ def config_values(eff: Effective) -> dict[str, Any]:
 
 def _config_model_spec(config: OffloadConfig, raw: dict[str, Any] | None, base: ModelSpec | None) -> dict[str, Any]:
     """Non-input architecture facts (norms, bias, tying, MLA, dense layers) a config states."""
-    from mbridge_offload.plan.presets import model_extras
+    from mbridge_offload.plan.inputs.presets import model_extras
 
     return model_extras(config, raw if raw is not None else config.model_dump(), base)
 
@@ -440,7 +442,7 @@ def resolve(
         KeyError: an unknown model or GPU preset.
         ValueError: a setup Megatron rejects.
     """
-    from mbridge_offload.plan.presets import model_preset, recipe_values
+    from mbridge_offload.plan.inputs.presets import model_preset, recipe_values
 
     flags = {k: v for k, v in (flags or {}).items() if v is not None}
     validate_inputs(flags)  # bounds of what was given directly, named as flags
@@ -457,7 +459,7 @@ def resolve(
     extras = _config_model_spec(config, raw, base) if config is not None else {}
     m = _model_spec(values, base, extras)
     if values.get("pipeline_layout") and not m.mtp_num_layers:
-        from mbridge_offload.plan.layout import mtp_layers
+        from mbridge_offload.plan.spec.layout import mtp_layers
 
         # megatron-core asserts that the layout's MTP layers are mtp_num_layers: the layout alone says how many
         m = replace(m, mtp_num_layers=mtp_layers(layout_text(values["pipeline_layout"]) or ""))
@@ -501,7 +503,7 @@ def _host_profile(i: PlanInputs) -> HostProfile | None:
         InputError: both ``host_profile`` and ``calibration`` given, or the profile cannot be read.
     """
     if i.host_profile is not None and i.calibration is not None and i.host_profile != i.calibration:
-        raise host_profile.InputError(
+        raise errors.InputError(
             "pass host_profile or calibration, not both", "use --host-profile NAME|FILE (calibration is its old name)"
         )
     ref = i.host_profile or i.calibration

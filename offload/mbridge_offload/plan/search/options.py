@@ -18,12 +18,13 @@ from typing import Any
 
 import yaml
 
-from mbridge_offload.plan import advice, levers
-from mbridge_offload.plan import fine_grained_plan as fg
-from mbridge_offload.plan.anchor import Plan
-from mbridge_offload.plan.memory import GiB, MemoryEstimate, Setup, estimate_memory
+from mbridge_offload.plan.memory.stage import MemoryEstimate, estimate_memory
 from mbridge_offload.plan.results import Change, Option, StageGib
-from mbridge_offload.plan.timing import estimate_time, no_lever_setup
+from mbridge_offload.plan.search import advice, levers
+from mbridge_offload.plan.search import fine_grained_plan as fg
+from mbridge_offload.plan.search.anchor import Plan
+from mbridge_offload.plan.spec.model import GiB, Setup
+from mbridge_offload.plan.time.step import estimate_time, no_lever_setup
 
 FRACTION_STEP = 0.05
 # Without --headroom-gib, a "comfortable" option keeps this share of the GPU's exposed memory free: room for a

@@ -2,7 +2,7 @@
 
 ``--measured-log`` / MCP ``measured_log`` is a log file or the log text; a file is read through the one bounded
 reader (regular files only, its last ``MBRIDGE_OFFLOAD_MAX_CONFIG_BYTES`` bytes, inside the server's roots).
-The measured CPU AdamW rate of a host is a named host profile: ``plan/host_profile.py``.
+The measured CPU AdamW rate of a host is a named host profile: ``plan/time/host_profile.py``.
 """
 
 from __future__ import annotations

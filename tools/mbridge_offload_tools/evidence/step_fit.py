@@ -16,10 +16,10 @@ from functools import cache, lru_cache
 from importlib import resources
 from typing import Any
 
-from mbridge_offload.plan.hardware import GpuPreset, gpu_preset
-from mbridge_offload.plan.model import ModelSpec, Setup
-from mbridge_offload.plan.presets import model_preset
-from mbridge_offload.plan.step_time import StepTerms, efficiency_key, step_terms
+from mbridge_offload.plan.inputs.hardware import GpuPreset, gpu_preset
+from mbridge_offload.plan.inputs.presets import model_preset
+from mbridge_offload.plan.spec.model import ModelSpec, Setup
+from mbridge_offload.plan.time.terms import StepTerms, efficiency_key, step_terms
 
 _FP8 = {"fp8-cs": "tensorwise", "fp8-mx": "mxfp8", "bf16": None}
 _COLUMNS = ("gpu", "model", "gpus", "precision", "gbs", "mbs", "seq", "fsdp", "tp", "pp", "cp", "vp", "ep", "ga")
@@ -30,7 +30,7 @@ def load() -> dict[str, Any]:
     """The data file, parsed."""
     from ruamel.yaml import YAML
 
-    text = resources.files("mbridge_offload.plan").joinpath("data/performance_summary.yaml").read_text()
+    text = resources.files("mbridge_offload_tools.evidence").joinpath("data/performance_summary.yaml").read_text()
     return YAML(typ="safe").load(text)
 
 
@@ -149,7 +149,7 @@ def render_table() -> str:
         "",
         f"Fitted compute efficiencies (GPU preset/precision/kind): {groups}. Source: Megatron Bridge "
         "performance summary page (NVIDIA-NeMo/Megatron-Bridge, NeMo 25.11), copied with its settings into "
-        "`offload/mbridge_offload/plan/data/performance_summary.yaml`; the settings it does not publish "
+        "`tools/mbridge_offload_tools/evidence/data/performance_summary.yaml`; the settings it does not publish "
         "(recompute, TP overlap, ETP) are assumed as that file says. Measured by NVIDIA; none was run by this project.",
     ]
     return "\n".join(lines) + "\n"

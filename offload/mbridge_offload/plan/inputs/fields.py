@@ -5,7 +5,7 @@
 input
 has bounds; NaN and infinity are refused, and the error names the input, the value and the bound.
 
-Where a value comes from is part of the answer: ``resolve`` (``plan/resolve.py``) merges, in order, the
+Where a value comes from is part of the answer: ``resolve`` (``plan/inputs/resolve.py``) merges, in order, the
 defaults, the model preset's recipe, a config (Bridge YAML/JSON or Megatron-LM argv) and the flags, and keeps the
 source of each value so that every answer can list its assumptions. Never imports torch.
 """

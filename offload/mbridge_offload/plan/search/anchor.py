@@ -25,18 +25,19 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from mbridge_offload.plan import calibration
-from mbridge_offload.plan.hardware import PINNED_HOST_SHARE
-from mbridge_offload.plan.memory import GB, GiB, MemoryEstimate, estimate_memory
-from mbridge_offload.plan.resolve import Assumption, Resolved
+from mbridge_offload.plan.inputs import measured_log as calibration
+from mbridge_offload.plan.inputs.hardware import PINNED_HOST_SHARE
+from mbridge_offload.plan.inputs.resolve import Assumption, Resolved
+from mbridge_offload.plan.memory.stage import MemoryEstimate, estimate_memory
 from mbridge_offload.plan.results import Anchor, MemoryBreakdown
-from mbridge_offload.plan.timing import baseline_step_s, compute_efficiency, estimate_time
+from mbridge_offload.plan.spec.model import GB, GiB
+from mbridge_offload.plan.time.step import baseline_step_s, compute_efficiency, estimate_time
 
 # The CUDA context and cuBLAS handles live outside PyTorch's allocator (~0.5 GiB on Hopper with CUDA 12).
 CUDA_CONTEXT_GIB = 0.5
 # Reserved beyond allocated (fragmentation of the caching allocator) for a dropless-MoE model, fitted to the card's
 # OOM point: the 24-layer activation-offload run of Qwen3-30B-A3B died with 70.3 GiB allocated on a 79.11 GiB H100
-# (plan/published.py).
+# (tools/mbridge_offload_tools/evidence/published.py).
 ALLOCATOR_OVERHEAD = 0.118
 # The same for a dense model (static shapes): NVIDIA/Megatron-LM#965 (dense Phi-3-sized GPT, A100, MBS 1, seq 4096,
 # Megatron's memory prints inside DotProductAttention): 44,283.33 MB allocated / 44,926.00 MB reserved at its
@@ -257,7 +258,7 @@ def _baseline_assumptions(p: Plan) -> list[Assumption]:
             name="baseline_step_s",
             value=round(value, 4),
             source="derived",
-            note=f"step-time model (plan/step_time.py): model FLOPs at efficiency {mfu:.3f} of the GPU's peak "
+            note=f"step-time model (plan/time/terms.py): model FLOPs at efficiency {mfu:.3f} of the GPU's peak "
             f"({r.gpu.peak_tflops:g} TFLOP/s bf16, {r.gpu.fp8_tflops or r.gpu.peak_tflops:g} FP8), TP/CP/EP/DP "
             "communication over NVLink or the network, the 1F1B bubble; pass --baseline-step-s with a measured "
             "step time to calibrate the efficiency",
@@ -284,7 +285,8 @@ def _overhead_assumption(p: Plan) -> Assumption:
 
 def _rate_assumption(r: Resolved, rate: float, source: str) -> Assumption:
     notes = {
-        "preset": "the GPU preset's host CPU, fitted to the upstream card (plan/data/published.yaml)",
+        "preset": "the GPU preset's host CPU, fitted to the upstream card "
+        "(mbridge_offload_tools/evidence/data/published.yaml)",
         "host-profile": f"`mbridge-offload calibrate`: {r.host_profile.describe()}" if r.host_profile else None,
         "default": "fused CPU AdamW on one core of the development host (torch 2.13)",
         "flag": None,

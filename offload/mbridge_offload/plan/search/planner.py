@@ -21,12 +21,8 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from mbridge_offload.plan import advice, levers, options
-from mbridge_offload.plan import fine_grained_plan as fg
-from mbridge_offload.plan.advice import overrides_for
-from mbridge_offload.plan.anchor import Plan, prepare
-from mbridge_offload.plan.memory import GB, MFSDP_OPTIMIZER_OFFLOAD, GiB, MemoryEstimate, Setup, estimate_memory
-from mbridge_offload.plan.resolve import Assumption, Resolved
+from mbridge_offload.plan.inputs.resolve import Assumption, Resolved
+from mbridge_offload.plan.memory.stage import MFSDP_OPTIMIZER_OFFLOAD, MemoryEstimate, estimate_memory
 from mbridge_offload.plan.results import (
     BeforeAfter,
     Estimate,
@@ -35,10 +31,19 @@ from mbridge_offload.plan.results import (
     StageTotal,
     TimeBreakdown,
 )
-from mbridge_offload.plan.timing import TimeEstimate, estimate_time
+from mbridge_offload.plan.search import advice, levers, options
+from mbridge_offload.plan.search import fine_grained_plan as fg
+from mbridge_offload.plan.search.anchor import Plan, prepare
+from mbridge_offload.plan.spec.model import GB, GiB, Setup
+from mbridge_offload.plan.time.step import TimeEstimate, estimate_time
 
 FRACTION_STEP = options.FRACTION_STEP
-__all__ = ["FRACTION_STEP", "estimate", "estimate_result", "overrides_for", "recommend"]
+__all__ = [
+    "FRACTION_STEP",
+    "estimate",
+    "estimate_result",
+    "recommend",
+]
 
 
 # ------------------------------------------------------------------------------------------- estimate
@@ -425,7 +430,7 @@ def _verdict(base: Setup, ranked: list[Option], allowed: tuple[str, ...]) -> lis
 
 def _host_assumptions(p: Plan) -> list[Assumption]:
     """The host RAM the pinned-memory check uses, and the share of it offload may take."""
-    from mbridge_offload.plan.hardware import PINNED_HOST_SHARE
+    from mbridge_offload.plan.inputs.hardware import PINNED_HOST_SHARE
 
     g = p.r.gpu
     return [

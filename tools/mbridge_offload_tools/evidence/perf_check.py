@@ -92,7 +92,7 @@ def _offload_lever_sets(kind: str) -> list[tuple[str, ...]]:
     subset of the offload levers, largest first."""
     from itertools import combinations
 
-    from mbridge_offload.plan.levers import OFFLOAD_LEVERS
+    from mbridge_offload.plan.search.levers import OFFLOAD_LEVERS
 
     own = {"layer": ("activation",), "fine-grained": ("fine-grained",)}.get(kind)
     n = len(OFFLOAD_LEVERS)

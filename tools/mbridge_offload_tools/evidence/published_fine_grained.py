@@ -13,7 +13,8 @@ from functools import lru_cache
 from importlib import resources
 from typing import Any
 
-from mbridge_offload.plan import fine_grained
+from mbridge_offload.plan.memory import fine_grained
+from mbridge_offload.plan.spec.model import stage_layers
 
 
 @lru_cache(maxsize=1)
@@ -21,7 +22,7 @@ def load() -> dict[str, Any]:
     """The data file, parsed."""
     from ruamel.yaml import YAML
 
-    text = resources.files("mbridge_offload.plan").joinpath("data/published_fine_grained.yaml").read_text()
+    text = resources.files("mbridge_offload_tools.evidence").joinpath("data/published_fine_grained.yaml").read_text()
     return YAML(typ="safe").load(text)
 
 
@@ -101,8 +102,8 @@ def _theoretical_drop_bytes(inputs: dict[str, Any], modules: list[str]) -> float
     in-flight chunk minus the one group per module megatron-core keeps (margin / prefetch)."""
     from dataclasses import replace
 
-    from mbridge_offload.plan import activations
-    from mbridge_offload.plan.resolve import resolve
+    from mbridge_offload.plan.inputs.resolve import resolve
+    from mbridge_offload.plan.memory import activations
 
     r = resolve(inputs)
     s = replace(r.setup, offload_modules=tuple(modules))
@@ -114,7 +115,7 @@ def _theoretical_drop_bytes(inputs: dict[str, Any], modules: list[str]) -> float
             for t in activations._stored(activations.layer_activations(r.model, s, i), s)
             if t.name in names and t.numel >= s.min_offloaded_tensor_size
         )
-        for i in activations.stage_layers(r.model, s)[stage]
+        for i in stage_layers(r.model, s)[stage]
     ]
     groups = activations.in_flight(s, stage) * len(per_layer)
     return (groups - len(modules)) * sum(per_layer) / len(per_layer)
@@ -187,9 +188,10 @@ def render_section() -> str:
     """The ``fine-grained`` section of docs/planner.md."""
     return "\n\n".join(
         [
-            "What each module moves (read from the source; tensor names are those of `plan/activations.py`):",
+            "What each module moves (read from the source; tensor names are those of `plan/memory/activations.py`):",
             render_modules_table(),
-            "Published figures against our estimate (`plan/data/published_fine_grained.yaml`, tolerances stated "
+            "Published figures against our estimate "
+            "(`mbridge_offload_tools/evidence/data/published_fine_grained.yaml`, tolerances stated "
             "there before evaluation):",
             render_checks(),
             "Fine-grained perf recipes, our estimate of the worst stage with and without their `offload_modules`:",
