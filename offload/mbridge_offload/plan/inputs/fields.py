@@ -208,8 +208,8 @@ class PlanInputs(BaseModel):
     )
     headroom_gib: float | None = _field(
         group="decision",
-        help="when it already fits: memory a fallback offload must free, GiB (default: a tenth of the budget); "
-        "recommend's options: the free memory a 'comfortable' option keeps (default: a tenth of the GPU's memory)",
+        help="free memory, GiB, that a 'comfortable' option keeps and that the fallback of a run that already fits "
+        "must free (default: a tenth of the allocatable budget)",
         gt=0,
         le=1e4,
     )

@@ -16,8 +16,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
-import yaml
-
 from mbridge_offload.plan.memory.stage import MemoryEstimate, estimate_memory
 from mbridge_offload.plan.results import Change, Option, StageGib
 from mbridge_offload.plan.search import advice, levers
@@ -27,9 +25,6 @@ from mbridge_offload.plan.spec.model import GiB, Setup
 from mbridge_offload.plan.time.step import estimate_time, no_lever_setup
 
 FRACTION_STEP = 0.05
-# Without --headroom-gib, a "comfortable" option keeps this share of the GPU's exposed memory free: room for a
-# longer batch, a fragmentation spike or a model-error of the size the published checks show (docs/planner.md).
-COMFORT_SHARE = 0.10
 Fit = Callable[[MemoryEstimate], bool]
 
 
@@ -70,10 +65,19 @@ def first_fit(p: Plan, setups: list[Setup], ok: Fit) -> MemoryEstimate | None:
     return None
 
 
+def _value(text: str) -> Any:
+    """An override's value as the config would hold it (Hydra's grammar: ``true``, ``0.35``, ``[a,b]``)."""
+    from mbridge_offload.config.sources import apply_overrides
+
+    probe: dict[str, Any] = {}
+    apply_overrides(probe, [f"++x.y={text}"])
+    return probe["x"]["y"]
+
+
 def headroom_gib(p: Plan) -> float:
-    """The free memory a comfortable option keeps: asked for (``--headroom-gib``), else a tenth of the GPU."""
-    asked = p.r.inputs.headroom_gib
-    return asked if asked is not None else COMFORT_SHARE * p.r.gpu.capacity_bytes / GiB
+    """The free memory a comfortable option keeps: the fallback's headroom (``advice.headroom_bytes``: asked for
+    with ``--headroom-gib``, else a tenth of the allocatable budget), one figure for both."""
+    return advice.headroom_bytes(p.r.inputs.headroom_gib, p.budget_bytes)[0] / GiB
 
 
 def _free_gib(p: Plan, est: MemoryEstimate) -> float:
@@ -184,7 +188,7 @@ def _changes(overrides: list[str], notation: str) -> list[Change]:
                     out.append(Change(key=name, value=rest if rest else True))
                 out += [Change(key=flag, value=None) for flag in removes]
                 continue
-        out.append(Change(key=key, value=yaml.safe_load(value) if value else None))
+        out.append(Change(key=key, value=_value(value)))
     return out
 
 
