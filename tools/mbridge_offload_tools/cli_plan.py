@@ -62,8 +62,8 @@ def add_parsers(sub: Any) -> None:
         "or both) and print the overrides, memory before and after, the step-time factor and the reasons. Also "
         "ranks options[]: each lever allowed by --levers (default recompute,activation,fine-grained,optimizer; "
         "cp, tp and mbs are then shown as alternatives) at the least setting that fits with the margin and at one "
-        "that keeps --headroom-gib free (default a tenth of the allocatable budget), with memory per stage, host memory per GPU "
-        "and per node, step time and its factor over the run with no lever pulled; the first is the "
+        "that keeps --headroom-gib free (default a tenth of the allocatable budget), with memory per stage, host "
+        "memory per GPU and per node, step time and its factor over the run with no lever pulled; the first is the "
         "recommendation (mode/overrides). Offload whose pinned buffers exceed 72%% of the node's host RAM "
         "(--host-ram-gb per GPU, --gpus-per-node) is never offered. apply --option N writes option N.",
     )
