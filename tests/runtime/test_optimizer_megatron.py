@@ -46,7 +46,9 @@ def worker(label: str, env: dict[str, str], world: int, tmp_path_factory) -> dic
             [sys.executable, str(script), str(world), str(out)],
             capture_output=True,
             text=True,
-            env=env,
+            # One thread, as torchrun gives each rank: a multi-threaded CPU backward may sum in another order from
+            # run to run, and the runs compared here must differ only by their optimizer.
+            env={**env, "OMP_NUM_THREADS": "1"},
             cwd=ROOT,
             timeout=420,
         )
@@ -74,9 +76,10 @@ def test_five_steps_match_megatrons_plain_adam_and_every_fraction_is_bit_identic
     for setup in ("fp32", "do"):
         for f in (0.0, 0.5, 1.0):
             # Megatron's Adam runs torch's per-tensor kernel, ours the fused one: the fp32 results differ in the
-            # last bits (2e-6 after five steps on this model).
+            # last bits after five steps on this model, by how much depends on the CPU's vector unit (2.0e-6 measured
+            # on an Intel Xeon, 3.4e-6 on an AMD EPYC at world size 2): a few fp32 ULPs of weights of order 1.
             if setup == "fp32":
-                assert r[setup][f"vs_plain_adam_{f}"] <= 2e-6, (setup, f)
+                assert r[setup][f"vs_plain_adam_{f}"] <= 4e-6, (setup, f)
             else:
                 # do: the weights are bf16, rounded from those fp32 masters. A master at a bf16 rounding boundary
                 # then rounds the other way: one bf16 step of that weight (at world size 2 on 0.16.1: one element
