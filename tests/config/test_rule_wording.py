@@ -26,11 +26,35 @@ from mbridge_offload_tools.cli_validate import render_human
 from tests.support import config_gen
 
 TARGETS = ("megatron-core==0.19.2", "megatron-core==0.16.1", "main")
-CORPUS_SIZE = 400
+CORPUS_SIZE = 2000  # the generator spreads over many perturbations since the widened differential
 
 # rule id -> (yaml | argv, the config or the command line, target): inputs that fire the rules the seeded corpus does
 # not reach.
 TRIGGERS: dict[str, tuple[str, Any, str]] = {
+    "MC-PP-POSITIVE": (
+        "yaml",
+        {"model": {"num_layers": 4, "pipeline_model_parallel_size": 0}},
+        "megatron-core==0.19.2",
+    ),
+    "MC-FP8-STAGE-LAYERS-TYPE": (
+        "yaml",
+        {"model": {"num_layers": "4", "pipeline_model_parallel_size": 2, "fp8": "hybrid", "bf16": True}},
+        "megatron-core==0.19.2",
+    ),
+    "MC-PP-UNEVEN-MIDDLE-VPP": (
+        "yaml",
+        {
+            "model": {
+                "num_layers": 10,
+                "pipeline_model_parallel_size": 4,
+                "virtual_pipeline_model_parallel_size": 2,
+                "num_layers_in_first_pipeline_stage": 2,
+                "num_layers_in_last_pipeline_stage": 2,
+                "bf16": True,
+            }
+        },
+        "megatron-core==0.19.2",
+    ),
     "ACT-FG-DELTA-BYTES": (
         "yaml",
         {
