@@ -245,13 +245,13 @@ def test_failure_modes_match_the_diagnosis_catalogue():
 
 
 def test_bridge_selector_in_skill_is_covered_by_the_test_tool():
-    from mbridge_offload.actions import testsuite
+    from mbridge_offload.actions import testselect
 
     text = SKILL.read_text()
     command = re.search(r"python -m pytest (\S+) -k \"([^\"]+)\" -q", text)
     assert command, "SKILL.md shows the Megatron Bridge pytest command"
-    assert command[1] in testsuite.BRIDGE_TEST_FILES
-    tool_terms = set(testsuite.BRIDGE_SELECTOR.split(" or "))
+    assert command[1] in testselect.BRIDGE_TEST_FILES
+    tool_terms = set(testselect.BRIDGE_SELECTOR.split(" or "))
     assert set(command[2].split(" or ")) <= tool_terms
     assert "selects no test" in text
 

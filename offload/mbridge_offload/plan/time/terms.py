@@ -1,4 +1,4 @@
-"""Step time in seconds of one configured run, term by term, before any offload cost (``timing.py`` adds that).
+"""Step time in seconds of one configured run, term by term, before any offload cost (``step.py`` adds that).
 
 Per GPU and per optimizer step, for ``m`` micro-batches per DP rank:
 
