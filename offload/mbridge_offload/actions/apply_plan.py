@@ -15,7 +15,7 @@ from mbridge_offload.actions.apply_result import ApplyError
 from mbridge_offload.config.rules.activation import activation_mode_edits
 from mbridge_offload.config.rules.optimizer import OVERLAP_FROM_FRACTION, overlap_advised
 from mbridge_offload.config.schema import OffloadConfig
-from mbridge_offload.config.sources import apply_overrides
+from mbridge_offload.config.sources import override_value
 
 DEFAULT_FRACTION = 0.5  # the card's "0.5 for balanced"
 Edits = dict[str, tuple[Any, str]]
@@ -207,11 +207,7 @@ def plan_edits(
             notes += [f"the planner chose mode={chosen}", *([advice] if advice else [])]
         from_planner: dict[str, Any] = {}
         for text in overrides:
-            key, _, value = text.lstrip("+").partition("=")
-            probe: dict[str, Any] = {}
-            apply_overrides(probe, [f"++{key}={value}"])
-            section, _, leaf = key.partition(".")
-            from_planner[key] = probe[section][leaf]
+            from_planner[text.lstrip("+").partition("=")[0]] = override_value(text)
         if chosen in ("optimizer", "both") and fraction is None:
             fraction = from_planner.get("optimizer.optimizer_offload_fraction")
         if chosen in ("activation", "both") and num_layers is None:

@@ -211,6 +211,18 @@ def parse_overrides(overrides: list[str]) -> list[Any]:
     return parsed
 
 
+def override_value(override: str) -> Any:
+    """The value of one ``key=value`` override as the config holds it once applied (Hydra's grammar: ``true``,
+    ``0.35``, ``[a,b]``, ``null``)."""
+    key, _, value = override.lstrip("+").partition("=")
+    probe: dict[str, Any] = {}
+    apply_overrides(probe, [f"++{key}={value}"])
+    node: Any = probe
+    for part in key.split("."):
+        node = node[part]
+    return node
+
+
 def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
     """Apply Hydra-style overrides to a plain config dict (in place) and return it.
 

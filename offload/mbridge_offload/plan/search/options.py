@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
+from mbridge_offload.config.sources import override_value
 from mbridge_offload.plan.memory.stage import MemoryEstimate, estimate_memory
 from mbridge_offload.plan.results import Change, Option, StageGib
 from mbridge_offload.plan.search import advice, levers
@@ -63,15 +64,6 @@ def first_fit(p: Plan, setups: list[Setup], ok: Fit) -> MemoryEstimate | None:
             return est
         p.vet.rejected.setdefault(advice.mode_of(s), p.vet.problems(s))
     return None
-
-
-def _value(text: str) -> Any:
-    """An override's value as the config would hold it (Hydra's grammar: ``true``, ``0.35``, ``[a,b]``)."""
-    from mbridge_offload.config.sources import apply_overrides
-
-    probe: dict[str, Any] = {}
-    apply_overrides(probe, [f"++x.y={text}"])
-    return probe["x"]["y"]
 
 
 def headroom_gib(p: Plan) -> float:
@@ -188,7 +180,7 @@ def _changes(overrides: list[str], notation: str) -> list[Change]:
                     out.append(Change(key=name, value=rest if rest else True))
                 out += [Change(key=flag, value=None) for flag in removes]
                 continue
-        out.append(Change(key=key, value=_value(value)))
+        out.append(Change(key=key, value=override_value(text) if value else None))
     return out
 
 
