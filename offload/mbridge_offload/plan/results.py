@@ -87,6 +87,28 @@ class TimeBreakdown(BaseModel):
     assumptions: list[str] = Field([], description="what these seconds rest on: efficiency source, links, overlap")
 
 
+class Phase(BaseModel):
+    """One phase of a training step on one pipeline stage and the memory allocated at its highest point.
+
+    Canonical names: ``forward_backward`` (weights, gradients and optimizer states resident, plus the activations of
+    the micro-batches in flight for the schedule), ``loss`` (the logits / cross-entropy peak on the last stage),
+    ``optimizer_step`` (after activations are freed: the step's transients such as the distributed optimizer's fp32
+    gradient copy and the HybridDeviceOptimizer's copies)."""
+
+    name: str
+    memory_gib: float = Field(description="peak allocated in this phase on one GPU of the stage, GiB")
+    memory_gb: float = Field(0.0, description="the same in decimal GB")
+    what: str = Field("", description="what is live at this phase's highest point")
+
+
+class StagePhases(BaseModel):
+    """The phases of one pipeline stage; the stage's peak is the largest of them (phases never coexist)."""
+
+    stage: int
+    phases: list[Phase]
+    peak_phase: str = Field(description="the name of the phase that sets this stage's peak")
+
+
 class Anchor(BaseModel):
     """How a measurement of the user's own run changed the predictions."""
 
@@ -130,6 +152,8 @@ class Estimate(BaseModel):
     assumptions: list[Assumption]
     calibration: Anchor | None = None
     effective: dict[str, EffectiveValue] = Field(default_factory=dict, description=EFFECTIVE_DOC)
+    phases: list[StagePhases] = Field([], description="per pipeline stage: the step's phases and the one that peaks")
+    peak_phase: str | None = Field(None, description="the phase that sets the worst stage's peak")
 
 
 class Change(BaseModel):
