@@ -45,3 +45,31 @@ def test_cpu_optimizer_quick_run_writes_every_fraction_and_the_state_dict_table(
     for f in ("0.00", "0.25", "0.50", "0.75", "1.00"):
         assert f"| f = {f} |" in text
     assert "| fraction 1.0 |" in text and "(b) HybridDeviceOptimizer, fraction 1.0, overlap" in text
+
+
+def test_gpu_memory_phases_script_runs_a_labelled_cpu_smoke_run_of_every_setup(tmp_path):
+    """The script that measured docs/benchmarks-memory-gpu.md on a GPU: on the CPU it runs tiny sizes in its own
+    process (it initialises torch.distributed) and labels the output as no measurement."""
+    import json
+    import subprocess
+
+    from tests.support.tree import pythonpath
+
+    if torch.cuda.is_available():
+        pytest.skip("on a GPU machine the script runs the real configuration")
+    out, table = tmp_path / "phases.json", tmp_path / "phases.md"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "gpu_memory_phases.py"), "--quick", "--steps", "1"]
+    done = subprocess.run(
+        [*cmd, "--json", str(out), "--output", str(table)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={"PYTHONPATH": pythonpath(), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"},
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    payload = json.loads(out.read_text())
+    assert payload["cuda"] is False and "NOT a measurement" in table.read_text()
+    by_setup = {r["setup"]: r for r in payload["results"]}
+    assert set(by_setup) >= {"fp32 grads", "bf16 grads", "bf16 grads, ours 0.5", "bf16 grads, ours 1.0"}
+    for name in ("fp32 grads", "bf16 grads"):  # megatron-core's own path runs on CPU with the stand-ins
+        assert by_setup[name]["error"] is None and by_setup[name]["params"] > 0

@@ -19,6 +19,7 @@ FRAGMENTS: list[tuple[str, str]] = [
         "benchmarks-activation.md",
         "Activation offload runtime (`offload/mbridge_offload/runtime/activation/context.py`)",
     ),
+    ("benchmarks-memory-gpu.md", "Memory by phase of a step in real megatron-core (`benchmarks/gpu_memory_phases.py`)"),
     ("benchmarks-validate.md", "`validate` latency"),
     ("benchmarks-mcp.md", "MCP server latency"),
     ("benchmarks-robustness.md", "Bad-input robustness (`benchmarks/bad_inputs.py`)"),
