@@ -342,6 +342,25 @@ def test_the_swept_inputs_are_the_numeric_inputs_of_the_planners_declaration() -
             assert keys[name] is (int if any(t.get("type") == "integer" for t in schema["anyOf"]) else float)
 
 
+def test_the_docs_pictures_are_plot_on_the_commands_the_planner_page_shows() -> None:
+    import re
+    import shlex
+
+    from mbridge_offload.plan.inputs.fields import FIELDS
+    from mbridge_offload_tools.cli import build_parser
+    from mbridge_offload_tools.docgen.plots import PLOT_EXAMPLES
+
+    text = (tree.ROOT / "docs" / "planner.md").read_text(encoding="utf-8")
+    shown = []
+    for line in re.findall(r"^mbridge-offload (plot .*)$", text, re.M):
+        args = build_parser().parse_args(shlex.split(line))
+        flags = {name: getattr(args, name) for name in FIELDS if getattr(args, name) is not None}
+        shown.append((args.kind or "sweep", flags, args.sweep))
+    assert shown == list(PLOT_EXAMPLES.values())
+    for name in PLOT_EXAMPLES:
+        assert f"(img/{name}.png)" in text
+
+
 # ---------------------------------------------------------------------------------------------- MCP over stdio
 
 
