@@ -17,6 +17,7 @@ from mbridge_offload.plan.service import Kind as PlanKind
 from mbridge_offload.plan.service import plan
 from mbridge_offload_tools.plot import sweep as sweeps
 from mbridge_offload_tools.plot.result import (
+    KINDS,
     MIME_TYPES,
     OptionPoint,
     PhasePoint,
@@ -42,7 +43,7 @@ class Source:
         try:
             return plan(kind, {**self.flags, **(at or {})}, self.config, self.raw, self.source)
         except (KeyError, ValueError) as exc:  # an unknown preset, a setup Megatron rejects, a bound
-            raise InputError(f"{where}{str(exc).strip(chr(39) + chr(34))}") from None
+            raise InputError(where + str(exc).strip("'\"")) from None
 
 
 def _setting(est: Estimate) -> str:
@@ -199,6 +200,8 @@ def compute(kind: str, src: Source, sweep: str | None, fmt: str) -> PlotResult:
     Raises:
         InputError: a kind that needs a sweep without one (or the reverse), and what the kinds raise.
     """
+    if kind not in KINDS:
+        raise InputError(f"kind {kind!r} is not one of {', '.join(KINDS)}", "draw a sweep, the phases or the options")
     if kind == "sweep":
         if not sweep:
             raise InputError("kind sweep needs a sweep (CLI --sweep, MCP sweep)", f"pass {sweeps.SYNTAX}")
