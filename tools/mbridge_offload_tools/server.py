@@ -47,7 +47,9 @@ optimizer.optimizer_cpu_offload + optimizer.optimizer_offload_fraction) and laye
 Typical flow: validate_config on the user's YAML -> estimate_memory / recommend_mode for the GPU/parallelism
 (answers list every assumption with its source; memory in GB and GiB) -> apply_offload
 (dry run shows the diff; pass output or in_place to write) -> run_unit_tests (suite='parity' checks loss
-parity on a tiny GPT) -> diagnose_failure with the error text when a run fails.
+parity on a tiny GPT) -> diagnose_failure with the error text when a run fails. plot_offload draws the planner's
+answers as an image with their points: a sweep of one input (sweep='optimizer_offload_fraction=0:1:0.25'), the
+phases of a step, or recommend's options.
 Configs are a file path or inline YAML/JSON; overrides are Hydra-style, e.g.
 optimizer.optimizer_offload_fraction=0.5. Fixes come back as override lists you can pass on a command line."""
 
