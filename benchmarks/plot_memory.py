@@ -1,10 +1,11 @@
 """Draw the planner's pictures under ``docs/img/`` (no GPU needed: the measurements are published runs by others,
 tools/mbridge_offload_tools/evidence/data/published.yaml).
 
-The doc generators own the pictures, ``docs/img/memory_vs_offload.png`` and ``docs/img/predicted_vs_measured.png``
-(``mbridge_offload_tools.docgen.plots``: what each shows, and the committed numbers they are drawn from,
-``docs/img/plots.json``); ``python -m mbridge_offload_tools.docgen`` redraws them when
-the model moves. This script draws them again on demand, into ``--output-dir`` (default ``docs/img``).
+The doc generators own the pictures, ``docs/img/memory_vs_offload.png``, ``docs/img/predicted_vs_measured.png``
+and one of each kind ``mbridge-offload plot`` draws, ``docs/img/plot_sweep.png``, ``docs/img/plot_phases.png`` and
+``docs/img/plot_options.png`` (``mbridge_offload_tools.docgen.plots``: what each shows, and the committed numbers
+they are drawn from, ``docs/img/plots.json``); ``python -m mbridge_offload_tools.docgen`` redraws them when the
+model moves. This script draws them again on demand, into ``--output-dir`` (default ``docs/img``).
 
 Run: ``python benchmarks/plot_memory.py [--output-dir DIR]``.
 """

@@ -162,7 +162,23 @@ def build_sandbox(outer: Path) -> Path:
         if not (sandbox / name).is_symlink():
             os.symlink(target, sandbox / name)
     (sandbox / "subdir").mkdir(exist_ok=True)
+    _plot_targets(sandbox, outer)
     return sandbox
+
+
+def _plot_targets(sandbox: Path, outer: Path) -> None:
+    """Pictures ``plot`` must not write over: the same hostile kinds as apply's outputs, with a picture's name."""
+    (sandbox / "picture.svg").write_text("<svg/>\n", encoding="utf-8")
+    readonly = sandbox / "readonly.svg"
+    readonly.write_text("<svg/>\n", encoding="utf-8")
+    readonly.chmod(0o444)
+    (sandbox / "a_directory.svg").mkdir(exist_ok=True)
+    if not (sandbox / "fifo.svg").exists():
+        os.mkfifo(sandbox / "fifo.svg")
+    (outer / "decoy.svg").write_text("<svg/>\n", encoding="utf-8")
+    for name, target in {"link_outside.svg": str(outer / "decoy.svg"), "link_dev_zero.png": "/dev/zero"}.items():
+        if not (sandbox / name).is_symlink():
+            os.symlink(target, sandbox / name)
 
 
 # ---------------------------------------------------------------------------------------------- the cases
@@ -302,12 +318,50 @@ def _output_cases(sandbox: Path) -> list[Case]:
             ),
         )
     )
+    out += _plot_output_cases(sandbox)
     out.append(Case("mcp-read-outside-roots", mcp=("validate_config", {"config": str(outer / "decoy.yaml")})))
     out.append(
         Case("mcp-read-via-link-outside", mcp=("validate_config", {"config": str(sandbox / "link_outside.yaml")}))
     )
     out.append(Case("mcp-bridge-repo-not-allowed", mcp=("run_unit_tests", {"bridge_repo": str(sandbox)})))
     out.append(Case("mcp-bridge-repo-root", mcp=("run_unit_tests", {"bridge_repo": "/"})))
+    return out
+
+
+def _plot_output_cases(sandbox: Path) -> list[Case]:
+    outer = sandbox.parent
+    sweep = ["--model", "llama3-8b", "--sweep", "micro_batch_size=1,2"]
+    targets = {  # name → (path, with consent)
+        "existing": (sandbox / "picture.svg", False),
+        "readonly": (sandbox / "readonly.svg", True),
+        "a-directory": (sandbox / "a_directory.svg", True),
+        "fifo": (sandbox / "fifo.svg", True),
+        "symlink-outside": (sandbox / "link_outside.svg", True),
+        "symlink-dev-zero": (sandbox / "link_dev_zero.png", True),
+        "absolute-outside": (outer / "escaped.svg", False),
+        "traversal": (sandbox / ".." / "escaped.svg", False),
+        "missing-dir": (sandbox / "no" / "such" / "dir" / "x.svg", False),
+        "not-a-picture": (sandbox / "good.yaml", True),
+        "etc": (Path("/etc/mbridge-offload-robustness.svg"), False),
+    }
+    out = []
+    for name, (target, consent) in targets.items():
+        force = ["--force"] if consent else []
+        out.append(
+            Case(
+                f"plot-output:{name}",
+                cli=["plot", *sweep, "--output", str(target), *force],
+                mcp=(
+                    "plot_offload",
+                    {
+                        "model": "llama3-8b",
+                        "sweep": "micro_batch_size=1,2",
+                        "output": str(target),
+                        "overwrite": consent,
+                    },
+                ),
+            )
+        )
     return out
 
 
@@ -348,6 +402,17 @@ def _usage_cases(sandbox: Path) -> list[Case]:
         "test-timeout-0": ["test", "--timeout", "0"],
         "diagnose-nothing": ["diagnose"],
         "diagnose-before-only": ["diagnose", "--before", good],
+        "plot-nothing": ["plot", "--model", "llama3-8b"],
+        "plot-bad-kind": ["plot", "--model", "llama3-8b", "--kind", "bars"],
+        "plot-sweep-not-an-input": ["plot", "--model", "llama3-8b", "--sweep", "batchsize=1:4:1"],
+        "plot-sweep-text-input": ["plot", "--model", "llama3-8b", "--sweep", "gpu=1:2:1"],
+        "plot-sweep-empty": ["plot", "--model", "llama3-8b", "--sweep", "optimizer_offload_fraction=1:0:0.1"],
+        "plot-sweep-step-0": ["plot", "--model", "llama3-8b", "--sweep", "optimizer_offload_fraction=0:1:0"],
+        "plot-sweep-malformed": ["plot", "--model", "llama3-8b", "--sweep", "optimizer_offload_fraction=0-1"],
+        "plot-sweep-nan": ["plot", "--model", "llama3-8b", "--sweep", "optimizer_offload_fraction=nan:1:0.5"],
+        "plot-sweep-huge": ["plot", "--model", "llama3-8b", "--sweep", "num_layers=1:" + "9" * 40 + ":1"],
+        "plot-sweep-out-of-bounds": ["plot", "--model", "llama3-8b", "--sweep", "tp=0:2:1"],
+        "plot-config-bad": ["plot", str(sandbox / "malformed.yaml"), "--sweep", "micro_batch_size=1,2"],
     }
     out = [Case(f"usage:{name}", cli=argv) for name, argv in argvs.items()]
     tool_args = {
@@ -372,6 +437,13 @@ def _usage_cases(sandbox: Path) -> list[Case]:
         "tests-path-outside": ("run_unit_tests", {"path": "../../etc/passwd"}),
         "tests-timeout-0": ("run_unit_tests", {"timeout_s": 0}),
         "tests-steps-1": ("run_unit_tests", {"suite": "parity", "steps": 1}),
+        "plot-nothing": ("plot_offload", {"model": "llama3-8b"}),
+        "plot-bad-kind": ("plot_offload", {"model": "llama3-8b", "kind": "bars"}),
+        "plot-sweep-not-an-input": ("plot_offload", {"model": "llama3-8b", "sweep": "batchsize=1:4:1"}),
+        "plot-sweep-empty": ("plot_offload", {"model": "llama3-8b", "sweep": "optimizer_offload_fraction=1:0:0.1"}),
+        "plot-sweep-huge": ("plot_offload", {"model": "llama3-8b", "sweep": "num_layers=1:" + "9" * 40 + ":1"}),
+        "plot-no-model": ("plot_offload", {"sweep": "micro_batch_size=1,2"}),
+        "plot-bad-format": ("plot_offload", {"model": "llama3-8b", "kind": "options", "format": "jpeg"}),
     }
     out += [Case(f"tool:{name}", mcp=call) for name, call in tool_args.items()]
     return out

@@ -163,13 +163,14 @@ def test_the_qwen_bridge_yaml_without_etp_is_etp_1_in_every_cli_answer(tmp_path:
     est = _cli("estimate", path, "--gpu", "h100-80gb", cwd=tmp_path)
     rec = _cli("recommend", path, "--gpu", "h100-80gb", cwd=tmp_path)
     dia = _cli("diagnose", "--config", path, "--before", path, "--after", path, cwd=tmp_path)
+    plot = _cli("plot", path, "--gpu", "h100-80gb", "--kind", "options", "--output", "o.svg", cwd=tmp_path)
     etp = {"value": 1, "source": "bridge finalize (0.6)"}
-    for answer in (val, est, rec, dia):
+    for answer in (val, est, rec, dia, plot):
         assert answer["effective"]["model.expert_tensor_parallel_size"] == etp
         assert answer["effective"] == val["effective"]
     assert est["parallel"]["etp"] == 1  # the memory model uses it too
     before = dia["comparison"]["memory_gib"]["before"]["total"]
-    assert est["memory_gib"]["total"] == rec["memory_gib"]["before"]["total"] == before
+    assert est["memory_gib"]["total"] == rec["memory_gib"]["before"]["total"] == before == plot["given_gib"]
     # Written ETP 1 (the example) is the same run: the same GiB.
     assert _cli("estimate", str(EXAMPLE), "--gpu", "h100-80gb", cwd=tmp_path)["memory_gib"] == est["memory_gib"]
 
@@ -193,6 +194,7 @@ async def test_the_mcp_tools_print_the_cli_block(tmp_path: Path, monkeypatch: py
             "estimate_memory": {"config": path, "gpu": "h100-80gb"},
             "recommend_mode": {"config": path, "gpu": "h100-80gb"},
             "diagnose_failure": {"config": path},
+            "plot_offload": {"config": path, "gpu": "h100-80gb", "kind": "options"},
         }
         for tool, args in calls.items():
             result = await client.call_tool(tool, args)

@@ -13,7 +13,15 @@ from mcp import Client
 from mbridge_offload.actions.testrun import DEPTH_ENV
 from mbridge_offload_tools.server import mcp
 
-TOOLS = {"validate_config", "estimate_memory", "recommend_mode", "apply_offload", "run_unit_tests", "diagnose_failure"}
+TOOLS = {
+    "validate_config",
+    "estimate_memory",
+    "recommend_mode",
+    "apply_offload",
+    "run_unit_tests",
+    "diagnose_failure",
+    "plot_offload",
+}
 
 CONFIG = """\
 # Small dense model, one node.
@@ -51,7 +59,7 @@ def config_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 
 @pytest.mark.anyio
-async def test_lists_six_tools_with_titles_schemas_and_annotations(client) -> None:
+async def test_lists_the_tools_with_titles_schemas_and_annotations(client) -> None:
     tools = {t.name: t for t in (await client.list_tools()).tools}
     assert set(tools) == TOOLS
     for tool in tools.values():
@@ -63,6 +71,8 @@ async def test_lists_six_tools_with_titles_schemas_and_annotations(client) -> No
         assert tools[name].annotations.read_only_hint is True
     apply = tools["apply_offload"].annotations
     assert (apply.read_only_hint, apply.destructive_hint, apply.idempotent_hint) == (False, True, False)
+    plot = tools["plot_offload"].annotations  # writes a file only when asked, and may replace one: as apply
+    assert (plot.read_only_hint, plot.destructive_hint, plot.idempotent_hint) == (False, True, False)
     assert tools["run_unit_tests"].annotations.read_only_hint is False  # it runs code
     assert "allowed_root" not in tools["apply_offload"].input_schema["properties"]
     assert tools["apply_offload"].input_schema["properties"]["mode"]["enum"] == [

@@ -17,7 +17,15 @@ from mcp import Client, StdioServerParameters
 from tests.support import tree
 
 ROOT = Path(__file__).resolve().parents[2]
-TOOLS = {"validate_config", "estimate_memory", "recommend_mode", "apply_offload", "run_unit_tests", "diagnose_failure"}
+TOOLS = {
+    "validate_config",
+    "estimate_memory",
+    "recommend_mode",
+    "apply_offload",
+    "run_unit_tests",
+    "diagnose_failure",
+    "plot_offload",
+}
 
 CONFIG = """\
 # Bridge-style config, as ConfigContainer.to_yaml() writes it (trimmed).
@@ -73,6 +81,10 @@ async def test_stdio_session_lists_tools_calls_each_and_survives_a_bad_input(tmp
         applied = await client.call_tool("apply_offload", {"config": str(config), "mode": "optimizer"})
         assert not applied.is_error
         assert "+  optimizer_cpu_offload: true" in applied.structured_content["diff"]
+
+        plotted = await client.call_tool("plot_offload", {"config": str(config), "kind": "options"})
+        assert not plotted.is_error and plotted.content[0].type == "image"
+        assert plotted.structured_content["kind"] == "options"
 
         diagnosed = await client.call_tool(
             "diagnose_failure",

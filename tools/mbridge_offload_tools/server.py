@@ -36,6 +36,7 @@ from mbridge_offload.actions.testresult import TestRunResult
 from mbridge_offload.config.validate import Report as ValidateOutput
 from mbridge_offload.plan.results import Estimate, Recommendation
 from mbridge_offload_tools import guard, roots
+from mbridge_offload_tools.plot import tool as plot_tool
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +47,9 @@ optimizer.optimizer_cpu_offload + optimizer.optimizer_offload_fraction) and laye
 Typical flow: validate_config on the user's YAML -> estimate_memory / recommend_mode for the GPU/parallelism
 (answers list every assumption with its source; memory in GB and GiB) -> apply_offload
 (dry run shows the diff; pass output or in_place to write) -> run_unit_tests (suite='parity' checks loss
-parity on a tiny GPT) -> diagnose_failure with the error text when a run fails.
+parity on a tiny GPT) -> diagnose_failure with the error text when a run fails. plot_offload draws the planner's
+answers as an image with their points: a sweep of one input (sweep='optimizer_offload_fraction=0:1:0.25'), the
+phases of a step, or recommend's options.
 Configs are a file path or inline YAML/JSON; overrides are Hydra-style, e.g.
 optimizer.optimizer_offload_fraction=0.5. Fixes come back as override lists you can pass on a command line."""
 
@@ -120,10 +123,21 @@ def _plan_parameters() -> list[inspect.Parameter]:
 
 def _plan(kind: str, args: dict[str, Any]) -> Any:
     """Resolve the planner inputs (one path: preset, config, argv, parameters) and run estimate or recommend."""
+    from mbridge_offload.plan.service import plan
+
+    config_, raw, source = _plan_source(args)
+    try:
+        return plan(kind, args, config_, raw, source)  # type: ignore[arg-type]
+    except (ValueError, KeyError) as exc:
+        raise ToolError(str(exc).strip("'\"")) from None
+
+
+def _plan_source(args: dict[str, Any]) -> tuple[Any, Any, Any]:
+    """Take ``config``, ``overrides`` and ``megatron_args`` out of a planner tool's arguments and load them:
+    ``(config, raw, source)``, or Nones when only planner inputs were given."""
     import shlex
 
     from mbridge_offload.config.sources import ConfigError, load
-    from mbridge_offload.plan.service import plan
 
     config, overrides, argv = (
         args.pop("config", None),
@@ -142,10 +156,9 @@ def _plan(kind: str, args: dict[str, Any]) -> Any:
     try:
         loaded = load(argv=shlex.split(argv), overrides=overrides) if argv is not None else None
         loaded = _load(config, overrides) if config is not None else loaded
-        config_, raw, source = (loaded.config, loaded.raw, loaded.source) if loaded else (None, None, None)
-        return plan(kind, args, config_, raw, source)  # type: ignore[arg-type]
     except (ValueError, KeyError, ConfigError) as exc:
         raise ToolError(str(exc).strip("'\"")) from None
+    return (loaded.config, loaded.raw, loaded.source) if loaded else (None, None, None)
 
 
 def _plan_tool(kind: str, output: type, doc: str, title: str) -> None:
@@ -499,6 +512,10 @@ def diagnose_failure(
         source=loaded.source if loaded else None,
     )
     return report
+
+
+# The picture tool lives in its own module (mbridge_offload_tools.plot.tool) with the planner tools' parameters.
+plot_tool.register(mcp, _plan_parameters(), _plan_source)
 
 
 # ---------------------------------------------------------------------------------------------- entry points

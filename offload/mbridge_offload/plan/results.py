@@ -60,6 +60,7 @@ class StageTotal(BaseModel):
     stage: int
     total_gb: float
     params: int
+    total_gib: float = Field(0.0, description="this stage's peak, GiB, with any calibration offset (as memory_gib)")
 
 
 class TimeBreakdown(BaseModel):

@@ -24,6 +24,7 @@ FRAGMENTS: list[tuple[str, str]] = [
     ("benchmarks-mcp.md", "MCP server latency"),
     ("benchmarks-robustness.md", "Bad-input robustness (`benchmarks/bad_inputs.py`)"),
     ("benchmarks-testtool.md", "The agent's test tool (`mbridge-offload test`, MCP `run_unit_tests`)"),
+    ("benchmarks-plot.md", "`plot` speed (`benchmarks/plot_speed.py`)"),
 ]
 
 
@@ -59,7 +60,8 @@ def render_index(docs: Path = DOCS) -> str:
         parts += [
             "The planner's predictions (memory_vs_offload: predictions, with the upstream card's measured peaks as "
             "triangles; predicted_vs_measured: every published GPU measurement against the prediction, none run by "
-            "this project); see [planner.md](planner.md).",
+            "this project; plot_*: one picture of each kind `mbridge-offload plot` draws); see "
+            "[planner.md](planner.md).",
             "",
         ]
         for image in images:

@@ -21,6 +21,7 @@ CLI_EQUIVALENTS: dict[str, str] = {
     ),
     "run_unit_tests": "mbridge-offload test [-k EXPR] [--bridge-repo PATH]",
     "diagnose_failure": "mbridge-offload diagnose --error TEXT | --log FILE [--config FILE]",
+    "plot_offload": "mbridge-offload plot [CONFIG] --sweep KEY=START:STOP:STEP | --kind phases|options [--output FILE]",
 }
 
 
@@ -77,15 +78,14 @@ def server_tools() -> list[Any]:
 
 
 def render_tools() -> str:
-    lines = ["| MCP tool | what it does | writes? | CLI equivalent |", "|---|---|---|---|"]
+    """SKILL.md's short table: each tool, whether it writes, and its CLI command (titles and parameters are in
+    references/tools.md: the skill's body keeps to its budget)."""
+    lines = ["| MCP tool | writes? | CLI equivalent |", "|---|---|---|"]
     for tool in server_tools():
         hints = tool.annotations
         read_only = bool(hints and hints.read_only_hint)
-        first = (
-            (tool.title or (tool.description or "").strip().splitlines()[0]) if (tool.title or tool.description) else ""
-        )
         cli = CLI_EQUIVALENTS.get(tool.name, "(none)")
-        lines.append(f"| `{tool.name}` | {_cell(first)} | {'no' if read_only else 'yes'} | `{_cell(cli)}` |")
+        lines.append(f"| `{tool.name}` | {'no' if read_only else 'yes'} | `{_cell(cli)}` |")
     return "\n".join(lines)
 
 

@@ -15,6 +15,9 @@ against ``cpu_offloading_num_layers`` (no measurement published: predictions onl
 ``docs/img/predicted_vs_measured.png``: every published point, predicted against measured, for peak memory (GiB,
 the unit of Megatron's memory report; savings for runs whose absolute settings are unpublished) and for the step
 factor; the diagonal and the ±5 % / ±10 % bands of the targets.
+``docs/img/plot_sweep.png``, ``plot_phases.png``, ``plot_options.png``: one picture of each kind ``mbridge-offload
+plot`` draws (``mbridge_offload_tools.plot``: the same points and the same drawing), on the commands
+``docs/planner.md`` shows (``PLOT_EXAMPLES``).
 """
 
 from __future__ import annotations
@@ -26,12 +29,18 @@ import zlib
 from pathlib import Path
 from typing import Any
 
-IMAGES = ("memory_vs_offload", "predicted_vs_measured")
+IMAGES = ("memory_vs_offload", "predicted_vs_measured", "plot_sweep", "plot_phases", "plot_options")
 VALUES = "docs/img/plots.json"
 PARTS = ("weights", "gradients", "optimizer", "activations", "other")
 COLORS = ("#4c72b0", "#55a868", "#c44e52", "#8172b2", "#999999")
 MARKERS = {"qwen3-30b-a3b-card": "o", "qwen3-0.6b-nemo-rl": "s"}
 _LLAMA = {"model": "llama3-8b", "num_gpus": 8, "seq_length": 8192, "micro_batch_size": 2}
+# `mbridge-offload plot` on these inputs draws the docs' pictures of its three kinds: (kind, planner inputs, sweep).
+PLOT_EXAMPLES: dict[str, tuple[str, dict[str, Any], str | None]] = {
+    "plot_sweep": ("sweep", {"model": "qwen3-30b-a3b"}, "optimizer_offload_fraction=0:1:0.25"),
+    "plot_phases": ("phases", {"model": "qwen3-30b-a3b", "optimizer_offload_fraction": 0.5}, None),
+    "plot_options": ("options", {"model": "llama3-8b", "seq_length": 16384}, None),
+}
 
 
 def _r(value: float) -> float:
@@ -79,9 +88,24 @@ def _predicted_vs_measured() -> dict[str, Any]:
     return {"memory": memory, "step": step}
 
 
+def _plot_picture(kind: str, flags: dict[str, Any], sweep: str | None) -> dict[str, Any]:
+    """What ``plot`` draws for these inputs (``PlotResult.picture``)."""
+    from mbridge_offload.config.errors import InputError
+    from mbridge_offload_tools.plot.points import Source, compute
+
+    try:
+        return compute(kind, Source(dict(flags)), sweep, "png").picture()
+    except InputError:
+        if kind != "phases":
+            raise
+        # A planner whose estimate carries no phases: the picture says so until it does.
+        return {"kind": kind, "title": "phases of one step", "budget_gib": 0.0, "points": []}
+
+
 def plot_values() -> dict[str, Any]:
     """Every number the pictures show, by picture (what ``docs/img/plots.json`` holds)."""
-    return {"memory_vs_offload": _memory_vs_offload(), "predicted_vs_measured": _predicted_vs_measured()}
+    plots = {name: _plot_picture(*example) for name, example in PLOT_EXAMPLES.items()}
+    return {"memory_vs_offload": _memory_vs_offload(), "predicted_vs_measured": _predicted_vs_measured(), **plots}
 
 
 def render_values() -> str:
@@ -113,6 +137,15 @@ def drawn_from(png: Path) -> str | None:
 
 def draw(name: str, values: dict[str, Any], path: Path) -> None:
     """Draw picture ``name`` from ``values`` (its entry of :func:`plot_values`) into ``path``."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # No Software stamp (it names the matplotlib release); the Description ties the PNG to its values.
+    metadata = {"Software": None, "Description": f"values sha256 {digest(values)}"}
+    if name in PLOT_EXAMPLES:  # drawn by plot's own drawing, from the values plot's --json gives
+        from mbridge_offload_tools.plot.figures import figure
+        from mbridge_offload_tools.plot.result import Picture
+
+        figure(Picture.model_validate(values)).savefig(path, dpi=120, metadata=metadata)
+        return
     import matplotlib
 
     matplotlib.use("Agg")
@@ -120,9 +153,7 @@ def draw(name: str, values: dict[str, Any], path: Path) -> None:
 
     fig = {"memory_vs_offload": _draw_memory, "predicted_vs_measured": _draw_accuracy}[name](plt, values)
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    # No Software stamp (it names the matplotlib release); the Description ties the PNG to its values.
-    fig.savefig(path, dpi=120, metadata={"Software": None, "Description": f"values sha256 {digest(values)}"})
+    fig.savefig(path, dpi=120, metadata=metadata)
     plt.close(fig)
 
 

@@ -90,7 +90,15 @@ def estimate_result(p: Plan, est: MemoryEstimate, t: TimeEstimate) -> Estimate:
         gpu_memory_gb=round(r.gpu.capacity_bytes / GB, 3),
         gpu_memory_gib=round(r.gpu.capacity_bytes / GiB, 3),
         worst_stage=est.worst.stage,
-        stages=[StageTotal(stage=st.stage, total_gb=round(st.total / GB, 3), params=st.params) for st in est.stages],
+        stages=[
+            StageTotal(
+                stage=st.stage,
+                total_gb=round(st.total / GB, 3),
+                params=st.params,
+                total_gib=round((st.total + p.offset) / GiB, 3),
+            )
+            for st in est.stages
+        ],
         host_peak_gb=round(est.host_peak_gb, 3),
         time_s=TimeBreakdown(
             baseline=round(t.baseline_s, 4),

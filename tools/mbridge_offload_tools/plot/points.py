@@ -1,0 +1,211 @@
+"""The points of a picture, from the planner's one entry point (``plan.service.plan``): nothing is modelled here.
+
+A sweep point is ``estimate`` at one value of the swept input, the other inputs as given; the phases are
+``estimate``'s ``phases``; the options are ``recommend``'s ``options``. Imports no matplotlib.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from mbridge_offload.config.errors import InputError
+from mbridge_offload.config.schema import OffloadConfig
+from mbridge_offload.plan.inputs.fields import flag_name
+from mbridge_offload.plan.inputs.resolve import Assumption
+from mbridge_offload.plan.results import Estimate, Recommendation, StageGib
+from mbridge_offload.plan.service import Kind as PlanKind
+from mbridge_offload.plan.service import plan
+from mbridge_offload_tools.plot import sweep as sweeps
+from mbridge_offload_tools.plot.result import (
+    KINDS,
+    MIME_TYPES,
+    OptionPoint,
+    PhasePoint,
+    PlotResult,
+    SweepPoint,
+)
+
+
+class Source:
+    """A loaded config (or none) and the planner inputs given beside it: what every planner call of a picture reads."""
+
+    def __init__(
+        self,
+        flags: dict[str, Any],
+        config: OffloadConfig | None = None,
+        raw: dict[str, Any] | None = None,
+        source: str | None = None,
+    ) -> None:
+        self.flags, self.config, self.raw, self.source = flags, config, raw, source
+
+    def plan(self, kind: PlanKind, at: dict[str, Any] | None = None, where: str = "") -> Any:
+        """``plan(kind, ...)`` with ``at`` over the given inputs; the planner's refusals as one input error."""
+        try:
+            return plan(kind, {**self.flags, **(at or {})}, self.config, self.raw, self.source)
+        except (KeyError, ValueError) as exc:  # an unknown preset, a setup Megatron rejects, a bound
+            raise InputError(where + str(exc).strip("'\"")) from None
+
+
+def _setting(est: Estimate) -> str:
+    p = est.parallel
+    layout = f"TP{p['tp']} PP{p['pp']}" + (f" VPP{p['vpp']}" if p.get("vpp") else "") + f" CP{p['cp']}"
+    layout += f" EP{p['ep']}" if p.get("ep", 1) > 1 else ""
+    return f"{est.model} on {est.num_gpus} x {est.gpu} ({layout}, DP{p['dp']})"
+
+
+def _stages(est: Estimate) -> list[StageGib]:
+    return [StageGib(stage=s.stage, total_gib=s.total_gib) for s in est.stages]
+
+
+def _sweep_point(value: int | float, est: Estimate) -> SweepPoint:
+    return SweepPoint(
+        value=value,
+        memory_gib=est.memory_gib,
+        memory_gb=est.memory_gb,
+        stages_gib=_stages(est),
+        worst_stage=est.worst_stage,
+        step_time_s=est.time_s.step,
+        step_time_factor=est.step_time_factor,
+        fits=est.fits,
+        budget_gib=est.budget_gib,
+        host_gb=est.host_gb,
+    )
+
+
+def _base(est: Estimate | Recommendation, model: str, kind: str, title: str, fmt: str, **fields: Any) -> PlotResult:
+    return PlotResult(
+        kind=kind,
+        title=title,
+        model=model,
+        gpu=est.gpu,
+        num_gpus=est.num_gpus,
+        format=fmt,
+        mime_type=MIME_TYPES[fmt],
+        assumptions=list(est.assumptions),
+        effective=dict(est.effective),
+        **fields,
+    )
+
+
+def sweep_result(src: Source, spec: str, fmt: str) -> PlotResult:
+    """Peak memory per stage and step time at each value of one input: ``estimate`` at every point.
+
+    Raises:
+        InputError: a bad sweep (``sweep.parse``), the swept input also given as a flag, or a value the planner
+            refuses (named with the value).
+    """
+    key, values = sweeps.parse(spec)
+    if src.flags.get(key) is not None:
+        raise InputError(
+            f"the sweep varies {key}, which is also given ({flag_name(key)} {src.flags[key]})",
+            f"drop {flag_name(key)}: the sweep sets it at each point",
+        )
+    answers = [src.plan("estimate", {key: v}, where=f"sweep {key}={v}: ") for v in values]
+    first = answers[0]
+    result = _base(
+        first,
+        first.model,
+        "sweep",
+        f"{_setting(first)}: {key}",
+        fmt,
+        sweep_key=key,
+        budget_gib=first.budget_gib,
+        points=[_sweep_point(v, e) for v, e in zip(values, answers, strict=True)],
+    )
+    # The swept input is no single value: its assumption says what it took.
+    result.assumptions = [a for a in result.assumptions if a.name != key]
+    result.assumptions.append(Assumption(name=key, value=values, source="sweep", note="one estimate per value"))
+    return result
+
+
+def phases_result(src: Source, fmt: str) -> PlotResult:
+    """The phases of one step on every pipeline stage (``estimate``'s ``phases``).
+
+    Raises:
+        InputError: the planner's refusal, or an estimate without phases.
+    """
+    return phases_picture(src.plan("estimate"), fmt)
+
+
+def phases_picture(est: Estimate, fmt: str) -> PlotResult:
+    """The picture of ``est``'s phases: one point per phase and stage, the stage's peak phase marked.
+
+    Raises:
+        InputError: ``est`` carries no phases.
+    """
+    points = [
+        PhasePoint(
+            stage=sp.stage,
+            phase=ph.name,
+            memory_gib=ph.memory_gib,
+            memory_gb=ph.memory_gb,
+            what=ph.what,
+            peak=ph.name == sp.peak_phase,
+        )
+        for sp in est.phases
+        for ph in sp.phases
+    ]
+    if not points:
+        raise InputError(
+            "this estimate carries no phases (estimate's phases is empty): nothing to draw",
+            "plot --kind sweep or --kind options instead",
+        )
+    title = f"{_setting(est)}: phases of one step" + (f", peak in {est.peak_phase}" if est.peak_phase else "")
+    return _base(
+        est, est.model, "phases", title, fmt, budget_gib=est.budget_gib, points=points, peak_phase=est.peak_phase
+    )
+
+
+def option_point(o: Any) -> OptionPoint:
+    """One of ``recommend``'s options as a point (the same numbers)."""
+    return OptionPoint(
+        rank=o.rank,
+        overrides=list(o.overrides),
+        levers=list(o.levers),
+        memory_gib=o.memory_gib.total,
+        stages_gib=list(o.stages_gib),
+        step_time_s=o.step_time_s,
+        step_time_factor=o.step_time_factor,
+        fits=o.fits,
+        comfortable=o.comfortable,
+        alternative=o.alternative,
+        margin_gib=o.margin_gib,
+        why=o.why,
+    )
+
+
+def options_result(src: Source, fmt: str) -> PlotResult:
+    """``recommend``'s ranked options beside the config as given (its ``estimate``)."""
+    rec: Recommendation = src.plan("recommend")
+    given: Estimate = src.plan("estimate")
+    result = _base(
+        rec,
+        given.model,
+        "options",
+        f"{_setting(given)}: recommend's options (mode {rec.mode})",
+        fmt,
+        budget_gib=rec.budget_gib,
+        given_gib=rec.memory_gib.before.total,
+        given_step_s=given.time_s.step,
+        points=[option_point(o) for o in rec.options],
+    )
+    if not rec.options:
+        result.notes.append("recommend offers no option for this run: only the config as given is drawn")
+    return result
+
+
+def compute(kind: str, src: Source, sweep: str | None, fmt: str) -> PlotResult:
+    """The points of picture ``kind`` (no image yet).
+
+    Raises:
+        InputError: a kind that needs a sweep without one (or the reverse), and what the kinds raise.
+    """
+    if kind not in KINDS:
+        raise InputError(f"kind {kind!r} is not one of {', '.join(KINDS)}", "draw a sweep, the phases or the options")
+    if kind == "sweep":
+        if not sweep:
+            raise InputError("kind sweep needs a sweep (CLI --sweep, MCP sweep)", f"pass {sweeps.SYNTAX}")
+        return sweep_result(src, sweep, fmt)
+    if sweep:
+        raise InputError(f"a sweep is for kind sweep, not {kind}", "drop the sweep, or ask for kind sweep")
+    return phases_result(src, fmt) if kind == "phases" else options_result(src, fmt)
