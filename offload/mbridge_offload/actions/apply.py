@@ -32,6 +32,7 @@ from mbridge_offload.actions.apply_plan import plan_edits, requested_edits
 from mbridge_offload.actions.apply_result import ApplyError, ApplyResult, Change
 from mbridge_offload.actions.apply_write import default_roots, write_requested
 from mbridge_offload.actions.yaml_render import render
+from mbridge_offload.config import parallel_sizes
 from mbridge_offload.config.overrides import format_override, format_value
 from mbridge_offload.config.schema import OffloadConfig, get_value
 from mbridge_offload.config.sources import apply_overrides, build_config, parse_text, read_source
@@ -174,7 +175,9 @@ def apply_offload(
     base_cfg = build_config(_copy(raw), where, tree)
     effective_raw = apply_overrides(_copy(raw), list(overrides or []))
     cfg = build_config(effective_raw, where, tree if not overrides else None)
+    parallel_sizes.check(effective_raw)  # no edit of a run that cannot start (0 or negative TP, PP, CP, EP...)
     notes: list[str] = []
+    assumptions: list[dict[str, Any]] = []
     resolved_mode, wanted = plan_edits(
         cfg,
         effective_raw,
@@ -185,6 +188,7 @@ def apply_offload(
         notes=notes,
         modules=fge.parse_modules(modules),
         option=option,
+        assumptions=assumptions,
     )
     changes, conflicts = _changes(base_cfg, raw, wanted, list(overrides or []), effective_raw, resolved_mode)
     is_json = text.lstrip().startswith("{")
@@ -199,6 +203,7 @@ def apply_offload(
         changes=changes,
         overrides=[format_override(c.key, c.new) for c in changes],
         notes=notes + conflicts + nothing,
+        assumptions=assumptions,
     )
     return _write_asked(result, source_path, output, in_place, overwrite, output_format, write_roots, allowed_root)
 

@@ -429,17 +429,10 @@ def _verdict(base: Setup, ranked: list[Option], allowed: tuple[str, ...]) -> lis
 
 
 def _host_assumptions(p: Plan) -> list[Assumption]:
-    """The host RAM the pinned-memory check uses, and the share of it offload may take."""
+    """The share of the node's host RAM offload may take (the node's RAM and GPUs: ``anchor.prepare``)."""
     from mbridge_offload.plan.inputs.hardware import PINNED_HOST_SHARE
 
-    g = p.r.gpu
     return [
-        Assumption(
-            name="host_ram_per_node_gb",
-            value=round(g.host_ram_node_gb, 1),
-            source="flag" if p.r.inputs.host_ram_gb or p.r.inputs.gpus_per_node else "preset",
-            note=f"{g.gpus_per_node} GPUs per node; {g.host_source or 'preset'}",
-        ),
         Assumption(
             name="pinned_host_share",
             value=PINNED_HOST_SHARE,
