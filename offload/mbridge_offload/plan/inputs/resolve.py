@@ -423,6 +423,12 @@ def _assumptions(values: dict[str, Any], where: dict[str, str], notes: dict[str,
     return out
 
 
+def _batch_assumptions(s: Setup, where: dict[str, str]) -> list[Assumption]:
+    """The global batch and micro-batches per step behind every step time (``implied.batch``)."""
+    rows = implied.batch(s, where.get("global_batch_size"))
+    return [Assumption(name=n, value=v, source=src, note=note) for n, v, src, note in rows]
+
+
 def resolve(
     flags: dict[str, Any] | None = None,
     config: OffloadConfig | None = None,
@@ -497,11 +503,7 @@ def resolve(
         values["cuda_graph_impl"], values["fine_grained_activation_offloading"], values["moe_paged_stash"]
     )
     final = PlanInputs.model_validate({k: values.get(k) for k in FIELDS})
-    assumptions = _assumptions(values, where, notes)
-    assumptions += [
-        Assumption(name=n, value=v, source=src, note=note)
-        for n, v, src, note in implied.batch(s, where.get("global_batch_size"))
-    ]
+    assumptions = _assumptions(values, where, notes) + _batch_assumptions(s, where)
     raw_config = raw if raw is not None else (config.model_dump(mode="json") if config is not None else None)
     profile = _host_profile(final)
     return Resolved(final, where, m, s, _gpu(values), constraints, assumptions, raw_config, eff, profile)

@@ -360,13 +360,7 @@ def recommend(r: Resolved) -> Recommendation:
             without_offload=p.breakdown(before, gib=True),
         ),
         fits=p.fits(after),
-        # Over the config as given (the card's definition), as every option's; the no-lever ratio beside it.
-        step_time_factor=top[1].step_time_factor if top is not None and pulled else round(t.step_s / as_given_s, 3),
-        step_time_factor_vs_no_levers=(
-            top[1].step_time_factor_vs_no_levers
-            if top is not None and pulled
-            else round(t.step_time_factor_vs_no_levers, 3)
-        ),
+        **_factors(top[1] if top is not None and pulled else None, t, as_given_s),
         rationale=rationale + ([sentence] if sentence else []),
         budget_gb=round(p.budget_bytes / GB, 3),
         budget_gib=round(p.budget_bytes / GiB, 3),
@@ -391,6 +385,20 @@ def recommend(r: Resolved) -> Recommendation:
         levers=list(allowed),
         headroom_gib=round(options.headroom_gib(p), 3),
     )
+
+
+def _factors(option: Option | None, t: TimeEstimate, as_given_s: float) -> dict[str, float]:
+    """The recommendation's step-time factors: over the config as given (the card's definition, as every option's),
+    and over the run with no lever; an option that pulls recompute or a layout lever carries its own."""
+    if option is not None:
+        return {
+            "step_time_factor": option.step_time_factor,
+            "step_time_factor_vs_no_levers": option.step_time_factor_vs_no_levers,
+        }
+    return {
+        "step_time_factor": round(t.step_s / as_given_s, 3),
+        "step_time_factor_vs_no_levers": round(t.step_time_factor_vs_no_levers, 3),
+    }
 
 
 def _offload_search(
