@@ -123,6 +123,10 @@ def _files() -> dict[str, str | bytes]:
         "binary.yaml": bytes(range(256)) * 4,
         "big_3mb.yaml": "model:\n" + "".join(f"  k{i}: {i}\n" for i in range(260_000)),
         "nul_bytes.yaml": "model:\n  num_layers: 4\x00\n",
+        # Parallel sizes megatron-core's dataclass accepts but no run can have: refused by every tool.
+        "parallel_cp_zero.yaml": "model:\n  num_layers: 8\n  num_attention_heads: 8\n  context_parallel_size: 0\n",
+        "parallel_tp_negative.yaml": "model:\n  num_attention_heads: 8\n  tensor_model_parallel_size: -2\n",
+        "parallel_etp_zero.json": '{"model": {"num_layers": 8, "expert_tensor_parallel_size": 0}}',
     }
     return texts
 

@@ -32,6 +32,7 @@ from mbridge_offload.actions.apply_plan import plan_edits, requested_edits
 from mbridge_offload.actions.apply_result import ApplyError, ApplyResult, Change
 from mbridge_offload.actions.apply_write import default_roots, write_requested
 from mbridge_offload.actions.yaml_render import render
+from mbridge_offload.config import parallel_sizes
 from mbridge_offload.config.overrides import format_override, format_value
 from mbridge_offload.config.schema import OffloadConfig, get_value
 from mbridge_offload.config.sources import apply_overrides, build_config, parse_text, read_source
@@ -112,6 +113,21 @@ def _result(text: str, where: str, label: str, new_text: str, **fields: Any) -> 
     return ApplyResult(ok=ok, findings=findings, diff=diff, text=new_text, effective=effective, **fields)
 
 
+def _configs(
+    raw: dict[str, Any], overrides: list[str] | None, where: str, tree: Any
+) -> tuple[OffloadConfig, OffloadConfig, dict[str, Any]]:
+    """The config as read, the config with the caller's overrides, and the latter's raw dict.
+
+    Raises:
+        ConfigError: a value that does not type-check; ParallelSizeError: a parallel size of 0 or below.
+    """
+    base_cfg = build_config(_copy(raw), where, tree)
+    effective_raw = apply_overrides(_copy(raw), list(overrides or []))
+    cfg = build_config(effective_raw, where, tree if not overrides else None)
+    parallel_sizes.check(effective_raw)  # no edit of a run that cannot start (0 or negative TP, PP, CP, EP...)
+    return base_cfg, cfg, effective_raw
+
+
 def _check_arguments(output: Any, in_place: bool, planner: dict[str, Any] | None, mode: str, fmt: str) -> None:
     if output is not None and in_place:
         raise ApplyError("pass either output or in_place, not both")
@@ -164,17 +180,15 @@ def apply_offload(
     Raises:
         ApplyError: the edit cannot be made as asked (PP>1 for activation offload, bad fraction, a write outside the
             allowed roots, ``in_place`` on inline text, ...).
-        ConfigError: the input cannot be read or parsed.
-        WriteError: the write is refused (an existing file without ``overwrite``, a read-only file) or failed;
-            nothing was changed.
+        ConfigError: the input cannot be read or parsed. ParallelSizeError: a parallel size of 0 or below.
+        WriteError: the write is refused (an existing file without ``overwrite``, read-only) or failed; none made.
     """
     _check_arguments(output, in_place, planner, mode, output_format)
     text, where, source_path = _read(source, in_place)
     raw, tree = parse_text(text, where)
-    base_cfg = build_config(_copy(raw), where, tree)
-    effective_raw = apply_overrides(_copy(raw), list(overrides or []))
-    cfg = build_config(effective_raw, where, tree if not overrides else None)
+    base_cfg, cfg, effective_raw = _configs(raw, overrides, where, tree)
     notes: list[str] = []
+    assumptions: list[dict[str, Any]] = []
     resolved_mode, wanted = plan_edits(
         cfg,
         effective_raw,
@@ -185,6 +199,7 @@ def apply_offload(
         notes=notes,
         modules=fge.parse_modules(modules),
         option=option,
+        assumptions=assumptions,
     )
     changes, conflicts = _changes(base_cfg, raw, wanted, list(overrides or []), effective_raw, resolved_mode)
     is_json = text.lstrip().startswith("{")
@@ -199,6 +214,7 @@ def apply_offload(
         changes=changes,
         overrides=[format_override(c.key, c.new) for c in changes],
         notes=notes + conflicts + nothing,
+        assumptions=assumptions,
     )
     return _write_asked(result, source_path, output, in_place, overwrite, output_format, write_roots, allowed_root)
 

@@ -115,9 +115,14 @@ def _option_mode(levers: list[str]) -> str:
 
 
 def _recommended(
-    cfg: OffloadConfig, raw: dict[str, Any], planner: dict[str, Any] | None, option: int | None = None
+    cfg: OffloadConfig,
+    raw: dict[str, Any],
+    planner: dict[str, Any] | None,
+    option: int | None = None,
+    assumptions: list[dict[str, Any]] | None = None,
 ) -> tuple[str, list[str], str | None]:
-    """Ask the planner for (mode, overrides) on this config: its recommendation, or its option ``option``."""
+    """Ask the planner for (mode, overrides) on this config: its recommendation, or its option ``option``; its
+    assumptions go into ``assumptions`` (apply reports what the planner's answer rested on)."""
     try:
         from mbridge_offload.plan import service as plan
     except ImportError as exc:  # pragma: no cover - the planner ships with the package
@@ -128,6 +133,8 @@ def _recommended(
         rec = plan.recommend_for_config(cfg, raw=raw, **(planner or {}))
     except (KeyError, ValueError, TypeError) as exc:  # no model sizes, unknown preset, a setup Megatron rejects
         raise ApplyError(f"mode=recommended: the planner cannot size this config: {str(exc).strip(chr(39))}") from None
+    if assumptions is not None:
+        assumptions += [a.model_dump(mode="json") for a in rec.assumptions]
     if option is None:
         return str(rec.mode), list(rec.overrides), rec.advice
     if not 0 <= option < len(rec.options):
@@ -172,6 +179,7 @@ def plan_edits(
     notes: list[str] | None = None,
     modules: list[str] | None = None,
     option: int | None = None,
+    assumptions: list[dict[str, Any]] | None = None,
 ) -> tuple[str, Edits]:
     """The key edits a mode implies: ``(resolved mode, {dotted key: (new value, why)})``.
 
@@ -202,7 +210,7 @@ def plan_edits(
         )
     edits: Edits = {}
     if mode == "recommended":
-        chosen, overrides, advice = _recommended(cfg, raw, planner, option)
+        chosen, overrides, advice = _recommended(cfg, raw, planner, option, assumptions)
         if notes is not None:
             notes += [f"the planner chose mode={chosen}", *([advice] if advice else [])]
         from_planner: dict[str, Any] = {}

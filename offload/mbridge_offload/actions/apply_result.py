@@ -42,6 +42,11 @@ class ApplyResult(BaseModel):
     overrides: list[str] = Field(description="the same edit as command-line overrides")
     refused: str | None = Field(None, description="why nothing was written although a write was asked for")
     notes: list[str] = Field(default_factory=list)
+    assumptions: list[dict[str, Any]] = Field(
+        default_factory=list,
+        description="mode=recommended / --option: the planner's inputs, each {name, value, source, note}, as "
+        "recommend lists them (GPU, GPU count, the node's host RAM and GPUs per node, ...); empty otherwise",
+    )
     effective: dict[str, EffectiveValue] = Field(
         default_factory=dict,
         description="the edited config's one effective config (mbridge_offload.config.effective): dotted key → "

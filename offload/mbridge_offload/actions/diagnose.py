@@ -31,6 +31,7 @@ from pydantic import BaseModel, Field
 
 from mbridge_offload.actions.failures import CONCEPTS, EXPLAINS_RULES, KNOWN, OOM_UNATTRIBUTED, FailureMode
 from mbridge_offload.config import effective as effective_config
+from mbridge_offload.config import parallel_sizes
 from mbridge_offload.config.effective import EffectiveValue
 from mbridge_offload.config.schema import OFFLOAD_KEYS, RELATED_KEYS, OffloadConfig
 from mbridge_offload.config.sources import LoadedConfig
@@ -444,7 +445,13 @@ def diagnose(
 
     Returns:
         DiagnoseReport; ``matches`` is empty when nothing known matched (the notes say so).
+
+    Raises:
+        ParallelSizeError: a config with a parallel size of 0 or below (``config.parallel_sizes``).
     """
+    for label, given in (("config", raw), ("before", before), ("after", after)):
+        # a run that cannot start is bad input here as everywhere (estimate, recommend, apply refuse it too)
+        parallel_sizes.check(given if given is None or isinstance(given, dict) else _parts(given)[1], label)
     text = "\n".join(t for t in (error, log) if t)
     typed_before = _parts(before)[0] if before is not None else None
     typed_after = _parts(after)[0] if after is not None else None

@@ -11,8 +11,11 @@ normalises a few values (``models/transformer_config.py``):
 
 A validator that skips these reports errors Bridge never raises (``Cannot use sequence parallelism without tensor
 parallelism`` on a TP=1 run_config.yaml). They apply to Bridge configs only: a ``ConfigContainer`` YAML (a
-``_target_`` naming ``megatron.bridge``) or a recipe; a plain megatron-core config is judged as megatron-core
-judges it. Plain Python: no torch, no megatron.
+``_target_`` naming ``megatron.bridge``, or a ``mixed_precision`` / ``comm_overlap`` section) or a recipe; a plain
+megatron-core config is judged as megatron-core judges it.
+
+Bridge's ``comm_overlap`` section (``CommOverlapConfig``) is copied onto the model and DDP configs at start-up too
+(:func:`comm_overlap`). Plain Python: no torch, no megatron.
 """
 
 from __future__ import annotations
@@ -30,8 +33,8 @@ def is_container(raw: dict[str, Any], source: str | None = None) -> bool:
     """Whether ``raw`` is a Megatron Bridge ``ConfigContainer``: its YAML names Bridge classes, or a recipe built it."""
     if source is not None and source.startswith("recipe:"):
         return True
-    if "mixed_precision" in raw:  # only a ConfigContainer has that section (a recipe name or a mapping)
-        return True
+    if "mixed_precision" in raw or isinstance(raw.get("comm_overlap"), dict):
+        return True  # only a ConfigContainer has these sections (mixed_precision: a recipe name or a mapping)
     for node in (raw, raw.get("model")):
         target = node.get("_target_") if isinstance(node, dict) else None
         if isinstance(target, str) and target.startswith("megatron.bridge."):
@@ -160,3 +163,49 @@ def mixed_precision(raw: dict[str, Any]) -> dict[str, Any]:
         if isinstance(body, dict):
             body.update(copy.deepcopy(values))
     return raw
+
+
+# ---------------------------------------------------------------------------------------------- comm_overlap
+
+_SETUP = "comm_overlap (Bridge 0.6.2 CommOverlapConfig.setup)"
+
+
+def comm_overlap(raw: dict[str, Any], config: OffloadConfig) -> list[tuple[str, Any, str]]:
+    """What Bridge's ``comm_overlap`` section decides on the model and DDP configs, as ``(key, value, source)``.
+
+    Bridge 0.6.2 (``training/comm_overlap.py``; ``runtime_config_update`` runs it after ``mixed_precision`` and
+    before the model's ``finalize()``) overwrites, whatever the model section says:
+
+    - ``model.tp_comm_overlap``: the section's ``tp_comm_overlap`` when it is true and TP >= 2 with sequence
+      parallelism (and Transformer Engine, assumed here); otherwise false, with a warning in Bridge's log;
+    - with ``ddp.use_distributed_optimizer``: ``ddp.overlap_grad_reduce`` and ``ddp.overlap_param_gather``, the
+      section's own value when it sets one, else on when the data-parallel size is above 1 (off at DP 1, where
+      there is nothing to overlap; the world size is not part of a config, so that case is named in the source).
+
+    Returns:
+        The decided values (empty without a ``comm_overlap`` mapping).
+    """
+    section = raw.get("comm_overlap")
+    if not isinstance(section, dict):
+        return []
+    m = config.model
+    asked = section.get("tp_comm_overlap")
+    out: list[tuple[str, Any, str]] = []
+    if asked is True:
+        tp = m.tensor_model_parallel_size
+        if not isinstance(tp, int) or tp < 2:
+            out.append(("model.tp_comm_overlap", False, f"{_SETUP}: asked for, switched off at TP {tp} < 2"))
+        elif not m.sequence_parallel:
+            out.append(("model.tp_comm_overlap", False, f"{_SETUP}: asked for, switched off (sequence_parallel off)"))
+        else:
+            out.append(("model.tp_comm_overlap", True, f"{_SETUP}: comm_overlap.tp_comm_overlap (TE assumed)"))
+    else:
+        out.append(("model.tp_comm_overlap", False, f"{_SETUP}: off unless comm_overlap.tp_comm_overlap is true"))
+    if config.ddp.use_distributed_optimizer:
+        for key in ("overlap_grad_reduce", "overlap_param_gather"):
+            value = section.get(key)
+            if value is not None:
+                out.append((f"ddp.{key}", value, f"{_SETUP}: comm_overlap.{key}"))
+            else:
+                out.append((f"ddp.{key}", True, f"{_SETUP}: on for data-parallel size > 1 (off at DP 1)"))
+    return out

@@ -8,7 +8,9 @@ A config file says only part of what a run uses. The rest comes, in this order, 
 2. Bridge's ``mixed_precision`` block, copied onto the model, optimizer and DDP configs at start-up
    (:func:`mbridge_offload.config.bridge.mixed_precision`);
 3. Bridge's model ``finalize()`` for the target's Bridge release (:func:`mbridge_offload.config.bridge.finalize`:
-   ``pipeline_dtype``, and from Bridge 0.6 ``sequence_parallel`` and ``expert_tensor_parallel_size``);
+   ``pipeline_dtype``, and from Bridge 0.6 ``sequence_parallel`` and ``expert_tensor_parallel_size``), and Bridge's
+   ``comm_overlap`` section copied onto the model and DDP configs (:func:`mbridge_offload.config.bridge.comm_overlap`:
+   ``tp_comm_overlap``, the DDP overlaps);
 4. derived facts that megatron-core or Bridge decide from other keys (the distributed optimizer either section
    switches on, ETP = TP, the parameter dtype from ``bf16``/``fp16``, the offload amounts only under their master
    switches, the FP8 recipe).
@@ -55,6 +57,7 @@ EFFECTIVE_KEYS: tuple[str, ...] = tuple(
             "model.expert_model_parallel_size",
             "model.expert_tensor_parallel_size",
             "model.sequence_parallel",
+            "model.tp_comm_overlap",
             "model.pipeline_dtype",
             "model.params_dtype",
             "model.bf16",
@@ -65,6 +68,8 @@ EFFECTIVE_KEYS: tuple[str, ...] = tuple(
             "model.seq_length",
             "ddp.use_distributed_optimizer",
             "ddp.grad_reduce_in_fp32",
+            "ddp.overlap_grad_reduce",
+            "ddp.overlap_param_gather",
             "train.micro_batch_size",
             "train.global_batch_size",
         )
@@ -132,6 +137,21 @@ def _written(raw: dict[str, Any]) -> frozenset[str]:
         if isinstance(body, dict):
             out.update(f"{section}.{k}" for k in body if not str(k).startswith("_"))
     return frozenset(out)
+
+
+def _as_upstream_sees_it(cfg: OffloadConfig, dotted: str, has: bool, value: Any) -> Any:
+    """The typed value, or the value as written where the typed section left it out (a wrong type, or a number out
+    of the field's bounds such as ``tensor_model_parallel_size: 0``): megatron-core's dataclass keeps it as written,
+    so reporting the field's default there would hide the input (every tool then refuses it, naming it)."""
+    typed = get_value(cfg, dotted)
+    if not has:
+        return typed
+    section, _, key = dotted.partition(".")
+    node = getattr(cfg, section, None)
+    dropped = isinstance(node, BaseModel) and key in type(node).model_fields and key not in node.model_fields_set
+    if value is not None and dropped:
+        return value
+    return typed if typed is not None else value
 
 
 def _with_mixed_precision(raw: dict[str, Any]) -> dict[str, Any]:
@@ -250,6 +270,11 @@ def _derive_optimizer(b: _Builder) -> None:
         b.put("model.cpu_offloading_num_layers", 0, "derived: model.cpu_offloading is false")
 
 
+def _derive_comm_overlap(b: _Builder) -> None:
+    for key, value, source in bridge.comm_overlap(b.mixed, b.cfg):
+        b.put(key, value, source)
+
+
 def _derive_seq(b: _Builder) -> None:
     if b.out["model.seq_length"].value is None and b.cfg.dataset.seq_length:
         b.put("model.seq_length", b.cfg.dataset.seq_length, f"derived: dataset.seq_length ({b.where})")
@@ -297,8 +322,8 @@ def resolve(
     b = _Builder(eff_config, raw, mixed, where)
     for key in EFFECTIVE_KEYS:
         has, value = _lookup(mixed, key)
-        typed = get_value(eff_config, key)
-        b.put(key, typed if typed is not None or not has else value, b.source_of(key, finalized))
-    for step in (_derive_precision, _derive_parallel, _derive_optimizer, _derive_seq):
+        b.put(key, _as_upstream_sees_it(eff_config, key, has, value), b.source_of(key, finalized))
+    steps = [_derive_precision, _derive_parallel, _derive_optimizer, _derive_seq]
+    for step in [*steps[:2], _derive_comm_overlap, *steps[2:]] if container else steps:
         step(b)
     return Effective(eff_config, mixed, b.out, tgt, frontend, container, tuple(changes), _written(mixed), source)

@@ -28,6 +28,7 @@ _MODEL_EXTRAS = {
     "moe_pad_expert_input_to_capacity",
     "fp8_recipe",
     "fp4",
+    "tp_comm_overlap",  # a TransformerConfig field Megatron-LM copies from its args (ModelParallelConfig)
 }
 _TYPES = {"int": int, "float": float, "str": str}
 
@@ -87,6 +88,8 @@ def _derive(raw: dict[str, Any], given: dict[str, Any]) -> None:
         model["fp8_recipe"] = given["fp8_recipe"]
     if "fp8_format" in given:
         model["fp8"] = given["fp8_format"]
+    # gpt_builders: share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights
+    model["share_embeddings_and_output_weights"] = not given.get("untie_embeddings_and_output_weights", False)
     if not given.get("group_query_attention"):
         model.pop("num_query_groups", None)  # used only with --group-query-attention
     vp_layers = given.get("num_layers_per_virtual_pipeline_stage")

@@ -20,6 +20,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, computed_field
 
 from mbridge_offload.config import effective as effective_config
+from mbridge_offload.config import parallel_sizes
 from mbridge_offload.config.effective import EffectiveValue
 from mbridge_offload.config.rules.base import (
     DEFAULT_TARGET,
@@ -146,10 +147,14 @@ def validate(
 
     Raises:
         ValueError: an unsupported ``target``.
+        ParallelSizeError: a parallel size of 0 or below that megatron-core's dataclass does not refuse itself
+            (``config.parallel_sizes``: where it does, the catalogue's finding is the answer).
     """
     tgt = parse_target(target)
     eff = effective_config.resolve(config, raw if raw is not None else {}, tgt, source)
     findings = _run_rules(eff)
+    covered = {key for f in findings if f.severity == "error" for key in f.keys}
+    parallel_sizes.check(raw, "argv" if eff.frontend == "megatron-lm" else "config", covered)
     if raw:
         _drop_unsound_fixes(findings, config, raw, tgt, source)
     values = effective_values(config)

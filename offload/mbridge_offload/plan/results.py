@@ -20,6 +20,13 @@ EFFECTIVE_DOC = (
     "validate's for the same input; empty without a config"
 )
 
+# What every step_time_factor means (the upstream card's definition), said once for every answer.
+FACTOR_DOC = (
+    "step time over the run as given without the change (1.0 = no change; the card's Qwen3-30B-A3B setup at 50 % "
+    "optimizer offload reads about x2.5)"
+)
+NO_LEVERS_DOC = "step time over the same run with no lever at all (recompute and every offload off)"
+
 UNIT = (
     "memory_gb: decimal GB (10^9 bytes); memory_gib: GiB (2^30 bytes, the unit of Megatron's memory report, "
     "which prints bytes/1024^2 as 'MB'); both are peak memory allocated by PyTorch on the worst pipeline stage"
@@ -53,7 +60,8 @@ class Fallback(BaseModel):
     freed_gib: float = Field(description="per-GPU peak it frees (worst stage), GiB")
     freed_gb: float
     memory_gib: float = Field(description="per-GPU peak with it (worst stage), GiB")
-    step_time_factor: float = Field(description="its step time over the step without offload")
+    step_time_factor: float = Field(description="its step time over the config as given (" + FACTOR_DOC + ")")
+    step_time_factor_vs_no_levers: float = Field(description=NO_LEVERS_DOC)
 
 
 class StageTotal(BaseModel):
@@ -68,14 +76,18 @@ class TimeBreakdown(BaseModel):
     adds. ``step`` = ``without_offload`` + ``optimizer_extra`` + ``activation_extra``; ``without_offload`` is the sum
     of ``compute`` ... ``bubble``."""
 
-    baseline: float = Field(description="the same run with recompute and every offload off (step_time_factor's base)")
+    baseline: float = Field(
+        description="the same run with recompute and every offload off (step_time_factor_vs_no_levers' base)"
+    )
     d2h: float
     cpu_adam: float
     h2d: float
     optimizer_extra: float
     activation_extra: float
     step: float = Field(0.0, description="the configured run's step time, offload included")
-    without_offload: float = Field(0.0, description="the configured run's step without its offload cost")
+    without_offload: float = Field(
+        0.0, description="the configured run's step without its offload cost (estimate's step_time_factor's base)"
+    )
     compute: float = Field(0.0, description="model FLOPs at the compute efficiency and the GEMM efficiency")
     recompute: float = Field(0.0, description="forward FLOPs that activation recomputation runs again")
     tp_comm: float = Field(0.0, description="tensor-parallel all-gather/reduce-scatter (or all-reduce), exposed")
@@ -131,7 +143,11 @@ class Estimate(BaseModel):
     memory_gib: MemoryBreakdown
     host_gb: float
     offloaded_fraction: float
-    step_time_factor: float
+    step_time_factor: float = Field(
+        description="step time over the same config with its offload off, recompute as given (time_s.step / "
+        "time_s.without_offload; " + FACTOR_DOC + ")"
+    )
+    step_time_factor_vs_no_levers: float = Field(description=NO_LEVERS_DOC + " (time_s.step / time_s.baseline)")
     fits: bool
     budget_gb: float = Field(description="peak allocated memory that fits: exposed capacity less context, overhead")
     budget_gib: float
@@ -183,7 +199,8 @@ class Option(BaseModel):
     host_gb: float = Field(description="host memory per GPU (pinned buffers and pageable moments, peak), GB")
     host_gb_per_node: float = Field(description="host_gb times the GPUs of one node")
     step_time_s: float
-    step_time_factor: float = Field(description="step_time_s over the same run with no lever pulled")
+    step_time_factor: float = Field(description="step_time_s over the config as given (" + FACTOR_DOC + ")")
+    step_time_factor_vs_no_levers: float = Field(description=NO_LEVERS_DOC)
     fits: bool = Field(description="fits the device with the recommendation margin kept free")
     margin_gib: float = Field(description="allocatable GPU memory left free at the predicted peak, GiB")
     comfortable: bool = Field(description="margin_gib is at least the headroom asked for (headroom_gib)")
@@ -200,7 +217,10 @@ class Recommendation(BaseModel):
     memory_gb: BeforeAfter
     memory_gib: BeforeAfter
     fits: bool
-    step_time_factor: float
+    step_time_factor: float = Field(
+        description="the recommendation's step time over the config as given (" + FACTOR_DOC + ")"
+    )
+    step_time_factor_vs_no_levers: float = Field(description=NO_LEVERS_DOC)
     rationale: list[str]
     unit: str = UNIT
     budget_gb: float

@@ -63,6 +63,11 @@ class PlanInputs(BaseModel):
     num_moe_experts: int | None = _field(group="model", help="routed experts (MoE)", ge=1, le=MAX_EXPERTS)
     moe_ffn_hidden_size: int | None = _field(group="model", help="expert MLP width", ge=1, le=MAX_WIDTH)
     moe_router_topk: int | None = _field(group="model", help="experts per token", ge=1, le=MAX_EXPERTS)
+    share_embeddings_and_output_weights: bool | None = _field(
+        group="model",
+        help="model.share_embeddings_and_output_weights: one matrix for the input embedding and the output layer "
+        "(default: the config's, the preset's or the model family's; else the frontend's, listed as assumed)",
+    )
     # --- parallelism and batch
     num_gpus: int | None = _field(group="parallel", help="GPUs in the job", ge=1, le=MAX_GPUS)
     tp: int | None = _field(group="parallel", help="tensor parallel size", ge=1, le=MAX_PARALLEL)
@@ -268,23 +273,28 @@ def help_text(field: str) -> str:
     return (PlanInputs.model_fields[field].description or "") + (f" [{bounds}]" if bounds else "")
 
 
-def _message(err: ErrorDetails, where: dict[str, str]) -> str:
+def _message(err: ErrorDetails, where: dict[str, str], keys: dict[str, str]) -> str:
     name = str(err["loc"][0]) if err["loc"] else "input"
     value = err.get("input")
     source = where.get(name, "flag")
     shown = flag_name(name) if name in PlanInputs.model_fields and source == "flag" else name
+    if source in ("config", "argv") and name in keys:
+        shown = keys[name]  # the config's own key: model.tensor_model_parallel_size, not tp
     text = err["msg"]
     if isinstance(value, float) and not math.isfinite(value):
         text = "must be a finite number"
     return f"{shown} = {value!r} ({source}): {text[0].lower() + text[1:]}"
 
 
-def validate_inputs(values: dict[str, Any], where: dict[str, str] | None = None) -> PlanInputs:
+def validate_inputs(
+    values: dict[str, Any], where: dict[str, str] | None = None, keys: dict[str, str] | None = None
+) -> PlanInputs:
     """``PlanInputs`` from a dict of values; one readable line per violated bound.
 
     Args:
         values: input name → value (unknown names are refused).
         where: input name → source (``flag``, ``config``, ``preset``...), named in the message.
+        keys: input name → the dotted config key, named instead of the input where the config gave the value.
 
     Raises:
         InputError: the first three problems, each with the input, its value and the bound.
@@ -293,6 +303,6 @@ def validate_inputs(values: dict[str, Any], where: dict[str, str] | None = None)
         return PlanInputs.model_validate(values)
     except ValidationError as exc:
         errors = exc.errors()
-        lines = [_message(e, where or {}) for e in errors[:3]]
+        lines = [_message(e, where or {}, keys or {}) for e in errors[:3]]
         more = f" (and {len(errors) - 3} more)" if len(errors) > 3 else ""
         raise InputError("; ".join(lines) + more) from None

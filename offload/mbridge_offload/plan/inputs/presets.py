@@ -192,6 +192,7 @@ def recipe_values(name: str) -> dict[str, Any]:
             moe_ffn_hidden_size=m.moe_ffn_hidden_size,
             moe_router_topk=m.moe_router_topk,
         )
+    out["share_embeddings_and_output_weights"] = m.tied_embeddings
     out.update(RECIPES.get(m.name, {}))
     return out
 
@@ -222,10 +223,11 @@ def _mla(config: OffloadConfig) -> MLASpec | None:
 
 
 def model_extras(config: OffloadConfig, raw: dict[str, Any], base: ModelSpec | None) -> dict[str, Any]:
-    """``ModelSpec`` fields that are not planner inputs (norms, bias, tying, MLA, dense layers), from a config.
+    """``ModelSpec`` fields that are not planner inputs (norms, bias, MLA, dense layers), from a config.
 
     With a preset (``base``) only the keys the config states override it; without one, absent keys take the
-    Bridge/MCore defaults (tied embeddings unless the provider says otherwise, as ``GPTModelProvider``).
+    Bridge/MCore defaults. Tied embeddings are a planner input (``share_embeddings_and_output_weights``): the
+    config's, the preset's, the model family's or the frontend's default (``plan/inputs/family.py``).
     """
     m = config.model
     section = raw.get("model")
@@ -236,9 +238,6 @@ def model_extras(config: OffloadConfig, raw: dict[str, Any], base: ModelSpec | N
         out["gated_linear_unit"] = bool(m.gated_linear_unit)
     if base is None or "add_bias_linear" in given:
         out["add_bias_linear"] = bool(m.add_bias_linear)
-    if base is None or "share_embeddings_and_output_weights" in given:
-        tied = m.share_embeddings_and_output_weights
-        out["tied_embeddings"] = True if tied is None else bool(tied)
     if base is None or "qk_layernorm" in given:
         out["qk_layernorm"] = bool(extras.get("qk_layernorm", False))
     if base is None or "hidden_dropout" in given:

@@ -14,11 +14,12 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from mbridge_offload.config import errors
+from mbridge_offload.config import errors, parallel_sizes
 from mbridge_offload.config.effective import Effective
 from mbridge_offload.config.effective import resolve as resolve_config
 from mbridge_offload.config.errors import BoundsError as InputError
 from mbridge_offload.config.schema import OffloadConfig
+from mbridge_offload.plan.inputs import family, implied
 from mbridge_offload.plan.inputs.config_facts import model_notes, raw_section, with_layout
 from mbridge_offload.plan.inputs.fields import FIELDS, PlanInputs, validate_inputs
 from mbridge_offload.plan.inputs.hardware import GpuPreset, gpu_preset, with_overrides
@@ -41,6 +42,7 @@ CONFIG_KEYS: dict[str, str] = {
     "num_moe_experts": "model.num_moe_experts",
     "moe_ffn_hidden_size": "model.moe_ffn_hidden_size",
     "moe_router_topk": "model.moe_router_topk",
+    "share_embeddings_and_output_weights": "model.share_embeddings_and_output_weights",
     "tp": "model.tensor_model_parallel_size",
     "pp": "model.pipeline_model_parallel_size",
     "vpp": "model.virtual_pipeline_model_parallel_size",
@@ -55,6 +57,7 @@ CONFIG_KEYS: dict[str, str] = {
     "grad_reduce_in_fp32": "ddp.grad_reduce_in_fp32",
     "overlap_grad_reduce": "ddp.overlap_grad_reduce",
     "overlap_param_gather": "ddp.overlap_param_gather",
+    "tp_comm_overlap": "model.tp_comm_overlap",
     "distributed_optimizer": "optimizer.use_distributed_optimizer",
     "precision_aware_optimizer": "optimizer.use_precision_aware_optimizer",
     "main_params_dtype": "optimizer.main_params_dtype",
@@ -274,7 +277,7 @@ def config_values(eff: Effective) -> dict[str, Any]:
 
 
 def _config_model_spec(config: OffloadConfig, raw: dict[str, Any] | None, base: ModelSpec | None) -> dict[str, Any]:
-    """Non-input architecture facts (norms, bias, tying, MLA, dense layers) a config states."""
+    """Non-input architecture facts (norms, bias, MLA, dense layers) a config states."""
     from mbridge_offload.plan.inputs.presets import model_extras
 
     return model_extras(config, raw if raw is not None else config.model_dump(), base)
@@ -420,6 +423,12 @@ def _assumptions(values: dict[str, Any], where: dict[str, str], notes: dict[str,
     return out
 
 
+def _batch_assumptions(s: Setup, where: dict[str, str]) -> list[Assumption]:
+    """The global batch and micro-batches per step behind every step time (``implied.batch``)."""
+    rows = implied.batch(s, where.get("global_batch_size"))
+    return [Assumption(name=n, value=v, source=src, note=note) for n, v, src, note in rows]
+
+
 def resolve(
     flags: dict[str, Any] | None = None,
     config: OffloadConfig | None = None,
@@ -446,24 +455,28 @@ def resolve(
 
     flags = {k: v for k, v in (flags or {}).items() if v is not None}
     validate_inputs(flags)  # bounds of what was given directly, named as flags
+    cfg_source = "argv" if config is not None and config.env.get("frontend") == "megatron-lm" else "config"
+    if config is not None:
+        parallel_sizes.check(raw, cfg_source)  # a size of 0 or below: no run to size (every tool refuses it)
     eff = resolve_config(config, raw, source=source) if config is not None else None
     cfg = config_values(eff) if eff is not None else {}
-    cfg_source = "argv" if config is not None and config.env.get("frontend") == "megatron-lm" else "config"
     name = flags.get("model")
     base = model_preset(name) if name else None
     preset = recipe_values(name) if name else {}
     defaults = {k: v for k, (v, _) in DEFAULTS.items()}
     values, where = _merge([("default", defaults), ("preset", preset), (cfg_source, cfg), ("flag", flags)])
-    inputs = validate_inputs(values, where)
+    inputs = validate_inputs(values, where, CONFIG_KEYS)
     values = inputs.model_dump()
     extras = _config_model_spec(config, raw, base) if config is not None else {}
-    m = _model_spec(values, base, extras)
+    tying_note = _tying(values, where, config, raw, name)
+    m = replace(_model_spec(values, base, extras), tied_embeddings=bool(values["share_embeddings_and_output_weights"]))
     if values.get("pipeline_layout") and not m.mtp_num_layers:
         from mbridge_offload.plan.spec.layout import mtp_layers
 
         # megatron-core asserts that the layout's MTP layers are mtp_num_layers: the layout alone says how many
         m = replace(m, mtp_num_layers=mtp_layers(layout_text(values["pipeline_layout"]) or ""))
     notes = {k: note for k, (_, note) in DEFAULTS.items() if where.get(k) == "default"}
+    notes["share_embeddings_and_output_weights"] = tying_note
     if values.get("etp") is None:
         values["etp"], where["etp"] = values["tp"], "default"
         notes["etp"] = "megatron-core default: expert_tensor_parallel_size = TP"
@@ -490,10 +503,29 @@ def resolve(
         values["cuda_graph_impl"], values["fine_grained_activation_offloading"], values["moe_paged_stash"]
     )
     final = PlanInputs.model_validate({k: values.get(k) for k in FIELDS})
-    assumptions = _assumptions(values, where, notes)
+    assumptions = _assumptions(values, where, notes) + _batch_assumptions(s, where)
     raw_config = raw if raw is not None else (config.model_dump(mode="json") if config is not None else None)
     profile = _host_profile(final)
     return Resolved(final, where, m, s, _gpu(values), constraints, assumptions, raw_config, eff, profile)
+
+
+def _tying(
+    values: dict[str, Any], where: dict[str, str], config: OffloadConfig | None, raw: dict[str, Any] | None, preset: Any
+) -> str:
+    """Decide ``share_embeddings_and_output_weights`` where no input did (``values`` and ``where`` updated): the
+    model's family, else the frontend's default (``plan/inputs/family.py``). Returns the assumption's note."""
+    key = "share_embeddings_and_output_weights"
+    worth = family.output_layer_note(int(values["vocab_size"] or 0), int(values["hidden_size"] or 0), values["pp"])
+    if where.get(key, "default") == "preset":
+        return f"the {preset} preset (its config.json); {worth}"
+    if where.get(key) == "argv":
+        return f"Megatron-LM ties them unless --untie-embeddings-and-output-weights is given; {worth}"
+    if where.get(key, "default") != "default":
+        return worth
+    frontend = None if config is None else str(config.env.get("frontend", "bridge"))
+    names = raw if raw is not None else (config.model_dump(mode="json") if config is not None else None)
+    values[key], where[key], note = family.tying(values, names, frontend)
+    return f"{note}; {worth}"
 
 
 def _host_profile(i: PlanInputs) -> HostProfile | None:

@@ -70,7 +70,7 @@ def advice_sentence(
 ) -> str | None:
     """The advice in words when it changes the offload the config already has; None when it has none.
 
-    ``given_factor``: the predicted step-time factor of the config as given (over the step without offload).
+    ``given_factor``: the predicted step-time factor of the config as given (over the same run without its offload).
     ``instead``: the recommended option when it pulls a lever other than offload (recompute, TP, CP, MBS)."""
     had = mode_of(given)
     if had == "none":
@@ -212,7 +212,13 @@ def headroom_bytes(asked_gib: float | None, budget_bytes: float) -> tuple[float,
     return DEFAULT_HEADROOM_SHARE * budget_bytes, f"default: {DEFAULT_HEADROOM_SHARE:.0%} of the allocatable budget"
 
 
-def fallback(p: Any, before: MemoryEstimate, overlap: Callable[[Any, Setup], bool], step: float) -> Fallback | None:
+def fallback(
+    p: Any,
+    before: MemoryEstimate,
+    overlap: Callable[[Any, Setup], bool],
+    step: float,
+    as_given_s: float | None = None,
+) -> Fallback | None:
     """The cheapest offload (smallest step-time factor) that frees the headroom, for a run that already fits.
 
     Args:
@@ -220,6 +226,8 @@ def fallback(p: Any, before: MemoryEstimate, overlap: Callable[[Any, Setup], boo
         before: the estimate without offload.
         overlap: ``(resolved, setup) → overlap_cpu_optimizer_d2h_h2d`` for a proposal.
         step: the fraction grid.
+        as_given_s: the step time of the config as given, which ``step_time_factor`` divides by (as the options');
+            None: the step without offload.
     """
     r, base = p.r, before.setup
     need, source = headroom_bytes(r.inputs.headroom_gib, p.budget_bytes)
@@ -235,8 +243,12 @@ def fallback(p: Any, before: MemoryEstimate, overlap: Callable[[Any, Setup], boo
             ("activation", [replace(base, activation_offload_layers=k) for k in range(1, r.model.num_layers)])
         )
 
+    def timed(est: MemoryEstimate) -> Any:
+        return estimate_time(est, r.gpu, overlap=overlap(r, est.setup), **p.time_kwargs)
+
     def factor(est: MemoryEstimate) -> float:
-        return estimate_time(est, r.gpu, overlap=overlap(r, est.setup), **p.time_kwargs).step_time_factor
+        t = timed(est)
+        return t.step_s / as_given_s if as_given_s else t.step_time_factor
 
     choice = cheapest(
         candidates,
@@ -257,4 +269,5 @@ def fallback(p: Any, before: MemoryEstimate, overlap: Callable[[Any, Setup], boo
         freed_gb=round(freed / GB, 3),
         memory_gib=round(p.total_gib(choice.est), 3),
         step_time_factor=round(choice.factor, 3),
+        step_time_factor_vs_no_levers=round(timed(choice.est).step_time_factor_vs_no_levers, 3),
     )

@@ -198,7 +198,9 @@ def prepare(r: Resolved) -> Plan:
     """The yardstick for one answer: margin, time settings, and the anchor from the user's own run."""
     p = Plan(r, margin=r.inputs.margin if r.inputs.margin is not None else 0.05, time_kwargs=r.time_kwargs())
     rate, source = r.cpu_adam_rate_source()
-    p.assumptions = [*r.assumptions, _rate_assumption(r, rate, source), _overhead_assumption(p)]
+    host = _host_assumptions(r)  # gpus_per_node given as a flag is listed once, with the node's RAM beside it
+    kept = [a for a in r.assumptions if a.name not in {h.name for h in host}]
+    p.assumptions = [*kept, _rate_assumption(r, rate, source), _overhead_assumption(p), *host]
     peak, step, notes = _measurements(r)
     if peak is None and step is None and not r.inputs.ooms:
         p.assumptions += _baseline_assumptions(p)
@@ -264,6 +266,15 @@ def _baseline_assumptions(p: Plan) -> list[Assumption]:
             "step time to calibrate the efficiency",
         ),
     ]
+
+
+def _host_assumptions(r: Resolved) -> list[Assumption]:
+    """The node's host RAM and GPUs per node that every host-memory figure (host_gb per node, the pinned-memory
+    check) rests on, each with its source."""
+    from mbridge_offload.plan.inputs.implied import host
+
+    rows = host(r.gpu, r.inputs.host_ram_gb is not None, r.inputs.gpus_per_node is not None)
+    return [Assumption(name=n, value=v, source=src, note=note) for n, v, src, note in rows]
 
 
 def _overhead_assumption(p: Plan) -> Assumption:

@@ -7,7 +7,8 @@ free (default: a tenth of the GPU's memory). A candidate is offered only if the 
 (``anchor.Plan.host_ok``). Options are ranked by predicted step time (``timing.estimate_time(...).step_s``) among
 those that fit (within ``STEP_TIE`` the decision table's pick goes first); options that pull a lever the caller did
 not allow come after (``alternative``). Each option's
-``step_time_factor`` is its step over the step of ``timing.no_lever_setup(base)``. Never imports torch.
+``step_time_factor`` is its step over the step of the config as given (1.0 = no change: the card's definition);
+``step_time_factor_vs_no_levers`` over the step of ``timing.no_lever_setup(base)``. Never imports torch.
 """
 
 from __future__ import annotations
@@ -192,6 +193,7 @@ def _option(p: Plan, c: Candidate, ctx: dict[str, Any], overlap: Callable[[Any, 
     overrides = overrides_for(r.setup, base, s, overlap(r, s))
     free = _free_gib(p, est)
     factor = t.step_s / ctx["reference_s"] if ctx["reference_s"] > 0 else 1.0
+    no_levers = t.step_s / ctx["no_lever_s"] if ctx["no_lever_s"] > 0 else 1.0
     option = Option(
         rank=0,
         changes=_changes(overrides, ctx["notation"]),
@@ -204,6 +206,7 @@ def _option(p: Plan, c: Candidate, ctx: dict[str, Any], overlap: Callable[[Any, 
         host_gb_per_node=round(est.host_peak_gb * r.gpu.gpus_per_node, 3),
         step_time_s=round(t.step_s, 4),
         step_time_factor=round(factor, 3),
+        step_time_factor_vs_no_levers=round(no_levers, 3),
         fits=p.keeps_margin(est),
         margin_gib=round(free, 3),
         comfortable=free >= ctx["headroom"],
@@ -238,15 +241,20 @@ def rank(
     found: list[Candidate],
     allowed: tuple[str, ...],
     overlap: Callable[[Any, Setup], bool],
+    as_given_s: float,
 ) -> list[tuple[Candidate, Option]]:
-    """The candidates as options, without duplicates, allowed ones first, then by step time and fewest changes."""
+    """The candidates as options, without duplicates, allowed ones first, then by step time and fewest changes.
+
+    ``as_given_s``: the step time of the config as given, which every option's ``step_time_factor`` divides by.
+    """
     reference = estimate_memory(p.r.model, no_lever_setup(base))
     ctx = {
         "base": base,
         "allowed": allowed,
         "headroom": headroom_gib(p),
         "notation": "megatron-lm" if "argv" in p.r.sources.values() else "bridge",
-        "reference_s": estimate_time(reference, p.r.gpu, overlap=False, **p.time_kwargs).step_s,
+        "reference_s": as_given_s,
+        "no_lever_s": estimate_time(reference, p.r.gpu, overlap=False, **p.time_kwargs).step_s,
     }
     seen: dict[str, tuple[float, Candidate, Option]] = {}
     for c in found:

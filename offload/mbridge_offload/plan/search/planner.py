@@ -84,6 +84,7 @@ def estimate_result(p: Plan, est: MemoryEstimate, t: TimeEstimate) -> Estimate:
         host_gb=round(est.host_gb, 3),
         offloaded_fraction=round(est.offloaded_fraction, 4),
         step_time_factor=round(t.step_time_factor, 3),
+        step_time_factor_vs_no_levers=round(t.step_time_factor_vs_no_levers, 3),
         fits=p.fits(est),  # the verdict on this config: no margin, so its budget is the allocatable peak
         budget_gb=round(p.usable_bytes / GB, 3),
         budget_gib=round(p.usable_bytes / GiB, 3),
@@ -281,7 +282,9 @@ def _suggest(p: Plan, s: Setup) -> list[str]:
 # ------------------------------------------------------------------------------------------- recommend
 
 
-def _explain(p: Plan, before: MemoryEstimate, after: MemoryEstimate, t: TimeEstimate, mode: str) -> list[str]:
+def _explain(
+    p: Plan, before: MemoryEstimate, after: MemoryEstimate, t: TimeEstimate, mode: str, as_given_s: float
+) -> list[str]:
     w, s, out = before.worst, after.setup, []
     if s.optimizer_offload_fraction:
         out.append(
@@ -302,7 +305,11 @@ def _explain(p: Plan, before: MemoryEstimate, after: MemoryEstimate, t: TimeEsti
             f"(ours, simulated from megatron-core 0.19.2's offload points); {after.host_gb:.1f} GB pinned host memory"
         )
     if mode != "none":
-        out.append(f"predicted step time ×{t.step_time_factor:.2f} (baseline {t.baseline_s:.2f} s)")
+        out.append(
+            f"predicted step time {t.step_s:.2f} s: ×{t.step_s / as_given_s:.2f} of the config as given "
+            f"({as_given_s:.2f} s), ×{t.step_time_factor_vs_no_levers:.2f} of the run with no lever "
+            f"({t.baseline_s:.2f} s)"
+        )
         out.extend(t.notes)
     return out + after.warnings
 
@@ -334,8 +341,11 @@ def recommend(r: Resolved) -> Recommendation:
     before = estimate_memory(r.model, base, r.gpu.host_ram_gb)
     rationale = [p.budget_sentence(before), *p.notes()]
     given = _as_given(r, before, rationale)
+    given_t = estimate_time(given, r.gpu, overlap=r.overlap, **p.time_kwargs)
+    as_given_s = given_t.step_s  # every step_time_factor of this answer divides by it: 1.0 = the config as given
     mode, after, suggestions, found = _offload_search(p, base, before, rationale)
-    ranked = options.rank(p, base, options.candidates(p, base, before, after if found else None), allowed, _overlap)
+    found_options = options.candidates(p, base, before, after if found else None)
+    ranked = options.rank(p, base, found_options, allowed, _overlap, as_given_s)
     top = ranked[0] if ranked and ranked[0][1].fits and not ranked[0][1].alternative else None
     if top is not None and top[0].est.setup != after.setup:
         after, mode, suggestions = top[0].est, advice.mode_of(top[0].est.setup), []
@@ -343,11 +353,10 @@ def recommend(r: Resolved) -> Recommendation:
     rationale += [f"not offered ({m}): {why}" for m, why in p.host_refused.items()]
     overlap = _overlap(r, after.setup)
     t = estimate_time(after, r.gpu, overlap=overlap and mode != "none", **p.time_kwargs)
-    rationale += _explain(p, before, after, t, mode) + _verdict(base, [o for _, o in ranked], allowed)
-    given_t = estimate_time(given, r.gpu, overlap=r.overlap, **p.time_kwargs) if given is not before else None
+    rationale += _explain(p, before, after, t, mode, as_given_s) + _verdict(base, [o for _, o in ranked], allowed)
     pulled = top is not None and bool(set(top[1].levers) - _OFFLOADS)
     sentence = advice.advice_sentence(
-        r.setup, mode, given_t.step_time_factor if given_t else None, top[1].why if top and pulled else None
+        r.setup, mode, given_t.step_time_factor if given is not before else None, top[1].why if top and pulled else None
     )
     return Recommendation(
         mode=mode,
@@ -359,8 +368,7 @@ def recommend(r: Resolved) -> Recommendation:
             without_offload=p.breakdown(before, gib=True),
         ),
         fits=p.fits(after),
-        # Relative to the step without offload, as before; with recompute or a layout change, to no lever pulled.
-        step_time_factor=top[1].step_time_factor if top is not None and pulled else round(t.step_time_factor, 3),
+        **_factors(top[1] if top is not None and pulled else None, t, as_given_s),
         rationale=rationale + ([sentence] if sentence else []),
         budget_gb=round(p.budget_bytes / GB, 3),
         budget_gib=round(p.budget_bytes / GiB, 3),
@@ -378,11 +386,27 @@ def recommend(r: Resolved) -> Recommendation:
         num_gpus=r.setup.num_gpus,
         given_mode=advice.mode_of(r.setup),
         advice=sentence,
-        fallback=advice.fallback(p, before, _overlap, FRACTION_STEP) if mode == "none" and not pulled else None,
+        fallback=advice.fallback(p, before, _overlap, FRACTION_STEP, as_given_s)
+        if mode == "none" and not pulled
+        else None,
         options=[o for _, o in ranked],
         levers=list(allowed),
         headroom_gib=round(options.headroom_gib(p), 3),
     )
+
+
+def _factors(option: Option | None, t: TimeEstimate, as_given_s: float) -> dict[str, float]:
+    """The recommendation's step-time factors: over the config as given (the card's definition, as every option's),
+    and over the run with no lever; an option that pulls recompute or a layout lever carries its own."""
+    if option is not None:
+        return {
+            "step_time_factor": option.step_time_factor,
+            "step_time_factor_vs_no_levers": option.step_time_factor_vs_no_levers,
+        }
+    return {
+        "step_time_factor": round(t.step_s / as_given_s, 3),
+        "step_time_factor_vs_no_levers": round(t.step_time_factor_vs_no_levers, 3),
+    }
 
 
 def _offload_search(
@@ -437,17 +461,10 @@ def _verdict(base: Setup, ranked: list[Option], allowed: tuple[str, ...]) -> lis
 
 
 def _host_assumptions(p: Plan) -> list[Assumption]:
-    """The host RAM the pinned-memory check uses, and the share of it offload may take."""
+    """The share of the node's host RAM offload may take (the node's RAM and GPUs: ``anchor.prepare``)."""
     from mbridge_offload.plan.inputs.hardware import PINNED_HOST_SHARE
 
-    g = p.r.gpu
     return [
-        Assumption(
-            name="host_ram_per_node_gb",
-            value=round(g.host_ram_node_gb, 1),
-            source="flag" if p.r.inputs.host_ram_gb or p.r.inputs.gpus_per_node else "preset",
-            note=f"{g.gpus_per_node} GPUs per node; {g.host_source or 'preset'}",
-        ),
         Assumption(
             name="pinned_host_share",
             value=PINNED_HOST_SHARE,
