@@ -14,6 +14,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from mbridge_offload import upstream_layers as reach
 from mbridge_offload.config import errors
 from mbridge_offload.config.effective import Effective
 from mbridge_offload.config.effective import resolve as resolve_config
@@ -159,6 +160,8 @@ class Constraints:
     cuda_graph_impl: str = "none"
     fine_grained_activation_offloading: bool = False
     moe_paged_stash: bool = False
+    # A hybrid (Mamba) stack: megatron-core accepts layer-level offload there and offloads nothing (not a config key).
+    hybrid_stack: bool = False
 
     def model_keys(self) -> dict[str, object]:
         """These facts as ``model.*`` config values."""
@@ -188,7 +191,13 @@ class Constraints:
             "recompute_num_layers": s.recompute_num_layers,
             **self.model_keys(),
         }
-        return [f"activation offloading: {message} ({rule})" for rule, message in activation_offload_errors(model)]
+        out = [f"activation offloading: {message} ({rule})" for rule, message in activation_offload_errors(model)]
+        if self.hybrid_stack and not reach.applies("cpu_offloading", "hybrid"):
+            out.append(
+                "activation offloading: model.cpu_offloading has no effect on a hybrid stack: "
+                f"{reach.because('cpu_offloading', 'hybrid')} (ACT-HYBRID-LAYER-OFFLOAD)"
+            )
+        return out
 
 
 @dataclass
@@ -487,7 +496,10 @@ def resolve(
     s = replace(s, num_gpus=values["num_gpus"])
     check_setup(m, replace(s, optimizer_offload_fraction=0.0, activation_offload_layers=0))
     constraints = Constraints(
-        values["cuda_graph_impl"], values["fine_grained_activation_offloading"], values["moe_paged_stash"]
+        values["cuda_graph_impl"],
+        values["fine_grained_activation_offloading"],
+        values["moe_paged_stash"],
+        hybrid_stack=m.layer_pattern is not None,
     )
     final = PlanInputs.model_validate({k: values.get(k) for k in FIELDS})
     assumptions = _assumptions(values, where, notes)
