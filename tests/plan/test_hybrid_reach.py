@@ -35,7 +35,7 @@ from mbridge_offload.plan.spec.model import MambaSpec, ModelSpec, Setup
 from mbridge_offload.upstream_layers import PLANNER_RELEASE, applies, cell
 from tests.support import tree
 
-# Nemotron-H 8B's shapes (52 layers: 24 Mamba, 4 attention, 24 MLP), the model of the report.
+# Nemotron-H 8B-like shapes (52 layers: 24 Mamba, 5 attention, 23 MLP), the model class of the report.
 NEMOTRON_H_8B = {
     "num_layers": 52,
     "hidden_size": 4096,
