@@ -263,3 +263,12 @@ def test_mtp_depths_follow_full_recompute_only_with_the_uniform_method():
     # One depth: its backward rebuilds everything the checkpoint dropped, so its peak is the same.
     one = replace(m, mtp_num_layers=1)
     assert mtp_activations(one, uniform) == mtp_activations(one, s)
+
+
+def test_fine_grained_offload_reaches_the_mtp_depths_on_the_last_stage():
+    assert applies("offload_modules:expert_fc1", "mtp")
+    m = replace(model_preset("deepseek-v3"), mtp_num_layers=1)
+    s = Setup(num_gpus=256, ep=64, pp=16, seq_length=4096, offload_modules=("expert_fc1",))
+    without = replace(m, mtp_num_layers=0)
+    assert stage_groups(m, s, 15).gpu_saving_bytes > stage_groups(without, s, 15).gpu_saving_bytes
+    assert stage_groups(m, s, 0).gpu_saving_bytes == stage_groups(without, s, 0).gpu_saving_bytes

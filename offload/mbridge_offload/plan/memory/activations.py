@@ -175,10 +175,7 @@ def mtp_activations(m: ModelSpec, s: Setup) -> int:
     tokens = seq * s.micro_batch_size // s.cp
     t_sp = tokens // s.tp if s.sp else tokens
     h = m.hidden_size
-    internal = 2 * t_sp * h * 2 + 2 * t_sp * 2 * h
-    for kind in m.mtp_kinds():
-        acts = kind_activations(m, s, kind, kind == MOE or (kind == "T" and m.is_moe))
-        internal += sum(t.nbytes for t in _stored(fp8_saved(acts, s), s))
+    internal = 2 * t_sp * h * 2 + 2 * t_sp * 2 * h + sum(t.nbytes for acts in _mtp_depth(m, s) for t in acts)
     output = output_bytes(m, s, tokens, t_sp)
     if s.recompute_granularity == "full" and applies(f"recompute:full-{s.recompute_method or 'uniform'}", "mtp"):
         # The checkpoint keeps its inputs (hidden_states and the depth's embedding output: the two norms' inputs);
@@ -186,6 +183,14 @@ def mtp_activations(m: ModelSpec, s: Setup) -> int:
         inputs = 2 * (2 * t_sp * h)
         return (inputs + output) * m.mtp_num_layers + internal - inputs
     return (internal + output) * m.mtp_num_layers
+
+
+def _mtp_depth(m: ModelSpec, s: Setup) -> list[list[Tensor]]:
+    """The saved tensors of each layer of one MTP depth (after selective recompute)."""
+    return [
+        _stored(fp8_saved(kind_activations(m, s, kind, kind == MOE or (kind == "T" and m.is_moe)), s), s)
+        for kind in m.mtp_kinds()
+    ]
 
 
 def output_bytes(m: ModelSpec, s: Setup, tokens: int, t_sp: int) -> int:
@@ -321,13 +326,7 @@ def stage_activations(m: ModelSpec, s: Setup, stage: int) -> ActivationMemory:
     working += moe_dispatch_bytes(m, s, layers)
     total = block * in_flight(s, stage) + working
     if s.offload_modules and s.recompute_granularity != "full":  # full recompute saves nothing inside the scopes
-        fg = fine_grained.stage_saving(
-            per_layer,
-            s.offload_modules,
-            in_flight(s, stage),
-            min_size=s.min_offloaded_tensor_size,
-            fraction=s.activation_offload_fraction,
-        )
+        fg = stage_groups(m, s, stage, per_layer)
         total -= fg.gpu_saving_bytes
         host += fg.host_bytes
     if stage == 0:
@@ -340,10 +339,15 @@ def stage_activations(m: ModelSpec, s: Setup, stage: int) -> ActivationMemory:
     return ActivationMemory(int(total), max(eligible, default=0), host)
 
 
-def stage_groups(m: ModelSpec, s: Setup, stage: int) -> fine_grained.FineGrainedMemory:
-    """``fine_grained.stage_saving`` of one pipeline stage."""
-    layers = stage_layers(m, s)[stage]
-    per_layer = [_stored(layer_activations(m, s, i), s) for i in layers]
+def stage_groups(
+    m: ModelSpec, s: Setup, stage: int, per_layer: list[list[Tensor]] | None = None
+) -> fine_grained.FineGrainedMemory:
+    """``fine_grained.stage_saving`` of one pipeline stage: its decoder layers (``per_layer`` when the caller has
+    them), and on the last stage the MTP depths' layers, which run inside the same offload chunk."""
+    if per_layer is None:
+        per_layer = [_stored(layer_activations(m, s, i), s) for i in stage_layers(m, s)[stage]]
+    if stage == s.pp - 1 and m.mtp_num_layers:
+        per_layer = per_layer + _mtp_depth(m, s) * m.mtp_num_layers
     return fine_grained.stage_saving(
         per_layer,
         s.offload_modules,
