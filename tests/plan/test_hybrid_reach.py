@@ -108,7 +108,7 @@ def test_the_same_layers_in_a_gpt_block_do_save():
     assert estimate_memory(hybrid, replace(s, activation_offload_layers=12)).warnings
 
 
-def test_estimate_on_the_cli_reports_no_saving_for_a_hybrid_config(tmp_path: Path):
+def test_estimate_and_recommend_on_the_cli_count_and_offer_no_layer_offload_for_a_hybrid_config(tmp_path: Path):
     path = tmp_path / "nemotron_h_8b.yaml"
     path.write_text(yaml.safe_dump(_raw()))
     got = []
@@ -122,6 +122,15 @@ def test_estimate_on_the_cli_reports_no_saving_for_a_hybrid_config(tmp_path: Pat
         got.append(json.loads(out.stdout))
     assert got[1]["memory_gib"] == got[0]["memory_gib"] and got[1]["host_gb"] == 0.0
     assert any("HybridStack" in w for w in got[1]["warnings"])
+    out = subprocess.run(
+        [sys.executable, "-m", "mbridge_offload_tools", "recommend", "--model-config", str(path), "--gpu",
+         "h100-80gb", "--num-gpus", "8", "--json"],
+        capture_output=True, text=True, env={"PYTHONPATH": tree.pythonpath()}, timeout=120,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    rec = json.loads(out.stdout)
+    assert not any(c["key"] == "model.cpu_offloading" for o in rec["options"] for c in o["changes"])
+    assert any("ACT-HYBRID-LAYER-OFFLOAD" in line for line in rec["rationale"])
 
 
 def _patterns(seed: int, n: int) -> list[str]:
