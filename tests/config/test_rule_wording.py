@@ -118,6 +118,70 @@ TRIGGERS: dict[str, tuple[str, Any, str]] = {
         "megatron-core==0.19.2",
     ),
     "CFG-EMPTY": ("yaml", {}, "megatron-core==0.19.2"),
+    "ACT-HYBRID-LAYER-OFFLOAD": (
+        "yaml",
+        {
+            "model": {
+                "num_layers": 4,
+                "hybrid_layer_pattern": "M*M-",
+                "cpu_offloading": True,
+                "cpu_offloading_num_layers": 1,
+            }
+        },
+        "megatron-core==0.19.2",
+    ),
+    "ACT-HYBRID-FINE-GRAINED": (
+        "yaml",
+        {
+            "model": {
+                "num_layers": 4,
+                "hybrid_override_pattern": "M*M-",
+                "fine_grained_activation_offloading": True,
+                "offload_modules": ["core_attn"],
+                "transformer_impl": "transformer_engine",
+            }
+        },
+        "megatron-core==0.16.1",
+    ),
+    "ACT-HYBRID-FULL-RECOMPUTE": (
+        "yaml",
+        {
+            "model": {
+                "num_layers": 4,
+                "hybrid_override_pattern": "M*M-",
+                "recompute_granularity": "full",
+                "recompute_method": "uniform",
+                "recompute_num_layers": 1,
+            }
+        },
+        "megatron-core==0.16.1",
+    ),
+    "MC-MTP-RECOMPUTE-LAYERS": (
+        "yaml",
+        {
+            "model": {
+                "num_layers": 4,
+                "mtp_num_layers": 1,
+                "recompute_granularity": "full",
+                "recompute_method": "uniform",
+                "recompute_num_layers": 2,
+            }
+        },
+        "megatron-core==0.19.2",
+    ),
+    "ACT-MTP-RECOMPUTE-BLOCK": (
+        "yaml",
+        {
+            "model": {
+                "num_layers": 4,
+                "mtp_num_layers": 1,
+                "recompute_granularity": "full",
+                "recompute_method": "block",
+                "recompute_num_layers": 2,
+            }
+        },
+        "megatron-core==0.19.2",
+    ),
     "CFG-UNKNOWN-ARGUMENT": ("argv", "--num-layers 4 --optimizer-cpu-ofload", "megatron-core==0.19.2"),
     "CFG-UNKNOWN-KEY": ("yaml", {"model": {"num_layers": 4, "cpu_ofloading": True}}, "megatron-core==0.19.2"),
     "MC-CUDA-GRAPH-ENABLE-AND-EXTERNAL": (

@@ -21,21 +21,35 @@ MAX_FUNCTION_LINES = 80
 # runtime share live in a room of their own (``mbridge_offload/upstream.py``) that imports nothing of ours.
 # ``upstream``, ``config`` and ``plan`` never import torch.
 UPSTREAM = "mbridge_offload.upstream"
+# What each setting reaches, layer class by layer class (the table), and the megatron-core lines behind it: plain
+# data beside the upstream facts, read by the rules, the planner and the docs.
+UPSTREAM_SITES = "mbridge_offload.upstream_sites"
+UPSTREAM_LAYERS = "mbridge_offload.upstream_layers"
+_TABLE = (UPSTREAM_LAYERS, UPSTREAM_SITES)
 ROOMS: dict[str, tuple[str, ...]] = {
     UPSTREAM: (),
-    "mbridge_offload.config": (UPSTREAM,),
-    "mbridge_offload.plan": ("mbridge_offload.config", UPSTREAM),
+    UPSTREAM_SITES: (),
+    UPSTREAM_LAYERS: (UPSTREAM_SITES,),
+    "mbridge_offload.config": (UPSTREAM, *_TABLE),
+    "mbridge_offload.plan": ("mbridge_offload.config", UPSTREAM, *_TABLE),
     "mbridge_offload.runtime": (UPSTREAM,),
-    "mbridge_offload.actions": ("mbridge_offload.plan", "mbridge_offload.config", "mbridge_offload.runtime", UPSTREAM),
+    "mbridge_offload.actions": (
+        "mbridge_offload.plan",
+        "mbridge_offload.config",
+        "mbridge_offload.runtime",
+        UPSTREAM,
+        *_TABLE,
+    ),
     "mbridge_offload_tools": (
         "mbridge_offload.actions",
         "mbridge_offload.plan",
         "mbridge_offload.config",
         "mbridge_offload.runtime",
         UPSTREAM,
+        *_TABLE,
     ),
 }
-TORCH_FREE_ROOMS = (UPSTREAM, "mbridge_offload.config", "mbridge_offload.plan")
+TORCH_FREE_ROOMS = (UPSTREAM, *_TABLE, "mbridge_offload.config", "mbridge_offload.plan")
 
 
 @dataclass(frozen=True)

@@ -53,6 +53,10 @@ surprising; `info` = worth knowing. Origin `advisory` = not enforced by any upst
 
 Megatron Core accepts `cpu_offloading_num_layers` from 0 to `num_layers − 1` **inclusive** (the upstream skill's
 `[0, num_layers-1)` is off by one); Transformer Engine ≥ 2.10 then warns at `num_layers − 1`.
+
+Which settings take effect in which model class (GPT block, hybrid Mamba stack, Mamba mixer, MLA, MoE, MTP), per
+release, with the upstream line that decides each: [upstream-layers.md](upstream-layers.md). Layer-level offload on
+a hybrid stack, for one, is accepted and does nothing.
 """
     return _page("Constraints", "the rule catalogue", intro, table(docs="../docs/"))
 
@@ -124,10 +128,111 @@ after `make bridge-env`).
     return _page("Code anchors", "tools/mbridge_offload_tools/docgen/anchors.py", intro, render_anchors())
 
 
+def _layers_matrix(release: str) -> tuple[list[str], list[str]]:
+    """One release's table (verdict and reference per cell) and the references' list."""
+    from mbridge_offload.upstream_layers import LAYERS, SETTINGS, cell
+
+    refs: dict[str, int] = {}
+    head = " | ".join(f"{lay.title} (`{lay.classes[release].split(' ')[0]}`)" for lay in LAYERS)
+    rows = [f"| setting | {head} |", "|---" * (len(LAYERS) + 1) + "|"]
+    for setting in SETTINGS:
+        cells = []
+        for lay in LAYERS:
+            c = cell(setting.key, lay.key, release)
+            n = refs.setdefault(c.evidence.key, len(refs) + 1)
+            word = c.verdict if c.verdict == "applies" else f"**{c.verdict}**"
+            cells.append(f"{word} [{n}]")
+        rows.append(f"| `{setting.key}` | " + " | ".join(cells) + " |")
+    evidence = {c.evidence.key: c.evidence for c in _cells()}
+    listed = []
+    for key, n in refs.items():
+        sites = [s for s in evidence[key].sites if s.release == release]
+        where = "; ".join(f"`{s.where}` (`{s.symbol}`)" for s in sites)
+        absent = sorted({a for s in sites for a in s.absent})
+        never = f", never mentions {', '.join(f'`{a}`' for a in absent)}" if absent else ""
+        listed.append(f"{n}. {evidence[key].what}: {where}{never}")
+    return rows, listed
+
+
+def _cells():
+    from mbridge_offload.upstream_layers import CELLS
+
+    return CELLS
+
+
+def _layer_notes() -> list[str]:
+    """The cells' notes: a note most rows share once (with its columns and the rows' groups), the others per row,
+    each with its columns (and the release, where only one has it)."""
+    from mbridge_offload.upstream_layers import LAYERS, SETTINGS
+
+    titles = {lay.key: lay.title for lay in LAYERS}
+    groups = {s.key: s.group for s in SETTINGS}
+    rows_of: dict[str, set[str]] = {}
+    for c in _cells():
+        if c.note:
+            rows_of.setdefault(c.note, set()).add(c.setting)
+    shared = {note for note, rows in rows_of.items() if len(rows) > 3}
+
+    def where(cells: list[Any]) -> str:
+        layers = list(dict.fromkeys(titles[c.layer] for c in cells))
+        releases = {c.release for c in cells}
+        return ", ".join(layers) + (f", {releases.pop()} only" if len(releases) == 1 else "")
+
+    out = ["Across rows:", ""]
+    for note in (n for n in dict.fromkeys(c.note for c in _cells()) if n in shared):  # first seen first
+        cells = [c for c in _cells() if c.note == note]
+        kinds = ", ".join(dict.fromkeys(groups[c.setting] for c in cells))
+        out.append(f"- {where(cells)} ({kinds}): {note}.")
+    out += ["", "Per row:", ""]
+    for setting in SETTINGS:
+        notes: dict[str, list[Any]] = {}
+        for c in _cells():
+            if c.setting == setting.key and c.note and c.note not in shared:
+                notes.setdefault(c.note, []).append(c)
+        if notes:
+            parts = [f"{where(cells)}: {note}" for note, cells in notes.items()]
+            out.append(f"- `{setting.key}`: " + "; ".join(parts) + ".")
+    return out
+
+
+def render_upstream_layers() -> str:
+    from mbridge_offload.upstream_layers import PLANNER_RELEASE
+    from mbridge_offload.upstream_sites import RELEASES
+
+    intro = f"""
+What each offload and recompute setting does in each model class of megatron-core, read from its source
+(`offload/mbridge_offload/upstream_layers.py`; the lines in `upstream_sites.py`). **applies**: megatron-core routes
+the setting into that class's computation; **no effect**: accepted, and nothing happens there; **refused**:
+megatron-core raises. The GPT block, the hybrid stack and the MTP block are containers: they decide the stack-level
+settings (layer-level offload, full recompute, the fine-grained chunk), and for a module-level setting their cell says
+whether it reaches their layers; what it does there is the layer's column. The tests re-read every cited line in both
+releases, check the decisive facts from the source's syntax tree, and build a real `TransformerBlock` and hybrid stack
+on CPU to see which one offloads and which one checkpoints (`tests/test_upstream_layers.py`).
+
+`validate` warns where a setting does nothing for the config's release (a hybrid stack: `ACT-HYBRID-LAYER-OFFLOAD`;
+0.16.1: `ACT-HYBRID-FULL-RECOMPUTE`, `ACT-HYBRID-FINE-GRAINED`; MTP: `ACT-MTP-RECOMPUTE-BLOCK`,
+`MC-MTP-RECOMPUTE-LAYERS`); `estimate` and `recommend` model megatron-core {PLANNER_RELEASE}: no saving from
+layer-level offload on a hybrid stack (never offered there), fine-grained offload counted only where a layer has the
+module, the Mamba mixer's activations never offloaded.
+"""
+    body: list[str] = []
+    for release in reversed(RELEASES):
+        rows, listed = _layers_matrix(release)
+        body += [f"## megatron-core {release}", "", *rows, "", "Where it is decided:", "", *listed, ""]
+    body += ["## Notes", "", *_layer_notes()]
+    return _page(
+        "What each setting reaches, model class by model class",
+        "offload/mbridge_offload/upstream_layers.py",
+        intro,
+        "\n".join(body),
+    )
+
+
 FILES = {
     "references/parameters.md": render_parameters,
     "references/constraints.md": render_constraints,
     "references/failures.md": render_failures,
     "references/tools.md": render_tools,
     "references/code-anchors.md": render_code_anchors,
+    "references/upstream-layers.md": render_upstream_layers,
 }

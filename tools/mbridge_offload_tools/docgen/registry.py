@@ -185,6 +185,7 @@ REFERENCES = (
     "references/failures.md",
     "references/tools.md",
     "references/code-anchors.md",
+    "references/upstream-layers.md",
 )
 
 WHOLE: dict[str, Callable[[], str]] = {

@@ -8,6 +8,7 @@ from mbridge_offload.config.rules import (
     architecture,
     cuda_graphs,
     hygiene,
+    layer_reach,
     model_init,
     offload_extras,
     optimizer_config,
@@ -80,7 +81,8 @@ def _add_run(runs: dict[str | None, list[Rule]], anchor: str | None, run: list[R
 def all_rules() -> tuple[Rule, ...]:
     """Every rule, each stage in upstream code order: config hygiene, TransformerConfig (``activation.py`` in
     upstream order, the other files placed by their ``follows``), build-time (TE, Bridge, Megatron-LM, advisory),
-    OptimizerConfig, the optimizer factory and the rest."""
+    what megatron-core accepts and then ignores per model class (``layer_reach``), OptimizerConfig, the optimizer
+    factory and the rest."""
     transformer = merge_stage(ACTIVATION_RULES, tuple(f.RULES for f in TRANSFORMER_CONFIG_FILES))
     optimizer_stage = merge_stage(
         tuple(r for r in OPTIMIZER_RULES if r.stage == STAGE_OPTIMIZER_CONFIG), (optimizer_config.RULES,)
@@ -93,6 +95,7 @@ def all_rules() -> tuple[Rule, ...]:
         *hygiene.RULES,
         *transformer,
         *BUILD_RULES,
+        *layer_reach.RULES,
         *optimizer_stage,
         *rest,
     )

@@ -12,6 +12,7 @@ from typing import Any
 from mbridge_offload.config.errors import BoundsError as InputError
 from mbridge_offload.plan.inputs.vocab import tokenizer_vocab
 from mbridge_offload.plan.spec.model import Setup
+from mbridge_offload.upstream_layers import PLANNER_RELEASE
 
 _KINDS = (
     ("M", "Mamba"),
@@ -52,7 +53,9 @@ def model_notes(values: dict[str, Any], s: Setup, raw: dict[str, Any] | None) ->
         counts = ", ".join(f"{main.count(c)} {name}" for c, name in _KINDS if main.count(c))
         notes["num_layers"] = (
             f"hybrid model (pattern {str(pattern)[:40]}…): {counts}, each a layer of its own; '|' stage marks are "
-            "not followed (stages split evenly)"
+            f"not followed (stages split evenly); settings act as in megatron-core {PLANNER_RELEASE}'s HybridStack "
+            "(references/upstream-layers.md: no layer-level offload; 0.16.1's MambaStack also ignores full "
+            "recompute and fine-grained offload)"
         )
     if model.get("vocab_size") is None and (known := tokenizer_vocab(raw_section(raw, "tokenizer"))) is not None:
         name, vocab = known

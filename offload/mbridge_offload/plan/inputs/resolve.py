@@ -14,6 +14,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from mbridge_offload import upstream_layers as reach
 from mbridge_offload.config import errors, parallel_sizes
 from mbridge_offload.config.effective import Effective
 from mbridge_offload.config.effective import resolve as resolve_config
@@ -162,6 +163,8 @@ class Constraints:
     cuda_graph_impl: str = "none"
     fine_grained_activation_offloading: bool = False
     moe_paged_stash: bool = False
+    # A hybrid (Mamba) stack: megatron-core accepts layer-level offload there and offloads nothing (not a config key).
+    hybrid_stack: bool = False
 
     def model_keys(self) -> dict[str, object]:
         """These facts as ``model.*`` config values."""
@@ -191,7 +194,13 @@ class Constraints:
             "recompute_num_layers": s.recompute_num_layers,
             **self.model_keys(),
         }
-        return [f"activation offloading: {message} ({rule})" for rule, message in activation_offload_errors(model)]
+        out = [f"activation offloading: {message} ({rule})" for rule, message in activation_offload_errors(model)]
+        if self.hybrid_stack and not reach.applies("cpu_offloading", "hybrid"):
+            out.append(
+                "activation offloading: model.cpu_offloading has no effect on a hybrid stack: "
+                f"{reach.because('cpu_offloading', 'hybrid')} (ACT-HYBRID-LAYER-OFFLOAD)"
+            )
+        return out
 
 
 @dataclass
@@ -477,19 +486,7 @@ def resolve(
         m = replace(m, mtp_num_layers=mtp_layers(layout_text(values["pipeline_layout"]) or ""))
     notes = {k: note for k, (_, note) in DEFAULTS.items() if where.get(k) == "default"}
     notes["share_embeddings_and_output_weights"] = tying_note
-    if values.get("etp") is None:
-        values["etp"], where["etp"] = values["tp"], "default"
-        notes["etp"] = "megatron-core default: expert_tensor_parallel_size = TP"
-    if values.get("seq_length") is None:
-        values["seq_length"], where["seq_length"] = m.seq_length, "preset" if base else "default"
-    if values.get("offload_modules") and where.get("fine_grained_activation_offloading", "default") == "default":
-        values["fine_grained_activation_offloading"] = True
-        where["fine_grained_activation_offloading"] = "derived"
-        notes["fine_grained_activation_offloading"] = "on because offload_modules is given"
-    if values.get("fine_grained_activation_offloading") and values.get("offload_modules"):
-        for name, (value, note) in FINE_GRAINED_DEFAULTS.items():  # assumptions only where they matter
-            if values.get(name) is None:
-                values[name], where[name], notes[name] = value, "default", note
+    _derive(values, where, notes, m.seq_length, "preset" if base else "default")
     s = _setup(values, m)
     notes.update(model_notes(values, s, raw))
     notes = {**_effective_notes(eff, where, cfg_source), **notes}
@@ -500,13 +497,35 @@ def resolve(
     s = replace(s, num_gpus=values["num_gpus"])
     check_setup(m, replace(s, optimizer_offload_fraction=0.0, activation_offload_layers=0))
     constraints = Constraints(
-        values["cuda_graph_impl"], values["fine_grained_activation_offloading"], values["moe_paged_stash"]
+        values["cuda_graph_impl"],
+        values["fine_grained_activation_offloading"],
+        values["moe_paged_stash"],
+        hybrid_stack=m.layer_pattern is not None,
     )
     final = PlanInputs.model_validate({k: values.get(k) for k in FIELDS})
     assumptions = _assumptions(values, where, notes) + _batch_assumptions(s, where)
     raw_config = raw if raw is not None else (config.model_dump(mode="json") if config is not None else None)
     profile = _host_profile(final)
     return Resolved(final, where, m, s, _gpu(values), constraints, assumptions, raw_config, eff, profile)
+
+
+def _derive(
+    values: dict[str, Any], where: dict[str, str], notes: dict[str, str], seq_length: int, seq_source: str
+) -> None:
+    """The inputs upstream derives from others when they are not given (ETP, the sequence, fine-grained defaults)."""
+    if values.get("etp") is None:
+        values["etp"], where["etp"] = values["tp"], "default"
+        notes["etp"] = "megatron-core default: expert_tensor_parallel_size = TP"
+    if values.get("seq_length") is None:
+        values["seq_length"], where["seq_length"] = seq_length, seq_source
+    if values.get("offload_modules") and where.get("fine_grained_activation_offloading", "default") == "default":
+        values["fine_grained_activation_offloading"] = True
+        where["fine_grained_activation_offloading"] = "derived"
+        notes["fine_grained_activation_offloading"] = "on because offload_modules is given"
+    if values.get("fine_grained_activation_offloading") and values.get("offload_modules"):
+        for name, (value, note) in FINE_GRAINED_DEFAULTS.items():  # assumptions only where they matter
+            if values.get(name) is None:
+                values[name], where[name], notes[name] = value, "default", note
 
 
 def _tying(

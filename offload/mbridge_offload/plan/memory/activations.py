@@ -29,6 +29,7 @@ from mbridge_offload.plan.spec.model import (
     stage_layers,
 )
 from mbridge_offload.upstream import TE_MIN_OFFLOAD_NUMEL
+from mbridge_offload.upstream_layers import applies, because
 
 
 def layer_activations(m: ModelSpec, s: Setup, index: int) -> list[Tensor]:
@@ -143,21 +144,53 @@ def _mamba_activations(m: ModelSpec, s: Setup, tokens: int, t_sp: int) -> list[T
     ]
 
 
+def layer_offload_reaches(m: ModelSpec) -> bool:
+    """Whether layer-level offload (``model.cpu_offloading``) moves anything in this model: megatron-core opens its
+    context only in ``TransformerBlock``; a hybrid (Mamba) stack never does (``mbridge_offload.upstream_layers``)."""
+    return applies("cpu_offloading", "hybrid" if m.layer_pattern else "block")
+
+
+def reach_warnings(m: ModelSpec, s: Setup) -> list[str]:
+    """What the setup asks for that megatron-core ignores in this model, each counted as no saving."""
+    out = []
+    if s.activation_offload_layers and not layer_offload_reaches(m):
+        out.append(
+            f"model.cpu_offloading ({s.activation_offload_layers} layers) saves nothing here and is counted as no "
+            f"saving: {because('cpu_offloading', 'hybrid')}; fine-grained offloading (offload_modules) reaches the "
+            "attention, MLP and MoE layers, never the Mamba mixers"
+        )
+    return out
+
+
 def mtp_activations(m: ModelSpec, s: Setup) -> int:
     """Bytes one micro-batch's MTP depths keep on the last stage: per depth the two norms' inputs, ``eh_proj``'s
-    input (2h), the depth's layers, and its own pass through the output layer and the loss (the logits again)."""
+    input (2h), the depth's layers, and its own pass through the output layer and the loss (the logits again).
+
+    Full recompute with the uniform method checkpoints each depth (megatron-core's ``MultiTokenPredictionLayer``):
+    a depth then keeps its two inputs, and one depth's internals are rebuilt at a time in backward; the block method
+    skips the MTP depths (``mbridge_offload.upstream_layers``, row ``recompute:full-block``)."""
     if not m.mtp_num_layers:
         return 0
     seq = s.seq_length or m.seq_length
     tokens = seq * s.micro_batch_size // s.cp
     t_sp = tokens // s.tp if s.sp else tokens
     h = m.hidden_size
-    per_depth = 2 * t_sp * h * 2 + 2 * t_sp * 2 * h
-    for kind in m.mtp_kinds():
-        acts = kind_activations(m, s, kind, kind == MOE or (kind == "T" and m.is_moe))
-        per_depth += sum(t.nbytes for t in _stored(fp8_saved(acts, s), s))
-    per_depth += output_bytes(m, s, tokens, t_sp)
-    return per_depth * m.mtp_num_layers
+    internal = 2 * t_sp * h * 2 + 2 * t_sp * 2 * h + sum(t.nbytes for acts in _mtp_depth(m, s) for t in acts)
+    output = output_bytes(m, s, tokens, t_sp)
+    if s.recompute_granularity == "full" and applies(f"recompute:full-{s.recompute_method or 'uniform'}", "mtp"):
+        # The checkpoint keeps its inputs (hidden_states and the depth's embedding output: the two norms' inputs);
+        # the depth whose backward runs rebuilds the rest, so a single depth peaks as without recompute.
+        inputs = 2 * (2 * t_sp * h)
+        return (inputs + output) * m.mtp_num_layers + internal - inputs
+    return (internal + output) * m.mtp_num_layers
+
+
+def _mtp_depth(m: ModelSpec, s: Setup) -> list[list[Tensor]]:
+    """The saved tensors of each layer of one MTP depth (after selective recompute)."""
+    return [
+        _stored(fp8_saved(kind_activations(m, s, kind, kind == MOE or (kind == "T" and m.is_moe)), s), s)
+        for kind in m.mtp_kinds()
+    ]
 
 
 def output_bytes(m: ModelSpec, s: Setup, tokens: int, t_sp: int) -> int:
@@ -197,10 +230,13 @@ def layer_components(m: ModelSpec, s: Setup, index: int) -> dict[str, int]:
     return {t.name: t.nbytes for t in _stored(layer_activations(m, s, index), s)}
 
 
-# Which saved tensors each selective-recompute module drops (MCore recompute_modules).
+# Which saved tensors each selective-recompute module drops (MCore recompute_modules). A norm is recomputed only where
+# it is a module of its own (references/upstream-layers.md, row recompute_modules:layernorm): a MoE layer's pre-MLP
+# norm (its output feeds the router) and MLA's input norm; the TE spec fuses a dense layer's and a hybrid stack's
+# attention and MLP norms into linear_qkv / linear_fc1 (IdentityOp), where megatron-core recomputes nothing.
 _RECOMPUTE_DROPS = {
     "core_attn": {"softmax_lse"},  # flash attention stores no scores: only its statistics go
-    "layernorm": {"qkv_in", "fc1_in", "router_in"},
+    "layernorm": {"router_in"},
     "mlp": {"fc1_out", "act_out"},
     "moe_act": {"expert_act_out", "shared_act_out"},
     "moe": {"expert_fc1_in", "expert_fc1_out", "expert_act_out", "router_probs"},
@@ -209,10 +245,16 @@ _RECOMPUTE_DROPS = {
 }
 
 
+# Drops only in an MLA layer (one that saves ``kv_down_out``): its input norm is a TENorm of its own.
+_MLA_RECOMPUTE_DROPS = {"layernorm": {"qkv_in"}}
+
+
 def _stored(acts: list[Tensor], s: Setup) -> list[Tensor]:
     if s.recompute_granularity != "selective":
         return acts
     drops = set().union(*(_RECOMPUTE_DROPS.get(name, set()) for name in s.recompute_modules))
+    if any(t.name == "kv_down_out" for t in acts):
+        drops |= set().union(*(_MLA_RECOMPUTE_DROPS.get(name, set()) for name in s.recompute_modules))
     return [t for t in acts if t.name not in drops]
 
 
@@ -276,7 +318,7 @@ def stage_activations(m: ModelSpec, s: Setup, stage: int) -> ActivationMemory:
         block, working = sum(full), 0
     eligible = [sum(t.nbytes for t in acts if t.numel >= TE_MIN_OFFLOAD_NUMEL) for acts in per_layer]
     host = 0
-    k = s.activation_offload_layers
+    k = s.activation_offload_layers if layer_offload_reaches(m) else 0
     if k:
         # TE v2 keeps at most model_layers − k layers of eligible tensors resident; small ones stay.
         block -= sum(sorted(eligible, reverse=True)[: min(k, len(layers))])
@@ -284,13 +326,7 @@ def stage_activations(m: ModelSpec, s: Setup, stage: int) -> ActivationMemory:
     working += moe_dispatch_bytes(m, s, layers)
     total = block * in_flight(s, stage) + working
     if s.offload_modules and s.recompute_granularity != "full":  # full recompute saves nothing inside the scopes
-        fg = fine_grained.stage_saving(
-            per_layer,
-            s.offload_modules,
-            in_flight(s, stage),
-            min_size=s.min_offloaded_tensor_size,
-            fraction=s.activation_offload_fraction,
-        )
+        fg = stage_groups(m, s, stage, per_layer)
         total -= fg.gpu_saving_bytes
         host += fg.host_bytes
     if stage == 0:
@@ -303,10 +339,15 @@ def stage_activations(m: ModelSpec, s: Setup, stage: int) -> ActivationMemory:
     return ActivationMemory(int(total), max(eligible, default=0), host)
 
 
-def stage_groups(m: ModelSpec, s: Setup, stage: int) -> fine_grained.FineGrainedMemory:
-    """``fine_grained.stage_saving`` of one pipeline stage."""
-    layers = stage_layers(m, s)[stage]
-    per_layer = [_stored(layer_activations(m, s, i), s) for i in layers]
+def stage_groups(
+    m: ModelSpec, s: Setup, stage: int, per_layer: list[list[Tensor]] | None = None
+) -> fine_grained.FineGrainedMemory:
+    """``fine_grained.stage_saving`` of one pipeline stage: its decoder layers (``per_layer`` when the caller has
+    them), and on the last stage the MTP depths' layers, which run inside the same offload chunk."""
+    if per_layer is None:
+        per_layer = [_stored(layer_activations(m, s, i), s) for i in stage_layers(m, s)[stage]]
+    if stage == s.pp - 1 and m.mtp_num_layers:
+        per_layer = per_layer + _mtp_depth(m, s) * m.mtp_num_layers
     return fine_grained.stage_saving(
         per_layer,
         s.offload_modules,

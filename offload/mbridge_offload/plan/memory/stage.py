@@ -270,7 +270,9 @@ def estimate_memory(m: ModelSpec, s: Setup, host_ram_gb: float | None = None) ->
     check_setup(m, s)
     stages = [_stage_memory(m, s, stage) for stage in range(s.pp)]
     est = MemoryEstimate(m, s, stages)
-    est.warnings.extend(_setup_warnings(s))
+    from mbridge_offload.plan.memory.activations import reach_warnings
+
+    est.warnings.extend(_setup_warnings(s) + reach_warnings(m, s))
     if host_ram_gb is not None and est.host_peak_gb > host_ram_gb:
         est.warnings.append(
             f"host memory per GPU peaks at {est.host_peak_gb:.1f} GB (pinned, power-of-two "

@@ -186,8 +186,8 @@ def _order(p: Plan, before: MemoryEstimate, rationale: list[str]) -> tuple[str, 
         if w.activations > w.optimizer:
             rationale.append(
                 f"activations ({w.activations / GB:.1f} GB) dominate the optimizer state ({w.optimizer / GB:.1f} GB) "
-                "and layer-level offload is refused: fine-grained activation offloading first (works with PP > 1, "
-                "recompute and TE CUDA graphs)"
+                "and layer-level offload is refused or does nothing here: fine-grained activation offloading first "
+                "(works with PP > 1, recompute and TE CUDA graphs)"
             )
             return (fg.MODE, "optimizer")
         return ("optimizer", fg.MODE)

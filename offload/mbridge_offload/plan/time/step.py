@@ -232,7 +232,10 @@ def estimate_time(
             "runs over NVLink and the network)"
         )
     if s.activation_offload_layers:
-        _layer_offload(out, est, d2h, h2d)
+        from mbridge_offload.plan.memory.activations import layer_offload_reaches
+
+        if layer_offload_reaches(m):  # a hybrid stack copies nothing
+            _layer_offload(out, est, d2h, h2d)
     return out
 
 
