@@ -27,7 +27,9 @@ from mbridge_offload.plan.results import (
     BeforeAfter,
     Estimate,
     Option,
+    Phase,
     Recommendation,
+    StagePhases,
     StageTotal,
     TimeBreakdown,
 )
@@ -75,6 +77,27 @@ def time_terms(t: TimeEstimate) -> dict[str, Any]:
     return {**out, "efficiency": round(t.efficiency, 4), "assumptions": list(t.assumptions)}
 
 
+def stage_phases(est: MemoryEstimate, offset: float = 0.0) -> list[StagePhases]:
+    """Every stage's phases (``plan/memory/phases.py``) in GiB and GB; ``offset`` bytes (a calibration) are in each
+    phase's total, as in the breakdowns, so the worst stage's peak phase equals ``memory_gib.total``."""
+    return [
+        StagePhases(
+            stage=st.stage,
+            phases=[
+                Phase(
+                    name=ph.name,
+                    memory_gib=round((ph.total + offset) / GiB, 3),
+                    memory_gb=round((ph.total + offset) / GB, 3),
+                    what=ph.what,
+                )
+                for ph in st.phases
+            ],
+            peak_phase=st.peak_phase,
+        )
+        for st in est.stages
+    ]
+
+
 def estimate_result(p: Plan, est: MemoryEstimate, t: TimeEstimate) -> Estimate:
     """The ``Estimate`` of one memory and time estimate under the plan's yardstick."""
     r, s = p.r, est.setup
@@ -112,6 +135,8 @@ def estimate_result(p: Plan, est: MemoryEstimate, t: TimeEstimate) -> Estimate:
         notes=p.notes(),
         assumptions=p.assumptions,
         calibration=p.anchor,
+        phases=stage_phases(est, p.offset),
+        peak_phase=est.worst.peak_phase,
     )
 
 
@@ -374,6 +399,8 @@ def recommend(r: Resolved) -> Recommendation:
         options=[o for _, o in ranked],
         levers=list(allowed),
         headroom_gib=round(options.headroom_gib(p), 3),
+        phases=stage_phases(after, p.offset),
+        peak_phase=after.worst.peak_phase,
     )
 
 
