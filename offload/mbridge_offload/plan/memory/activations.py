@@ -301,12 +301,15 @@ def backward_workspace(m: ModelSpec, s: Setup, layers: list[int]) -> int:
 def loss_transient_bytes(m: ModelSpec, s: Setup) -> int:
     """The logits' second copy while the loss runs: megatron-core's cross entropy (unfused, or fused ``native``)
     casts the bf16 logits to fp32 while the bf16 ones are still referenced (forward) and casts the fp32 gradient back
-    to bf16 (backward): 2 bytes per logit beside the 4 saved. Transformer Engine's fused kernel works in place."""
+    to bf16 (backward): 2 bytes per logit beside the 4 saved. With MTP, ``GPTModel._postprocess`` still holds the
+    last depth's bf16 logits (``mtp_logits``) when the main loss runs: 2 more. Transformer Engine's fused kernel
+    works in place."""
     if s.cross_entropy_fusion and s.cross_entropy_fusion_impl == "te":
         return 0
     seq = s.seq_length or m.seq_length
     tokens = seq * s.micro_batch_size // s.cp
-    return 2 * tokens * padded_vocab(m, s.tp) // s.tp
+    copies = 2 if m.mtp_num_layers else 1
+    return copies * 2 * tokens * padded_vocab(m, s.tp) // s.tp
 
 
 def _chunk_saved(full: list[int], layer_input: int, s: Setup) -> int:
