@@ -264,14 +264,18 @@ def test_interleaved_schedule_penalty_on_first_stage():
     assert inter / plain == pytest.approx(1 + 3 / (4 * 5), rel=0.01)
 
 
-def test_full_recompute_keeps_only_layer_inputs_plus_one_layer():
+def test_full_recompute_keeps_layer_inputs_plus_the_larger_of_one_rebuilt_layer_and_the_logits():
+    # The last layer is rebuilt only after the output layer's backward freed the logits: two phases, not a sum.
     m = model_preset("llama3-8b")
     s = Setup(num_gpus=8, tp=2, recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
-    est = estimate_memory(m, s).worst.activations
+    worst = estimate_memory(m, s).worst
+    phases = {p.name: p for p in worst.phases}
     layer = sum(t.nbytes for t in layer_activations(m, s, 0))
     inputs = 32 * 2 * (8192 // 2) * 4096
     logits = 4 * 8192 * 4096 // 2 + 4 * 8192 * padded_vocab(m, 2) // 2
-    assert est == inputs + layer + 8 * 8192 + logits
+    assert phases["forward_backward"].activations == inputs + 8 * 8192 + layer
+    assert phases["loss"].activations == inputs + 8 * 8192 + logits
+    assert worst.peak_phase == "loss" and worst.activations == inputs + 8 * 8192 + logits
 
 
 def test_selective_recompute_of_moe_act_drops_expert_activation_outputs():

@@ -165,6 +165,7 @@ def _human_estimate(d: dict[str, Any]) -> str:
     rows = _memory_rows(d["memory_gb"], d["memory_gib"])
     verdict = "fits" if d["fits"] else "DOES NOT FIT"
     rows += [
+        *([("phases", phases)] if (phases := _phases_text(d)) else []),
         ("budget", f"{d['budget_gib']:8.2f} GiB of {d['gpu_memory_gib']:.2f} GiB exposed -> {verdict}"),
         ("host", f"{d['host_gb']:8.2f} GB (peak {d['host_peak_gb']:.2f} GB)"),
         (
@@ -175,6 +176,18 @@ def _human_estimate(d: dict[str, Any]) -> str:
     ]
     lines = [head, _table(rows)] + [f"note: {n}" for n in d["notes"]] + [f"warning: {w}" for w in d["warnings"]]
     return "\n".join([*lines, f"unit: {d['unit']}", *_assumption_lines(d)])
+
+
+def _phases_text(d: dict[str, Any]) -> str:
+    """The worst stage's phases on one line, in step order, the one that sets the peak in capitals."""
+    stage = next((st for st in d.get("phases") or [] if st["stage"] == d["worst_stage"]), None)
+    if stage is None:
+        return ""
+    parts = [
+        f"{ph['name'].upper() if ph['name'] == stage['peak_phase'] else ph['name']} {ph['memory_gib']:.2f}"
+        for ph in stage["phases"]
+    ]
+    return f"{' | '.join(parts)} GiB (stage {stage['stage']}; the peak is the largest, phases never coexist)"
 
 
 def _step_time_text(factor: float, no_levers: float, t: dict[str, Any]) -> str:

@@ -34,7 +34,8 @@ UNIT = (
 
 
 class MemoryBreakdown(BaseModel):
-    """Per-GPU memory of the worst pipeline stage by kind."""
+    """Per-GPU memory of the worst pipeline stage by kind, at the phase of the step that sets its peak (``total``
+    is that phase's; see ``Estimate.phases``)."""
 
     weights: float
     gradients: float
@@ -69,6 +70,7 @@ class StageTotal(BaseModel):
     total_gb: float
     params: int
     total_gib: float = Field(0.0, description="this stage's peak, GiB, with any calibration offset (as memory_gib)")
+    peak_phase: str | None = Field(None, description="the phase of the step that sets this stage's peak")
 
 
 class TimeBreakdown(BaseModel):
@@ -184,6 +186,7 @@ class Change(BaseModel):
 class StageGib(BaseModel):
     stage: int
     total_gib: float = Field(description="predicted peak allocated on one GPU of this pipeline stage, GiB")
+    peak_phase: str | None = Field(None, description="the phase of the step that sets this stage's peak")
 
 
 class Option(BaseModel):
@@ -194,7 +197,8 @@ class Option(BaseModel):
     notation: Literal["bridge", "megatron-lm"] = "bridge"
     overrides: list[str] = Field(description="the same edits as Bridge/Hydra overrides (what apply --option writes)")
     levers: list[str] = Field(description="the levers it pulls: recompute, activation, fine-grained, optimizer, ...")
-    memory_gib: MemoryBreakdown = Field(description="worst pipeline stage, GiB")
+    memory_gib: MemoryBreakdown = Field(description="worst pipeline stage, GiB (the breakdown of its peak phase)")
+    peak_phase: str | None = Field(None, description="the phase of the step that sets the worst stage's peak")
     stages_gib: list[StageGib]
     host_gb: float = Field(description="host memory per GPU (pinned buffers and pageable moments, peak), GB")
     host_gb_per_node: float = Field(description="host_gb times the GPUs of one node")
@@ -244,3 +248,5 @@ class Recommendation(BaseModel):
     assumptions: list[Assumption]
     calibration: Anchor | None = None
     effective: dict[str, EffectiveValue] = Field(default_factory=dict, description=EFFECTIVE_DOC)
+    phases: list[StagePhases] = Field([], description="with the recommendation, per pipeline stage: the step's phases")
+    peak_phase: str | None = Field(None, description="the phase that sets the worst stage's peak (memory_*.after)")

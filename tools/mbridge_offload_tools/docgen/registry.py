@@ -153,6 +153,12 @@ def render_accuracy() -> str:
     return render_accuracy_table()
 
 
+def render_recipe_peaks() -> str:
+    from mbridge_offload_tools.evidence.published_recipes import render_table
+
+    return render_table()
+
+
 def render_gpu_presets() -> str:
     from mbridge_offload.plan.inputs.hardware import render_gpu_table
 
@@ -210,6 +216,7 @@ GENERATED: dict[str, dict[str, Callable[[], str]]] = {
     "docs/architecture.md": {"rooms": render_rooms, "arrows": render_arrows},
     "docs/planner.md": {
         "accuracy": render_accuracy,
+        "recipe-peaks": render_recipe_peaks,
         "perf-recipes": render_perf_recipes,
         "gpu-presets": render_gpu_presets,
         "fine-grained": render_fine_grained,

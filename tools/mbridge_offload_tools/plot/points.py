@@ -54,7 +54,7 @@ def _setting(est: Estimate) -> str:
 
 
 def _stages(est: Estimate) -> list[StageGib]:
-    return [StageGib(stage=s.stage, total_gib=s.total_gib) for s in est.stages]
+    return [StageGib(stage=s.stage, total_gib=s.total_gib, peak_phase=s.peak_phase) for s in est.stages]
 
 
 def _sweep_point(value: int | float, est: Estimate) -> SweepPoint:

@@ -110,7 +110,12 @@ class PlanInputs(BaseModel):
     )
     fp8_param: bool | None = _field(group="precision", help="fp8_param_gather: FP8 weights (1 byte per element)")
     cross_entropy_loss_fusion: bool | None = _field(
-        group="precision", help="model.cross_entropy_loss_fusion (bf16 logits reused for their gradient)"
+        group="precision", help="model.cross_entropy_loss_fusion (fused cross-entropy kernel)"
+    )
+    cross_entropy_fusion_impl: Literal["native", "te"] | None = _field(
+        group="precision",
+        help="model.cross_entropy_fusion_impl with the fusion on: native (still an fp32 copy of the logits) or te "
+        "(Transformer Engine's kernel, in place on the bf16 logits)",
     )
     fsdp_main_grads_dtype: Dtype | None = _field(
         group="precision", help="ddp.megatron_fsdp_main_grads_dtype (default: the parameter dtype)"

@@ -81,6 +81,7 @@ CONFIG_KEYS: dict[str, str] = {
     "num_layers_in_last_pipeline_stage": "model.num_layers_in_last_pipeline_stage",
     "pipeline_layout": "model.pipeline_model_parallel_layout",
     "cross_entropy_loss_fusion": "model.cross_entropy_loss_fusion",
+    "cross_entropy_fusion_impl": "model.cross_entropy_fusion_impl",
     "use_megatron_fsdp": "ddp.use_megatron_fsdp",
     "fsdp_sharding_strategy": "ddp.data_parallel_sharding_strategy",
     "fsdp_main_grads_dtype": "ddp.megatron_fsdp_main_grads_dtype",
@@ -123,6 +124,10 @@ DEFAULTS: dict[str, tuple[Any, str]] = {
     "margin": (0.05, "5 % of the usable GPU memory a recommendation keeps free (an estimate's fits has no margin)"),
 }
 # Listed (and used) only when fine-grained offloading is on.
+# Listed (and used) only when the fused cross entropy is on.
+LOSS_FUSION_DEFAULTS: dict[str, tuple[Any, str]] = {
+    "cross_entropy_fusion_impl": ("native", "megatron-core default: its fused kernel still casts the logits to fp32"),
+}
 FINE_GRAINED_DEFAULTS: dict[str, tuple[Any, str]] = {
     "min_offloaded_tensor_size": (1024 * 1024, "megatron-core default (elements)"),
     "activation_offload_fraction": (1.0, "megatron-core default"),
@@ -361,6 +366,7 @@ def _setup(values: dict[str, Any], m: ModelSpec) -> Setup:
         num_layers_in_first_pipeline_stage=values.get("num_layers_in_first_pipeline_stage"),
         num_layers_in_last_pipeline_stage=values.get("num_layers_in_last_pipeline_stage"),
         cross_entropy_fusion=bool(values["cross_entropy_loss_fusion"]),
+        cross_entropy_fusion_impl=values.get("cross_entropy_fusion_impl") or "native",
         overlap_grad_reduce=bool(values["overlap_grad_reduce"]),
         overlap_param_gather=bool(values["overlap_param_gather"]),
         tp_comm_overlap=bool(values["tp_comm_overlap"]),
@@ -524,6 +530,10 @@ def _derive(
         notes["fine_grained_activation_offloading"] = "on because offload_modules is given"
     if values.get("fine_grained_activation_offloading") and values.get("offload_modules"):
         for name, (value, note) in FINE_GRAINED_DEFAULTS.items():  # assumptions only where they matter
+            if values.get(name) is None:
+                values[name], where[name], notes[name] = value, "default", note
+    if values.get("cross_entropy_loss_fusion"):
+        for name, (value, note) in LOSS_FUSION_DEFAULTS.items():
             if values.get(name) is None:
                 values[name], where[name], notes[name] = value, "default", note
 

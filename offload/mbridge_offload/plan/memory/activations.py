@@ -1,4 +1,7 @@
-"""Activation memory: the tensors each transformer layer saves for backward, and a pipeline stage's peak.
+"""Activation memory: the tensors each transformer layer saves for backward, and a stage's at each moment of a step.
+
+A stage's activations are taken at the moments of a step: in flight per model chunk, full recompute's rebuild,
+backward's buffers, the loss.
 
 Activation bytes follow Korthikanti et al. (2022) in Megatron's variant (``18 + 4·ffn/h`` bytes per ``s·b·h`` for
 a GeLU MLP with dropout, flash attention so no ``5·a·s/h`` term), generalised tensor by tensor to SwiGLU, GQA,
@@ -16,7 +19,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from mbridge_offload.plan.memory import fine_grained
+from mbridge_offload.plan.memory import fine_grained, schedule
 from mbridge_offload.plan.spec.model import (
     ATTENTION_SYMBOLS,
     MAMBA,
@@ -24,6 +27,7 @@ from mbridge_offload.plan.spec.model import (
     ModelSpec,
     Setup,
     Tensor,
+    chunk_layers,
     next_pow2,
     padded_vocab,
     stage_layers,
@@ -194,9 +198,10 @@ def _mtp_depth(m: ModelSpec, s: Setup) -> list[list[Tensor]]:
 
 
 def output_bytes(m: ModelSpec, s: Setup, tokens: int, t_sp: int) -> int:
-    """Final norm input and output-layer input (bf16) plus the logits the loss keeps: fp32 (4·sb·V/t), or the bf16
-    logits whose memory the fused cross entropy reuses for their gradient (2·sb·V/t)."""
-    logits = 2 if s.cross_entropy_fusion else 4
+    """Final norm input and output-layer input (bf16) plus the logits the loss keeps: the fp32 softmax (4·sb·V/t) of
+    megatron-core's cross entropy (unfused, or fused ``native``), or the bf16 logits that Transformer Engine's fused
+    kernel (``cross_entropy_fusion_impl: te``) overwrites with their gradient (2·sb·V/t)."""
+    logits = 2 if s.cross_entropy_fusion and s.cross_entropy_fusion_impl == "te" else 4
     return 2 * t_sp * m.hidden_size + 2 * t_sp * m.hidden_size + logits * tokens * padded_vocab(m, s.tp) // s.tp
 
 
@@ -261,28 +266,46 @@ def _stored(acts: list[Tensor], s: Setup) -> list[Tensor]:
 def in_flight(s: Setup, stage: int) -> float:
     """Micro-batches whose activations stage ``stage`` holds at its peak, in whole-stage units.
 
-    megatron-core's ``get_pp_rank_microbatches``: without VPP, ``PP − stage − 1`` warm-up forwards plus the one
-    that starts 1F1B; with VPP, ``2·(PP − stage − 1) + (VPP − 1)·PP`` warm-up model chunks plus one, each chunk
+    megatron-core's schedule (``plan/memory/schedule.py``): without VPP, ``PP − stage − 1`` warm-up forwards plus the
+    one that starts 1F1B; with VPP, ``2·(PP − stage − 1) + (VPP − 1)·PP`` warm-up model chunks plus one, each chunk
     ``1/VPP`` of the stage (stage 0: ``PP + (PP−1)/VPP``, Megatron's interleaving penalty). Capped by the step's
     micro-batches.
     """
-    if s.pp == 1:
-        return 1.0
-    mbs = s.num_microbatches()
-    if not s.vpp:
-        n = s.pp - stage
-        return float(min(n, mbs)) if mbs is not None else float(n)
-    chunks = 2 * (s.pp - stage - 1) + (s.vpp - 1) * s.pp + 1
-    if mbs is not None:
-        chunks = min(chunks, mbs * s.vpp)
-    return chunks / s.vpp
+    vectors = schedule.inflight_vectors(s.pp, s.vpp, s.num_microbatches(), stage)
+    return max(sum(v) for v in vectors) / (s.vpp or 1)
 
 
 @dataclass
 class ActivationMemory:
-    gpu_bytes: int
+    """One GPU's activation bytes on one pipeline stage, by the moment of the step they belong to.
+
+    ``saved`` is the largest sum of the tensors the in-flight micro-batches keep for backward (per model chunk, at
+    megatron-core's schedule moments), ``rebuilt`` what full recompute re-materialises at once in backward,
+    ``workspace`` backward's transient gradient buffers of the largest layer plus the MoE dispatch buffers of the
+    running layer. On the last stage, ``loss_saved`` is what is live when the loss runs (the in-flight micro-batches,
+    the output layer's inputs, the saved logits, MTP depths) and ``loss_transient`` the logits' second copy while the
+    cross entropy casts them (bf16 beside fp32; none with Transformer Engine's in-place fused kernel)."""
+
+    saved: int
+    rebuilt: int
+    workspace: int
+    loss_saved: int
+    loss_transient: int
     offloadable_bytes: int  # eligible bytes per layer set that activation offload moves (one micro-batch)
     host_bytes: int
+
+    @property
+    def forward_backward_bytes(self) -> int:
+        return self.saved + self.rebuilt + self.workspace
+
+    @property
+    def loss_bytes(self) -> int:
+        return self.loss_saved + self.loss_transient
+
+    @property
+    def gpu_bytes(self) -> int:
+        """The stage's activation peak: the larger of its forward/backward and loss moments (never their sum)."""
+        return max(self.forward_backward_bytes, self.loss_bytes)
 
 
 def moe_dispatch_bytes(m: ModelSpec, s: Setup, layers: list[int]) -> int:
@@ -295,48 +318,103 @@ def moe_dispatch_bytes(m: ModelSpec, s: Setup, layers: list[int]) -> int:
     return 2 * 2 * t_sp * m.moe_router_topk * s.resolved_etp(m) * m.hidden_size
 
 
+# Saved tensors whose gradients one sub-module's backward holds at once (the gradient of its output arriving, the
+# gradients of its inputs being produced): attention core, MLP, routed experts, shared experts, Mamba mixer.
+_BACKWARD_GROUPS = (
+    frozenset({"q", "k", "v", "attn_out"}),
+    frozenset({"fc1_out", "act_out"}),
+    frozenset({"expert_fc1_out", "expert_act_out"}),
+    frozenset({"shared_fc1_out", "shared_act_out"}),
+    frozenset({"zxbcdt", "ssm_out"}),
+)
+
+
+def backward_workspace(m: ModelSpec, s: Setup, layers: list[int]) -> int:
+    """Bytes of the largest sub-module's gradient buffers in backward (bf16, as TE's dgrad GEMMs write them) over
+    ``layers``: e.g. a SwiGLU MLP holds the gradient of its activation output and of ``fc1``'s output together."""
+    best = 0
+    for kind, moe in {(m.layer_kind(i), m.is_moe_layer(i)) for i in layers}:
+        acts = kind_activations(m, s, kind, moe)
+        for group in _BACKWARD_GROUPS:
+            best = max(best, 2 * sum(t.numel for t in acts if t.name in group))
+    return best
+
+
+def loss_transient_bytes(m: ModelSpec, s: Setup) -> int:
+    """The logits' second copy while the loss runs: megatron-core's cross entropy (unfused, or fused ``native``)
+    casts the bf16 logits to fp32 while the bf16 ones are still referenced (forward) and casts the fp32 gradient back
+    to bf16 (backward): 2 bytes per logit beside the 4 saved. With MTP, ``GPTModel._postprocess`` still holds the
+    last depth's bf16 logits (``mtp_logits``) when the main loss runs: 2 more. Transformer Engine's fused kernel
+    works in place."""
+    if s.cross_entropy_fusion and s.cross_entropy_fusion_impl == "te":
+        return 0
+    seq = s.seq_length or m.seq_length
+    tokens = seq * s.micro_batch_size // s.cp
+    copies = 2 if m.mtp_num_layers else 1
+    return copies * 2 * tokens * padded_vocab(m, s.tp) // s.tp
+
+
+def _chunk_saved(full: list[int], layer_input: int, s: Setup) -> int:
+    """Bytes one micro-batch keeps through one model chunk (one ``TransformerBlock``) whose layers save ``full``."""
+    if s.recompute_granularity != "full":
+        return sum(full)
+    n = s.recompute_num_layers or 1
+    if s.recompute_method == "block":  # the first n layers keep only their input
+        return sum(full[n:]) + layer_input * min(n, len(full))
+    return layer_input * math.ceil(len(full) / n)  # uniform: the input of every group of n layers
+
+
+def _rebuilt(full: list[list[int]], s: Setup) -> int:
+    """What full recompute re-materialises at once in backward: one checkpointed group of n layers (uniform) or one
+    layer (block), the largest of the stage."""
+    if s.recompute_granularity != "full":
+        return 0
+    n = s.recompute_num_layers or 1
+    if s.recompute_method == "block":
+        return max((max(chunk[:n], default=0) for chunk in full), default=0)
+    return sum(sorted((b for chunk in full for b in chunk), reverse=True)[:n])
+
+
 def stage_activations(m: ModelSpec, s: Setup, stage: int) -> ActivationMemory:
-    """Peak activation bytes on one GPU of ``stage`` (transformer layers, embedding input, output layer + loss)."""
+    """Activation bytes on one GPU of ``stage`` at the moments of a step (transformer layers per model chunk and
+    in-flight micro-batch, embedding input, output layer + loss on the last stage)."""
     seq = s.seq_length or m.seq_length
     tokens = seq * s.micro_batch_size // s.cp
     t_sp = tokens // s.tp if s.sp else tokens
     h = m.hidden_size
-    layers = list(stage_layers(m, s)[stage])
-    per_layer = [_stored(layer_activations(m, s, i), s) for i in layers]
-    full = [sum(t.nbytes for t in acts) for acts in per_layer]
-    layer_input = 2 * t_sp * h
-    if s.recompute_granularity == "full":
-        n = s.recompute_num_layers or 1
-        if s.recompute_method == "block":
-            kept = sum(full[n:]) + layer_input * min(n, len(layers))
-            working = max(full[:n], default=0)
-        else:  # uniform: only the input of every group of n layers, n layers rebuilt at a time in backward
-            kept = layer_input * math.ceil(len(layers) / n)
-            working = sum(sorted(full, reverse=True)[:n])
-        block = kept
-    else:
-        block, working = sum(full), 0
-    eligible = [sum(t.nbytes for t in acts if t.numel >= TE_MIN_OFFLOAD_NUMEL) for acts in per_layer]
+    chunks = chunk_layers(m, s, stage)
+    layers = [i for chunk in chunks for i in chunk]
+    stored = {i: _stored(layer_activations(m, s, i), s) for i in layers}
+    full = [[sum(t.nbytes for t in stored[i]) for i in chunk] for chunk in chunks]
+    per_chunk = [_chunk_saved(f, 2 * t_sp * h, s) for f in full]
+    eligible = [sum(t.nbytes for t in stored[i] if t.numel >= TE_MIN_OFFLOAD_NUMEL) for i in layers]
     host = 0
     k = s.activation_offload_layers if layer_offload_reaches(m) else 0
     if k:
-        # TE v2 keeps at most model_layers − k layers of eligible tensors resident; small ones stay.
-        block -= sum(sorted(eligible, reverse=True)[: min(k, len(layers))])
-        host = sum(next_pow2(t.nbytes) for acts in per_layer[:k] for t in acts if t.numel >= TE_MIN_OFFLOAD_NUMEL)
-    working += moe_dispatch_bytes(m, s, layers)
-    total = block * in_flight(s, stage) + working
-    if s.offload_modules and s.recompute_granularity != "full":  # full recompute saves nothing inside the scopes
-        fg = stage_groups(m, s, stage, per_layer)
-        total -= fg.gpu_saving_bytes
-        host += fg.host_bytes
+        # TE v2 keeps at most model_layers − k layers of eligible tensors resident; small ones stay (PP 1: one chunk).
+        per_chunk[0] -= sum(sorted(eligible, reverse=True)[: min(k, len(layers))])
+        host = sum(next_pow2(t.nbytes) for i in layers[:k] for t in stored[i] if t.numel >= TE_MIN_OFFLOAD_NUMEL)
     if stage == 0:
-        extra = 8 * tokens  # int64 token ids
-        if m.dropout > 0:
-            extra += t_sp * h  # embedding dropout mask
-        total += extra * in_flight(s, stage)
+        per_chunk[0] += 8 * tokens + (t_sp * h if m.dropout > 0 else 0)  # int64 token ids, embedding dropout mask
+    vectors = schedule.inflight_vectors(s.pp, s.vpp, s.num_microbatches(), stage)
+    saved = max(sum(c * b for c, b in zip(v, per_chunk, strict=True)) for v in vectors)
+    loss_saved = loss_transient = 0
     if stage == s.pp - 1:
-        total += output_bytes(m, s, tokens, t_sp) + mtp_activations(m, s) * in_flight(s, stage)
-    return ActivationMemory(int(total), max(eligible, default=0), host)
+        # The loss runs right after the last chunk's forward of a micro-batch; its logits are freed before that
+        # micro-batch's layers run backward, so they never meet the recompute or the backward workspace.
+        with_loss = [v for v in vectors if v[-1]] or list(vectors)
+        loss_saved = max(sum(c * b for c, b in zip(v, per_chunk, strict=True)) for v in with_loss)
+        loss_saved += output_bytes(m, s, tokens, t_sp) + mtp_activations(m, s)
+        loss_transient = loss_transient_bytes(m, s)
+    if s.offload_modules and s.recompute_granularity != "full":  # full recompute saves nothing inside the scopes
+        fg = stage_groups(m, s, stage)
+        saved -= fg.gpu_saving_bytes
+        loss_saved -= fg.gpu_saving_bytes if loss_saved else 0
+        host += fg.host_bytes
+    workspace = backward_workspace(m, s, layers) + moe_dispatch_bytes(m, s, layers)
+    return ActivationMemory(
+        saved, _rebuilt(full, s), workspace, loss_saved, loss_transient, max(eligible, default=0), host
+    )
 
 
 def stage_groups(

@@ -27,9 +27,10 @@ strategy                      compute weights  fp32 main weights  gradients     
   not FSDP units: they are gathered on their own when used; at the activation peak (the start of backward) the
   output layer's unsharded weight and gradient are live.
 
-Not modelled: bucket padding, the HSDP/HFSDP outer group (``num_distributed_optimizer_instances``), a
-``grad_comm_dtype`` different from the gradient dtype, the transient fp32 copy of a bf16 gradient shard at the
-optimizer step (after the activation peak). Never imports torch.
+The transient fp32 copy of a bf16 gradient shard at the optimizer step (``update_main_grads``) is that phase's, after
+the activations are freed (``plan/memory/phases.py``). Not modelled: bucket padding, the HSDP/HFSDP outer group
+(``num_distributed_optimizer_instances``), a ``grad_comm_dtype`` different from the gradient dtype. Never imports
+torch.
 """
 
 from __future__ import annotations

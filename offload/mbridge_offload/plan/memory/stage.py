@@ -3,8 +3,9 @@
 For each pipeline stage the model lists the tensors one GPU holds — parameter shards (dense parts split by TP,
 experts by EP and expert-TP, embedding on the first stage, output layer on the last), gradients, optimizer state
 (sharded by the distributed optimizer over the dense data-parallel group ``DP·CP`` or the expert data-parallel
-group), and the activations each transformer layer saves for backward — and reports the worst stage. Offloading is
-modelled as the upstream code does it:
+group), and the activations each transformer layer saves for backward — and takes each stage's peak as the largest
+phase of a step (forward/backward, loss, optimizer step: ``plan/memory/phases.py``), never the sum of transients that
+do not coexist; the worst stage's peak is the answer. Offloading is modelled as the upstream code does it:
 
 - ``HybridDeviceOptimizer`` (HDO) inside the distributed optimizer, Bridge's default non precision-aware path:
   the fp32 main-param shards stay on the GPU (they are the DistributedOptimizer's own tensors); HDO clones the
@@ -26,6 +27,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from mbridge_offload.plan.memory.activations import stage_activations
+from mbridge_offload.plan.memory.phases import PhaseMemory, optimizer_step_transient, peak, stage_phases
 from mbridge_offload.plan.spec.model import (
     DTYPE_BYTES,
     GB,
@@ -137,6 +140,9 @@ def _prefix(numels: list[int], offloaded: int) -> list[int]:
 
 @dataclass
 class StageMemory:
+    """One GPU of one pipeline stage. ``weights`` ... ``other`` are the phase that sets the stage's peak
+    (``peak_phase``); ``phases`` lists every phase of the step (``plan/memory/phases.py``)."""
+
     stage: int
     weights: int
     gradients: int
@@ -148,6 +154,8 @@ class StageMemory:
     shard_numel: int
     offloaded_numel: int
     params: int
+    phases: list[PhaseMemory] = field(default_factory=list)
+    peak_phase: str = "forward_backward"
 
     @property
     def total(self) -> int:
@@ -197,38 +205,41 @@ class MemoryEstimate:
 
 
 def _stage_memory(m: ModelSpec, s: Setup, stage: int) -> StageMemory:
-    from mbridge_offload.plan.memory.activations import stage_activations
-
     params = stage_params(m, s, stage)
     numel = sum(t.numel for t in params)
     act = stage_activations(m, s, stage)
-    other = int(s.overhead_gb * GB)
+    overhead = int(s.overhead_gb * GB)
     if s.use_megatron_fsdp:
         from mbridge_offload.plan.memory.fsdp import fsdp_memory
 
         layers = stage_layers(m, s)[stage]
         f = fsdp_memory(m, s, params, layers, last_stage=stage == s.pp - 1)
         # Optimizer offload is not applied under Megatron-FSDP (see _setup_warnings): nothing moves to the host.
-        return StageMemory(
-            stage, f.weights, f.gradients, f.optimizer, act.gpu_bytes, other, act.host_bytes, 0, f.shard_numel, 0, numel
-        )
-    param_bytes = DTYPE_BYTES[s.params_dtype]
-    grad_bytes = 4 if s.grad_reduce_in_fp32 else param_bytes
-    opt = optimizer_memory(m, s, params)
-    if not s.use_precision_aware_optimizer and not s.grad_reduce_in_fp32:
-        other += 4 * opt.shard_numel  # main_param.grad = shard_grad.float(): a transient fp32 copy
+        resident = (f.weights, f.gradients, f.optimizer)
+        host, host_transient, shard, offloaded = act.host_bytes, 0, f.shard_numel, 0
+    else:
+        param_bytes = DTYPE_BYTES[s.params_dtype]
+        grad_bytes = 4 if s.grad_reduce_in_fp32 else param_bytes
+        opt = optimizer_memory(m, s, params)
+        resident = (numel * param_bytes, numel * grad_bytes, opt.gpu_bytes)
+        host, host_transient = opt.host_bytes + act.host_bytes, opt.host_transient_bytes
+        shard, offloaded = opt.shard_numel, opt.offloaded_numel
+    phases = stage_phases(s, stage, resident, overhead, act, optimizer_step_transient(s, shard, offloaded))
+    top = peak(phases)
     return StageMemory(
         stage,
-        numel * param_bytes,
-        numel * grad_bytes,
-        opt.gpu_bytes,
-        act.gpu_bytes,
-        other,
-        opt.host_bytes + act.host_bytes,
-        opt.host_transient_bytes,
-        opt.shard_numel,
-        opt.offloaded_numel,
+        top.weights,
+        top.gradients,
+        top.optimizer,
+        top.activations,
+        top.other,
+        host,
+        host_transient,
+        shard,
+        offloaded,
         numel,
+        phases,
+        top.name,
     )
 
 

@@ -201,7 +201,11 @@ def _option(p: Plan, c: Candidate, ctx: dict[str, Any], overlap: Callable[[Any, 
         overrides=overrides,
         levers=used,
         memory_gib=p.breakdown(est, gib=True),
-        stages_gib=[StageGib(stage=st.stage, total_gib=round((st.total + p.offset) / GiB, 3)) for st in est.stages],
+        peak_phase=est.worst.peak_phase,
+        stages_gib=[
+            StageGib(stage=st.stage, total_gib=round((st.total + p.offset) / GiB, 3), peak_phase=st.peak_phase)
+            for st in est.stages
+        ],
         host_gb=round(est.host_peak_gb, 3),
         host_gb_per_node=round(est.host_peak_gb * r.gpu.gpus_per_node, 3),
         step_time_s=round(t.step_s, 4),

@@ -27,7 +27,9 @@ from mbridge_offload.plan.results import (
     BeforeAfter,
     Estimate,
     Option,
+    Phase,
     Recommendation,
+    StagePhases,
     StageTotal,
     TimeBreakdown,
 )
@@ -75,6 +77,27 @@ def time_terms(t: TimeEstimate) -> dict[str, Any]:
     return {**out, "efficiency": round(t.efficiency, 4), "assumptions": list(t.assumptions)}
 
 
+def stage_phases(est: MemoryEstimate, offset: float = 0.0) -> list[StagePhases]:
+    """Every stage's phases (``plan/memory/phases.py``) in GiB and GB; ``offset`` bytes (a calibration) are in each
+    phase's total, as in the breakdowns, so the worst stage's peak phase equals ``memory_gib.total``."""
+    return [
+        StagePhases(
+            stage=st.stage,
+            phases=[
+                Phase(
+                    name=ph.name,
+                    memory_gib=round((ph.total + offset) / GiB, 3),
+                    memory_gb=round((ph.total + offset) / GB, 3),
+                    what=ph.what,
+                )
+                for ph in st.phases
+            ],
+            peak_phase=st.peak_phase,
+        )
+        for st in est.stages
+    ]
+
+
 def estimate_result(p: Plan, est: MemoryEstimate, t: TimeEstimate) -> Estimate:
     """The ``Estimate`` of one memory and time estimate under the plan's yardstick."""
     r, s = p.r, est.setup
@@ -97,6 +120,7 @@ def estimate_result(p: Plan, est: MemoryEstimate, t: TimeEstimate) -> Estimate:
                 total_gb=round(st.total / GB, 3),
                 params=st.params,
                 total_gib=round((st.total + p.offset) / GiB, 3),
+                peak_phase=st.peak_phase,
             )
             for st in est.stages
         ],
@@ -121,6 +145,8 @@ def estimate_result(p: Plan, est: MemoryEstimate, t: TimeEstimate) -> Estimate:
         notes=p.notes(),
         assumptions=p.assumptions,
         calibration=p.anchor,
+        phases=stage_phases(est, p.offset),
+        peak_phase=est.worst.peak_phase,
     )
 
 
@@ -361,12 +387,8 @@ def recommend(r: Resolved) -> Recommendation:
     return Recommendation(
         mode=mode,
         overrides=options.overrides_for(r.setup, base, after.setup, overlap),
-        memory_gb=BeforeAfter(before=p.breakdown(given), after=p.breakdown(after), without_offload=p.breakdown(before)),
-        memory_gib=BeforeAfter(
-            before=p.breakdown(given, gib=True),
-            after=p.breakdown(after, gib=True),
-            without_offload=p.breakdown(before, gib=True),
-        ),
+        memory_gb=_before_after(p, given, after, before, gib=False),
+        memory_gib=_before_after(p, given, after, before, gib=True),
         fits=p.fits(after),
         **_factors(top[1] if top is not None and pulled else None, t, as_given_s),
         rationale=rationale + ([sentence] if sentence else []),
@@ -392,6 +414,19 @@ def recommend(r: Resolved) -> Recommendation:
         options=[o for _, o in ranked],
         levers=list(allowed),
         headroom_gib=round(options.headroom_gib(p), 3),
+        phases=stage_phases(after, p.offset),
+        peak_phase=after.worst.peak_phase,
+    )
+
+
+def _before_after(
+    p: Plan, given: MemoryEstimate, after: MemoryEstimate, before: MemoryEstimate, gib: bool
+) -> BeforeAfter:
+    """The config as given, the recommendation, and the config without any offload, in GB or GiB."""
+    return BeforeAfter(
+        before=p.breakdown(given, gib=gib),
+        after=p.breakdown(after, gib=gib),
+        without_offload=p.breakdown(before, gib=gib),
     )
 
 

@@ -198,6 +198,7 @@ class Setup:
     num_layers_in_last_pipeline_stage: int | None = None
     pipeline_layout: tuple[int, ...] | None = None
     cross_entropy_fusion: bool = False  # model.cross_entropy_loss_fusion
+    cross_entropy_fusion_impl: str = "native"  # model.cross_entropy_fusion_impl: native | te
     # Communication overlap (step-time model only): ddp.overlap_grad_reduce / ddp.overlap_param_gather, which
     # Bridge recipes switch on, and comm_overlap.tp_comm_overlap (TE userbuffers), which its performance recipes do.
     overlap_grad_reduce: bool = True
@@ -491,6 +492,25 @@ def stage_layers(m: ModelSpec, s: Setup) -> list[list[int]]:
         ranks[v % s.pp].extend(range(start, start + n))
         start += n
     return ranks
+
+
+def chunk_layers(m: ModelSpec, s: Setup, stage: int) -> list[list[int]]:
+    """The layers of each model chunk of pipeline rank ``stage`` (virtual stage ``v`` is chunk ``v // PP`` of rank
+    ``v mod PP``); one chunk without VPP. When the split gives a rank fewer virtual stages than VPP (first/last stage
+    counts with VPP), its layers are spread evenly over the chunks."""
+    chunks = s.vpp or 1
+    counts = _stage_counts(m, s)
+    if len(counts) == s.pp * chunks:
+        starts = [sum(counts[:v]) for v in range(len(counts))]
+        return [list(range(starts[v], starts[v] + counts[v])) for v in range(stage, len(counts), s.pp)]
+    layers = stage_layers(m, s)[stage]
+    base, extra = divmod(len(layers), chunks)
+    out, start = [], 0
+    for c in range(chunks):
+        n = base + (1 if c < extra else 0)
+        out.append(layers[start : start + n])
+        start += n
+    return out
 
 
 def stage_params(m: ModelSpec, s: Setup, stage: int) -> list[Tensor]:

@@ -1,0 +1,148 @@
+"""A training step as phases, per pipeline stage: what one GPU holds at the highest point of each.
+
+Phases never coexist, so a stage's peak is the largest of them, not the sum of every term:
+
+- ``forward_backward``: weights, gradients and optimizer states resident, plus the activations the schedule keeps
+  in flight (``plan/memory/schedule.py``), what full recompute rebuilds at once, and backward's transient gradient
+  buffers of the largest layer (with the MoE dispatch buffers of the running layer).
+- ``loss`` (last stage): the in-flight activations at the moment the cross entropy runs, the output layer's inputs,
+  the logits it keeps and their second copy while it casts them (``activations.loss_transient_bytes``). The logits are
+  freed before that micro-batch's layers run backward, so they never meet the recompute or the backward buffers.
+- ``optimizer_step``: after the last backward, activations are gone; the step's transients are the fp32 copies of
+  bf16 gradients that megatron-core's optimizers make (``_copy_model_grads_to_main_grads``:
+  ``main_param.grad = shard_grad.float()``, every shard, offloaded ones included; Megatron-FSDP's
+  ``update_main_grads``: ``optimizer_grad.to(param.dtype)``). The HybridDeviceOptimizer adds, on the GPU, only the
+  fp32 copy of the gradients of the parameters it steps there when it owns bf16 parameters (precision-aware path:
+  ``fp32_param.grad = grad.to(fp32)``); its offloaded gradients go straight to pinned host buffers and the updated
+  parameters are copied back in place. They live until the next step's ``zero_grad``, which runs before its forward.
+  fp32 gradients (``grad_reduce_in_fp32``) are used as they are: no copy.
+
+Every phase carries the ``other`` workspaces the allocator hands out throughout (``Setup.overhead_gb``). Never
+imports torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mbridge_offload.plan.memory.activations import ActivationMemory, in_flight
+from mbridge_offload.plan.spec.model import DTYPE_BYTES, Setup
+
+__all__ = ["PHASES", "PhaseMemory", "optimizer_step_transient", "stage_phases"]
+
+PHASES = ("forward_backward", "loss", "optimizer_step")
+
+
+@dataclass(frozen=True)
+class PhaseMemory:
+    """Bytes one GPU of a stage holds at the highest point of one phase, by kind."""
+
+    name: str
+    weights: int
+    gradients: int
+    optimizer: int
+    activations: int
+    other: int
+    what: str = ""
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.gradients + self.optimizer + self.activations + self.other
+
+
+def optimizer_step_transient(s: Setup, shard_numel: int, offloaded_numel: int) -> tuple[int, str]:
+    """GPU bytes the optimizer step allocates beyond the resident state, and what they are (module docstring)."""
+    if s.use_megatron_fsdp:
+        grads = s.fsdp_main_grads_dtype or s.params_dtype
+        if s.use_precision_aware_optimizer or s.fsdp_main_params_dtype != "fp32" or grads == "fp32":
+            return 0, ""
+        return 4 * shard_numel, f"fp32 copies of the {grads} gradient shards (Megatron-FSDP update_main_grads)"
+    if s.grad_reduce_in_fp32 or DTYPE_BYTES[s.params_dtype] == 4:
+        return 0, ""
+    if not s.use_precision_aware_optimizer:
+        return 4 * shard_numel, "fp32 copies of the bf16 gradient shards (main_param.grad = shard_grad.float())"
+    if s.optimizer_offload_fraction > 0:
+        return (
+            4 * (shard_numel - offloaded_numel),
+            "fp32 copies of the bf16 gradients HybridDeviceOptimizer steps on the GPU (fp32_param.grad)",
+        )
+    return 0, ""
+
+
+def _schedule_words(s: Setup, stage: int) -> str:
+    n = in_flight(s, stage)
+    if s.pp == 1:
+        return "one micro-batch's saved activations"
+    kind = f"interleaved, {s.vpp} chunks" if s.vpp else "1F1B"
+    return f"{n:g} micro-batches' saved activations ({kind})"
+
+
+def stage_phases(
+    s: Setup,
+    stage: int,
+    resident: tuple[int, int, int],
+    overhead: int,
+    act: ActivationMemory,
+    step: tuple[int, str],
+) -> list[PhaseMemory]:
+    """The phases of one pipeline stage.
+
+    Args:
+        s: the settings.
+        stage: the pipeline rank.
+        resident: weights, gradients and optimizer-state bytes on the GPU throughout.
+        overhead: the workspaces every phase carries (``other``).
+        act: the stage's activations by moment (``activations.stage_activations``).
+        step: the optimizer step's transient bytes and what they are (``optimizer_step_transient``).
+    """
+    w, g, o = resident
+    extras = [
+        words
+        for bytes_, words in (
+            (act.rebuilt, "recompute's rebuilt layers"),
+            (act.workspace, "backward's gradient buffers of the largest layer"),
+        )
+        if bytes_
+    ]
+    out = [
+        PhaseMemory(
+            "forward_backward",
+            w,
+            g,
+            o,
+            act.saved + act.rebuilt,
+            overhead + act.workspace,
+            "; ".join([_schedule_words(s, stage), *extras]),
+        )
+    ]
+    if stage == s.pp - 1:
+        copy = "" if not act.loss_transient else " and their second copy while the cross entropy casts them"
+        out.append(
+            PhaseMemory(
+                "loss",
+                w,
+                g,
+                o,
+                act.loss_saved,
+                overhead + act.loss_transient,
+                f"in-flight activations, the output layer's inputs, the logits kept for backward{copy}",
+            )
+        )
+    transient, words = step
+    out.append(
+        PhaseMemory(
+            "optimizer_step",
+            w,
+            g,
+            o,
+            0,
+            overhead + transient,
+            words or "no activations; no transient beyond the resident state (fp32 gradients used as they are)",
+        )
+    )
+    return out
+
+
+def peak(phases: list[PhaseMemory]) -> PhaseMemory:
+    """The phase that sets the stage's peak (the first of equals, in step order)."""
+    return max(phases, key=lambda p: (p.total, -PHASES.index(p.name)))
