@@ -465,10 +465,11 @@ def _as_given(r: Resolved, without: MemoryEstimate, rationale: list[str]) -> Mem
 
 
 def _overlap(r: Resolved, s: Setup) -> bool:
-    """``overlap_cpu_optimizer_d2h_h2d`` for a proposal: the user's when set, else where the rule catalogue
-    advises it (OPT-OVERLAP's threshold, the same one ``apply`` uses)."""
+    """``overlap_cpu_optimizer_d2h_h2d`` for a proposal: one rule with ``apply`` and OPT-OVERLAP: on from
+    OPT-OVERLAP's threshold (``overlap_advised``: fraction >= 0.75) whatever the config says, as apply writes it;
+    below it, the user's setting when given, else off (megatron-core's default)."""
     from mbridge_offload.config.rules.optimizer import overlap_advised
 
-    if r.sources.get("overlap") in ("flag", "config", "argv"):
-        return bool(r.inputs.overlap)
-    return overlap_advised(s.optimizer_offload_fraction)
+    if overlap_advised(s.optimizer_offload_fraction):
+        return True
+    return bool(r.inputs.overlap) if r.sources.get("overlap") in ("flag", "config", "argv") else False
