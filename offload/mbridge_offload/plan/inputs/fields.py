@@ -204,7 +204,11 @@ class PlanInputs(BaseModel):
     )
     # --- decision
     margin: float | None = _field(
-        group="decision", help="fraction of usable GPU memory kept free (default 0.05)", ge=0.0, lt=1.0
+        group="decision",
+        help="fraction of usable GPU memory a recommendation keeps free (default 0.03: what NVIDIA's tightest "
+        "published offload recipe keeps, rounded down)",
+        ge=0.0,
+        lt=1.0,
     )
     headroom_gib: float | None = _field(
         group="decision",

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mbridge_offload.plan.evidence.figures import Figure
-from mbridge_offload.plan.inputs.hardware import PINNED_HOST_SHARE
+from mbridge_offload.plan.inputs.hardware import DEFAULT_MARGIN, PINNED_HOST_SHARE
 from mbridge_offload.plan.inputs.resolve import Assumption, Resolved
 from mbridge_offload.plan.memory.stage import MemoryEstimate, estimate_memory
 from mbridge_offload.plan.results import Anchor, MemoryBreakdown
@@ -227,7 +227,8 @@ def prepare(r: Resolved) -> Plan:
     Raises:
         InputError: a measured_log that cannot be read or holds no figure.
     """
-    p = Plan(r, margin=r.inputs.margin if r.inputs.margin is not None else 0.05, time_kwargs=r.time_kwargs())
+    margin = r.inputs.margin if r.inputs.margin is not None else DEFAULT_MARGIN
+    p = Plan(r, margin=margin, time_kwargs=r.time_kwargs())
     rate, source = r.cpu_adam_rate_source()
     p.assumptions = [*r.assumptions, _rate_assumption(r, rate, source), _overhead_assumption(p)]
     if not _measured_anything(r):
