@@ -104,7 +104,9 @@ def test_an_oom_is_compared_with_the_failing_ranks_stage_else_the_worst(qwen_sta
     if rank is None:
         assert "names no rank" in fig.stage_source and "worst predicted stage" in fig.stage_source
     else:
-        assert f"rank {rank} " in fig.stage_source and f"pipeline stage {stage} (order tp-cp-ep-dp-pp" in fig.stage_source
+        assert (
+            f"rank {rank} " in fig.stage_source and f"pipeline stage {stage} (order tp-cp-ep-dp-pp" in fig.stage_source
+        )
     # every prediction now holds the failing stage at (at least) its bound
     assert est.memory_gib.total >= bound - 0.01
 
@@ -155,7 +157,9 @@ def test_a_log_without_figures_is_refused_before_any_answer(tmp_path):
 
 
 def test_the_step_time_of_the_log_is_its_median_after_warm_up():
-    lines = [f"iteration {i} | elapsed time per iteration (ms): {ms} |" for i, ms in enumerate((9000, 2500, 2400, 2600))]
+    lines = [
+        f"iteration {i} | elapsed time per iteration (ms): {ms} |" for i, ms in enumerate((9000, 2500, 2400, 2600))
+    ]
     a = planner.estimate(resolve({**SFT, "measured_log": "\n".join(lines)})).calibration
     assert a.measured_step_s == pytest.approx(2.5) and a.measured_kind is None
     assert [f.kind for f in a.figures] == ["step"] * 4

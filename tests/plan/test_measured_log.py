@@ -21,7 +21,7 @@ from mbridge_offload.plan.evidence.steps import steady_step_s
 
 GiB = 2**30
 UNITS = {"bytes": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}
-CASES = 300
+CASES = 200
 
 
 def format_size(size: int) -> str:
@@ -207,7 +207,7 @@ def bridge_report(rng: random.Random, rank: int, peak_bytes: int) -> tuple[str, 
     return text, peak * 1e9 / GiB
 
 
-@pytest.mark.parametrize("seed", range(100))
+@pytest.mark.parametrize("seed", range(60))
 def test_every_memory_report_reads_as_its_printed_max_allocated(seed):
     rng = random.Random(1000 + seed)
     lines, want = [], []
@@ -239,7 +239,7 @@ PRINTS = [
 ]
 
 
-@pytest.mark.parametrize("seed", range(60))
+@pytest.mark.parametrize("seed", range(36))
 def test_prints_of_max_memory_allocated_read_in_their_unit(seed):
     rng = random.Random(5000 + seed)
     template, fmt, per_unit = PRINTS[seed % len(PRINTS)]
@@ -320,7 +320,7 @@ def rank_generator():
     return parallel_state.RankGenerator
 
 
-@pytest.mark.parametrize("seed", range(60))
+@pytest.mark.parametrize("seed", range(40))
 def test_rank_to_stage_is_megatron_cores_rank_order(seed, rank_generator):
     rng = random.Random(seed)
     tp, cp, dp, pp = (rng.choice([1, 2, 4, 8]) for _ in range(4))
