@@ -9,7 +9,7 @@ printed with the number of options the answer ranks. Target: under 1 s warm over
 The setup is the question users bring: Llama 3.1 8B SFT at 16k tokens on one 8 x H100 node (MBS 2 so that the MBS
 lever has a smaller value to try, global batch 64). The log (``measured_log``, passed as its text) is a
 training log of 2,000 iteration lines, a memory report of each of the 8 ranks, then the out-of-memory message of
-every rank, each line behind torchrun's ``[rankN]:`` prefix (~0.7 MB): every parser and the stage attribution run.
+every rank, each line behind torchrun's ``[rankN]:`` prefix (~0.5 MB): every parser and the stage attribution run.
 
 Run: ``python benchmarks/recommend_levers.py [--calls 10] [--json | --markdown]``; ``--markdown`` prints the
 fragment ``docs/benchmarks-recommend.md`` holds.
@@ -117,6 +117,7 @@ def measure(calls: int) -> dict[str, Any]:
         },
         "host": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, Python "
         f"{platform.python_version()}",
+        "load_average": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
         "measured_at": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d (%H:%M UTC)"),
     }
 
@@ -127,7 +128,7 @@ def markdown(data: dict[str, Any]) -> str:
         "# `recommend` with every lever and the user's log",
         "",
         f"Measured on {data['measured_at']} by `benchmarks/recommend_levers.py`, in one run. Machine: {data['host']}, "
-        "shared with other jobs; no GPU.",
+        f"shared with other jobs (load average {data['load_average']:.1f} at the end); no GPU.",
         "",
         "```bash",
         f".venv/bin/python benchmarks/recommend_levers.py --calls {data['calls']} --markdown",

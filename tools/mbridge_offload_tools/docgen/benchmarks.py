@@ -21,6 +21,7 @@ FRAGMENTS: list[tuple[str, str]] = [
     ),
     ("benchmarks-validate.md", "`validate` latency"),
     ("benchmarks-mcp.md", "MCP server latency"),
+    ("benchmarks-recommend.md", "`recommend` with every lever and a measured log (`benchmarks/recommend_levers.py`)"),
     ("benchmarks-robustness.md", "Bad-input robustness (`benchmarks/bad_inputs.py`)"),
     ("benchmarks-testtool.md", "The agent's test tool (`mbridge-offload test`, MCP `run_unit_tests`)"),
 ]
