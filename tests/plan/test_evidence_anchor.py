@@ -60,6 +60,7 @@ def test_an_oom_message_is_a_lower_bound_the_settings_never_fit_and_the_first_op
     assert est.memory_gib.total >= 77.12  # never predicted below what the process already held
     assert a.fragmentation_gib == a.expandable_segments_gib == pytest.approx(2.05)
     assert any("expandable_segments:True would recover up to that" in n for n in a.notes)
+    assert any("would fit" in n for n in est.notes)  # what would fit with the shift, as for --ooms
     (fig,) = [f for f in a.figures if f.used]
     assert (fig.kind, fig.line_number, fig.stage) == ("bound", 1, 0) and "Tried to allocate 3.00 GiB" in fig.line
     rec = planner.recommend(resolve({**SFT, "measured_log": log}))

@@ -125,7 +125,7 @@ def estimate(r: Resolved) -> Estimate:
     est = estimate_memory(r.model, r.setup, r.gpu.host_ram_gb)
     t = estimate_time(est, r.gpu, overlap=r.overlap, **p.time_kwargs)
     result = estimate_result(p, est, t)
-    if r.inputs.ooms:
+    if p.ooms:  # the ooms input, or an out-of-memory message in the measured log
         result.notes.append(_what_would_fit(p))
     return result
 
