@@ -7,7 +7,8 @@ import json
 
 import pytest
 
-from mbridge_offload.plan.inputs.measured_log import parse_megatron_log
+from mbridge_offload.plan.evidence.read import parse_log
+from mbridge_offload.plan.evidence.steps import steady_step_s
 from mbridge_offload.plan.inputs.resolve import resolve
 from mbridge_offload.plan.search import planner as plan
 from mbridge_offload_tools import cli_plan
@@ -34,10 +35,10 @@ LOG = "\n".join(
 
 
 def test_megatron_log_lines_give_peak_gib_and_steady_step_time():
-    parsed = parse_megatron_log(LOG)
-    assert parsed["peak_gib"] == pytest.approx(44544.0 / 1024)
-    assert parsed["step_s"] == pytest.approx(2.484)  # median after the warm-up iteration
-    assert parse_megatron_log("nothing here") == {"peak_gib": None, "step_s": None, "iterations": 0}
+    ev = parse_log(LOG)
+    assert max(f.value_gib for f in ev.points) == pytest.approx(44544.0 / 1024)
+    assert steady_step_s(ev.steps) == (pytest.approx(2.484), 3)  # median after the warm-up iteration
+    assert parse_log("nothing here").empty
 
 
 def test_measured_peak_anchors_the_other_fractions():
@@ -83,7 +84,8 @@ def test_a_reported_oom_is_never_called_a_fit_and_says_what_must_be_true():
     est = plan.estimate(resolve(flags))
     assert est.fits is False
     assert any("ran out of memory" in n and "more is in use than modelled" in n for n in est.notes)
-    assert any("optimizer_offload_fraction=0.5 would fit" in n for n in est.notes)
+    # the least fraction above the failed 0.25 that keeps the default margin (3 %) with the OOM's shift
+    assert any("optimizer_offload_fraction=0.4 would fit" in n for n in est.notes)
     rec = plan.recommend(resolve(flags))
     assert rec.fits and rec.mode == "optimizer" and rec.optimizer_offload_fraction > 0.25
     assert rec.memory_gib.after.total <= rec.budget_gib

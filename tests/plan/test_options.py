@@ -53,12 +53,12 @@ def test_sft_16k_on_8_h100s_answers_with_activation_offload_each_option_with_mem
     kinds = {tuple(o.levers) for o in fitting}
     assert ("activation",) in kinds
     # Full recompute cannot shrink the loss: at 16k the 128K-vocabulary logits peak at 6 bytes each (bf16 beside
-    # their fp32 copy), so its peak is the loss phase and it misses the 5 % margin (it fits the device only).
+    # their fp32 copy), so its peak is the loss phase; it keeps the 3 % margin (NVIDIA's tightest recipe keeps 3.1 %).
     loaded = _config(tmp_path, SFT_YAML)
     full = ["model.recompute_granularity=full", "model.recompute_method=uniform", "model.recompute_num_layers=1"]
     est = _estimate_with(loaded, full, **SFT)
     assert est.peak_phase == "loss" and est.fits
-    assert est.memory_gib.total > rec.budget_gib and ("recompute",) not in kinds
+    assert est.memory_gib.total <= rec.budget_gib and any("recompute" in k for k in kinds)
     for o in fitting:
         assert o.memory_gib.total > 0 and o.stages_gib and o.step_time_s > 0 and o.step_time_factor >= 1.0
         assert o.margin_gib > 0 and o.why

@@ -135,7 +135,14 @@ async def test_every_file_a_tool_reads_is_bounded_and_inside_the_roots(tmp_path)
             (rate,) = [a for a in named.structured_content["assumptions"] if a["name"].startswith("cpu_adam")]
             assert rate["source"] == "host-profile" and rate["value"] == 2e8
             tail = await client.call_tool("recommend_mode", {**plan, "measured_log": str(huge)})
-            assert not tail.is_error and tail.structured_content["calibration"] is None  # nothing measured in it
+            assert tail.is_error and "nothing measured" in tail.content[0].text  # zeros: no figure, bad input
+            huge_log = project / "huge.log"
+            with huge_log.open("wb") as f:  # 64 MiB of nothing, then the report at its end: the tail is read
+                f.truncate(64 * 1024 * 1024)
+                f.seek(0, 2)
+                f.write(b"\n[Rank 0] (after 2 iterations) memory (MB) | allocated: 1.0 | max allocated: 40960.0 |\n")
+            tail = await client.call_tool("recommend_mode", {**plan, "measured_log": str(huge_log)})
+            assert not tail.is_error and tail.structured_content["calibration"]["measured_peak_gib"] == 40.0
             for before, after in (
                 (outside / "pretrain.yaml", project / "pretrain.yaml"),
                 (project / "pretrain.yaml", project / "fifo"),

@@ -6,7 +6,7 @@ import argparse
 import sys
 from typing import Any
 
-from mbridge_offload.actions.apply_plan import MODES
+from mbridge_offload.actions.apply_plan import APPLY_OWN_INPUTS, MODES
 from mbridge_offload_tools.common import EXIT_BAD_INPUT, EXIT_FINDINGS, EXIT_OK, UsageError, emit
 
 
@@ -28,7 +28,8 @@ def _add_apply(sub: Any) -> None:
         "--mode",
         choices=MODES,
         help="what to switch on; none switches offload off; fine-grained offloads the --modules' activations; "
-        "recommended asks the planner (required unless --option is given)",
+        "recommended asks the planner, with every planner input below as recommend takes it (required unless "
+        "--option is given)",
     )
     p.add_argument(
         "--option",
@@ -37,13 +38,10 @@ def _add_apply(sub: Any) -> None:
         help="write recommend's option N (its options[N]: recompute, layout and offload changes; 0 = the "
         "recommendation); implies --mode recommended, re-validated like every apply",
     )
-    p.add_argument(
-        "--levers",
-        metavar="L[,L...]",
-        help="--mode recommended / --option: the levers recommend may pull (as recommend --levers)",
-    )
     p.add_argument("--fraction", type=float, help="optimizer_offload_fraction, in (0, 1]")
-    p.add_argument("--num-layers", type=int, help="cpu_offloading_num_layers")
+    p.add_argument(
+        "--num-layers", type=int, help="cpu_offloading_num_layers (the model's own layer count comes from the config)"
+    )
     p.add_argument(
         "--modules",
         metavar="M[,M...]",
@@ -67,9 +65,12 @@ def _add_apply(sub: Any) -> None:
         "--format", choices=("yaml", "overrides"), default="yaml", help="what a write contains (default yaml)"
     )
     p.add_argument("--allowed-root", help="an extra directory --output may point into")
-    p.add_argument("--gpu", help="--mode recommended: GPU preset (default h100-80gb)")
-    p.add_argument("--gpu-memory-gb", type=float, help="--mode recommended: GPU memory instead of a preset")
-    p.add_argument("--num-gpus", type=int, help="--mode recommended: number of GPUs")
+    # --mode recommended / --option: every input recommend takes (evidence, levers, headroom, GPU, count, layout...),
+    # generated from the one declaration, so option N here is recommend's option N. The model's layer count comes
+    # from the config (--set model.num_layers=N): --num-layers is apply's cpu_offloading_num_layers.
+    from mbridge_offload_tools.cli_plan import add_plan_inputs
+
+    add_plan_inputs(p, APPLY_OWN_INPUTS)
     p.add_argument("--json", action="store_true", help="print exactly one JSON object")
     p.set_defaults(handler=cmd_apply)
 
@@ -159,6 +160,7 @@ def _human_apply(d: dict[str, Any]) -> str:
 def cmd_apply(args: argparse.Namespace) -> int:
     from mbridge_offload.actions.apply import apply_offload
     from mbridge_offload.config.sources import ConfigError
+    from mbridge_offload_tools.cli_plan import plan_flags
 
     mode = args.mode or ("recommended" if args.option is not None else None)
     if mode is None:
@@ -177,17 +179,7 @@ def cmd_apply(args: argparse.Namespace) -> int:
             output_format=args.format,
             overwrite=args.force,
             allowed_root=args.allowed_root,
-            planner={
-                k: v
-                for k, v in {
-                    "gpu": args.gpu,
-                    "gpu_memory_gb": args.gpu_memory_gb,
-                    "num_gpus": args.num_gpus,
-                    "levers": [args.levers] if args.levers else None,
-                }.items()
-                if v is not None
-            }
-            or None,
+            planner=plan_flags(args, APPLY_OWN_INPUTS) or None,
         )
     except ConfigError as exc:
         raise UsageError(str(exc)) from None

@@ -28,15 +28,30 @@ def _arg_kind(annotation: Any) -> dict[str, Any]:
     return {"type": kind, "metavar": {int: "N", float: "X"}.get(kind, "TEXT")}
 
 
-def _add_common(p: argparse.ArgumentParser) -> None:
-    """Every planner input as a flag, generated from ``PlanInputs`` (one declaration: type, help, bounds)."""
+def add_plan_inputs(p: argparse.ArgumentParser, exclude: frozenset[str] = frozenset()) -> None:
+    """Every planner input as a flag, generated from ``PlanInputs`` (one declaration: type, help, bounds), in its
+    group's section of ``--help``; ``exclude`` names inputs the subcommand spells otherwise (apply's --num-layers)."""
     from mbridge_offload.plan.inputs.fields import GROUPS, PlanInputs, flag_name, group_of, help_text
 
     groups = {g: p.add_argument_group(f"{g} inputs") for g in GROUPS}
     for name, info in PlanInputs.model_fields.items():
+        if name in exclude:
+            continue
         groups[group_of(name)].add_argument(
             flag_name(name), dest=name, default=None, help=help_text(name), **_arg_kind(info.annotation)
         )
+
+
+def plan_flags(args: argparse.Namespace, exclude: frozenset[str] = frozenset()) -> dict[str, Any]:
+    """The planner inputs given on the command line (``PlanInputs`` names; those not given are absent)."""
+    from mbridge_offload.plan.inputs.fields import FIELDS
+
+    return {name: getattr(args, name) for name in FIELDS if name not in exclude and getattr(args, name) is not None}
+
+
+def _add_common(p: argparse.ArgumentParser) -> None:
+    """Every planner input as a flag, the config options and --json."""
+    add_plan_inputs(p)
     p.add_argument("--model-config", metavar="FILE", help="a Bridge YAML/JSON: its model, parallelism and settings")
     p.add_argument(
         "--megatron-args", metavar="ARGS", help="Megatron-LM pretrain_gpt.py flags, quoted (instead of a config)"
@@ -118,11 +133,10 @@ def _load(args: argparse.Namespace) -> Any:
 
 def _plan(kind: str, args: argparse.Namespace) -> Any:
     """The planner's one entry point (``plan.service.plan``) on this command's config and flags."""
-    from mbridge_offload.plan.inputs.fields import FIELDS
     from mbridge_offload.plan.service import plan
 
     loaded = _load(args)
-    flags = {name: getattr(args, name) for name in FIELDS}
+    flags = plan_flags(args)
     try:
         config, raw, source = (loaded.config, loaded.raw, loaded.source) if loaded else (None, None, None)
         return plan(kind, flags, config, raw, source)  # type: ignore[arg-type]

@@ -85,11 +85,27 @@ def _load(config: str, overrides: list[str] | None, what: str = "config"):
         raise ToolError(str(exc) if what == "config" else f"{what}: {exc}") from None
 
 
-def _plan_parameters() -> list[inspect.Parameter]:
-    """The planner tools' parameters: a config, overrides, Megatron-LM argv, and every ``PlanInputs`` field
-    (type, bounds and description taken from it: one declaration for the library, the CLI and MCP)."""
+def _plan_input_parameters(exclude: frozenset[str] = frozenset()) -> list[inspect.Parameter]:
+    """Every ``PlanInputs`` field as a keyword parameter (type, bounds and description taken from it: one declaration
+    for the library, the CLI and MCP); ``exclude`` names those a tool spells otherwise."""
     from mbridge_offload.plan.inputs.fields import PlanInputs, help_text
 
+    # ``Annotated`` built at run time from each field: a type expression for the SDK, not for the checker.
+    annotated: Any = Annotated
+    return [
+        inspect.Parameter(
+            name,
+            inspect.Parameter.KEYWORD_ONLY,
+            default=None,
+            annotation=annotated[(info.annotation, *info.metadata, Field(description=help_text(name)))],
+        )
+        for name, info in PlanInputs.model_fields.items()
+        if name not in exclude
+    ]
+
+
+def _plan_parameters() -> list[inspect.Parameter]:
+    """The planner tools' parameters: a config, overrides, Megatron-LM argv, and every ``PlanInputs`` field."""
     kw = inspect.Parameter.KEYWORD_ONLY
     params = [
         inspect.Parameter(
@@ -113,12 +129,7 @@ def _plan_parameters() -> list[inspect.Parameter]:
             ],
         ),
     ]
-    # ``Annotated`` built at run time from each field: a type expression for the SDK, not for the checker.
-    annotated: Any = Annotated
-    for name, info in PlanInputs.model_fields.items():
-        annotation = annotated[(info.annotation, *info.metadata, Field(description=help_text(name)))]
-        params.append(inspect.Parameter(name, kw, default=None, annotation=annotation))
-    return params
+    return params + _plan_input_parameters()
 
 
 def _plan(kind: str, args: dict[str, Any]) -> Any:
@@ -315,80 +326,127 @@ _plan_tool(
 )
 
 
-@mcp.tool(
+# apply_offload's own parameters; every planner input (``PlanInputs``, less ``APPLY_OWN_INPUTS``) follows them.
+_APPLY_OWN: list[tuple[str, Any, Any]] = [
+    ("config", ConfigArg, inspect.Parameter.empty),
+    (
+        "mode",
+        Annotated[
+            Literal["optimizer", "activation", "both", "none", "recommended", "fine-grained"],
+            Field(
+                description="what to switch on; 'recommended' (the default) asks the planner with every planner "
+                "input below, as recommend_mode takes them; option N picks its option"
+            ),
+        ],
+        "recommended",
+    ),
+    (
+        "fraction",
+        Annotated[float | None, Field(gt=0, le=1, description="optimizer_offload_fraction (optimizer/both)")],
+        None,
+    ),
+    (
+        "num_layers",
+        Annotated[
+            int | None,
+            Field(
+                ge=1,
+                description="cpu_offloading_num_layers (activation/both); the model's own layer count comes from "
+                "the config",
+            ),
+        ],
+        None,
+    ),
+    (
+        "modules",
+        Annotated[list[str] | None, Field(description="offload_modules (fine-grained), e.g. ['expert_fc1']")],
+        None,
+    ),
+    ("overrides", OverridesArg, []),
+    (
+        "output",
+        Annotated[str | None, Field(description="write the edited config to this path (inside the server's roots)")],
+        None,
+    ),
+    ("in_place", Annotated[bool, Field(description="overwrite the config file (a unique .bak backup is kept)")], False),
+    (
+        "overwrite",
+        Annotated[bool, Field(description="allow output to replace an existing file (a unique .bak backup is kept)")],
+        False,
+    ),
+    ("format", Annotated[Literal["yaml", "overrides"], Field(description="what a write contains")], "yaml"),
+    (
+        "option",
+        Annotated[
+            int | None,
+            Field(
+                ge=0,
+                description="write recommend_mode's options[N] (0 = the recommendation) for the same planner inputs; "
+                "implies recommended",
+            ),
+        ],
+        None,
+    ),
+]
+
+
+def _apply_parameters() -> list[inspect.Parameter]:
+    """apply_offload's own parameters, then every planner input recommend_mode takes (generated, not listed)."""
+    from mbridge_offload.actions.apply_plan import APPLY_OWN_INPUTS
+
+    kw = inspect.Parameter.KEYWORD_ONLY
+    own = [inspect.Parameter(name, kw, default=default, annotation=ann) for name, ann, default in _APPLY_OWN]
+    return own + _plan_input_parameters(APPLY_OWN_INPUTS | {name for name, _, _ in _APPLY_OWN})
+
+
+def apply_offload(**kwargs: Any) -> ApplyResult:
+    """Edit a config to enable (or disable) CPU offloading, resolving the conflicts the mode implies.
+
+    Always returns the unified diff, the override list and each change with its reason; writes only with output
+    or in_place, atomically, and never a config that fails validation. Comments, key order and every untouched
+    byte are preserved. An existing output is replaced only with overwrite=true, and then backed up. With
+    mode='recommended' or option=N it takes every input recommend_mode takes (measured_log, ooms, levers,
+    headroom_gib, gpu, num_gpus, ...), so option N is recommend_mode's options[N] for the same inputs, written exactly.
+    """
+    from mbridge_offload.actions.apply import apply_offload as run_apply
+
+    own = {name: kwargs.pop(name, default) for name, _, default in _APPLY_OWN}
+    planner = {k: v for k, v in kwargs.items() if v is not None}
+    try:
+        from mbridge_offload.plan.inputs.hardware import gpu_preset
+
+        if planner.get("gpu") is not None:
+            gpu_preset(planner["gpu"])
+    except KeyError as exc:
+        raise ToolError(str(exc).strip("'\"")) from None
+    return run_apply(
+        own["config"],
+        own["mode"],
+        fraction=own["fraction"],
+        num_layers=own["num_layers"],
+        modules=own["modules"],
+        option=own["option"],
+        overrides=own["overrides"],
+        output=own["output"],
+        in_place=own["in_place"],
+        output_format=own["format"],
+        overwrite=own["overwrite"],
+        write_roots=guard.policy().write_roots(),
+        planner=planner or None,
+    )
+
+
+apply_offload.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
+    _apply_parameters(), return_annotation=ApplyResult
+)
+mcp.tool(
     title="Apply an offload mode to a config",
     # Writes files (only with output/in_place, inside the server's roots); may replace an existing file when
     # overwrite=true or in_place=true (a backup is kept): destructive. A second identical write is refused.
     annotations=ToolAnnotations(
         read_only_hint=False, destructive_hint=True, idempotent_hint=False, open_world_hint=False
     ),
-)
-@guard.guarded()
-def apply_offload(
-    config: ConfigArg,
-    mode: Annotated[
-        Literal["optimizer", "activation", "both", "none", "recommended", "fine-grained"],
-        Field(description="what to switch on; 'recommended' (the default) asks the planner, option N picks its option"),
-    ] = "recommended",
-    fraction: Annotated[
-        float | None, Field(gt=0, le=1, description="optimizer_offload_fraction (optimizer/both)")
-    ] = None,
-    num_layers: Annotated[int | None, Field(ge=1, description="cpu_offloading_num_layers (activation/both)")] = None,
-    modules: Annotated[
-        list[str] | None, Field(description="offload_modules (fine-grained), e.g. ['expert_fc1']")
-    ] = None,
-    overrides: OverridesArg = [],  # noqa: B006
-    output: Annotated[
-        str | None, Field(description="write the edited config to this path (inside the server's roots)")
-    ] = None,
-    in_place: Annotated[bool, Field(description="overwrite the config file (a unique .bak backup is kept)")] = False,
-    overwrite: Annotated[
-        bool, Field(description="allow output to replace an existing file (a unique .bak backup is kept)")
-    ] = False,
-    format: Annotated[Literal["yaml", "overrides"], Field(description="what a write contains")] = "yaml",
-    gpu: Annotated[str | None, Field(description="mode=recommended: GPU preset, e.g. h100-80gb")] = None,
-    gpu_memory_gb: Annotated[float | None, Field(gt=0, description="mode=recommended: GPU memory (GB)")] = None,
-    num_gpus: Annotated[int | None, Field(ge=1, description="mode=recommended: number of GPUs")] = None,
-    option: Annotated[
-        int | None,
-        Field(ge=0, description="write recommend_mode's options[N] (0 = the recommendation); implies recommended"),
-    ] = None,
-    levers: Annotated[
-        list[str] | None, Field(description="mode=recommended / option: the levers recommend may pull")
-    ] = None,
-) -> ApplyResult:
-    """Edit a config to enable (or disable) CPU offloading, resolving the conflicts the mode implies.
-
-    Always returns the unified diff, the override list and each change with its reason; writes only with output
-    or in_place, atomically, and never a config that fails validation. Comments, key order and every untouched
-    byte are preserved. An existing output is replaced only with overwrite=true, and then backed up.
-    """
-    from mbridge_offload.actions.apply import apply_offload as run_apply
-
-    planner = {"gpu": gpu, "gpu_memory_gb": gpu_memory_gb, "num_gpus": num_gpus, "levers": levers}
-    try:
-        from mbridge_offload.plan.inputs.hardware import gpu_preset
-
-        if gpu is not None:
-            gpu_preset(gpu)
-    except KeyError as exc:
-        raise ToolError(str(exc).strip("'\"")) from None
-    result = run_apply(
-        config,
-        mode,
-        fraction=fraction,
-        num_layers=num_layers,
-        modules=modules,
-        option=option,
-        overrides=overrides,
-        output=output,
-        in_place=in_place,
-        output_format=format,
-        overwrite=overwrite,
-        write_roots=guard.policy().write_roots(),
-        planner={k: v for k, v in planner.items() if v is not None} or None,
-    )
-    return result
+)(guard.guarded()(apply_offload))
 
 
 @mcp.tool(

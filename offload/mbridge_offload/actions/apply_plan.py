@@ -18,6 +18,10 @@ from mbridge_offload.config.schema import OffloadConfig
 from mbridge_offload.config.sources import override_value
 
 DEFAULT_FRACTION = 0.5  # the card's "0.5 for balanced"
+# Planner inputs (``PlanInputs``) that apply's CLI flags and MCP parameters spell otherwise: apply's ``num_layers`` is
+# ``cpu_offloading_num_layers``; the model's own layer count comes from the config (``model.num_layers``). Every
+# other planner input is an apply input of the same name (mode=recommended / option).
+APPLY_OWN_INPUTS = frozenset({"num_layers"})
 Edits = dict[str, tuple[Any, str]]
 
 
@@ -122,7 +126,10 @@ def _recommended(
     assumptions: list[dict[str, Any]] | None = None,
 ) -> tuple[str, list[str], str | None]:
     """Ask the planner for (mode, overrides) on this config: its recommendation, or its option ``option``; its
-    assumptions go into ``assumptions`` (apply reports what the planner's answer rested on)."""
+    assumptions go into ``assumptions`` (apply reports what the planner's answer rested on).
+
+    ``planner`` holds any ``PlanInputs`` (evidence, levers, headroom, GPU, count, layout...): the same computation
+    as ``recommend`` with those inputs on this config, so option N here is recommend's option N."""
     try:
         from mbridge_offload.plan import service as plan
     except ImportError as exc:  # pragma: no cover - the planner ships with the package
@@ -131,7 +138,8 @@ def _recommended(
         ) from None
     try:
         rec = plan.recommend_for_config(cfg, raw=raw, **(planner or {}))
-    except (KeyError, ValueError, TypeError) as exc:  # no model sizes, unknown preset, a setup Megatron rejects
+    # No model sizes, an unknown preset, a setup Megatron rejects; InputError too (a bound, a levers list, a log).
+    except (KeyError, ValueError, TypeError) as exc:
         raise ApplyError(f"mode=recommended: the planner cannot size this config: {str(exc).strip(chr(39))}") from None
     if assumptions is not None:
         assumptions += [a.model_dump(mode="json") for a in rec.assumptions]
@@ -144,6 +152,36 @@ def _recommended(
         )
     chosen = rec.options[option]
     return _option_mode(chosen.levers), list(chosen.overrides), f"option {option}: {chosen.why}"
+
+
+def _recommended_edits(
+    cfg: OffloadConfig,
+    raw: dict[str, Any],
+    planner: dict[str, Any] | None,
+    option: int | None,
+    modules: list[str] | None,
+    notes: list[str] | None,
+    assumptions: list[dict[str, Any]] | None = None,
+) -> tuple[str, Edits]:
+    """Exactly the planner's overrides (its recommendation, or option ``option``): the planner vetted them with the
+    rule catalogue on this very config, so nothing is added; each keeps the mode table's reason where it has one."""
+    chosen, overrides, advice = _recommended(cfg, raw, planner, option, assumptions)
+    if notes is not None:
+        notes += [f"the planner chose mode={chosen}", *([advice] if advice else [])]
+    wanted = {text.lstrip("+").partition("=")[0]: override_value(text) for text in overrides}
+    reasons: Edits = {}
+    try:  # the mode table's words for the same keys (its values are not used: the planner's are written)
+        if chosen.startswith(fge.MODE):  # fine-grained, fine-grained+optimizer
+            fge.fine_grained_edits(cfg, modules or wanted.get("model.offload_modules"), reasons)
+        rest = {fge.MODE: None, fge.MODE + "+optimizer": "optimizer"}.get(chosen, chosen)
+        if rest is not None:
+            fraction = wanted.get("optimizer.optimizer_offload_fraction") if rest in ("optimizer", "both") else None
+            layers = wanted.get("model.cpu_offloading_num_layers") if rest in ("activation", "both") else None
+            reasons.update(plan_edits(cfg, raw, rest, fraction=fraction, num_layers=layers)[1])
+    except ApplyError:
+        reasons = {}
+    default = "recommended by the planner" if option is None else f"recommend's option {option}"
+    return chosen, {key: (value, reasons.get(key, (None, default))[1]) for key, value in wanted.items()}
 
 
 def requested_edits(overrides: list[str], effective_raw: dict[str, Any]) -> dict[str, Any]:
@@ -210,27 +248,7 @@ def plan_edits(
         )
     edits: Edits = {}
     if mode == "recommended":
-        chosen, overrides, advice = _recommended(cfg, raw, planner, option, assumptions)
-        if notes is not None:
-            notes += [f"the planner chose mode={chosen}", *([advice] if advice else [])]
-        from_planner: dict[str, Any] = {}
-        for text in overrides:
-            from_planner[text.lstrip("+").partition("=")[0]] = override_value(text)
-        if chosen in ("optimizer", "both") and fraction is None:
-            fraction = from_planner.get("optimizer.optimizer_offload_fraction")
-        if chosen in ("activation", "both") and num_layers is None:
-            num_layers = from_planner.get("model.cpu_offloading_num_layers")
-        if chosen.startswith(fge.MODE):  # fine-grained, fine-grained+optimizer
-            fge.fine_grained_edits(cfg, modules or from_planner.get("model.offload_modules"), edits)
-        rest = {fge.MODE: None, fge.MODE + "+optimizer": "optimizer"}.get(chosen, chosen)
-        if rest is not None:
-            edits.update(plan_edits(cfg, raw, rest, fraction=fraction, num_layers=num_layers)[1])
-        why = "recommended by the planner" if option is None else f"recommend's option {option}"
-        for key, value in from_planner.items():
-            if option is not None:  # the option's own values win over the mode table's defaults
-                edits[key] = (value, why)
-            edits.setdefault(key, (value, why))
-        return chosen, edits
+        return _recommended_edits(cfg, raw, planner, option, modules, notes, assumptions)
     if modules is not None and mode != fge.MODE:
         raise ApplyError(
             f"modules apply to fine-grained offloading; mode={mode} does not use them (use mode={fge.MODE})"

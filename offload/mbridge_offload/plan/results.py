@@ -13,6 +13,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field
 
 from mbridge_offload.config.effective import EffectiveValue
+from mbridge_offload.plan.evidence.figures import Figure
 from mbridge_offload.plan.inputs.resolve import Assumption
 
 EFFECTIVE_DOC = (
@@ -125,9 +126,13 @@ class StagePhases(BaseModel):
 
 
 class Anchor(BaseModel):
-    """How a measurement of the user's own run changed the predictions."""
+    """How the user's evidence (a log, a measured peak or step, "it ran out of memory") changed the predictions.
 
-    measured_peak_gib: float | None = None
+    ``figures`` lists what was read from ``measured_log``, each with its line, its kind (``bound``: an out-of-memory
+    message, the peak is at least allocated + requested; ``point``: a measured peak; ``step``: a step time) and the
+    pipeline stage it was compared with; ``measured_kind`` says which kind set ``memory_offset_gib``."""
+
+    measured_peak_gib: float | None = Field(None, description="the measured peak (a point) the shift reproduces, GiB")
     measured_step_s: float | None = None
     predicted_peak_gib: float = Field(description="the model's peak at the measured settings, before anchoring")
     memory_offset_gib: float = Field(0.0, description="added to every prediction's 'other'")
@@ -135,6 +140,25 @@ class Anchor(BaseModel):
     cpu_adam_params_per_s_per_core: float | None = Field(None, description="the CPU AdamW rate it implies")
     ooms: bool = False
     notes: list[str] = []
+    measured_bound_gib: float | None = Field(
+        None, description="an out-of-memory message's lower bound on the peak (allocated + requested), GiB"
+    )
+    measured_kind: Literal["point", "bound"] | None = Field(
+        None, description="what set memory_offset_gib: a measured peak (point) or an out-of-memory bound (bound)"
+    )
+    measured_stage: int | None = Field(
+        None, description="the pipeline stage that figure was compared with (the failing rank's, else the worst)"
+    )
+    fragmentation_gib: float | None = Field(
+        None, description="reserved by PyTorch but unallocated at the out-of-memory failure (allocator fragmentation)"
+    )
+    expandable_segments_gib: float | None = Field(
+        None,
+        description="what PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True would recover: the fragmentation at the "
+        "failure, GiB (notes say whether the failing request would then have been served)",
+    )
+    figures: list[Figure] = Field([], description="the figures read from measured_log, those that counted first")
+    figures_omitted: int = Field(0, description="figures read but not listed (a log of many ranks)")
 
 
 class Estimate(BaseModel):

@@ -22,6 +22,7 @@ FRAGMENTS: list[tuple[str, str]] = [
     ("benchmarks-memory-gpu.md", "Memory by phase of a step in real megatron-core (`benchmarks/gpu_memory_phases.py`)"),
     ("benchmarks-validate.md", "`validate` latency"),
     ("benchmarks-mcp.md", "MCP server latency"),
+    ("benchmarks-recommend.md", "`recommend` with every lever and a measured log (`benchmarks/recommend_levers.py`)"),
     ("benchmarks-robustness.md", "Bad-input robustness (`benchmarks/bad_inputs.py`)"),
     ("benchmarks-testtool.md", "The agent's test tool (`mbridge-offload test`, MCP `run_unit_tests`)"),
     ("benchmarks-plot.md", "`plot` speed (`benchmarks/plot_speed.py`)"),

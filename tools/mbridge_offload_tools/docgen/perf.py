@@ -15,6 +15,7 @@ def _gib(value: float | None, fits: bool | None) -> str:
 
 
 def render_perf_recipes() -> str:
+    from mbridge_offload.plan.inputs.hardware import DEFAULT_MARGIN
     from mbridge_offload_tools.evidence.perf_check import check_all, load_index
 
     rows = check_all()
@@ -48,7 +49,8 @@ def render_perf_recipes() -> str:
         "GiB = peak allocated on the worst stage. 'fits' compares it, grown by the allocator overhead (dense "
         "models 1.45 %, Megatron-LM #965; dropless MoE 11.8 %, the card's OOM point; no expandable_segments: "
         "these recipes do not set it), with what the GPU exposes less the CUDA context, no margin. The "
-        "recommendation keeps 5 % of that free. Where only the overhead makes it 'does not fit', the answer "
+        f"recommendation keeps {DEFAULT_MARGIN:.0%} of that free (the margin: what the tightest published recipe "
+        "keeps, rounded down). Where only the overhead makes it 'does not fit', the answer "
         "carries a 'borderline' warning with the fragmentation it would take."
     )
     return "\n".join(lines) + "\n"

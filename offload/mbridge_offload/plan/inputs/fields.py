@@ -214,7 +214,11 @@ class PlanInputs(BaseModel):
     )
     # --- decision
     margin: float | None = _field(
-        group="decision", help="fraction of usable GPU memory kept free (default 0.05)", ge=0.0, lt=1.0
+        group="decision",
+        help="fraction of usable GPU memory a recommendation keeps free (default 0.03: what NVIDIA's tightest "
+        "published offload recipe keeps, rounded down)",
+        ge=0.0,
+        lt=1.0,
     )
     headroom_gib: float | None = _field(
         group="decision",
@@ -230,15 +234,24 @@ class PlanInputs(BaseModel):
     )
     # --- the user's own run at these settings
     measured_peak_gib: float | None = _field(
-        group="measured", help="measured peak (Megatron's 'max allocated' / 1024, GiB) at these settings", gt=0, le=1e5
+        group="measured",
+        help="measured peak allocated at these settings, GiB (Megatron's 'max allocated' / 1024): a point, compared "
+        "with the worst stage",
+        gt=0,
+        le=1e5,
     )
     measured_step_s: float | None = _field(
         group="measured", help="measured step time at these settings, s", gt=0, le=1e6
     )
     measured_log: str | None = _field(
-        group="measured", help="Megatron log (path or text): its memory report and iteration times anchor the model"
+        group="measured",
+        help="the run's log, a path or the text: PyTorch's CUDA OOM message (a lower bound: allocated + requested), "
+        "Megatron/Bridge memory reports and max_memory_allocated prints (points), step-time lines; each compared "
+        "with its rank's pipeline stage (calibration lists them)",
     )
-    ooms: bool | None = _field(group="measured", help="these settings ran out of GPU memory")
+    ooms: bool | None = _field(
+        group="measured", help="these settings ran out of GPU memory (an OOM message in measured_log says so too)"
+    )
 
 
 FIELDS = tuple(PlanInputs.model_fields)

@@ -25,11 +25,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from mbridge_offload.plan.inputs import measured_log as calibration
-from mbridge_offload.plan.inputs.hardware import PINNED_HOST_SHARE
+from mbridge_offload.plan.evidence.figures import Figure
+from mbridge_offload.plan.inputs.hardware import DEFAULT_MARGIN, PINNED_HOST_SHARE
 from mbridge_offload.plan.inputs.resolve import Assumption, Resolved
 from mbridge_offload.plan.memory.stage import MemoryEstimate, estimate_memory
 from mbridge_offload.plan.results import Anchor, MemoryBreakdown
+from mbridge_offload.plan.search import measured
 from mbridge_offload.plan.spec.model import GB, GiB
 from mbridge_offload.plan.time.step import baseline_step_s, compute_efficiency, estimate_time
 
@@ -62,6 +63,7 @@ class Plan:
     assumptions: list[Assumption] = field(default_factory=list)
     vet: Any = None  # advice.Vetter: the rule catalogue on each candidate (planner.recommend sets it)
     host_refused: dict[str, str] = field(default_factory=dict)  # mode → why the node's host RAM refuses it
+    ooms: bool = False  # the settings as given ran out of memory (the ooms input, or an OOM in the measured log)
 
     @property
     def overhead(self) -> float:
@@ -84,7 +86,7 @@ class Plan:
 
     def fits(self, est: MemoryEstimate) -> bool:
         """The verdict on this config: its peak, after the allocator overhead, within the device (no margin)."""
-        if self.r.inputs.ooms and est.setup == self.r.setup:
+        if (self.ooms or self.r.inputs.ooms) and est.setup == self.r.setup:
             return False  # the user saw it fail: never contradict a measurement
         return self.total(est) <= self.usable_bytes
 
@@ -141,19 +143,6 @@ class Plan:
         return list(self.anchor.notes) if self.anchor else []
 
 
-def _measurements(r: Resolved) -> tuple[float | None, float | None, list[str]]:
-    peak, step, notes = r.inputs.measured_peak_gib, r.inputs.measured_step_s, []
-    if r.inputs.measured_log:
-        parsed = calibration.parse_megatron_log(calibration.read_log(r.inputs.measured_log))
-        if parsed["peak_gib"] is None and parsed["step_s"] is None:
-            notes.append("the log has no 'max allocated' memory report and no 'elapsed time per iteration (ms)'")
-        peak = peak if peak is not None else parsed["peak_gib"]
-        step = step if step is not None else parsed["step_s"]
-        if parsed["step_s"] is not None:
-            notes.append(f"log: median of {max(1, parsed['iterations'] - 1)} iteration times after the first")
-    return peak, step, notes
-
-
 def _anchor_step(p: Plan, est: MemoryEstimate, step: float, a: Anchor) -> None:
     """Baseline from a measured step; with a baseline given too and offload on, the CPU AdamW rate instead."""
     r = p.r
@@ -194,32 +183,80 @@ def _anchor_oom(p: Plan, predicted: float, a: Anchor) -> None:
     )
 
 
+def _measured_anything(r: Resolved) -> bool:
+    i = r.inputs
+    return bool(i.measured_log) or i.ooms is True or i.measured_peak_gib is not None or i.measured_step_s is not None
+
+
+def _anchor_point(p: Plan, m: measured.Measured, a: Anchor) -> None:
+    """A measured peak: every prediction shifted so that the model reproduces it (``measured.py`` says how)."""
+    f = m.point
+    assert f is not None
+    p.offset = m.point_shift
+    f.used = True
+    a.measured_peak_gib, a.measured_kind, a.measured_stage = f.value_gib, "point", f.stage
+    a.notes.append(f"{m.point_note}: every prediction shifted by {p.offset / GiB:+.2f} GiB")
+
+
+def _anchor_bound(p: Plan, f: Figure, predicted: dict[int, float], a: Anchor) -> None:
+    """An out-of-memory message: the peak of its stage is at least allocated + requested; shift up to it."""
+    stage = f.stage if f.stage is not None else max(predicted, key=lambda k: predicted[k])
+    value = float(f.value_gib or 0.0)
+    shift = value * GiB - predicted[stage]
+    a.measured_bound_gib = value
+    a.fragmentation_gib = f.reserved_unallocated_gib
+    what = (
+        f"out of memory at line {f.line_number}: {f.allocated_gib or 0.0:.2f} GiB allocated + "
+        f"{f.requested_gib or 0.0:.2f} GiB requested = {value:.2f} GiB, a lower bound on the peak of stage {stage} "
+        f"({f.stage_source}), where the model predicts {predicted[stage] / GiB:.2f} GiB"
+    )
+    if shift > p.offset:
+        p.offset, f.used = shift, True
+        a.measured_kind, a.measured_stage = "bound", stage
+        a.notes.append(f"{what}: every prediction shifted by {shift / GiB:+.2f} GiB")
+    else:
+        a.notes.append(f"{what}: already met by the shift above, kept")
+    a.notes.extend(measured.oom_notes(f, p.r.gpu.capacity_bytes / GiB, p.r.gpu.name, CUDA_CONTEXT_GIB))
+    if f.reserved_unallocated_gib is not None:
+        a.expandable_segments_gib = f.reserved_unallocated_gib
+
+
 def prepare(r: Resolved) -> Plan:
-    """The yardstick for one answer: margin, time settings, and the anchor from the user's own run."""
-    p = Plan(r, margin=r.inputs.margin if r.inputs.margin is not None else 0.05, time_kwargs=r.time_kwargs())
+    """The yardstick for one answer: margin, time settings, and the anchor from the user's own run.
+
+    Raises:
+        InputError: a measured_log that cannot be read or holds no figure.
+    """
+    margin = r.inputs.margin if r.inputs.margin is not None else DEFAULT_MARGIN
+    p = Plan(r, margin=margin, time_kwargs=r.time_kwargs())
     rate, source = r.cpu_adam_rate_source()
     host = _host_assumptions(r)  # gpus_per_node given as a flag is listed once, with the node's RAM beside it
     kept = [a for a in r.assumptions if a.name not in {h.name for h in host}]
     p.assumptions = [*kept, _rate_assumption(r, rate, source), _overhead_assumption(p), *host]
-    peak, step, notes = _measurements(r)
-    if peak is None and step is None and not r.inputs.ooms:
+    if not _measured_anything(r):
         p.assumptions += _baseline_assumptions(p)
         _freeze_efficiency(p)
         return p
     est = estimate_memory(r.model, r.setup)
-    predicted = float(est.worst.total)
-    a = Anchor(measured_peak_gib=peak, measured_step_s=step, predicted_peak_gib=round(predicted / GiB, 3), notes=notes)
-    if peak is not None:
-        p.offset = peak * GiB - predicted
-        a.notes.append(
-            f"measured peak {peak:.2f} GiB vs predicted {predicted / GiB:.2f} GiB at these settings: every "
-            f"prediction shifted by {p.offset / GiB:+.2f} GiB"
-        )
-    if r.inputs.ooms:
-        a.ooms = True
-        _anchor_oom(p, predicted, a)
-    if step is not None:
-        _anchor_step(p, est, step, a)
+    m = measured.measure(r, est)
+    predicted = {st.stage: float(st.total) for st in est.stages}
+    worst = float(est.worst.total)
+    a = Anchor(
+        measured_step_s=m.step_s,
+        predicted_peak_gib=round(worst / GiB, 3),
+        notes=list(m.notes),
+        figures=m.figures,
+        figures_omitted=m.omitted,
+    )
+    if m.point is not None:
+        _anchor_point(p, m, a)
+    if m.bound is not None:
+        _anchor_bound(p, m.bound, predicted, a)
+    if m.ooms:
+        p.ooms = a.ooms = True
+        _anchor_oom(p, worst, a)
+    if m.step_s is not None:
+        _anchor_step(p, est, m.step_s, a)
     a.memory_offset_gib = round(p.offset / GiB, 3)
     p.anchor = a
     p.assumptions += _baseline_assumptions(p)

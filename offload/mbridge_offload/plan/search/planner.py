@@ -160,7 +160,7 @@ def estimate(r: Resolved) -> Estimate:
     est = estimate_memory(r.model, r.setup, r.gpu.host_ram_gb)
     t = estimate_time(est, r.gpu, overlap=r.overlap, **p.time_kwargs)
     result = estimate_result(p, est, t)
-    if r.inputs.ooms:
+    if p.ooms:  # the ooms input, or an out-of-memory message in the measured log
         result.notes.append(_what_would_fit(p))
     return result
 
@@ -525,10 +525,11 @@ def _as_given(r: Resolved, without: MemoryEstimate, rationale: list[str]) -> Mem
 
 
 def _overlap(r: Resolved, s: Setup) -> bool:
-    """``overlap_cpu_optimizer_d2h_h2d`` for a proposal: the user's when set, else where the rule catalogue
-    advises it (OPT-OVERLAP's threshold, the same one ``apply`` uses)."""
+    """``overlap_cpu_optimizer_d2h_h2d`` for a proposal: one rule with ``apply`` and OPT-OVERLAP: on from
+    OPT-OVERLAP's threshold (``overlap_advised``: fraction >= 0.75) whatever the config says, as apply writes it;
+    below it, the user's setting when given, else off (megatron-core's default)."""
     from mbridge_offload.config.rules.optimizer import overlap_advised
 
-    if r.sources.get("overlap") in ("flag", "config", "argv"):
-        return bool(r.inputs.overlap)
-    return overlap_advised(s.optimizer_offload_fraction)
+    if overlap_advised(s.optimizer_offload_fraction):
+        return True
+    return bool(r.inputs.overlap) if r.sources.get("overlap") in ("flag", "config", "argv") else False
