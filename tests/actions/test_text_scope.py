@@ -176,8 +176,19 @@ ARGS_OFF = (
             "oom_partial_optimizer_offload",
             set(),
         ),
+        (
+            "optimizer:\n  optimizer_cpu_offload: true  # on\n  optimizer_offload_fraction: 0.5  # half\n",
+            "oom_partial_optimizer_offload",
+            set(),
+        ),
+        ('{"optimizer_cpu_offload": false, "cpu_offloading": false}\n', "oom_no_offload", set()),
+        (
+            "cfg: {'optimizer_cpu_offload': True, 'optimizer_offload_fraction': 1.0}\n",
+            "oom_full_optimizer_offload",
+            set(),
+        ),
     ],
-    ids=["all-off", "full", "partial", "activation", "bridge-yaml"],
+    ids=["all-off", "full", "partial", "activation", "bridge-yaml", "yaml-comments", "json", "dict-repr"],
 )
 def test_the_settings_a_log_states_decide_the_oom_reading(log: str, reading: str, ruled: set[str]) -> None:
     report = diagnose(log=log + OOM)

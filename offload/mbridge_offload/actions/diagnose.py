@@ -8,9 +8,14 @@ Two sources of knowledge:
   Transformer Engine ``get_cpu_offload_context`` TypeError, checkpoint-save assertions — each with a cause, a way
   to confirm it and a fix; the catalogue is data in :mod:`mbridge_offload.actions.failures`.
 
-With the config, matches are narrowed (an OOM with ``cpu_offloading`` on is the activation-offload OOM) and the
-validator's findings are added. With two configs, :func:`compare_configs` lists the offload-related keys that
-changed and the planner's predicted per-GPU memory before and after.
+Only statements count as symptoms (:mod:`mbridge_offload.actions.text_scope`): argument and config dumps, metric
+records and traceback frames name settings, metrics and code, and a symptom word counts for the quantity it
+describes. With the config, matches are narrowed (an OOM with ``cpu_offloading`` on is the activation-offload OOM)
+and the validator's findings are added; without one, the offload settings the text states decide. An OOM's,
+a slowdown's or a host OOM's fix is sized by the planner (:mod:`mbridge_offload.actions.diagnose_plan`): one of
+``recommend``'s ranked options for the config, with the text as evidence; without a config none is guessed. With
+two configs, :func:`compare_configs` lists the offload-related keys that changed and the planner's predicted
+per-GPU memory before and after, on the GPU and GPU count given.
 
 Example:
     >>> report = diagnose(error="Currently there is no support for Pipeline parallelism with CPU offloading")

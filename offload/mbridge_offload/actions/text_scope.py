@@ -46,13 +46,16 @@ _SCALAR = (
 # ``key: value`` (YAML, metric records; a section header has no value), ``key = value``. The key is a name, or a
 # few words of a metric ("elapsed time per iteration (ms)"); never an exception ("KeyError: 'x'" is a failure).
 _FIELD = re.compile(
-    r"^\s*(?:[-*]\s+)?(?P<key>[A-Za-z_][\w.\-/]*(?:[ \t]+[A-Za-z_(/][\w.\-/()]*){0,7}?)"
-    rf"\s*(?:\.{{2,}}\s*:?|:|=)\s*(?P<value>{_SCALAR})?\s*,?\s*$"
+    r"^\s*(?:[-*]\s+)?[\"']?(?P<key>[A-Za-z_][\w.\-/]*(?:[ \t]+[A-Za-z_(/][\w.\-/()]*){0,7}?)[\"']?"
+    rf"\s*(?:\.{{2,}}\s*:?|:|=)\s*(?P<value>{_SCALAR})?\s*,?\s*(?:#.*)?$"
 )
 _NOT_A_KEY = re.compile(r"(?:interrupt|exit|killed)\b|^(?:info|debug)$", re.I)
 # ``key=value`` inside a line: a dataclass repr, Hydra overrides, ``env=value`` (names with a '_' or '.' only, so
 # that prose such as "x=2" stays prose).
-_INLINE = re.compile(rf"(?<![\w.\-])(?P<key>[A-Za-z_][\w\-]*[._][\w.\-]*\w)\s*=\s*(?P<value>{_SCALAR})")
+_INLINE = re.compile(
+    rf"(?<![\w.\-])(?P<key>[A-Za-z_][\w\-]*[._][\w.\-]*\w)\s*=\s*(?P<value>{_SCALAR})|"
+    rf"[\"'](?P<dkey>[A-Za-z_][\w\-]*[._][\w.\-]*\w)[\"']\s*:\s*(?P<dvalue>{_SCALAR})"  # a dict's or JSON's item
+)
 # Megatron-LM flags stated on a command line: ``--optimizer-offload-fraction 0.5``, a bare ``--optimizer-cpu-offload``.
 _FLAG = re.compile(r"(?<![\w-])--(?P<key>[a-z][\w-]*)(?:[ =](?P<value>[-+]?\d+(?:\.\d+)?|true|false)\b)?", re.I)
 # What a log line starts with before its message: ``[rank3]:``, ``[2025-07-01 12:00:00]``, ``INFO:megatron.x:``.
@@ -143,13 +146,15 @@ def _read_segments(out: Scoped, chars: list[str], body: str, offset: int, start:
     pos = start
     for seg in body[start:].split("|"):
         hit = _FIELD.match(seg)
-        if hit and not _NOT_A_KEY.search(hit.group("key").strip()):
+        whole = bool(hit and not _NOT_A_KEY.search(hit.group("key").strip()))
+        if hit and whole:
             _blank(chars, offset + pos, offset + pos + len(seg))
             _state(out, hit.group("key"), hit.group("value") or "", body)
-        else:
-            for inline in _INLINE.finditer(seg):
+        for inline in _INLINE.finditer(seg):  # also inside a whole field's dict or repr value
+            if not whole:
                 _blank(chars, offset + pos + inline.start(), offset + pos + inline.end())
-                _state(out, inline.group("key"), inline.group("value"), body)
+            key = inline.group("key") or inline.group("dkey")
+            _state(out, key, inline.group("value") or inline.group("dvalue"), body)
         pos += len(seg) + 1
 
 
