@@ -286,10 +286,14 @@ def _ideas(scoped: Scoped, said: Stated | None) -> frozenset[str]:
 
 
 def _by_meaning(
-    scoped: Scoped, config: OffloadConfig | None, found: set[str], out_ruled: dict[str, RuledOut], said: Stated | None
+    scoped: Scoped,
+    ideas: frozenset[str],
+    config: OffloadConfig | None,
+    found: set[str],
+    out_ruled: dict[str, RuledOut],
+    said: Stated | None,
 ) -> list[Diagnosis]:
-    """Failure modes one of whose phrasings the text expresses (all of its ideas present)."""
-    ideas = _ideas(scoped, said)
+    """Failure modes one of whose phrasings the text expresses (all of its ideas, ``_ideas``, present)."""
     out = []
     for mode in KNOWN:
         if mode.id in found or mode.id in out_ruled or not mode.phrasings:
@@ -371,9 +375,9 @@ def match_and_exclude(text: str, config: OffloadConfig | None = None) -> tuple[l
         covered.update(EXPLAINS_RULES.get(mode.id, ()))
         matches.append(_diagnosis(mode, fix, _evidence_line(hit, scoped), "known", config))
     matches += _from_rules(scoped, covered)
-    matches += _by_meaning(scoped, config, {m.failure for m in matches}, ruled, said)
+    matches += _by_meaning(scoped, ideas, config, {m.failure for m in matches}, ruled, said)
     matches = _supersede(matches, ruled)
-    matches += _unattributed_oom(scoped, flat, config, matches)
+    matches += _unattributed_oom(scoped, ideas, flat, config, matches)
     # A config error explains a crash better than the generic symptoms that may also match its log.
     specific = [m for m in matches if not m.failure.startswith(("oom_", "slowdown", "host_oom", "no_saving"))]
     generic = [m for m in matches if m not in specific]
@@ -381,14 +385,14 @@ def match_and_exclude(text: str, config: OffloadConfig | None = None) -> tuple[l
 
 
 def _unattributed_oom(
-    scoped: Scoped, flat: str, config: OffloadConfig | None, matches: list[Diagnosis]
+    scoped: Scoped, ideas: frozenset[str], flat: str, config: OffloadConfig | None, matches: list[Diagnosis]
 ) -> list[Diagnosis]:
     """A GPU OOM no reading could take (no config, no mechanism in the text, or the readings the text showed are
     ruled out by the settings it states): say so, and guess no fix."""
     if config is not None or any(m.failure.startswith(("oom_", "host_oom")) for m in matches):
         return []
     hit = _pattern_hit(OOM_UNATTRIBUTED, scoped, flat)
-    if "oom" not in concepts(scoped.statement) and hit is None:
+    if "oom" not in ideas and hit is None:
         return []
     evidence = _evidence_line(hit, scoped) if hit else None
     return [_diagnosis(OOM_UNATTRIBUTED, [], evidence, "known" if hit else "meaning")]

@@ -21,6 +21,8 @@ sentence names no quantity at all). Plain Python: no torch.
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import re
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -83,6 +85,14 @@ class Scoped:
     statement: str  # the evidence with traceback frames blanked too: what ideas are read from
     settings: dict[str, Any] = field(default_factory=dict)  # the offload settings the text states
     setting_lines: dict[str, str] = field(default_factory=dict)  # setting -> the line that states it
+    _segments: list[tuple[int, str]] | None = field(default=None, repr=False)
+
+    @property
+    def segments(self) -> list[tuple[int, str]]:
+        """The statement's sentences (lines, ``|``/``;``-pieces, sentences) as (offset, text), computed once."""
+        if self._segments is None:
+            self._segments = _segments(self.statement)
+        return self._segments
 
 
 def _value(text: str | None) -> Any:
@@ -314,10 +324,9 @@ def attached(mode_id: str, scoped: Scoped, span: tuple[int, int] | None = None) 
     if mode_id not in ABOUT:
         return True
     about, symptoms = ABOUT[mode_id]
-    for offset, segment in _segments(scoped.statement):
-        end = offset + len(segment)
-        if span is not None and (span[1] <= offset or span[0] >= end):
-            continue
-        if _attaches(re.sub(r"\s", " ", segment), about, symptoms):
-            return True
-    return False
+    segments = scoped.segments
+    if span is not None:  # only the sentences the hit touches (a long log has many; find them by offset)
+        first = max(0, bisect.bisect_right(segments, (span[0], "\uffff")) - 1)
+        near = itertools.takewhile(lambda seg: seg[0] < span[1], segments[first:])
+        segments = [(o, t) for o, t in near if o + len(t) > span[0]]
+    return any(_attaches(re.sub(r"\s", " ", t), about, symptoms) for _o, t in segments)
