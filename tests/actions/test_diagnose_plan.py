@@ -16,7 +16,7 @@ from mbridge_offload.actions.failures import KNOWN
 from mbridge_offload.config.errors import InputError
 from mbridge_offload.config.sources import load
 from mbridge_offload.plan.inputs.fields import PlanInputs, group_of
-from mbridge_offload.plan.service import estimate_for_inputs
+from mbridge_offload.plan.service import estimate_for_inputs, recommend_for_inputs
 
 OOM = (
     "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 3.00 GiB. GPU 0 has a total capacity of 79.10 GiB "
@@ -270,3 +270,13 @@ def test_a_host_oom_takes_an_option_with_less_host_memory(tmp_path: Path) -> Non
     (host,) = [m for m in report.matches if m.failure == "host_oom"]
     given = estimate_for_inputs(load(str(path)).config, load(str(path)).raw, gpu="h100-80gb").host_peak_gb
     assert host.fix and next(o for o in report.options if o.overrides == host.fix).host_gb < given
+
+
+def test_the_options_are_recommends_for_the_same_config_and_evidence(tmp_path: Path) -> None:
+    path = _write(tmp_path, SFT_8B_16K)
+    planner = {"gpu": "h100-80gb", "num_gpus": 16}
+    report = _run(path, planner, error=OOM)
+    loaded = load(str(path))
+    rec = recommend_for_inputs(loaded.config, loaded.raw, loaded.source, **planner, measured_log=OOM + "\n", ooms=True)
+    assert [o.model_dump() for o in report.options] == [o.model_dump() for o in rec.options]
+    assert report.calibration == rec.calibration

@@ -182,7 +182,7 @@ def _why_none(reading: str, given: Estimate | None) -> str:
         return f"no setting the planner considers is faster than the config as given ({given.time_s.step:.2f} s)"
     if reading == "host_oom" and given is not None:
         return f"no setting that fits needs less host memory than the config as given ({given.host_peak_gb:.0f} GB)"
-    return "no setting the planner considers fits (recommend's suggestions say what would: more GPUs, PP, TP)"
+    return "no setting the planner considers fits"
 
 
 def size(readings: list[str], failing: Failing, planner: dict[str, Any], text: str, oom_line: str | None) -> Sizing:
@@ -226,6 +226,9 @@ def size(readings: list[str], failing: Failing, planner: dict[str, Any], text: s
         out.fixes[reading] = list(chosen.overrides) if chosen is not None else []
         if chosen is None:
             out.notes.append(f"{reading}: {_why_none(reading, given)} on {where}")
+            if reading in GPU_OOM:
+                hints = [f"what would fit: {s}" for s in rec.suggestions]
+                out.notes += [h for h in hints if h not in out.notes]
         else:
             out.notes.append(
                 f"{reading}: the fix is the planner's option {chosen.rank} on {where} ({chosen.why}); options[] "
