@@ -62,32 +62,28 @@ def test_oom_naming_both_offloads_without_config_lists_the_two_offload_readings(
     assert _ids(diagnose(error=text)) == ["oom_activation_offload", "oom_partial_optimizer_offload"]
 
 
-def test_oom_with_activation_offload_config_points_to_optimizer_offload(tmp_path: Path) -> None:
-    cfg = load(
+def test_oom_with_activation_offload_config_takes_the_planners_first_option(tmp_path: Path) -> None:
+    loaded = load(
         str(
             _yaml(
                 tmp_path,
                 "act.yaml",
-                "model:\n  num_layers: 48\n  cpu_offloading: true\n  cpu_offloading_num_layers: 24\n",
+                "model:\n  seq_length: 16384\n  cpu_offloading: true\n  cpu_offloading_num_layers: 2\n",
             )
         )
-    ).config
-    report = diagnose(error=OOM, config=cfg)
+    )
+    report = diagnose(error=OOM, config=loaded.config, raw=loaded.raw, planner={"model": "llama3-8b", "gpu": "b200"})
     assert _ids(report) == ["oom_activation_offload"]
-    assert "optimizer.optimizer_cpu_offload=true" in report.matches[0].fix
+    assert report.matches[0].fix == next(o.overrides for o in report.options if o.fits and not o.alternative)
 
 
-def test_oom_at_partial_optimizer_offload_raises_the_fraction(tmp_path: Path) -> None:
-    cfg = load(
-        str(
-            _yaml(
-                tmp_path, "opt.yaml", "optimizer:\n  optimizer_cpu_offload: true\n  optimizer_offload_fraction: 0.25\n"
-            )
-        )
-    ).config
-    report = diagnose(error=OOM, config=cfg)
+def test_oom_at_partial_optimizer_offload_is_sized_by_the_planner_not_raised_by_a_step(tmp_path: Path) -> None:
+    body = "model:\n  seq_length: 8192\noptimizer:\n  optimizer_cpu_offload: true\n  optimizer_offload_fraction: 0.25\n"
+    loaded = load(str(_yaml(tmp_path, "opt.yaml", body)))
+    report = diagnose(error=OOM, config=loaded.config, raw=loaded.raw, planner={"model": "qwen3-8b"})
     assert _ids(report) == ["oom_partial_optimizer_offload"]
-    assert "optimizer.optimizer_offload_fraction=0.5" in report.matches[0].fix
+    assert report.matches[0].fix in [o.overrides for o in report.options]
+    assert "optimizer.optimizer_offload_fraction=0.5" not in report.matches[0].fix
 
 
 def test_slowdown_at_full_offload_lowers_the_fraction(tmp_path: Path) -> None:
@@ -299,7 +295,10 @@ def test_nothing_matched_lists_the_closest_modes() -> None:
 def test_report_is_one_pydantic_schema() -> None:
     report = diagnose(error="GPU memory did not go down")
     data = report.model_dump(mode="json")
-    assert set(data) == {"matches", "ruled_out", "findings", "comparison", "closest", "needs", "notes", "effective"}
+    assert set(data) == {
+        *("matches", "ruled_out", "findings", "comparison", "closest", "needs", "notes", "effective"),
+        *("options", "assumptions", "calibration"),
+    }
     assert data["matches"][0]["source"] == "meaning"
 
 

@@ -86,13 +86,28 @@ def test_recommend_and_its_fallback_write_overlap_as_the_rule_says(gpu_memory_gb
     assert checked >= 1, (rec.mode, written)
 
 
-@pytest.mark.parametrize("fraction", [f for f in FRACTIONS if f < 1.0])  # at 1.0 no fraction is left to raise
-def test_diagnose_oom_fix_raises_the_fraction_with_overlap_as_the_rule_says(tmp_path: Path, fraction: float) -> None:
-    cfg = load(str(_config(tmp_path, fraction))).config
-    top = diagnose(error=OOM, config=cfg).matches[0]
-    assert top.failure == "oom_partial_optimizer_offload"
-    new = float(next(f for f in top.fix if "optimizer_offload_fraction=" in f).split("=")[1])
-    assert new > fraction and _overlap_in(top.fix) is overlap_advised(new)
+@pytest.mark.parametrize("fraction", FRACTIONS)
+def test_diagnose_oom_fix_is_the_planners_option_with_overlap_as_the_rule_says(tmp_path: Path, fraction: float) -> None:
+    path = tmp_path / "run.yaml"
+    path.write_text(
+        "model:\n  seq_length: 1024\noptimizer:\n  use_distributed_optimizer: true\n  optimizer_cpu_offload: true\n"
+        f"  optimizer_offload_fraction: {fraction}\n",
+        encoding="utf-8",
+    )
+    loaded = load(str(path))
+    report = diagnose(error=OOM, config=loaded.config, raw=loaded.raw, planner={"model": "llama3-8b", "num_gpus": 2})
+    top = report.matches[0]
+    assert top.failure in ("oom_partial_optimizer_offload", "oom_full_optimizer_offload")
+    assert top.fix in [o.overrides for o in report.options]  # the planner's, never a fraction of diagnose's own
+    fractions = [
+        (overrides, float(f.split("=")[1]))
+        for overrides in (o.overrides for o in report.options)
+        for f in overrides
+        if "optimizer_offload_fraction=" in f
+    ]
+    assert fractions  # this setup's options raise the fraction: the check below has something to check
+    for overrides, new in fractions:
+        assert _overlap_in(overrides) is overlap_advised(new), overrides
 
 
 @pytest.mark.parametrize("fraction", FRACTIONS)
@@ -105,12 +120,12 @@ def test_diagnose_slowdown_fix_lowers_the_fraction_with_overlap_as_the_rule_says
     assert _overlap_in(top.fix) is overlap_advised(new)
 
 
-def test_diagnose_switch_to_optimizer_offload_follows_the_rule(tmp_path: Path) -> None:
-    path = tmp_path / "act.yaml"
-    path.write_text("model:\n  num_layers: 8\n  cpu_offloading: true\n  cpu_offloading_num_layers: 2\n")
-    top = diagnose(error=OOM, config=load(str(path)).config).matches[0]
+def test_diagnose_pp_error_switch_to_optimizer_offload_follows_the_rule() -> None:
+    top = diagnose(
+        error="ValueError: Currently there is no support for Pipeline parallelism with CPU offloading"
+    ).matches[0]
     new = float(next(f for f in top.fix if "optimizer_offload_fraction=" in f).split("=")[1])
-    assert top.failure == "oom_activation_offload" and _overlap_in(top.fix) is overlap_advised(new)
+    assert top.failure == "pp_constraint" and _overlap_in(top.fix) is overlap_advised(new)
 
 
 @pytest.mark.parametrize("doc", ["docs/mcp.md", "SKILL.md", "card.yaml"])

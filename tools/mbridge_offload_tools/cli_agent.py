@@ -110,7 +110,10 @@ def _add_diagnose(sub: Any) -> None:
         help="explain an offload failure from an error message or log",
         description="Match an error message or log against the known offload failure modes: the cause, how to "
         "confirm it (a check, kept apart from the fix), and the fix as overrides; when the text cannot decide, what "
-        "to pass. With --before/--after it lists the offload keys that changed and the predicted memory change.",
+        "to pass. With --config, the fix of an OOM, a slowdown or a host OOM is one of the planner's ranked options "
+        "for that config (as recommend gives them, on --gpu/--num-gpus, with the text as the measured log); never a "
+        "guessed fraction. With --before/--after it lists the offload keys that changed and the predicted memory "
+        "change on that GPU and count.",
     )
     p.add_argument("--log", help="log file")
     p.add_argument("--error", help="error text")
@@ -118,7 +121,24 @@ def _add_diagnose(sub: Any) -> None:
     p.add_argument("--before", help="config before the change")
     p.add_argument("--after", help="config after the change")
     p.add_argument("--json", action="store_true", help="print exactly one JSON object")
+    _add_planner_inputs(p)
     p.set_defaults(handler=cmd_diagnose)
+
+
+def _add_planner_inputs(p: argparse.ArgumentParser) -> None:
+    """diagnose's planner inputs as flags, generated from ``PlanInputs`` as estimate's are (one declaration)."""
+    from mbridge_offload.actions.diagnose_plan import input_names
+    from mbridge_offload.plan.inputs.fields import PlanInputs, flag_name, help_text
+    from mbridge_offload_tools.cli_plan import arg_kind
+
+    group = p.add_argument_group(
+        "planner inputs",
+        "size the fix of an OOM, slowdown or host OOM with the config (as estimate and recommend take them); the "
+        "error/log text is the measured log unless --measured-log is given, and an OOM in it sets --ooms",
+    )
+    for name in input_names():
+        info = PlanInputs.model_fields[name]
+        group.add_argument(flag_name(name), dest=name, default=None, help=help_text(name), **arg_kind(info.annotation))
 
 
 def _add_serve(sub: Any) -> None:
@@ -262,6 +282,12 @@ def _human_diagnose(d: dict[str, Any]) -> str:
             lines.append("  fix:     not a config key; the steps below")
         lines += [f"  also:    {a}" for a in m["actions"]]
     lines += [f"to decide, pass: {n}" for n in d.get("needs", [])]
+    if d.get("options"):
+        from mbridge_offload_tools.cli_plan import option_lines
+
+        lines.append("options (the planner's, ranked by step time among those that fit; apply --option N writes one):")
+        lines += option_lines(d["options"])
+    lines += _planner_lines(d)
     for f in d["findings"]:
         lines.append(f"{f['severity']}: {f['rule']}: {f['message']}")
     if d.get("comparison"):
@@ -279,6 +305,20 @@ def _human_diagnose(d: dict[str, Any]) -> str:
             lines.append(d["comparison"]["memory_note"])
     lines += d["notes"]
     return "\n".join(lines) or "no known failure matched"
+
+
+def _planner_lines(d: dict[str, Any]) -> list[str]:
+    """The GPU, GPU count and evidence the planner used, with their sources (every input: --json assumptions)."""
+    said = {a["name"]: a for a in d.get("assumptions", [])}
+    if "gpu" not in said or "num_gpus" not in said:
+        return []
+    gpu, count = said["gpu"], said["num_gpus"]
+    lines = [
+        f"sized on {count['value']} x {gpu['value']} (GPU count: {count['source']}, GPU: {gpu['source']}); every "
+        "input with its source is in --json assumptions"
+    ]
+    lines += [f"evidence: {n}" for n in (d.get("calibration") or {}).get("notes", [])]
+    return lines
 
 
 def cmd_diagnose(args: argparse.Namespace) -> int:
@@ -300,6 +340,8 @@ def cmd_diagnose(args: argparse.Namespace) -> int:
         after = load(args.after) if args.after else None
     except ConfigError as exc:
         raise UsageError(str(exc)) from None
+    from mbridge_offload.actions.diagnose_plan import input_names
+
     report = diagnose(
         error=args.error,
         log=log,
@@ -308,6 +350,7 @@ def cmd_diagnose(args: argparse.Namespace) -> int:
         before=before,
         after=after,
         source=cfg.source if cfg else None,
+        planner={name: getattr(args, name) for name in input_names()},
     )
     emit(report.model_dump(mode="json"), args.json, _human_diagnose)
     return EXIT_OK

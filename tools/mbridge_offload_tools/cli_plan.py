@@ -15,7 +15,7 @@ from typing import Any
 from mbridge_offload_tools.common import EXIT_OK, UsageError, emit
 
 
-def _arg_kind(annotation: Any) -> dict[str, Any]:
+def arg_kind(annotation: Any) -> dict[str, Any]:
     """argparse keywords for a ``PlanInputs`` field type (``X | None``, bool, Literal, list[str], int, float)."""
     args = [a for a in typing.get_args(annotation) if a is not type(None)] or [annotation]
     kind = args[0]
@@ -38,7 +38,7 @@ def add_plan_inputs(p: argparse.ArgumentParser, exclude: frozenset[str] = frozen
         if name in exclude:
             continue
         groups[group_of(name)].add_argument(
-            flag_name(name), dest=name, default=None, help=help_text(name), **_arg_kind(info.annotation)
+            flag_name(name), dest=name, default=None, help=help_text(name), **arg_kind(info.annotation)
         )
 
 
@@ -246,17 +246,7 @@ def _human_recommend(d: dict[str, Any]) -> str:
             f"options (ranked by step time among those that fit; x = step time over the config as given; "
             f"comfortable = at least {d['headroom_gib']:.1f} GiB free; apply --option N writes one):"
         )
-        for o in d["options"]:
-            flags = [f for f, on in (("alternative", o["alternative"]), ("changes layout", o["changes_layout"])) if on]
-            mark = f" [{', '.join(flags)}]" if flags else ""
-            lines.append(
-                f"  {o['rank']}. x{o['step_time_factor']:.2f} ({o['step_time_s']:.2f} s), "
-                f"{o['memory_gib']['total']:.1f} GiB, {o['margin_gib']:.1f} GiB free, "
-                f"host {o['host_gb']:.0f} GB/GPU ({o['host_gb_per_node']:.0f} GB/node), "
-                f"{'fits' if o['fits'] else 'DOES NOT FIT'}{' (comfortable)' if o['comfortable'] else ''}{mark}"
-            )
-            lines.append(f"     {o['why']}")
-            lines += [f"     {c['key']}={json.dumps(c['value'])}" for c in o["changes"]]
+        lines += option_lines(d["options"])
     if d.get("fallback"):
         f = d["fallback"]
         lines.append(
@@ -265,6 +255,23 @@ def _human_recommend(d: dict[str, Any]) -> str:
         )
         lines += [f"  {o}" for o in f["overrides"]]
     return "\n".join([*lines, f"unit: {d['unit']}", *_assumption_lines(d)])
+
+
+def option_lines(options: list[dict[str, Any]]) -> list[str]:
+    """The ranked options, one block each (recommend's and diagnose's human output)."""
+    lines = []
+    for o in options:
+        flags = [f for f, on in (("alternative", o["alternative"]), ("changes layout", o["changes_layout"])) if on]
+        mark = f" [{', '.join(flags)}]" if flags else ""
+        lines.append(
+            f"  {o['rank']}. x{o['step_time_factor']:.2f} ({o['step_time_s']:.2f} s), "
+            f"{o['memory_gib']['total']:.1f} GiB, {o['margin_gib']:.1f} GiB free, "
+            f"host {o['host_gb']:.0f} GB/GPU ({o['host_gb_per_node']:.0f} GB/node), "
+            f"{'fits' if o['fits'] else 'DOES NOT FIT'}{' (comfortable)' if o['comfortable'] else ''}{mark}"
+        )
+        lines.append(f"     {o['why']}")
+        lines += [f"     {c['key']}={json.dumps(c['value'])}" for c in o["changes"]]
+    return lines
 
 
 def run_recommend(args: argparse.Namespace) -> int:

@@ -524,28 +524,43 @@ def run_unit_tests(
     return result
 
 
-@mcp.tool(
-    title="Diagnose an offload failure",
-    annotations=ToolAnnotations(
-        read_only_hint=True, destructive_hint=False, idempotent_hint=True, open_world_hint=False
-    ),
-)
-@guard.guarded()
-def diagnose_failure(
-    error: Annotated[str | None, Field(description="the error message or traceback")] = None,
-    log: Annotated[str | None, Field(description="a log excerpt around the failure")] = None,
-    config: Annotated[str | None, Field(description="the failing run's config (path or text)")] = None,
-    before: Annotated[str | None, Field(description="config before the change that broke the run")] = None,
-    after: Annotated[str | None, Field(description="config after that change")] = None,
-) -> DiagnoseReport:
+def _diagnose_parameters() -> list[inspect.Parameter]:
+    """diagnose_failure's parameters: its texts and configs, then the planner inputs it takes (generated from
+    ``PlanInputs`` like estimate_memory's, the subset ``diagnose_plan.input_names`` names)."""
+    from mbridge_offload.actions.diagnose_plan import input_names
+
+    kw = inspect.Parameter.KEYWORD_ONLY
+
+    def text(name: str, description: str) -> inspect.Parameter:
+        return inspect.Parameter(
+            name, kw, default=None, annotation=Annotated[str | None, Field(description=description)]
+        )
+
+    own = [
+        text("error", "the error message or traceback"),
+        text("log", "a log excerpt around the failure"),
+        text("config", "the failing run's config (path or text)"),
+        text("before", "config before the change that broke the run"),
+        text("after", "config after that change"),
+    ]
+    names = set(input_names())
+    return own + [p for p in _plan_parameters() if p.name in names]
+
+
+def diagnose_failure(**kwargs: Any) -> DiagnoseReport:
     """Match an error or log against the known offload failure modes: cause, how to confirm, fix as overrides.
 
     A confirming experiment (e.g. resuming without the optimizer state) is in confirm / confirm_overrides, never in
-    fix. When the text cannot decide (a bare CUDA OOM and no config), needs says what to pass. With before/after
-    configs it also lists the offload keys that changed and the predicted memory change.
+    fix. When the text cannot decide (a bare CUDA OOM and no config), needs says what to pass. With a config, an OOM,
+    slowdown or host-OOM fix is one of the planner's ranked options (options[], sized on gpu / num_gpus with the
+    text as measured_log and an OOM in it as ooms; assumptions lists every input with its source), never a guessed
+    fraction. With before/after configs it also lists the offload keys that changed and the predicted memory change
+    on that GPU and count.
     """
     from mbridge_offload.actions.diagnose import diagnose
+    from mbridge_offload.actions.diagnose_plan import input_names
 
+    error, log, config, before, after = (kwargs.get(k) for k in ("error", "log", "config", "before", "after"))
     if not any((error, log, config, before, after)):
         raise ToolError(
             "nothing to diagnose: pass error (the message), log (an excerpt), and/or config, or "
@@ -560,7 +575,7 @@ def diagnose_failure(
 
     cap = max_bytes()  # like the CLI's --log: the tail of a huge log or error text, where the failure is
     error, log = (error[-cap:] if error else error), (log[-cap:] if log else log)
-    report = diagnose(
+    return diagnose(
         error=error,
         log=log,
         config=loaded.config if loaded else None,
@@ -568,8 +583,19 @@ def diagnose_failure(
         before=b,  # loaded: raw dict and source kept, read as estimate reads them
         after=a,
         source=loaded.source if loaded else None,
+        planner={name: kwargs.get(name) for name in input_names()},
     )
-    return report
+
+
+diagnose_failure.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
+    _diagnose_parameters(), return_annotation=DiagnoseReport
+)
+mcp.tool(
+    title="Diagnose an offload failure",
+    annotations=ToolAnnotations(
+        read_only_hint=True, destructive_hint=False, idempotent_hint=True, open_world_hint=False
+    ),
+)(guard.guarded()(diagnose_failure))
 
 
 # The picture tool lives in its own module (mbridge_offload_tools.plot.tool) with the planner tools' parameters.

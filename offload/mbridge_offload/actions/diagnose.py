@@ -8,9 +8,14 @@ Two sources of knowledge:
   Transformer Engine ``get_cpu_offload_context`` TypeError, checkpoint-save assertions — each with a cause, a way
   to confirm it and a fix; the catalogue is data in :mod:`mbridge_offload.actions.failures`.
 
-With the config, matches are narrowed (an OOM with ``cpu_offloading`` on is the activation-offload OOM) and the
-validator's findings are added. With two configs, :func:`compare_configs` lists the offload-related keys that
-changed and the planner's predicted per-GPU memory before and after.
+Only statements count as symptoms (:mod:`mbridge_offload.actions.text_scope`): argument and config dumps, metric
+records and traceback frames name settings, metrics and code, and a symptom word counts for the quantity it
+describes. With the config, matches are narrowed (an OOM with ``cpu_offloading`` on is the activation-offload OOM)
+and the validator's findings are added; without one, the offload settings the text states decide. An OOM's,
+a slowdown's or a host OOM's fix is sized by the planner (:mod:`mbridge_offload.actions.diagnose_plan`): one of
+``recommend``'s ranked options for the config, with the text as evidence; without a config none is guessed. With
+two configs, :func:`compare_configs` lists the offload-related keys that changed and the planner's predicted
+per-GPU memory before and after, on the GPU and GPU count given.
 
 Example:
     >>> report = diagnose(error="Currently there is no support for Pipeline parallelism with CPU offloading")
@@ -29,12 +34,16 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
+from mbridge_offload.actions import diagnose_plan as sizing
 from mbridge_offload.actions.failures import CONCEPTS, EXPLAINS_RULES, KNOWN, OOM_UNATTRIBUTED, FailureMode
+from mbridge_offload.actions.text_scope import Scoped, Stated, attached, numeric_changes, scope, stated, verdict
 from mbridge_offload.config import effective as effective_config
 from mbridge_offload.config import parallel_sizes
 from mbridge_offload.config.effective import EffectiveValue
 from mbridge_offload.config.schema import OFFLOAD_KEYS, RELATED_KEYS, OffloadConfig
 from mbridge_offload.config.sources import LoadedConfig
+from mbridge_offload.plan.inputs.resolve import Assumption
+from mbridge_offload.plan.results import Anchor, Option
 
 # A config to diagnose: loaded (raw dict and source known: the same reading as every other tool), or only typed.
 AnyConfig = OffloadConfig | LoadedConfig
@@ -106,6 +115,15 @@ class DiagnoseReport(BaseModel):
         description="the one effective config of config (else of after): dotted key → {value, source}, identical "
         "to validate's and estimate's for the same file",
     )
+    options: list[Option] = Field(
+        [],
+        description="with a config and an OOM, slowdown or host-OOM reading: recommend's ranked options for that "
+        "config, sized with the text as evidence; each sized reading's fix is one of them",
+    )
+    assumptions: list[Assumption] = Field(
+        [], description="every input the planner used (GPU, GPU count, evidence...) with its source"
+    )
+    calibration: Anchor | None = Field(None, description="how the text's measurements anchored the planner")
 
 
 # ---------------------------------------------------------------------------------------------- matching
@@ -119,6 +137,11 @@ def _line_around(text: str, start: int, end: int) -> str:
     left = text.rfind("\n", 0, start) + 1
     right = text.find("\n", end)
     return text[left : right if right != -1 else len(text)].strip()[:300]
+
+
+def _evidence_line(hit: re.Match[str], scoped: Scoped) -> str:
+    """The line of a pattern's hit as the user wrote it (the fields blanked for matching are shown again)."""
+    return _line_around(scoped.text if hit.string is scoped.evidence else hit.string, hit.start(), hit.end())
 
 
 def _template_regex(template: str) -> str:
@@ -162,18 +185,18 @@ def _format_fix(templates: tuple[str, ...] | None, values: dict[str, Any]) -> li
     return fixes
 
 
-def _from_rules(text: str, covered: set[str]) -> list[Diagnosis]:
+def _from_rules(scoped: Scoped, covered: set[str]) -> list[Diagnosis]:
     found: list[Diagnosis] = []
     seen: set[str] = set(covered)
-    flat = _normalise(text)
+    flat = _normalise(scoped.evidence)
     for rule, regex in _rule_modes():
         if rule.id in seen:
             continue
-        hit = regex.search(text) or regex.search(flat)
+        hit = regex.search(scoped.evidence) or regex.search(flat)
         if not hit:
             continue
         seen.add(rule.id)
-        evidence = _line_around(hit.string, hit.start(), hit.end())
+        evidence = _evidence_line(hit, scoped)
         found.append(
             Diagnosis(
                 failure=rule.id,
@@ -215,9 +238,11 @@ def _concept_regexes() -> dict[str, re.Pattern[str]]:
 
 
 def concepts(text: str) -> frozenset[str]:
-    """The ideas (``failures.CONCEPTS``) a text expresses, whatever its wording."""
+    """The ideas (``failures.CONCEPTS``) a text expresses, whatever its wording (and a change told in numbers,
+    "from 1.2 s to 5.1 s", as an increase or a decrease)."""
     flat = _normalise(text.replace("’", "'"))
-    return frozenset(name for name, regex in _concept_regexes().items() if regex.search(flat))
+    words = {name for name, regex in _concept_regexes().items() if regex.search(flat)}
+    return frozenset(words | {idea for _a, _b, idea in numeric_changes(flat)})
 
 
 @cache
@@ -236,30 +261,53 @@ def exclusion(mode: FailureMode, config: OffloadConfig | None) -> str | None:
     return None
 
 
-def _offered(mode: FailureMode, config: OffloadConfig | None, ideas: frozenset[str]) -> bool:
+def _offered(mode: FailureMode, config: OffloadConfig | None, ideas: frozenset[str], said: Stated | None) -> bool:
     """Whether ``mode`` is a reading at all: with a config its conditions decide (``exclusion``); without one the
-    text must show the mechanism (``FailureMode.shows``), never only the symptom."""
+    settings the text states decide (``text_scope.verdict``), else the text must show the mechanism
+    (``FailureMode.shows``), never only the symptom."""
     if config is not None:
         return True
-    return mode.without_config and (not mode.shows or bool(ideas & set(mode.shows)))
+    stated_verdict = verdict(mode.id, said) if said is not None else None
+    if stated_verdict is not None:
+        return True  # offered, or shown and then ruled out by the stated settings (``_excluded``)
+    return mode.without_config and set(mode.shows) <= ideas
 
 
-def _by_meaning(text: str, config: OffloadConfig | None, found: set[str], out_ruled: dict[str, RuledOut]):
-    """Failure modes one of whose phrasings the text expresses (all of its ideas present)."""
-    ideas = concepts(text)
+def _excluded(mode: FailureMode, config: OffloadConfig | None, said: Stated | None) -> str | None:
+    """Why the config, or without one the settings the text states, exclude ``mode`` (None: still possible)."""
+    if config is not None:
+        return exclusion(mode, config)
+    found = verdict(mode.id, said) if said is not None else None
+    return found[1] if found is not None and not found[0] else None
+
+
+def _ideas(scoped: Scoped, said: Stated | None) -> frozenset[str]:
+    """The ideas the statements express, and the mechanisms the stated settings switch on."""
+    return concepts(scoped.statement) | (said.ideas if said is not None else frozenset())
+
+
+def _by_meaning(
+    scoped: Scoped,
+    ideas: frozenset[str],
+    config: OffloadConfig | None,
+    found: set[str],
+    out_ruled: dict[str, RuledOut],
+    said: Stated | None,
+) -> list[Diagnosis]:
+    """Failure modes one of whose phrasings the text expresses (all of its ideas, ``_ideas``, present)."""
     out = []
     for mode in KNOWN:
         if mode.id in found or mode.id in out_ruled or not mode.phrasings:
             continue
-        if not _offered(mode, config, ideas):
+        if not _offered(mode, config, ideas, said):
             continue
         phrasing = next((p for p in mode.phrasings if _phrasing_concepts(p) <= ideas), None)
-        if phrasing is None:
+        if phrasing is None or not attached(mode.id, scoped):
             continue
-        if reason := exclusion(mode, config):
+        if reason := _excluded(mode, config, said):
             out_ruled[mode.id] = RuledOut(failure=mode.id, title=mode.title, reason=reason)
             continue
-        fix = list(mode.fix(config, _whole(text)) if callable(mode.fix) else mode.fix)
+        fix = list(mode.fix(config, _whole(scoped.text)) if callable(mode.fix) else mode.fix)
         out.append(_diagnosis(mode, fix, f"reads as: {phrasing!r}", "meaning", config))
     return out
 
@@ -267,7 +315,7 @@ def _by_meaning(text: str, config: OffloadConfig | None, found: set[str], out_ru
 def closest_modes(text: str, n: int = 3) -> list[Closest]:
     """The ``n`` failure modes whose phrasings share the most ideas with the text, counting only phrasings that
     share at least one idea of the mechanism (not only incidental words such as "step" or "jump")."""
-    ideas = concepts(text)
+    ideas = concepts(scope(text).statement)
     scored = []
     for mode in KNOWN:
         best = max(
@@ -283,11 +331,15 @@ def closest_modes(text: str, n: int = 3) -> list[Closest]:
     return sorted(scored, key=lambda c: -c.score)[:n]
 
 
-def _pattern_hit(mode: FailureMode, text: str, flat: str) -> re.Match[str] | None:
+def _pattern_hit(mode: FailureMode, scoped: Scoped, flat: str) -> re.Match[str] | None:
+    """The first hit of a pattern outside the text's fields whose symptom is about the mode's quantity."""
     for pattern in mode.patterns:
-        hit = re.search(pattern, text, re.IGNORECASE) or re.search(pattern, flat, re.IGNORECASE)
-        if hit:
-            return hit
+        for hit in re.finditer(pattern, scoped.evidence, re.IGNORECASE):
+            if attached(mode.id, scoped, hit.span()):
+                return hit
+        wrapped = re.search(pattern, flat, re.IGNORECASE)  # a message wrapped over lines
+        if wrapped and attached(mode.id, scoped):
+            return wrapped
     return None
 
 
@@ -304,43 +356,46 @@ def _supersede(matches: list[Diagnosis], ruled: dict[str, RuledOut]) -> list[Dia
 
 def match_and_exclude(text: str, config: OffloadConfig | None = None) -> tuple[list[Diagnosis], list[RuledOut]]:
     """The known failure modes the text shows (most specific first), and those the config rules out."""
-    text = text or ""
-    flat = _normalise(text)
+    scoped = scope(text or "")
+    flat = _normalise(scoped.evidence)
+    said = stated(scoped) if config is None else None
     matches: list[Diagnosis] = []
     ruled: dict[str, RuledOut] = {}
     covered: set[str] = set()
-    ideas = concepts(text)
+    ideas = _ideas(scoped, said)
     for mode in KNOWN:
-        if not _offered(mode, config, ideas):
+        if not _offered(mode, config, ideas, said):
             continue
-        hit = _pattern_hit(mode, text, flat)
+        hit = _pattern_hit(mode, scoped, flat)
         if hit is None:
             continue
-        if reason := exclusion(mode, config):
+        if reason := _excluded(mode, config, said):
             ruled[mode.id] = RuledOut(failure=mode.id, title=mode.title, reason=reason)
             continue
         fix = list(mode.fix(config, hit)) if callable(mode.fix) else list(mode.fix)
-        evidence = _line_around(hit.string, hit.start(), hit.end())
         covered.update(EXPLAINS_RULES.get(mode.id, ()))
-        matches.append(_diagnosis(mode, fix, evidence, "known", config))
-    matches += _from_rules(text, covered)
-    matches += _by_meaning(text, config, {m.failure for m in matches}, ruled)
+        matches.append(_diagnosis(mode, fix, _evidence_line(hit, scoped), "known", config))
+    matches += _from_rules(scoped, covered)
+    matches += _by_meaning(scoped, ideas, config, {m.failure for m in matches}, ruled, said)
     matches = _supersede(matches, ruled)
-    matches += _unattributed_oom(text, flat, config, matches)
+    matches += _unattributed_oom(scoped, ideas, flat, config, matches)
     # A config error explains a crash better than the generic symptoms that may also match its log.
     specific = [m for m in matches if not m.failure.startswith(("oom_", "slowdown", "host_oom", "no_saving"))]
     generic = [m for m in matches if m not in specific]
     return specific + generic, list(ruled.values())
 
 
-def _unattributed_oom(text: str, flat: str, config: OffloadConfig | None, matches: list[Diagnosis]) -> list[Diagnosis]:
-    """A GPU OOM no reading could take (no config, no mechanism in the text): say so, and guess no fix."""
+def _unattributed_oom(
+    scoped: Scoped, ideas: frozenset[str], flat: str, config: OffloadConfig | None, matches: list[Diagnosis]
+) -> list[Diagnosis]:
+    """A GPU OOM no reading could take (no config, no mechanism in the text, or the readings the text showed are
+    ruled out by the settings it states): say so, and guess no fix."""
     if config is not None or any(m.failure.startswith(("oom_", "host_oom")) for m in matches):
         return []
-    if "oom" not in concepts(text) and _pattern_hit(OOM_UNATTRIBUTED, text, flat) is None:
+    hit = _pattern_hit(OOM_UNATTRIBUTED, scoped, flat)
+    if "oom" not in ideas and hit is None:
         return []
-    hit = _pattern_hit(OOM_UNATTRIBUTED, text, flat)
-    evidence = _line_around(hit.string, hit.start(), hit.end()) if hit else None
+    evidence = _evidence_line(hit, scoped) if hit else None
     return [_diagnosis(OOM_UNATTRIBUTED, [], evidence, "known" if hit else "meaning")]
 
 
@@ -358,16 +413,14 @@ def _parts(config: AnyConfig) -> tuple[OffloadConfig, dict[str, Any] | None, str
     return config, None, None
 
 
-def _memory(config: AnyConfig) -> dict[str, Any]:
-    """The planner's per-GPU memory estimate for a config (worst pipeline stage), host memory and step time.
+def _memory(config: AnyConfig, planner: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The planner's per-GPU memory estimate for a config (worst pipeline stage), host memory and step time, on
+    the caller's GPU and GPU count (``planner``: diagnose's planner inputs).
 
     Raises:
         ValueError / KeyError: the config lacks the model sizes the estimator needs.
     """
-    from mbridge_offload.plan.service import estimate_for_inputs
-
-    typed, raw, source = _parts(config)
-    est = estimate_for_inputs(typed, raw, source)  # `estimate`'s own path, with the raw dict: the same GiB
+    est = sizing.estimate(sizing.Failing(*_parts(config)), planner or {})  # `estimate`'s own path: the same GiB
     return {
         "memory_gb": est.memory_gb.model_dump(),
         "memory_gib": est.memory_gib.model_dump(),
@@ -376,6 +429,7 @@ def _memory(config: AnyConfig) -> dict[str, Any]:
         "gpu": est.gpu,
         "num_gpus": est.num_gpus,
         "unit": est.unit,
+        "assumptions": est.assumptions,
     }
 
 
@@ -384,11 +438,12 @@ def _effective(config: AnyConfig) -> effective_config.Effective:
     return effective_config.resolve(typed, raw, source=source)
 
 
-def compare_configs(before: AnyConfig, after: AnyConfig) -> dict[str, Any]:
+def compare_configs(before: AnyConfig, after: AnyConfig, planner: dict[str, Any] | None = None) -> dict[str, Any]:
     """The offload-related keys whose effective values differ, and the predicted per-GPU memory change.
 
     Pass :class:`LoadedConfig` objects (``sources.load``) so that keys a file does not write take the same defaults
-    as in ``estimate``; a bare ``OffloadConfig`` counts every value as written.
+    as in ``estimate``; a bare ``OffloadConfig`` counts every value as written. ``planner`` holds the GPU, the GPU
+    count and the other planner inputs both sides are sized with (as ``estimate`` takes them).
     """
     old, new = _effective(before).values, _effective(after).values
     changed = [
@@ -398,7 +453,7 @@ def compare_configs(before: AnyConfig, after: AnyConfig) -> dict[str, Any]:
     ]
     out: dict[str, Any] = {"changed": changed}
     try:
-        mem_before, mem_after = _memory(before), _memory(after)
+        mem_before, mem_after = _memory(before, planner), _memory(after, planner)
     except (ValueError, KeyError, TypeError) as exc:  # e.g. no model sizes: say so, keep the diagnosis
         out["memory_note"] = f"memory prediction unavailable: {str(exc).strip(chr(39))}"
         return out
@@ -414,6 +469,7 @@ def compare_configs(before: AnyConfig, after: AnyConfig) -> dict[str, Any]:
         out["memory_gb"]["delta_total"] = round(ta - tb, 3)
     out["host_gb"] = {"before": mem_before.get("host_gb"), "after": mem_after.get("host_gb")}
     out["step_time_factor"] = {"before": mem_before.get("step_time_factor"), "after": mem_after.get("step_time_factor")}
+    out["assumptions"] = mem_after["assumptions"]  # the report lifts them out (``diagnose``)
     return out
 
 
@@ -431,6 +487,7 @@ def diagnose(
     before: AnyConfig | None = None,
     after: AnyConfig | None = None,
     source: str | None = None,
+    planner: dict[str, Any] | None = None,
 ) -> DiagnoseReport:
     """Match an error message and/or a log excerpt against the known failure modes.
 
@@ -442,13 +499,17 @@ def diagnose(
         before, after: two configs around a change; adds ``comparison`` (offload diff, predicted memory). Pass them
             as ``sources.load`` results so that they are read as ``estimate`` reads the files.
         source: where ``config`` came from (``LoadedConfig.source``).
+        planner: planner inputs (``diagnose_plan.input_names``: gpu, num_gpus, measured_log, ooms, ...): the
+            sized fixes and the comparison use them, as ``estimate`` and ``recommend`` do.
 
     Returns:
         DiagnoseReport; ``matches`` is empty when nothing known matched (the notes say so).
 
     Raises:
         ParallelSizeError: a config with a parallel size of 0 or below (``config.parallel_sizes``).
+        InputError: a planner input out of its bounds, an unknown preset, an unreadable measured log.
     """
+    inputs = sizing.check_inputs(planner)
     for label, given in (("config", raw), ("before", before), ("after", after)):
         # a run that cannot start is bad input here as everywhere (estimate, recommend, apply refuse it too)
         parallel_sizes.check(given if given is None or isinstance(given, dict) else _parts(given)[1], label)
@@ -465,17 +526,47 @@ def diagnose(
     elif after is not None:
         report.effective = _effective(after).values
     if before is not None and after is not None and typed_before is not None and typed_after is not None:
-        report.comparison = compare_configs(before, after)
+        report.comparison = compare_configs(before, after, inputs)
+        report.assumptions = report.comparison.pop("assumptions", [])
         if not text:
             smaller = _got_smaller(typed_before, typed_after)
             report.matches = match_text("out of memory", typed_after) if smaller else []
-    report.needs = _needs(report.matches, config or typed_after)
+    failing = sizing.Failing(config, raw, source) if config is not None else None
+    if failing is None and after is not None:
+        failing = sizing.Failing(*_parts(after))
+    _size(report, failing, inputs, text)
+    report.needs = [*_needs(report.matches, config or typed_after), *report.needs]
     if text and not report.matches:
         report.closest = closest_modes(text)
         report.notes.append(_nothing_matched(report.closest))
         if config is None:
             report.needs = list(_NEEDS_WHEN_UNMATCHED)
     return report
+
+
+def _size(report: DiagnoseReport, failing: sizing.Failing | None, inputs: dict[str, Any], text: str) -> None:
+    """The sized readings' fixes from the planner (``diagnose_plan``); without a config none is guessed."""
+    readings = [m.failure for m in report.matches if m.failure in sizing.SIZED]
+    if not readings:
+        return
+    oom = next((m for m in report.matches if m.failure in sizing.GPU_OOM), None)
+    if failing is None:
+        for m in report.matches:
+            if m.failure in sizing.GPU_OOM:
+                m.fix = []
+        if oom is not None and oom.failure != "oom_unattributed":  # that one already asks for the config
+            report.needs.append(sizing.SIZING_NEED)
+        return
+    # The text reports the failure (a prediction from before/after has no text): it is the evidence.
+    oom_line = (oom.evidence or oom.title) if oom is not None and text else None
+    found = sizing.size(readings, failing, inputs, text, oom_line)
+    for m in report.matches:
+        if m.failure in found.fixes:
+            m.fix = found.fixes[m.failure]
+    report.options, report.calibration = found.options, found.calibration
+    report.assumptions = found.assumptions or report.assumptions
+    report.notes += found.notes
+    report.needs += found.needs
 
 
 _NEEDS_WHEN_UNMATCHED = (

@@ -50,8 +50,8 @@ class FailureMode:
     # The overrides of the confirming experiment (``confirm``): they show the cause, they do not fix it (e.g.
     # resuming without the optimizer state throws that state away), so they never appear in ``fix``.
     confirm_with: tuple[str, ...] = ()
-    # Without a config: the ideas (CONCEPTS) of which the text must show one before this reading is offered, so
-    # that a bare symptom never leads with a mechanism nothing showed (a plain OOM is not "activation offload").
+    # Without a config: the ideas (CONCEPTS) the text must all show before this reading is offered, so that a bare
+    # symptom never leads with a mechanism nothing showed (a plain OOM is not "activation offload").
     shows: tuple[str, ...] = ()
     # What the report's ``needs`` asks for when this mode matched without a config (or with an empty fix).
     needs: tuple[str, ...] = ()
@@ -73,12 +73,6 @@ def _fraction_overrides(fraction: float) -> list[str]:
     if overlap_advised(fraction):
         out.append("optimizer.overlap_cpu_optimizer_d2h_h2d=true")
     return out
-
-
-def _fix_oom_partial(cfg: OffloadConfig | None, _m: re.Match[str]) -> list[str]:
-    current = _fraction(cfg) or 0.5
-    higher = min(1.0, round(current + 0.25, 2))
-    return ["optimizer.optimizer_cpu_offload=true", *_fraction_overrides(higher)]
 
 
 def _fix_slowdown(cfg: OffloadConfig | None, _m: re.Match[str]) -> list[str]:
@@ -167,8 +161,10 @@ CONCEPTS: dict[str, str] = {
         r"does ?n[o']t fit|won't fit"
     ),
     "slow": (
-        r"\bslow\w*|\blonger\b|\bcrawl\w*|\bsluggish|\btakes? (forever|ages)|\btimes slower|"
-        r"\b\d+(\.\d+)?\s*x\s+(longer|more time)|\bthroughput (dropped|fell|regress\w*|tanked)|\bdragg?ing"
+        r"\bslow\w*|(?<!no )(?<!any )\blonger\b|\bcrawl\w*|\bsluggish|\btakes? (forever|ages)|\btimes slower|"
+        r"\b\d+(\.\d+)?\s*x\s+(longer|more time)|\bdragg?ing|\blow (mfu|throughput|gpu utili[sz]ation)|"
+        r"\b(throughput|performance|mfu|speed|tokens?/s|tflop/?s)( has| had)?( \w+)? (dropped|fell|regress\w*|tanked|"
+        r"(gone|went|goes) down|decreased)"
     ),
     "time": (
         r"\bsteps?\b|\biterations?\b|\biters?\b|\btime\b|\bthroughput|\btokens?/s|\bsamples?/s|\bs/it\b|"
@@ -503,10 +499,10 @@ KNOWN: tuple[FailureMode, ...] = (
         "for large (30B+, MoE) models these alone exceed the GPU (Qwen3-30B-A3B: 70.3 GiB allocated at PP=1 on an "
         "80 GB H100)",
         "compare torch.cuda.max_memory_allocated() with the GPU size; run `mbridge-offload estimate` with this config",
-        _SWITCH_TO_OPTIMIZER,
-        ("then raise model.pipeline_model_parallel_size (optimizer offload works with PP>1)",),
+        (),  # sized by the planner (actions/diagnose_plan.py): a generic fraction can leave the run over budget
+        ("optimizer offload and recompute also work with PP > 1 (model.pipeline_model_parallel_size)",),
         rules_out=fc.rules_out_oom_activation,
-        shows=("activation",),
+        shows=("activation", "offload"),
         phrasings=("GPU memory ran out", "the job does not fit on the GPU", "activation offload ran out of GPU memory"),
     ),
     FailureMode(
@@ -517,10 +513,10 @@ KNOWN: tuple[FailureMode, ...] = (
         "too large (each 25 % moved saved ~3.8 GiB on Qwen3-30B-A3B)",
         "compare the peak memory with the fraction; `mbridge-offload estimate --optimizer-offload-fraction F` for "
         "a few fractions",
-        _fix_oom_partial,
+        (),  # sized by the planner
         ("or add pipeline parallelism (model.pipeline_model_parallel_size)",),
         rules_out=fc.rules_out_oom_partial,
-        shows=("optimizer",),
+        shows=("optimizer", "offload"),
         phrasings=("GPU memory ran out", "the job does not fit on the GPU", "optimizer offload ran out of GPU memory"),
     ),
     FailureMode(
@@ -530,8 +526,8 @@ KNOWN: tuple[FailureMode, ...] = (
         "with optimizer_offload_fraction=1.0 the remaining GPU memory is weights, gradients and activations; more "
         "optimizer offload cannot help",
         "look at the allocator snapshot or `mbridge-offload estimate`: activations and weights dominate",
-        ("model.recompute_granularity=selective",),
-        ("or raise tensor/pipeline parallelism, or lower train.micro_batch_size",),
+        (),  # sized by the planner
+        ("recompute, more tensor/pipeline parallelism or a smaller train.micro_batch_size",),
         rules_out=fc.rules_out_oom_full,
         without_config=False,
         phrasings=("ran out of GPU memory with everything offloaded",),
@@ -540,9 +536,10 @@ KNOWN: tuple[FailureMode, ...] = (
         "oom_no_offload",
         "OOM without offloading",
         _OOM,
-        "nothing is offloaded yet; optimizer states (12 bytes/param with fp32 masters) are the cheapest to move",
+        "nothing is offloaded yet; where the memory goes (activations, optimizer states, weights) decides the lever",
         "`mbridge-offload recommend CONFIG` predicts the memory before/after",
-        ("optimizer.optimizer_cpu_offload=true", *_fraction_overrides(_START_FRACTION)),
+        (),  # sized by the planner
+        ("recompute, optimizer or activation offload, or more parallelism: the planner ranks them",),
         rules_out=fc.rules_out_oom_none,
         without_config=False,
         phrasings=("GPU memory ran out", "the job does not fit on the GPU"),

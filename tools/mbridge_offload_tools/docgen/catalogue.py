@@ -20,7 +20,7 @@ CLI_EQUIVALENTS: dict[str, str] = {
         "[--force] | --in-place]"
     ),
     "run_unit_tests": "mbridge-offload test [-k EXPR] [--bridge-repo PATH]",
-    "diagnose_failure": "mbridge-offload diagnose --error TEXT | --log FILE [--config FILE]",
+    "diagnose_failure": "mbridge-offload diagnose --error TEXT | --log FILE [--config FILE] [--gpu G --num-gpus N]",
     "plot_offload": "mbridge-offload plot [CONFIG] --sweep KEY=START:STOP:STEP | --kind phases|options [--output FILE]",
 }
 
@@ -108,9 +108,12 @@ def _short_fix(fix: tuple[str, ...]) -> str:
 
 def render_diagnosis_summary() -> str:
     """SKILL.md's short failure table: id, what you see, the fix; cause and how to confirm are in references/."""
+    from mbridge_offload.actions.diagnose_plan import SIZED
+
     lines = ["| failure | what you see | fix |", "|---|---|---|"]
     for mode in failure_modes():
         fix = _short_fix(mode.fix) if isinstance(mode.fix, tuple) else "from the config"
+        fix = "the planner's options for the config" if mode.id in SIZED else fix
         lines.append(f"| `{mode.id}` | {_cell(mode.title)} | {_cell(fix or '—')} |")
     lines += [
         "",
@@ -121,9 +124,12 @@ def render_diagnosis_summary() -> str:
 
 
 def render_diagnosis() -> str:
+    from mbridge_offload.actions.diagnose_plan import sized_fix_text
+
     lines = ["| failure | what you see | cause | confirm | fix |", "|---|---|---|---|---|"]
     for mode in failure_modes():
         fix = ", ".join(f"`{f}`" for f in mode.fix) if isinstance(mode.fix, tuple) else "computed from the config"
+        fix = sized_fix_text(mode.id) or fix
         # No override resolves it: the first step is the remedy (an upgrade, an environment change).
         fix = fix or (f"not a config key: {mode.actions[0]}" if mode.actions else "")
         lines.append(
