@@ -285,6 +285,7 @@ def bridge_scenario() -> dict:
         out[f"offload_{offload}_groups"] = len(hdo.param_groups)  # Bridge's no-weight-decay overrides: 2 groups
         train(model, opt, 0, 3)
         out[f"offload_{offload}_weights"] = weights(model)
+    out["largest_weight"] = max(w.abs().max().item() for w in out["offload_False_weights"])
     out["vs_plain"] = max_diff(out.pop("offload_True_weights"), out.pop("offload_False_weights"))
     return out
 
