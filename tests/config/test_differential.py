@@ -36,7 +36,7 @@ from mbridge_offload.config.rules.base import (
 )
 from mbridge_offload.config.rules.catalogue import all_rules, get_rule
 from tests.support.config_gen import generate
-from tests.support.differential import judge_all, summarize, version_env
+from tests.support.differential import build_time_only, judge_all, summarize, version_env
 
 # The default run: a few hundred seeded cases. A larger sample (and another seed) is opt-in, e.g.
 # MBRIDGE_DIFFERENTIAL_CASES=2000 MBRIDGE_DIFFERENTIAL_SEED=7 pytest tests/config/test_differential.py
@@ -394,12 +394,7 @@ def _judged(label: str, cases: list[dict]):
 
 def _explained(outcome) -> bool:
     """A documented disagreement: we refuse for a build-time (TE/Bridge) reason megatron-core's config never checks."""
-    return (
-        not outcome.real_reject
-        and outcome.ours_reject
-        and bool(outcome.ours_rules)
-        and all(get_rule(r).origin in {"te", "bridge"} for r in outcome.ours_rules)
-    )
+    return build_time_only(outcome)
 
 
 def tolerated_disagreements(outcomes) -> list[dict]:
