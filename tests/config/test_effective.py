@@ -45,11 +45,22 @@ def test_bridge_03_leaves_etp_to_megatron_core_which_takes_tp(tmp_path: Path) ->
     assert etp.value == 2 and etp.source.startswith("derived: megatron-core sets expert_tensor_parallel_size")
 
 
-def test_a_plain_megatron_core_yaml_gets_no_bridge_finalize(tmp_path: Path) -> None:
+def test_a_partial_yaml_gets_no_bridge_finalize_normalisation_but_its_frontends_pipeline_dtype(tmp_path: Path) -> None:
     eff = _effective(_qwen_without_etp(tmp_path, target=False))
     assert eff.values["model.expert_tensor_parallel_size"].value == 2
-    assert eff.values["model.pipeline_dtype"].model_dump() == {"value": None, "source": "megatron-core default"}
     assert not eff.normalized
+    # Bridge's finalize() (or Megatron-LM's argument translation) fills pipeline_dtype under PP: a derived fact that
+    # exact mode hands megatron-core too (``filled``), never a normalisation the catalogue reports.
+    dtype = eff.values["model.pipeline_dtype"]
+    assert dtype.value == "bf16" and dtype.source.startswith("derived: Bridge's finalize() sets pipeline_dtype")
+    assert eff.filled == (("model.pipeline_dtype", None, "bf16"),)
+    argv = sources.load(None, argv=["--num-layers", "4", "--pipeline-model-parallel-size", "2"])
+    eff = resolve(argv.config, argv.raw, "megatron-core==0.19.2", argv.source)
+    assert eff.values["model.pipeline_dtype"].value == "fp32" and "core_transformer_config_from_args" in (
+        eff.values["model.pipeline_dtype"].source
+    )
+    single = sources.load(None, argv=["--num-layers", "4"])
+    assert resolve(single.config, single.raw).filled == ()
 
 
 def test_a_written_etp_is_the_configs(tmp_path: Path) -> None:

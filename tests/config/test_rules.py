@@ -57,7 +57,7 @@ def test_every_rule_has_the_catalogue_fields():
 def test_upstream_errors_name_their_exception_and_stage():
     for rule in all_rules():
         if rule.severity == "error" and rule.origin != "advisory":
-            assert rule.exception in {"ValueError", "AssertionError", "TypeError"}, rule.id
+            assert rule.exception in {"ValueError", "AssertionError", "TypeError", "NotImplementedError"}, rule.id
             assert rule.stage != STAGE_ADVISORY, rule.id
         if rule.origin == "advisory":
             assert not rule.upstream, rule.id
@@ -161,6 +161,28 @@ def test_te_all_layers_is_hidden_behind_the_mcore_range_check():
     report = findings(*ACT, "model.cpu_offloading_num_layers=8")
     assert "ACT-NUM-LAYERS" in ids(report)
     assert "ACT-TE-ALL-LAYERS" not in ids(report)
+
+
+@pytest.mark.parametrize(
+    ("te", "exception", "text"),
+    [
+        # TE 2.14+ (Bridge 0.6.2 pins 2.18): a ValueError naming both numbers; 2.10-2.13: an assert without them.
+        ("2.18.0", "ValueError", "not offloaded. Got num_layers=4, model_layers=4."),
+        ("2.14.0", "ValueError", "not offloaded. Got num_layers=4, model_layers=4."),
+        ("2.12.0", "AssertionError", "last layer is not offloaded."),
+    ],
+)
+def test_te_all_layers_says_what_the_assumed_te_release_raises(te, exception, text):
+    from mbridge_offload.config.rules.base import Context
+    from mbridge_offload.config.validate import _finding
+
+    loaded = load("model:\n  num_layers: 4\n  cpu_offloading: true\n  cpu_offloading_num_layers: 4\n")
+    loaded.config.env["te_version"] = te
+    rule = get_rule("ACT-TE-ALL-LAYERS")  # its own check: megatron-core's range check hides it in a report
+    ctx = Context(config=loaded.config, raw=loaded.raw, target=parse_target("megatron-core==0.19.2"))
+    (finding,) = [_finding(rule, match) for match in rule.run(ctx)]
+    assert finding.exception == exception and finding.message.endswith(text), finding.message
+    assert finding.message.startswith("Cannot offload all layers without manual synchronization")
 
 
 def test_num_layers_minus_one_warns_about_overlap_on_te_v2_only():

@@ -155,6 +155,21 @@ def disagreement_class(o: Outcome) -> str:
     return "message: " + o.detail[:90]
 
 
+def build_time_only(o: Outcome) -> bool:
+    """A disagreement where we refuse only for Transformer Engine's or Bridge's own reasons (origin ``te`` /
+    ``bridge``: raised at model build, after every check megatron-core's config classes run), which real
+    megatron-core's config accepts."""
+    from mbridge_offload.config.rules.catalogue import get_rule
+
+    return (
+        not o.verdict_ok
+        and o.crash is None
+        and not o.real_reject
+        and bool(o.ours_rules)
+        and all(get_rule(r).origin in ("te", "bridge") for r in o.ours_rules)
+    )
+
+
 def summarize(outcomes: list[Outcome]) -> dict[str, Any]:
     """Counts and rates for a list of outcomes."""
     both = [o for o in outcomes if o.message_ok is not None]
@@ -166,5 +181,6 @@ def summarize(outcomes: list[Outcome]) -> dict[str, Any]:
         "both_refuse": len(both),
         "message_agree": sum(bool(o.message_ok) for o in both),
         "crashes": sum(o.crash is not None for o in outcomes),
+        "build_time_only": sum(build_time_only(o) for o in outcomes),
         "classes": classes,
     }

@@ -275,20 +275,20 @@ def test_every_mcp_tool_is_in_the_skill_and_vice_versa():
     assert mentioned <= served, f"named in SKILL.md/README but not served: {mentioned - served}"
 
 
-def _cli(argv: list[str]) -> tuple[int, str]:
-    """Run the CLI in this process from the repository root, as a reader of the docs would."""
+def _cli(argv: list[str], cwd: Path = ROOT) -> tuple[int, str]:
+    """Run the CLI in this process from ``cwd`` (the repository root), as a reader of the docs would."""
     from mbridge_offload_tools.cli import main
 
     out = io.StringIO()
-    cwd = Path.cwd()
-    os.chdir(ROOT)
+    before = Path.cwd()
+    os.chdir(cwd)
     try:
         with redirect_stdout(out), redirect_stderr(io.StringIO()):
             main(argv)
     except SystemExit as exc:
         return int(exc.code or 0), out.getvalue()
     finally:
-        os.chdir(cwd)
+        os.chdir(before)
     return 0, out.getvalue()
 
 
@@ -309,22 +309,74 @@ def _commands(path: Path) -> list[list[str]]:
 
 # Real runs are cheap (milliseconds, no torch) for these; the others are checked with --help.
 _REAL = {"validate", "estimate", "recommend", "diagnose", "apply"}
+DOCS_WITH_COMMANDS = ("SKILL.md", "README.md", "docs/walkthrough.md")
+# The stand-in for a config the docs ask the reader to bring (``my_run.yaml``, ``run.yaml``): the shipped example.
+STAND_IN = ROOT / "examples" / "qwen3_30b_a3b_pretrain.yaml"
 
 
-@pytest.mark.parametrize("doc", ["SKILL.md", "README.md", "docs/walkthrough.md"])
-def test_every_command_shown_runs(doc):
-    commands = _commands(ROOT / doc)
+def _shown_exit_codes(path: Path) -> dict[tuple[str, ...], int]:
+    """argv → the exit code a captured block of ``path`` shows for it (``$ mbridge-offload …`` … ``(exit code N)``)."""
+    shown, last = {}, None
+    for line in path.read_text().splitlines():
+        if line.startswith("$ mbridge-offload "):
+            last = tuple(shlex.split(line, comments=True)[2:])
+        elif (code := re.fullmatch(r"\(exit code (\d+)\)", line.strip())) and last is not None:
+            shown[last], last = int(code.group(1)), None
+    return shown
+
+
+def _stage_files(argv: list[str], workdir: Path, root: Path = ROOT) -> bool:
+    """Put the files ``argv`` reads into ``workdir``: the skill's own (a path inside one of its folders) copied from
+    ``root``, a root-level config the reader brings as the shipped example. Never a file a user keeps in the
+    repository root (the README's own ``my_run.yaml``), which would make the docs' check depend on it. False when a
+    file is neither (the command is then only checked with --help)."""
+    outputs = {argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--output"}
+    for arg in argv[1:]:
+        if arg.startswith("-") or not arg.endswith((".yaml", ".yml", ".json", ".log")) or arg in outputs:
+            continue
+        target = workdir / arg
+        if target.exists():  # an earlier command of the same page wrote it (apply --output, then validate)
+            continue
+        if "/" in arg and (root / arg).is_file():
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_bytes((root / arg).read_bytes())
+        elif "/" not in arg and arg.endswith((".yaml", ".yml")):
+            target.write_bytes((root / STAND_IN.relative_to(ROOT)).read_bytes())
+        else:
+            return False
+    return True
+
+
+def check_commands_shown(doc: str, workdir: Path, root: Path = ROOT) -> None:
+    """Run each ``mbridge-offload`` command of ``root``'s page ``doc`` in ``workdir``, in the page's order: the
+    subcommand's --help, and a real run of the cheap ones (the exit code a captured block shows, else 0 or 1)."""
+    from mbridge_offload_tools.docgen.walkthrough import prepare
+
+    commands = _commands(root / doc)
     assert commands, f"no mbridge-offload command found in {doc}"
+    if doc == "docs/walkthrough.md":
+        prepare(workdir)  # the walkthrough's own files (run.yaml, run.pp1.yaml, qwen3.yaml), as its capture makes them
+    unchecked, shown = [], _shown_exit_codes(root / doc)
     for argv in commands:
         code, _ = _cli([argv[0], "--help"])
         assert code == 0, f"{doc}: `mbridge-offload {argv[0]} --help` exits {code}"
-        files = [a for a in argv[1:] if a.endswith((".yaml", ".yml", ".json", ".log")) and not a.startswith("-")]
-        writes = "--in-place" in argv or "--output" in argv
-        if argv[0] in _REAL and not writes and all((ROOT / f).exists() for f in files):
-            code, out = _cli(argv)
-            assert code in (0, 1), f"{doc}: `mbridge-offload {shlex.join(argv)}` exits {code}"
-            if "--json" in argv:
-                json.loads(out)
+        if argv[0] not in _REAL or "--in-place" in argv:
+            continue
+        if not _stage_files(argv, workdir, root):
+            unchecked.append(shlex.join(argv))
+            continue
+        code, out = _cli(argv, cwd=workdir)
+        expected = {shown[tuple(argv)]} if tuple(argv) in shown else {0, 1}  # a captured block shows its exit code
+        assert code in expected, f"{doc}: `mbridge-offload {shlex.join(argv)}` exits {code}"
+        if "--json" in argv:
+            json.loads(out)
+    assert not unchecked, f"{doc}: commands whose files neither the skill nor a stand-in provides: {unchecked}"
+
+
+@pytest.mark.parametrize("doc", DOCS_WITH_COMMANDS)
+def test_every_command_shown_runs(doc, tmp_path):
+    # In a scratch folder: whatever a user keeps in the repository root changes nothing here (the next test).
+    check_commands_shown(doc, tmp_path)
 
 
 def test_walkthrough_blocks_are_captured_output():
@@ -611,6 +663,31 @@ def test_a_users_files_in_the_root_are_not_the_skills(tmp_path):
     assert not list(copy_tree(tmp_path / "copy", repo).glob("my_run*"))
     (repo / "docs" / "new.md").write_text(hostile)  # a developer's new doc, not yet added: still checked
     assert "docs/new.md" in tree.shipped(repo) and any(p.startswith("docs/new.md:1") for p in _citation_problems(repo))
+
+
+def test_the_docs_commands_run_the_same_with_a_users_files_in_the_root(tmp_path):
+    # The README tells a user to keep `my_run.yaml` in the root, `apply --output` writes `my_run.offload.yaml` there,
+    # `calibrate` writes .mbridge-offload/, and a user keeps notes and logs: the docs' commands are checked all the
+    # same (a user's config that `recommend` cannot size, exit 2, changes nothing), and nothing of theirs is touched.
+    from tests.support.skill_copy import copy_tree
+
+    repo = copy_tree(tmp_path / "repo")
+    user = {
+        "my_run.yaml": "model:\n  num_layers: 4\n",  # recommend: no model sizes -> exit 2 were it used
+        "my_run.offload.yaml": "not: [valid\n",  # apply --output would refuse to overwrite it
+        "run.yaml": "model: {pipeline_model_parallel_size: nope}\n",
+        "qwen3.yaml": "{}\n",
+        "notes.md": "# notes\n[a link to nowhere](nowhere.md), issue #12\n",
+        "run.log": "torch.OutOfMemoryError: CUDA out of memory.\n",
+        ".mbridge-offload/host-profiles/box.json": "{}\n",
+    }
+    for name, text in user.items():
+        (repo / name).parent.mkdir(parents=True, exist_ok=True)
+        (repo / name).write_text(text)
+    for doc in DOCS_WITH_COMMANDS:
+        (tmp_path / doc).mkdir(parents=True)
+        check_commands_shown(doc, tmp_path / doc, root=repo)
+    assert {name: (repo / name).read_text() for name in user} == user
 
 
 _CITED_PATH = re.compile(r"`((?:offload|tools|docs|scripts|references|tests|examples|benchmarks|evals)/[\w./-]+)`")

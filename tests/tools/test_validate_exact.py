@@ -138,9 +138,17 @@ def test_bridge_yaml_with_pp_and_no_pipeline_dtype_is_clean_and_names_the_releas
     (note,) = exact.by_rule("MCORE-EXACT-VERSION")
     label = target.split("==")[1]
     assert exact.env["exact_megatron_core"] == label and f"megatron-core {label}, the target" in note.message
-    # A plain megatron-core config gets no Bridge normalisation: megatron-core's own error stands.
-    _, plain = _exact(PP2.format(target=""), target)
-    assert [f.message for f in plain.errors] == ["When using pipeline parallelism, pipeline_dtype must be specified"]
+    # A partial YAML (no _target_, merged onto a recipe) also gets Bridge's finalize() fill of pipeline_dtype, as the
+    # catalogue assumes; a real error in it is still megatron-core's answer.
+    partial_fast, partial = _exact(PP2.format(target=""), target)
+    assert partial.errors == [] and partial_fast.ok
+    heads = PP2.format(target="").replace(
+        "num_attention_heads: 4", "num_attention_heads: 6\n  tensor_model_parallel_size: 4"
+    )
+    _, refused = _exact(heads, target)
+    assert [f.message for f in refused.errors] == [
+        "num_attention_heads (6) must be a multiple of tensor_model_parallel_size (4)."
+    ]
 
 
 @pytest.mark.parametrize("target", [pytest.param("megatron-core==0.19.2", marks=needs_019), "megatron-core==0.16.1"])
@@ -214,8 +222,14 @@ def test_on_the_fallback_release_a_bridge_pp2_bf16_yaml_gets_bridges_normalisati
     (note,) = exact.by_rule("MCORE-EXACT-VERSION")
     assert "ran megatron-core 0.16.1" in note.message and "not the target megatron-core==0.19.2" in note.message
     # Without Bridge's normalisations the same model is refused by megatron-core itself: the check can fail.
-    _, plain = _exact(PP2.format(target=""), "megatron-core==0.19.2")
-    assert [f.message for f in plain.errors] == ["When using pipeline parallelism, pipeline_dtype must be specified"]
+    from mbridge_offload_tools.exact import run_children
+
+    body = _payload(PP2.format(target=""))
+    body["model"].pop("pipeline_dtype")
+    (answer,) = run_children([body], "megatron-core==0.19.2")
+    assert [e["message"] for e in answer["errors"]] == [
+        "When using pipeline parallelism, pipeline_dtype must be specified"
+    ]
 
 
 def _payload(text: str) -> dict:
@@ -247,6 +261,14 @@ def test_a_mixed_precision_section_sets_fields_the_model_section_does_not_write(
 def test_an_unknown_mixed_precision_recipe_changes_nothing():
     body = _payload(PP2.format(target="") + "mixed_precision: no_such_recipe\n")
     assert "fp8" not in body["model"] and body["model"]["pipeline_dtype"] == "fp32"  # finalize() only
+
+
+def test_a_partial_yaml_gets_pipeline_dtype_from_its_params_dtype_as_bridges_finalize_sets_it():
+    assert _payload(PP2.format(target=""))["model"]["pipeline_dtype"] == "bf16"  # model.bf16: params_dtype bf16
+    assert _payload(PP2.format(target="").replace("  bf16: true\n", ""))["model"]["pipeline_dtype"] == "fp32"
+    written = _payload(PP2.format(target="") + "  pipeline_dtype: fp16\n")
+    assert written["model"]["pipeline_dtype"] == "fp16"  # a written value is kept
+    assert "pipeline_dtype" not in _payload(PP2.format(target="").replace("size: 2", "size: 1"))["model"]
 
 
 @needs_019

@@ -36,6 +36,7 @@ SUBCOMMAND_MODULES = (
     "mbridge_offload_tools.cli_plan",
     "mbridge_offload_tools.cli_agent",
     "mbridge_offload_tools.plot.cli",
+    "mbridge_offload_tools.mcp_config",
 )
 
 

@@ -14,7 +14,9 @@ the same stages (megatron-core's own answer wins); the other findings (Transform
 - Bridge configs (a ``ConfigContainer`` YAML, a run_config.yaml, a recipe) are built as the one effective config
   reads them (:func:`mbridge_offload.config.effective.resolve`, what the catalogue judges): their ``mixed_precision``
   section, then Bridge's model ``finalize()`` normalisations for the target's Bridge release (rule
-  ``CFG-BRIDGE-FINALIZE``); a plain megatron-core config is built as written.
+  ``CFG-BRIDGE-FINALIZE``). Every config also gets what its frontend fills in before megatron-core's checks
+  (:attr:`mbridge_offload.config.effective.Effective.filled`: ``pipeline_dtype`` under pipeline parallelism, which
+  the catalogue never reports because no frontend leaves it unset); otherwise the sections are built as written.
 - Without Transformer Engine, megatron-core's TE checks are skipped or answered for the assumed TE release, each
   named in a ``MCORE-EXACT-SKIPPED`` finding with the reason, never a false error.
 """
@@ -121,43 +123,27 @@ def choose(target_label: str) -> Install:
 
 
 def payload(raw: dict[str, Any], config: OffloadConfig | None, target: str, source: str | None) -> dict[str, Any]:
-    """The sections the child builds: as written; for a Bridge config the one effective config's sections
-    (:mod:`mbridge_offload.config.effective`: its ``mixed_precision`` section, then its model ``finalize()``, in
-    Bridge's order), the same reading the rule catalogue judges."""
+    """The sections the child builds, read as the one effective config reads them
+    (:mod:`mbridge_offload.config.effective`, what the rule catalogue judges): a Bridge config after its
+    ``mixed_precision`` section and model ``finalize()``, in Bridge's order; any config with what its frontend fills
+    in before megatron-core's checks (``pipeline_dtype`` under pipeline parallelism: Bridge's ``finalize()`` for a
+    partial YAML, Megatron-LM's argument translation for a command line). Otherwise the sections as written."""
     sections = ("model", "optimizer", "ddp")
-    if not bridge.is_container(raw, source):
-        return {k: copy.deepcopy(raw.get(k) or {}) for k in sections}
     if config is None:
         try:
             config = build_config(copy.deepcopy(raw))
         except ConfigError:  # a value that does not type-check: megatron-core judges the sections as written
-            mixed = bridge.mixed_precision(raw)
+            mixed = bridge.mixed_precision(raw) if bridge.is_container(raw, source) else raw
             return {k: copy.deepcopy(mixed.get(k) or {}) for k in sections}
     eff = effective.resolve(config, raw, parse_target(target), source)
     data: dict[str, Any] = {k: copy.deepcopy(eff.raw.get(k) or {}) for k in sections}
-    for dotted, _old, new in eff.normalized:  # finalize() sets them whether or not the file wrote the key
+    for dotted, _old, new in (*eff.normalized, *eff.filled):  # set whether or not the file wrote the key
         section, key = dotted.split(".", 1)
         data[section][key] = new
     return data
 
 
-def run_child(
-    raw: dict[str, Any],
-    deadline_s: float = DEFAULT_DEADLINE_S,
-    *,
-    config: OffloadConfig | None = None,
-    target: str = "megatron-core==0.19.2",
-    source: str | None = None,
-    te_version: str | None = None,
-) -> dict[str, Any]:
-    """The child's answer for the config sections of ``raw``, from the target's megatron-core where installed.
-
-    Raises:
-        ExactUnavailable: megatron-core is not importable, or the child failed or passed the deadline.
-    """
-    install = choose(parse_target(target).label)
-    body = payload(raw, config, target, source)
-    body["te_version"] = te_version
+def _spawn(install: Install, body: dict[str, Any], deadline_s: float) -> dict[str, Any]:
     env = dict(os.environ)
     if install.pythonpath is not None:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (install.pythonpath, env.get("PYTHONPATH")) if p)
@@ -182,8 +168,43 @@ def run_child(
             f"--exact: building the megatron-core {install.version} configs failed ({last}); none could run{hint}"
         )
     answer: dict[str, Any] = json.loads(proc.stdout)
+    return answer
+
+
+def run_child(
+    raw: dict[str, Any],
+    deadline_s: float = DEFAULT_DEADLINE_S,
+    *,
+    config: OffloadConfig | None = None,
+    target: str = "megatron-core==0.19.2",
+    source: str | None = None,
+    te_version: str | None = None,
+) -> dict[str, Any]:
+    """The child's answer for the config sections of ``raw``, from the target's megatron-core where installed.
+
+    Raises:
+        ExactUnavailable: megatron-core is not importable, or the child failed or passed the deadline.
+    """
+    install = choose(parse_target(target).label)
+    body = payload(raw, config, target, source)
+    body["te_version"] = te_version
+    answer = _spawn(install, body, deadline_s)
     answer["where"] = install.where
     return answer
+
+
+def run_children(bodies: list[dict[str, Any]], target: str, deadline_s: float = 600) -> list[dict[str, Any]]:
+    """The child's answer for each of ``bodies`` (each :func:`payload`'s sections), from one megatron-core import:
+    what exact mode would answer for many configs (the generated-case tests).
+
+    Raises:
+        ExactUnavailable: as :func:`run_child`.
+    """
+    install = choose(parse_target(target).label)
+    answers: list[dict[str, Any]] = _spawn(install, {"batch": bodies}, deadline_s)["batch"]
+    for answer in answers:
+        answer["where"] = install.where
+    return answers
 
 
 def exact_report(

@@ -3,7 +3,8 @@
 Run as a script (never imported by the server or the CLI, which stay torch-free), with the target's megatron-core
 first on its path: ``python exact_child.py < {"model": {...}, "optimizer": {...}, "ddp": {...}, "te_version":
 "2.18.0"}``. Prints one JSON object: ``{"version": "0.19.2", "te": null, "errors": [{"stage", "type", "message"}],
-"skipped": [...], "dropped": [...]}``. Keys that are not fields of the installed release's dataclasses are not passed
+"skipped": [...], "dropped": [...]}`` (``{"batch": [config, ...]}`` in: ``{"batch": [answer, ...]}`` out, one import
+of megatron-core for many configs). Keys that are not fields of the installed release's dataclasses are not passed
 (listed in ``dropped``).
 
 Without Transformer Engine (it cannot be installed on a CPU machine) megatron-core's TE checks cannot answer: its
@@ -45,6 +46,14 @@ class _TEChecks:
         self.stage = ""
         self.asked: dict[str, list[str]] = {}
         self.failed: dict[str, list[str]] = {}
+
+    def reset(self, assumed: str) -> None:
+        """Answer for ``assumed`` from now on, with nothing asked yet (one config of a batch)."""
+        from packaging.version import Version
+
+        self.version, self.assumed = Version(assumed), assumed
+        self.asked.clear()
+        self.failed.clear()
 
     def _note(self, call: str) -> None:
         calls = self.asked.setdefault(self.stage, [])
@@ -150,19 +159,11 @@ def _build(torch, cls, body: dict, stage: str, out: dict, te: _TEChecks | None) 
         )
 
 
-def main() -> None:
-    data = json.load(sys.stdin)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        import megatron.core
-        import torch
-        from megatron.core.distributed import DistributedDataParallelConfig
-        from megatron.core.optimizer import OptimizerConfig
-        from megatron.core.transformer import TransformerConfig
-    have_te = importlib.util.find_spec("transformer_engine") is not None
-    te = None if have_te else _TEChecks(str(data.get("te_version") or "2.18.0"))
-    if te is not None:
-        te.install()
+def _judge(torch, classes, data: dict, te: _TEChecks | None, have_te: bool) -> dict:
+    """What megatron-core raises building one config's sections (``data``: model, optimizer, ddp)."""
+    import megatron.core
+
+    transformer, optimizer, ddp = classes
     out: dict = {
         "version": megatron.core.__version__.split("+")[0],
         "path": next(iter(megatron.core.__path__)),
@@ -178,14 +179,37 @@ def main() -> None:
             out["te"] = version("transformer-engine")
         except PackageNotFoundError:
             out["te"] = "unknown"
+    if te is not None:
+        te.reset(str(data.get("te_version") or "2.18.0"))
     model = data.get("model") or {}
     if all(model.get(k) is not None for k in ("num_layers", "hidden_size", "num_attention_heads")):
-        _build(torch, TransformerConfig, model, "TransformerConfig", out, te)
+        _build(torch, transformer, model, "TransformerConfig", out, te)
     else:
         out["skipped"].append("TransformerConfig: num_layers, hidden_size and num_attention_heads are needed")
-    _build(torch, OptimizerConfig, {"lr": 1e-4, **(data.get("optimizer") or {})}, "OptimizerConfig", out, te)
-    _build(torch, DistributedDataParallelConfig, data.get("ddp") or {}, "DistributedDataParallelConfig", out, te)
-    json.dump(out, sys.stdout)
+    _build(torch, optimizer, {"lr": 1e-4, **(data.get("optimizer") or {})}, "OptimizerConfig", out, te)
+    _build(torch, ddp, data.get("ddp") or {}, "DistributedDataParallelConfig", out, te)
+    return out
+
+
+def main() -> None:
+    """One config on stdin, one answer on stdout; ``{"batch": [config, ...]}`` answers ``{"batch": [...]}`` with
+    one import of megatron-core (the generated-case tests judge many configs this way)."""
+    data = json.load(sys.stdin)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        import torch
+        from megatron.core.distributed import DistributedDataParallelConfig
+        from megatron.core.optimizer import OptimizerConfig
+        from megatron.core.transformer import TransformerConfig
+    classes = (TransformerConfig, OptimizerConfig, DistributedDataParallelConfig)
+    have_te = importlib.util.find_spec("transformer_engine") is not None
+    te = None if have_te else _TEChecks("2.18.0")
+    if te is not None:
+        te.install()
+    if isinstance(data.get("batch"), list):
+        json.dump({"batch": [_judge(torch, classes, item, te, have_te) for item in data["batch"]]}, sys.stdout)
+    else:
+        json.dump(_judge(torch, classes, data, te, have_te), sys.stdout)
 
 
 if __name__ == "__main__":

@@ -78,9 +78,9 @@ def check_inputs(planner: dict[str, Any] | None) -> dict[str, Any]:
         InputError: an input diagnose does not take, out of its bounds, an unknown preset or lever, a log or host
             profile that cannot be read.
     """
+    from mbridge_offload.plan.evidence.read import read_evidence
     from mbridge_offload.plan.inputs.fields import validate_inputs
     from mbridge_offload.plan.inputs.hardware import gpu_preset
-    from mbridge_offload.plan.evidence.read import read_evidence
     from mbridge_offload.plan.inputs.presets import model_preset
     from mbridge_offload.plan.search.levers import parse
     from mbridge_offload.plan.time import host_profile

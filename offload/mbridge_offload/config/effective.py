@@ -13,7 +13,10 @@ A config file says only part of what a run uses. The rest comes, in this order, 
    ``tp_comm_overlap``, the DDP overlaps);
 4. derived facts that megatron-core or Bridge decide from other keys (the distributed optimizer either section
    switches on, ETP = TP, the parameter dtype from ``bf16``/``fp16``, the offload amounts only under their master
-   switches, the FP8 recipe).
+   switches, the FP8 recipe), and what every frontend fills in before it builds megatron-core's configs
+   (:attr:`Effective.filled`: ``pipeline_dtype = params_dtype`` under pipeline parallelism, which Bridge's
+   ``finalize()`` does for a partial YAML merged onto a recipe and Megatron-LM's ``core_transformer_config_from_args``
+   does for a command line, so no run reaches megatron-core's "pipeline_dtype must be specified").
 
 ``validate`` runs its rule catalogue on :attr:`Effective.config`; the planner (``plan/inputs/resolve.py``) takes every
 value
@@ -104,6 +107,9 @@ class Effective:
     normalized: tuple[bridge.Change, ...] = ()
     written: frozenset[str] = field(default_factory=frozenset)
     source: str | None = None  # where the config came from (``recipe:NAME`` marks a Bridge recipe)
+    # What the frontend sets before megatron-core's checks beyond ``normalized`` (key, as written, as set): exact mode
+    # hands megatron-core these too, so that it judges what the run would build.
+    filled: tuple[bridge.Change, ...] = ()
 
     def to_json(self) -> dict[str, dict[str, Any]]:
         """The ``effective`` block of every answer: dotted key → ``{"value", "source"}``."""
@@ -275,6 +281,21 @@ def _derive_comm_overlap(b: _Builder) -> None:
         b.put(key, value, source)
 
 
+def _derive_pipeline_dtype(b: _Builder) -> None:
+    # A ConfigContainer's finalize() already ran above (a normalisation); any other input still reaches megatron-core
+    # through a frontend that fills it: Bridge's finalize() (pipeline_dtype = params_dtype when PP > 1 and unset) for
+    # a partial YAML or overrides merged onto a recipe, Megatron-LM's core_transformer_config_from_args
+    # (pipeline_dtype = params_dtype, always) for a command line.
+    if b.cfg.model.pipeline_model_parallel_size <= 1 or b.out["model.pipeline_dtype"].value is not None:
+        return
+    who = (
+        "Megatron-LM's core_transformer_config_from_args sets pipeline_dtype = params_dtype"
+        if b.where == "argv"
+        else "Bridge's finalize() sets pipeline_dtype = params_dtype when PP > 1 and it is unset"
+    )
+    b.put("model.pipeline_dtype", b.out["model.params_dtype"].value, f"derived: {who}")
+
+
 def _derive_seq(b: _Builder) -> None:
     if b.out["model.seq_length"].value is None and b.cfg.dataset.seq_length:
         b.put("model.seq_length", b.cfg.dataset.seq_length, f"derived: dataset.seq_length ({b.where})")
@@ -323,7 +344,13 @@ def resolve(
     for key in EFFECTIVE_KEYS:
         has, value = _lookup(mixed, key)
         b.put(key, _as_upstream_sees_it(eff_config, key, has, value), b.source_of(key, finalized))
-    steps = [_derive_precision, _derive_parallel, _derive_optimizer, _derive_seq]
+    steps = [_derive_precision, _derive_parallel, _derive_optimizer, _derive_pipeline_dtype, _derive_seq]
     for step in [*steps[:2], _derive_comm_overlap, *steps[2:]] if container else steps:
         step(b)
-    return Effective(eff_config, mixed, b.out, tgt, frontend, container, tuple(changes), _written(mixed), source)
+    filled = tuple(
+        (key, None, b.out[key].value)
+        for key in ("model.pipeline_dtype",)
+        if get_value(eff_config, key) is None and b.out[key].value is not None
+    )
+    written = _written(mixed)
+    return Effective(eff_config, mixed, b.out, tgt, frontend, container, tuple(changes), written, source, filled)

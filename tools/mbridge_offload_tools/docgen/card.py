@@ -84,8 +84,11 @@ def _cells(text: str, label: str) -> list[str]:
 
 
 def _measured_on(text: str) -> str:
-    date = re.search(r"\d{4}-\d{2}-\d{2}", text)
-    return f"this project's CPU machine (no GPU), {date[0] if date else 'date not stated'}; details in the source"
+    # The date the page gives its measurement ("Measured 2026-12-02"), else its first date: a page may also carry
+    # other runs (docs/benchmarks-validate.md's differential section, rerun on another day) before it.
+    stated = re.search(r"[Mm]easured (?:on )?(\d{4}-\d{2}-\d{2})", text)
+    date = stated[1] if stated else (found[0] if (found := re.search(r"\d{4}-\d{2}-\d{2}", text)) else None)
+    return f"this project's CPU machine (no GPU), {date or 'date not stated'}; details in the source"
 
 
 def _q(text: str) -> str:

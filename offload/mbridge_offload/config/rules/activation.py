@@ -32,13 +32,19 @@ def _num_layers(ctx: Context):
     if not m.cpu_offloading or m.num_layers is None:
         return None
     if m.cpu_offloading_num_layers < 0 or m.cpu_offloading_num_layers >= m.num_layers:
-        return Match({"num_layers": m.num_layers, "fix_layers": safe_layers(m.num_layers)})
+        # upstream's f-string prints num_layers as written (a YAML `true` reads "less than True")
+        return Match({"num_layers": ctx.seen("model.num_layers"), "fix_layers": safe_layers(m.num_layers)})
     return None
 
 
 def _pp(ctx: Context):
     m = ctx.model
-    if m.cpu_offloading and m.pipeline_model_parallel_size > 1:
+    # megatron-core compares the size as written: 4.5 (which our typed field does not keep) is > 1 too; a text or
+    # null size has failed ModelParallelConfig's own comparison before this check (MC-PARALLEL-SIZES-TYPE).
+    pp = ctx.seen("model.pipeline_model_parallel_size")
+    if not isinstance(pp, int | float):
+        pp = m.pipeline_model_parallel_size
+    if m.cpu_offloading and pp > 1:
         fix = ["model.pipeline_model_parallel_size=1"]
         if m.virtual_pipeline_model_parallel_size is not None:
             fix.append("model.virtual_pipeline_model_parallel_size=null")

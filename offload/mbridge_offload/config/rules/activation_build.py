@@ -43,7 +43,15 @@ def _te_all_layers(ctx: Context):
         and m.cpu_offloading_activations
         and m.cpu_offloading_num_layers > m.num_layers - 1
     ):
-        return Match({"fix_layers": safe_layers(m.num_layers)})
+        values = {
+            "fix_layers": safe_layers(m.num_layers),
+            "k": ctx.seen("model.cpu_offloading_num_layers"),
+            "n": ctx.seen("model.num_layers"),
+        }
+        if ctx.te_version < (2, 14, 0):  # an assert until TE 2.14, then a ValueError that names both numbers
+            text = "Cannot offload all layers without manual synchronization - last layer is not offloaded."
+            return Match(values, message=text, exception="AssertionError")
+        return Match(values)
     return None
 
 
@@ -172,11 +180,13 @@ BUILD_RULES: tuple[Rule, ...] = (
         severity="error",
         origin="te",
         stage=STAGE_TE,
-        exception="AssertionError",
+        exception="ValueError",
         summary="TE v2 cannot offload every layer (the last layer is never offloaded).",
         keys=(_K, "model.num_layers"),
-        message="Cannot offload all layers without manual synchronization - last layer is not offloaded.",
-        why="TE v2 asserts num_layers ≤ model_layers − 1. MCore's range check rejects the same configs first.",
+        message="Cannot offload all layers without manual synchronization - last layer is not offloaded. "
+        "Got num_layers={k}, model_layers={n}.",
+        why="TE v2 requires num_layers ≤ model_layers − 1 (TE 2.10-2.13: an assert with the first sentence only; "
+        "2.14 and later: this ValueError). MCore's range check rejects the same configs first.",
         fix=(_K + "={fix_layers}",),
         shadowed_by=("ACT-NUM-LAYERS",),
         check=_te_all_layers,

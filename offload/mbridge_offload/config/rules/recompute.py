@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from mbridge_offload.config.overrides import format_override
 from mbridge_offload.config.rules.base import Context, Match, Rule
-from mbridge_offload.config.rules.mcore import following, mcore_rule, set_repr
+from mbridge_offload.config.rules.mcore import following, given, mcore_rule, set_repr
 
 
 def granularity(ctx: Context) -> str | None:
@@ -90,6 +90,35 @@ def _mla_up_proj(ctx: Context):
         return None
     kept = [x for x in modules if x != "mla_up_proj"]
     # With nothing else to recompute, selective recompute has no module left: switch it off.
+    return Match(fix=[format_override("model.recompute_modules", kept) if kept else "model.recompute_granularity=null"])
+
+
+def _selective(ctx: Context, module: str) -> bool:
+    return granularity(ctx) == "selective" and module in recompute_modules(ctx)
+
+
+def _gdn_norm_out(ctx: Context) -> bool:
+    # 0.19 only (the module name exists there): it recomputes the gated-delta-net output norm.
+    return _selective(ctx, "gdn_norm_out") and given(ctx, "experimental_attention_variant", None) != "gated_delta_net"
+
+
+def _shared_experts_overlap(ctx: Context) -> bool:
+    return (
+        _selective(ctx, "shared_experts")
+        and given(ctx, "moe_shared_expert_intermediate_size", None) is not None
+        and bool(given(ctx, "moe_shared_expert_overlap", False))
+    )
+
+
+def _fp8_norm_recompute(ctx: Context) -> bool:
+    # `if self.fp8:` on the value as written (after Bridge's mixed_precision copy), then moe_act or layernorm.
+    return bool(given(ctx, "fp8", None)) and (_selective(ctx, "moe_act") or _selective(ctx, "layernorm"))
+
+
+def _fp8_delayed(ctx: Context):
+    if not _fp8_norm_recompute(ctx) or given(ctx, "fp8_recipe", "delayed") != "delayed":
+        return None
+    kept = [x for x in recompute_modules(ctx) if x not in ("moe_act", "layernorm")]
     return Match(fix=[format_override("model.recompute_modules", kept) if kept else "model.recompute_granularity=null"])
 
 
@@ -181,6 +210,35 @@ RECOMPUTE_RULES: tuple[Rule, ...] = (
         _mla_up_proj,
         "Recomputing `mla_up_proj` needs multi-latent attention.",
         ("model.recompute_modules", "model.multi_latent_attention"),
+    ),
+    mcore_rule(
+        "MC-RECOMPUTE-GDN-NORM-OUT",
+        "ValueError",
+        "gdn_norm_out in recompute_modules is only supported with experimental_attention_variant='gated_delta_net'.",
+        _gdn_norm_out,
+        "Recomputing `gdn_norm_out` needs the gated-delta-net attention variant (0.19+).",
+        ("model.recompute_modules", "model.experimental_attention_variant"),
+        applies_to=">=0.19",
+    ),
+    mcore_rule(
+        "MC-RECOMPUTE-SHARED-EXPERTS-OVERLAP",
+        "ValueError",
+        "shared_experts recompute cannot work with --moe-shared-expert-overlap.",
+        _shared_experts_overlap,
+        "Recomputing `shared_experts` excludes `moe_shared_expert_overlap`.",
+        ("model.recompute_modules", "model.moe_shared_expert_overlap", "model.moe_shared_expert_intermediate_size"),
+        fix=("model.moe_shared_expert_overlap=false",),
+    ),
+    mcore_rule(
+        "MC-RECOMPUTE-FP8-DELAYED",
+        "ValueError",
+        "Delayed scaling does not support moe_act and layernorm recompute for fp8.",
+        _fp8_delayed,
+        "Recomputing `moe_act` or `layernorm` under FP8 needs a recipe other than delayed scaling (the default).",
+        ("model.recompute_modules", "model.fp8", "model.fp8_recipe"),
+        why="megatron-core's default fp8_recipe is 'delayed'. The fix drops the two modules from recompute_modules; "
+        "keeping them with another FP8 recipe (tensorwise, mxfp8, blockwise) works too, where Transformer Engine is "
+        "2.6 or later (megatron-core's next check).",
     ),
 )
 
