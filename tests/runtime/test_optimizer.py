@@ -180,6 +180,19 @@ def test_decoupled_grad_takes_precedence(fraction):
     assert max_diff(ours, ref) <= 1e-6
 
 
+def test_the_fp32_gradient_copies_of_the_masters_are_freed_after_the_step():
+    # They are the step's transient (the planner's optimizer_step phase), never resident through forward/backward.
+    model = make_model().to(torch.bfloat16)
+    opt = HybridDeviceOptimizer(model.parameters(), offload_fraction=0.5, param_update_in_fp32=True, **HYPER)
+    masters = dict(opt._masters)
+    assert masters, "bf16 parameters stepped on the compute device have fp32 masters"
+    for _ in range(2):
+        for p in model.parameters():
+            p.grad = torch.randn_like(p)
+        opt.step()
+        assert all(m.grad is None for m in masters.values())
+
+
 def test_bf16_params_with_fp32_masters_track_an_fp32_reference():
     ours, ref = make_model(), make_model()
     ours.to(torch.bfloat16)
