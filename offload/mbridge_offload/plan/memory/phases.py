@@ -14,7 +14,8 @@ Phases never coexist, so a stage's peak is the largest of them, not the sum of e
   ``update_main_grads``: ``optimizer_grad.to(param.dtype)``). The HybridDeviceOptimizer adds, on the GPU, only the
   fp32 copy of the gradients of the parameters it steps there when it owns bf16 parameters (precision-aware path:
   ``fp32_param.grad = grad.to(fp32)``); its offloaded gradients go straight to pinned host buffers and the updated
-  parameters are copied back in place. They live until the next step's ``zero_grad``, which runs before its forward.
+  parameters are copied back in place. Every copy is freed by the end of the step (measured on an H200 phase by
+  phase: ``tests/plan/test_gpu_measured.py``).
   fp32 gradients (``grad_reduce_in_fp32``) are used as they are: no copy.
 
 Every phase carries the ``other`` workspaces the allocator hands out throughout (``Setup.overhead_gb``). Never
