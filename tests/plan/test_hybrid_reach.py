@@ -129,7 +129,8 @@ def test_estimate_and_recommend_on_the_cli_count_and_offer_no_layer_offload_for_
     )  # fmt: skip
     assert out.returncode == 0, out.stderr
     rec = json.loads(out.stdout)
-    assert not any(c["key"] == "model.cpu_offloading" for o in rec["options"] for c in o["changes"])
+    offered = [c["key"] for o in rec["options"] for c in o["changes"] if c["value"] is True]
+    assert "model.cpu_offloading" not in offered
     assert any("ACT-HYBRID-LAYER-OFFLOAD" in line for line in rec["rationale"])
 
 
@@ -164,8 +165,8 @@ def test_recommend_never_offers_layer_level_offload_on_a_hybrid_stack(pattern):
     }
     raw["model"] = {k: v for k, v in raw["model"].items() if v is not None}
     rec = recommend_for_inputs(sources.build_config(raw), raw, gpu="h100-80gb", num_gpus=8)
-    changed = [c.key for o in rec.options for c in o.changes]
-    assert "model.cpu_offloading" not in changed and rec.mode not in ("activation", "both")
+    offered = [c.key for o in rec.options for c in o.changes if c.value is True]  # fine-grained writes it false
+    assert "model.cpu_offloading" not in offered and rec.mode not in ("activation", "both")
     assert "model.cpu_offloading=true" not in rec.overrides  # fine-grained modes write it false, never true
     if not any(line.startswith("it fits") for line in rec.rationale):  # the search ran: it says why not
         assert any("ACT-HYBRID-LAYER-OFFLOAD" in line for line in rec.rationale)
@@ -174,7 +175,7 @@ def test_recommend_never_offers_layer_level_offload_on_a_hybrid_stack(pattern):
 def test_recommend_on_the_issues_nemotron_h_case_offers_no_layer_offload():
     raw = _raw()
     rec = recommend_for_inputs(sources.build_config(raw), raw, gpu="h100-80gb", num_gpus=8)
-    assert not any(c.key == "model.cpu_offloading" for o in rec.options for c in o.changes)
+    assert not any(c.key == "model.cpu_offloading" and c.value is True for o in rec.options for c in o.changes)
     assert rec.fits  # full recompute reaches the 0.19.2 HybridStack: it is offered and fits
     assert applies("recompute:full-block", "hybrid", PLANNER_RELEASE)
 

@@ -234,3 +234,25 @@ def test_llama3_70b_fsdp_on_64_gb200_gets_a_comfortable_option_beside_the_tighte
     # More layers for the room: each of them costs host memory, never GPU memory.
     assert roomy[0].host_gb > tight.host_gb and roomy[0].memory_gib.total < tight.memory_gib.total
     assert not any("optimizer" in o.levers for o in rec.options)  # Megatron-FSDP: never optimizer offload
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        {"model": "llama3-8b", "gpu": "h100-80gb", "num_gpus": 8, "seq_length": 16384},
+        {"model": "llama3-8b", "gpu": "h100-80gb", "num_gpus": 8, "seq_length": 65536, "levers": ["optimizer"]},
+        {"model": "llama3-70b", "gpu": "h100-80gb", "num_gpus": 8, "tp": 8},
+        {"model": "qwen3-30b-a3b", "gpu": "h100-80gb", "num_gpus": 16, "tp": 2, "pp": 2, "ep": 4},
+        {"model": "qwen3-30b-a3b", "gpu": "a100-80gb", "num_gpus": 16, "ep": 8, "seq_length": 32768},
+    ],
+    ids=["fits-with-levers", "nothing-allowed-fits", "70b-tp8", "card", "moe-32k"],
+)
+def test_option_0_is_the_recommendation_whatever_fits(flags):
+    # mode / overrides / memory_gb.after describe option 0, also when no allowed lever fits (then the decision
+    # table's most offload leads, not fitting, and the fitting alternatives follow): apply --option 0 writes it.
+    rec = service.recommend_for_inputs(**flags)
+    assert rec.options, rec.rationale
+    first = rec.options[0]
+    assert rec.overrides == first.overrides
+    assert rec.memory_gib.after.total == pytest.approx(first.memory_gib.total, abs=1e-3)
+    assert rec.fits == first.fits

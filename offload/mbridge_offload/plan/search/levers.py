@@ -72,6 +72,12 @@ def layout_variants(lever: str, m: ModelSpec, s: Setup) -> list[Setup]:
     """``s`` with ``lever`` (cp, tp, mbs) changed, every value Megatron and the global batch allow, smallest change
     first: TP and CP double (TP with sequence parallelism, as Bridge recipes run it), MBS halves."""
     out: list[Setup] = []
+    if s.global_batch_size is None:
+        # The same job: a layout change keeps the samples per step the config as given implies (4·PP micro-batches
+        # per DP rank), so fewer DP ranks run more micro-batches each, not a smaller step.
+        from mbridge_offload.plan.time.step import default_microbatches
+
+        s = replace(s, global_batch_size=default_microbatches(s) * s.micro_batch_size * s.dp)
     if lever == "tp":
         tp = s.tp * 2
         while tp <= MAX_TP:
@@ -82,7 +88,7 @@ def layout_variants(lever: str, m: ModelSpec, s: Setup) -> list[Setup]:
         while cp <= MAX_CP:
             out.append(replace(s, cp=cp))
             cp *= 2
-    elif lever == "mbs" and s.global_batch_size is not None:  # without it, a smaller MBS is a smaller step
+    elif lever == "mbs":
         mbs = s.micro_batch_size // 2
         while mbs >= 1:
             out.append(replace(s, micro_batch_size=mbs))

@@ -222,6 +222,13 @@ def _option(p: Plan, c: Candidate, ctx: dict[str, Any], overlap: Callable[[Any, 
     return t.step_s, option
 
 
+def most_offload(base: Setup, most: MemoryEstimate) -> Candidate:
+    """The decision table's most offload, for when no allowed lever fits: it is then the recommendation (mode and
+    overrides describe it), so it is listed, not fitting, as option 0."""
+    label = "the most offload the decision table allows: " + _label(base, most.setup)
+    return Candidate(most, label if most.setup != base else "no change: no allowed offload fits", True)
+
+
 def overrides_for(given: Setup, base: Setup, s: Setup, overlap: bool) -> list[str]:
     """Every override an option writes: switch off the given offloads it drops, its recompute and layout changes,
     then its offload keys."""
@@ -229,9 +236,13 @@ def overrides_for(given: Setup, base: Setup, s: Setup, overlap: bool) -> list[st
 
 
 def _prefer_table(ordered: list[tuple[float, Candidate, Option]]) -> list[tuple[float, Candidate, Option]]:
-    """The decision table's pick first when it ties (``STEP_TIE``) with the fastest allowed option that fits."""
-    if not ordered or ordered[0][2].alternative or not ordered[0][2].fits:
+    """The decision table's pick first when it ties (``STEP_TIE``) with the fastest allowed option that fits, or when
+    no allowed option fits (its most offload is then the recommendation: mode and overrides describe it)."""
+    if not ordered:
         return ordered
+    if ordered[0][2].alternative or not ordered[0][2].fits:
+        table = next((i for i, (_, c, o) in enumerate(ordered) if c.from_table and not o.alternative), None)
+        return ordered if table is None else [ordered[table], *ordered[:table], *ordered[table + 1 :]]
     fastest = ordered[0][0]
     for i, (step, c, option) in enumerate(ordered):
         if c.from_table and option.fits and not option.alternative and step <= fastest * (1 + STEP_TIE):

@@ -369,10 +369,14 @@ def recommend(r: Resolved) -> Recommendation:
     given = _as_given(r, before, rationale)
     given_t = estimate_time(given, r.gpu, overlap=r.overlap, **p.time_kwargs)
     as_given_s = given_t.step_s  # every step_time_factor of this answer divides by it: 1.0 = the config as given
-    mode, after, suggestions, found = _offload_search(p, base, before, rationale)
+    mode, after, suggestions, found = _offload_search(p, base, before, rationale, allowed)
     found_options = options.candidates(p, base, before, after if found else None)
     ranked = options.rank(p, base, found_options, allowed, _overlap, as_given_s)
     top = ranked[0] if ranked and ranked[0][1].fits and not ranked[0][1].alternative else None
+    if top is None and not found:  # option 0 is the recommendation, also when it does not fit
+        ranked = options.rank(
+            p, base, [*found_options, options.most_offload(base, after)], allowed, _overlap, as_given_s
+        )
     if top is not None and top[0].est.setup != after.setup:
         after, mode, suggestions = top[0].est, advice.mode_of(top[0].est.setup), []
     rationale += [f"not proposed ({m}): {'; '.join(why)}" for m, why in p.vet.rejected.items()]
@@ -444,10 +448,14 @@ def _factors(option: Option | None, t: TimeEstimate, as_given_s: float) -> dict[
     }
 
 
+_MODE_LEVER = {"optimizer": "optimizer", "activation": "activation", fg.MODE: "fine-grained"}
+
+
 def _offload_search(
-    p: Plan, base: Setup, before: MemoryEstimate, rationale: list[str]
+    p: Plan, base: Setup, before: MemoryEstimate, rationale: list[str], allowed: tuple[str, ...]
 ) -> tuple[str, MemoryEstimate, list[str], bool]:
-    """The skill's decision table: (mode, the estimate with it, what would fit otherwise, whether it fits)."""
+    """The skill's decision table over the offloads the caller allows: (mode, the estimate with it, what would fit
+    otherwise, whether it fits)."""
     r = p.r
     if p.keeps_margin(before):
         rationale.append("it fits: offloading only adds step time, so none is recommended")
@@ -456,7 +464,10 @@ def _offload_search(
         rationale.append(
             f"it fits the device, but with less than the {p.margin:.0%} margin free: the offload below keeps it"
         )
-    mode, found = _search(p, base, _order(p, before, rationale))
+    order = tuple(mode for mode in _order(p, before, rationale) if _MODE_LEVER[mode] in allowed)
+    if not order:
+        return "none", before, _suggest(p, base), False
+    mode, found = _search(p, base, order)
     if found is not None:
         return mode, found, [], True
     most = _most_layers(p, base) if mode in ("both", "activation") else 0
@@ -478,9 +489,12 @@ def _verdict(base: Setup, ranked: list[Option], allowed: tuple[str, ...]) -> lis
         return ["no option fits: none of the levers (" + ", ".join(levers.LEVERS) + ") alone makes it fit"]
     first = ranked[0]
     if not first.fits or first.alternative:
+        best = next((o for o in ranked if o.fits), None)
+        if best is None:
+            return [f"no option fits: none of the allowed levers ({', '.join(allowed)}) and no alternative"]
         return [
-            f"none of the allowed levers ({', '.join(allowed)}) fits; the best alternative: {first.why} "
-            f"(pulls {', '.join(first.levers)}: allow it with --levers)"
+            f"none of the allowed levers ({', '.join(allowed)}) fits; the best alternative: {best.why} "
+            f"(option {best.rank}, pulls {', '.join(best.levers)}: allow it with --levers)"
         ]
     out = [f"option 0 of {len(ranked)} (fastest that fits): {first.why}"]
     if not first.levers:
