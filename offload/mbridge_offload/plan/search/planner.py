@@ -370,13 +370,7 @@ def recommend(r: Resolved) -> Recommendation:
     given_t = estimate_time(given, r.gpu, overlap=r.overlap, **p.time_kwargs)
     as_given_s = given_t.step_s  # every step_time_factor of this answer divides by it: 1.0 = the config as given
     mode, after, suggestions, found = _offload_search(p, base, before, rationale, allowed)
-    found_options = options.candidates(p, base, before, after if found else None)
-    ranked = options.rank(p, base, found_options, allowed, _overlap, as_given_s)
-    top = ranked[0] if ranked and ranked[0][1].fits and not ranked[0][1].alternative else None
-    if top is None and not found:  # option 0 is the recommendation, also when it does not fit
-        ranked = options.rank(
-            p, base, [*found_options, options.most_offload(base, after)], allowed, _overlap, as_given_s
-        )
+    ranked, top = _ranked(p, base, before, after, found, allowed, as_given_s)
     if top is not None and top[0].est.setup != after.setup:
         after, mode, suggestions = top[0].est, advice.mode_of(top[0].est.setup), []
     rationale += [f"not proposed ({m}): {'; '.join(why)}" for m, why in p.vet.rejected.items()]
@@ -421,6 +415,27 @@ def recommend(r: Resolved) -> Recommendation:
         phases=stage_phases(after, p.offset),
         peak_phase=after.worst.peak_phase,
     )
+
+
+def _ranked(
+    p: Plan,
+    base: Setup,
+    before: MemoryEstimate,
+    after: MemoryEstimate,
+    found: bool,
+    allowed: tuple[str, ...],
+    as_given_s: float,
+) -> tuple[list[tuple[options.Candidate, Option]], tuple[options.Candidate, Option] | None]:
+    """The ranked options and the first one when it is allowed and fits. Option 0 is the recommendation, also when
+    it does not fit: then the decision table's most offload leads."""
+    found_options = options.candidates(p, base, before, after if found else None)
+    ranked = options.rank(p, base, found_options, allowed, _overlap, as_given_s)
+    top = ranked[0] if ranked and ranked[0][1].fits and not ranked[0][1].alternative else None
+    if top is None and not found:
+        ranked = options.rank(
+            p, base, [*found_options, options.most_offload(base, after)], allowed, _overlap, as_given_s
+        )
+    return ranked, top
 
 
 def _before_after(
