@@ -16,16 +16,14 @@ Run: ``mbridge-offload-mcp`` (stdio), ``mbridge-offload-mcp --transport streamab
 from __future__ import annotations
 
 import argparse
-import inspect
 import logging
 import sys
-from typing import Annotated, Any, Literal
+from typing import Any
 
 from mcp.server import MCPServer
 from mcp.server.mcpserver import Context
 from mcp.server.mcpserver.exceptions import ToolError
 from mcp.types import ToolAnnotations
-from pydantic import Field
 
 from mbridge_offload import __version__
 from mbridge_offload.actions.apply_result import ApplyResult
@@ -36,6 +34,14 @@ from mbridge_offload.actions.testresult import TestRunResult
 from mbridge_offload.config.validate import Report as ValidateOutput
 from mbridge_offload.plan.results import Estimate, Recommendation
 from mbridge_offload_tools import guard, roots
+from mbridge_offload_tools.interface.build import declared
+from mbridge_offload_tools.interface.calls import (
+    check_diagnose,
+    log_text,
+    plan_answer,
+    validate_answer,
+    validate_seconds,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -53,23 +59,6 @@ optimizer.optimizer_offload_fraction=0.5. Fixes come back as override lists you 
 mcp = MCPServer("mbridge-offload", version=__version__, instructions=INSTRUCTIONS)
 roots.install(mcp)  # a client that declares MCP roots confines each call to them (roots.py)
 
-ConfigArg = Annotated[
-    str, Field(description="a Bridge YAML/JSON config: a file path, or the YAML/JSON text itself", min_length=1)
-]
-OverridesArg = Annotated[
-    list[str],
-    Field(description="Hydra-style overrides applied first, e.g. ['optimizer.optimizer_offload_fraction=0.5']"),
-]
-TeVersionArg = Annotated[
-    str | None,
-    Field(
-        description="the Transformer Engine release the training cluster runs, e.g. '2.9' or '2.10.0' (the CLI's "
-        "--env te_version=X.Y); the TE-dependent rules (activation offload v1/v2, fine-grained NVTE_CPU_OFFLOAD_V1) "
-        "read it. Default: assumed 2.18, the release Megatron Bridge 0.6.2 pins (env.te_version_source says so)"
-    ),
-]
-
-
 # ---------------------------------------------------------------------------------------------- helpers
 
 
@@ -82,87 +71,22 @@ def _load(config: str, overrides: list[str] | None, what: str = "config"):
         raise ToolError(str(exc) if what == "config" else f"{what}: {exc}") from None
 
 
-def _plan_parameters() -> list[inspect.Parameter]:
-    """The planner tools' parameters: a config, overrides, Megatron-LM argv, and every ``PlanInputs`` field
-    (type, bounds and description taken from it: one declaration for the library, the CLI and MCP)."""
-    from mbridge_offload.plan.inputs.fields import PlanInputs, help_text
-
-    kw = inspect.Parameter.KEYWORD_ONLY
-    params = [
-        inspect.Parameter(
-            "config",
-            kw,
-            default=None,
-            annotation=Annotated[
-                str | None,
-                Field(
-                    description="optional Bridge config (path or YAML/JSON text); a model preset fills what it lacks"
-                ),
-            ],
-        ),
-        inspect.Parameter("overrides", kw, default=[], annotation=OverridesArg),
-        inspect.Parameter(
-            "megatron_args",
-            kw,
-            default=None,
-            annotation=Annotated[
-                str | None, Field(description="Megatron-LM pretrain_gpt.py flags instead of a config")
-            ],
-        ),
-    ]
-    # ``Annotated`` built at run time from each field: a type expression for the SDK, not for the checker.
-    annotated: Any = Annotated
-    for name, info in PlanInputs.model_fields.items():
-        annotation = annotated[(info.annotation, *info.metadata, Field(description=help_text(name)))]
-        params.append(inspect.Parameter(name, kw, default=None, annotation=annotation))
-    return params
-
-
-def _plan(kind: str, args: dict[str, Any]) -> Any:
-    """Resolve the planner inputs (one path: preset, config, argv, parameters) and run estimate or recommend."""
-    import shlex
-
-    from mbridge_offload.config.sources import ConfigError, load
-    from mbridge_offload.plan.service import plan
-
-    config, overrides, argv = (
-        args.pop("config", None),
-        args.pop("overrides", None) or [],
-        args.pop("megatron_args", None),
-    )
-    if config is None and argv is None and args.get("model") is None and args.get("num_layers") is None:
-        raise ToolError(
-            "no model: pass model (a preset such as qwen3-30b-a3b or llama3-8b), config (a Bridge YAML path or "
-            "text with the model section), or megatron_args"
-        )
-    if config is not None and argv is not None:
-        raise ToolError("pass either config or megatron_args, not both")
-    if overrides and config is None and argv is None:
-        raise ToolError("overrides need a config to apply to; pass config (path or YAML text) too")
-    try:
-        loaded = load(argv=shlex.split(argv), overrides=overrides) if argv is not None else None
-        loaded = _load(config, overrides) if config is not None else loaded
-        config_, raw, source = (loaded.config, loaded.raw, loaded.source) if loaded else (None, None, None)
-        return plan(kind, args, config_, raw, source)  # type: ignore[arg-type]
-    except (ValueError, KeyError, ConfigError) as exc:
-        raise ToolError(str(exc).strip("'\"")) from None
-
-
 def _plan_tool(kind: str, output: type, doc: str, title: str) -> None:
-    """Register a planner tool whose parameters are generated from ``PlanInputs``."""
+    """Register a planner tool: its parameters are the declared ones (``PlanInputs`` and the config's)."""
+    name = {"estimate": "estimate_memory", "recommend": "recommend_mode"}[kind]
 
     def tool(**kwargs: Any) -> Any:
-        return _plan(kind, dict(kwargs))
+        return plan_answer(kind, kwargs)
 
-    tool.__name__ = {"estimate": "estimate_memory", "recommend": "recommend_mode"}[kind]
+    tool.__name__ = name
     tool.__doc__ = doc
-    tool.__signature__ = inspect.Signature(_plan_parameters(), return_annotation=output)  # type: ignore[attr-defined]
+    tool.__annotations__ = {"return": output}
     mcp.tool(
         title=title,
         annotations=ToolAnnotations(
             read_only_hint=True, destructive_hint=False, idempotent_hint=True, open_world_hint=False
         ),
-    )(guard.guarded()(tool))
+    )(guard.guarded()(declared(name)(tool)))
 
 
 # ---------------------------------------------------------------------------------------------- tools
@@ -174,107 +98,15 @@ def _plan_tool(kind: str, output: type, doc: str, title: str) -> None:
         read_only_hint=True, destructive_hint=False, idempotent_hint=True, open_world_hint=False
     ),
 )
-@guard.guarded()
-def validate_config(
-    config: Annotated[
-        str | None,
-        Field(description="a Bridge YAML/JSON config: a file path, or the YAML/JSON text itself (or pass recipe)"),
-    ] = None,
-    overrides: OverridesArg = [],  # noqa: B006 - pydantic copies defaults
-    target: Annotated[str, Field(description="megatron-core release to check against")] = "megatron-core==0.19.2",
-    exact: Annotated[
-        bool,
-        Field(
-            description="also build the real megatron-core configs with the target's megatron-core on the server "
-            "(its environment's, or .mcore/<version> from scripts/setup; a subprocess, ~10-30 s) and report every "
-            "error it raises verbatim (origin mcore) and the release that ran (MCORE-EXACT-VERSION)"
-        ),
-    ] = False,
-    recipe: Annotated[
-        str | None,
-        Field(
-            description="instead of config: a Megatron Bridge recipe function (e.g. llama3_8b_pretrain_config), "
-            "built for real where megatron-bridge is importable; the server keeps its imports warm between calls"
-        ),
-    ] = None,
-    megatron_args: Annotated[
-        str | None,
-        Field(
-            description="instead of config: a Megatron-LM pretrain_gpt.py command line, e.g. '--num-layers 4 "
-            "--cpu-offloading-num-layers 4'; fixes then come back as flags (fix: add or set, fix_remove: delete)"
-        ),
-    ] = None,
-    te_version: TeVersionArg = None,
-) -> ValidateOutput:
+@guard.guarded(validate_seconds)
+@declared("validate_config")
+def validate_config(**v: Any) -> ValidateOutput:
     """Check a Megatron Bridge config's offload settings (or a Megatron-LM command line) against every upstream rule.
 
     Returns findings with the upstream message, the keys involved and the fix: Bridge overrides, or Megatron-LM
     flags (fix_notation='megatron-lm') when megatron_args was given.
     """
-    from mbridge_offload.config.rules.base import parse_target
-    from mbridge_offload.config.sources import ConfigError, load
-    from mbridge_offload.config.validate import validate
-
-    if sum(x is not None for x in (config, recipe, megatron_args)) != 1:
-        raise ToolError(
-            "give exactly one of config (a Bridge YAML/JSON path or text), recipe (a recipe name) or megatron_args "
-            "(a Megatron-LM command line)"
-        )
-    if megatron_args is not None:
-        loaded = _load_argv(megatron_args, overrides)
-    elif recipe is not None:
-        try:  # imported once per server process: the second call of a recipe costs its build, not its imports
-            loaded = load(None, overrides, recipe=recipe)
-        except ConfigError as exc:
-            raise ToolError(f"recipe: {exc}") from None
-    else:
-        assert config is not None  # exactly one of the three was given
-        loaded = _load(config, overrides)
-    try:  # only the target's own errors are "target" errors: a ValueError from the check itself is not
-        parsed_target = parse_target(target)
-    except ValueError as exc:
-        raise ToolError(f"target {target!r}: {exc}") from None
-    _set_te_version(loaded.config, te_version)
-    report = validate(loaded.config, loaded.raw, target=parsed_target, source=loaded.source)
-    report.source = loaded.source
-    if exact:
-        from mbridge_offload_tools.exact import ExactUnavailable, exact_report
-
-        try:
-            report = exact_report(report, loaded.raw, config=loaded.config)
-        except ExactUnavailable as exc:
-            raise ToolError(str(exc)) from None
-    if megatron_args is not None:
-        from mbridge_offload.config.mlm_fixes import megatron_lm_fixes
-
-        report = megatron_lm_fixes(report)
-    return report
-
-
-def _set_te_version(config: Any, te_version: str | None) -> None:
-    """The caller's Transformer Engine release into the config's environment facts, as the CLI's --env does."""
-    if te_version is None:
-        return
-    from mbridge_offload.config.validate import check_te_version
-
-    try:
-        config.env["te_version"] = check_te_version(te_version)
-    except ValueError as exc:
-        raise ToolError(str(exc)) from None
-
-
-def _load_argv(megatron_args: str, overrides: list[str] | None):
-    """A Megatron-LM command line, read as the CLI's --megatron-args reads it."""
-    import shlex
-
-    from mbridge_offload.config.sources import ConfigError, load
-
-    try:
-        return load(None, overrides or [], argv=shlex.split(megatron_args))
-    except ConfigError as exc:
-        raise ToolError(str(exc)) from None
-    except ValueError as exc:  # an unbalanced quote
-        raise ToolError(f"megatron_args: cannot read the command line: {exc}") from None
+    return validate_answer(v)
 
 
 _plan_tool(
@@ -311,38 +143,24 @@ _plan_tool(
     ),
 )
 @guard.guarded()
-def apply_offload(
-    config: ConfigArg,
-    mode: Annotated[
-        Literal["optimizer", "activation", "both", "none", "recommended", "fine-grained"],
-        Field(description="what to switch on; 'recommended' (the default) asks the planner, option N picks its option"),
-    ] = "recommended",
-    fraction: Annotated[
-        float | None, Field(gt=0, le=1, description="optimizer_offload_fraction (optimizer/both)")
-    ] = None,
-    num_layers: Annotated[int | None, Field(ge=1, description="cpu_offloading_num_layers (activation/both)")] = None,
-    modules: Annotated[
-        list[str] | None, Field(description="offload_modules (fine-grained), e.g. ['expert_fc1']")
-    ] = None,
-    overrides: OverridesArg = [],  # noqa: B006
-    output: Annotated[
-        str | None, Field(description="write the edited config to this path (inside the server's roots)")
-    ] = None,
-    in_place: Annotated[bool, Field(description="overwrite the config file (a unique .bak backup is kept)")] = False,
-    overwrite: Annotated[
-        bool, Field(description="allow output to replace an existing file (a unique .bak backup is kept)")
-    ] = False,
-    format: Annotated[Literal["yaml", "overrides"], Field(description="what a write contains")] = "yaml",
-    gpu: Annotated[str | None, Field(description="mode=recommended: GPU preset, e.g. h100-80gb")] = None,
-    gpu_memory_gb: Annotated[float | None, Field(gt=0, description="mode=recommended: GPU memory (GB)")] = None,
-    num_gpus: Annotated[int | None, Field(ge=1, description="mode=recommended: number of GPUs")] = None,
-    option: Annotated[
-        int | None,
-        Field(ge=0, description="write recommend_mode's options[N] (0 = the recommendation); implies recommended"),
-    ] = None,
-    levers: Annotated[
-        list[str] | None, Field(description="mode=recommended / option: the levers recommend may pull")
-    ] = None,
+@declared("apply_offload")
+def apply_offload(  # the types, bounds, defaults and descriptions: interface.tools.APPLY
+    *,
+    config,
+    mode,
+    fraction,
+    num_layers,
+    modules,
+    overrides,
+    output,
+    in_place,
+    overwrite,
+    format,
+    gpu,
+    gpu_memory_gb,
+    num_gpus,
+    option,
+    levers,
 ) -> ApplyResult:
     """Edit a config to enable (or disable) CPU offloading, resolving the conflicts the mode implies.
 
@@ -351,31 +169,29 @@ def apply_offload(
     byte are preserved. An existing output is replaced only with overwrite=true, and then backed up.
     """
     from mbridge_offload.actions.apply import apply_offload as run_apply
+    from mbridge_offload.config.errors import InputError
 
     planner = {"gpu": gpu, "gpu_memory_gb": gpu_memory_gb, "num_gpus": num_gpus, "levers": levers}
     try:
-        from mbridge_offload.plan.inputs.hardware import gpu_preset
-
-        if gpu is not None:
-            gpu_preset(gpu)
-    except KeyError as exc:
+        return run_apply(
+            config,
+            mode,
+            fraction=fraction,
+            num_layers=num_layers,
+            modules=modules,
+            option=option,
+            overrides=overrides,
+            output=output,
+            in_place=in_place,
+            output_format=format,
+            overwrite=overwrite,
+            write_roots=guard.policy().write_roots(),
+            planner={k: v for k, v in planner.items() if v is not None} or None,
+        )
+    except InputError:
+        raise
+    except (KeyError, ValueError) as exc:  # the planner: an unknown GPU preset, a setup Megatron rejects (as the CLI)
         raise ToolError(str(exc).strip("'\"")) from None
-    result = run_apply(
-        config,
-        mode,
-        fraction=fraction,
-        num_layers=num_layers,
-        modules=modules,
-        option=option,
-        overrides=overrides,
-        output=output,
-        in_place=in_place,
-        output_format=format,
-        overwrite=overwrite,
-        write_roots=guard.policy().write_roots(),
-        planner={k: v for k, v in planner.items() if v is not None} or None,
-    )
-    return result
 
 
 @mcp.tool(
@@ -387,31 +203,17 @@ def apply_offload(
     ),
 )
 @guard.guarded(lambda kwargs: float(kwargs.get("timeout_s") or 600) + 30)
-def run_unit_tests(
+@declared("run_unit_tests")
+def run_unit_tests(  # the types, bounds, defaults and descriptions: interface.tools.TEST
     ctx: Context,
-    k: Annotated[
-        str | None,
-        Field(
-            description="pytest -k expression, e.g. 'apply or diagnose' (selects from every test); 'cpu_offload' "
-            "(the upstream skill's selector) runs the offload suite, as does no k"
-        ),
-    ] = None,
-    bridge_repo: Annotated[
-        str | None, Field(description="a Megatron Bridge checkout: run its offload tests instead of ours")
-    ] = None,
-    suite: Annotated[
-        Literal["unit", "full", "parity"],
-        Field(
-            description="unit = the offload suite (tests marked cpu_offload, under a minute on 2 shared cores) or "
-            "what k/path select; full = every test (minutes); parity = tiny-GPT loss parity with vs without offload"
-        ),
-    ] = "unit",
-    config: Annotated[str | None, Field(description="parity: the config whose offload settings to train")] = None,
-    steps: Annotated[int | None, Field(ge=2, le=500, description="parity: training steps per run")] = None,
-    timeout_s: Annotated[float, Field(gt=0, le=3600, description="wall-clock limit")] = 600,
-    path: Annotated[
-        str | None, Field(description="one test file/folder/node id under tests/, e.g. tests/actions/test_apply.py")
-    ] = None,
+    *,
+    k,
+    bridge_repo,
+    suite,
+    config,
+    steps,
+    timeout_s,
+    path,
 ) -> TestRunResult:
     """Run tests in a subprocess and report counts, durations, failing node ids with the failure text, and a
     coverage paragraph (what ran, what did not). By default (or k='cpu_offload') the offload suite runs: HDO
@@ -460,12 +262,14 @@ def run_unit_tests(
     ),
 )
 @guard.guarded()
-def diagnose_failure(
-    error: Annotated[str | None, Field(description="the error message or traceback")] = None,
-    log: Annotated[str | None, Field(description="a log excerpt around the failure")] = None,
-    config: Annotated[str | None, Field(description="the failing run's config (path or text)")] = None,
-    before: Annotated[str | None, Field(description="config before the change that broke the run")] = None,
-    after: Annotated[str | None, Field(description="config after that change")] = None,
+@declared("diagnose_failure")
+def diagnose_failure(  # the types, bounds, defaults and descriptions: interface.tools.DIAGNOSE
+    *,
+    error,
+    log,
+    config,
+    before,
+    after,
 ) -> DiagnoseReport:
     """Match an error or log against the known offload failure modes: cause, how to confirm, fix as overrides.
 
@@ -475,20 +279,14 @@ def diagnose_failure(
     """
     from mbridge_offload.actions.diagnose import diagnose
 
-    if not any((error, log, config, before, after)):
-        raise ToolError(
-            "nothing to diagnose: pass error (the message), log (an excerpt), and/or config, or "
-            "before and after configs"
-        )
-    if (before is None) != (after is None):
-        raise ToolError("pass both before and after (two configs around the change), or neither")
+    check_diagnose({"error": error, "log": log, "config": config, "before": before, "after": after})
     loaded = _load(config, None) if config else None
     b = _load(before, None, "before") if before else None
     a = _load(after, None, "after") if after else None
     from mbridge_offload.config.reading import max_bytes
 
-    cap = max_bytes()  # like the CLI's --log: the tail of a huge log or error text, where the failure is
-    error, log = (error[-cap:] if error else error), (log[-cap:] if log else log)
+    error = error[-max_bytes() :] if error else error  # the tail of a huge error text, where the failure is
+    log = log_text(log) if log else log  # a file (inside the roots) or the text, as the CLI's --log
     report = diagnose(
         error=error,
         log=log,
