@@ -36,7 +36,7 @@ PAIRS = {
     "run_unit_tests": "test",
     "diagnose_failure": "diagnose",
 }
-# The only spellings that differ (issue 29; docs/mcp.md); config may also be the positional CONFIG.
+# The only spellings that differ (docs/mcp.md); config may also be the positional CONFIG.
 SPELLINGS = {"overrides": "--set", "k": "-k", "timeout_s": "--timeout", "overwrite": "--force"}
 # The flags only the CLI has: an output format, a containment the server sets at its start, older spellings.
 CLI_ONLY = {

@@ -12,14 +12,11 @@ from typing import Any
 
 # MCP tool → the CLI command that does the same (a contract: docs/mcp.md documents both sides).
 CLI_EQUIVALENTS: dict[str, str] = {
-    "validate_config": "mbridge-offload validate CONFIG [--set KEY=VALUE ...] [--te-version X.Y]",
-    "estimate_memory": "mbridge-offload estimate [CONFIG] [--set KEY=VALUE] [--model NAME --gpu PRESET --num-gpus N]",
-    "recommend_mode": "mbridge-offload recommend [CONFIG] [--set KEY=VALUE] [--model NAME --gpu PRESET --levers L,...]",
-    "apply_offload": (
-        "mbridge-offload apply CONFIG [--mode optimizer|activation|both|fine-grained|none|recommended | --option N] "
-        "[--output FILE [--force] | --in-place]"
-    ),
-    "run_unit_tests": "mbridge-offload test [-k EXPR] [--suite unit|full|parity] [--bridge-repo PATH]",
+    "validate_config": "mbridge-offload validate CONFIG [--set KEY=VALUE ...]",
+    "estimate_memory": "mbridge-offload estimate [CONFIG] [--model NAME --gpu PRESET --num-gpus N ...]",
+    "recommend_mode": "mbridge-offload recommend [CONFIG] [--model NAME --gpu PRESET --levers L,... ...]",
+    "apply_offload": "mbridge-offload apply CONFIG [--mode MODE | --option N] [--output FILE [--force] | --in-place]",
+    "run_unit_tests": "mbridge-offload test [-k EXPR] [--suite SUITE] [--bridge-repo PATH]",
     "diagnose_failure": "mbridge-offload diagnose --error TEXT | --log FILE|TEXT [--config FILE]",
 }
 
