@@ -131,7 +131,7 @@ VALIDATE = Tool(
             "env",
             list[str],
             "facts about the training environment, KEY=VALUE, e.g. NVTE_CPU_OFFLOAD_V1=1 (te_version=X.Y here is the "
-            "older spelling of te_version)",
+            "older spelling of te_version, --te-version on the CLI)",
             default=[],
             per_flag=True,
             metavar="KEY=VALUE",
