@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import mbridge_offload
 from mbridge_offload.actions.parity import (
     LOSS_BAR,
     MIN_RELATIVE_DROP,
@@ -24,6 +25,7 @@ from mbridge_offload.actions.parity import (
 from mbridge_offload.actions.testrun import DEPTH_ENV
 from mbridge_offload.actions.testsuite import run_tests
 from mbridge_offload.config.sources import load
+from mbridge_offload.runtime.optimizer.hybrid import HybridDeviceOptimizer
 
 CONFIG = """\
 # 32-layer dense model, activation + optimizer offload.
@@ -120,6 +122,11 @@ def test_real_megatron_tiny_gpt_parity() -> None:
     assert len(result["losses"]["baseline"]) == len(result["losses"]["offload"]) == 20
     assert result["loss_fall"]["baseline"]["relative_drop"] >= MIN_RELATIVE_DROP
     assert result["max_loss_delta"] == max(result["loss_deltas"].values()) < LOSS_BAR
+    # The answer names whose optimizer ran and which megatron-core built the model.
+    from megatron.core import package_info
+
+    assert result["optimizer"] == {"class": "HybridDeviceOptimizer", "module": HybridDeviceOptimizer.__module__}
+    assert result["megatron_core"] == package_info.__version__
 
 
 def test_too_few_steps_is_refused() -> None:
@@ -142,6 +149,19 @@ def test_parity_suite_through_the_test_runner(config_file: Path) -> None:
     assert result.details["settings"]["optimizer_offload_fraction"] == 0.75
     assert result.details["loss_fall"]["offload"]["relative_drop"] >= MIN_RELATIVE_DROP
     assert events[-1][:2] == (80, 80)
+    # What was tested: our HybridDeviceOptimizer on the tiny GPT here, not megatron-core's own (the recipe says how).
+    under = result.under_test
+    assert under is not None and under.kind == "parity"
+    assert under.optimizer == {
+        "class": "HybridDeviceOptimizer",
+        "module": HybridDeviceOptimizer.__module__,
+        "origin": f"this project (mbridge-offload {mbridge_offload.__version__})",
+    }
+    assert under.model == f"{result.details['model']} on {result.details['device']}"
+    assert under.megatron_core == result.details["megatron_core"]
+    assert "megatron-core's own HybridDeviceOptimizer did not run" in under.summary
+    assert under.summary in result.coverage
+    assert any("optimizer.optimizer_cpu_offload=true" in run for run in under.cluster_recipe["runs"])
 
 
 def test_the_cli_exits_1_when_the_loss_did_not_fall(capsys: pytest.CaptureFixture[str]) -> None:

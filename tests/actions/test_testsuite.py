@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+import mbridge_offload
 from mbridge_offload.actions import testselect
 from mbridge_offload.actions.testresult import TestRunResult, TestSuiteError
 from mbridge_offload.actions.testrun import DEPTH_ENV
@@ -53,6 +54,8 @@ def bridge(tmp_path: Path) -> Path:
     (root / "tests/unit_tests/models").mkdir(parents=True)
     (root / "tests/unit_tests/training/test_optim.py").write_text(OPTIM_TESTS)
     (root / "tests/unit_tests/models/test_gpt_full_te_layer_autocast_spec.py").write_text(SPEC_TESTS)
+    (root / "src/megatron/bridge").mkdir(parents=True)
+    (root / "src/megatron/bridge/package_info.py").write_text('MAJOR = 0\nMINOR = 6\nPATCH = 2\nPRE_RELEASE = ""\n')
     return root
 
 
@@ -85,6 +88,11 @@ def test_bridge_selector_selects_the_offload_tests_and_reports_failures(bridge: 
         "test_fp32_state_loading_patch[no_offload]",
     ]
     assert (result.passed, result.failed, result.ok) == (3, 1, False)
+    # Bridge's code ran, not ours: the answer says which checkout and version (read from its package_info.py).
+    under = result.under_test
+    assert under is not None and under.kind == "megatron-bridge" and under.path == str(bridge.resolve())
+    assert under.version == "0.6.2" and under.commit is None
+    assert "this project's code did not run" in under.summary and under.summary in result.coverage
     (failure,) = result.failures
     assert failure.nodeid.endswith("test_walks_chained_optimizers")
     assert "chained walk broke" in failure.message
@@ -188,8 +196,15 @@ def test_cpu_offload_selector_runs_the_marked_tests_and_says_so() -> None:
     assert result.command[-2:] == ["-m", OFFLOAD_MARKER] and "-k" not in result.command
     assert result.selected == result.passed == 8 and result.ok
     assert result.notes[0].startswith("-k 'cpu_offload' (the upstream skill's selector) runs the offload suite")
-    assert result.coverage == f"Ran {path} selected by -m cpu_offload: 8 tests (8 passed, 0 failed, 0 skipped, " \
-        "0 errors); the rest of the suite did not run (--all runs everything)."  # fmt: skip
+    assert result.coverage.startswith(f"Ran {path} selected by -m cpu_offload: 8 tests (8 passed, 0 failed, 0 "
+        "skipped, 0 errors); the rest of the suite did not run (--all runs everything). Tested this project's code: "
+        "mbridge-offload ")  # fmt: skip
+    # Whose code passed: this project's package, where it was imported from, and the tests that ran.
+    under = result.under_test
+    assert under is not None and under.kind == "mbridge-offload" and under.package == "mbridge_offload"
+    assert under.path == str(Path(mbridge_offload.__file__).resolve().parent)
+    assert under.version == mbridge_offload.__version__ and under.tests == f"{path} selected by -m cpu_offload"
+    assert under.summary in result.coverage and under.cluster_recipe is None
 
 
 def test_suite_full_and_the_bridge_or_a_path_do_not_mix(tmp_path: Path) -> None:

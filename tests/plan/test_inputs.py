@@ -15,7 +15,7 @@ from mbridge_offload.config.errors import BoundsError as InputError
 from mbridge_offload.plan.inputs.fields import FIELDS, PlanInputs, flag_name, validate_inputs
 from mbridge_offload.plan.inputs.resolve import resolve
 from mbridge_offload.plan.search import planner as plan
-from mbridge_offload_tools import cli_plan
+from mbridge_offload_tools import cli, cli_plan
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "qwen3_30b_a3b_pretrain.yaml"
@@ -67,11 +67,10 @@ def test_bounds_apply_to_config_values_too(tmp_path):
 @pytest.mark.parametrize(("bad", "name", "bound"), [b for b in BAD if b[0] != {"hidden_size": math.nan}])
 def test_cli_refuses_them_with_exit_2_and_one_json_error(capsys, bad, name, bound):
     ((key, value),) = bad.items()
-    parser = argparse.ArgumentParser()
-    cli_plan.add_parsers(parser.add_subparsers())
-    args = parser.parse_args(["estimate", "--model", "qwen3-30b-a3b", flag_name(key), str(value), "--json"])
-    with pytest.raises(cli_plan.UsageError, match=bound):
-        args.handler(args)
+    with pytest.raises(SystemExit) as stop:
+        cli.main(["estimate", "--model", "qwen3-30b-a3b", f"{flag_name(key)}={value}", "--json"])
+    error = json.loads(capsys.readouterr().out)
+    assert stop.value.code == 2 and error["ok"] is False and bound in error["error"]
 
 
 def test_cli_flags_and_mcp_parameters_are_derived_from_the_one_model():

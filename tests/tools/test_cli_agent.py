@@ -101,3 +101,20 @@ def test_test_rejects_unsafe_expression_and_bad_bridge_repo(tmp_path: Path) -> N
     assert out.returncode == 2 and "'&'" in json.loads(out.stdout)["error"]
     out = _cli("test", "--bridge-repo", str(tmp_path), "--json", cwd=tmp_path)
     assert out.returncode == 2 and "Megatron Bridge checkout" in json.loads(out.stdout)["error"]
+
+
+def test_the_human_test_summary_names_the_code_under_test_and_the_cluster_recipe() -> None:
+    from mbridge_offload.actions import testsubject
+    from mbridge_offload.actions.testresult import TestRunResult
+    from mbridge_offload_tools.cli_agent import _human_test
+
+    details = {"optimizer": {"class": "HybridDeviceOptimizer", "module": "mbridge_offload.runtime.optimizer.hybrid"}}
+    under = testsubject.parity(details)
+    result = TestRunResult(suite="parity", command=[], coverage="Ran the parity check. " + under.summary)
+    result.under_test = under
+    text = _human_test(result.to_dict())
+    assert under.summary in text and "megatron-core's own HybridDeviceOptimizer did not run" in text
+    assert f"on a GPU cluster, to check {testsubject.CLUSTER_RECIPE['what']}:" in text
+    assert all(f"  run {run}" in text for run in testsubject.CLUSTER_RECIPE["runs"])
+    ours = TestRunResult(suite="unit", command=[], under_test=testsubject.ours(Path("."), "a file"))
+    assert "on a GPU cluster" not in _human_test(ours.to_dict())  # only parity leaves a check to a cluster

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
@@ -11,8 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from mbridge_offload_tools import cli_plan
-from mbridge_offload_tools.common import UsageError, fail
+from mbridge_offload_tools import cli
 
 ROOT = Path(__file__).resolve().parents[2]
 QWEN_RUN = [
@@ -35,18 +33,11 @@ QWEN = [*QWEN_RUN, "--gpu", "h100-80gb"]
 
 
 def run(argv: list[str], capsys) -> tuple[int, str, str]:
-    """Run one subcommand the way mbridge_offload_tools.cli does (UsageError → exit 2 with one line)."""
-    parser = argparse.ArgumentParser(prog="mbridge-offload")
-    cli_plan.add_parsers(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(argv)
-    try:
-        code = args.handler(args)
-    except UsageError as exc:
-        with pytest.raises(SystemExit) as stop:
-            fail(str(exc), getattr(args, "json", False))
-        code = stop.value.code
+    """Run one subcommand in-process through the real entry point (bad input → exit 2 with one line)."""
+    with pytest.raises(SystemExit) as stop:
+        cli.main(argv)
     out = capsys.readouterr()
-    return code, out.out, out.err
+    return int(stop.value.code or 0), out.out, out.err
 
 
 def test_estimate_json_has_the_contract_keys(capsys):

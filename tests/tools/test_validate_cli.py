@@ -337,4 +337,4 @@ def test_recipe_without_megatron_bridge_is_bad_input(capsys):
 def test_exactly_one_source_is_required(capsys):
     code, payload = run_cli(capsys)
     assert code == 2
-    assert "exactly one of CONFIG" in payload["error"]
+    assert "exactly one of config" in payload["error"] and "positional CONFIG" in payload["error"]

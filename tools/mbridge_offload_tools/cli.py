@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import math
 import signal
 import sys
 import threading
@@ -17,6 +18,7 @@ from typing import NoReturn
 from mbridge_offload import __version__
 from mbridge_offload.config.errors import DeadlineError
 from mbridge_offload_tools.common import EXIT_BAD_INPUT, fail
+from mbridge_offload_tools.interface.build import finish
 
 # Commands with their own time limit (test: --timeout) or none by nature (serve).
 _NO_DEADLINE = ("serve", "test", "calibrate")
@@ -57,15 +59,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 @contextlib.contextmanager
-def _deadline(command: str) -> Iterator[None]:
-    """Stop a command that runs past ``MBRIDGE_OFFLOAD_DEADLINE_S`` (a stdin that never ends, a huge input)."""
-    from mbridge_offload.config.reading import DEADLINE_ENV, deadline_s
+def _deadline(args: argparse.Namespace) -> Iterator[None]:
+    """Stop a command that runs past ``MBRIDGE_OFFLOAD_DEADLINE_S`` (a stdin that never ends, a huge input), or
+    past ``--deadline`` and a margin for ``validate --exact`` (the same limit the MCP tool gets)."""
+    from mbridge_offload.config.reading import DEADLINE_ENV
+    from mbridge_offload_tools.interface.build import values
+    from mbridge_offload_tools.interface.calls import validate_seconds
 
+    command = args.command
     usable = hasattr(signal, "SIGALRM") and threading.current_thread() is threading.main_thread()
     if command in _NO_DEADLINE or not usable:
         yield
         return
-    seconds = deadline_s()
+    seconds = math.ceil(validate_seconds(values(args, "validate_config") if command == "validate" else {}))
 
     def _expired(_signum, _frame):
         raise DeadlineError(
@@ -88,7 +94,8 @@ def main(argv: list[str] | None = None) -> None:
     _Parser.as_json = "--json" in argv
     try:
         args = build_parser().parse_args(argv)
-        with _deadline(args.command):
+        finish(args)  # older spellings folded in, every value held to the bounds the MCP schema declares
+        with _deadline(args):
             code = args.handler(args)
     except SystemExit:
         raise

@@ -7,56 +7,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import shlex
-import typing
 from pathlib import Path
 from typing import Any
 
 from mbridge_offload_tools.common import EXIT_OK, UsageError, emit
-
-
-def arg_kind(annotation: Any) -> dict[str, Any]:
-    """argparse keywords for a ``PlanInputs`` field type (``X | None``, bool, Literal, list[str], int, float)."""
-    args = [a for a in typing.get_args(annotation) if a is not type(None)] or [annotation]
-    kind = args[0]
-    if kind is bool:
-        return {"action": argparse.BooleanOptionalAction}
-    if typing.get_origin(kind) is typing.Literal:
-        return {"choices": list(typing.get_args(kind))}
-    if typing.get_origin(kind) is list:
-        return {"nargs": "+"}
-    return {"type": kind, "metavar": {int: "N", float: "X"}.get(kind, "TEXT")}
-
-
-def add_plan_inputs(p: argparse.ArgumentParser, exclude: frozenset[str] = frozenset()) -> None:
-    """Every planner input as a flag, generated from ``PlanInputs`` (one declaration: type, help, bounds), in its
-    group's section of ``--help``; ``exclude`` names inputs the subcommand spells otherwise (apply's --num-layers)."""
-    from mbridge_offload.plan.inputs.fields import GROUPS, PlanInputs, flag_name, group_of, help_text
-
-    groups = {g: p.add_argument_group(f"{g} inputs") for g in GROUPS}
-    for name, info in PlanInputs.model_fields.items():
-        if name in exclude:
-            continue
-        groups[group_of(name)].add_argument(
-            flag_name(name), dest=name, default=None, help=help_text(name), **arg_kind(info.annotation)
-        )
-
-
-def plan_flags(args: argparse.Namespace, exclude: frozenset[str] = frozenset()) -> dict[str, Any]:
-    """The planner inputs given on the command line (``PlanInputs`` names; those not given are absent)."""
-    from mbridge_offload.plan.inputs.fields import FIELDS
-
-    return {name: getattr(args, name) for name in FIELDS if name not in exclude and getattr(args, name) is not None}
-
-
-def _add_common(p: argparse.ArgumentParser) -> None:
-    """Every planner input as a flag, the config options and --json."""
-    add_plan_inputs(p)
-    p.add_argument("--model-config", metavar="FILE", help="a Bridge YAML/JSON: its model, parallelism and settings")
-    p.add_argument(
-        "--megatron-args", metavar="ARGS", help="Megatron-LM pretrain_gpt.py flags, quoted (instead of a config)"
-    )
-    p.add_argument("--json", action="store_true", help="print exactly one JSON object")
+from mbridge_offload_tools.interface.build import add_arguments, values
 
 
 def add_parsers(sub: Any) -> None:
@@ -70,8 +25,7 @@ def add_parsers(sub: Any) -> None:
         "step_time_factor_vs_no_levers is over the run with recompute off too. The model comes from --model, a "
         "config, or --megatron-args.",
     )
-    _add_common(est)
-    est.add_argument("config", nargs="?", metavar="CONFIG", help="Bridge YAML/JSON (same as --model-config)")
+    add_arguments(est, "estimate_memory")
     est.set_defaults(handler=run_estimate)
     rec = sub.add_parser(
         "recommend",
@@ -86,8 +40,7 @@ def add_parsers(sub: Any) -> None:
         "recommendation (mode/overrides). Offload whose pinned buffers exceed 72%% of the node's host RAM "
         "(--host-ram-gb per GPU, --gpus-per-node) is never offered. apply --option N writes option N.",
     )
-    _add_common(rec)
-    rec.add_argument("config", nargs="?", metavar="CONFIG", help="Bridge YAML/JSON (same as --model-config)")
+    add_arguments(rec, "recommend_mode")
     rec.set_defaults(handler=run_recommend)
     cal = sub.add_parser(
         "calibrate",
@@ -115,33 +68,11 @@ def add_parsers(sub: Any) -> None:
 # ---------------------------------------------------------------------------------------------- inputs
 
 
-def _load(args: argparse.Namespace) -> Any:
-    from mbridge_offload.config import sources
-
-    path = args.model_config or getattr(args, "config", None)
-    if args.model_config and getattr(args, "config", None):
-        raise UsageError("give the config once: either --model-config FILE or CONFIG")
-    if path and args.megatron_args:
-        raise UsageError("give either a config file or --megatron-args, not both")
-    try:
-        if args.megatron_args:
-            return sources.load(argv=shlex.split(args.megatron_args))
-        return sources.load(path) if path else None
-    except (sources.ConfigError, ValueError) as exc:
-        raise UsageError(str(exc)) from None
-
-
 def _plan(kind: str, args: argparse.Namespace) -> Any:
-    """The planner's one entry point (``plan.service.plan``) on this command's config and flags."""
-    from mbridge_offload.plan.service import plan
+    """The planner on this command's config and flags: the body the MCP tools run too (``interface.calls``)."""
+    from mbridge_offload_tools.interface.calls import plan_answer
 
-    loaded = _load(args)
-    flags = plan_flags(args)
-    try:
-        config, raw, source = (loaded.config, loaded.raw, loaded.source) if loaded else (None, None, None)
-        return plan(kind, flags, config, raw, source)  # type: ignore[arg-type]
-    except (KeyError, ValueError) as exc:
-        raise UsageError(str(exc).strip("'\"")) from None
+    return plan_answer(kind, values(args, {"estimate": "estimate_memory", "recommend": "recommend_mode"}[kind]))
 
 
 # ---------------------------------------------------------------------------------------------- human output

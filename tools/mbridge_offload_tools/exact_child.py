@@ -154,8 +154,8 @@ def _build(torch, cls, body: dict, stage: str, out: dict, te: _TEChecks | None) 
     if te is not None and te.asked.get(stage):
         out["skipped"].append(
             f"{stage}: megatron-core's TE version checks ({', '.join(te.asked[stage])}) not run against an installed "
-            f"TE: {_NO_TE}; answered for TE {te.assumed} (assumed, as in env.te_version; pass --env "
-            "te_version=X.Y for another) so that the checks after them ran"
+            f"TE: {_NO_TE}; answered for TE {te.assumed} (assumed, as in env.te_version; pass --te-version "
+            "X.Y, MCP te_version, for another) so that the checks after them ran"
         )
 
 

@@ -196,6 +196,9 @@ def guarded(deadline: Callable[[dict[str, Any]], float] | None = None):
 
             from mbridge_offload.config.reading import DEADLINE_ENV, deadline_s
 
+            stdin = [k for k in ("config", "before", "after") if kwargs.get(k) == "-"]
+            if stdin:  # on the CLI '-' reads stdin; a server's stdin may be the protocol itself
+                raise ToolError(f"{stdin[0]} '-' (stdin) is the CLI's; over MCP pass the file's path or the YAML text")
             try:
                 seconds = deadline(kwargs) if deadline else deadline_s()
                 with anyio.fail_after(seconds):

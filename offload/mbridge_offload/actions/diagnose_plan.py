@@ -18,12 +18,14 @@ what would size it. Plain Python: no torch.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mbridge_offload.config.errors import InputError
-from mbridge_offload.config.schema import OffloadConfig
-from mbridge_offload.plan.inputs.resolve import Assumption
-from mbridge_offload.plan.results import Anchor, Estimate, Option
+
+if TYPE_CHECKING:  # annotations only: the CLI's parser reads input_names() and stays light
+    from mbridge_offload.config.schema import OffloadConfig
+    from mbridge_offload.plan.inputs.resolve import Assumption
+    from mbridge_offload.plan.results import Anchor, Estimate, Option
 
 # The GPU OOM readings; their fix is always the planner's (a generic fraction can leave the run far over budget).
 GPU_OOM = (
@@ -132,8 +134,10 @@ class Failing:
 def _evidence(planner: dict[str, Any], text: str, oom_line: str | None) -> tuple[dict[str, Any], list[Assumption]]:
     """The planner inputs with the text as evidence, and the assumptions that say so."""
     from mbridge_offload.plan.evidence.read import parse_log
+    from mbridge_offload.plan.inputs.resolve import Assumption
 
-    flags, said = dict(planner), []
+    flags: dict[str, Any] = dict(planner)
+    said: list[Assumption] = []
     if text.strip() and flags.get("measured_log") is None and not parse_log(text).empty:
         # Only text that holds a figure (an OOM's sizes, a memory report, step times) is evidence; a trailing newline
         # keeps one line of it from being read as a file name (measured_log takes both).

@@ -275,7 +275,8 @@ def run_parity(
     Returns:
         A dict with ``ok``, ``checks`` (name, ok, detail), ``max_loss_delta``, ``loss_deltas``, ``loss_fall``,
         ``losses`` (one curve per run), ``optimizer_split``, ``activation_bytes_offloaded_per_step``, ``task``,
-        ``model``, ``device`` and the ``settings``.
+        ``model``, ``device``, the ``settings``, the ``optimizer`` trained (class, module) and ``megatron_core``
+        (its version when its GPT ran, else None).
 
     Raises:
         ValueError: ``steps`` below 2.
@@ -311,7 +312,19 @@ def run_parity(
     with _shims(megatron)(), _one_cpu_thread(device):
         runs = {name: _train(make_model(layers), make_opt(opt), batches, progress) for name, opt, layers in plan}
     runs.setdefault("offload", runs["optimizer_offload"])
-    return _report(settings, runs, steps, model_name, str(device))
+    report = _report(settings, runs, steps, model_name, str(device))
+    # Whose optimizer and which megatron-core ran: the answer names the code under test (actions/testsubject.py).
+    report["optimizer"] = {"class": hybrid.__name__, "module": hybrid.__module__}
+    report["megatron_core"] = _megatron_core_version() if megatron else None
+    return report
+
+
+def _megatron_core_version() -> str | None:
+    try:
+        from megatron.core import package_info
+    except ImportError:
+        return None
+    return str(package_info.__version__)
 
 
 @contextlib.contextmanager

@@ -6,6 +6,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field, computed_field, field_serializer
 
+from mbridge_offload.actions.testsubject import CodeUnderTest
 from mbridge_offload.config.errors import InputError
 
 
@@ -55,6 +56,11 @@ class TestRunResult(BaseModel):
     output_tail: str = Field(default="", exclude=True)
     details: dict[str, Any] | None = Field(
         default=None, description="parity suite: loss curves and deltas, the loss fall, split, bytes (no timing)"
+    )
+    under_test: CodeUnderTest | None = Field(
+        default=None,
+        description="the code under test: this project's runtime and rules (path, version, commit), a Megatron "
+        "Bridge checkout's, or for parity the optimizer trained and the cluster recipe for megatron-core's own",
     )
 
     @computed_field(description="everything selected passed and at least one test ran")  # type: ignore[prop-decorator]

@@ -26,7 +26,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from mbridge_offload.actions import testselect
+from mbridge_offload.actions import testselect, testsubject
 from mbridge_offload.actions.testresult import TestRunResult, TestSuiteError
 from mbridge_offload.actions.testrun import DEPTH_ENV, PROJECT_ROOT, ProgressFn, parity_run, pytest_run
 from mbridge_offload.actions.testselect import (
@@ -160,7 +160,11 @@ def run_tests(
             raise TestSuiteError("suite=parity takes a config (and steps), not k, path or bridge_repo")
         _refuse_nested()
         result = parity_run(config, steps, timeout_s, on_progress)
-        result.coverage = "Ran the parity check: a tiny GPT trained with the config's offload settings and without."
+        result.under_test = testsubject.parity(result.details)
+        result.coverage = (
+            "Ran the parity check: a tiny GPT trained with the config's offload settings and without. "
+            + result.under_test.summary
+        )
         return result
     if bridge_repo is not None:
         return _bridge_run(bridge_repo, expr, path, suite, timeout_s, on_progress, repo_python)
@@ -195,6 +199,8 @@ def _bridge_run(
         f"{result.selected if result.selected is not None else len(result.tests)} tests selected, "
         f"{result.deselected} deselected."
     )
+    result.under_test = testsubject.bridge(root, f"its {', '.join(files)} selected by -k {selector!r}")
+    result.coverage += " " + result.under_test.summary
     return result
 
 
@@ -225,12 +231,19 @@ def _unit_run(
             f"{result.selected if result.selected is not None else '?'} tests; --all runs the whole suite",
         )
     if offload_suite:
+        tests = f"the offload suite (the tests marked {OFFLOAD_MARKER} in {len(files)} files)"
+    else:
+        tests = "the whole suite (tests/)" if files == ["tests"] else ", ".join(files)
+        tests += f" selected by -m {marker}" if marker else f" selected by -k {expr!r}" if expr else ""
+    result.under_test = testsubject.ours(PROJECT_ROOT, tests)
+    if offload_suite:
         result.coverage = testselect.offload_coverage(result, files)
     else:
         selection = f"-m {marker}" if marker else f"-k {expr!r}" if expr else None
         result.coverage = testselect.plain_coverage(result, files, selection)
         if expr and not marker and (note := _few_selected_note(result, expr)):
             result.notes.insert(0, note)
+    result.coverage += " " + result.under_test.summary
     return result
 
 

@@ -186,7 +186,7 @@ def _env(config: OffloadConfig, raw: dict[str, Any]) -> dict[str, str]:
     if "te_version" not in env:
         env["te_version"] = TE_VERSION_ASSUMED
         env["te_version_source"] = (
-            "assumed: the release Megatron Bridge 0.6.2 pins; pass --env te_version=X.Y (MCP: te_version) for another"
+            "assumed: the release Megatron Bridge 0.6.2 pins; pass te_version (CLI: --te-version X.Y) for another"
         )
     env_vars = raw.get("env_vars")
     if "NVTE_CPU_OFFLOAD_V1" not in env and isinstance(env_vars, dict) and "NVTE_CPU_OFFLOAD_V1" in env_vars:

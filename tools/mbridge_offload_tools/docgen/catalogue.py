@@ -15,12 +15,11 @@ CLI_EQUIVALENTS: dict[str, str] = {
     "validate_config": "mbridge-offload validate CONFIG [--set KEY=VALUE ...]",
     "estimate_memory": "mbridge-offload estimate [CONFIG] [--model NAME --gpu PRESET --num-gpus N ...]",
     "recommend_mode": "mbridge-offload recommend [CONFIG] [--model NAME --gpu PRESET --levers L,... ...]",
-    "apply_offload": (
-        "mbridge-offload apply CONFIG --mode optimizer|activation|both|fine-grained|none | --option N [--output FILE "
-        "[--force] | --in-place]"
+    "apply_offload": "mbridge-offload apply CONFIG [--mode MODE | --option N] [--output FILE [--force] | --in-place]",
+    "run_unit_tests": "mbridge-offload test [-k EXPR] [--suite SUITE] [--bridge-repo PATH]",
+    "diagnose_failure": (
+        "mbridge-offload diagnose --error TEXT | --log FILE|TEXT [--config FILE] [--gpu G --num-gpus N]"
     ),
-    "run_unit_tests": "mbridge-offload test [-k EXPR] [--bridge-repo PATH]",
-    "diagnose_failure": "mbridge-offload diagnose --error TEXT | --log FILE [--config FILE] [--gpu G --num-gpus N]",
     "plot_offload": "mbridge-offload plot [CONFIG] --sweep KEY=START:STOP:STEP | --kind phases|options [--output FILE]",
 }
 

@@ -71,7 +71,16 @@ the diagnosis catalogue (`offload/mbridge_offload/actions/failures.py`).
     return _page("Failure diagnosis", "the diagnosis catalogue", intro, render_diagnosis())
 
 
-def _param_rows(schema: dict[str, Any]) -> list[str]:
+def cli_spelling(tool: str, name: str) -> str:
+    """The CLI flag of an MCP parameter (``CONFIG`` for the positional) and its older spellings, as Markdown."""
+    from mbridge_offload_tools.interface.tools import TOOLS
+
+    param = TOOLS[tool].param(name)
+    flag = "`CONFIG` (positional)" if param.positional else f"`{param.flag}`"
+    return flag + "".join(f" (also `{a}`)" for a in param.aliases)
+
+
+def _param_rows(tool: str, schema: dict[str, Any]) -> list[str]:
     from mbridge_offload_tools.docgen.catalogue import _cell
 
     required = set(schema.get("required", []))
@@ -82,8 +91,42 @@ def _param_rows(schema: dict[str, Any]) -> list[str]:
         if "enum" in prop:
             kind = " \\| ".join(f"`{v}`" for v in prop["enum"])
         default = "required" if name in required else f"`{prop.get('default')!r}`".replace("`None`", "none")
-        rows.append(f"| `{name}` | {kind} | {default} | {_cell(prop.get('description', ''))} |")
+        cli = cli_spelling(tool, name)
+        rows.append(f"| `{name}` | {cli} | {kind} | {default} | {_cell(prop.get('description', ''))} |")
     return rows
+
+
+def render_interface() -> str:
+    """The section of docs/mcp.md that says the CLI and MCP are one list: per tool, each parameter's flag, and the
+    few flags only the CLI has (with why), from the one declaration (``mbridge_offload_tools.interface.tools``)."""
+    from mbridge_offload_tools.docgen.catalogue import _cell
+    from mbridge_offload_tools.interface.param import SPELLINGS
+    from mbridge_offload_tools.interface.tools import TOOLS
+
+    spelled = ", ".join(f"`{name}` = `{flag}`" for name, flag in SPELLINGS.items())
+    lines = [
+        "Each MCP parameter is the flag of the same name on the matching subcommand: `snake_case` becomes "
+        f"`--kebab-case`, except `config` (the positional `CONFIG` where a config is the tool's input), {spelled}. "
+        "A switch that is unset by default also takes `--no-<flag>`. Older spellings stay accepted (named below). "
+        "Types, bounds, defaults and help come from one declaration per tool, so a value one side refuses the "
+        "other refuses too (`tests/tools/test_interface.py`). Every parameter with its flag, type, default and "
+        "meaning: [references/tools.md](../references/tools.md).",
+        "",
+        "| MCP tool | subcommand | parameters → flags (renamed or positional only) | CLI only (why) |",
+        "|---|---|---|---|",
+    ]
+    for tool in TOOLS.values():
+        special = [
+            f"`{p.name}` → {cli_spelling(tool.name, p.name)}"
+            for p in tool.params
+            if p.positional or p.aliases or p.flag != "--" + p.name.replace("_", "-")
+        ]
+        only = [f"`{c.flags[0]}` ({_cell(c.why)})" for c in tool.cli_only]
+        lines.append(
+            f"| `{tool.name}` | `{tool.command}` | {len(tool.params)} parameters; "
+            f"{'; '.join(special) or 'every one by the rule'} | {'; '.join(only)} |"
+        )
+    return "\n".join(lines)
 
 
 def render_tools() -> str:
@@ -100,9 +143,9 @@ def render_tools() -> str:
             "",
             f"Writes files: {writes}. CLI: `{CLI_EQUIVALENTS.get(tool.name, '(none)')}`.",
             "",
-            "| parameter | type | default | meaning |",
-            "|---|---|---|---|",
-            *_param_rows(tool.input_schema),
+            "| parameter | CLI flag | type | default | meaning |",
+            "|---|---|---|---|---|",
+            *_param_rows(tool.name, tool.input_schema),
             "",
         ]
     count = len(server_tools())

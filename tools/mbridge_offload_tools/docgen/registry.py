@@ -93,6 +93,12 @@ def render_tools() -> str:
     return render()
 
 
+def render_interface() -> str:
+    from mbridge_offload_tools.docgen.references import render_interface as render
+
+    return render()
+
+
 def render_schedule() -> str:
     from mbridge_offload_tools.docgen.guide import render_schedule as render
 
@@ -208,6 +214,7 @@ GENERATED: dict[str, dict[str, Callable[[], str]]] = {
         "tools": render_tools,
     },
     "docs/parameters.md": {"parameters": render_parameters_doc},
+    "docs/mcp.md": {"interface": render_interface},
     # Before docs/benchmarks.md, which includes the fragment.
     "docs/benchmarks-testtool.md": {"test-counts": render_test_counts},
     "README.md": {"test-counts": render_test_summary},

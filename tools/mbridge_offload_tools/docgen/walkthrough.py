@@ -139,11 +139,13 @@ _VARYING = (
     (re.compile(r"\bin [0-9.]+ ?s\b"), "in <t> s"),
     (re.compile(r"of the \d+ tests"), "of the <n> tests"),
     (re.compile(r"the \d+ other test files \([^)]*\)"), "the <n> other test files (<per folder>)"),
+    (re.compile(r"\b[0-9a-f]{40}\b"), "<commit>"),  # the checkout's commit (test's under_test)
+    (re.compile(r"at commit [0-9a-f]{12}\b"), "at commit <commit>"),
 )
 
 
 def normalise(block: str) -> str:
-    """``block`` without what changes from run to run: durations, and the size of the whole test suite."""
+    """``block`` without what changes from run to run: durations, the size of the whole test suite, the commit."""
     text = block.removeprefix(NOTE)
     for pattern, repl in _VARYING:
         text = pattern.sub(repl, text)

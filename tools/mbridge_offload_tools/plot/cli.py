@@ -1,6 +1,7 @@
 """``mbridge-offload plot``: the planner's answers as an SVG or PNG (matplotlib is imported only when it draws).
 
-Every planner input is taken as ``estimate`` takes it (the same generated flags, config and ``--megatron-args``).
+Its flags are the parameters of the MCP tool ``plot_offload`` (``interface.tools.PLOT``: every input of ``estimate``,
+config, ``--set`` and ``--megatron-args`` included); the body is the tool's (``plot.run.plot_answer``).
 """
 
 from __future__ import annotations
@@ -9,7 +10,8 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from mbridge_offload_tools.common import EXIT_OK, UsageError, emit
+from mbridge_offload_tools.common import EXIT_OK, emit
+from mbridge_offload_tools.interface.build import add_arguments, values
 
 DESCRIPTION = (
     "Draw the planner's answers. --sweep KEY=START:STOP:STEP (the stop included; or KEY=V1,V2,...): peak memory per "
@@ -23,59 +25,20 @@ DESCRIPTION = (
 
 
 def add_parsers(sub: Any) -> None:
-    from mbridge_offload_tools.cli_plan import _add_common  # estimate's flags: one generated list
-
     p = sub.add_parser(
         "plot", help="draw a sweep of one input, the phases of a step, or recommend's options", description=DESCRIPTION
     )
-    _add_common(p)
-    p.add_argument("config", nargs="?", metavar="CONFIG", help="Bridge YAML/JSON (same as --model-config)")
-    g = p.add_argument_group("picture")
-    g.add_argument(
-        "--kind", choices=("sweep", "phases", "options"), help="what to draw (default: sweep when --sweep is given)"
-    )
-    g.add_argument(
-        "--sweep",
-        metavar="KEY=START:STOP:STEP",
-        help="the input to vary and its values, e.g. optimizer_offload_fraction=0:1:0.25, "
-        "activation_offload_layers=0:32:4, micro_batch_size=1,2,4 (any numeric planner input)",
-    )
-    g.add_argument("--output", metavar="FILE", help="the picture's file: .svg or .png (default: see above)")
-    g.add_argument("--format", choices=("svg", "png"), help="svg (default) or png; the --output extension decides")
-    g.add_argument("--force", action="store_true", help="replace an existing --output (a .bak backup is kept)")
-    g.add_argument("--allowed-root", metavar="DIR", help="an extra directory --output may point into")
+    add_arguments(p, "plot_offload")  # the flags are the parameters of the MCP tool plot_offload (one declaration)
     p.set_defaults(handler=run_plot)
-
-
-def _kind(args: argparse.Namespace) -> str:
-    kind = args.kind or ("sweep" if args.sweep else None)
-    if kind is None:
-        raise UsageError(
-            "plot: say what to draw",
-            "pass --sweep KEY=START:STOP:STEP (e.g. optimizer_offload_fraction=0:1:0.25), --kind phases or "
-            "--kind options",
-        )
-    return kind
 
 
 def run_plot(args: argparse.Namespace) -> int:
     from mbridge_offload.actions.apply_write import default_roots
-    from mbridge_offload.plan.inputs.fields import FIELDS
-    from mbridge_offload_tools.cli_plan import _load
-    from mbridge_offload_tools.plot import output, sweep
-    from mbridge_offload_tools.plot.points import Source
-    from mbridge_offload_tools.plot.run import make_plot
+    from mbridge_offload_tools.plot.run import plot_answer
 
-    kind = _kind(args)
-    fmt = output.choose_format(args.output, args.format, "svg")
-    key = sweep.parse(args.sweep)[0] if args.sweep and kind == "sweep" else None
-    target = args.output or output.default_name(kind, key, fmt)
-    config_path = args.model_config or args.config
-    roots = default_roots(Path(config_path) if config_path and config_path != "-" else None, args.allowed_root)
-    loaded = _load(args)
-    flags = {name: getattr(args, name) for name in FIELDS}
-    src = Source(flags, *((loaded.config, loaded.raw, loaded.source) if loaded else ()))
-    result, _ = make_plot(kind, src, args.sweep, fmt, target, args.force, roots)
+    config = args.config
+    roots = default_roots(Path(config) if config and config != "-" else None, args.allowed_root)
+    result, _ = plot_answer(values(args, "plot_offload"), roots, default_format="svg", default_file=True)
     emit(result.model_dump(mode="json"), args.json, _human)
     return EXIT_OK
 

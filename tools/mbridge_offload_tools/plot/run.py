@@ -7,9 +7,42 @@ written until the picture is drawn, so a bad input leaves no file behind.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
+from mbridge_offload.config.errors import InputError
 from mbridge_offload_tools.plot import figures, output, points
 from mbridge_offload_tools.plot.result import PlotResult
+
+
+def plot_answer(
+    v: dict[str, Any], roots: list[Path], *, default_format: str, default_file: bool
+) -> tuple[PlotResult, bytes]:
+    """``plot`` / ``plot_offload``: one body for both, on the tool's declared arguments ``v`` (``interface.tools``).
+
+    The two differ only where a picture goes when no output is named: the CLI writes ``default_file``
+    (``./mbridge-offload-KIND[-KEY].svg``), the MCP tool returns the image only (PNG, what agent hosts show).
+
+    Raises:
+        InputError: nothing to draw, a bad sweep, format or target, a config or planner input refused.
+    """
+    from mbridge_offload_tools.interface.calls import plan_source
+    from mbridge_offload_tools.plot import sweep
+
+    args = dict(v)
+    kind, spec = args.pop("kind"), args.pop("sweep")
+    target, consent, fmt = args.pop("output"), args.pop("overwrite"), args.pop("format")
+    kind = kind or ("sweep" if spec else None)
+    if kind is None:
+        raise InputError(
+            "plot: say what to draw",
+            "pass --sweep KEY=START:STOP:STEP (e.g. optimizer_offload_fraction=0:1:0.25), --kind phases or --kind "
+            "options (MCP: sweep, kind)",
+        )
+    fmt = output.choose_format(target, fmt, default_format)
+    if target is None and default_file:
+        target = output.default_name(kind, sweep.parse(spec)[0] if spec and kind == "sweep" else None, fmt)
+    loaded = plan_source(args)  # takes config, overrides and megatron_args out: the rest are planner inputs
+    return make_plot(kind, points.Source(args, *loaded), spec, fmt, target, consent, roots)
 
 
 def make_plot(

@@ -157,8 +157,8 @@ BUILD_RULES: tuple[Rule, ...] = (
         message="CPU Offloading is enabled while it is not mentioned what to offload (weights/activations)",
         why="MCore does not check this; TE raises deep inside model construction (Megatron-Bridge#2684). On the "
         "legacy v1 path (TE < 2.10 or NVTE_CPU_OFFLOAD_V1=1) it fires even with cpu_offloading off, because "
-        "MCore's TransformerBlock always calls TE's factory. The TE version and path come from --env "
-        "te_version=… / NVTE_CPU_OFFLOAD_V1=… (default TE 2.18, v2).",
+        "MCore's TransformerBlock always calls TE's factory. The TE version and path come from "
+        "--te-version … / --env NVTE_CPU_OFFLOAD_V1=… (default TE 2.18, v2).",
         fix=("model.cpu_offloading_activations=true",),
         check=_nothing_to_offload,
     ),
@@ -280,7 +280,7 @@ BUILD_RULES: tuple[Rule, ...] = (
         "start-up when the process environment lacks NVTE_CPU_OFFLOAD_V1=1. Bridge first copies the config's "
         "`env_vars` into the environment (os.environ.setdefault), so either one sets it: the config's env_vars (as "
         "NVIDIA's fine-grained perf recipes do) or the job's environment (--env NVTE_CPU_OFFLOAD_V1=1 tells "
-        "validate). The TE version is an assumption (--env te_version=X.Y; default 2.18, pinned by Bridge 0.6.2).",
+        "validate). The TE version is an assumption (--te-version X.Y; default 2.18, pinned by Bridge 0.6.2).",
         fix=("++env_vars.NVTE_CPU_OFFLOAD_V1=1",),
         check=_fg_nvte("bridge"),
     ),

@@ -1,9 +1,8 @@
 """The planner's inputs, declared once: type, bounds, default and help of each.
 
-``PlanInputs`` is the single declaration. The CLI flags (``mbridge_offload_tools.cli_plan``) and the MCP tool parameters
-(``mbridge_offload_tools.server``) are generated from its fields, so the three can never drift apart. Every numeric
-input
-has bounds; NaN and infinity are refused, and the error names the input, the value and the bound.
+``PlanInputs`` is the single declaration. The CLI flags and the MCP tool parameters of every tool that takes planner
+inputs are generated from its fields (``mbridge_offload_tools.interface``), so the three can never drift apart. Every
+numeric input has bounds; NaN and infinity are refused, and the error names the input, the value and the bound.
 
 Where a value comes from is part of the answer: ``resolve`` (``plan/inputs/resolve.py``) merges, in order, the
 defaults, the model preset's recipe, a config (Bridge YAML/JSON or Megatron-LM argv) and the flags, and keeps the
@@ -32,11 +31,11 @@ MAX_BATCH = 100_000_000
 GROUPS = ("model", "parallel", "precision", "recompute", "offload", "hardware", "time", "decision", "measured")
 
 
-def _field(default: Any = None, *, group: str, help: str, flag: str | None = None, **bounds: Any) -> Any:
-    """A ``Field`` with the group (for --help sections) and the CLI flag name when it differs from the field's."""
+def _field(default: Any = None, *, group: str, help: str, aliases: tuple[str, ...] = (), **bounds: Any) -> Any:
+    """A ``Field`` with the group (for --help sections) and the older CLI spellings still accepted."""
     extra: dict[str, Any] = {"group": group}
-    if flag:
-        extra["flag"] = flag
+    if aliases:
+        extra["aliases"] = list(aliases)
     return Field(default, description=help, json_schema_extra=extra, **bounds)
 
 
@@ -122,7 +121,7 @@ class PlanInputs(BaseModel):
     )
     # --- activation recompute
     recompute_granularity: Literal["none", "selective", "full"] | None = _field(
-        group="recompute", help="model.recompute_granularity", flag="recompute"
+        group="recompute", help="model.recompute_granularity", aliases=("--recompute",)
     )
     recompute_method: Literal["uniform", "block"] | None = _field(group="recompute", help="full recompute method")
     recompute_num_layers: int | None = _field(
@@ -258,14 +257,19 @@ FIELDS = tuple(PlanInputs.model_fields)
 
 
 def _extra(field: str) -> dict[str, Any]:
-    """What ``_field`` declared beside pydantic's own arguments: ``group`` and, where it differs, ``flag``."""
+    """What ``_field`` declared beside pydantic's own arguments: ``group`` and, where there are any, ``aliases``."""
     extra = PlanInputs.model_fields[field].json_schema_extra
     return extra if isinstance(extra, dict) else {}  # always a dict here: ``_field`` never passes a callable
 
 
 def flag_name(field: str) -> str:
-    """The CLI flag of an input: ``--seq-length`` (or the field's declared ``flag``)."""
-    return "--" + str(_extra(field).get("flag", field)).replace("_", "-")
+    """The CLI flag of an input: its name in kebab case, ``--seq-length`` (the one rule for every tool)."""
+    return "--" + field.replace("_", "-")
+
+
+def cli_aliases(field: str) -> tuple[str, ...]:
+    """The older CLI spellings of an input that stay accepted, e.g. ``--recompute`` for ``--recompute-granularity``."""
+    return tuple(str(a) for a in _extra(field).get("aliases", ()))
 
 
 def group_of(field: str) -> str:

@@ -1,0 +1,283 @@
+"""What the CLI and the MCP server both do with a tool's arguments: one body per tool where the two were twins.
+
+Each function takes the tool's arguments by their declared names (``interface.tools``) and raises
+:class:`~mbridge_offload.config.errors.InputError` on bad input: the CLI turns it into exit 2 and one JSON error,
+the MCP guard into ``isError`` with the same text. ``validate``, the planner (``estimate``, ``recommend``), ``apply``
+and ``diagnose`` run here entirely (the CLI adds only where a write may go and how a human reads the answer);
+``plan_source`` reads a planner tool's config, overrides or command line (``plot`` too: ``plot.run``);
+``environment`` and ``log_text`` read two inputs that ``validate`` and ``diagnose`` take on both sides.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+from pathlib import Path
+from typing import Any
+
+from mbridge_offload.config.errors import InputError
+
+
+def environment(env: list[str] | None, te_version: str | None) -> dict[str, str]:
+    """The training environment's facts from ``env`` (``KEY=VALUE`` items) and ``te_version``.
+
+    ``te_version=X.Y`` inside ``env`` is the older spelling of ``te_version``; both given must agree.
+
+    Raises:
+        InputError: an item without ``=``, a Transformer Engine version that is no release number, or two
+            different versions.
+    """
+    from mbridge_offload.config.validate import check_te_version
+
+    facts: dict[str, str] = {}
+    for item in env or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise InputError(f"env {item!r}: expected KEY=VALUE, e.g. NVTE_CPU_OFFLOAD_V1=1 (CLI: --env KEY=VALUE)")
+        facts[key.strip()] = value.strip()
+    given = [v for v in (facts.get("te_version"), te_version) if v is not None]
+    try:
+        checked = [check_te_version(v) for v in given]
+    except ValueError as exc:
+        raise InputError(str(exc)) from None
+    if len(set(checked)) > 1:
+        raise InputError(
+            f"te_version is {checked[1]} but env says te_version={checked[0]}: give the release once "
+            "(te_version; CLI --te-version)"
+        )
+    if checked:
+        facts["te_version"] = checked[-1]
+    return facts
+
+
+# A log given as one line: a path when it has a path's shape (no spaces; a folder or a suffix), else the text.
+_PATH_SHAPE = re.compile(r"\S*[/\\]\S*|\S+\.\w{1,8}")
+
+
+def log_text(log: str) -> str:
+    """A log argument's text: ``log`` is a file path (read through the bounded reader, its end kept) or the text.
+
+    Several lines are the text. One line is a path when it is an existing file or has a path's shape (no spaces,
+    and a folder or a file suffix: ``train.log``, ``logs/rank0``); any other line is the text itself (an error
+    message). A path outside the server's roots, missing, or not a regular file is refused.
+
+    Raises:
+        InputError: a path that cannot be read.
+    """
+    from mbridge_offload.config.reading import max_bytes, read_text_file
+
+    if "\n" not in log and len(log) <= 4096 and (_PATH_SHAPE.fullmatch(log.strip()) or _is_file(log)):
+        return read_text_file(Path(log.strip()).expanduser(), what="log", tail=True)
+    return log[-max_bytes() :]  # like a file's: the end of a huge text, where the failure is
+
+
+def _is_file(text: str) -> bool:
+    try:
+        return Path(text).expanduser().is_file()
+    except (OSError, ValueError):  # a name too long, a NUL byte
+        return False
+
+
+def check_diagnose(v: dict[str, Any]) -> None:
+    """``diagnose`` needs something to read, and before/after come as a pair.
+
+    Raises:
+        InputError: nothing given, or one of before/after alone.
+    """
+    if not any(v.get(k) for k in ("error", "log", "config", "before", "after")):
+        raise InputError(
+            "nothing to diagnose: pass error (the message), log (a file or an excerpt), and/or config, or before and "
+            "after configs (CLI: --error, --log, --config, --before/--after)"
+        )
+    if (v.get("before") is None) != (v.get("after") is None):
+        raise InputError("pass both before and after (two configs around the change; CLI --before/--after), or neither")
+
+
+# ---------------------------------------------------------------------------------------------- validate
+
+EXACT_MARGIN_S = 15  # reading the config and building the report around the exact subprocess
+
+
+def validate_seconds(v: dict[str, Any]) -> float:
+    """The time one validate call may take: the call deadline, or exact's own deadline and a margin when longer."""
+    from mbridge_offload.config.reading import deadline_s
+
+    seconds = float(deadline_s())
+    if v.get("exact"):
+        seconds = max(seconds, float(v.get("deadline") or 120.0) + EXACT_MARGIN_S)
+    return seconds
+
+
+def validate_answer(v: dict[str, Any]) -> Any:
+    """``validate`` / ``validate_config``: the rule catalogue's report on one config, recipe or command line."""
+    from mbridge_offload.config.rules.base import parse_target
+    from mbridge_offload.config.sources import ConfigError, load
+    from mbridge_offload.config.validate import validate
+
+    config, recipe, argv = v["config"], v["recipe"], v["megatron_args"]
+    if sum(x is not None for x in (config, recipe, argv)) != 1:
+        raise InputError(
+            "give exactly one of config (a Bridge YAML/JSON path or text; on the CLI the positional CONFIG, '-' for "
+            'stdin), recipe (--recipe NAME) or megatron_args (--megatron-args "...", a Megatron-LM command line)'
+        )
+    try:
+        target = parse_target(v["target"])
+    except ValueError as exc:  # only the target's own errors are "target" errors
+        raise InputError(f"target {v['target']!r}: {exc}") from None
+    env = environment(v["env"], v["te_version"])
+    try:
+        if argv is not None:
+            loaded = load(None, v["overrides"], argv=shlex.split(argv))
+        elif recipe is not None:  # imported once per process: a server's second call costs the build only
+            loaded = load(None, v["overrides"], recipe=recipe)
+        else:
+            loaded = load(config, v["overrides"])
+    except ConfigError as exc:
+        raise (InputError(f"recipe: {exc.message}", exc.fix) if recipe is not None else exc) from None
+    except InputError:  # a deadline: its own kind
+        raise
+    except ValueError as exc:  # shlex: an unbalanced quote
+        raise InputError(f"megatron_args: cannot read the command line: {exc}") from None
+    loaded.config.env.update(env)
+    report = validate(loaded.config, loaded.raw, target=target, source=loaded.source)
+    report.source = loaded.source
+    if v["exact"]:
+        from mbridge_offload_tools.exact import ExactUnavailable, exact_report
+
+        try:
+            report = exact_report(report, loaded.raw, v["deadline"], loaded.config)
+        except ExactUnavailable as exc:
+            raise InputError(str(exc)) from None
+    if argv is not None:  # fixes as the flags to edit on that command line
+        from mbridge_offload.config.mlm_fixes import megatron_lm_fixes
+
+        report = megatron_lm_fixes(report)
+    return report
+
+
+# ---------------------------------------------------------------------------------------------- the planner
+
+
+def plan_source(v: dict[str, Any]) -> tuple[Any, Any, Any]:
+    """Take ``config``, ``overrides`` and ``megatron_args`` out of a planner tool's arguments ``v`` (left holding the
+    planner inputs) and read them: ``(config, raw, source)``, or Nones when only planner inputs were given.
+
+    Raises:
+        InputError: no model at all, a config and a command line both, overrides without a config, a config that
+            cannot be read, a command line with an unbalanced quote.
+    """
+    from mbridge_offload.config.sources import load
+
+    config, overrides, argv = v.pop("config"), v.pop("overrides") or [], v.pop("megatron_args")
+    if config is None and argv is None and v.get("model") is None and v.get("num_layers") is None:
+        raise InputError(
+            "no model: pass model (a preset such as qwen3-30b-a3b or llama3-8b), config (a Bridge YAML path or "
+            "text with the model section), or megatron_args"
+        )
+    if config is not None and argv is not None:
+        raise InputError("pass either config or megatron_args, not both")
+    if overrides and config is None and argv is None:
+        raise InputError("overrides need a config to apply to; pass config (a path or YAML text) too")
+    if config is None and argv is None:
+        return None, None, None
+    try:
+        words = shlex.split(argv) if argv is not None else None
+    except ValueError as exc:  # an unbalanced quote
+        raise InputError(f"megatron_args: cannot read the command line: {exc}") from None
+    try:
+        loaded = load(argv=words, overrides=overrides) if words is not None else load(config, overrides)
+    except InputError:  # a config that cannot be read: its message and fix as they are
+        raise
+    except (ValueError, KeyError) as exc:  # a value the reader rejects outside its own checks
+        raise InputError(str(exc).strip("'\"")) from None
+    return loaded.config, loaded.raw, loaded.source
+
+
+def plan_answer(kind: str, v: dict[str, Any]) -> Any:
+    """``estimate`` / ``recommend`` (``estimate_memory`` / ``recommend_mode``): one path through the planner.
+
+    A config, its overrides or a Megatron-LM command line, then every planner input given (``plan.service.plan``).
+    """
+    from mbridge_offload.plan.service import plan
+
+    args = dict(v)
+    cfg, raw, source = plan_source(args)
+    try:
+        return plan(kind, args, cfg, raw, source)  # type: ignore[arg-type]
+    except InputError:  # an input out of bounds: its message and fix as they are
+        raise
+    except (ValueError, KeyError) as exc:  # an unknown preset, a setup Megatron rejects
+        raise InputError(str(exc).strip("'\"")) from None
+
+
+# ---------------------------------------------------------------------------------------------- apply
+
+
+def apply_answer(v: dict[str, Any], **where: Any) -> Any:
+    """``apply`` / ``apply_offload``: the mode (or the planner's option) on one config, written only when asked.
+
+    ``where`` says where writes may go: ``allowed_root`` (the CLI's extra directory) or ``write_roots`` (the MCP
+    server's roots). Every planner input given goes to the planner (mode recommended / option); apply refuses them
+    with another mode.
+    """
+    from mbridge_offload.actions.apply import apply_offload
+    from mbridge_offload_tools.interface.tools import APPLY_PLANNER
+
+    planner = {name: v[name] for name in APPLY_PLANNER if v[name] is not None}
+    try:
+        return apply_offload(
+            v["config"],
+            v["mode"],
+            option=v["option"],
+            fraction=v["fraction"],
+            num_layers=v["num_layers"],
+            modules=v["modules"],
+            overrides=v["overrides"],
+            output=v["output"],
+            in_place=v["in_place"],
+            output_format=v["format"],
+            overwrite=v["overwrite"],
+            planner=planner or None,
+            **where,
+        )
+    except InputError:
+        raise
+    except (KeyError, ValueError) as exc:  # the planner: an unknown GPU preset, a setup Megatron rejects
+        raise InputError(str(exc).strip("'\"")) from None
+
+
+# ---------------------------------------------------------------------------------------------- diagnose
+
+
+def diagnose_answer(v: dict[str, Any]) -> Any:
+    """``diagnose`` / ``diagnose_failure``: the failure catalogue on the text, the configs read as estimate reads
+    them, and the planner's inputs (``actions.diagnose_plan.input_names``) to size a fix with.
+
+    Raises:
+        InputError: nothing to read, before or after alone, a log or config that cannot be read, a planner input
+            diagnose does not take or out of its bounds.
+    """
+    from mbridge_offload.actions.diagnose import diagnose
+    from mbridge_offload.actions.diagnose_plan import input_names
+    from mbridge_offload.config.reading import max_bytes
+    from mbridge_offload.config.sources import ConfigError, load
+
+    check_diagnose(v)
+    log = log_text(v["log"]) if v["log"] else None  # a file (inside the roots) or the text
+    loaded: dict[str, Any] = {}
+    for what in ("config", "before", "after"):  # loaded: raw dict and source kept
+        try:
+            loaded[what] = load(v[what]) if v[what] else None
+        except ConfigError as exc:  # before/after say which config they mean
+            raise (exc if what == "config" else InputError(f"{what}: {exc.message}", exc.fix)) from None
+    cfg = loaded["config"]
+    return diagnose(
+        error=v["error"][-max_bytes() :] if v["error"] else None,  # the tail of a huge text, where the failure is
+        log=log,
+        config=cfg.config if cfg else None,
+        raw=cfg.raw if cfg else None,
+        before=loaded["before"],
+        after=loaded["after"],
+        source=cfg.source if cfg else None,
+        planner={name: v[name] for name in input_names()},
+    )
