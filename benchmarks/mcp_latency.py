@@ -1,6 +1,6 @@
 """Measure the MCP server's latency as a client sees it: start to first ``list_tools``, and tool call times.
 
-A separate client process (this script) starts ``python -m mbridge_offload_tools.server`` over stdio, as Claude Code
+A separate client process (this script) starts ``python -m mbridge_offload_tools.server.app`` over stdio, as Claude Code
 or Codex would, and times:
 - start → first ``list_tools`` answer (process spawn, imports, initialize handshake, tools/list), ``--starts`` times;
 - ``validate_config`` and ``recommend_mode`` calls on the example config, after one warm-up call each
@@ -37,7 +37,7 @@ def _params() -> StdioServerParameters:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [env.get("PYTHONPATH")])])
     return StdioServerParameters(
-        command=sys.executable, args=["-m", "mbridge_offload_tools.server"], cwd=str(ROOT), env=env
+        command=sys.executable, args=["-m", "mbridge_offload_tools.server.app"], cwd=str(ROOT), env=env
     )
 
 

@@ -3,7 +3,7 @@ tools/mbridge_offload_tools/evidence/data/published.yaml).
 
 The doc generators own the pictures, ``docs/img/memory_vs_offload.png``, ``docs/img/predicted_vs_measured.png``
 and one of each kind ``mbridge-offload plot`` draws, ``docs/img/plot_sweep.png``, ``docs/img/plot_phases.png`` and
-``docs/img/plot_options.png`` (``mbridge_offload_tools.docgen.plots``: what each shows, and the committed numbers
+``docs/img/plot_options.png`` (``mbridge_offload_tools.docgen.docs.plots``: what each shows, and the committed numbers
 they are drawn from, ``docs/img/plots.json``); ``python -m mbridge_offload_tools.docgen`` redraws them when the
 model moves. This script draws them again on demand, into ``--output-dir`` (default ``docs/img``).
 
@@ -19,7 +19,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "offload"), str(ROOT / "tools")]
 
-from mbridge_offload_tools.docgen import plots  # noqa: E402
+from mbridge_offload_tools.docgen.docs import plots  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> list[Path]:

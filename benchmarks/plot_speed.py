@@ -2,7 +2,7 @@
 
 Both ways are the real paths: in-process ``mbridge_offload_tools.plot.run.make_plot`` (what the CLI's ``plot``
 calls after parsing: five ``estimate`` calls through ``plan.service.plan``, the drawing, SVG or PNG bytes) and the
-MCP tool ``plot_offload`` through ``python -m mbridge_offload_tools.server`` on stdio (arguments validated, the
+MCP tool ``plot_offload`` through ``python -m mbridge_offload_tools.server.app`` on stdio (arguments validated, the
 picture returned base64 as image content with the points as structured content). The first call of each is reported
 apart (it imports matplotlib and the planner); then ``--calls`` warm calls: median, 90th percentile and worst.
 
@@ -68,7 +68,7 @@ async def over_mcp(calls: int) -> dict[str, Any]:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "offload"), str(ROOT / "tools")])}
     with tempfile.TemporaryDirectory() as cwd:  # the server's root: nothing is written (no output)
         params = StdioServerParameters(
-            command=sys.executable, args=["-m", "mbridge_offload_tools.server"], cwd=cwd, env=env
+            command=sys.executable, args=["-m", "mbridge_offload_tools.server.app"], cwd=cwd, env=env
         )
         async with Client(params) as client:
 

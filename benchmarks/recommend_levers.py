@@ -86,7 +86,7 @@ def _in_process(calls: int, flags: dict[str, Any]) -> dict[str, float]:
 async def _over_mcp(calls: int, flags: dict[str, Any]) -> dict[str, float]:
     from mcp import Client
 
-    from mbridge_offload_tools.server import mcp
+    from mbridge_offload_tools.server.app import mcp
 
     times, options = [], 0
     async with Client(mcp, raise_exceptions=True) as client:

@@ -63,7 +63,7 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
     """The collected tests and their markers, for the test counts the docs quote (docgen.benchmarks.collected):
     written to the file ``MBRIDGE_OFFLOAD_COLLECTED_OUT`` names, and handed to the doc generators when this session
     collected the whole suite (so checking the counts costs nothing then)."""
-    from mbridge_offload_tools.docgen import benchmarks
+    from mbridge_offload_tools.docgen.docs import benchmarks
 
     marks = {item.nodeid: sorted({m.name for m in item.iter_markers()}) for item in items}
     out = os.environ.get(benchmarks.COUNT_ENV)

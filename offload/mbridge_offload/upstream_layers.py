@@ -12,7 +12,8 @@ full recompute, the fine-grained chunk); for a module-level setting a container'
 setting reach its layers, and what it does there is the layer's column. A layer's cell for a stack-level setting is
 what happens to that layer where its container applies the setting.
 
-The config rules (``config/rules/layer_reach.py``), the planner (the memory model, the search) and the generated
+The config rules (``config/rules/activation/layer_reach.py``), the planner (the memory model, the search) and the
+generated
 ``references/upstream-layers.md`` all read this module; ``tests/test_upstream_layers.py`` checks every cell's
 evidence against the installed sources of both releases. Plain Python.
 """

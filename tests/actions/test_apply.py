@@ -1,4 +1,4 @@
-"""offload/mbridge_offload/actions/apply.py: round-trip edits of real Bridge-style YAML files."""
+"""offload/mbridge_offload/actions/apply/apply.py: round-trip edits of real Bridge-style YAML files."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from mbridge_offload.actions.apply import apply_offload
-from mbridge_offload.actions.apply_result import ApplyError
+from mbridge_offload.actions.apply.apply import apply_offload
+from mbridge_offload.actions.apply.result import ApplyError
 from mbridge_offload.config.sources import ConfigError, load
 from mbridge_offload.config.validate import validate
 
@@ -323,7 +323,7 @@ def test_a_config_container_perf_yaml_keeps_its_wrapper_and_comments(tmp_path: P
 
 @pytest.mark.parametrize("fraction", [0.5, 0.7, 0.75, 1.0])
 def test_apply_turns_overlap_on_exactly_where_validate_advises_it(config_file: Path, fraction: float) -> None:
-    from mbridge_offload.config.rules.optimizer import overlap_advised
+    from mbridge_offload.config.rules.optimizer.offload import overlap_advised
 
     result = apply_offload(str(config_file), "optimizer", fraction=fraction)
     turned_on = any(c.key == "optimizer.overlap_cpu_optimizer_d2h_h2d" for c in result.changes)

@@ -1,4 +1,5 @@
-"""mbridge_offload.actions.diagnose: known failure modes, matched from real error text, narrowed by the config."""
+"""mbridge_offload.actions.diagnose.diagnose: known failure modes, matched from real error text, narrowed by the
+config."""
 
 from __future__ import annotations
 
@@ -7,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from mbridge_offload.actions.diagnose import diagnose
-from mbridge_offload.actions.failures import KNOWN
+from mbridge_offload.actions.diagnose.diagnose import diagnose
+from mbridge_offload.actions.diagnose.failures.catalogue import KNOWN
 from mbridge_offload.config.rules.catalogue import all_rules
 from mbridge_offload.config.sources import load
 

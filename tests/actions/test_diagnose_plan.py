@@ -1,4 +1,5 @@
-"""mbridge_offload.actions.diagnose_plan: diagnose answers with the planner. An OOM's fix is one of recommend's options
+"""mbridge_offload.actions.diagnose.sizing: diagnose answers with the planner. An OOM's fix is one of recommend's
+options
 and fits by ``estimate`` on the same GPU and count; the GPU count is an input with its source, never a silent 8;
 before/after predicts per-GPU memory for the count given; bad planner inputs are refused before anything is read."""
 
@@ -10,9 +11,9 @@ from typing import Any
 
 import pytest
 
-from mbridge_offload.actions.diagnose import diagnose
-from mbridge_offload.actions.diagnose_plan import GPU_OOM, SIZED, check_inputs, input_names
-from mbridge_offload.actions.failures import KNOWN
+from mbridge_offload.actions.diagnose.diagnose import diagnose
+from mbridge_offload.actions.diagnose.failures.catalogue import KNOWN
+from mbridge_offload.actions.diagnose.sizing import GPU_OOM, SIZED, check_inputs, input_names
 from mbridge_offload.config.errors import InputError
 from mbridge_offload.config.sources import load
 from mbridge_offload.plan.inputs.fields import PlanInputs, group_of

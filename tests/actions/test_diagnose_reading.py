@@ -13,8 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from mbridge_offload.actions.diagnose import diagnose
-from mbridge_offload.actions.failures import KNOWN, OOM_UNATTRIBUTED
+from mbridge_offload.actions.diagnose.diagnose import diagnose
+from mbridge_offload.actions.diagnose.failures.catalogue import KNOWN
+from mbridge_offload.actions.diagnose.failures.memory import OOM_UNATTRIBUTED
 from mbridge_offload.config.sources import load
 
 OOM = (

@@ -1,4 +1,5 @@
-"""mbridge_offload.actions.parity: the parity suite trains a tiny model with and without offload and compares."""
+"""mbridge_offload.actions.testing.parity: the parity suite trains a tiny model with and without offload and
+compares."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import pytest
 import torch
 
 import mbridge_offload
-from mbridge_offload.actions.parity import (
+from mbridge_offload.actions.testing.parity import (
     LOSS_BAR,
     MIN_RELATIVE_DROP,
     STRIDES,
@@ -22,8 +23,8 @@ from mbridge_offload.actions.parity import (
     settings_from_config,
     stride_batches,
 )
-from mbridge_offload.actions.testrun import DEPTH_ENV
-from mbridge_offload.actions.testsuite import run_tests
+from mbridge_offload.actions.testing.run import DEPTH_ENV
+from mbridge_offload.actions.testing.suite import run_tests
 from mbridge_offload.config.sources import load
 from mbridge_offload.runtime.optimizer.hybrid import HybridDeviceOptimizer
 

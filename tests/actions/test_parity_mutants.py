@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-from mbridge_offload.actions.parity import LOSS_BAR, MIN_RELATIVE_DROP, run_parity
+from mbridge_offload.actions.testing.parity import LOSS_BAR, MIN_RELATIVE_DROP, run_parity
 from mbridge_offload.config.sources import load
 from mbridge_offload.runtime.optimizer import buckets
 from mbridge_offload.runtime.optimizer.hybrid import HybridDeviceOptimizer

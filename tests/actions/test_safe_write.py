@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 
 from mbridge_offload.actions import safe_write
-from mbridge_offload.actions.apply import apply_offload
-from mbridge_offload.actions.apply_result import ApplyResult
+from mbridge_offload.actions.apply.apply import apply_offload
+from mbridge_offload.actions.apply.result import ApplyResult
 from mbridge_offload.actions.safe_write import WriteError
 from mbridge_offload.config.errors import InputError
 from tests.support import tree

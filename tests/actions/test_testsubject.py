@@ -1,4 +1,5 @@
-"""mbridge_offload.actions.testsubject: a test run names the code it tested (checkout, version, commit, optimizer)."""
+"""mbridge_offload.actions.testing.subject: a test run names the code it tested (checkout, version, commit,
+optimizer)."""
 
 from __future__ import annotations
 
@@ -8,8 +9,8 @@ from pathlib import Path
 import pytest
 
 import mbridge_offload
-from mbridge_offload.actions import testsubject
-from mbridge_offload.actions.testrun import PROJECT_ROOT
+from mbridge_offload.actions.testing import subject as testsubject
+from mbridge_offload.actions.testing.run import PROJECT_ROOT
 
 
 def _git(cwd: Path, *args: str) -> str:

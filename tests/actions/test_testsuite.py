@@ -1,4 +1,5 @@
-"""mbridge_offload.actions.testsuite: selection, nothing-selected detection, failures, timeouts, Bridge checkouts."""
+"""mbridge_offload.actions.testing.suite: selection, nothing-selected detection, failures, timeouts, Bridge
+checkouts."""
 
 from __future__ import annotations
 
@@ -11,11 +12,16 @@ from pathlib import Path
 import pytest
 
 import mbridge_offload
-from mbridge_offload.actions import testselect
-from mbridge_offload.actions.testresult import TestRunResult, TestSuiteError
-from mbridge_offload.actions.testrun import DEPTH_ENV
-from mbridge_offload.actions.testselect import BRIDGE_SELECTOR, OFFLOAD_MARKER, check_expression, offload_suite_files
-from mbridge_offload.actions.testsuite import missing_modules, run_tests
+from mbridge_offload.actions.testing import select as testselect
+from mbridge_offload.actions.testing.result import TestRunResult, TestSuiteError
+from mbridge_offload.actions.testing.run import DEPTH_ENV
+from mbridge_offload.actions.testing.select import (
+    BRIDGE_SELECTOR,
+    OFFLOAD_MARKER,
+    check_expression,
+    offload_suite_files,
+)
+from mbridge_offload.actions.testing.suite import missing_modules, run_tests
 
 nested = pytest.mark.skipif(int(os.environ.get(DEPTH_ENV, "0") or 0) > 0, reason="nested inside run_unit_tests")
 
@@ -131,7 +137,7 @@ def test_not_a_bridge_checkout(tmp_path: Path) -> None:
 @nested
 def test_paths_must_stay_inside_tests() -> None:
     with pytest.raises(TestSuiteError, match="outside"):
-        run_tests(path="offload/mbridge_offload/actions/apply.py")
+        run_tests(path="offload/mbridge_offload/actions/apply/apply.py")
     with pytest.raises(TestSuiteError, match="does not exist"):
         run_tests(path="tests/test_nope.py")
 

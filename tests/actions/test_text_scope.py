@@ -1,4 +1,5 @@
-"""mbridge_offload.actions.text_scope and the matcher that uses it: words that name a setting, a metric or a code
+"""mbridge_offload.actions.diagnose.text_scope and the matcher that uses it: words that name a setting, a metric or a
+code
 location are not a failure; a symptom counts for the quantity it describes; the settings a log states decide which
 offload was on. A corpus of realistic non-failure log lines matches nothing; real slowdown reports still match."""
 
@@ -8,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from mbridge_offload.actions.diagnose import diagnose
-from mbridge_offload.actions.text_scope import attached, scope, stated
+from mbridge_offload.actions.diagnose.diagnose import diagnose
+from mbridge_offload.actions.diagnose.text_scope import attached, scope, stated
 from mbridge_offload.config.sources import load
 
 OOM = "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 3.00 GiB. GPU 0 has a total capacity of 79.10 GiB"

@@ -1,10 +1,11 @@
-"""mbridge_offload.actions.yaml_edit: only the changed keys' lines change; unusual layouts are left to the fallback."""
+"""mbridge_offload.actions.apply.yaml_edit: only the changed keys' lines change; unusual layouts are left to the
+fallback."""
 
 from __future__ import annotations
 
 import pytest
 
-from mbridge_offload.actions.yaml_edit import line_edit, scalar
+from mbridge_offload.actions.apply.yaml_edit import line_edit, scalar
 from mbridge_offload.config.sources import parse_text
 
 

@@ -117,7 +117,7 @@ def test_verdict_on_every_offload_perf_recipe_matches_container_validate():
 _CLI = (
     _PRELUDE
     + """
-from mbridge_offload_tools.cli import main
+from mbridge_offload_tools.cli.main import main
 main(sys.argv[1:])
 """
 )

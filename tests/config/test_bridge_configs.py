@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from mbridge_offload.actions.apply import apply_offload
+from mbridge_offload.actions.apply.apply import apply_offload
 from mbridge_offload.config.sources import ConfigError, load
 from mbridge_offload.config.validate import validate
 from tests.support import bridge062

@@ -1,4 +1,4 @@
-"""The rules for settings megatron-core accepts and then ignores (``config/rules/layer_reach.py``).
+"""The rules for settings megatron-core accepts and then ignores (``config/rules/activation/layer_reach.py``).
 
 Each message names the upstream class and file the table cites for the config's release; the rules fire on a hybrid
 stack however the config says so (either pattern key, a Bridge hybrid provider, Megatron-LM's ``--is-hybrid-model``)

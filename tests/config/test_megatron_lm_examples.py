@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from mbridge_offload.config.mlm_flags import MLM_ARGUMENTS
+from mbridge_offload.config.megatron_lm.flags import MLM_ARGUMENTS
 from mbridge_offload.config.sources import load
 from mbridge_offload.config.validate import validate
 
@@ -38,3 +38,24 @@ def test_example_is_read_with_no_silent_drop(example):
         flag = arg.split("=", 1)[0]
         assert flag in OPTIONS or arg in warned, f"{arg} of {example['source']} was dropped silently"
     assert warned <= {a for a in example["argv"] if a.split("=", 1)[0] not in OPTIONS}
+
+
+@pytest.mark.megatron
+def test_the_argument_table_is_what_megatron_lm_0192_builds():
+    """``config/megatron_lm/data/arguments.txt`` equals what the generator writes from Megatron-LM 0.19.2's real
+    parser (``add_megatron_arguments``), row for row."""
+    import subprocess
+    import sys
+
+    from tests.support import tree
+    from tests.support.differential import version_env
+
+    env = version_env("0.19.2")
+    if env is None:
+        pytest.skip("megatron-core 0.19.2 is not installed (scripts/setup puts it in .mcore/0.19.2)")
+    script = Path(__file__).resolve().parents[1] / "support" / "gen_mlm_flags.py"
+    path = tree.pythonpath(env["PYTHONPATH"])
+    done = subprocess.run(
+        [sys.executable, str(script), "--check"], env={**env, "PYTHONPATH": path}, capture_output=True, timeout=300
+    )
+    assert done.returncode == 0, "regenerate it: PYTHONPATH=.mcore/0.19.2 python tests/support/gen_mlm_flags.py"

@@ -1,4 +1,5 @@
-"""mbridge_offload.config.mlm_fixes: fixes for a Megatron-LM command line come back as flags, not Bridge keys."""
+"""mbridge_offload.config.megatron_lm.fixes: fixes for a Megatron-LM command line come back as flags, not Bridge
+keys."""
 
 from __future__ import annotations
 
@@ -10,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from mbridge_offload.config.mlm_fixes import flag_edit, megatron_lm_fixes
-from mbridge_offload.config.mlm_flags import MLM_ARGUMENTS
+from mbridge_offload.config.megatron_lm.fixes import flag_edit, megatron_lm_fixes
+from mbridge_offload.config.megatron_lm.flags import MLM_ARGUMENTS
 from mbridge_offload.config.rules.catalogue import all_rules
 from mbridge_offload.config.sources import load
 from mbridge_offload.config.validate import validate

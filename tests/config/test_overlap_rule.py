@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from mbridge_offload.actions.apply import apply_offload
-from mbridge_offload.actions.diagnose import diagnose
-from mbridge_offload.config.rules.optimizer import OVERLAP_FROM_FRACTION, overlap_advised
+from mbridge_offload.actions.apply.apply import apply_offload
+from mbridge_offload.actions.diagnose.diagnose import diagnose
+from mbridge_offload.config.rules.optimizer.offload import OVERLAP_FROM_FRACTION, overlap_advised
 from mbridge_offload.config.sources import load
 from mbridge_offload.config.validate import validate
 from mbridge_offload.plan.inputs.resolve import resolve

@@ -15,8 +15,8 @@ from mbridge_offload.config import sources
 from mbridge_offload.config.effective import resolve
 from mbridge_offload.config.parallel_sizes import PARALLEL_SIZE_KEYS, ParallelSizeError, check, not_positive
 from mbridge_offload.config.validate import validate
-from mbridge_offload_tools.cli import main
-from mbridge_offload_tools.server import mcp
+from mbridge_offload_tools.cli.main import main
+from mbridge_offload_tools.server.app import mcp
 from tests.support.differential import run_oracle, version_env
 
 # The oracle builds TransformerConfig(num_layers=…, hidden_size=64, num_attention_heads=4, **model): the same sizes

@@ -31,7 +31,7 @@ import sys
 sys.path.insert(0, {root!r})
 from tests.support import te_stub
 te_stub.install("2.12.0")
-from mbridge_offload_tools.cli import main
+from mbridge_offload_tools.cli.main import main
 main(sys.argv[1:])
 """
 
@@ -204,7 +204,7 @@ sys.path.insert(0, {root!r})
 from tests.support import te_stub
 te_stub.install("2.12.0")
 import anyio
-from mbridge_offload_tools import server
+from mbridge_offload_tools.server import app as server
 times = []
 
 async def twice():

@@ -22,7 +22,7 @@ from mbridge_offload.config.rules.base import Context, parse_target
 from mbridge_offload.config.rules.catalogue import all_rules
 from mbridge_offload.config.sources import build_config, load
 from mbridge_offload.config.validate import Finding, Report, _finding, validate
-from mbridge_offload_tools.cli_validate import render_human
+from mbridge_offload_tools.cli.validate import render_human
 from tests.support import config_gen
 
 TARGETS = ("megatron-core==0.19.2", "megatron-core==0.16.1", "main")

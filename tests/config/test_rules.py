@@ -372,7 +372,7 @@ def test_every_fix_validates_for_every_optimizer_type():
 
 
 def test_activation_mode_edits_are_both_validates_fix_and_applys_edit(tmp_path, monkeypatch):
-    from mbridge_offload.actions.apply import apply_offload
+    from mbridge_offload.actions.apply.apply import apply_offload
 
     text = "model:\n  num_layers: 8\n  recompute_granularity: full\n  recompute_method: uniform\n"
     text += "  recompute_num_layers: 1\n"
@@ -391,7 +391,7 @@ def test_activation_mode_edits_are_both_validates_fix_and_applys_edit(tmp_path, 
 
 def test_stage_order_comes_from_each_rules_declared_follows_not_from_the_file_list() -> None:
     from mbridge_offload.config.rules import catalogue
-    from mbridge_offload.config.rules.activation import ACTIVATION_RULES
+    from mbridge_offload.config.rules.activation.layer_offload import ACTIVATION_RULES
 
     groups = tuple(f.RULES for f in catalogue.TRANSFORMER_CONFIG_FILES)
     order = catalogue.merge_stage(ACTIVATION_RULES, groups)
@@ -404,7 +404,8 @@ def test_stage_order_comes_from_each_rules_declared_follows_not_from_the_file_li
 def test_a_rule_that_follows_no_check_of_its_stage_is_refused() -> None:
     import dataclasses
 
-    from mbridge_offload.config.rules import catalogue, recompute
+    from mbridge_offload.config.rules import catalogue
+    from mbridge_offload.config.rules.activation import recompute
 
     stray = dataclasses.replace(recompute.RULES[0], follows="ACT-DOES-NOT-EXIST")
     with pytest.raises(RuntimeError, match="ACT-DOES-NOT-EXIST"):

@@ -11,7 +11,7 @@ from mbridge_offload.plan.evidence.read import parse_log
 from mbridge_offload.plan.evidence.steps import steady_step_s
 from mbridge_offload.plan.inputs.resolve import resolve
 from mbridge_offload.plan.search import planner as plan
-from mbridge_offload_tools import cli_plan
+from mbridge_offload_tools.cli import plan as cli_plan
 
 # Megatron's report_memory and training_log lines (megatron/training/utils.py, training.py), MB = bytes / 1024².
 ITER = (

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from mbridge_offload.actions.apply import apply_offload
-from mbridge_offload.actions.apply_result import ApplyError
+from mbridge_offload.actions.apply.apply import apply_offload
+from mbridge_offload.actions.apply.result import ApplyError
 from mbridge_offload.config import sources
 from mbridge_offload.config.validate import validate
 from mbridge_offload.plan import service
@@ -19,8 +19,9 @@ from mbridge_offload.plan.inputs.resolve import resolve
 from mbridge_offload.plan.memory import fine_grained
 from mbridge_offload.plan.memory.activations import in_flight, layer_activations, stage_activations
 from mbridge_offload.plan.memory.stage import estimate_memory
+from mbridge_offload.plan.model.architecture import MLASpec, ModelSpec
+from mbridge_offload.plan.model.run import Setup
 from mbridge_offload.plan.search import planner as plan
-from mbridge_offload.plan.spec.model import MLASpec, ModelSpec, Setup
 from mbridge_offload_tools.evidence import published_fine_grained
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -14,10 +14,12 @@ from mbridge_offload.plan.inputs.presets import model_preset
 from mbridge_offload.plan.memory.activations import layer_activations, layer_components
 from mbridge_offload.plan.memory.fsdp import STRATEGIES
 from mbridge_offload.plan.memory.stage import estimate_memory
+from mbridge_offload.plan.model.architecture import GiB
+from mbridge_offload.plan.model.layout import decoder_counts, mtp_layers
+from mbridge_offload.plan.model.params import stage_layers, total_params
+from mbridge_offload.plan.model.run import Setup
 from mbridge_offload.plan.service import estimate_for_inputs, recommend_for_inputs
-from mbridge_offload.plan.spec.layout import decoder_counts, mtp_layers
-from mbridge_offload.plan.spec.model import GiB, Setup, stage_layers, total_params
-from mbridge_offload_tools import cli_plan
+from mbridge_offload_tools.cli import plan as cli_plan
 
 LLAMA70 = model_preset("llama3-70b")
 # Bridge 0.6.2 llama3_70b_pretrain_64gpu_gb200_bf16_config: TP1 PP1, MBS 1, seq 8192, bf16 grads, FSDP ZeRO-3.

@@ -21,7 +21,8 @@ import pytest
 from mbridge_offload.config import sources
 from mbridge_offload.plan.inputs.resolve import resolve
 from mbridge_offload.plan.memory.stage import StageMemory, estimate_memory
-from mbridge_offload.plan.spec.model import GB, Setup
+from mbridge_offload.plan.model.architecture import GB
+from mbridge_offload.plan.model.run import Setup
 
 DATA = Path(__file__).resolve().parents[2] / "tools/mbridge_offload_tools/evidence/data/gpu_memory_phases.json"
 GiB = 2**30

@@ -16,8 +16,10 @@ from mbridge_offload.config.errors import BoundsError as InputError
 from mbridge_offload.plan.inputs.resolve import resolve
 from mbridge_offload.plan.inputs.vocab import tokenizer_vocab
 from mbridge_offload.plan.memory.activations import kind_activations, mtp_activations, stage_activations
+from mbridge_offload.plan.model.architecture import MambaSpec
+from mbridge_offload.plan.model.params import layer_params, stage_params, total_params
+from mbridge_offload.plan.model.run import Setup, check_setup
 from mbridge_offload.plan.service import estimate_for_inputs, recommend_for_inputs
-from mbridge_offload.plan.spec.model import MambaSpec, Setup, check_setup, layer_params, stage_params, total_params
 from mbridge_offload.plan.time.terms import forward_flops
 from tests.support import tree
 from tests.support.tree import ROOT

@@ -30,8 +30,9 @@ from mbridge_offload.plan.memory.activations import (
     stage_groups,
 )
 from mbridge_offload.plan.memory.stage import estimate_memory
+from mbridge_offload.plan.model.architecture import MambaSpec, ModelSpec
+from mbridge_offload.plan.model.run import Setup
 from mbridge_offload.plan.service import estimate_for_inputs, recommend_for_inputs
-from mbridge_offload.plan.spec.model import MambaSpec, ModelSpec, Setup
 from mbridge_offload.upstream_layers import PLANNER_RELEASE, applies, cell
 from tests.support import tree
 

@@ -12,8 +12,9 @@ from mbridge_offload.config import sources
 from mbridge_offload.plan import service
 from mbridge_offload.plan.inputs.family import TYING, by_name
 from mbridge_offload.plan.inputs.presets import MODEL_PRESETS
-from mbridge_offload.plan.spec.model import GiB, padded_vocab
-from mbridge_offload_tools.cli import main
+from mbridge_offload.plan.model.architecture import GiB
+from mbridge_offload.plan.model.params import padded_vocab
+from mbridge_offload_tools.cli.main import main
 
 ROOT = Path(__file__).resolve().parents[2]
 HF = ROOT / "tests" / "data" / "hf-configs"

@@ -15,7 +15,8 @@ from mbridge_offload.config.errors import BoundsError as InputError
 from mbridge_offload.plan.inputs.fields import FIELDS, PlanInputs, flag_name, validate_inputs
 from mbridge_offload.plan.inputs.resolve import resolve
 from mbridge_offload.plan.search import planner as plan
-from mbridge_offload_tools import cli, cli_plan
+from mbridge_offload_tools.cli import main as cli
+from mbridge_offload_tools.cli import plan as cli_plan
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "qwen3_30b_a3b_pretrain.yaml"
@@ -83,7 +84,7 @@ def test_cli_flags_and_mcp_parameters_are_derived_from_the_one_model():
 
     from mcp import Client
 
-    from mbridge_offload_tools.server import mcp
+    from mbridge_offload_tools.server.app import mcp
 
     async def schemas():
         async with Client(mcp, raise_exceptions=True) as c:
@@ -225,7 +226,7 @@ def test_a_moe_without_moe_ffn_hidden_size_takes_the_ffn_width_as_megatron_core(
 
 def test_an_out_of_bounds_input_is_one_of_the_bad_input_family():
     from mbridge_offload.config import errors
-    from mbridge_offload_tools.common import EXIT_BAD_INPUT, error_payload
+    from mbridge_offload_tools.cli.common import EXIT_BAD_INPUT, error_payload
 
     with pytest.raises(errors.InputError) as err:
         validate_inputs({"tp": 0})

@@ -9,7 +9,9 @@ import pytest
 from mbridge_offload.plan.inputs.presets import MODEL_PRESETS, model_preset
 from mbridge_offload.plan.memory.activations import layer_activations, stage_activations
 from mbridge_offload.plan.memory.stage import estimate_memory, greedy_offload
-from mbridge_offload.plan.spec.model import GB, ModelSpec, Setup, check_setup, next_pow2, padded_vocab, total_params
+from mbridge_offload.plan.model.architecture import GB, ModelSpec
+from mbridge_offload.plan.model.params import next_pow2, padded_vocab, total_params
+from mbridge_offload.plan.model.run import Setup, check_setup
 from mbridge_offload.upstream import TE_MIN_OFFLOAD_NUMEL
 
 QWEN_MOE = Setup(num_gpus=16, tp=2, pp=2, ep=4, etp=1, global_batch_size=8)

@@ -19,9 +19,11 @@ from mbridge_offload.plan.memory.activations import in_flight, layer_activations
 from mbridge_offload.plan.memory.phases import PHASES
 from mbridge_offload.plan.memory.schedule import inflight_vectors, warmup_microbatches
 from mbridge_offload.plan.memory.stage import estimate_memory
+from mbridge_offload.plan.model.architecture import GB, GiB
+from mbridge_offload.plan.model.params import padded_vocab
+from mbridge_offload.plan.model.run import Setup
 from mbridge_offload.plan.service import estimate_for_inputs, recommend_for_inputs
-from mbridge_offload.plan.spec.model import GB, GiB, Setup, padded_vocab
-from mbridge_offload_tools import cli_plan
+from mbridge_offload_tools.cli import plan as cli_plan
 from mbridge_offload_tools.evidence import published_recipes
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -12,8 +12,8 @@ from mbridge_offload.plan.inputs.hardware import GPU_PRESETS, LINK_EFFICIENCY, g
 from mbridge_offload.plan.inputs.presets import model_preset
 from mbridge_offload.plan.inputs.resolve import resolve
 from mbridge_offload.plan.memory.stage import estimate_memory
+from mbridge_offload.plan.model.run import Setup
 from mbridge_offload.plan.search import planner as plan
-from mbridge_offload.plan.spec.model import Setup
 from mbridge_offload.plan.time.step import DEFAULT_CPU_ADAM_PARAMS_PER_S_PER_CORE, cpu_adam_rate, estimate_time
 
 H100 = gpu_preset("h100-80gb")
@@ -236,8 +236,13 @@ def test_recommend_compares_against_the_config_as_given_and_says_it_removes_its_
 def test_cli_and_mcp_share_one_planner_entry_point():
     import inspect
 
-    from mbridge_offload_tools import cli_plan, server
+    from mbridge_offload_tools.cli import plan as cli_plan
+    from mbridge_offload_tools.interface import calls
+    from mbridge_offload_tools.server import app as server
 
+    # One body for both surfaces (interface.calls.plan_answer), and it calls the planner's one entry point.
+    body = inspect.getsource(calls.plan_answer)
+    assert "plan.service import plan" in body and "revalidate" not in body and "resolve(" not in body
     for module in (cli_plan, server):
         text = inspect.getsource(module)
-        assert "plan.service import plan" in text and "revalidate" not in text and "resolve(" not in text
+        assert "plan_answer" in text and "revalidate" not in text and "resolve(" not in text

@@ -55,7 +55,7 @@ import pytest
 from mbridge_offload.plan.inputs.hardware import gpu_preset
 from mbridge_offload.plan.inputs.presets import model_preset
 from mbridge_offload.plan.memory.stage import estimate_memory
-from mbridge_offload.plan.spec.model import Setup
+from mbridge_offload.plan.model.run import Setup
 from mbridge_offload.plan.time import terms as step_time
 from mbridge_offload.plan.time.step import TimeEstimate, estimate_time, no_lever_setup, offload_off
 from mbridge_offload_tools.evidence import step_fit

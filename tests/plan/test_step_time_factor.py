@@ -11,8 +11,8 @@ import pytest
 from mcp import Client
 
 from mbridge_offload.plan import service
-from mbridge_offload_tools.cli import main
-from mbridge_offload_tools.server import mcp
+from mbridge_offload_tools.cli.main import main
+from mbridge_offload_tools.server.app import mcp
 
 CARD = {"model": "qwen3-30b-a3b", "gpu": "h100-80gb"}  # the card's recipe: TP2 PP2 EP4, full recompute, 16 H100
 CARD_50 = 2484 / 996  # the card's measured 50 % step over its baseline: ×2.49

@@ -566,7 +566,7 @@ def check_error_json(stdout: str) -> str | None:
 
 def run_cli_inprocess(case: Case, cwd: Path) -> Outcome:
     """Run ``mbridge-offload`` in this process (main thread: its deadline alarm works) and judge the answer."""
-    from mbridge_offload_tools.cli import main
+    from mbridge_offload_tools.cli.main import main
 
     out, err = io.StringIO(), io.StringIO()
     stdin = io.TextIOWrapper(io.BytesIO(case.stdin or b""), encoding="utf-8")

@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from mbridge_offload.config.mlm_flags import MLM_ARGUMENTS
+from mbridge_offload.config.megatron_lm.flags import MLM_ARGUMENTS
 
 OUT = Path(__file__).resolve().parents[2] / "tests" / "config" / "data" / "megatron_lm_examples.json"
 TAKES_VALUE = {opt: row[2] in ("store", "append") for row in MLM_ARGUMENTS for opt in row[0]}

@@ -14,12 +14,12 @@ from pathlib import Path
 import pytest
 from mcp import Client
 
-from mbridge_offload.actions.apply_plan import APPLY_OWN_INPUTS
+from mbridge_offload.actions.apply.plan import APPLY_OWN_INPUTS
 from mbridge_offload.config import sources
-from mbridge_offload.config.rules.optimizer import OVERLAP_FROM_FRACTION
+from mbridge_offload.config.rules.optimizer.offload import OVERLAP_FROM_FRACTION
 from mbridge_offload.plan.inputs.fields import FIELDS
-from mbridge_offload_tools.cli import main
-from mbridge_offload_tools.server import mcp
+from mbridge_offload_tools.cli.main import main
+from mbridge_offload_tools.server.app import mcp
 
 ROOT = Path(__file__).resolve().parents[2]
 SFT = """\
@@ -161,7 +161,7 @@ def test_every_option_at_or_above_the_overlap_threshold_carries_overlap_on(capsy
 
 
 def test_apply_takes_every_planner_input_recommend_takes(capsys):
-    from mbridge_offload_tools.cli import build_parser
+    from mbridge_offload_tools.cli.main import build_parser
 
     parser = build_parser()
     sub = next(a for a in parser._actions if a.dest == "command")

@@ -1,4 +1,4 @@
-"""mbridge_offload_tools.cli_agent: apply, test, diagnose through the real CLI entry point, one JSON object each."""
+"""mbridge_offload_tools.cli.agent: apply, test, diagnose through the real CLI entry point, one JSON object each."""
 
 from __future__ import annotations
 
@@ -104,9 +104,9 @@ def test_test_rejects_unsafe_expression_and_bad_bridge_repo(tmp_path: Path) -> N
 
 
 def test_the_human_test_summary_names_the_code_under_test_and_the_cluster_recipe() -> None:
-    from mbridge_offload.actions import testsubject
-    from mbridge_offload.actions.testresult import TestRunResult
-    from mbridge_offload_tools.cli_agent import _human_test
+    from mbridge_offload.actions.testing import subject as testsubject
+    from mbridge_offload.actions.testing.result import TestRunResult
+    from mbridge_offload_tools.cli.agent import _human_test
 
     details = {"optimizer": {"class": "HybridDeviceOptimizer", "module": "mbridge_offload.runtime.optimizer.hybrid"}}
     under = testsubject.parity(details)

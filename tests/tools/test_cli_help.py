@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from mbridge_offload_tools.cli import build_parser
-from mbridge_offload_tools.server import build_parser as server_parser
+from mbridge_offload_tools.cli.main import build_parser
+from mbridge_offload_tools.server.app import build_parser as server_parser
 
 
 def _undocumented(parser: argparse.ArgumentParser, path: list[str]) -> list[str]:

@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 from mcp import Client
 
-from mbridge_offload.actions.diagnose_plan import input_names
+from mbridge_offload.actions.diagnose.sizing import input_names
 from mbridge_offload.plan.inputs.fields import flag_name
-from mbridge_offload_tools.cli import build_parser
-from mbridge_offload_tools.server import mcp
+from mbridge_offload_tools.cli.main import build_parser
+from mbridge_offload_tools.server.app import mcp
 from tests.support import tree
 
 OOM = "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 3.00 GiB."

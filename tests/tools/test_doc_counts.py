@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from mbridge_offload_tools.docgen.catalogue import server_tools
-from mbridge_offload_tools.docgen.references import _WORDS, number_word
+from mbridge_offload_tools.docgen.skill.catalogue import server_tools
+from mbridge_offload_tools.docgen.skill.references import _WORDS, number_word
 from tests.support import tree
 
 ROOT = tree.ROOT

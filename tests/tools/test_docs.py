@@ -22,8 +22,8 @@ from ruamel.yaml import YAML
 
 from mbridge_offload.config.schema import SECTIONS, field_default
 from mbridge_offload_tools.docgen import registry as skilldocs
-from mbridge_offload_tools.docgen.catalogue import CLI_EQUIVALENTS
-from mbridge_offload_tools.docgen.params import SKILL_KEYS, all_keys
+from mbridge_offload_tools.docgen.skill.catalogue import CLI_EQUIVALENTS
+from mbridge_offload_tools.docgen.skill.params import SKILL_KEYS, all_keys
 from tests.support import tree
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -118,7 +118,7 @@ def test_links_point_at_files_that_exist(doc):
 
 
 def test_generated_sections_are_fresh():
-    from mbridge_offload_tools.docgen.card import render_card
+    from mbridge_offload_tools.docgen.skill.card import render_card
 
     assert skilldocs.stale() == [], "run `make docs` (python -m mbridge_offload_tools.docgen)"
     card = (ROOT / "card.yaml").read_text()
@@ -126,7 +126,7 @@ def test_generated_sections_are_fresh():
 
 
 def test_freshness_check_catches_a_changed_test_count(monkeypatch):
-    from mbridge_offload_tools.docgen import benchmarks
+    from mbridge_offload_tools.docgen.docs import benchmarks
 
     # One test more (or one offload test fewer) than the docs say: both places that quote the counts are stale.
     monkeypatch.setattr(benchmarks, "COLLECTED", {**benchmarks.collected(), "tests/x.py::test_new": ["cpu_offload"]})
@@ -137,7 +137,7 @@ def test_freshness_check_catches_a_changed_test_count(monkeypatch):
 
 
 def test_a_picture_not_drawn_from_the_current_numbers_is_stale(tmp_path):
-    from mbridge_offload_tools.docgen import plots
+    from mbridge_offload_tools.docgen.docs import plots
 
     values = plots.plot_values()
     assert plots.stale_images(ROOT, values) == [], "run `make docs`: a picture under docs/img is stale"
@@ -202,10 +202,10 @@ def test_parameter_tables_cover_the_config_model():
 
 
 def test_every_field_has_a_meaning():
-    from mbridge_offload_tools.docgen.params import MEANINGS
+    from mbridge_offload_tools.docgen.skill.params import MEANINGS
 
     missing = [k for k in all_keys() if not MEANINGS.get(k)]
-    assert missing == [], "add the meaning to mbridge_offload_tools.docgen.params"
+    assert missing == [], "add the meaning to mbridge_offload_tools.docgen.skill.params"
     assert [k for k in MEANINGS if k not in all_keys()] == [], "a documented field left the config model"
 
 
@@ -233,8 +233,8 @@ def test_constraints_match_the_rule_catalogue():
 
 
 def test_failure_modes_match_the_diagnosis_catalogue():
-    from mbridge_offload.actions.diagnose import match_text
-    from mbridge_offload.actions.failures import KNOWN
+    from mbridge_offload.actions.diagnose.diagnose import match_text
+    from mbridge_offload.actions.diagnose.failures.catalogue import KNOWN
 
     for text in (_section(SKILL, "diagnosis"), (ROOT / "references/failures.md").read_text()):
         rows = [r for r in _rows(text) if r[0].startswith("`")]
@@ -245,7 +245,7 @@ def test_failure_modes_match_the_diagnosis_catalogue():
 
 
 def test_bridge_selector_in_skill_is_covered_by_the_test_tool():
-    from mbridge_offload.actions import testselect
+    from mbridge_offload.actions.testing import select as testselect
 
     text = SKILL.read_text()
     command = re.search(r"python -m pytest (\S+) -k \"([^\"]+)\" -q", text)
@@ -260,13 +260,13 @@ def test_bridge_selector_in_skill_is_covered_by_the_test_tool():
 
 
 def test_every_mcp_tool_is_in_the_skill_and_vice_versa():
-    from mbridge_offload_tools.docgen.catalogue import server_tools
+    from mbridge_offload_tools.docgen.skill.catalogue import server_tools
 
     served = {tool.name for tool in server_tools()}
     table = {r[0].strip("`") for r in _rows(_section(SKILL, "tools")) if r[0].startswith("`")}
     text = SKILL.read_text() + (ROOT / "README.md").read_text()
     mentioned = set(re.findall(r"mcp__mbridge-offload__(\w+)", text))
-    from mbridge_offload.actions.failures import KNOWN
+    from mbridge_offload.actions.diagnose.failures.catalogue import KNOWN
 
     # Config fields and failure ids share the look of a tool name; they are not tools.
     fields = {f for section in SECTIONS.values() for f in section.model_fields} | {m.id for m in KNOWN}
@@ -277,7 +277,7 @@ def test_every_mcp_tool_is_in_the_skill_and_vice_versa():
 
 def _cli(argv: list[str], cwd: Path = ROOT) -> tuple[int, str]:
     """Run the CLI in this process from ``cwd`` (the repository root), as a reader of the docs would."""
-    from mbridge_offload_tools.cli import main
+    from mbridge_offload_tools.cli.main import main
 
     out = io.StringIO()
     before = Path.cwd()
@@ -350,7 +350,7 @@ def _stage_files(argv: list[str], workdir: Path, root: Path = ROOT) -> bool:
 def check_commands_shown(doc: str, workdir: Path, root: Path = ROOT) -> None:
     """Run each ``mbridge-offload`` command of ``root``'s page ``doc`` in ``workdir``, in the page's order: the
     subcommand's --help, and a real run of the cheap ones (the exit code a captured block shows, else 0 or 1)."""
-    from mbridge_offload_tools.docgen.walkthrough import prepare
+    from mbridge_offload_tools.docgen.docs.walkthrough import prepare
 
     commands = _commands(root / doc)
     assert commands, f"no mbridge-offload command found in {doc}"
@@ -382,13 +382,13 @@ def test_every_command_shown_runs(doc, tmp_path):
 def test_walkthrough_blocks_are_captured_output():
     text = (ROOT / "docs/walkthrough.md").read_text()
     blocks = re.findall(r"<!-- BEGIN GENERATED: ([\w-]+) -->\n(.*?)<!-- END GENERATED: \1 -->", text, re.S)
-    from mbridge_offload_tools.docgen.walkthrough import CAPTURES
+    from mbridge_offload_tools.docgen.docs.walkthrough import CAPTURES
 
     assert sorted(name for name, _ in blocks) == sorted(CAPTURES)
     for name, body in blocks:
-        assert "captured by `python -m mbridge_offload_tools.docgen.walkthrough`" in body, name
+        assert "captured by `python -m mbridge_offload_tools.docgen.docs.walkthrough`" in body, name
         assert f"$ {CAPTURES[name][0]}" in body and "(exit code " in body, name
-    from mbridge_offload_tools.docgen.walkthrough import GUIDE_CAPTURES
+    from mbridge_offload_tools.docgen.docs.walkthrough import GUIDE_CAPTURES
 
     guide = skilldocs.sections((ROOT / "docs/cpu-offloading.md").read_text())
     for name, commands in GUIDE_CAPTURES.items():
@@ -501,7 +501,7 @@ def test_card_measured_results_are_ours_and_quoted_from_their_source():
 
 
 def test_card_failure_modes_exist_in_the_diagnosis_catalogue():
-    from mbridge_offload.actions.failures import KNOWN
+    from mbridge_offload.actions.diagnose.failures.catalogue import KNOWN
 
     known = {mode.id for mode in KNOWN}
     for mode in _card()["failure_modes"]:
@@ -748,7 +748,7 @@ def _installed(package: str, version: str) -> Path | None:
 
 
 def test_code_anchors_point_at_the_quoted_upstream_lines():
-    from mbridge_offload_tools.docgen.anchors import ANCHORS
+    from mbridge_offload_tools.docgen.skill.anchors import ANCHORS
 
     checked, wrong = 0, []
     for anchor in ANCHORS:
@@ -835,8 +835,8 @@ def test_hosts_load_the_skill_and_the_plugin(tmp_path):
 def test_walkthrough_output_matches_a_fresh_run():
     # Every command of the walkthrough and of the guide's worked examples runs again; its output must equal the
     # committed block (durations and the suite's size blanked). A change of behaviour shows up here until
-    # `python -m mbridge_offload_tools.docgen.walkthrough` is rerun and the prose checked against the new output.
-    from mbridge_offload_tools.docgen.walkthrough import CAPTURES, GUIDE_CAPTURES, capture, normalise
+    # `python -m mbridge_offload_tools.docgen.docs.walkthrough` is rerun and the prose checked against the new output.
+    from mbridge_offload_tools.docgen.docs.walkthrough import CAPTURES, GUIDE_CAPTURES, capture, normalise
 
     for doc, captures in (("docs/walkthrough.md", CAPTURES), ("docs/cpu-offloading.md", GUIDE_CAPTURES)):
         committed = skilldocs.sections((ROOT / doc).read_text())
@@ -846,7 +846,7 @@ def test_walkthrough_output_matches_a_fresh_run():
 
 
 def test_walkthrough_normalising_blanks_only_what_varies():
-    from mbridge_offload_tools.docgen.walkthrough import normalise
+    from mbridge_offload_tools.docgen.docs.walkthrough import normalise
 
     a = '"duration_s": 7.045, "selected": 47, selected 47 of the 513 tests, 3 passed in 1.2 s'
     b = '"duration_s": 12.1, "selected": 47, selected 47 of the 520 tests, 3 passed in 9.9 s'

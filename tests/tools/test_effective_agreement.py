@@ -20,7 +20,7 @@ import pytest
 from mcp import Client
 from ruamel.yaml import YAML
 
-from mbridge_offload.actions.diagnose import diagnose
+from mbridge_offload.actions.diagnose.diagnose import diagnose
 from mbridge_offload.config import sources
 from mbridge_offload.config.errors import BoundsError as InputError
 from mbridge_offload.config.validate import validate
@@ -182,7 +182,7 @@ def anyio_backend() -> str:
 
 @pytest.mark.anyio
 async def test_the_mcp_tools_print_the_cli_block(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from mbridge_offload_tools.server import mcp
+    from mbridge_offload_tools.server.app import mcp
 
     monkeypatch.chdir(tmp_path)
     path = str(_qwen_without_etp(tmp_path))
@@ -203,7 +203,7 @@ async def test_the_mcp_tools_print_the_cli_block(tmp_path: Path, monkeypatch: py
 
 
 def test_apply_prints_the_effective_config_of_the_file_it_would_write(tmp_path: Path) -> None:
-    from mbridge_offload.actions.apply import apply_offload
+    from mbridge_offload.actions.apply.apply import apply_offload
 
     path = _qwen_without_etp(tmp_path)
     result = apply_offload(str(path), "optimizer", fraction=0.25)

@@ -12,8 +12,8 @@ import pytest
 from mcp import Client
 
 from mbridge_offload.config import validate as validate_module
-from mbridge_offload_tools.cli import main
-from mbridge_offload_tools.server import mcp
+from mbridge_offload_tools.cli.main import main
+from mbridge_offload_tools.server.app import mcp
 
 FAILURES = [
     RecursionError("maximum recursion depth exceeded"),

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 from mcp import Client
 
-from mbridge_offload_tools.cli import main
-from mbridge_offload_tools.server import mcp
+from mbridge_offload_tools.cli.main import main
+from mbridge_offload_tools.server.app import mcp
 
 LOG = "\n".join(
     [

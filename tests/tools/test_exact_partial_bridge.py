@@ -4,7 +4,7 @@ A partial Bridge YAML (model/optimizer sections with no ``_target_``, merged ont
 through Bridge's ``finalize()``, which sets ``pipeline_dtype = params_dtype`` under pipeline parallelism; a Megatron-LM
 command line through ``core_transformer_config_from_args``, which does the same. So neither ever meets megatron-core's
 "When using pipeline parallelism, pipeline_dtype must be specified", and the catalogue has no rule for it. Here the
-real megatron-core of each release judges exact mode's payload (:func:`mbridge_offload_tools.exact.payload`, the
+real megatron-core of each release judges exact mode's payload (:func:`mbridge_offload_tools.exact.run.payload`, the
 sections the child builds) for seeded partial YAMLs (PP 1/2/4 with and without ``pipeline_dtype``, TP, sequence
 parallelism, MoE with and without ETP, a ``_target_`` or a ``mixed_precision`` block on some, overrides on others,
 and an injected real error on about a quarter), one megatron-core import per release; each must give, per stage, the
@@ -27,7 +27,7 @@ from ruamel.yaml import YAML
 from mbridge_offload.config.rules.base import STAGE_OPTIMIZER_CONFIG, STAGE_TRANSFORMER_CONFIG
 from mbridge_offload.config.sources import load
 from mbridge_offload.config.validate import Report, first_error, validate
-from mbridge_offload_tools.exact import payload, run_children
+from mbridge_offload_tools.exact.run import payload, run_children
 
 ROOT = Path(__file__).resolve().parents[2]
 MCORE_NEW = ROOT / ".mcore" / "0.19.2" / "megatron" / "core"
@@ -149,7 +149,7 @@ def test_validate_exact_cli_on_the_issues_partial_yaml_and_command_line(tmp_path
     flags = ["--exact", "--json", "--target", f"megatron-core=={target}"]
     for how in ([str(path)], ["--megatron-args", argv]):
         proc = subprocess.run(
-            [sys.executable, "-m", "mbridge_offload_tools.cli", "validate", *how, *flags],
+            [sys.executable, "-m", "mbridge_offload_tools.cli.main", "validate", *how, *flags],
             capture_output=True,
             text=True,
             timeout=300,

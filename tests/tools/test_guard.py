@@ -1,4 +1,5 @@
-"""mbridge_offload_tools.guard: what the MCP server may touch is fixed at start; every call has a deadline; the CLI
+"""mbridge_offload_tools.server.guard: what the MCP server may touch is fixed at start; every call has a deadline; the
+CLI
 too."""
 
 from __future__ import annotations
@@ -13,10 +14,10 @@ from pathlib import Path
 import pytest
 from mcp import Client
 
-from mbridge_offload.actions.testrun import DEPTH_ENV
+from mbridge_offload.actions.testing.run import DEPTH_ENV
 from mbridge_offload.config import reading
-from mbridge_offload_tools import guard
-from mbridge_offload_tools.server import mcp
+from mbridge_offload_tools.server import guard
+from mbridge_offload_tools.server.app import mcp
 from tests.support import tree
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -153,7 +154,7 @@ def test_the_cli_has_a_deadline_too(tmp_path: Path) -> None:
 
 def test_serve_refuses_a_root_that_is_not_a_directory(tmp_path: Path) -> None:
     env = dict(os.environ, PYTHONPATH=tree.pythonpath())
-    for command in (["-m", "mbridge_offload_tools", "serve"], ["-m", "mbridge_offload_tools.server"]):
+    for command in (["-m", "mbridge_offload_tools", "serve"], ["-m", "mbridge_offload_tools.server.app"]):
         proc = subprocess.run(
             [sys.executable, *command, "--root", str(tmp_path / "missing")],
             capture_output=True,

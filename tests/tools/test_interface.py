@@ -23,9 +23,9 @@ import anyio
 import pytest
 from mcp import Client
 
-from mbridge_offload_tools import cli
+from mbridge_offload_tools.cli import main as cli
 from mbridge_offload_tools.interface.build import finish
-from mbridge_offload_tools.server import mcp
+from mbridge_offload_tools.server.app import mcp
 from tests.support import tree
 
 PAIRS = {
@@ -178,9 +178,9 @@ def test_estimate_and_recommend_take_the_same_inputs(schemas) -> None:
 
 def test_plot_apply_and_diagnose_take_the_planners_inputs_as_recommend_does(schemas) -> None:
     """Each planner input a tool takes is recommend's parameter, word for word; which ones each takes is the
-    library's statement (apply: all but those it spells its own way; diagnose: diagnose_plan.input_names)."""
-    from mbridge_offload.actions.apply_plan import APPLY_OWN_INPUTS, MODES
-    from mbridge_offload.actions.diagnose_plan import input_names
+    library's statement (apply: all but those it spells its own way; diagnose: diagnose.sizing.input_names)."""
+    from mbridge_offload.actions.apply.plan import APPLY_OWN_INPUTS, MODES
+    from mbridge_offload.actions.diagnose.sizing import input_names
     from mbridge_offload.plan.inputs.fields import FIELDS
 
     recommend = schemas["recommend_mode"]["properties"]

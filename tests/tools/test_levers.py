@@ -15,7 +15,7 @@ from mcp import Client
 
 from mbridge_offload.config import sources
 from mbridge_offload.plan.search.levers import LEVERS
-from mbridge_offload_tools.server import mcp
+from mbridge_offload_tools.server.app import mcp
 
 ROOT = Path(__file__).resolve().parents[2]
 SFT = ["--model", "llama3-8b", "--gpu", "h100-80gb", "--num-gpus", "8"]

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from mbridge_offload.actions.testrun import DEPTH_ENV
+from mbridge_offload.actions.testing.run import DEPTH_ENV
 from tests.support import tree
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -29,7 +29,7 @@ nested = pytest.mark.skipif(int(os.environ.get(DEPTH_ENV, "0") or 0) > 0, reason
 
 def _cli(*args: str) -> tuple[int, dict]:
     proc = subprocess.run(
-        [sys.executable, "-m", "mbridge_offload_tools.cli", "mcp-config", *args, "--json"],
+        [sys.executable, "-m", "mbridge_offload_tools.cli.main", "mcp-config", *args, "--json"],
         capture_output=True,
         text=True,
         timeout=120,

@@ -14,7 +14,7 @@ import pytest
 from mcp import Client, StdioServerParameters, types
 from mcp.shared.exceptions import MCPDeprecationWarning
 
-from mbridge_offload.actions.testrun import DEPTH_ENV
+from mbridge_offload.actions.testing.run import DEPTH_ENV
 from tests.support import tree
 
 CONFIG = "model:\n  num_layers: 4\n  hidden_size: 256\n  num_attention_heads: 4\n  vocab_size: 1024\n"
@@ -40,7 +40,7 @@ def _project(base: Path) -> Path:
 
 def _server(cwd: Path, *args: str) -> StdioServerParameters:
     return StdioServerParameters(
-        command=sys.executable, args=["-m", "mbridge_offload_tools.server", *args], cwd=str(cwd), env=_env()
+        command=sys.executable, args=["-m", "mbridge_offload_tools.server.app", *args], cwd=str(cwd), env=_env()
     )
 
 
@@ -207,7 +207,7 @@ async def test_the_shipped_launcher_serves_the_users_project_without_a_restart(l
 
 
 def test_only_local_file_uris_become_roots(tmp_path) -> None:
-    from mbridge_offload_tools.roots import paths_of
+    from mbridge_offload_tools.server.roots import paths_of
 
     link = tmp_path / "link"
     link.symlink_to(tmp_path / "real", target_is_directory=True)

@@ -19,7 +19,7 @@ from mcp import Client, StdioServerParameters
 
 from mbridge_offload.plan.results import Phase, StagePhases
 from mbridge_offload.plan.service import plan
-from mbridge_offload_tools.cli import main
+from mbridge_offload_tools.cli.main import main
 from mbridge_offload_tools.plot import figures, points, sweep
 from mbridge_offload_tools.plot.result import PlotResult
 from tests.support import tree
@@ -286,7 +286,7 @@ def test_bad_input_exits_2_with_one_json_error_and_nothing_written(case: str, tm
 def test_without_matplotlib_exit_2_with_the_install_command_and_nothing_written(tmp_path: Path) -> None:
     code = (
         "import sys; sys.modules['matplotlib'] = None\n"  # the import fails as on a light set-up
-        "from mbridge_offload_tools.cli import main\n"
+        "from mbridge_offload_tools.cli.main import main\n"
         "main(['plot', '--model', 'llama3-8b', '--sweep', 'micro_batch_size=1,2', '--json'])\n"
     )
     env = {**os.environ, "PYTHONPATH": tree.pythonpath(inherit=True)}
@@ -302,8 +302,8 @@ def test_without_matplotlib_exit_2_with_the_install_command_and_nothing_written(
 def test_matplotlib_is_not_imported_at_cli_or_server_start() -> None:
     code = (
         "import sys\n"
-        "import mbridge_offload_tools.server\n"
-        "from mbridge_offload_tools.cli import build_parser\n"
+        "import mbridge_offload_tools.server.app\n"
+        "from mbridge_offload_tools.cli.main import build_parser\n"
         "build_parser().parse_args(['plot', '--model', 'x', '--sweep', 'tp=1,2'])\n"
         "print(sorted(m for m in sys.modules if m.split('.')[0] in ('matplotlib', 'torch')))\n"
     )
@@ -348,8 +348,8 @@ def test_the_docs_pictures_are_plot_on_the_commands_the_planner_page_shows() -> 
     import shlex
 
     from mbridge_offload.plan.inputs.fields import FIELDS
-    from mbridge_offload_tools.cli import build_parser
-    from mbridge_offload_tools.docgen.plots import PLOT_EXAMPLES
+    from mbridge_offload_tools.cli.main import build_parser
+    from mbridge_offload_tools.docgen.docs.plots import PLOT_EXAMPLES
 
     text = (tree.ROOT / "docs" / "planner.md").read_text(encoding="utf-8")
     shown = []
@@ -368,7 +368,7 @@ def test_the_docs_pictures_are_plot_on_the_commands_the_planner_page_shows() -> 
 def _server(cwd: Path) -> StdioServerParameters:
     env = {**os.environ, "PYTHONPATH": tree.pythonpath(inherit=True)}
     return StdioServerParameters(
-        command=sys.executable, args=["-m", "mbridge_offload_tools.server"], cwd=str(cwd), env=env
+        command=sys.executable, args=["-m", "mbridge_offload_tools.server.app"], cwd=str(cwd), env=env
     )
 
 

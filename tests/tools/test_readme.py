@@ -74,7 +74,7 @@ def _ci_steps(script: str) -> list[str]:
 
 
 def test_readme_says_what_ci_runs() -> None:
-    from mbridge_offload_tools.docgen.references import number_word
+    from mbridge_offload_tools.docgen.skill.references import number_word
 
     targets = _ci_steps((ROOT / ".ci" / "run").read_text(encoding="utf-8"))
     assert targets == ["lint", "test", "test-bridge"], targets

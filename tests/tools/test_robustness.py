@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from mcp import Client
 
-from mbridge_offload_tools.cli import main
+from mbridge_offload_tools.cli.main import main
 from tests.support import bad_inputs
 
 OUTER_NAME = "robustness"

@@ -1,4 +1,4 @@
-"""mbridge_offload_tools.server through the in-memory MCP client: schemas, annotations, structured content, errors,
+"""mbridge_offload_tools.server.app through the in-memory MCP client: schemas, annotations, structured content, errors,
 progress."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 from mcp import Client
 
-from mbridge_offload.actions.testrun import DEPTH_ENV
-from mbridge_offload_tools.server import mcp
+from mbridge_offload.actions.testing.run import DEPTH_ENV
+from mbridge_offload_tools.server.app import mcp
 
 TOOLS = {
     "validate_config",

@@ -58,7 +58,7 @@ async def test_stdio_session_lists_tools_calls_each_and_survives_a_bad_input(tmp
     config = tmp_path / "pretrain.yaml"
     config.write_text(CONFIG, encoding="utf-8")
     params = StdioServerParameters(
-        command=sys.executable, args=["-m", "mbridge_offload_tools.server"], cwd=str(tmp_path), env=_env()
+        command=sys.executable, args=["-m", "mbridge_offload_tools.server.app"], cwd=str(tmp_path), env=_env()
     )
     async with Client(params) as client:
         tools = {t.name: t for t in (await client.list_tools()).tools}
@@ -156,7 +156,7 @@ def test_server_import_and_config_tools_never_import_torch_or_megatron() -> None
     script = (
         "import sys, anyio\n"
         "from mcp import Client\n"
-        "from mbridge_offload_tools.server import mcp\n"
+        "from mbridge_offload_tools.server.app import mcp\n"
         "assert 'torch' not in sys.modules, 'imported at module import'\n"
         "async def main():\n"
         "    async with Client(mcp) as c:\n"

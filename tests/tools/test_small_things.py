@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from mcp import Client
 
-from mbridge_offload_tools.server import mcp
+from mbridge_offload_tools.server.app import mcp
 
 FINE_GRAINED = """\
 model:

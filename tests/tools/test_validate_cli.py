@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from mbridge_offload_tools.cli import main
+from mbridge_offload_tools.cli.main import main
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "qwen3_30b_a3b_pretrain.yaml"
@@ -306,7 +306,7 @@ def test_validate_imports_neither_torch_nor_megatron_and_is_fast():
     probe = (
         "import sys, time\n"
         "t = time.perf_counter()\n"
-        "from mbridge_offload_tools.cli import main\n"
+        "from mbridge_offload_tools.cli.main import main\n"
         "try:\n"
         f"    main(['validate', {str(EXAMPLE)!r}, '--json'])\n"
         "except SystemExit as e:\n"

@@ -35,7 +35,7 @@ def _cli(tmp_path: Path, *args: str, env: dict | None = None) -> tuple[int, dict
     path = tmp_path / "c.yaml"
     path.write_text(textwrap.dedent(CONFIG))
     proc = subprocess.run(
-        [sys.executable, "-m", "mbridge_offload_tools.cli", "validate", str(path), "--json", *args],
+        [sys.executable, "-m", "mbridge_offload_tools.cli.main", "validate", str(path), "--json", *args],
         capture_output=True,
         text=True,
         timeout=300,
@@ -80,7 +80,7 @@ def test_exact_without_megatron_core_is_a_clear_exit_2(tmp_path):
 
 
 def test_mcp_validate_config_exact_parameter(tmp_path):
-    from mbridge_offload_tools import server
+    from mbridge_offload_tools.server import app as server
 
     path = tmp_path / "c.yaml"
     path.write_text(textwrap.dedent(CONFIG))
@@ -122,7 +122,7 @@ ddp:
 def _exact(source: str, target: str = "megatron-core==0.19.2"):
     from mbridge_offload.config.sources import load
     from mbridge_offload.config.validate import validate
-    from mbridge_offload_tools.exact import exact_report
+    from mbridge_offload_tools.exact.run import exact_report
 
     loaded = load(source)
     report = validate(loaded.config, loaded.raw, target=target)
@@ -222,7 +222,7 @@ def test_on_the_fallback_release_a_bridge_pp2_bf16_yaml_gets_bridges_normalisati
     (note,) = exact.by_rule("MCORE-EXACT-VERSION")
     assert "ran megatron-core 0.16.1" in note.message and "not the target megatron-core==0.19.2" in note.message
     # Without Bridge's normalisations the same model is refused by megatron-core itself: the check can fail.
-    from mbridge_offload_tools.exact import run_children
+    from mbridge_offload_tools.exact.run import run_children
 
     body = _payload(PP2.format(target=""))
     body["model"].pop("pipeline_dtype")
@@ -234,7 +234,7 @@ def test_on_the_fallback_release_a_bridge_pp2_bf16_yaml_gets_bridges_normalisati
 
 def _payload(text: str) -> dict:
     from mbridge_offload.config.sources import load
-    from mbridge_offload_tools.exact import payload
+    from mbridge_offload_tools.exact.run import payload
 
     loaded = load(text)
     return payload(loaded.raw, loaded.config, "megatron-core==0.19.2", loaded.source)

@@ -1,3 +1,3 @@
-from mbridge_offload_tools.cli import main
+from mbridge_offload_tools.cli.main import main
 
 main()

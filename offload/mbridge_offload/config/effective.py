@@ -4,7 +4,7 @@ A config file says only part of what a run uses. The rest comes, in this order, 
 
 1. the frontend's defaults: megatron-core's dataclass defaults (a plain or Bridge ``ConfigContainer`` YAML: Bridge's
    config classes inherit them), a Bridge recipe (``recipe:NAME`` writes every key), or Megatron-LM's command line
-   defaults (argv, already mapped onto the same keys by ``config/megatron_lm.py``);
+   defaults (argv, already mapped onto the same keys by ``config/megatron_lm/argv.py``);
 2. Bridge's ``mixed_precision`` block, copied onto the model, optimizer and DDP configs at start-up
    (:func:`mbridge_offload.config.bridge.mixed_precision`);
 3. Bridge's model ``finalize()`` for the target's Bridge release (:func:`mbridge_offload.config.bridge.finalize`:
@@ -41,7 +41,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from mbridge_offload.config import bridge
-from mbridge_offload.config.megatron_lm import MLM_CLI_DEFAULTS
+from mbridge_offload.config.megatron_lm.argv import MLM_CLI_DEFAULTS
 from mbridge_offload.config.rules.base import DEFAULT_TARGET, Target, parse_target
 from mbridge_offload.config.schema import OFFLOAD_KEYS, RELATED_KEYS, SECTIONS, OffloadConfig, get_value
 

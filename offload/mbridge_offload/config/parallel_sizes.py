@@ -65,7 +65,7 @@ def error(found: list[tuple[str, int | float]], where: str = "config") -> Parall
     """The one error for the sizes found: each key (a Megatron-LM command line: its flag) with its value, and what
     is accepted."""
     if where == "argv":
-        from mbridge_offload.config.megatron_lm import flags_by_key
+        from mbridge_offload.config.megatron_lm.argv import flags_by_key
 
         flags = flags_by_key()
         listed = "; ".join(f"{flags.get(key, key)} {value!r} (argv)" for key, value in found)

@@ -17,8 +17,9 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from mbridge_offload.config import megatron_lm, reading
+from mbridge_offload.config import reading
 from mbridge_offload.config.errors import DeadlineError, InputError
+from mbridge_offload.config.megatron_lm import argv as megatron_lm
 from mbridge_offload.config.schema import SECTIONS, OffloadConfig, refuses_non_finite
 
 
@@ -266,7 +267,7 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
 
 def parse_megatron_argv(argv: list[str]) -> dict[str, Any]:
     """Megatron-LM ``pretrain_gpt.py`` flags → a raw config dict, read with Megatron-LM 0.19.2's full parser
-    (:mod:`mbridge_offload.config.megatron_lm`), with Megatron-LM's own derivations:
+    (:mod:`mbridge_offload.config.megatron_lm.argv`), with Megatron-LM's own derivations:
 
     - ``--optimizer-offload-fraction`` defaults to 1.0 and ``--fp8-recipe`` to ``delayed`` on the CLI.
     - ``--cpu-offloading-num-layers N`` with N > 0 switches ``cpu_offloading`` on (Bridge does not do this);

@@ -23,7 +23,7 @@ import re
 from collections.abc import Callable
 from pathlib import Path
 
-from mbridge_offload_tools.docgen.params import render_parameters_doc
+from mbridge_offload_tools.docgen.skill.params import render_parameters_doc
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -64,13 +64,13 @@ def fill(text: str, name: str, body: str, note: str = _NOTE) -> str:
 
 
 def render_constraint_summary() -> str:
-    from mbridge_offload_tools.docgen.catalogue import render_constraint_summary as render
+    from mbridge_offload_tools.docgen.skill.catalogue import render_constraint_summary as render
 
     return render()
 
 
 def render_diagnosis_summary() -> str:
-    from mbridge_offload_tools.docgen.catalogue import render_diagnosis_summary as render
+    from mbridge_offload_tools.docgen.skill.catalogue import render_diagnosis_summary as render
 
     return render()
 
@@ -79,7 +79,7 @@ def _reference(path: str) -> Callable[[], str]:
     """The renderer of one whole file under references/ (imported when called)."""
 
     def render() -> str:
-        from mbridge_offload_tools.docgen.references import FILES
+        from mbridge_offload_tools.docgen.skill.references import FILES
 
         return FILES[path]()
 
@@ -88,37 +88,37 @@ def _reference(path: str) -> Callable[[], str]:
 
 
 def render_tools() -> str:
-    from mbridge_offload_tools.docgen.catalogue import render_tools as render
+    from mbridge_offload_tools.docgen.skill.catalogue import render_tools as render
 
     return render()
 
 
 def render_interface() -> str:
-    from mbridge_offload_tools.docgen.references import render_interface as render
+    from mbridge_offload_tools.docgen.skill.references import render_interface as render
 
     return render()
 
 
 def render_schedule() -> str:
-    from mbridge_offload_tools.docgen.guide import render_schedule as render
+    from mbridge_offload_tools.docgen.docs.guide import render_schedule as render
 
     return render()
 
 
 def render_benchmarks() -> str:
-    from mbridge_offload_tools.docgen.benchmarks import render_index
+    from mbridge_offload_tools.docgen.docs.benchmarks import render_index
 
     return render_index()
 
 
 def render_test_counts() -> str:
-    from mbridge_offload_tools.docgen.benchmarks import render_test_counts as render
+    from mbridge_offload_tools.docgen.docs.benchmarks import render_test_counts as render
 
     return render()
 
 
 def render_test_summary() -> str:
-    from mbridge_offload_tools.docgen.benchmarks import render_test_summary as render
+    from mbridge_offload_tools.docgen.docs.benchmarks import render_test_summary as render
 
     return render()
 
@@ -142,7 +142,7 @@ def render_rules() -> str:
 
 
 def render_card() -> str:
-    from mbridge_offload_tools.docgen.card import render_card as render
+    from mbridge_offload_tools.docgen.skill.card import render_card as render
 
     return render((ROOT / "card.yaml").read_text(encoding="utf-8"))
 
@@ -178,18 +178,19 @@ def render_step_time() -> str:
 
 
 def render_plot_values() -> str:
-    from mbridge_offload_tools.docgen.plots import render_values
+    from mbridge_offload_tools.docgen.docs.plots import render_values
 
     return render_values()
 
 
 def render_perf_recipes() -> str:
-    from mbridge_offload_tools.docgen.perf import render_perf_recipes as render
+    from mbridge_offload_tools.docgen.docs.perf import render_perf_recipes as render
 
     return render()
 
 
-# The skill's references/ folder: the full tables SKILL.md points to (mbridge_offload_tools.docgen.references renders
+# The skill's references/ folder: the full tables SKILL.md points to (mbridge_offload_tools.docgen.skill.references
+# renders
 # them).
 REFERENCES = (
     "references/parameters.md",
@@ -266,7 +267,7 @@ def stale(root: Path = ROOT, only: set[str] | None = None) -> list[str]:
             file = root / path
             if not file.exists() or file.read_text(encoding="utf-8") != render():
                 out.append(path)
-        from mbridge_offload_tools.docgen.plots import stale_images
+        from mbridge_offload_tools.docgen.docs.plots import stale_images
 
         out += stale_images(root)
     return out
@@ -289,6 +290,6 @@ def regenerate(root: Path = ROOT, skipped: list[str] | None = None) -> list[str]
             file.parent.mkdir(parents=True, exist_ok=True)
             file.write_text(new, encoding="utf-8")
             changed.append(path)
-    from mbridge_offload_tools.docgen.plots import redraw
+    from mbridge_offload_tools.docgen.docs.plots import redraw
 
     return changed + redraw(root)

@@ -14,7 +14,7 @@ from importlib import resources
 from typing import Any
 
 from mbridge_offload.plan.memory import fine_grained
-from mbridge_offload.plan.spec.model import stage_layers
+from mbridge_offload.plan.model.params import stage_layers
 
 
 @lru_cache(maxsize=1)

@@ -18,7 +18,8 @@ from typing import Any
 
 from mbridge_offload.plan.inputs.hardware import GpuPreset, gpu_preset
 from mbridge_offload.plan.inputs.presets import model_preset
-from mbridge_offload.plan.spec.model import ModelSpec, Setup
+from mbridge_offload.plan.model.architecture import ModelSpec
+from mbridge_offload.plan.model.run import Setup
 from mbridge_offload.plan.time.terms import StepTerms, efficiency_key, step_terms
 
 _FP8 = {"fp8-cs": "tensorwise", "fp8-mx": "mxfp8", "bf16": None}

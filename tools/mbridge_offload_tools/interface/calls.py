@@ -142,14 +142,14 @@ def validate_answer(v: dict[str, Any]) -> Any:
     report = validate(loaded.config, loaded.raw, target=target, source=loaded.source)
     report.source = loaded.source
     if v["exact"]:
-        from mbridge_offload_tools.exact import ExactUnavailable, exact_report
+        from mbridge_offload_tools.exact.run import ExactUnavailable, exact_report
 
         try:
             report = exact_report(report, loaded.raw, v["deadline"], loaded.config)
         except ExactUnavailable as exc:
             raise InputError(str(exc)) from None
     if argv is not None:  # fixes as the flags to edit on that command line
-        from mbridge_offload.config.mlm_fixes import megatron_lm_fixes
+        from mbridge_offload.config.megatron_lm.fixes import megatron_lm_fixes
 
         report = megatron_lm_fixes(report)
     return report
@@ -220,7 +220,7 @@ def apply_answer(v: dict[str, Any], **where: Any) -> Any:
     server's roots). Every planner input given goes to the planner (mode recommended / option); apply refuses them
     with another mode.
     """
-    from mbridge_offload.actions.apply import apply_offload
+    from mbridge_offload.actions.apply.apply import apply_offload
     from mbridge_offload_tools.interface.tools import APPLY_PLANNER
 
     planner = {name: v[name] for name in APPLY_PLANNER if v[name] is not None}
@@ -257,8 +257,8 @@ def diagnose_answer(v: dict[str, Any]) -> Any:
         InputError: nothing to read, before or after alone, a log or config that cannot be read, a planner input
             diagnose does not take or out of its bounds.
     """
-    from mbridge_offload.actions.diagnose import diagnose
-    from mbridge_offload.actions.diagnose_plan import input_names
+    from mbridge_offload.actions.diagnose.diagnose import diagnose
+    from mbridge_offload.actions.diagnose.sizing import input_names
     from mbridge_offload.config.reading import max_bytes
     from mbridge_offload.config.sources import ConfigError, load
 

@@ -12,7 +12,7 @@ import typing
 from dataclasses import replace
 from typing import Any, Literal
 
-from mbridge_offload.actions.diagnose_plan import input_names
+from mbridge_offload.actions.diagnose.sizing import input_names
 from mbridge_offload.config.rules.base import DEFAULT_TARGET
 from mbridge_offload.plan.inputs.fields import PlanInputs, cli_aliases, group_of
 from mbridge_offload_tools.interface.param import BOUND_NAMES, JSON_FLAG, CliOnly, Param, Tool, bounds

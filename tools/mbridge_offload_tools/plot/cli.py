@@ -10,7 +10,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from mbridge_offload_tools.common import EXIT_OK, emit
+from mbridge_offload_tools.cli.common import EXIT_OK, emit
 from mbridge_offload_tools.interface.build import add_arguments, values
 
 DESCRIPTION = (
@@ -33,7 +33,7 @@ def add_parsers(sub: Any) -> None:
 
 
 def run_plot(args: argparse.Namespace) -> int:
-    from mbridge_offload.actions.apply_write import default_roots
+    from mbridge_offload.actions.apply.write import default_roots
     from mbridge_offload_tools.plot.run import plot_answer
 
     config = args.config

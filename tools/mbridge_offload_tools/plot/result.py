@@ -63,7 +63,8 @@ class OptionPoint(BaseModel):
 
 
 class Picture(BaseModel):
-    """What a picture is drawn from (the docs commit exactly these values beside their pictures, docgen/plots.py)."""
+    """What a picture is drawn from (the docs commit exactly these values beside their pictures,
+    docgen/docs/plots.py)."""
 
     kind: Kind
     sweep_key: str | None = Field(None, description="the swept planner input (kind sweep)")

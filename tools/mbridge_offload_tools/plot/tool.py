@@ -14,9 +14,9 @@ from typing import Annotated, Any
 
 from mcp.types import CallToolResult, ImageContent, TextContent, ToolAnnotations
 
-from mbridge_offload_tools import guard
 from mbridge_offload_tools.interface.build import declared
 from mbridge_offload_tools.plot.result import PlotResult
+from mbridge_offload_tools.server import guard
 
 DOC = """Draw the planner's answers and return the picture (image content, PNG unless format='svg') with its points
 (structured content).

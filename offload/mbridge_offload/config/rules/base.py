@@ -4,9 +4,10 @@ Modelled on ruff's registry: each :class:`Rule` has a stable ``id``, a ``severit
 refuses or crashes, ``warning`` = runs but silently does nothing or something surprising, ``info``), an
 ``origin`` (``mcore``, ``te``, ``bridge``, ``megatron-lm``, ``advisory``), the upstream message verbatim
 where upstream raises one, the keys it reads, a ``why``, a ``fix`` (Hydra-style overrides, or none), and the
-megatron-core releases it applies to. The rules themselves live in :mod:`mbridge_offload.config.rules.activation` (MCore
-``TransformerConfig``), :mod:`mbridge_offload.config.rules.activation_build` (TE, Bridge, Megatron-LM, advisory) and
-:mod:`mbridge_offload.config.rules.optimizer`, each in upstream code order;
+megatron-core releases it applies to. The rules themselves live in
+:mod:`mbridge_offload.config.rules.activation.layer_offload` (MCore
+``TransformerConfig``), :mod:`mbridge_offload.config.rules.activation.build` (TE, Bridge, Megatron-LM, advisory) and
+:mod:`mbridge_offload.config.rules.optimizer.offload`, each in upstream code order;
 :mod:`mbridge_offload.config.rules.catalogue` assembles them.
 
 Versions. A rule's ``applies_to`` is a specifier on megatron-core (``">=0.19"``; empty = every target). The

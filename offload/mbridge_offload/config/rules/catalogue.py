@@ -4,24 +4,17 @@ from __future__ import annotations
 
 import functools
 
-from mbridge_offload.config.rules import (
-    architecture,
-    cuda_graphs,
-    hygiene,
-    layer_reach,
-    model_init,
-    offload_extras,
-    optimizer_config,
-    parallelism,
-    pipeline_layout,
-    recompute,
-)
-from mbridge_offload.config.rules.activation import ACTIVATION_RULES
-from mbridge_offload.config.rules.activation_build import BUILD_RULES
+from mbridge_offload.config.rules.activation import cuda_graphs, layer_reach, recompute
+from mbridge_offload.config.rules.activation import fine_grained as offload_extras
+from mbridge_offload.config.rules.activation.build import BUILD_RULES
+from mbridge_offload.config.rules.activation.layer_offload import ACTIVATION_RULES
 from mbridge_offload.config.rules.base import DEFAULT_TARGET, STAGE_OPTIMIZER_CONFIG, TARGETS, Rule, spec_contains
-from mbridge_offload.config.rules.bridge import BRIDGE_RULES
-from mbridge_offload.config.rules.inputs import INPUT_RULES
-from mbridge_offload.config.rules.optimizer import CONFIG_RULES, OPTIMIZER_RULES
+from mbridge_offload.config.rules.input import hygiene
+from mbridge_offload.config.rules.input.bridge import BRIDGE_RULES
+from mbridge_offload.config.rules.input.empty import INPUT_RULES
+from mbridge_offload.config.rules.megatron import architecture, model_init, parallelism, pipeline_layout
+from mbridge_offload.config.rules.optimizer import dtypes as optimizer_config
+from mbridge_offload.config.rules.optimizer.offload import CONFIG_RULES, OPTIMIZER_RULES
 
 # The TransformerConfig stage's files besides activation.py; the order of this list does not matter (merge_stage).
 TRANSFORMER_CONFIG_FILES = (

@@ -11,7 +11,7 @@ from typing import Any
 
 from mbridge_offload.config.errors import BoundsError as InputError
 from mbridge_offload.plan.inputs.vocab import tokenizer_vocab
-from mbridge_offload.plan.spec.model import Setup
+from mbridge_offload.plan.model.run import Setup
 from mbridge_offload.upstream_layers import PLANNER_RELEASE
 
 _KINDS = (
@@ -32,7 +32,7 @@ def raw_section(raw: dict[str, Any] | None, name: str) -> dict[str, Any]:
 
 def model_notes(values: dict[str, Any], s: Setup, raw: dict[str, Any] | None) -> dict[str, str]:
     """What the numbers leave out, next to the input that brings it in."""
-    from mbridge_offload.plan.spec.layout import mtp_layers
+    from mbridge_offload.plan.model.layout import mtp_layers
 
     notes: dict[str, str] = {}
     layout = values.get("pipeline_layout")
@@ -80,7 +80,7 @@ def model_notes(values: dict[str, Any], s: Setup, raw: dict[str, Any] | None) ->
 
 def with_layout(s: Setup, text: str) -> Setup:
     """The layout decides the layers of each stage and VPP (= stages / PP), as megatron-core derives it."""
-    from mbridge_offload.plan.spec.layout import decoder_counts
+    from mbridge_offload.plan.model.layout import decoder_counts
 
     try:
         counts = decoder_counts(text)

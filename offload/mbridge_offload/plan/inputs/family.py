@@ -6,7 +6,8 @@ megatron-core keeps a copy of a tied embedding on the last stage, so there it ch
 memory), and a partial config (the sizes pasted from a model card) rarely writes it. Where it comes from, in order:
 
 1. the input: the config's key, ``--share-embeddings-and-output-weights`` (a flag beats the config), a Megatron-LM
-   command line (tied unless ``--untie-embeddings-and-output-weights``: ``config/megatron_lm.py`` writes the key), or
+   command line (tied unless ``--untie-embeddings-and-output-weights``: ``config/megatron_lm/argv.py`` writes the
+   key), or
    the ``--model`` preset;
 2. the model's family, from a name the config carries (``model.hf_model_id``, the provider class in
    ``model._target_``, ``tokenizer.tokenizer_model``, ``checkpoint.pretrained_checkpoint``) matched against

@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 from mbridge_offload.plan.inputs.hardware import GpuPreset
-from mbridge_offload.plan.spec.model import Setup
+from mbridge_offload.plan.model.run import Setup
 
 Row = tuple[str, Any, str, str | None]
 

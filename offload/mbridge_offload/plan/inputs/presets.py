@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from mbridge_offload.config.schema import OffloadConfig
-from mbridge_offload.plan.spec.model import MLASpec, ModelSpec
+from mbridge_offload.plan.model.architecture import MLASpec, ModelSpec
 
 MODEL_PRESETS: dict[str, ModelSpec] = {
     "llama3-8b": ModelSpec(
@@ -265,7 +265,7 @@ def hybrid_extras(extras: dict[str, Any], hidden: int | None) -> dict[str, Any]:
         InputError: a pattern symbol megatron-core does not know.
     """
     from mbridge_offload.config.errors import BoundsError as InputError
-    from mbridge_offload.plan.spec.model import HYBRID_SYMBOLS, MambaSpec
+    from mbridge_offload.plan.model.architecture import HYBRID_SYMBOLS, MambaSpec
 
     out: dict[str, Any] = {}
     pattern = extras.get("hybrid_layer_pattern") or extras.get("hybrid_override_pattern")

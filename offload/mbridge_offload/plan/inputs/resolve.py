@@ -25,8 +25,9 @@ from mbridge_offload.plan.inputs.config_facts import model_notes, raw_section, w
 from mbridge_offload.plan.inputs.fields import FIELDS, PlanInputs, validate_inputs
 from mbridge_offload.plan.inputs.hardware import DEFAULT_MARGIN, GpuPreset, gpu_preset, with_overrides
 from mbridge_offload.plan.inputs.vocab import tokenizer_vocab
-from mbridge_offload.plan.spec.layout import layout_text
-from mbridge_offload.plan.spec.model import ModelSpec, Setup, check_setup
+from mbridge_offload.plan.model.architecture import ModelSpec
+from mbridge_offload.plan.model.layout import layout_text
+from mbridge_offload.plan.model.run import Setup, check_setup
 from mbridge_offload.plan.time import host_profile
 from mbridge_offload.plan.time.host_profile import HostProfile
 from mbridge_offload.plan.time.step import cpu_adam_rate_source
@@ -285,7 +286,7 @@ def config_values(eff: Effective) -> dict[str, Any]:
     if out.get("vocab_size") is None and (known := tokenizer_vocab(tokenizer)) is not None:
         out["vocab_size"] = known[1].vocab_size  # the tokenizer decides it at start-up: the shipped table says
     if "pipeline_layout" in out:
-        from mbridge_offload.plan.spec.layout import layout_text
+        from mbridge_offload.plan.model.layout import layout_text
 
         out["pipeline_layout"] = layout_text(out["pipeline_layout"])
     if "fsdp_main_grads_dtype" in out:
@@ -491,7 +492,7 @@ def resolve(
     tying_note = _tying(values, where, config, raw, name)
     m = replace(_model_spec(values, base, extras), tied_embeddings=bool(values["share_embeddings_and_output_weights"]))
     if values.get("pipeline_layout") and not m.mtp_num_layers:
-        from mbridge_offload.plan.spec.layout import mtp_layers
+        from mbridge_offload.plan.model.layout import mtp_layers
 
         # megatron-core asserts that the layout's MTP layers are mtp_num_layers: the layout alone says how many
         m = replace(m, mtp_num_layers=mtp_layers(layout_text(values["pipeline_layout"]) or ""))

@@ -20,18 +20,9 @@ import math
 from dataclasses import dataclass, replace
 
 from mbridge_offload.plan.memory import fine_grained, schedule
-from mbridge_offload.plan.spec.model import (
-    ATTENTION_SYMBOLS,
-    MAMBA,
-    MOE,
-    ModelSpec,
-    Setup,
-    Tensor,
-    chunk_layers,
-    next_pow2,
-    padded_vocab,
-    stage_layers,
-)
+from mbridge_offload.plan.model.architecture import ATTENTION_SYMBOLS, MAMBA, MOE, ModelSpec
+from mbridge_offload.plan.model.params import Tensor, chunk_layers, next_pow2, padded_vocab, stage_layers
+from mbridge_offload.plan.model.run import Setup
 from mbridge_offload.upstream import TE_MIN_OFFLOAD_NUMEL
 from mbridge_offload.upstream_layers import applies, because
 

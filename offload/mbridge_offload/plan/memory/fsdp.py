@@ -40,7 +40,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from mbridge_offload.plan.spec.model import ModelSpec, Setup, Tensor
+    from mbridge_offload.plan.model.architecture import ModelSpec
+    from mbridge_offload.plan.model.params import Tensor
+    from mbridge_offload.plan.model.run import Setup
 
 STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 _BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
@@ -86,7 +88,7 @@ def _unit_buffers(
     m: ModelSpec, s: Setup, layers: list[int], params_sharded: bool, grads_sharded: bool
 ) -> tuple[int, int]:
     """Two layers' unsharded weights (all-gather, when params are sharded) and gradients (reduce-scatter)."""
-    from mbridge_offload.plan.spec.model import layer_params
+    from mbridge_offload.plan.model.params import layer_params
 
     w = g = 0
     for index in {(m.layer_kind(i), m.is_moe_layer(i)): i for i in layers}.values():  # one layer of each kind

@@ -27,7 +27,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mbridge_offload.plan.memory.activations import ActivationMemory, in_flight
-from mbridge_offload.plan.spec.model import DTYPE_BYTES, Setup
+from mbridge_offload.plan.model.architecture import DTYPE_BYTES
+from mbridge_offload.plan.model.run import Setup
 
 __all__ = ["PHASES", "PhaseMemory", "optimizer_step_transient", "stage_phases"]
 

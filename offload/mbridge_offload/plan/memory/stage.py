@@ -29,18 +29,9 @@ from dataclasses import dataclass, field
 
 from mbridge_offload.plan.memory.activations import stage_activations
 from mbridge_offload.plan.memory.phases import PhaseMemory, optimizer_step_transient, peak, stage_phases
-from mbridge_offload.plan.spec.model import (
-    DTYPE_BYTES,
-    GB,
-    GiB,
-    ModelSpec,
-    Setup,
-    Tensor,
-    check_setup,
-    next_pow2,
-    stage_layers,
-    stage_params,
-)
+from mbridge_offload.plan.model.architecture import DTYPE_BYTES, GB, GiB, ModelSpec
+from mbridge_offload.plan.model.params import Tensor, next_pow2, stage_layers, stage_params
+from mbridge_offload.plan.model.run import Setup, check_setup
 from mbridge_offload.upstream import hdo_offload_mask
 
 __all__ = [

@@ -18,9 +18,10 @@ from typing import Any
 
 from mbridge_offload.config.overrides import format_override
 from mbridge_offload.plan.memory.stage import MemoryEstimate, estimate_memory
+from mbridge_offload.plan.model.architecture import GB, GiB
+from mbridge_offload.plan.model.run import Setup
 from mbridge_offload.plan.results import Fallback
 from mbridge_offload.plan.search import fine_grained_plan
-from mbridge_offload.plan.spec.model import GB, GiB, Setup
 from mbridge_offload.plan.time.step import estimate_time
 
 # Without a headroom asked for (--headroom-gib), a fallback frees this share of the allocatable budget.

@@ -29,9 +29,9 @@ from mbridge_offload.plan.evidence.figures import Figure
 from mbridge_offload.plan.inputs.hardware import DEFAULT_MARGIN, PINNED_HOST_SHARE
 from mbridge_offload.plan.inputs.resolve import Assumption, Resolved
 from mbridge_offload.plan.memory.stage import MemoryEstimate, estimate_memory
+from mbridge_offload.plan.model.architecture import GB, GiB
 from mbridge_offload.plan.results import Anchor, MemoryBreakdown
 from mbridge_offload.plan.search import measured
-from mbridge_offload.plan.spec.model import GB, GiB
 from mbridge_offload.plan.time.step import baseline_step_s, compute_efficiency, estimate_time
 
 # The CUDA context and cuBLAS handles live outside PyTorch's allocator (~0.5 GiB on Hopper with CUDA 12).

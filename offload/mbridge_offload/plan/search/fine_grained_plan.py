@@ -17,7 +17,8 @@ from typing import Any
 
 from mbridge_offload.config.overrides import format_override
 from mbridge_offload.plan.memory import activations, fine_grained
-from mbridge_offload.plan.spec.model import ModelSpec, Setup
+from mbridge_offload.plan.model.architecture import ModelSpec
+from mbridge_offload.plan.model.run import Setup
 
 MODE = "fine-grained"
 MODE_WITH_OPTIMIZER = "fine-grained+optimizer"

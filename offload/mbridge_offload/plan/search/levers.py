@@ -22,8 +22,10 @@ from dataclasses import replace
 from mbridge_offload.config.errors import InputError
 from mbridge_offload.config.overrides import format_override
 from mbridge_offload.plan.inputs.resolve import Resolved
+from mbridge_offload.plan.model.architecture import ModelSpec
+from mbridge_offload.plan.model.params import stage_layers
+from mbridge_offload.plan.model.run import Setup, check_setup
 from mbridge_offload.plan.search import fine_grained_plan as fg
-from mbridge_offload.plan.spec.model import ModelSpec, Setup, check_setup, stage_layers
 
 LEVERS = ("recompute", "activation", "fine-grained", "optimizer", "cp", "tp", "mbs")
 # The default keeps the parallel layout and the checkpoints as they are: recompute and the three offloads.

@@ -28,7 +28,7 @@ from mbridge_offload.plan.evidence.read import read_evidence
 from mbridge_offload.plan.evidence.steps import steady_step_s
 from mbridge_offload.plan.inputs.resolve import Resolved
 from mbridge_offload.plan.memory.stage import MemoryEstimate
-from mbridge_offload.plan.spec.model import GiB
+from mbridge_offload.plan.model.architecture import GiB
 
 # An answer lists at most this many figures (a 1024-GPU job prints an OOM per rank); the rest are counted.
 MAX_FIGURES = 16

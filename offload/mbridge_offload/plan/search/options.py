@@ -19,11 +19,12 @@ from typing import Any
 
 from mbridge_offload.config.sources import override_value
 from mbridge_offload.plan.memory.stage import MemoryEstimate, estimate_memory
+from mbridge_offload.plan.model.architecture import GiB
+from mbridge_offload.plan.model.run import Setup
 from mbridge_offload.plan.results import Change, Option, StageGib
 from mbridge_offload.plan.search import advice, levers
 from mbridge_offload.plan.search import fine_grained_plan as fg
 from mbridge_offload.plan.search.anchor import Plan
-from mbridge_offload.plan.spec.model import GiB, Setup
 from mbridge_offload.plan.time.step import estimate_time, no_lever_setup
 
 FRACTION_STEP = 0.05
@@ -171,7 +172,7 @@ def _changes(overrides: list[str], notation: str) -> list[Change]:
     for text in overrides:
         key, _, value = text.partition("=")
         if notation == "megatron-lm":
-            from mbridge_offload.config.mlm_fixes import flag_edit
+            from mbridge_offload.config.megatron_lm.fixes import flag_edit
 
             edit = flag_edit(text)
             if edit is not None:

@@ -23,6 +23,8 @@ from typing import Any
 
 from mbridge_offload.plan.inputs.resolve import Assumption, Resolved
 from mbridge_offload.plan.memory.stage import MFSDP_OPTIMIZER_OFFLOAD, MemoryEstimate, estimate_memory
+from mbridge_offload.plan.model.architecture import GB, GiB
+from mbridge_offload.plan.model.run import Setup
 from mbridge_offload.plan.results import (
     BeforeAfter,
     Estimate,
@@ -36,7 +38,6 @@ from mbridge_offload.plan.results import (
 from mbridge_offload.plan.search import advice, levers, options
 from mbridge_offload.plan.search import fine_grained_plan as fg
 from mbridge_offload.plan.search.anchor import Plan, prepare
-from mbridge_offload.plan.spec.model import GB, GiB, Setup
 from mbridge_offload.plan.time.step import TimeEstimate, estimate_time
 
 FRACTION_STEP = options.FRACTION_STEP
@@ -557,7 +558,7 @@ def _overlap(r: Resolved, s: Setup) -> bool:
     """``overlap_cpu_optimizer_d2h_h2d`` for a proposal: one rule with ``apply`` and OPT-OVERLAP: on from
     OPT-OVERLAP's threshold (``overlap_advised``: fraction >= 0.75) whatever the config says, as apply writes it;
     below it, the user's setting when given, else off (megatron-core's default)."""
-    from mbridge_offload.config.rules.optimizer import overlap_advised
+    from mbridge_offload.config.rules.optimizer.offload import overlap_advised
 
     if overlap_advised(s.optimizer_offload_fraction):
         return True

@@ -34,7 +34,9 @@ from dataclasses import dataclass, field, replace
 
 from mbridge_offload.plan.inputs.hardware import GpuPreset
 from mbridge_offload.plan.memory.stage import MemoryEstimate
-from mbridge_offload.plan.spec.model import ModelSpec, Setup, stage_layers
+from mbridge_offload.plan.model.architecture import ModelSpec
+from mbridge_offload.plan.model.params import stage_layers
+from mbridge_offload.plan.model.run import Setup
 from mbridge_offload.plan.time import terms as step_time
 
 # torch 2.13 fused CPU AdamW, fp32, one thread, four 8 M-element tensors, measured on the development host

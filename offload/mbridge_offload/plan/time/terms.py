@@ -28,7 +28,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from mbridge_offload.plan.inputs.hardware import GpuPreset
-from mbridge_offload.plan.spec.model import DTYPE_BYTES, ModelSpec, Setup, layer_params, mtp_depth_params, padded_vocab
+from mbridge_offload.plan.model.architecture import DTYPE_BYTES, ModelSpec
+from mbridge_offload.plan.model.params import layer_params, mtp_depth_params, padded_vocab
+from mbridge_offload.plan.model.run import Setup
 
 # Achieved fraction of the datasheet link bandwidth by NCCL ring collectives of tens of MB (nccl-tests "busbw" on
 # DGX H100 reaches ~340-370 GB/s of the 450 GB/s NVLink per direction): assumed, the same for the network.

@@ -1,0 +1,92 @@
+"""``apply --mode fine-grained``: the key edits that switch fine-grained activation offloading on.
+
+Besides the switch and ``model.offload_modules`` it writes what megatron-core 0.19.2 and Bridge 0.6 check for it:
+layer-level offloading off (mutually exclusive), ``model.transformer_impl=transformer_engine`` (Bridge's
+ConfigContainer check), ``env_vars.NVTE_CPU_OFFLOAD_V1=1`` (Bridge >= 0.6 with TE >= 2.10: "to avoid offloading
+weights"; Bridge applies ``env_vars`` to the process environment at start-up), and the TE op fuser for
+``fused_group_mlp``. What cannot be fixed without changing the run's memory or semantics (a whole-MoE recompute, a
+local CUDA graph over attention modules) is refused with the upstream message and the way out.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from mbridge_offload.plan.memory.fine_grained import ALLOWED_MODULES, module_errors
+
+MODE = "fine-grained"
+_MOE_INSIDE = {"expert_fc1", "moe_act", "fused_group_mlp"}
+
+
+def parse_modules(modules: str | list[str] | tuple[str, ...] | None) -> list[str] | None:
+    """``"expert_fc1,attn_proj"`` or a list → the module names (None when not given)."""
+    if modules is None:
+        return None
+    items = modules.split(",") if isinstance(modules, str) else [m for part in modules for m in str(part).split(",")]
+    out = [m.strip() for m in items if m.strip()]
+    return out or None
+
+
+def _default_modules(model: Any) -> tuple[list[str], str]:
+    if model.offload_modules:
+        return list(model.offload_modules), "kept the modules already set"
+    if model.num_moe_experts:
+        return [
+            "expert_fc1"
+        ], "expert_fc1 (the routed tokens' fc1 input) as in NVIDIA's MoE perf recipes (pass modules)"
+    return ["core_attn", "attn_proj"], "the attention pair, the dense model's offload points (pass modules)"
+
+
+def fine_grained_edits(cfg: Any, modules: list[str] | None, edits: dict[str, tuple[Any, str]]) -> None:
+    """Add the edits of ``mode=fine-grained`` to ``edits`` (dotted key → (value, why)).
+
+    Raises:
+        ApplyError: an invalid module list, or a conflict only the user can resolve.
+    """
+    from mbridge_offload.actions.apply.result import ApplyError  # apply_plan imports this module
+
+    model = cfg.model
+    if modules is None:
+        modules, why = _default_modules(model)
+    else:
+        why = "the requested offload points"
+    errors = module_errors(modules)
+    if errors:
+        raise ApplyError(
+            f"modules {modules}: " + "; ".join(errors) + f" (megatron-core 0.19.2 accepts {', '.join(ALLOWED_MODULES)})"
+        )
+    recompute_moe = model.recompute_granularity == "selective" and "moe" in (model.recompute_modules or [])
+    if recompute_moe and _MOE_INSIDE & set(modules):
+        raise ApplyError(
+            f"Cannot offload {sorted(_MOE_INSIDE & set(modules))} while recomputing the entire MoE layer "
+            "(megatron-core 0.19.2); remove 'moe' from model.recompute_modules or pick attention modules"
+        )
+    if model.cuda_graph_impl == "local" and set(modules) - _MOE_INSIDE:
+        raise ApplyError(
+            "fine-grained activation offloading with cuda_graph_impl='local' only supports offload_modules "
+            "'expert_fc1', 'moe_act', and 'fused_group_mlp' (megatron-core 0.19.2): pick those, or use "
+            "cuda_graph_impl=transformer_engine"
+        )
+    edits["model.fine_grained_activation_offloading"] = (True, "master switch for fine-grained activation offloading")
+    edits["model.offload_modules"] = (list(modules), why)
+    if model.cpu_offloading:
+        edits["model.cpu_offloading"] = (
+            False,
+            "'fine_grained_activation_offloading cannot be enabled with cpu_offloading.'",
+        )
+    if model.transformer_impl != "transformer_engine":
+        edits["model.transformer_impl"] = (
+            "transformer_engine",
+            "Bridge: 'Fine-grained activation offloading is only supported with transformer_engine implementation.'",
+        )
+    if "fused_group_mlp" in modules and not model.use_transformer_engine_op_fuser:
+        edits["model.use_transformer_engine_op_fuser"] = (
+            True,
+            "'fused_group_mlp requires use_transformer_engine_op_fuser.'",
+        )
+    if cfg.env.get("frontend") != "megatron-lm":
+        edits["env_vars.NVTE_CPU_OFFLOAD_V1"] = (
+            1,
+            "Bridge with TE >= 2.10: 'NVTE_CPU_OFFLOAD_V1 environment variable should be set to 1 to avoid "
+            "offloading weights' (ConfigContainer.env_vars is exported at start-up)",
+        )

@@ -1,0 +1,138 @@
+"""Megatron-LM command lines (``--num-layers 4 --bf16 …``) → a raw config, read with Megatron-LM's own parser.
+
+The parser is Megatron-LM 0.19.2's full argument set (:mod:`mbridge_offload.config.megatron_lm.flags`, generated from
+the real
+``add_megatron_arguments`` of the wheel: 807 arguments, types, choices, ``store_true``/``store_false`` and defaults).
+Only the flags given on the command line are taken (with the few Megatron-LM CLI defaults that differ from the
+dataclass defaults); an unknown flag is never dropped silently: it is kept in ``unknown_arguments`` and
+``validate`` warns about it (``CFG-UNKNOWN-ARGUMENT``). No torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+from typing import Any
+
+from mbridge_offload.config.errors import InputError
+from mbridge_offload.config.megatron_lm.flags import MLM_ARGUMENTS, MLM_VERSION
+from mbridge_offload.config.schema import SECTIONS
+
+# Megatron-LM's CLI defaults where they differ from the dataclass (arguments.py) and matter to a rule.
+MLM_CLI_DEFAULTS: dict[str, Any] = {"optimizer.optimizer_offload_fraction": 1.0, "optimizer.fp8_recipe": "delayed"}
+# TransformerConfig fields that some rule reads from the model section's extras.
+_MODEL_EXTRAS = {
+    "moe_flex_dispatcher_backend",
+    "moe_token_dispatcher_type",
+    "cuda_graph_modules",
+    "moe_expert_capacity_factor",
+    "moe_pad_expert_input_to_capacity",
+    "fp8_recipe",
+    "fp4",
+    "tp_comm_overlap",  # a TransformerConfig field Megatron-LM copies from its args (ModelParallelConfig)
+}
+_TYPES = {"int": int, "float": float, "str": str}
+
+
+class ArgvError(InputError):
+    """Megatron-LM's own parser refuses the command line (bad value, invalid choice)."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # argparse would print and exit
+        raise ArgvError(message)
+
+
+@functools.cache
+def parser() -> argparse.ArgumentParser:
+    """Megatron-LM's argument parser, rebuilt from the generated table; only given flags land in the namespace."""
+    p = _Parser(add_help=False, allow_abbrev=False, argument_default=argparse.SUPPRESS)
+    for options, dest, kind, nargs, const, _default, type_name, choices in MLM_ARGUMENTS:
+        kw: dict[str, Any] = {"dest": dest, "default": argparse.SUPPRESS}
+        if kind in ("store_true", "store_false", "store_const"):
+            kw.update(action="store_const", const={"store_true": True, "store_false": False}.get(kind, const))
+        elif kind == "boolean_optional":
+            kw["action"] = argparse.BooleanOptionalAction
+        else:
+            kw.update(action="append" if kind == "append" else "store", nargs=nargs, choices=choices)
+            if type_name in _TYPES:
+                kw["type"] = _TYPES[type_name]
+        p.add_argument(*options, **kw)
+    return p
+
+
+def _place(raw: dict[str, Any], dest: str, value: Any) -> None:
+    """Put one Megatron-LM argument into the config sections that read it (Megatron-LM passes the same namespace to
+    TransformerConfig, OptimizerConfig and the DDP config)."""
+    placed = False
+    for section, cls in SECTIONS.items():
+        if dest in cls.model_fields:
+            raw.setdefault(section, {})[dest] = value
+            placed = True
+    if dest in _MODEL_EXTRAS:
+        raw.setdefault("model", {})[dest] = value
+        placed = True
+    if not placed:
+        raw.setdefault("megatron_lm", {})[dest] = value
+
+
+def _derive(raw: dict[str, Any], given: dict[str, Any]) -> None:
+    """Megatron-LM's validate_args derivations that change what megatron-core sees (arguments.py, 0.19.2)."""
+    model = raw.setdefault("model", {})
+    if given.get("recompute_activations"):
+        model["recompute_granularity"] = "selective"
+    if (model.get("cpu_offloading_num_layers") or 0) > 0:
+        model["cpu_offloading"] = True
+    if given.get("use_distributed_optimizer"):
+        raw.setdefault("ddp", {})["use_distributed_optimizer"] = True
+    if "fp8_recipe" in given:
+        model["fp8_recipe"] = given["fp8_recipe"]
+    if "fp8_format" in given:
+        model["fp8"] = given["fp8_format"]
+    # gpt_builders: share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights
+    model["share_embeddings_and_output_weights"] = not given.get("untie_embeddings_and_output_weights", False)
+    if not given.get("group_query_attention"):
+        model.pop("num_query_groups", None)  # used only with --group-query-attention
+    vp_layers = given.get("num_layers_per_virtual_pipeline_stage")
+    if vp_layers and model.get("num_layers") and model.get("pipeline_model_parallel_size", 1) > 1:
+        model["virtual_pipeline_model_parallel_size"] = model["num_layers"] // (
+            model["pipeline_model_parallel_size"] * vp_layers
+        )
+    for key, default in MLM_CLI_DEFAULTS.items():
+        section, _, name = key.partition(".")
+        if name not in given:
+            raw.setdefault(section, {})[name] = default
+
+
+def parse_argv(argv: list[str]) -> dict[str, Any]:
+    """Megatron-LM flags → a raw config dict with ``frontend: megatron-lm``.
+
+    Returns:
+        ``{"model": …, "optimizer": …, "ddp": …, "megatron_lm": {other given args}, "unknown_arguments": [...]}``.
+
+    Raises:
+        ArgvError: Megatron-LM's parser refuses a value (e.g. ``--recompute-granularity none``).
+    """
+    namespace, unknown = parser().parse_known_args([a for a in argv if a])
+    given = vars(namespace)
+    raw: dict[str, Any] = {}
+    for dest, value in given.items():
+        _place(raw, dest, value)
+    _derive(raw, given)
+    # Values that are not flags (a script path, `torchrun` options before it) are not arguments of Megatron-LM.
+    flags = [a for a in unknown if a.startswith("-")]
+    if flags:
+        raw["unknown_arguments"] = flags
+    raw["megatron_lm_version"] = MLM_VERSION
+    raw["frontend"] = "megatron-lm"
+    return raw
+
+
+def flags_by_key() -> dict[str, str]:
+    """dotted config key → the Megatron-LM flag that sets it (for the parameter docs)."""
+    flags: dict[str, str] = {}
+    for options, dest, *_ in MLM_ARGUMENTS:
+        for section, cls in SECTIONS.items():
+            if dest in cls.model_fields:
+                flags.setdefault(f"{section}.{dest}", options[0])
+    return flags

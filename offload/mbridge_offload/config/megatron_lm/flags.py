@@ -1,0 +1,27 @@
+"""Megatron-LM's full argument table (``megatron/training/arguments.py`` of the megatron-core wheel it names).
+
+The table is data, ``data/arguments.txt``, written by ``tests/support/gen_mlm_flags.py`` from the real parser
+(``add_megatron_arguments``): one Python literal per line, ``(option strings, dest, kind, nargs, const, default, type
+name or None, choices or None)``. Read once at import (about 10 ms); never imports torch or megatron.
+"""
+
+from __future__ import annotations
+
+import ast
+from importlib import resources
+
+DATA = "data/arguments.txt"
+
+
+def _load() -> tuple[str, tuple[tuple, ...]]:
+    text = resources.files(__package__).joinpath(DATA).read_text(encoding="utf-8")
+    version, rows = "", []
+    for line in text.splitlines():
+        if line.startswith("# version: "):
+            version = line.removeprefix("# version: ").strip()
+        elif line and not line.startswith("#"):
+            rows.append(ast.literal_eval(line))
+    return version, tuple(rows)
+
+
+MLM_VERSION, MLM_ARGUMENTS = _load()

@@ -1,0 +1,186 @@
+"""How it is trained: the settings of one run (``Setup``: parallelism, batch, precision, recompute, offload) and
+the checks megatron-core would make on them (``check_setup``). Never imports torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mbridge_offload.plan.memory import fine_grained
+from mbridge_offload.plan.model.architecture import MAMBA, ModelSpec
+
+
+@dataclass(frozen=True)
+class Setup:
+    """Parallelism, batch, precision and offload settings of one run (Bridge recipe defaults)."""
+
+    num_gpus: int = 8
+    tp: int = 1
+    pp: int = 1
+    vpp: int | None = None
+    cp: int = 1
+    ep: int = 1
+    etp: int | None = None
+    sequence_parallel: bool | None = None  # None: on when TP > 1, as Bridge recipes set it
+    seq_length: int | None = None
+    micro_batch_size: int = 1
+    global_batch_size: int | None = None
+    params_dtype: str = "bf16"
+    grad_reduce_in_fp32: bool = True  # Bridge recipes set ddp.grad_reduce_in_fp32=True
+    use_distributed_optimizer: bool = True
+    use_precision_aware_optimizer: bool = False
+    main_params_dtype: str = "fp32"
+    exp_avg_dtype: str = "fp32"
+    exp_avg_sq_dtype: str = "fp32"
+    store_param_remainders: bool = True
+    recompute_granularity: str | None = None
+    recompute_method: str | None = None
+    recompute_num_layers: int | None = None
+    recompute_modules: tuple[str, ...] = ("core_attn",)
+    optimizer_offload_fraction: float = 0.0
+    activation_offload_layers: int = 0
+    # Fine-grained activation offloading (model.offload_modules; on when non-empty): see plan/memory/fine_grained.py.
+    offload_modules: tuple[str, ...] = ()
+    min_offloaded_tensor_size: int = 1024 * 1024
+    activation_offload_fraction: float = 1.0
+    # Memory PyTorch's allocator hands out beyond the model's tensors: cuBLAS/TE workspaces, DistOpt's
+    # all-gather/reduce-scatter staging, loss temporaries. In "max allocated"; the CUDA context is not.
+    overhead_gb: float = 2.0
+    # Megatron-FSDP (ddp.use_megatron_fsdp, ddp.data_parallel_sharding_strategy, ddp.megatron_fsdp_*_dtype).
+    use_megatron_fsdp: bool = False
+    fsdp_sharding_strategy: str = "no_shard"
+    fsdp_main_params_dtype: str | None = "fp32"
+    fsdp_main_grads_dtype: str | None = None  # None: the parameter dtype
+    # FP8 compute (mixed_precision / model.fp8_recipe) and FP8 parameters (fp8_param_gather).
+    fp8_recipe: str | None = None
+    fp8_param: bool = False
+    # Uneven pipeline stages: first/last stage layer counts, or decoder layers per virtual stage (layout order).
+    num_layers_in_first_pipeline_stage: int | None = None
+    num_layers_in_last_pipeline_stage: int | None = None
+    pipeline_layout: tuple[int, ...] | None = None
+    cross_entropy_fusion: bool = False  # model.cross_entropy_loss_fusion
+    cross_entropy_fusion_impl: str = "native"  # model.cross_entropy_fusion_impl: native | te
+    # Communication overlap (step-time model only): ddp.overlap_grad_reduce / ddp.overlap_param_gather, which
+    # Bridge recipes switch on, and comm_overlap.tp_comm_overlap (TE userbuffers), which its performance recipes do.
+    overlap_grad_reduce: bool = True
+    overlap_param_gather: bool = True
+    tp_comm_overlap: bool = False
+
+    def resolved_etp(self, model: ModelSpec) -> int:
+        if self.etp is not None:
+            return self.etp
+        return model.default_etp if model.default_etp is not None else self.tp
+
+    @property
+    def sp(self) -> bool:
+        return self.tp > 1 if self.sequence_parallel is None else self.sequence_parallel
+
+    @property
+    def dp(self) -> int:
+        return self.num_gpus // (self.tp * self.pp * self.cp)
+
+    def expert_dp(self, model: ModelSpec) -> int:
+        return self.num_gpus // (self.pp * self.ep * self.resolved_etp(model))
+
+    def num_microbatches(self) -> int | None:
+        if self.global_batch_size is None:
+            return None
+        return max(1, self.global_batch_size // (self.micro_batch_size * self.dp))
+
+
+def check_setup(model: ModelSpec, setup: Setup) -> None:
+    """Reject what Megatron would reject, with the key, the value and the fix.
+
+    Raises:
+        ValueError: one line naming the violated constraint.
+    """
+    s = setup
+    for name, value in (
+        ("num_gpus", s.num_gpus),
+        ("tp", s.tp),
+        ("pp", s.pp),
+        ("cp", s.cp),
+        ("ep", s.ep),
+        ("micro_batch_size", s.micro_batch_size),
+    ):
+        if value < 1:
+            raise ValueError(f"{name} is {value}: it must be at least 1")
+    etp = s.resolved_etp(model)
+    if s.num_gpus % (s.tp * s.pp * s.cp):
+        raise ValueError(f"num_gpus {s.num_gpus} is not divisible by TP·PP·CP = {s.tp * s.pp * s.cp}")
+    if model.num_attention_heads % s.tp:
+        raise ValueError(f"TP {s.tp} does not divide num_attention_heads {model.num_attention_heads}")
+    if model.mla is None and model.num_query_groups % s.tp:
+        raise ValueError(f"TP {s.tp} does not divide num_query_groups {model.num_query_groups}")
+    if model.num_layers < s.pp:
+        raise ValueError(f"PP {s.pp} exceeds num_layers {model.num_layers}")
+    _check_hybrid(model, s)
+    if s.pipeline_layout is not None:
+        _check_layout(model, s)
+    elif s.vpp is not None and (s.vpp < 1 or s.pp == 1 or model.num_layers % (s.pp * s.vpp)):
+        uneven = s.num_layers_in_first_pipeline_stage or s.num_layers_in_last_pipeline_stage
+        if s.vpp < 1 or s.pp == 1 or not uneven:
+            raise ValueError(
+                f"VPP {s.vpp} needs PP > 1 and num_layers {model.num_layers} divisible by PP·VPP "
+                "(or an uneven split: pipeline_model_parallel_layout, num_layers_in_first/last_pipeline_stage)"
+            )
+    seq = s.seq_length or model.seq_length
+    if seq % s.cp or (s.cp > 1 and seq % (2 * s.cp)):
+        raise ValueError(f"seq_length {seq} must be divisible by 2·CP = {2 * s.cp}")
+    if model.is_moe:
+        if model.experts % s.ep:
+            raise ValueError(f"EP {s.ep} does not divide num_moe_experts {model.num_moe_experts}")
+        if s.num_gpus % (s.pp * s.ep * etp):
+            raise ValueError(f"num_gpus {s.num_gpus} is not divisible by PP·EP·ETP = {s.pp * s.ep * etp}")
+    elif s.ep > 1:
+        raise ValueError(f"EP {s.ep} given for dense model {model.name}: expert parallelism needs MoE layers")
+    if not 0.0 <= s.optimizer_offload_fraction <= 1.0:
+        raise ValueError(f"optimizer_offload_fraction is {s.optimizer_offload_fraction}: it must be in [0.0, 1.0]")
+    fine_grained.check(s)
+    if s.activation_offload_layers:
+        _check_activation_offload(model, s)
+
+
+def _check_hybrid(model: ModelSpec, s: Setup) -> None:
+    """megatron-core's hybrid-model checks: the pattern has one symbol per layer; the Mamba mixer asserts that TP
+    divides its heads and groups."""
+    if model.layer_pattern is None:
+        return
+    if len(model.layer_pattern) != model.num_layers:
+        raise ValueError(
+            f"hybrid_layer_pattern has {len(model.layer_pattern)} layers but num_layers is {model.num_layers}"
+        )
+    if model.mamba is not None and MAMBA in model.layer_pattern:
+        if model.mamba.num_heads % s.tp:
+            raise ValueError("nheads must be evenly divisble by tp_size")
+        if model.mamba.num_groups % s.tp:
+            raise ValueError("ngroups must be evenly divisible by tp_size")
+
+
+def _check_activation_offload(model: ModelSpec, s: Setup) -> None:
+    """The rule catalogue's activation-offload errors (config.rules.activation), raised as ValueError."""
+    from mbridge_offload.config.validate import activation_offload_errors
+
+    errors = activation_offload_errors(
+        {
+            "num_layers": model.num_layers,
+            "cpu_offloading_num_layers": s.activation_offload_layers,
+            "pipeline_model_parallel_size": s.pp,
+            "recompute_granularity": s.recompute_granularity,
+        }
+    )
+    if errors:
+        raise ValueError("; ".join(f"{message} ({rule})" for rule, message in errors))
+
+
+# ------------------------------------------------------------------------------------------- parameters
+
+
+def _check_layout(m: ModelSpec, s: Setup) -> None:
+    layout = s.pipeline_layout or ()
+    if len(layout) % s.pp:
+        raise ValueError(f"pipeline_model_parallel_layout has {len(layout)} stages: it must be divisible by PP {s.pp}")
+    if sum(layout) != m.num_layers:
+        raise ValueError(
+            f"pipeline_model_parallel_layout places {sum(layout)} decoder layers but num_layers is {m.num_layers}"
+        )

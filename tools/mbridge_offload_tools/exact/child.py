@@ -1,0 +1,216 @@
+"""Child process of ``validate --exact``: build the real megatron-core configs and print what they raise.
+
+Run as a script (never imported by the server or the CLI, which stay torch-free), with the target's megatron-core
+first on its path: ``python child.py < {"model": {...}, "optimizer": {...}, "ddp": {...}, "te_version":
+"2.18.0"}``. Prints one JSON object: ``{"version": "0.19.2", "te": null, "errors": [{"stage", "type", "message"}],
+"skipped": [...], "dropped": [...]}`` (``{"batch": [config, ...]}`` in: ``{"batch": [answer, ...]}`` out, one import
+of megatron-core for many configs). Keys that are not fields of the installed release's dataclasses are not passed
+(listed in ``dropped``).
+
+Without Transformer Engine (it cannot be installed on a CPU machine) megatron-core's TE checks cannot answer: its
+TE version comparisons (``is_te_min_version``, ``get_te_version``; 0.16.1 raises ``TypeError: '>=' not supported
+between instances of 'NoneType' and 'Version'``, 0.19.2 compares with 0.0.0) are answered for ``te_version`` (the
+release the verdict assumes, as in the report's ``env``) so that the checks after them still run, and a check that
+needs TE itself (an import from ``transformer_engine``) is skipped. Each is listed in ``skipped`` with the reason,
+never reported as an error.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import re
+import sys
+import traceback
+import warnings
+
+_DTYPE_FIELDS = {"pipeline_dtype", "params_dtype", "main_grads_dtype", "main_params_dtype", "exp_avg_dtype"}
+_DTYPE_FIELDS |= {"exp_avg_sq_dtype", "autocast_dtype", "grad_reduce_in_fp32_dtype"}
+_SHORT = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "float": "float32", "half": "float16"}
+_TE_VERSION_FUNCS = ("get_te_version", "is_te_min_version")
+# A check that asks for TE by name (e.g. "apply_rope_fusion is not available. Please install TE >= 1.4.", raised
+# because TE's fused kernels are absent) when no TE version check of that stage answered "too old".
+_TE_MESSAGE = re.compile(r"install TE\b|Transformer ?Engine|transformer[-_]engine", re.I)
+_NO_TE = "Transformer Engine is not installed here (it cannot be on a CPU machine)"
+
+
+class _TEChecks:
+    """The TE version checks megatron-core asked while TE is absent, answered for the assumed release."""
+
+    def __init__(self, assumed: str) -> None:
+        from packaging.version import Version
+
+        self.version = Version(assumed)
+        self.assumed = assumed
+        self.stage = ""
+        self.asked: dict[str, list[str]] = {}
+        self.failed: dict[str, list[str]] = {}
+
+    def reset(self, assumed: str) -> None:
+        """Answer for ``assumed`` from now on, with nothing asked yet (one config of a batch)."""
+        from packaging.version import Version
+
+        self.version, self.assumed = Version(assumed), assumed
+        self.asked.clear()
+        self.failed.clear()
+
+    def _note(self, call: str) -> None:
+        calls = self.asked.setdefault(self.stage, [])
+        if call not in calls:
+            calls.append(call)
+
+    def get_te_version(self):
+        self._note("get_te_version()")
+        return self.version
+
+    def is_te_min_version(self, version, check_equality=True):
+        from packaging.version import Version
+
+        call = f"is_te_min_version({version!r})"
+        self._note(call)
+        ok = self.version >= Version(version) if check_equality else self.version > Version(version)
+        if not ok:
+            self.failed.setdefault(self.stage, []).append(call)
+        return ok
+
+    def install(self) -> None:
+        """Replace megatron-core's TE version functions wherever its modules imported them."""
+        import megatron.core.utils as utils
+
+        originals = {name: getattr(utils, name, None) for name in _TE_VERSION_FUNCS}
+        for module in list(sys.modules.values()):
+            if not getattr(module, "__name__", "").startswith("megatron.core"):
+                continue
+            for name, original in originals.items():
+                if original is not None and getattr(module, name, None) is original:
+                    setattr(module, name, getattr(self, name))
+
+
+def _resolve(name: str):
+    """``torch.nn.functional.silu`` → the object; only names under torch and megatron.core are imported."""
+    import importlib
+
+    if not name.startswith(("torch.", "megatron.core.")):
+        return name
+    module, _, attr = name.rpartition(".")
+    try:
+        return getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError):
+        return name
+
+
+def _value(torch, key: str, value):
+    """Bridge's YAML writes dtypes and functions as {_target_: torch.bfloat16, _call_: false}; dtype fields may also
+    hold short names."""
+    if isinstance(value, dict) and "_target_" in value:
+        if value.get("_call_", True) is False and isinstance(value["_target_"], str):
+            value = _resolve(value["_target_"])
+        else:
+            value = value["_target_"]
+    if key in _DTYPE_FIELDS and isinstance(value, str):
+        name = value.removeprefix("torch.")
+        return getattr(torch, _SHORT.get(name, name), value)
+    return value
+
+
+def _needs_te(exc: BaseException) -> bool:
+    """Whether ``exc`` comes from TE's absence: an import from transformer_engine, or a TE version function."""
+    seen: set[int] = set()
+    todo: list[BaseException | None] = [exc]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, ImportError) and (e.name or "").split(".")[0] == "transformer_engine":
+            return True
+        if any(
+            frame.name in (*_TE_VERSION_FUNCS, "get_te_version_str") for frame in traceback.extract_tb(e.__traceback__)
+        ):
+            return True
+        todo += [e.__cause__, e.__context__]
+    return False
+
+
+def _build(torch, cls, body: dict, stage: str, out: dict, te: _TEChecks | None) -> None:
+    fields = {f.name for f in dataclasses.fields(cls)}
+    kwargs = {k: _value(torch, k, v) for k, v in body.items() if k in fields}
+    out["dropped"] += sorted(f"{stage}:{k}" for k in body if k not in fields and not k.startswith("_"))
+    if te is not None:
+        te.stage = stage
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            cls(**kwargs)
+    except Exception as exc:  # every error megatron-core raises is the answer, except TE's absence
+        if te is not None and (_needs_te(exc) or (_TE_MESSAGE.search(str(exc)) and not te.failed.get(stage))):
+            out["skipped"].append(
+                f"{stage}: the check that raised {type(exc).__name__}({str(exc)!r}) needs Transformer Engine itself; "
+                f"{_NO_TE}, so it was skipped (the checks before it ran)"
+            )
+        else:
+            out["errors"].append({"stage": stage, "type": type(exc).__name__, "message": str(exc)})
+    if te is not None and te.asked.get(stage):
+        out["skipped"].append(
+            f"{stage}: megatron-core's TE version checks ({', '.join(te.asked[stage])}) not run against an installed "
+            f"TE: {_NO_TE}; answered for TE {te.assumed} (assumed, as in env.te_version; pass --te-version "
+            "X.Y, MCP te_version, for another) so that the checks after them ran"
+        )
+
+
+def _judge(torch, classes, data: dict, te: _TEChecks | None, have_te: bool) -> dict:
+    """What megatron-core raises building one config's sections (``data``: model, optimizer, ddp)."""
+    import megatron.core
+
+    transformer, optimizer, ddp = classes
+    out: dict = {
+        "version": megatron.core.__version__.split("+")[0],
+        "path": next(iter(megatron.core.__path__)),
+        "te": None,
+        "errors": [],
+        "skipped": [],
+        "dropped": [],
+    }
+    if have_te:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            out["te"] = version("transformer-engine")
+        except PackageNotFoundError:
+            out["te"] = "unknown"
+    if te is not None:
+        te.reset(str(data.get("te_version") or "2.18.0"))
+    model = data.get("model") or {}
+    if all(model.get(k) is not None for k in ("num_layers", "hidden_size", "num_attention_heads")):
+        _build(torch, transformer, model, "TransformerConfig", out, te)
+    else:
+        out["skipped"].append("TransformerConfig: num_layers, hidden_size and num_attention_heads are needed")
+    _build(torch, optimizer, {"lr": 1e-4, **(data.get("optimizer") or {})}, "OptimizerConfig", out, te)
+    _build(torch, ddp, data.get("ddp") or {}, "DistributedDataParallelConfig", out, te)
+    return out
+
+
+def main() -> None:
+    """One config on stdin, one answer on stdout; ``{"batch": [config, ...]}`` answers ``{"batch": [...]}`` with
+    one import of megatron-core (the generated-case tests judge many configs this way)."""
+    data = json.load(sys.stdin)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        import torch
+        from megatron.core.distributed import DistributedDataParallelConfig
+        from megatron.core.optimizer import OptimizerConfig
+        from megatron.core.transformer import TransformerConfig
+    classes = (TransformerConfig, OptimizerConfig, DistributedDataParallelConfig)
+    have_te = importlib.util.find_spec("transformer_engine") is not None
+    te = None if have_te else _TEChecks("2.18.0")
+    if te is not None:
+        te.install()
+    if isinstance(data.get("batch"), list):
+        json.dump({"batch": [_judge(torch, classes, item, te, have_te) for item in data["batch"]]}, sys.stdout)
+    else:
+        json.dump(_judge(torch, classes, data, te, have_te), sys.stdout)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,277 @@
+"""``validate --exact`` / MCP ``exact=true``: ask the target's megatron-core itself, in a subprocess with a deadline.
+
+The fast path (the rule catalogue) stays torch-free; exact mode builds the real ``TransformerConfig``,
+``OptimizerConfig`` and ``DistributedDataParallelConfig`` from the config's sections in a child process
+(``mbridge_offload_tools.exact.child``: importing megatron-core takes ~10 s and torch), and reports every error it
+raises as a finding with origin ``mcore`` and the message verbatim. Those findings replace the catalogue's findings of
+the same stages (megatron-core's own answer wins); the other findings (Transformer Engine, Bridge, advisory) stay.
+
+- The release: the target's megatron-core (``--target``, default 0.19.2): this Python environment's when it is that
+  release, else ``.mcore/<version>`` of the skill folder (``scripts/setup`` installs 0.19.2 there; env
+  ``MBRIDGE_OFFLOAD_MCORE_DIR`` names another folder of such trees). When the target is not installed, the installed
+  release runs and the answer says so. Every answer names the release that ran (finding ``MCORE-EXACT-VERSION``,
+  ``env.exact_megatron_core``).
+- Bridge configs (a ``ConfigContainer`` YAML, a run_config.yaml, a recipe) are built as the one effective config
+  reads them (:func:`mbridge_offload.config.effective.resolve`, what the catalogue judges): their ``mixed_precision``
+  section, then Bridge's model ``finalize()`` normalisations for the target's Bridge release (rule
+  ``CFG-BRIDGE-FINALIZE``). Every config also gets what its frontend fills in before megatron-core's checks
+  (:attr:`mbridge_offload.config.effective.Effective.filled`: ``pipeline_dtype`` under pipeline parallelism, which
+  the catalogue never reports because no frontend leaves it unset); otherwise the sections are built as written.
+- Without Transformer Engine, megatron-core's TE checks are skipped or answered for the assumed TE release, each
+  named in a ``MCORE-EXACT-SKIPPED`` finding with the reason, never a false error.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from mbridge_offload.config import bridge, effective
+from mbridge_offload.config.rules.base import STAGE_OPTIMIZER_CONFIG, STAGE_TRANSFORMER_CONFIG, parse_target
+from mbridge_offload.config.schema import OffloadConfig
+from mbridge_offload.config.sources import ConfigError, build_config
+from mbridge_offload.config.validate import Finding, Report
+
+CHILD = Path(__file__).with_name("child.py")
+ROOT = Path(__file__).resolve().parents[3]
+DEFAULT_DEADLINE_S = 120.0
+_STAGES = {"TransformerConfig": STAGE_TRANSFORMER_CONFIG, "OptimizerConfig": STAGE_OPTIMIZER_CONFIG}
+_SETUP_HINT = {
+    "0.19.2": "scripts/setup (full mode) installs megatron-core 0.19.2 into .mcore/0.19.2",
+    "0.16.1": "pip install megatron-core==0.16.1 into this Python environment (scripts/setup's venv has it)",
+    "main": "megatron-core main (Megatron-LM HEAD) is no release; no installed tree is it",
+}
+
+
+class ExactUnavailable(RuntimeError):
+    """Exact mode cannot run here (megatron-core not installed, or the child failed or ran out of time)."""
+
+
+@dataclass(frozen=True)
+class Install:
+    """One megatron-core release that exact mode can run: its version and the path entry that imports it."""
+
+    version: str
+    pythonpath: str | None  # None: this Python environment's own
+    where: str
+
+
+def mcore_dir() -> Path:
+    """The folder of side-by-side megatron-core trees (``<dir>/<version>/megatron/core``)."""
+    return Path(os.environ.get("MBRIDGE_OFFLOAD_MCORE_DIR") or ROOT / ".mcore")
+
+
+def _package_version(core: Path) -> str | None:
+    try:
+        text = (core / "package_info.py").read_text()
+    except OSError:
+        return None
+    parts = [re.search(rf"^{name}\s*=\s*(\d+)", text, re.M) for name in ("MAJOR", "MINOR", "PATCH")]
+    return ".".join(p.group(1) for p in parts if p) if all(parts) else None
+
+
+def installs() -> list[Install]:
+    """The megatron-core releases found here: this environment's first, then those under :func:`mcore_dir`."""
+    found: list[Install] = []
+    try:
+        spec = importlib.util.find_spec("megatron.core")
+    except (ImportError, ValueError):
+        spec = None
+    if spec is not None and spec.submodule_search_locations:
+        core = Path(next(iter(spec.submodule_search_locations)))
+        version = _package_version(core) or "unknown"
+        found.append(Install(version, None, f"this Python environment ({core.parent.parent})"))
+    base = mcore_dir()
+    if base.is_dir():
+        for tree in sorted(base.iterdir(), reverse=True):
+            tree_version = _package_version(tree / "megatron" / "core")
+            if tree_version is not None:
+                found.append(Install(tree_version, str(tree), str(tree)))
+    return found
+
+
+def megatron_core_installed() -> bool:
+    return bool(installs())
+
+
+def choose(target_label: str) -> Install:
+    """The target's release when installed here, else the first one found (the answer then says so).
+
+    Raises:
+        ExactUnavailable: no megatron-core at all.
+    """
+    found = installs()
+    for install in found:
+        if install.version == target_label:
+            return install
+    if not found:
+        raise ExactUnavailable(
+            f"--exact needs megatron-core installed (the target is {target_label}); none could run: this Python "
+            f"environment has no megatron.core and {mcore_dir()} holds no release. "
+            f"{_SETUP_HINT.get(target_label, f'pip install megatron-core=={target_label}')}; without it, validate "
+            "without --exact uses the built-in rule catalogue"
+        )
+    return found[0]
+
+
+def payload(raw: dict[str, Any], config: OffloadConfig | None, target: str, source: str | None) -> dict[str, Any]:
+    """The sections the child builds, read as the one effective config reads them
+    (:mod:`mbridge_offload.config.effective`, what the rule catalogue judges): a Bridge config after its
+    ``mixed_precision`` section and model ``finalize()``, in Bridge's order; any config with what its frontend fills
+    in before megatron-core's checks (``pipeline_dtype`` under pipeline parallelism: Bridge's ``finalize()`` for a
+    partial YAML, Megatron-LM's argument translation for a command line). Otherwise the sections as written."""
+    sections = ("model", "optimizer", "ddp")
+    if config is None:
+        try:
+            config = build_config(copy.deepcopy(raw))
+        except ConfigError:  # a value that does not type-check: megatron-core judges the sections as written
+            mixed = bridge.mixed_precision(raw) if bridge.is_container(raw, source) else raw
+            return {k: copy.deepcopy(mixed.get(k) or {}) for k in sections}
+    eff = effective.resolve(config, raw, parse_target(target), source)
+    data: dict[str, Any] = {k: copy.deepcopy(eff.raw.get(k) or {}) for k in sections}
+    for dotted, _old, new in (*eff.normalized, *eff.filled):  # set whether or not the file wrote the key
+        section, key = dotted.split(".", 1)
+        data[section][key] = new
+    return data
+
+
+def _spawn(install: Install, body: dict[str, Any], deadline_s: float) -> dict[str, Any]:
+    env = dict(os.environ)
+    if install.pythonpath is not None:
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (install.pythonpath, env.get("PYTHONPATH")) if p)
+    try:
+        proc = subprocess.run(
+            [sys.executable, str(CHILD)],
+            input=json.dumps(body, default=str),
+            capture_output=True,
+            text=True,
+            timeout=deadline_s,
+            env=env,
+        )
+    except subprocess.TimeoutExpired:
+        raise ExactUnavailable(
+            f"--exact: megatron-core {install.version} did not answer within {deadline_s:g} s"
+        ) from None
+    if proc.returncode != 0:
+        last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        # megatron-core 0.19 imports triton when it loads (GPU kernels no config check calls); scripts/setup pins it.
+        hint = "; run scripts/setup, which installs the triton it imports" if "'triton'" in last else ""
+        raise ExactUnavailable(
+            f"--exact: building the megatron-core {install.version} configs failed ({last}); none could run{hint}"
+        )
+    answer: dict[str, Any] = json.loads(proc.stdout)
+    return answer
+
+
+def run_child(
+    raw: dict[str, Any],
+    deadline_s: float = DEFAULT_DEADLINE_S,
+    *,
+    config: OffloadConfig | None = None,
+    target: str = "megatron-core==0.19.2",
+    source: str | None = None,
+    te_version: str | None = None,
+) -> dict[str, Any]:
+    """The child's answer for the config sections of ``raw``, from the target's megatron-core where installed.
+
+    Raises:
+        ExactUnavailable: megatron-core is not importable, or the child failed or passed the deadline.
+    """
+    install = choose(parse_target(target).label)
+    body = payload(raw, config, target, source)
+    body["te_version"] = te_version
+    answer = _spawn(install, body, deadline_s)
+    answer["where"] = install.where
+    return answer
+
+
+def run_children(bodies: list[dict[str, Any]], target: str, deadline_s: float = 600) -> list[dict[str, Any]]:
+    """The child's answer for each of ``bodies`` (each :func:`payload`'s sections), from one megatron-core import:
+    what exact mode would answer for many configs (the generated-case tests).
+
+    Raises:
+        ExactUnavailable: as :func:`run_child`.
+    """
+    install = choose(parse_target(target).label)
+    answers: list[dict[str, Any]] = _spawn(install, {"batch": bodies}, deadline_s)["batch"]
+    for answer in answers:
+        answer["where"] = install.where
+    return answers
+
+
+def exact_report(
+    report: Report,
+    raw: dict[str, Any],
+    deadline_s: float = DEFAULT_DEADLINE_S,
+    config: OffloadConfig | None = None,
+) -> Report:
+    """``report`` with its megatron-core config findings replaced by what the target's megatron-core raises.
+
+    ``config`` (the typed config ``raw`` built) lets a Bridge config get Bridge's ``finalize()`` first.
+    """
+    target = parse_target(report.target)
+    answer = run_child(
+        raw,
+        deadline_s,
+        config=config,
+        target=str(target),
+        source=report.source,
+        te_version=report.env.get("te_version"),
+    )
+    version = answer["version"]
+    ran = f"megatron-core {version} ({answer['where']})"
+    stages = set(_STAGES.values()) | {"DistributedDataParallelConfig"}
+    kept = [f for f in report.findings if f.stage not in stages]
+    exact = [
+        Finding(
+            rule="MCORE-EXACT",
+            severity="error",
+            origin="mcore",
+            keys=[],
+            message=e["message"] or f"{e['type']} (no message)",
+            fix=None,
+            why=f"raised by {ran}, building {e['stage']} (exact mode)",
+            stage=_STAGES.get(e["stage"], e["stage"]),
+            upstream_message=e["message"],
+            exception=e["type"],
+        )
+        for e in answer["errors"]
+    ]
+    notes = [
+        Finding(
+            rule="MCORE-EXACT-SKIPPED",
+            severity="info",
+            origin="mcore",
+            keys=[],
+            message=text,
+            fix=None,
+            why=f"exact mode with {ran}",
+        )
+        for text in answer["skipped"]
+    ]
+    if version == target.label:
+        message = f"exact mode ran megatron-core {version}, the target, from {answer['where']}"
+        why = "megatron-core's own checks of the target release"
+    else:
+        hint = _SETUP_HINT.get(target.label, f"install megatron-core=={target.label}")
+        message = (
+            f"exact mode ran megatron-core {version} from {answer['where']}, not the target {target}: "
+            f"{target.label} is not installed here ({hint})"
+        )
+        why = "exact mode can only ask a release that is installed; the other findings follow the target"
+    notes.append(
+        Finding(
+            rule="MCORE-EXACT-VERSION", severity="info", origin="mcore", keys=[], message=message, fix=None, why=why
+        )
+    )
+    env = {**report.env, "exact_megatron_core": version, "exact_megatron_core_from": answer["where"]}
+    env["exact_transformer_engine"] = answer.get("te") or "not installed (TE checks skipped, see MCORE-EXACT-SKIPPED)"
+    return report.model_copy(update={"findings": exact + kept + notes, "env": env})

@@ -1,0 +1,302 @@
+"""The ``mbridge-offload`` MCP server: its tools (references/tools.md) over the offload library, for coding agents.
+
+Each tool is a thin call into ``offload/`` with a pydantic output model (structured output) and annotations.
+Bad input raises ``ToolError`` with a message that names the key, the value and the fix, so the model can
+correct itself. Any other exception is a bug: the guard answers ``isError`` with one line,
+``input: internal error (<Type>: <first line>); please report it`` (the CLI's ``kind: "internal"``, exit 3), and
+logs the traceback to the server log, never to the client.
+
+Start-up stays fast: this module imports only the MCP SDK and pydantic; the library (and torch, for the
+parity suite only, in a subprocess) is imported inside the tools.
+
+Run: ``mbridge-offload-mcp`` (stdio), ``mbridge-offload-mcp --transport streamable-http --port 8765``, or
+``mbridge-offload serve``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from typing import Any
+
+from mcp.server import MCPServer
+from mcp.server.mcpserver import Context
+from mcp.server.mcpserver.exceptions import ToolError
+from mcp.types import ToolAnnotations
+
+from mbridge_offload import __version__
+from mbridge_offload.actions.apply.result import ApplyResult
+from mbridge_offload.actions.diagnose.diagnose import DiagnoseReport
+from mbridge_offload.actions.testing.result import TestRunResult
+
+# The library's own result models are the tools' structured output (one schema for library, CLI --json and MCP).
+from mbridge_offload.config.validate import Report as ValidateOutput
+from mbridge_offload.plan.results import Estimate, Recommendation
+from mbridge_offload_tools.interface.build import declared
+from mbridge_offload_tools.interface.calls import (
+    apply_answer,
+    diagnose_answer,
+    plan_answer,
+    validate_answer,
+    validate_seconds,
+)
+from mbridge_offload_tools.plot import tool as plot_tool
+from mbridge_offload_tools.server import guard, roots
+
+logger = logging.getLogger(__name__)
+
+INSTRUCTIONS = """\
+CPU offloading for Megatron Bridge / Megatron Core training: optimizer-state offload (HybridDeviceOptimizer,
+optimizer.optimizer_cpu_offload + optimizer.optimizer_offload_fraction) and layer-level activation offload
+(model.cpu_offloading, needs PP=1, no recompute, no CUDA graphs).
+Typical flow: validate_config on the user's YAML -> estimate_memory / recommend_mode for the GPU/parallelism
+(answers list every assumption with its source; memory in GB and GiB) -> apply_offload
+(dry run shows the diff; pass output or in_place to write) -> run_unit_tests (suite='parity' checks loss
+parity on a tiny GPT) -> diagnose_failure with the error text when a run fails. plot_offload draws the planner's
+answers as an image with their points: a sweep of one input (sweep='optimizer_offload_fraction=0:1:0.25'), the
+phases of a step, or recommend's options.
+Configs are a file path or inline YAML/JSON; overrides are Hydra-style, e.g.
+optimizer.optimizer_offload_fraction=0.5. Fixes come back as override lists you can pass on a command line."""
+
+mcp = MCPServer("mbridge-offload", version=__version__, instructions=INSTRUCTIONS)
+roots.install(mcp)  # a client that declares MCP roots confines each call to them (roots.py)
+
+# ---------------------------------------------------------------------------------------------- helpers
+
+
+def _plan_tool(kind: str, output: type, doc: str, title: str) -> None:
+    """Register a planner tool: its parameters are the declared ones (``PlanInputs`` and the config's)."""
+    name = {"estimate": "estimate_memory", "recommend": "recommend_mode"}[kind]
+
+    def tool(**kwargs: Any) -> Any:
+        return plan_answer(kind, kwargs)
+
+    tool.__name__ = name
+    tool.__doc__ = doc
+    tool.__annotations__ = {"return": output}
+    mcp.tool(
+        title=title,
+        annotations=ToolAnnotations(
+            read_only_hint=True, destructive_hint=False, idempotent_hint=True, open_world_hint=False
+        ),
+    )(guard.guarded()(declared(name)(tool)))
+
+
+# ---------------------------------------------------------------------------------------------- tools
+
+
+@mcp.tool(
+    title="Validate a CPU-offloading config",
+    annotations=ToolAnnotations(
+        read_only_hint=True, destructive_hint=False, idempotent_hint=True, open_world_hint=False
+    ),
+)
+@guard.guarded(validate_seconds)
+@declared("validate_config")
+def validate_config(**v: Any) -> ValidateOutput:
+    """Check a Megatron Bridge config's offload settings (or a Megatron-LM command line) against every upstream rule.
+
+    Returns findings with the upstream message, the keys involved and the fix: Bridge overrides, or Megatron-LM
+    flags (fix_notation='megatron-lm') when megatron_args was given.
+    """
+    return validate_answer(v)
+
+
+_plan_tool(
+    "recommend",
+    Recommendation,
+    """Pick the smallest offload that makes the run fit: none, optimizer (with a fraction), activation, both,
+    fine-grained (offload_modules; works with PP > 1) or fine-grained+optimizer.
+
+    Takes a preset, a (partial) config, Megatron-LM argv and/or any planner input; what is missing comes from the
+    preset (or the error names it). Returns the overrides, per-GPU memory before (the config as given, its offload
+    included) / after (GB and GiB) on the stated GPU and count, whether it fits, the step-time factor, why, the
+    advice in words when it removes the config's offload, a fallback (the cheapest offload for a headroom) when
+    none is needed, and every assumption with its source. Pass measured_peak_gib / measured_step_s /
+    measured_log / ooms to anchor the predictions on the user's own run.
+    """,
+    "Recommend an offload mode",
+)
+_plan_tool(
+    "estimate",
+    Estimate,
+    """Predict per-GPU peak memory (worst pipeline stage, GB and GiB), host memory and step-time factor of a
+    setting as given (its offload fraction / layers included), with every assumption and its source.
+    """,
+    "Estimate memory and step time",
+)
+
+
+@mcp.tool(
+    title="Apply an offload mode to a config",
+    # Writes files (only with output/in_place, inside the server's roots); may replace an existing file when
+    # overwrite=true or in_place=true (a backup is kept): destructive. A second identical write is refused.
+    annotations=ToolAnnotations(
+        read_only_hint=False, destructive_hint=True, idempotent_hint=False, open_world_hint=False
+    ),
+)
+@guard.guarded()
+@declared("apply_offload")
+def apply_offload(**v: Any) -> ApplyResult:  # the types, bounds, defaults and descriptions: interface.tools.APPLY
+    """Edit a config to enable (or disable) CPU offloading, resolving the conflicts the mode implies.
+
+    Always returns the unified diff, the override list and each change with its reason; writes only with output
+    or in_place, atomically, and never a config that fails validation. Comments, key order and every untouched
+    byte are preserved. An existing output is replaced only with overwrite=true, and then backed up. With
+    mode='recommended' or option=N it takes every input recommend_mode takes (measured_log, ooms, levers,
+    headroom_gib, gpu, num_gpus, ...), so option N is recommend_mode's options[N] for the same inputs, written exactly.
+    """
+    return apply_answer(v, write_roots=guard.policy().write_roots())
+
+
+@mcp.tool(
+    title="Run the offload unit tests",
+    # Runs code (pytest in a subprocess; with bridge_repo, a checkout's tests that the server was started to
+    # allow): not read-only, and open-world because that code is not this server's.
+    annotations=ToolAnnotations(
+        read_only_hint=False, destructive_hint=False, idempotent_hint=True, open_world_hint=True
+    ),
+)
+@guard.guarded(lambda kwargs: float(kwargs.get("timeout_s") or 600) + 30)
+@declared("run_unit_tests")
+def run_unit_tests(  # the types, bounds, defaults and descriptions: interface.tools.TEST
+    ctx: Context,
+    *,
+    k,
+    bridge_repo,
+    suite,
+    config,
+    steps,
+    timeout_s,
+    path,
+) -> TestRunResult:
+    """Run tests in a subprocess and report counts, durations, failing node ids with the failure text, and a
+    coverage paragraph (what ran, what did not). By default (or k='cpu_offload') the offload suite runs: HDO
+    parity and resume, checkpoints, activation schedule, rules; suite='full' runs everything.
+
+    bridge_repo runs a Megatron Bridge checkout's offload tests only when the server was started with
+    --allow-bridge-repo for it (running them imports the checkout's conftest.py).
+
+    Progress is reported as each test finishes. A selection that matches nothing is reported as
+    nothing_selected (ok=false), never as success.
+    """
+    import anyio.from_thread
+
+    from mbridge_offload.actions.testing.result import TestSuiteError
+    from mbridge_offload.actions.testing.suite import run_tests
+    from mbridge_offload.config.sources import ConfigError
+
+    def progress(done: int, total: int | None, message: str) -> None:
+        try:
+            anyio.from_thread.run(ctx.report_progress, float(done), float(total) if total else None, message)
+        except Exception:  # progress is best effort; never fail the run for it
+            logger.debug("progress report failed", exc_info=True)
+
+    repo = guard.check_bridge_repo(bridge_repo) if bridge_repo is not None else None
+    try:
+        result = run_tests(
+            k=k,
+            bridge_repo=repo,
+            repo_python=guard.policy().bridge_venv,
+            suite=suite,
+            timeout_s=timeout_s,
+            on_progress=progress,
+            config=config,
+            steps=steps,
+            path=path,
+        )
+    except (TestSuiteError, ConfigError) as exc:
+        raise ToolError(str(exc)) from None
+    return result
+
+
+@mcp.tool(
+    title="Diagnose an offload failure",
+    annotations=ToolAnnotations(
+        read_only_hint=True, destructive_hint=False, idempotent_hint=True, open_world_hint=False
+    ),
+)
+@guard.guarded()
+@declared("diagnose_failure")
+def diagnose_failure(**v: Any) -> DiagnoseReport:  # the parameters: interface.tools.DIAGNOSE
+    """Match an error or log against the known offload failure modes: cause, how to confirm, fix as overrides.
+
+    A confirming experiment (e.g. resuming without the optimizer state) is in confirm / confirm_overrides, never in
+    fix. When the text cannot decide (a bare CUDA OOM and no config), needs says what to pass. With a config, an OOM,
+    slowdown or host-OOM fix is one of the planner's ranked options (options[], sized on gpu / num_gpus with the
+    text as measured_log and an OOM in it as ooms; assumptions lists every input with its source), never a guessed
+    fraction. With before/after configs it also lists the offload keys that changed and the predicted memory change
+    on that GPU and count. log is a file path or the log text itself.
+    """
+    return diagnose_answer(v)
+
+
+# The picture tool lives in its own module (mbridge_offload_tools.plot.tool), its parameters declared as plot's.
+plot_tool.register(mcp)
+
+
+# ---------------------------------------------------------------------------------------------- entry points
+
+
+def run(
+    transport: str = "stdio",
+    host: str = "127.0.0.1",
+    port: int = 8765,
+    roots: list[str] | None = None,
+    bridge_repos: list[str] | None = None,
+    bridge_venv: bool = False,
+) -> None:
+    """Serve over ``stdio`` or ``streamable-http`` (on ``host:port``, path ``/mcp``).
+
+    Args:
+        transport: ``stdio`` or ``streamable-http``.
+        host: streamable-http host.
+        port: streamable-http port.
+        roots: directories tools may read and write, added to the working directory.
+        bridge_repos: Bridge checkouts whose tests may run.
+        bridge_venv: allow those checkouts' own ``.venv`` Python.
+
+    Raises:
+        ValueError: an unknown transport.
+    """
+    if transport not in ("stdio", "streamable-http"):
+        raise ValueError(f"transport {transport!r} is not one of stdio, streamable-http")
+    guard.configure(roots or [], bridge_repos or [], bridge_venv)
+    # Started by hand, the server would otherwise look hung. stderr only: on stdio, stdout is the protocol.
+    if transport == "stdio":
+        sys.stderr.write(
+            "mbridge-offload MCP server: waiting for an MCP client on stdio (stdin/stdout carry the protocol; "
+            "an MCP client such as Claude Code or the MCP inspector starts this command). Ctrl-C stops it.\n"
+        )
+        sys.stderr.flush()
+        mcp.run("stdio")
+    else:
+        sys.stderr.write(f"mbridge-offload MCP server: streamable HTTP on http://{host}:{port}/mcp. Ctrl-C stops it.\n")
+        sys.stderr.flush()
+        mcp.run("streamable-http", host=host, port=port)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``mbridge-offload-mcp`` command line (the same flags as ``mbridge-offload serve``)."""
+    parser = argparse.ArgumentParser(prog="mbridge-offload-mcp", description="MCP server for mbridge-offload")
+    guard.add_transport_flags(parser)
+    guard.add_policy_flags(parser)
+    parser.add_argument("--version", action="version", version=f"mbridge-offload-mcp {__version__}")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Console script ``mbridge-offload-mcp``."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    from mbridge_offload.config.errors import InputError
+
+    try:
+        run(args.transport, args.host, args.port, args.roots, args.bridge_repos, args.allow_bridge_venv)
+    except InputError as exc:
+        parser.exit(2, f"mbridge-offload-mcp: error: {exc}\n")
+
+
+if __name__ == "__main__":
+    main()
