@@ -3,7 +3,7 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup run test test-bridge bridge-env lint docs bench clean skill-zip check-hosts
+.PHONY: setup run test test-long test-bridge bridge-env lint docs bench clean skill-zip check-hosts
 
 setup: $(VENV)/.ready
 
@@ -18,8 +18,14 @@ run: setup
 	$(BIN)/mbridge-offload validate examples/qwen3_30b_a3b_pretrain.yaml
 	$(BIN)/mbridge-offload recommend --model qwen3-30b-a3b --gpu h100-80gb --num-gpus 16 --tp 2 --pp 2 --ep 4
 
+# The suite on every core (pytest-xdist; a file's tests stay on one worker, so module fixtures are built once), less the
+# long differential and mutation runs, which `make test-long` runs (CI runs both).
+PYTEST := $(BIN)/python -m pytest -q -n auto --dist loadfile
 test: setup
-	$(BIN)/python -m pytest -q
+	$(PYTEST) -m "not long"
+
+test-long: setup
+	$(PYTEST) -m long
 
 # Megatron Bridge's real ConfigContainer for `validate --recipe` and the recipe tests, two releases, without their
 # CUDA-only dependencies:

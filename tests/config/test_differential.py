@@ -45,7 +45,7 @@ N_GENERATED = int(os.environ.get("MBRIDGE_DIFFERENTIAL_CASES", "500"))
 N_OLD = 150
 REQUIRED_AGREEMENT = 0.995  # per release: megatron-core's verdict, and the message where both refuse
 
-pytestmark = pytest.mark.megatron
+pytestmark = [pytest.mark.megatron, pytest.mark.long]
 
 
 def _versions() -> list:

@@ -14,7 +14,7 @@ import pytest
 
 from tests.support import mutation
 
-pytestmark = [pytest.mark.slow, pytest.mark.ordering]
+pytestmark = [pytest.mark.slow, pytest.mark.ordering, pytest.mark.long]
 
 
 def test_sites_are_found_by_ast_and_mutated_in_place() -> None:

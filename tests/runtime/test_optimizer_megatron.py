@@ -32,7 +32,10 @@ CASES = [
         label,
         version_env(label),
         world,
-        marks=pytest.mark.skipif(version_env(label) is None, reason=f"megatron-core {label} not installed"),
+        marks=[
+            pytest.mark.skipif(version_env(label) is None, reason=f"megatron-core {label} not installed"),
+            *([pytest.mark.long] if world == 2 else []),  # two gloo ranks: the same checks, twice the processes
+        ],
         id=f"{label}-world{world}",
     )
     for label in ("0.16.1", "0.19.2")

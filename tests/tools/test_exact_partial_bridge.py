@@ -32,7 +32,7 @@ from mbridge_offload_tools.exact.run import payload, run_children
 ROOT = Path(__file__).resolve().parents[2]
 MCORE_NEW = ROOT / ".mcore" / "0.19.2" / "megatron" / "core"
 needs_019 = pytest.mark.skipif(not MCORE_NEW.is_dir(), reason="scripts/setup installs megatron-core 0.19.2 in .mcore/")
-pytestmark = pytest.mark.megatron
+pytestmark = [pytest.mark.megatron, pytest.mark.long]
 
 PIPELINE_DTYPE_ERROR = "When using pipeline parallelism, pipeline_dtype must be specified"
 HEADS_ERROR = "num_attention_heads (6) must be a multiple of tensor_model_parallel_size (4)."

@@ -77,7 +77,7 @@ def test_readme_says_what_ci_runs() -> None:
     from mbridge_offload_tools.docgen.skill.references import number_word
 
     targets = _ci_steps((ROOT / ".ci" / "run").read_text(encoding="utf-8"))
-    assert targets == ["lint", "test", "test-bridge"], targets
+    assert targets == ["lint", "test", "test-long", "test-bridge"], targets
     sentence = " ".join(README.split("CI (`.ci/run`)", 1)[1].split("\n\n", 1)[0].split())
     assert f"runs {number_word(len(targets))} steps" in sentence, sentence
     named = re.findall(r"`make ([\w-]+)`", sentence)

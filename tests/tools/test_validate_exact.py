@@ -130,6 +130,7 @@ def _exact(source: str, target: str = "megatron-core==0.19.2"):
     return report, exact_report(report, loaded.raw, 300, loaded.config)
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("target", [pytest.param("megatron-core==0.19.2", marks=needs_019), "megatron-core==0.16.1"])
 def test_bridge_yaml_with_pp_and_no_pipeline_dtype_is_clean_and_names_the_release_that_ran(target):
     bridge_yaml = PP2.format(target="_target_: megatron.bridge.models.gpt_provider.GPTModelProvider\n  ")
@@ -151,6 +152,7 @@ def test_bridge_yaml_with_pp_and_no_pipeline_dtype_is_clean_and_names_the_releas
     ]
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("target", [pytest.param("megatron-core==0.19.2", marks=needs_019), "megatron-core==0.16.1"])
 def test_precision_aware_optimizer_without_te_is_a_stated_skip_not_an_error(target):
     _, exact = _exact(PRECISION_AWARE, target)
@@ -164,6 +166,7 @@ def test_precision_aware_optimizer_without_te_is_a_stated_skip_not_an_error(targ
 
 
 @needs_019
+@pytest.mark.long
 @pytest.mark.parametrize(
     "path",
     [
@@ -208,6 +211,7 @@ PP2_BRIDGE = {
 }
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("variant", sorted(PP2_BRIDGE))
 def test_on_the_fallback_release_a_bridge_pp2_bf16_yaml_gets_bridges_normalisations(variant, tmp_path, monkeypatch):
     # The target 0.19.2 is not installed (no side-by-side trees): the venv's 0.16.1 runs, after the same
