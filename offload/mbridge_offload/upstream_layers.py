@@ -72,7 +72,8 @@ LAYER_OFFLOAD, FINE_GRAINED, OPTIMIZER, RECOMPUTE = (
     "optimizer offload",
     "recompute",
 )
-_FG_MODULES = (
+# The names megatron-core 0.19.2 accepts in ``offload_modules`` (transformer_config.py, __post_init__).
+ALLOWED_OFFLOAD_MODULES: tuple[str, ...] = (
     "attn_norm",
     "qkv_linear",
     "core_attn",
@@ -87,7 +88,7 @@ _RECOMPUTE_MODULES = ("core_attn", "layernorm", "mlp", "moe", "moe_act", "shared
 SETTINGS: tuple[Setting, ...] = (
     Setting("cpu_offloading", LAYER_OFFLOAD, "model.cpu_offloading=true (cpu_offloading_activations)"),
     Setting("cpu_offloading_weights", LAYER_OFFLOAD, "model.cpu_offloading_weights=true"),
-    *(Setting(f"offload_modules:{m}", FINE_GRAINED, f"model.offload_modules=[{m}]") for m in _FG_MODULES),
+    *(Setting(f"offload_modules:{m}", FINE_GRAINED, f"model.offload_modules=[{m}]") for m in ALLOWED_OFFLOAD_MODULES),
     Setting("optimizer_cpu_offload", OPTIMIZER, "optimizer.optimizer_cpu_offload=true"),
     Setting("recompute:full-uniform", RECOMPUTE, "model.recompute_granularity=full, recompute_method=uniform"),
     Setting("recompute:full-block", RECOMPUTE, "model.recompute_granularity=full, recompute_method=block"),

@@ -22,6 +22,7 @@ from mbridge_offload.plan.memory.stage import estimate_memory
 from mbridge_offload.plan.model.architecture import MLASpec, ModelSpec
 from mbridge_offload.plan.model.run import Setup
 from mbridge_offload.plan.search import planner as plan
+from mbridge_offload.upstream_layers import ALLOWED_OFFLOAD_MODULES
 from mbridge_offload_tools.evidence import published_fine_grained
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -74,7 +75,7 @@ def test_the_module_names_are_exactly_what_megatron_core_0_19_2_accepts():
         if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", None) == "allowed_modules"
     ]
     found = next(s for s in sets if "attn_proj" in s)  # the offload set (the other one is recompute's)
-    assert found == set(fine_grained.ALLOWED_MODULES) == set(fine_grained.POINTS)
+    assert found == set(ALLOWED_OFFLOAD_MODULES) == set(fine_grained.POINTS)
 
 
 def test_every_tensor_an_offload_point_names_is_one_the_memory_model_lists():

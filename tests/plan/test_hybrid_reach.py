@@ -33,7 +33,7 @@ from mbridge_offload.plan.memory.stage import estimate_memory
 from mbridge_offload.plan.model.architecture import MambaSpec, ModelSpec
 from mbridge_offload.plan.model.run import Setup
 from mbridge_offload.plan.service import estimate_for_inputs, recommend_for_inputs
-from mbridge_offload.upstream_layers import PLANNER_RELEASE, applies, cell
+from mbridge_offload.upstream_layers import ALLOWED_OFFLOAD_MODULES, PLANNER_RELEASE, applies, cell
 from tests.support import tree
 
 # Nemotron-H 8B-like shapes (52 layers: 24 Mamba, 5 attention, 23 MLP), the model class of the report.
@@ -199,7 +199,7 @@ def _offloads(m: ModelSpec, s: Setup, index: int, module: str) -> bool:
 
 
 RECOMPUTE = ("core_attn", "layernorm", "mlp", "moe", "moe_act", "shared_experts", "mla_up_proj")
-OFFLOAD = fine_grained.ALLOWED_MODULES
+OFFLOAD = ALLOWED_OFFLOAD_MODULES
 
 
 @pytest.mark.parametrize("module", RECOMPUTE)

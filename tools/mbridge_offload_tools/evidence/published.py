@@ -15,23 +15,18 @@ Nothing is special-cased per point: every prediction is the planner's ordinary a
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
-from importlib import resources
 from typing import Any
 
 from mbridge_offload.plan.inputs.resolve import resolve
 from mbridge_offload.plan.memory.stage import estimate_memory
 from mbridge_offload.plan.search.anchor import CUDA_CONTEXT_GIB
 from mbridge_offload.plan.time.step import estimate_time
+from mbridge_offload_tools.evidence import data_files
 
 
-@lru_cache(maxsize=1)
 def load() -> dict[str, Any]:
-    """The data file, parsed."""
-    from ruamel.yaml import YAML
-
-    text = resources.files("mbridge_offload_tools.evidence").joinpath("data/published.yaml").read_text()
-    return YAML(typ="safe").load(text)
+    """The data file, parsed (``data/published.yaml``)."""
+    return data_files.load("published")
 
 
 @dataclass

@@ -10,20 +10,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import lru_cache
-from importlib import resources
 from typing import Any
 
 from mbridge_offload.plan.memory import fine_grained
 from mbridge_offload.plan.model.params import stage_layers
+from mbridge_offload.upstream_layers import ALLOWED_OFFLOAD_MODULES
+from mbridge_offload_tools.evidence import data_files
 
 
-@lru_cache(maxsize=1)
 def load() -> dict[str, Any]:
-    """The data file, parsed."""
-    from ruamel.yaml import YAML
-
-    text = resources.files("mbridge_offload_tools.evidence").joinpath("data/published_fine_grained.yaml").read_text()
-    return YAML(typ="safe").load(text)
+    """The data file, parsed (``data/published_fine_grained.yaml``)."""
+    return data_files.load("published_fine_grained")
 
 
 def recipe(recipe_id: str) -> dict[str, Any]:
@@ -144,7 +141,7 @@ def evaluate() -> list[CheckResult]:
 def render_modules_table() -> str:
     """What each ``offload_modules`` entry of megatron-core 0.19.2 moves (from ``fine_grained.POINTS``)."""
     lines = ["| module | offload scope (megatron-core 0.19.2) | saved tensors moved | note |", "|---|---|---|---|"]
-    for name in fine_grained.ALLOWED_MODULES:
+    for name in ALLOWED_OFFLOAD_MODULES:
         p = fine_grained.POINTS[name]
         moved = ", ".join(f"`{t}`" for t in p.tensors)
         if p.transfer_only:

@@ -9,18 +9,14 @@ torch.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
-from importlib import resources
 from typing import Any
 
+from mbridge_offload_tools.evidence import data_files
 
-@lru_cache(maxsize=1)
+
 def load() -> dict[str, Any]:
-    """The data file, parsed."""
-    from ruamel.yaml import YAML
-
-    text = resources.files("mbridge_offload_tools.evidence").joinpath("data/published_recipes.yaml").read_text()
-    return YAML(typ="safe").load(text)
+    """The data file, parsed (``data/published_recipes.yaml``)."""
+    return data_files.load("published_recipes")
 
 
 @dataclass

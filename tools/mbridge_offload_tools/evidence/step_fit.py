@@ -13,7 +13,6 @@ import math
 from collections import defaultdict
 from dataclasses import dataclass
 from functools import cache, lru_cache
-from importlib import resources
 from typing import Any
 
 from mbridge_offload.plan.inputs.hardware import GpuPreset, gpu_preset
@@ -21,18 +20,15 @@ from mbridge_offload.plan.inputs.presets import model_preset
 from mbridge_offload.plan.model.architecture import ModelSpec
 from mbridge_offload.plan.model.run import Setup
 from mbridge_offload.plan.time.terms import StepTerms, efficiency_key, step_terms
+from mbridge_offload_tools.evidence import data_files
 
 _FP8 = {"fp8-cs": "tensorwise", "fp8-mx": "mxfp8", "bf16": None}
 _COLUMNS = ("gpu", "model", "gpus", "precision", "gbs", "mbs", "seq", "fsdp", "tp", "pp", "cp", "vp", "ep", "ga")
 
 
-@lru_cache(maxsize=1)
 def load() -> dict[str, Any]:
-    """The data file, parsed."""
-    from ruamel.yaml import YAML
-
-    text = resources.files("mbridge_offload_tools.evidence").joinpath("data/performance_summary.yaml").read_text()
-    return YAML(typ="safe").load(text)
+    """The data file, parsed (``data/performance_summary.yaml``)."""
+    return data_files.load("performance_summary")
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from mbridge_offload.plan.memory.fine_grained import ALLOWED_MODULES, module_errors
+from mbridge_offload.plan.memory.fine_grained import module_errors
+from mbridge_offload.upstream_layers import ALLOWED_OFFLOAD_MODULES
 
 MODE = "fine-grained"
 _MOE_INSIDE = {"expert_fc1", "moe_act", "fused_group_mlp"}
@@ -53,7 +54,9 @@ def fine_grained_edits(cfg: Any, modules: list[str] | None, edits: dict[str, tup
     errors = module_errors(modules)
     if errors:
         raise ApplyError(
-            f"modules {modules}: " + "; ".join(errors) + f" (megatron-core 0.19.2 accepts {', '.join(ALLOWED_MODULES)})"
+            f"modules {modules}: "
+            + "; ".join(errors)
+            + f" (megatron-core 0.19.2 accepts {', '.join(ALLOWED_OFFLOAD_MODULES)})"
         )
     recompute_moe = model.recompute_granularity == "selective" and "moe" in (model.recompute_modules or [])
     if recompute_moe and _MOE_INSIDE & set(modules):

@@ -34,17 +34,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-# The names megatron-core 0.19.2 accepts in ``offload_modules`` (transformer_config.py, __post_init__).
-ALLOWED_MODULES: tuple[str, ...] = (
-    "attn_norm",
-    "qkv_linear",
-    "core_attn",
-    "attn_proj",
-    "mlp_norm",
-    "expert_fc1",
-    "moe_act",
-    "fused_group_mlp",
-)
+from mbridge_offload.upstream_layers import ALLOWED_OFFLOAD_MODULES
+
 DEFAULT_MIN_OFFLOADED_TENSOR_SIZE = 1024 * 1024  # elements (TransformerConfig.min_offloaded_tensor_size)
 
 
@@ -161,9 +152,9 @@ class SavedTensor(Protocol):
 def module_errors(modules: Sequence[str]) -> list[str]:
     """What 0.19.2's ``TransformerConfig.__post_init__`` refuses in ``offload_modules`` (empty when valid)."""
     out = []
-    bad = sorted(set(modules) - set(ALLOWED_MODULES))
+    bad = sorted(set(modules) - set(ALLOWED_OFFLOAD_MODULES))
     if bad:
-        out.append(f"Invalid choices for offload_modules: {bad}. Allowed modules are: {list(ALLOWED_MODULES)}")
+        out.append(f"Invalid choices for offload_modules: {bad}. Allowed modules are: {list(ALLOWED_OFFLOAD_MODULES)}")
     if "attn_proj" in modules and "core_attn" not in modules:
         out.append("attn_proj cannot be set to offload_modules alone without core_attn")
     if "fused_group_mlp" in modules and {"expert_fc1", "moe_act"} & set(modules):
