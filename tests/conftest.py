@@ -60,7 +60,7 @@ def pytest_configure(config: pytest.Config) -> None:
 
 @pytest.hookimpl(tryfirst=True)  # before -k, -m and --deselect drop any: the counts are of the whole collection
 def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The collected tests and their markers, for the test counts the docs quote (docgen.benchmarks.collected):
+    """The collected tests and their markers, for the test counts the docs quote (docgen.docs.benchmarks.collected):
     written to the file ``MBRIDGE_OFFLOAD_COLLECTED_OUT`` names, and handed to the doc generators when this session
     collected the whole suite (so checking the counts costs nothing then)."""
     from mbridge_offload_tools.docgen.docs import benchmarks

@@ -251,7 +251,7 @@ def apply_answer(v: dict[str, Any], **where: Any) -> Any:
 
 def diagnose_answer(v: dict[str, Any]) -> Any:
     """``diagnose`` / ``diagnose_failure``: the failure catalogue on the text, the configs read as estimate reads
-    them, and the planner's inputs (``actions.diagnose_plan.input_names``) to size a fix with.
+    them, and the planner's inputs (``actions.diagnose.sizing.input_names``) to size a fix with.
 
     Raises:
         InputError: nothing to read, before or after alone, a log or config that cannot be read, a planner input

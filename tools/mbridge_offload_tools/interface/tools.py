@@ -211,7 +211,7 @@ _APPLY_OWN = (
 )
 # mode recommended / option: every input recommend takes (evidence, levers, headroom, GPU, count, layout...), so
 # option N is recommend's option N. A planner input apply spells its own way is apply's: num_layers is
-# cpu_offloading_num_layers (the model's layer count comes from the config; actions.apply_plan.APPLY_OWN_INPUTS).
+# cpu_offloading_num_layers (the model's layer count comes from the config; actions.apply.plan.APPLY_OWN_INPUTS).
 APPLY_PLANNER = tuple(n for n in PlanInputs.model_fields if n not in {p.name for p in _APPLY_OWN})
 
 APPLY = Tool(

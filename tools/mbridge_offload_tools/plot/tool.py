@@ -1,6 +1,6 @@
 """The MCP tool ``plot_offload``: the picture as image content, its points as structured content.
 
-Registered by the server (``server.py`` calls :func:`register`); its parameters are declared once with the ``plot``
+Registered by the server (``server/app.py`` calls :func:`register`); its parameters are declared once with the ``plot``
 subcommand's flags (``interface.tools.PLOT``: every input ``estimate_memory`` takes, and the picture's own), and
 its body is the CLI's (``plot.run.plot_answer``). PNG by default: agent hosts show PNG image content to the model;
 SVG on request (``format='svg'`` or an ``output`` named .svg).
