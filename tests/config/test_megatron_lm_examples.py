@@ -13,13 +13,13 @@ from pathlib import Path
 
 import pytest
 
-from mbridge_offload.config.megatron_lm.flags import MLM_ARGUMENTS
+from mbridge_offload.config.megatron_lm.flags import arguments
 from mbridge_offload.config.sources import load
 from mbridge_offload.config.validate import validate
 
 DATA = Path(__file__).parent / "data" / "megatron_lm_examples.json"
 EXAMPLES = json.loads(DATA.read_text(encoding="utf-8"))
-OPTIONS = {opt for row in MLM_ARGUMENTS for opt in row[0]}
+OPTIONS = {opt for row in arguments() for opt in row[0]}
 
 
 def test_the_collection_is_substantial():

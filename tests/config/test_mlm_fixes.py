@@ -12,13 +12,13 @@ from pathlib import Path
 import pytest
 
 from mbridge_offload.config.megatron_lm.fixes import flag_edit, megatron_lm_fixes
-from mbridge_offload.config.megatron_lm.flags import MLM_ARGUMENTS
+from mbridge_offload.config.megatron_lm.flags import arguments
 from mbridge_offload.config.rules.catalogue import all_rules
 from mbridge_offload.config.sources import load
 from mbridge_offload.config.validate import validate
 
 EXAMPLES = json.loads((Path(__file__).parent / "data" / "megatron_lm_examples.json").read_text(encoding="utf-8"))
-OPTIONS = {opt for row in MLM_ARGUMENTS for opt in row[0]}
+OPTIONS = {opt for row in arguments() for opt in row[0]}
 ARGV = "--num-layers 4 --cpu-offloading-num-layers 4 --pipeline-model-parallel-size 2 --optimizer-cpu-offload " \
     "--recompute-activations"  # fmt: skip
 

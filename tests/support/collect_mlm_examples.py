@@ -19,11 +19,11 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from mbridge_offload.config.megatron_lm.flags import MLM_ARGUMENTS
+from mbridge_offload.config.megatron_lm.flags import arguments
 
 OUT = Path(__file__).resolve().parents[2] / "tests" / "config" / "data" / "megatron_lm_examples.json"
-TAKES_VALUE = {opt: row[2] in ("store", "append") for row in MLM_ARGUMENTS for opt in row[0]}
-NARGS = {opt: row[3] for row in MLM_ARGUMENTS for opt in row[0]}
+TAKES_VALUE = {opt: row[2] in ("store", "append") for row in arguments() for opt in row[0]}
+NARGS = {opt: row[3] for row in arguments() for opt in row[0]}
 
 
 def _words(text: str) -> list[str]:

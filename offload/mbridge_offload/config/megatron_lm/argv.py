@@ -15,7 +15,7 @@ import functools
 from typing import Any
 
 from mbridge_offload.config.errors import InputError
-from mbridge_offload.config.megatron_lm.flags import MLM_ARGUMENTS, MLM_VERSION
+from mbridge_offload.config.megatron_lm import flags as table
 from mbridge_offload.config.schema import SECTIONS
 
 # Megatron-LM's CLI defaults where they differ from the dataclass (arguments.py) and matter to a rule.
@@ -47,7 +47,7 @@ class _Parser(argparse.ArgumentParser):
 def parser() -> argparse.ArgumentParser:
     """Megatron-LM's argument parser, rebuilt from the generated table; only given flags land in the namespace."""
     p = _Parser(add_help=False, allow_abbrev=False, argument_default=argparse.SUPPRESS)
-    for options, dest, kind, nargs, const, _default, type_name, choices in MLM_ARGUMENTS:
+    for options, dest, kind, nargs, const, _default, type_name, choices in table.arguments():
         kw: dict[str, Any] = {"dest": dest, "default": argparse.SUPPRESS}
         if kind in ("store_true", "store_false", "store_const"):
             kw.update(action="store_const", const={"store_true": True, "store_false": False}.get(kind, const))
@@ -123,7 +123,7 @@ def parse_argv(argv: list[str]) -> dict[str, Any]:
     flags = [a for a in unknown if a.startswith("-")]
     if flags:
         raw["unknown_arguments"] = flags
-    raw["megatron_lm_version"] = MLM_VERSION
+    raw["megatron_lm_version"] = table.version()
     raw["frontend"] = "megatron-lm"
     return raw
 
@@ -131,7 +131,7 @@ def parse_argv(argv: list[str]) -> dict[str, Any]:
 def flags_by_key() -> dict[str, str]:
     """dotted config key → the Megatron-LM flag that sets it (for the parameter docs)."""
     flags: dict[str, str] = {}
-    for options, dest, *_ in MLM_ARGUMENTS:
+    for options, dest, *_ in table.arguments():
         for section, cls in SECTIONS.items():
             if dest in cls.model_fields:
                 flags.setdefault(f"{section}.{dest}", options[0])

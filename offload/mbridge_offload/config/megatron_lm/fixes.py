@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from mbridge_offload.config.megatron_lm.flags import MLM_ARGUMENTS
+from mbridge_offload.config.megatron_lm.flags import arguments
 from mbridge_offload.config.schema import SECTIONS
 
 # Keys no flag sets directly: the flags Megatron-LM derives them from (arguments.py validate_args, 0.19.2).
@@ -31,7 +31,7 @@ def _rows(section: str, name: str) -> list[tuple]:
     """The parser rows whose dest is ``name`` and that Megatron-LM passes to ``section``'s config."""
     cls = SECTIONS.get(section)
     in_section = (cls is not None and name in cls.model_fields) or (section == "model" and name in _EXTRA_MODEL)
-    return [row for row in MLM_ARGUMENTS if row[1] == name] if in_section else []
+    return [row for row in arguments() if row[1] == name] if in_section else []
 
 
 def _value(text: str) -> Any:

@@ -2,18 +2,21 @@
 
 The table is data, ``data/arguments.txt``, written by ``tests/support/gen_mlm_flags.py`` from the real parser
 (``add_megatron_arguments``): one Python literal per line, ``(option strings, dest, kind, nargs, const, default, type
-name or None, choices or None)``. Read once at import (about 10 ms); never imports torch or megatron.
+name or None, choices or None)``. Read on first use (about 15 ms), so a config that is no Megatron-LM command line
+never pays for it; never imports torch or megatron.
 """
 
 from __future__ import annotations
 
 import ast
+import functools
 from importlib import resources
 
 DATA = "data/arguments.txt"
 
 
-def _load() -> tuple[str, tuple[tuple, ...]]:
+@functools.cache
+def _table() -> tuple[str, tuple[tuple, ...]]:
     text = resources.files(__package__).joinpath(DATA).read_text(encoding="utf-8")
     version, rows = "", []
     for line in text.splitlines():
@@ -24,4 +27,11 @@ def _load() -> tuple[str, tuple[tuple, ...]]:
     return version, tuple(rows)
 
 
-MLM_VERSION, MLM_ARGUMENTS = _load()
+def arguments() -> tuple[tuple, ...]:
+    """Every argument of the table, in the parser's order."""
+    return _table()[1]
+
+
+def version() -> str:
+    """The megatron-core release whose Megatron-LM parser the table was read from."""
+    return _table()[0]

@@ -35,9 +35,11 @@ def batch(s: Setup, gbs_source: str | None) -> list[Row]:
         s: the resolved setup (its DP decides the split).
         gbs_source: where ``global_batch_size`` came from (``config``, ``flag``, ``preset``...), None when not given.
     """
+    from mbridge_offload.plan.time.step import samples_per_step
+
     n, per_rank = microbatches(s), s.micro_batch_size * s.dp
     if s.global_batch_size is None:
-        implied = n * per_rank
+        implied = samples_per_step(s)
         return [
             (
                 "global_batch_size",

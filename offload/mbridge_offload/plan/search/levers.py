@@ -77,9 +77,9 @@ def layout_variants(lever: str, m: ModelSpec, s: Setup) -> list[Setup]:
     if s.global_batch_size is None:
         # The same job: a layout change keeps the samples per step the config as given implies (4·PP micro-batches
         # per DP rank), so fewer DP ranks run more micro-batches each, not a smaller step.
-        from mbridge_offload.plan.time.step import default_microbatches
+        from mbridge_offload.plan.time.step import samples_per_step
 
-        s = replace(s, global_batch_size=default_microbatches(s) * s.micro_batch_size * s.dp)
+        s = replace(s, global_batch_size=samples_per_step(s))
     if lever == "tp":
         tp = s.tp * 2
         while tp <= MAX_TP:

@@ -101,6 +101,11 @@ def default_microbatches(s: Setup) -> int:
     return s.num_microbatches() or 4 * s.pp
 
 
+def samples_per_step(s: Setup) -> int:
+    """The global batch: as given, else what the micro-batches the time model assumes add up to over DP."""
+    return s.global_batch_size or default_microbatches(s) * s.micro_batch_size * s.dp
+
+
 def no_lever_setup(s: Setup) -> Setup:
     """The same run with recomputation off and every offload off: what ``step_time_factor_vs_no_levers`` divides
     by."""
