@@ -3,9 +3,10 @@
 ``tools/mbridge_offload_tools/evidence/data/gpu_memory_phases.json`` was written on a lent H200 by
 ``benchmarks/gpu_memory_phases.py`` (docs/benchmarks-memory-gpu.md): a 0.94 B megatron-core 0.19.2 GPTModel (local
 spec), bf16 weights, the distributed optimizer, world size 1, with fp32 or bf16 gradient buffers and our
-HybridDeviceOptimizer at fractions 0.5 and 1.0. Allocated memory at the start of a step is the resident state; the
-optimizer step's peak over it is the step's transient. The planner must reproduce both: this is what the peak's phases
-rest on (the fp32 gradient copy belongs to the step, not to the activation peak).
+HybridDeviceOptimizer at fractions 0.5 and 1.0, and megatron-core's own at 0.5 (what Bridge builds; the script runs no
+gc.collect() before training, like a run with ``train.manual_gc=False``). Allocated memory at the start of a step is
+the resident state; the optimizer step's peak over it is the step's transient. The planner must reproduce both: this
+is what the peak's phases rest on (the fp32 gradient copy belongs to the step, not to the activation peak).
 
 Not compared: the forward/backward peak. The local spec's attention is unfused (it saves the softmax probabilities,
 batch x heads x seq^2 per layer), which no Bridge recipe runs; the planner models fused attention.
@@ -32,7 +33,7 @@ ROWS = {r["setup"]: r for r in MEASURED["results"]}
 RESIDENT_TOLERANCE_GIB = 0.25
 
 
-def _plan(row: dict) -> tuple[StageMemory, Setup]:
+def _plan(row: dict, manual_gc: bool = False) -> tuple[StageMemory, Setup]:
     """The planner's worst (only) stage for a measured set-up, and the settings it read."""
     shape = MEASURED["shape"]
     raw = {
@@ -60,9 +61,11 @@ def _plan(row: dict) -> tuple[StageMemory, Setup]:
             "optimizer_offload_fraction": row["fraction"],
             "use_precision_aware_optimizer": row["offload"] != "none",
         },
-        "train": {"micro_batch_size": shape["batch"], "global_batch_size": shape["batch"]},
+        "train": {"micro_batch_size": shape["batch"], "global_batch_size": shape["batch"], "manual_gc": manual_gc},
     }
-    r = resolve({"gpu": "h200-141gb", "num_gpus": 1}, sources.build_config(raw, "<gpu-measured>"), raw)
+    which = "ours" if row["offload"] == "ours" else "megatron-core"
+    flags = {"gpu": "h200-141gb", "num_gpus": 1, "hybrid_optimizer": which}
+    r = resolve(flags, sources.build_config(raw, "<gpu-measured>"), raw)
     return estimate_memory(r.model, r.setup).worst, r.setup
 
 
@@ -84,7 +87,12 @@ def test_the_measurement_is_a_gpu_measurement_of_this_model():
     assert stage.params == pytest.approx(ROWS["fp32 grads"]["params"], rel=1e-3)
 
 
-@pytest.mark.parametrize("setup", ["fp32 grads", "bf16 grads", "bf16 grads, ours 0.5", "bf16 grads, ours 1.0"])
+MEGATRON_CORE_HDO = "bf16 grads, megatron-core HDO 0.5"
+
+
+@pytest.mark.parametrize(
+    "setup", ["fp32 grads", "bf16 grads", "bf16 grads, ours 0.5", "bf16 grads, ours 1.0", MEGATRON_CORE_HDO]
+)
 def test_the_resident_state_is_what_the_gpu_held_at_the_start_of_a_step(setup):
     row = ROWS[setup]
     stage, _ = _plan(row)
@@ -102,8 +110,30 @@ def test_bf16_gradients_add_their_fp32_copy_to_the_step_and_only_to_the_step():
     assert ours == pytest.approx(measured, abs=0.05)
 
 
-@pytest.mark.parametrize("setup", ["bf16 grads, ours 0.5", "bf16 grads, ours 1.0"])
+@pytest.mark.parametrize("setup", ["bf16 grads, ours 0.5", "bf16 grads, ours 1.0", MEGATRON_CORE_HDO])
 def test_the_hybrid_optimizers_step_transient_is_the_fp32_copy_of_what_it_steps_on_the_gpu(setup):
-    # Its GPU part is torch's fused AdamW (no temporaries of its own): the transient is the copy alone.
+    # Its GPU part is torch's fused AdamW (no temporaries of its own): the transient is the copy alone (ours), or for
+    # megatron-core's HDO, which keeps its copies resident, the new copy of its largest GPU-stepped tensor.
     row = ROWS[setup]
     assert _ours_transient_gib(row) == pytest.approx(_measured_transient_gib(row), abs=RESIDENT_TOLERANCE_GIB)
+
+
+def test_megatron_core_hdo_holds_eight_bytes_per_gpu_stepped_parameter_more_than_ours():
+    # The planner's reason for the measured gap (plan/memory/stage.py _megatron_core_kept): 4 bytes of kept fp32
+    # gradient and 4 bytes of the first build's fp32 clone per parameter stepped on the GPU (world size 1).
+    ours, _ = _plan(ROWS["bf16 grads, ours 0.5"])
+    upstream, _ = _plan(ROWS[MEGATRON_CORE_HDO])
+    gpu_stepped = upstream.shard_numel - upstream.offloaded_numel
+    assert upstream.optimizer - ours.optimizer == 8 * gpu_stepped
+    measured = (
+        ROWS[MEGATRON_CORE_HDO]["allocated_before_step_bytes"]
+        - ROWS["bf16 grads, ours 0.5"]["allocated_before_step_bytes"]
+    )
+    assert measured / gpu_stepped == pytest.approx(8, rel=0.02)
+
+
+def test_a_garbage_collection_before_training_frees_the_first_build():
+    kept, _ = _plan(ROWS[MEGATRON_CORE_HDO])
+    stage, setup = _plan(ROWS[MEGATRON_CORE_HDO], manual_gc=True)  # Bridge's recipes' train.manual_gc=True
+    assert setup.manual_gc
+    assert kept.optimizer - stage.optimizer == 4 * (stage.shard_numel - stage.offloaded_numel)

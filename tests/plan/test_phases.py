@@ -200,9 +200,12 @@ def test_the_optimizer_steps_transient_is_the_fp32_copy_of_bf16_gradients_only()
     copy, shard, _ = _step_other(grad_reduce_in_fp32=False, optimizer_offload_fraction=0.5)
     assert copy == 4 * shard  # offloaded shards are copied too: DistributedOptimizer casts before HDO steps
     copy, shard, off = _step_other(
-        grad_reduce_in_fp32=False, use_precision_aware_optimizer=True, optimizer_offload_fraction=0.5
+        grad_reduce_in_fp32=False,
+        use_precision_aware_optimizer=True,
+        optimizer_offload_fraction=0.5,
+        hybrid_optimizer="ours",
     )
-    assert 0 < off < shard and copy == 4 * (shard - off)  # HDO's fp32_param.grad for the GPU-side bf16 params
+    assert 0 < off < shard and copy == 4 * (shard - off)  # our HDO's fp32_param.grad for the GPU-side bf16 params
     assert _step_other(grad_reduce_in_fp32=False, use_precision_aware_optimizer=True)[0] == 0  # decoupled_grad
     fsdp = Setup(num_gpus=8, use_megatron_fsdp=True, fsdp_sharding_strategy="optim_grads_params")
     st = estimate_memory(model_preset("llama3-8b"), fsdp).worst
@@ -285,3 +288,14 @@ def test_held_out_published_recipe_peaks_within_5_percent(row):
     assert abs(row.memory_error) <= row.tolerance["memory"]
     if row.step_error is not None:
         assert abs(row.step_error) <= row.tolerance["step"]
+
+
+def test_megatron_core_hdo_keeps_its_fp32_gradient_copies_so_its_step_adds_one_tensors_copy():
+    changes = {"grad_reduce_in_fp32": False, "use_precision_aware_optimizer": True, "optimizer_offload_fraction": 0.5}
+    ours = estimate_memory(model_preset("llama3-8b"), replace(Setup(num_gpus=8), hybrid_optimizer="ours", **changes))
+    theirs = estimate_memory(model_preset("llama3-8b"), replace(Setup(num_gpus=8), **changes))
+    gpu_stepped = theirs.worst.shard_numel - theirs.worst.offloaded_numel
+    assert theirs.worst.optimizer - ours.worst.optimizer == 4 * gpu_stepped  # Bridge's manual_gc frees the rest
+    copy = _phases(theirs.worst)["optimizer_step"].other - int(Setup().overhead_gb * GB)
+    m = model_preset("llama3-8b")
+    assert copy == 4 * m.vocab_size * m.hidden_size // 8  # the output layer's DP shard, the largest on the GPU

@@ -136,6 +136,12 @@ class PlanInputs(BaseModel):
         group="offload", help="model.cpu_offloading_num_layers", ge=0, le=MAX_LAYERS
     )
     overlap: bool | None = _field(group="offload", help="optimizer.overlap_cpu_optimizer_d2h_h2d")
+    hybrid_optimizer: Literal["megatron-core", "ours"] | None = _field(
+        group="offload",
+        help="which HybridDeviceOptimizer runs with optimizer.optimizer_cpu_offload: megatron-core (what Bridge "
+        "builds; it keeps fp32 gradient copies on the GPU) or ours (after "
+        "mbridge_offload.runtime.optimizer.install_optimizer_offload())",
+    )
     cuda_graph_impl: Literal["none", "local", "transformer_engine", "full_iteration"] | None = _field(
         group="offload", help="model.cuda_graph_impl (blocks activation offload unless none/full_iteration)"
     )

@@ -112,6 +112,7 @@ DEFAULTS: dict[str, tuple[Any, str]] = {
     "optimizer_offload_fraction": (0.0, "no optimizer offload"),
     "activation_offload_layers": (0, "no activation offload"),
     "overlap": (False, "megatron-core default overlap_cpu_optimizer_d2h_h2d=False"),
+    "hybrid_optimizer": ("megatron-core", "what Bridge builds with optimizer.optimizer_cpu_offload=True"),
     "cuda_graph_impl": ("none", "megatron-core default"),
     "fine_grained_activation_offloading": (False, "megatron-core default"),
     "moe_paged_stash": (False, "megatron-core default"),
@@ -376,6 +377,7 @@ def _setup(values: dict[str, Any], m: ModelSpec) -> Setup:
         overlap_grad_reduce=bool(values["overlap_grad_reduce"]),
         overlap_param_gather=bool(values["overlap_param_gather"]),
         tp_comm_overlap=bool(values["tp_comm_overlap"]),
+        hybrid_optimizer=values["hybrid_optimizer"],
     )
     if values.get("pipeline_layout"):
         s = with_layout(s, values["pipeline_layout"])
@@ -499,8 +501,9 @@ def resolve(
     notes = {k: note for k, (_, note) in DEFAULTS.items() if where.get(k) == "default"}
     notes["share_embeddings_and_output_weights"] = tying_note
     _derive(values, where, notes, m.seq_length, "preset" if base else "default")
-    s = _setup(values, m)
+    s = replace(_setup(values, m), manual_gc=_manual_gc(config, raw))
     notes.update(model_notes(values, s, raw))
+    notes["hybrid_optimizer"] = hybrid_optimizer_note(s)
     notes = {**_effective_notes(eff, where, cfg_source), **notes}
     _check_size(m, s)
     if values.get("num_gpus") is None:
@@ -519,6 +522,43 @@ def resolve(
     raw_config = raw if raw is not None else (config.model_dump(mode="json") if config is not None else None)
     profile = _host_profile(final)
     return Resolved(final, where, m, s, _gpu(values), constraints, assumptions, raw_config, eff, profile)
+
+
+def _manual_gc(config: OffloadConfig | None, raw: dict[str, Any] | None) -> bool:
+    """``train.manual_gc`` as the run will have it: the config's, else Bridge's recipes' (True, recipes/common.py),
+    else Megatron-LM's default (False) for an argv config."""
+    given = raw_section(raw, "train").get("manual_gc")
+    if given is None:  # Megatron-LM's --manual-gc (its argv keeps the flags no config section reads here)
+        given = raw_section(raw, "megatron_lm").get("manual_gc")
+    if given is None and config is not None:
+        given = config.model_dump(mode="json").get("train", {}).get("manual_gc")
+    if isinstance(given, bool):
+        return given
+    return not (config is not None and config.env.get("frontend") == "megatron-lm")
+
+
+def hybrid_optimizer_note(s: Setup) -> str:
+    """The assumption every answer carries: which HybridDeviceOptimizer the numbers count, and how to get the other.
+
+    Args:
+        s: the settings (``hybrid_optimizer``, ``manual_gc``).
+
+    Returns:
+        One sentence for the ``hybrid_optimizer`` assumption.
+    """
+    if s.hybrid_optimizer == "ours":
+        return (
+            "optimizer: our HybridDeviceOptimizer (mbridge_offload.runtime.optimizer.install_optimizer_offload() "
+            "called before the optimizer is built; it frees its fp32 gradient copies after each step); without that "
+            "call Bridge builds megatron-core's: pass hybrid_optimizer=megatron-core to count it"
+        )
+    gc_words = "" if s.manual_gc else "; no train.manual_gc: its first build's fp32 clones stay too"
+    return (
+        "optimizer: megatron-core's HybridDeviceOptimizer, what Bridge builds with optimizer_cpu_offload (it keeps "
+        f"fp32 gradient copies on the GPU with the precision-aware optimizer{gc_words}); to use ours: call "
+        "mbridge_offload.runtime.optimizer.install_optimizer_offload() before the optimizer is built, and pass "
+        "hybrid_optimizer=ours"
+    )
 
 
 def _derive(

@@ -11,11 +11,12 @@ Phases never coexist, so a stage's peak is the largest of them, not the sum of e
 - ``optimizer_step``: after the last backward, activations are gone; the step's transients are the fp32 copies of
   bf16 gradients that megatron-core's optimizers make (``_copy_model_grads_to_main_grads``:
   ``main_param.grad = shard_grad.float()``, every shard, offloaded ones included; Megatron-FSDP's
-  ``update_main_grads``: ``optimizer_grad.to(param.dtype)``). The HybridDeviceOptimizer adds, on the GPU, only the
+  ``update_main_grads``: ``optimizer_grad.to(param.dtype)``). Our HybridDeviceOptimizer adds, on the GPU, only the
   fp32 copy of the gradients of the parameters it steps there when it owns bf16 parameters (precision-aware path:
   ``fp32_param.grad = grad.to(fp32)``); its offloaded gradients go straight to pinned host buffers and the updated
   parameters are copied back in place. Every copy is freed by the end of the step (measured on an H200 phase by
-  phase: ``tests/plan/test_gpu_measured.py``).
+  phase: ``tests/plan/test_gpu_measured.py``). megatron-core's own HybridDeviceOptimizer never frees those copies:
+  they are resident (``plan/memory/stage.py``), and its step adds only the new copy of one tensor.
   fp32 gradients (``grad_reduce_in_fp32``) are used as they are: no copy.
 
 Every phase carries the ``other`` workspaces the allocator hands out throughout (``Setup.overhead_gb``). Never
@@ -52,8 +53,14 @@ class PhaseMemory:
         return self.weights + self.gradients + self.optimizer + self.activations + self.other
 
 
-def optimizer_step_transient(s: Setup, shard_numel: int, offloaded_numel: int) -> tuple[int, str]:
-    """GPU bytes the optimizer step allocates beyond the resident state, and what they are (module docstring)."""
+def optimizer_step_transient(
+    s: Setup, shard_numel: int, offloaded_numel: int, largest_gpu_numel: int = 0
+) -> tuple[int, str]:
+    """GPU bytes the optimizer step allocates beyond the resident state, and what they are (module docstring).
+
+    ``largest_gpu_numel``: megatron-core's HDO keeps its fp32 gradient copies resident (``plan/memory/stage.py``
+    ``_megatron_core_kept``), so its step only ever adds the new copy of one tensor before the old one is dropped:
+    the largest it steps on the GPU."""
     if s.use_megatron_fsdp:
         grads = s.fsdp_main_grads_dtype or s.params_dtype
         if s.use_precision_aware_optimizer or s.fsdp_main_params_dtype != "fp32" or grads == "fp32":
@@ -63,6 +70,11 @@ def optimizer_step_transient(s: Setup, shard_numel: int, offloaded_numel: int) -
         return 0, ""
     if not s.use_precision_aware_optimizer:
         return 4 * shard_numel, "fp32 copies of the bf16 gradient shards (main_param.grad = shard_grad.float())"
+    if s.optimizer_offload_fraction > 0 and s.hybrid_optimizer == "megatron-core":
+        return (
+            4 * largest_gpu_numel,
+            "the new fp32 copy of one gradient megatron-core's HDO steps on the GPU (the others stay resident)",
+        )
     if s.optimizer_offload_fraction > 0:
         return (
             4 * (shard_numel - offloaded_numel),
@@ -86,6 +98,7 @@ def stage_phases(
     overhead: int,
     act: ActivationMemory,
     step: tuple[int, str],
+    kept: str = "",
 ) -> list[PhaseMemory]:
     """The phases of one pipeline stage.
 
@@ -96,6 +109,7 @@ def stage_phases(
         overhead: the workspaces every phase carries (``other``).
         act: the stage's activations by moment (``activations.stage_activations``).
         step: the optimizer step's transient bytes and what they are (``optimizer_step_transient``).
+        kept: what the resident optimizer bytes hold beyond the states (megatron-core's HDO), named in every phase.
     """
     w, g, o = resident
     extras = [
@@ -103,6 +117,7 @@ def stage_phases(
         for bytes_, words in (
             (act.rebuilt, "recompute's rebuilt layers"),
             (act.workspace, "backward's gradient buffers of the largest layer"),
+            (len(kept), kept),
         )
         if bytes_
     ]

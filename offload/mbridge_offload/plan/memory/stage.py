@@ -11,7 +11,9 @@ do not coexist; the worst stage's peak is the answer. Offloading is modelled as 
   the fp32 main-param shards stay on the GPU (they are the DistributedOptimizer's own tensors); HDO clones the
   offloaded ones to the CPU and runs their Adam step there, so the GPU loses only their two Adam moments (8 B).
   With ``use_precision_aware_optimizer`` HDO owns the fp32 masters, so the masters move too (12 B).
-  The split is HDO's greedy numel prefix over whole tensors (``greedy_offload``).
+  The split is HDO's greedy numel prefix over whole tensors (``greedy_offload``). megatron-core's own HDO (what
+  Bridge builds unless our install path is used: ``Setup.hybrid_optimizer``) keeps more on the GPU: its fp32
+  gradient copies, and the first build's fp32 clones until a garbage collection (``_megatron_core_kept``).
 - Layer-level activation offload (TE ``get_cpu_offload_context``, v2): at most ``model_layers − k`` layers of
   *eligible* saved tensors (≥ 256 Ki elements) stay resident; smaller ones never move.
 
@@ -68,52 +70,98 @@ def _shards(params: list[Tensor], m: ModelSpec, s: Setup, expert: bool) -> list[
 
 @dataclass
 class OptimizerMemory:
-    gpu_bytes: int
+    gpu_bytes: int  # includes ``kept_bytes``
     host_bytes: int  # steady state: pinned clones and grad buffers (power-of-two rounded) + pageable moments
     host_transient_bytes: int  # the first HDO, built on the full local params, clones them before DistOpt rebuilds
     shard_numel: int
     offloaded_numel: int
+    # megatron-core's HDO only: GPU bytes it holds beyond the states (the fp32 gradient copies it never frees, the
+    # first build's fp32 clones until a garbage collection), what they are, and its largest GPU-stepped shard.
+    kept_bytes: int = 0
+    kept_what: str = ""
+    largest_gpu_numel: int = 0
+
+
+def _moment_bytes(s: Setup) -> tuple[int, int]:
+    """Bytes per element of the fp32 master (or what stands for it) and of the two Adam moments."""
+    param_bytes = DTYPE_BYTES[s.params_dtype]
+    moments = DTYPE_BYTES[s.exp_avg_dtype] + DTYPE_BYTES[s.exp_avg_sq_dtype]
+    if s.use_precision_aware_optimizer and s.use_distributed_optimizer:
+        if s.main_params_dtype == "fp32" and s.store_param_remainders and param_bytes == 2:
+            return 2, moments  # only the 16 low bits the bf16 param lacks (TE FusedAdam store_param_remainders)
+        return DTYPE_BYTES[s.main_params_dtype], moments
+    return 4, 8  # fp32 main params; exp_avg dtypes only apply to the precision-aware path
 
 
 def optimizer_memory(m: ModelSpec, s: Setup, params: list[Tensor]) -> OptimizerMemory:
     """Optimizer-state bytes on the GPU and the host for one GPU's parameters."""
     f = s.optimizer_offload_fraction
     param_bytes = DTYPE_BYTES[s.params_dtype]
-    moments = DTYPE_BYTES[s.exp_avg_dtype] + DTYPE_BYTES[s.exp_avg_sq_dtype]
-    if s.use_precision_aware_optimizer and s.use_distributed_optimizer:
-        if s.main_params_dtype == "fp32" and s.store_param_remainders and param_bytes == 2:
-            master = 2  # only the 16 low bits the bf16 param lacks (TE FusedAdam store_param_remainders)
-        else:
-            master = DTYPE_BYTES[s.main_params_dtype]
-    else:
-        master, moments = 4, 8  # fp32 main params; exp_avg dtypes only apply to the precision-aware path
-    gpu = host = transient = shard_total = off_total = 0
+    master, moments = _moment_bytes(s)
+    out = OptimizerMemory(0, 0, 0, 0, 0)
     for expert in (False, True):
         shards = _shards(params, m, s, expert)
         if not shards:
             continue
         total = sum(shards)
-        shard_total += total
+        out.shard_numel += total
         if f <= 0.0:
-            gpu += total * (master + moments)
+            out.gpu_bytes += total * (master + moments)
             continue
         offloaded = greedy_offload(shards, f)
-        off_total += offloaded
+        out.offloaded_numel += offloaded
         # HDO always runs with param_update_in_fp32=True under the MCore factory: fp32 CPU params and fp32 states.
         if s.use_precision_aware_optimizer:
-            gpu += (total - offloaded) * (4 + 8)  # HDO owns fp32 masters and states of the GPU part
+            out.gpu_bytes += (total - offloaded) * (4 + 8)  # HDO owns fp32 masters and states of the GPU part
         else:
-            gpu += total * 4 + (total - offloaded) * 8  # DistOpt keeps every fp32 main-param shard on the GPU
+            out.gpu_bytes += total * 4 + (total - offloaded) * 8  # DistOpt keeps every fp32 main-param shard on the GPU
         pinned = 0
         for n in _prefix(shards, offloaded):
             pinned += 2 * next_pow2(4 * n)  # fp32 clone (pin_cpu_params) + fp32 grad buffer (pin_cpu_grads)
-        host += pinned + offloaded * 8  # torch AdamW's zeros_like moments are pageable: no rounding
+        out.host_bytes += pinned + offloaded * 8  # torch AdamW's zeros_like moments are pageable: no rounding
         # Transient: the factory's first HDO clones `f` of the full local bf16 params (pinned) plus fp32 copies.
         local = [t.numel for t in optimizer_param_order(params) if t.expert == expert]
-        transient += sum(
-            next_pow2(param_bytes * n) + next_pow2(4 * n) for n in _prefix(local, greedy_offload(local, f))
-        )
-    return OptimizerMemory(gpu, host, transient, shard_total, off_total)
+        first_host = _prefix(local, greedy_offload(local, f))
+        first_host_bytes = sum(next_pow2(param_bytes * n) + next_pow2(4 * n) for n in first_host)
+        out.host_transient_bytes += first_host_bytes
+        if s.hybrid_optimizer == "megatron-core":
+            _megatron_core_kept(s, out, (shards, offloaded), (local, first_host, first_host_bytes))
+    out.gpu_bytes += out.kept_bytes
+    return out
+
+
+def _megatron_core_kept(
+    s: Setup, out: OptimizerMemory, split: tuple[list[int], int], first: tuple[list[int], list[int], int]
+) -> None:
+    """What megatron-core's own HybridDeviceOptimizer keeps beyond ours (``out`` updated; both releases alike).
+
+    ``megatron/core/optimizer/cpu_offloading/hybrid_optimizer.py`` (identical in 0.16.1 and 0.19.2):
+    - ``_set_sub_optimizer_grads`` sets ``fp32_param.grad = grad.to(fp32)`` for every bf16 parameter it steps on the
+      GPU, every step, and nothing frees it: megatron-core's ``zero_grad`` clears the DistributedOptimizer's groups
+      and the HDO's own param groups, never the GPU sub-optimizer's fp32 copies. bf16 parameters reach the HDO only
+      on the precision-aware path (the DistributedOptimizer hands it its bf16 shards); otherwise it steps the
+      DistributedOptimizer's fp32 shards and clones nothing.
+    - ``optimizer/__init__.py`` builds a first HDO over the full local bf16 params (fp32 clones of its GPU part on
+      the GPU, pinned clones of the rest on the host); ``distrib_optimizer.py`` then builds a second one over its
+      shards and drops the first. The first is a reference cycle (its sub-optimizers' step post-hooks close over it),
+      so it is freed only by a full garbage collection: Bridge's ``train.manual_gc`` runs one before training,
+      megatron-core never does. (Measured on an H200 at fraction 0.5, world size 1: 8 bytes per GPU-stepped
+      parameter above ours, ``tests/plan/test_gpu_measured.py``.)
+    """
+    shards, offloaded = split
+    local, first_host, first_host_bytes = first
+    gpu_side = [n for n, h in zip(shards, hdo_offload_mask(shards, s.optimizer_offload_fraction), strict=True) if not h]
+    words = []
+    if s.use_precision_aware_optimizer and gpu_side:
+        out.kept_bytes += 4 * (sum(shards) - offloaded)
+        out.largest_gpu_numel = max(out.largest_gpu_numel, max(gpu_side))
+        words.append("the fp32 gradient copies megatron-core's HDO never frees (fp32_param.grad)")
+    if s.use_distributed_optimizer and not s.manual_gc:
+        out.kept_bytes += 4 * (sum(local) - sum(first_host))
+        out.host_bytes += first_host_bytes  # the first build's pinned clones stay with it
+        out.host_transient_bytes -= first_host_bytes
+        words.append("the fp32 clones of the factory's first HDO, a reference cycle no gc.collect() has freed")
+    out.kept_what = "; ".join(dict.fromkeys([*filter(None, out.kept_what.split("; ")), *words]))
 
 
 def _prefix(numels: list[int], offloaded: int) -> list[int]:
@@ -208,6 +256,7 @@ def _stage_memory(m: ModelSpec, s: Setup, stage: int) -> StageMemory:
         # Optimizer offload is not applied under Megatron-FSDP (see _setup_warnings): nothing moves to the host.
         resident = (f.weights, f.gradients, f.optimizer)
         host, host_transient, shard, offloaded = act.host_bytes, 0, f.shard_numel, 0
+        largest, kept = 0, ""
     else:
         param_bytes = DTYPE_BYTES[s.params_dtype]
         grad_bytes = 4 if s.grad_reduce_in_fp32 else param_bytes
@@ -215,7 +264,9 @@ def _stage_memory(m: ModelSpec, s: Setup, stage: int) -> StageMemory:
         resident = (numel * param_bytes, numel * grad_bytes, opt.gpu_bytes)
         host, host_transient = opt.host_bytes + act.host_bytes, opt.host_transient_bytes
         shard, offloaded = opt.shard_numel, opt.offloaded_numel
-    phases = stage_phases(s, stage, resident, overhead, act, optimizer_step_transient(s, shard, offloaded))
+        largest, kept = opt.largest_gpu_numel, opt.kept_what
+    step = optimizer_step_transient(s, shard, offloaded, largest)
+    phases = stage_phases(s, stage, resident, overhead, act, step, kept)
     top = peak(phases)
     return StageMemory(
         stage,

@@ -38,6 +38,14 @@ class Setup:
     recompute_num_layers: int | None = None
     recompute_modules: tuple[str, ...] = ("core_attn",)
     optimizer_offload_fraction: float = 0.0
+    # Which HybridDeviceOptimizer runs with optimizer_cpu_offload: megatron-core's own (what Bridge builds) or ours
+    # (after mbridge_offload.runtime.optimizer.install_optimizer_offload()). They keep different GPU tensors: see
+    # plan/memory/stage.py optimizer_memory.
+    hybrid_optimizer: str = "megatron-core"
+    # train.manual_gc: Bridge recipes set it (recipes/common.py), and its training loop then runs gc.collect() before
+    # the first step, which frees the factory's first HybridDeviceOptimizer (a reference cycle); without it that
+    # optimizer's fp32 copies stay allocated until Python's cyclic collector happens to run.
+    manual_gc: bool = True
     activation_offload_layers: int = 0
     # Fine-grained activation offloading (model.offload_modules; on when non-empty): see plan/memory/fine_grained.py.
     offload_modules: tuple[str, ...] = ()
