@@ -165,6 +165,12 @@ def render_recipe_peaks() -> str:
     return render_table()
 
 
+def render_nvidia_runs() -> str:
+    from mbridge_offload_tools.evidence.nvidia_runs import render_table
+
+    return render_table()
+
+
 def render_gpu_presets() -> str:
     from mbridge_offload.plan.inputs.hardware import render_gpu_table
 
@@ -225,6 +231,7 @@ GENERATED: dict[str, dict[str, Callable[[], str]]] = {
     "docs/planner.md": {
         "accuracy": render_accuracy,
         "recipe-peaks": render_recipe_peaks,
+        "nvidia-runs": render_nvidia_runs,
         "perf-recipes": render_perf_recipes,
         "gpu-presets": render_gpu_presets,
         "fine-grained": render_fine_grained,

@@ -55,7 +55,8 @@ class Row:
         return step_terms(self.model, self.setup, self.gpu)
 
 
-def _model(name: str) -> ModelSpec:
+def model_spec(name: str) -> ModelSpec:
+    """A model preset, or a model the data file gives inline by its Hugging Face config."""
     inline = load()["models"].get(name)
     return ModelSpec(name=name, **inline) if inline else model_preset(name)
 
@@ -78,7 +79,7 @@ def _row(values: list[Any]) -> Row:
         tp_comm_overlap=v["tp"] > 1,
     )
     label = f"{v['gpu']} {v['model']} {v['precision']} TP{v['tp']} PP{v['pp']} CP{v['cp']} EP{v['ep']} x{v['gpus']}"
-    return Row(label, _model(v["model"]), setup, gpu_preset(v["gpu"]), float(values[-1]))
+    return Row(label, model_spec(v["model"]), setup, gpu_preset(v["gpu"]), float(values[-1]))
 
 
 @lru_cache(maxsize=1)
