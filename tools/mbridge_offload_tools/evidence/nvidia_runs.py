@@ -92,7 +92,6 @@ def _settings(row: dict[str, Any]) -> str:
 def _card_rows() -> list[RunRow]:
     from mbridge_offload.plan.inputs.hardware import gpu_preset
     from mbridge_offload.plan.time.terms import efficiency, step_terms
-
     from mbridge_offload_tools.evidence.step_fit import model_spec
 
     data, out = load(), []
@@ -200,7 +199,8 @@ def render_table() -> str:
         f"(rows marked fitted are left out of these counts). Figures as published, in the unit published; GPU-measured "
         f"by NVIDIA, predicted here on CPU.",
         "",
-        "| run | settings | figure | published | estimate | estimate error | trace error | fitted | source (revision) |",
+        "| run | settings | figure | published | estimate | estimate error | trace error | fitted "
+        "| source (revision) |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in accuracy():
