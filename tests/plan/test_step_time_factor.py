@@ -27,7 +27,9 @@ def test_the_cards_setup_at_50_percent_reads_x2_5(baseline):
     assert est.step_time_factor_vs_no_levers == pytest.approx(est.time_s.step / est.time_s.baseline, abs=2e-3)
     assert est.step_time_factor_vs_no_levers > est.step_time_factor
     if baseline is not None:
-        assert est.step_time_factor_vs_no_levers == pytest.approx(3.56, abs=0.02)  # the "x3.56"
+        # The "x3.56", less the hottest EP rank's share under natural routing (plan/time/moe.py), which the
+        # recipe's recompute-free run now pays too: x3.54.
+        assert est.step_time_factor_vs_no_levers == pytest.approx(3.54, abs=0.02)
 
 
 def test_no_change_reads_x1_and_the_no_lever_ratio_keeps_the_recomputes_cost():

@@ -9,25 +9,20 @@ import pytest
 from mbridge_offload_tools.evidence import nvidia_runs
 
 ROWS = {(r.id, r.kind): r for r in nvidia_runs.accuracy()}
-# The held-out misses today (estimate's step-time error): MoE step time on the verification cards, and the Qwen3-8B
-# pretrain on 16 H100 (+22 %). See the report in docs/planner.md ("Every NVIDIA-measured run").
+# The held-out misses today (step-time error, after the EP physics of plan/time/moe.py): Qwen3-30B-A3B at EP16
+# on 16 H100 (+49 % to +83 %: the fitted per-layer fixed cost at 64 micro-batches and the small-expert GEMM efficiency),
+# its natural-routing GB200 run (-29 %: early-training imbalance beyond the assumed CV), GPT-OSS-120B on GB200 (-43 %,
+# as its performance-summary rows), Qwen3-235B-A22B on GB200 at 256 micro-batches (+46 %: the fixed cost again),
+# DeepSeek-V3 on GB300 (+23 %) and the dense Qwen3-8B on 16 H100 (+22 %).
 MISSES = {
     ("qwen3-30b-a3b pretrain H100", "step"),
     ("qwen3-30b-a3b resume H100", "step"),
+    ("qwen3-30b-a3b pretrain GB200 MXFP8", "step"),
     ("qwen3-30b-a3b perf H100", "step"),
-    ("qwen3-30b-a3b perf GB200 MXFP8", "step"),
-    ("qwen3-30b-a3b perf GB300 MXFP8", "step"),
-    ("qwen3-30b-a3b weak-scaling GB300 x8", "step"),
-    ("qwen3-30b-a3b weak-scaling GB300 x32", "step"),
-    ("qwen3-30b-a3b weak-scaling GB300 x128", "step"),
-    ("qwen3-30b-a3b weak-scaling GB300 x256", "step"),
     ("qwen3-8b pretrain H100", "step"),
     ("qwen3-8b resume H100", "step"),
     ("gpt-oss-120b perf GB200", "step"),
-    ("qwen3-235b-a22b perf GB300 MXFP8", "step"),
     ("qwen3-235b-a22b perf GB200 MXFP8", "step"),
-    ("deepseek-v3 perf H100", "step"),
-    ("deepseek-v3 perf GB200 MXFP8", "step"),
     ("deepseek-v3 perf GB300 MXFP8", "step"),
 }
 HELD_OUT = [key for key, r in ROWS.items() if not r.fitted]

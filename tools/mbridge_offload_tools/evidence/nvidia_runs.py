@@ -78,6 +78,10 @@ def card_setup(row: dict[str, Any]) -> Any:
         recompute_granularity=granularity,
         recompute_modules=modules,
         tp_comm_overlap=row["tp"] > 1,
+        moe_token_dispatcher_type="flex" if row.get("dispatcher") in ("deepep", "hybridep") else "alltoall",
+        overlap_moe_expert_parallel_comm=bool(row.get("ep_overlap")),
+        moe_router_force_load_balancing=bool(row.get("forced_balance")),
+        cuda_graph_impl=str(row.get("cuda_graph", "none")),
     )
 
 

@@ -501,7 +501,7 @@ def resolve(
     notes = {k: note for k, (_, note) in DEFAULTS.items() if where.get(k) == "default"}
     notes["share_embeddings_and_output_weights"] = tying_note
     _derive(values, where, notes, m.seq_length, "preset" if base else "default")
-    s = replace(_setup(values, m), manual_gc=_manual_gc(config, raw))
+    s = replace(_setup(values, m), manual_gc=_manual_gc(config, raw), **_moe_step_settings(config, raw, values))
     notes.update(model_notes(values, s, raw))
     notes["hybrid_optimizer"] = hybrid_optimizer_note(s)
     notes = {**_effective_notes(eff, where, cfg_source), **notes}
@@ -535,6 +535,28 @@ def _manual_gc(config: OffloadConfig | None, raw: dict[str, Any] | None) -> bool
     if isinstance(given, bool):
         return given
     return not (config is not None and config.env.get("frontend") == "megatron-lm")
+
+
+# model.* keys the MoE step time reads (plan/time/moe.py), with the Setup field each sets and its type.
+_MOE_STEP_KEYS = {
+    "moe_token_dispatcher_type": str,
+    "overlap_moe_expert_parallel_comm": bool,
+    "moe_router_force_load_balancing": bool,
+    "moe_grouped_gemm": bool,
+}
+
+
+def _moe_step_settings(
+    config: OffloadConfig | None, raw: dict[str, Any] | None, values: dict[str, Any]
+) -> dict[str, Any]:
+    """The MoE step-time settings a config writes (else megatron-core's defaults stay), and its CUDA-graph scope."""
+    model = dict(config.model_dump(mode="json").get("model", {})) if config is not None else {}
+    model.update(raw_section(raw, "model"))
+    out: dict[str, Any] = {"cuda_graph_impl": values.get("cuda_graph_impl") or "none"}
+    for key, kind in _MOE_STEP_KEYS.items():
+        if key in raw_section(raw, "model") and isinstance(model.get(key), kind):
+            out[key] = model[key]
+    return out
 
 
 def hybrid_optimizer_note(s: Setup) -> str:

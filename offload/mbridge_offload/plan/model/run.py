@@ -73,6 +73,15 @@ class Setup:
     overlap_grad_reduce: bool = True
     overlap_param_gather: bool = True
     tp_comm_overlap: bool = False
+    # MoE step-time settings (plan/time/moe.py): model.moe_token_dispatcher_type (alltoall | allgather | flex, flex
+    # being DeepEP or HybridEP), model.overlap_moe_expert_parallel_comm, model.moe_router_force_load_balancing,
+    # model.moe_grouped_gemm (Bridge's MoE recipes set it), model.cuda_graph_impl (full_iteration removes the per-layer
+    # host sync of dropless dispatch).
+    moe_token_dispatcher_type: str = "alltoall"
+    overlap_moe_expert_parallel_comm: bool = False
+    moe_router_force_load_balancing: bool = False
+    moe_grouped_gemm: bool = True
+    cuda_graph_impl: str = "none"
 
     def resolved_etp(self, model: ModelSpec) -> int:
         if self.etp is not None:

@@ -11,6 +11,9 @@ Per GPU and per optimizer step, for ``m`` micro-batches per DP rank:
   shrink it, so splitting a model more finely is not free).
 - **recompute**: the forward FLOPs (and forward TP traffic) that recomputation runs again: full recompute re-runs
   the recomputed layers' forward (all layers: about 1/3 more compute); selective re-runs only its modules' share.
+- **EP and the MoE layers** (``plan/time/moe.py``): the all-to-alls within and across NVLink domains for the
+  dispatcher in use, hidden behind compute under ``overlap_moe_expert_parallel_comm``; the hottest EP rank's share
+  under natural routing; the fixed cost per MoE layer and micro-batch.
 - **tp / cp / ep / dp communication**: ring collectives over NVLink when the group fits in one NVLink domain, else
   over the scale-out network, at ``COMM_EFFICIENCY`` of the datasheet bandwidth (``hardware.py``). TP: 4 all-gathers
   and 4 reduce-scatters (SP) or 4 all-reduces of ``s·b·h`` per layer, forward and backward; CP: the K/V ring,
@@ -31,6 +34,7 @@ from mbridge_offload.plan.inputs.hardware import GpuPreset
 from mbridge_offload.plan.model.architecture import DTYPE_BYTES, ModelSpec
 from mbridge_offload.plan.model.params import layer_params, mtp_depth_params, padded_vocab
 from mbridge_offload.plan.model.run import Setup
+from mbridge_offload.plan.time import moe as moe_physics
 
 # Achieved fraction of the datasheet link bandwidth by NCCL ring collectives of tens of MB (nccl-tests "busbw" on
 # DGX H100 reaches ~340-370 GB/s of the 450 GB/s NVLink per direction): assumed, the same for the network.
@@ -194,7 +198,9 @@ class StepTerms:
     cp_first_hop: float
     microbatches: int
     bubble_stages: float  # (PP-1)/VPP
-    moe_passes: float = 0.0  # MoE layer forward+backward passes per GPU per step (each pays MOE_LAYER_OVERHEAD_S)
+    moe_passes: float = 0.0  # MoE layer forward+backward passes per GPU per step (each pays moe_fixed_s)
+    moe_fixed_s: float = MOE_LAYER_OVERHEAD_S  # moe.fixed_seconds
+    ep_overlap: bool = False  # overlap_moe_expert_parallel_comm: the all-to-alls hide behind compute
     notes: list[str] = field(default_factory=list)
 
     def seconds(self, efficiency: float) -> dict[str, float]:
@@ -202,14 +208,15 @@ class StepTerms:
         compute, recompute = self.compute / efficiency, self.recompute / efficiency
         cp = self.cp_first_hop + max(0.0, self.cp_comm - self.cp_window / efficiency)
         dp = max(0.0, self.dp_comm - self.dp_window / efficiency)
-        moe = self.moe_passes * MOE_LAYER_OVERHEAD_S
-        per_mb = (compute + recompute + self.tp_comm + cp + self.ep_comm + moe) / self.microbatches
+        moe = self.moe_passes * self.moe_fixed_s
+        ep = moe_physics.exposed(self.ep_comm, compute, self.ep_overlap)
+        per_mb = (compute + recompute + self.tp_comm + cp + ep + moe) / self.microbatches
         return {
             "compute": compute,
             "recompute": recompute,
             "tp_comm": self.tp_comm,
             "cp_comm": cp,
-            "ep_comm": self.ep_comm,
+            "ep_comm": ep,
             "moe_overhead": moe,
             "dp_comm": dp,
             "bubble": self.bubble_stages * per_mb,
@@ -267,14 +274,12 @@ def _cp_seconds(m: ModelSpec, s: Setup, gpu: GpuPreset, layers: float) -> tuple[
 
 
 def _ep_seconds(m: ModelSpec, s: Setup, gpu: GpuPreset, moe_layers: float) -> tuple[float, str]:
-    """All-to-all dispatch and combine of the routed tokens, forward and backward."""
+    """All-to-all dispatch and combine of the routed tokens, forward and backward (``plan/time/moe.py``): the
+    hottest EP rank receives ``imbalance`` times the mean."""
     if s.ep == 1 or not m.is_moe:
         return 0.0, ""
-    seq = s.seq_length or m.seq_length
-    tokens = s.micro_batch_size * seq / s.cp / (s.tp if s.sp else 1)
-    nbytes = tokens * m.moe_router_topk * m.hidden_size * 2
-    bw, link = _bandwidth(gpu, s.ep * s.resolved_etp(m))
-    return 4 * (s.ep - 1) / s.ep * nbytes / bw * moe_layers * _microbatches(s), link
+    one = moe_physics.a2a(m, s, gpu)
+    return 4 * one.seconds * moe_physics.imbalance(m, s) * moe_layers * _microbatches(s), one.link
 
 
 def _dp_seconds(m: ModelSpec, s: Setup, gpu: GpuPreset) -> tuple[float, str]:
@@ -316,6 +321,8 @@ def step_terms(m: ModelSpec, s: Setup, gpu: GpuPreset) -> StepTerms:
     f = forward_flops(m, seq)
     again, full_fraction = recompute_flops(m, s, f)
     compute = 3 * compute_seconds(m, s, gpu, f, tokens)
+    # The hottest EP rank's expert GEMMs set the MoE layers' pace under natural routing (plan/time/moe.py).
+    compute += (moe_physics.imbalance(m, s) - 1) * 3 * compute_seconds(m, s, gpu, Flops(moe=f.moe), tokens)
     recompute = compute_seconds(m, s, gpu, again, tokens)
     layers = m.num_layers / s.pp
     moe_layers = sum(m.is_moe_layer(i) for i in range(m.num_layers)) / s.pp
@@ -347,6 +354,8 @@ def step_terms(m: ModelSpec, s: Setup, gpu: GpuPreset) -> StepTerms:
         microbatches=mb,
         bubble_stages=(s.pp - 1) / (s.vpp or 1),
         moe_passes=moe_layers * mb * (1 + full_fraction / 2),  # a recomputed forward: half a pass
+        moe_fixed_s=moe_physics.fixed_seconds(m, s, MOE_LAYER_OVERHEAD_S),
+        ep_overlap=s.overlap_moe_expert_parallel_comm,
         notes=notes,
     )
 
