@@ -57,7 +57,8 @@ def card_setup(row: dict[str, Any]) -> Any:
     from mbridge_offload.plan.model.run import Setup
 
     recompute = str(row.get("recompute", "none"))
-    granularity, modules = None, ("core_attn",)
+    granularity: str | None = None
+    modules: tuple[str, ...] = ("core_attn",)
     if recompute.startswith("selective"):
         granularity = "selective"
         modules = tuple(m.strip() for m in recompute.partition(":")[2].split(",") if m.strip())
