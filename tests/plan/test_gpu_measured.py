@@ -137,3 +137,37 @@ def test_a_garbage_collection_before_training_frees_the_first_build():
     stage, setup = _plan(ROWS[MEGATRON_CORE_HDO], manual_gc=True)  # Bridge's recipes' train.manual_gc=True
     assert setup.manual_gc
     assert kept.optimizer - stage.optimizer == 4 * (stage.shard_numel - stage.offloaded_numel)
+
+
+def test_megatron_cores_hybrid_optimizer_is_freed_only_by_the_cyclic_garbage_collector():
+    # Why the planner keeps the factory's first build without train.manual_gc: megatron-core's own class, built on a
+    # CPU host (its stream getter stubbed: there is no CUDA here), outlives its last reference until gc.collect().
+    import gc
+    import weakref
+    from unittest import mock
+
+    torch = pytest.importorskip("torch")
+    from megatron.core.optimizer.cpu_offloading.hybrid_optimizer import HybridDeviceOptimizer
+
+    param = torch.nn.Parameter(torch.zeros(4, dtype=torch.bfloat16))
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        with mock.patch.object(torch.cuda, "current_stream", lambda *a, **k: None):
+            opt = HybridDeviceOptimizer(
+                [param],
+                offload_fraction=0.5,
+                cpu_optimizer_cls=torch.optim.AdamW,
+                gpu_optimizer_cls=torch.optim.AdamW,
+                param_update_in_fp32=True,
+                overlap_cpu_optimizer_d2h_h2d=False,
+                lr=1e-3,
+            )
+        fp32_clone = weakref.ref(next(iter(opt.param_to_fp32_param.values())))
+        del opt
+        assert fp32_clone() is not None  # unreachable, still allocated: a reference cycle
+        gc.collect()
+        assert fp32_clone() is None
+    finally:
+        if was_enabled:
+            gc.enable()
