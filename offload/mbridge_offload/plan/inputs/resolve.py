@@ -9,6 +9,7 @@ imports torch.
 from __future__ import annotations
 
 import math
+from collections.abc import Collection
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -214,6 +215,18 @@ class Constraints:
         return out
 
 
+@dataclass(frozen=True)
+class Call:
+    """The arguments of one ``resolve`` call: the config (after any overrides), the flags, and which flags ask for
+    another run than the one the config (or, without one, the other flags) describes (a plot's swept input)."""
+
+    flags: dict[str, Any]
+    config: OffloadConfig | None
+    raw: dict[str, Any] | None
+    source: str | None
+    asked: frozenset[str] = frozenset()
+
+
 @dataclass
 class Resolved:
     """The merged inputs and what the models are built from."""
@@ -228,6 +241,7 @@ class Resolved:
     raw_config: dict[str, Any] | None = None  # the user's config as read, for the rule catalogue
     effective: Effective | None = None  # the config's one resolution (config.effective), None without a config
     host_profile: HostProfile | None = None  # the profile the caller named (host_profile / calibration), read once
+    call: Call | None = None  # what resolve() was given: the measured run is rebuilt from it (plan/evidence/runs.py)
 
     @property
     def source(self) -> str | None:
@@ -455,6 +469,7 @@ def resolve(
     config: OffloadConfig | None = None,
     raw: dict[str, Any] | None = None,
     source: str | None = None,
+    asked: Collection[str] = (),
 ) -> Resolved:
     """Merge defaults, the model preset's recipe, a config and flags; validate; build the models' inputs.
 
@@ -463,6 +478,8 @@ def resolve(
         config: a loaded Bridge config or Megatron-LM argv (``sources.load``), or None.
         raw: the config's raw dict (tells which keys it sets).
         source: where the config came from (``recipe:NAME`` marks a Bridge recipe for ``config.effective``).
+        asked: names of ``flags`` that describe another run than the one measured (a plot's swept input); the
+            user's evidence is moved to them, never anchored at them (``plan/evidence/runs.py``).
 
     Returns:
         The merged ``PlanInputs``, the source of each value, the model, setup, GPU and constraints.
@@ -518,7 +535,8 @@ def resolve(
     assumptions = _assumptions(values, where, notes) + _batch_assumptions(s, where)
     raw_config = raw if raw is not None else (config.model_dump(mode="json") if config is not None else None)
     profile = _host_profile(final)
-    return Resolved(final, where, m, s, _gpu(values), constraints, assumptions, raw_config, eff, profile)
+    call = Call(flags, config, raw, source, frozenset(asked))
+    return Resolved(final, where, m, s, _gpu(values), constraints, assumptions, raw_config, eff, profile, call)
 
 
 def _derive(
