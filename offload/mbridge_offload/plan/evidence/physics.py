@@ -52,7 +52,8 @@ def point_problem(f: Figure, r: Resolved, est: MemoryEstimate) -> str | None:
             f"optimizer state the model counts from the parameters on stage {st.stage} of the measured run "
             f"({st.weights / GiB:.2f} + {st.gradients / GiB:.2f} + {st.optimizer / GiB:.2f} GiB): it is not this "
             "run's peak (another layout or model, a report before the first optimizer step, a figure in GB read as "
-            "GiB)"
+            "GiB, or an assumption listed that differs from the run: grad_reduce_in_fp32, the distributed optimizer, "
+            "the precision)"
         )
     return None
 
