@@ -89,7 +89,7 @@ def parse_settings(text: str) -> LogSettings:
         The last printed value of each setting (with its line), and a note for each setting printed with more
         than one value.
     """
-    out, seen = LogSettings(), {}
+    out, seen = LogSettings(), dict[str, set[int]]()
     for i, line in enumerate(text.splitlines()):
         if not ("..." in line or "world size" in line or "batch size" in line or ":" in line):
             continue
