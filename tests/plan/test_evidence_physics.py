@@ -81,3 +81,12 @@ def test_a_possible_step_calibrates():
     fastest = min_step_s(resolve(RUN))
     c = planner.estimate(resolve({**RUN, "measured_step_s": fastest * 2.5})).calibration
     assert not c.set_aside and c.baseline_step_s is not None
+
+
+def test_a_log_whose_own_throughput_is_above_the_gpus_peak_is_set_aside():
+    line = " iteration {}/ 100 | elapsed time per iteration (ms): 30000.0 | throughput per GPU (TFLOP/s/GPU): 1100.0 |"
+    log = "\n".join(line.format(i) for i in (10, 20, 30))
+    c = planner.estimate(resolve({**RUN, "measured_log": log})).calibration
+    assert c.measured_step_s is None and c.baseline_step_s is None
+    assert "1100 TFLOP/s per GPU" in c.set_aside[0] and "above the h100-80gb's peak (989 TFLOP/s)" in c.set_aside[0]
+    assert all(f.set_aside and f.tflops_per_gpu == 1100.0 for f in c.figures if f.kind == "step")

@@ -186,3 +186,23 @@ def test_a_plot_sweep_with_a_log_moves_with_the_lever(model):
     assert totals[0] < totals[1] < totals[2]
     assert totals[0] == pytest.approx(model["mbs1"] + 5.0, abs=0.02)
     assert totals[1] == pytest.approx(model["mbs2"] + 5.0, abs=0.02)
+
+
+def test_a_measured_peak_given_as_a_number_belongs_to_the_config_as_written(model):
+    loaded = sources.load(CONFIG, ["train.micro_batch_size=2"])
+    flags = {**HARDWARE, "measured_peak_gib": model["mbs1"] + 4.0}
+    est = plan("estimate", flags, loaded.config, loaded.raw, loaded.source)
+    assert est.memory_gib.total == pytest.approx(model["mbs2"] + 4.0, abs=0.02)
+    assert est.calibration.measured_run.settings["micro_batch_size"] == 1
+
+
+def test_a_measured_step_calibrates_the_measured_run_and_the_asked_run_moves_with_it():
+    line = " iteration {}/ 100 | elapsed time per iteration (ms): 12000.0 | global batch size:    64 |"
+    log = "\n".join(line.format(i) for i in (10, 20, 30))
+    at1 = answer("estimate", log)
+    full = ["model.recompute_granularity=full", "model.recompute_method=uniform", "model.recompute_num_layers=1"]
+    asked = answer("estimate", log, full)
+    assert at1.time_s.step == pytest.approx(12.0, rel=0.01)  # the measured run reproduces its step
+    assert asked.time_s.step > 12.0 * 1.2  # another run: the recomputed forward at that efficiency, not pinned
+    assert asked.time_s.efficiency == pytest.approx(at1.time_s.efficiency)
+    assert asked.calibration.measured_run.settings["recompute_granularity"] is None

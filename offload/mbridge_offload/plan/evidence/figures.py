@@ -52,6 +52,9 @@ class Figure(BaseModel):
         None, description="bound: allocated + requested at the failure; point: peak allocated; GiB (2^30 bytes)"
     )
     value_s: float | None = Field(None, description="a step time, seconds")
+    tflops_per_gpu: float | None = Field(
+        None, description="step: the throughput per GPU the same line prints (Megatron-LM's own FLOPs), TFLOP/s"
+    )
     line: str = Field(description="the log line it was read from (cut to 400 characters)")
     line_number: int = Field(description="1-based line number in the text read")
     rank: int | None = Field(None, description="the rank that printed it (global, or local with rank_source)")

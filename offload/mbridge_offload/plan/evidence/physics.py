@@ -6,7 +6,9 @@
   optimizer state existed);
 - an out-of-memory message whose allocated memory alone is above the GPU's capacity;
 - a step time faster than the model's FLOPs allow at the GPU's peak: model FLOPs per step / (step time x GPUs x
-  peak FLOP/s) is the efficiency (MFU) it implies, and an MFU above 1 is impossible.
+  peak FLOP/s) is the efficiency (MFU) it implies, and an MFU above 1 is impossible;
+- a log whose own throughput line (Megatron-LM's "throughput per GPU (TFLOP/s/GPU)") is above the GPU's peak: its
+  step times come from another GPU.
 
 The model FLOPs are the training FLOPs of the model (3 x forward: forward and backward, no recompute), per token
 (``time/terms.forward_flops``), over the global batch (as given, or the micro-batches the time model assumes); the
@@ -91,4 +93,19 @@ def step_problem(step_s: float, r: Resolved, where: str) -> str | None:
         f"{r.setup.seq_length or r.model.seq_length} tokens) need at least {fastest:.3f} s on {r.setup.num_gpus} x "
         f"{g.name} at {max(g.peak_tflops, g.fp8_tflops if r.setup.fp8_recipe else 0.0):g} TFLOP/s; a step faster "
         "than the FLOPs allow is another run (a smaller batch or model, more GPUs) or a time per micro-batch"
+    )
+
+
+def throughput_problem(steps: list[Figure], r: Resolved) -> str | None:
+    """Why a log's step times cannot come from this GPU: the throughput it prints itself is above the GPU's peak."""
+    g = r.gpu
+    peak = max(g.peak_tflops, g.fp8_tflops if r.setup.fp8_recipe else 0.0)
+    over = [f for f in steps if f.tflops_per_gpu is not None and f.tflops_per_gpu > peak * (1 + SLACK)]
+    if not over:
+        return None
+    f = max(over, key=lambda x: x.tflops_per_gpu or 0.0)
+    return (
+        f"line {f.line_number}: the log's own throughput, {f.tflops_per_gpu:g} TFLOP/s per GPU, is an efficiency of "
+        f"{(f.tflops_per_gpu or 0.0) / peak:.2f}, above the {g.name}'s peak ({peak:g} TFLOP/s): its step times come "
+        "from another GPU (pass gpu to match the run)"
     )

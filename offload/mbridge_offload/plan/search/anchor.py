@@ -240,9 +240,10 @@ def _clamped(a: Anchor, category: str, st: StageMemory, split: float) -> None:
     if any(c.startswith(f"{category}:") for c in a.clamped):
         return
     a.clamped.append(
-        f"{category}: the measured run's difference ({split / GiB:+.2f} GiB on {category}) is more than this run's "
-        f"{getattr(st, category) / GiB:.2f} GiB of {category} (stage {st.stage}, {st.peak_phase}): held at 0 GiB, "
-        "so this prediction is above measured + model(asked) - model(measured) by the rest"
+        f"{category}: the measured run's difference ({split / GiB:+.2f} GiB on {category}) is more than the "
+        f"{getattr(st, category) / GiB:.2f} GiB of {category} the model gives a run this answer predicts (stage "
+        f"{st.stage}, {st.peak_phase}): held at 0 GiB there, so that prediction is above measured + model(run) - "
+        "model(measured) by the rest (the model's difference between the runs is larger than the measured one)"
     )
 
 

@@ -24,7 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from mbridge_offload.plan.evidence.figures import Evidence, Figure
-from mbridge_offload.plan.evidence.physics import bound_problem, point_problem, step_problem
+from mbridge_offload.plan.evidence.physics import bound_problem, point_problem, step_problem, throughput_problem
 from mbridge_offload.plan.evidence.ranks import RankLayout, order_from_config, rank_of
 from mbridge_offload.plan.evidence.read import read_evidence
 from mbridge_offload.plan.evidence.steps import steady_step_s
@@ -101,6 +101,11 @@ def measure(r: Resolved, est: MemoryEstimate, ev: Evidence | None = None) -> Mea
         out.bound = max(sized, key=lambda f: (f.shift_gib or 0.0, -f.line_number)) if sized else None
         out.ooms = out.ooms or ev.ooms
         step, count = steady_step_s(ev.steps)
+        if step is not None and (why := throughput_problem(ev.steps, r)) is not None:
+            step = None
+            out.set_aside.append(why)
+            for f in ev.steps:
+                f.set_aside = why
         if step is not None:
             out.step_s = step
             out.notes.append(f"log: median step time of {count} line(s) after the first (warm-up)")
