@@ -206,3 +206,19 @@ def test_a_measured_step_calibrates_the_measured_run_and_the_asked_run_moves_wit
     assert asked.time_s.step > 12.0 * 1.2  # another run: the recomputed forward at that efficiency, not pinned
     assert asked.time_s.efficiency == pytest.approx(at1.time_s.efficiency)
     assert asked.calibration.measured_run.settings["recompute_granularity"] is None
+
+
+def test_a_setting_the_log_prints_and_nothing_states_describes_both_runs(model):
+    log = "\n".join(
+        [
+            "using world size: 16, data-parallel size: 8, context-parallel size: 1, hierarchical context-parallel "
+            "sizes: None, tensor-model-parallel size: 2, pipeline-model-parallel size: 1",
+            report(model["mbs1"]),
+        ]
+    )
+    loaded = sources.load(CONFIG, ["train.micro_batch_size=2"])
+    est = plan("estimate", {"gpu": "h100-80gb", "measured_log": log}, loaded.config, loaded.raw, loaded.source)
+    c = est.calibration
+    assert est.num_gpus == 16 and c.mismatches == []
+    assert {a.name: a.source for a in est.assumptions}["num_gpus"] == "log"
+    assert [x.name for x in c.changes] == ["micro_batch_size"]  # the world size is the same in both runs

@@ -111,8 +111,11 @@ def runs(r: Resolved, printed: LogSettings | None = None) -> Runs:
     """
     if r.call is None:  # built by hand: nothing to rebuild the written run from
         return Runs(measured=r)
-    flags, config, raw = _written_inputs(r)
     log = printed.as_inputs() if printed else {}
+    plain = r.call.config is None and not r.call.asked
+    if plain and all(value(r, name) == v for name, v in log.items()):
+        return Runs(measured=r)  # the flags and the log describe one run: the one asked about
+    flags, config, raw = _written_inputs(r)
     try:
         written = resolve(flags, config, raw, r.call.source)
         out = Runs(measured=written)

@@ -502,7 +502,9 @@ def resolve(
     base = model_preset(name) if name else None
     preset = recipe_values(name) if name else {}
     defaults = {k: v for k, (v, _) in DEFAULTS.items()}
-    values, where = _merge([("default", defaults), ("preset", preset), (cfg_source, cfg), ("flag", flags)])
+    printed = _log_settings(flags.get("measured_log"))
+    layers = [("default", defaults), ("preset", preset), ("log", printed), (cfg_source, cfg), ("flag", flags)]
+    values, where = _merge(layers)
     inputs = validate_inputs(values, where, CONFIG_KEYS)
     values = inputs.model_dump()
     extras = _config_model_spec(config, raw, base) if config is not None else {}
@@ -515,6 +517,7 @@ def resolve(
         m = replace(m, mtp_num_layers=mtp_layers(layout_text(values["pipeline_layout"]) or ""))
     notes = {k: note for k, (_, note) in DEFAULTS.items() if where.get(k) == "default"}
     notes["share_embeddings_and_output_weights"] = tying_note
+    notes.update({k: "printed by the measured log about its own run" for k in printed if where.get(k) == "log"})
     _derive(values, where, notes, m.seq_length, "preset" if base else "default")
     s = _setup(values, m)
     notes.update(model_notes(values, s, raw))
@@ -537,6 +540,18 @@ def resolve(
     profile = _host_profile(final)
     call = Call(flags, config, raw, source, frozenset(asked))
     return Resolved(final, where, m, s, _gpu(values), constraints, assumptions, raw_config, eff, profile, call)
+
+
+def _log_settings(log: str | None) -> dict[str, Any]:
+    """What the measured log printed about its own run (``plan/evidence/settings.py``): it fills what neither the
+    config nor a flag states, above a preset's guesses. Where the config or a flag says otherwise, the asked run keeps
+    theirs and the measured run the log's (``plan/evidence/runs.py``)."""
+    if not log:
+        return {}
+    from mbridge_offload.plan.evidence.read import read_log
+    from mbridge_offload.plan.evidence.settings import parse_settings
+
+    return parse_settings(read_log(log)).as_inputs()
 
 
 def _derive(

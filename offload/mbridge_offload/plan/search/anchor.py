@@ -371,13 +371,13 @@ def _describe_runs(p: Plan, pair: runs.Runs, printed: LogSettings | None, est: M
     written = "the config as written" if r.call is not None and r.call.config is not None else "the flags"
     log = f", the log's {', '.join(pair.taken_from_log)}" if pair.taken_from_log else ""
     a.measured_run = EvidenceRun(
-        settings=_settings(mr, changed, 0),
+        settings=_settings(mr, changed),
         described_by=f"{written} and the hardware inputs{log}",
         model_gib=round(est.worst.total / GiB, 3),
         memory_gib=p.breakdown(est, gib=True),
     )
     a.asked_run = EvidenceRun(
-        settings=_settings(r, changed, 2),
+        settings=_settings(r, changed),
         described_by="the same run (nothing changed)"
         if not pair.changes
         else "the run as given: " + ", ".join(f"{n} {mv} -> {av}" for n, mv, av in pair.changes),
@@ -393,7 +393,7 @@ def _describe_runs(p: Plan, pair: runs.Runs, printed: LogSettings | None, est: M
         )
 
 
-def _settings(r: Resolved, changed: list[str], which: int) -> dict[str, Any]:
+def _settings(r: Resolved, changed: list[str]) -> dict[str, Any]:
     """What an answer shows of one run: the batch, sequence, GPUs and parallel sizes, and every changed setting."""
     out: dict[str, Any] = {name: runs.value(r, name) for name in runs.SHOWN}
     for name in changed:
