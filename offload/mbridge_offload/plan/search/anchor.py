@@ -40,7 +40,7 @@ from mbridge_offload.plan.memory.stage import MemoryEstimate, StageMemory, estim
 from mbridge_offload.plan.model.architecture import GB, GiB
 from mbridge_offload.plan.results import Anchor, EvidenceRun, LogMismatch, MemoryBreakdown, SettingChange
 from mbridge_offload.plan.search import measured
-from mbridge_offload.plan.time.step import baseline_step_s, compute_efficiency, estimate_time
+from mbridge_offload.plan.time.step import baseline_step_s, compute_efficiency, estimate_time, offload_off
 
 # The categories of a prediction, the order of ``MemoryBreakdown``.
 CATEGORIES = ("weights", "gradients", "optimizer", "activations", "other")
@@ -367,7 +367,12 @@ def _describe_runs(p: Plan, pair: runs.Runs, printed: LogSettings | None, est: M
             f"belong to the run that printed them, so the measured run takes {x.log}"
         )
     changed = [n for n, _, _ in pair.changes]
-    asked = estimate_memory(r.model, r.setup) if pair.changes else est
+    asked = est
+    if pair.changes:
+        try:
+            asked = estimate_memory(r.model, r.setup)
+        except ValueError:  # an offload Megatron rejects: recommend's 'before' is then the run without it, as here
+            asked = estimate_memory(r.model, offload_off(r.setup))
     written = "the config as written" if r.call is not None and r.call.config is not None else "the flags"
     log = f", the log's {', '.join(pair.taken_from_log)}" if pair.taken_from_log else ""
     a.measured_run = EvidenceRun(
