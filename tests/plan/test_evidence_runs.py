@@ -5,9 +5,12 @@ model(measured) per category, none negative; both runs are shown (``calibration.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from mbridge_offload.config import sources
+from mbridge_offload.config.errors import InputError
 from mbridge_offload.plan.inputs.resolve import resolve
 from mbridge_offload.plan.search import planner
 from mbridge_offload.plan.service import plan
@@ -222,3 +225,32 @@ def test_a_setting_the_log_prints_and_nothing_states_describes_both_runs(model):
     assert est.num_gpus == 16 and c.mismatches == []
     assert {a.name: a.source for a in est.assumptions}["num_gpus"] == "log"
     assert [x.name for x in c.changes] == ["micro_batch_size"]  # the world size is the same in both runs
+
+
+def test_measured_settings_name_the_measured_run_without_a_config():
+    flags = {"model": "llama3-8b", **HARDWARE, "tp": 2, "seq_length": 8192}
+    at1 = planner.estimate(resolve({**flags, "micro_batch_size": 1})).memory_gib.total
+    at2 = planner.estimate(resolve({**flags, "micro_batch_size": 2})).memory_gib.total
+    asked = {**flags, "micro_batch_size": 2, "measured_settings": ["micro_batch_size=1"], "measured_peak_gib": at1 + 2}
+    est = planner.estimate(resolve(asked))
+    assert est.memory_gib.total == pytest.approx(at2 + 2.0, abs=0.02)
+    assert "measured_settings" in est.calibration.measured_run.described_by
+
+
+@pytest.mark.parametrize(
+    ("settings", "says"),
+    [
+        (["gpu=b200"], "the same in the measured and the asked run"),
+        (["micro_batch_size"], "expected NAME=VALUE"),
+        (["warp=9"], "expected NAME=VALUE"),
+        (["micro_batch_size=zero"], "(measured_settings): input should be a valid integer"),
+    ],
+)
+def test_measured_settings_refuse_what_is_not_a_setting_of_the_run(settings, says):
+    with pytest.raises(InputError, match=re.escape(says)):
+        resolve({"model": "llama3-8b", "measured_settings": settings, "ooms": True})
+
+
+def test_measured_settings_without_evidence_are_refused():
+    with pytest.raises(InputError, match="none is given"):
+        resolve({"model": "llama3-8b", "measured_settings": ["micro_batch_size=1"]})

@@ -7,7 +7,9 @@ count, host), and whatever the log printed about that run itself (``settings.py`
 both runs side by side (``calibration.measured_run`` / ``asked_run``).
 
 Without a config the flags are the only description of the run, so they describe the measured run, except those the
-caller marks as asked (``resolve(asked=...)``: a plot sweep's input). Never imports torch.
+caller marks as asked (``resolve(asked=...)``: a plot sweep's input). ``measured_settings`` (NAME=VALUE) states the
+measured run's settings where they differ from the asked run's, over the config as written or the flags. Never imports
+torch.
 """
 
 from __future__ import annotations
@@ -17,25 +19,14 @@ from typing import Any
 
 from mbridge_offload.config.errors import InputError
 from mbridge_offload.plan.evidence.settings import LogSettings
-from mbridge_offload.plan.inputs.fields import PlanInputs
+from mbridge_offload.plan.inputs.fields import measured_settings, shared
 from mbridge_offload.plan.inputs.resolve import Resolved, resolve
 from mbridge_offload.plan.model.run import Setup
 
-# Inputs that describe the job and the machine, not the run's settings: the same in the measured and the asked run.
-_SHARED_GROUPS = {"model", "hardware", "time", "decision", "measured"}
-# In those groups but settings of the run (config keys the caller may change).
-_RUN_SETTINGS_THERE = {"overlap_grad_reduce", "overlap_param_gather", "tp_comm_overlap"}
 # A setting the user stated (a changed value there is a disagreement, not a value filled in).
-_STATED = {"config", "argv", "flag"}
+_STATED = {"config", "argv", "flag", "measured_settings"}
 # What an answer shows of each run besides what differs.
 SHOWN = ("num_gpus", "tp", "pp", "cp", "ep", "micro_batch_size", "global_batch_size", "seq_length")
-
-
-def shared(name: str) -> bool:
-    """``name`` describes the job and the machine (both runs), not a setting the caller may change."""
-    extra = PlanInputs.model_fields[name].json_schema_extra
-    group = extra.get("group") if isinstance(extra, dict) else None
-    return name == "num_gpus" or (group in _SHARED_GROUPS and name not in _RUN_SETTINGS_THERE)
 
 
 @dataclass
@@ -66,13 +57,14 @@ class Runs:
 
 
 def _written_inputs(r: Resolved) -> tuple[dict[str, Any], Any, Any]:
-    """The flags, config and raw dict that describe the run as written."""
+    """The flags, config and raw dict that describe the run as written, ``measured_settings`` over them."""
     call = r.call
     assert call is not None
+    stated = measured_settings(call.flags.get("measured_settings"))
     if call.config is None:
-        return {k: v for k, v in call.flags.items() if k not in call.asked}, None, None
+        return {**{k: v for k, v in call.flags.items() if k not in call.asked}, **stated}, None, None
     config, raw = call.config.written or (call.config, call.raw)
-    return {k: v for k, v in call.flags.items() if shared(k) and k not in call.asked}, config, raw
+    return {**{k: v for k, v in call.flags.items() if shared(k) and k not in call.asked}, **stated}, config, raw
 
 
 def value(r: Resolved, name: str) -> Any:
@@ -112,7 +104,7 @@ def runs(r: Resolved, printed: LogSettings | None = None) -> Runs:
     if r.call is None:  # built by hand: nothing to rebuild the written run from
         return Runs(measured=r)
     log = printed.as_inputs() if printed else {}
-    plain = r.call.config is None and not r.call.asked
+    plain = r.call.config is None and not r.call.asked and not r.call.flags.get("measured_settings")
     if plain and all(value(r, name) == v for name, v in log.items()):
         return Runs(measured=r)  # the flags and the log describe one run: the one asked about
     flags, config, raw = _written_inputs(r)
@@ -121,6 +113,8 @@ def runs(r: Resolved, printed: LogSettings | None = None) -> Runs:
         out = Runs(measured=written)
         for name, logged in log.items():
             given, source = value(written, name), written.sources.get(name, "default")
+            if name in measured_settings(r.call.flags.get("measured_settings")):
+                source = "measured_settings"
             if given == logged:
                 continue
             out.taken_from_log[name] = logged

@@ -156,7 +156,7 @@ REQUIRED = ("num_layers", "hidden_size", "num_attention_heads", "vocab_size")
 # walks in well under a second. Published MoEs: DeepSeek-V3 61 x 256, Kimi K2 61 x 384 (at EP 1).
 MAX_LOCAL_EXPERT_LAYERS = 32_768
 # Not listed as assumptions: how to read the inputs, not settings of the run.
-_NOT_ASSUMPTIONS = {"measured_log", "calibration", "host_profile", "model", "levers"}
+_NOT_ASSUMPTIONS = {"measured_log", "calibration", "host_profile", "model", "levers", "measured_settings"}
 
 
 class Assumption(BaseModel):
@@ -502,6 +502,7 @@ def resolve(
     base = model_preset(name) if name else None
     preset = recipe_values(name) if name else {}
     defaults = {k: v for k, (v, _) in DEFAULTS.items()}
+    _check_measured_settings(flags)
     printed = _log_settings(flags.get("measured_log"))
     layers = [("default", defaults), ("preset", preset), ("log", printed), (cfg_source, cfg), ("flag", flags)]
     values, where = _merge(layers)
@@ -540,6 +541,24 @@ def resolve(
     profile = _host_profile(final)
     call = Call(flags, config, raw, source, frozenset(asked))
     return Resolved(final, where, m, s, _gpu(values), constraints, assumptions, raw_config, eff, profile, call)
+
+
+def _check_measured_settings(flags: dict[str, Any]) -> None:
+    """``measured_settings`` read as inputs, and only beside evidence of the run they describe.
+
+    Raises:
+        InputError: an item that is not NAME=VALUE of a run setting, or no evidence to go with them.
+    """
+    from mbridge_offload.plan.inputs.fields import measured_settings
+
+    if not measured_settings(flags.get("measured_settings")):
+        return
+    evidence = ("measured_log", "measured_peak_gib", "measured_step_s", "ooms")
+    if not any(flags.get(k) not in (None, False) for k in evidence):
+        raise InputError(
+            "measured_settings describe the run a measurement comes from, and none is given",
+            "pass measured_log, measured_peak_gib, measured_step_s or ooms with them, or drop measured_settings",
+        )
 
 
 def _log_settings(log: str | None) -> dict[str, Any]:

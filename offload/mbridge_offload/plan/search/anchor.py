@@ -374,7 +374,8 @@ def _describe_runs(p: Plan, pair: runs.Runs, printed: LogSettings | None, est: M
         except ValueError:  # an offload Megatron rejects: recommend's 'before' is then the run without it, as here
             asked = estimate_memory(r.model, offload_off(r.setup))
     written = "the config as written" if r.call is not None and r.call.config is not None else "the flags"
-    log = f", the log's {', '.join(pair.taken_from_log)}" if pair.taken_from_log else ""
+    log = ", measured_settings" if r.inputs.measured_settings else ""
+    log += f", the log's {', '.join(pair.taken_from_log)}" if pair.taken_from_log else ""
     a.measured_run = EvidenceRun(
         settings=_settings(mr, changed),
         described_by=f"{written} and the hardware inputs{log}",
