@@ -197,8 +197,8 @@ def test_the_text_is_the_measured_log_and_a_memory_report_in_it_anchors_the_sizi
 
 def test_the_callers_own_evidence_wins_over_the_text(tmp_path: Path) -> None:
     path = _write(tmp_path, SFT_8B_16K)
-    report = _run(path, {"measured_peak_gib": 90.0, "ooms": False}, error=OOM)
-    assert report.calibration is not None and report.calibration.measured_peak_gib == 90.0
+    report = _run(path, {"measured_peak_gib": 75.0, "ooms": False}, error=OOM)
+    assert report.calibration is not None and report.calibration.measured_peak_gib == 75.0
     said = {a.name: a for a in report.assumptions}
     assert said["ooms"].value is False and said["ooms"].source == "flag"
 
@@ -281,3 +281,13 @@ def test_the_options_are_recommends_for_the_same_config_and_evidence(tmp_path: P
     rec = recommend_for_inputs(loaded.config, loaded.raw, loaded.source, **planner, measured_log=OOM + "\n", ooms=True)
     assert [o.model_dump() for o in report.options] == [o.model_dump() for o in rec.options]
     assert report.calibration == rec.calibration
+
+
+def test_a_log_printing_another_micro_batch_than_the_config_is_flagged_and_sized_at_its_own_run(tmp_path: Path) -> None:
+    path = _write(tmp_path, SFT_8B_16K)
+    log = OOM + "\n  micro_batch_size ................................ 2\n"
+    report = _run(path, {}, error=log)
+    c = report.calibration
+    assert c is not None and [(m.name, m.log) for m in c.mismatches] == [("micro_batch_size", 2)]
+    assert c.measured_run is not None and c.measured_run.settings["micro_batch_size"] == 2
+    assert c.asked_run is not None and c.asked_run.settings["micro_batch_size"] == 1

@@ -253,6 +253,7 @@ def _good_and_bad(name: str, prop: dict[str, Any], files: dict[str, str]) -> tup
         "host_profile": ([], ["no-such-profile"]),
         "calibration": ([], [files["missing"]]),
         "measured_log": ([LOG], [files["missing_log"]]),
+        "measured_settings": ([], [["micro_batch_size=1"], ["NOEQUALS"], ["gpu=b200"]]),  # the bases give no evidence
         "k": (["apply"], ["a; rm -rf ~"]),
         "bridge_repo": ([], [files["missing"]]),
         "path": (["tests/tools"], ["../../etc/passwd"]),

@@ -22,7 +22,16 @@ import functools
 import typing
 from typing import Annotated, Any, ClassVar
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    TypeAdapter,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 _DTYPE_ALIASES = {
     "float32": "fp32",
@@ -306,6 +315,13 @@ class OffloadConfig(Section):
     dataset: DatasetSection = Field(default_factory=DatasetSection)
     # Facts about the environment that some rules read (TE version, NVTE_CPU_OFFLOAD_V1); not part of Bridge.
     env: dict[str, str] = Field(default_factory=dict)
+    # The config as written, before ``--set`` overrides (``sources.load`` keeps it): the run a user's log measured.
+    _written: tuple[OffloadConfig, dict[str, Any]] | None = PrivateAttr(default=None)
+
+    @property
+    def written(self) -> tuple[OffloadConfig, dict[str, Any]] | None:
+        """``(config, raw)`` as written when overrides changed it, else None (this config is as written)."""
+        return self._written
 
     @property
     def seq_length(self) -> int | None:

@@ -8,6 +8,7 @@ No torch import on this path.
 
 from __future__ import annotations
 
+import copy
 import io
 import json
 import sys
@@ -473,8 +474,14 @@ def load(
         raw, tree = parse_text(text, where)
     else:
         raw, where = {}, "<empty>"
+    written = copy.deepcopy(raw) if overrides else None
     apply_overrides(raw, overrides)
     frontend = raw.pop("frontend", "bridge")
     config = build_config(raw, where, tree if not overrides else None)
     config.env.setdefault("frontend", str(frontend))
+    if written is not None:  # the run a user's log measured is the config as written (plan/evidence/runs.py)
+        written.pop("frontend", None)
+        as_written = build_config(written, where, tree)
+        as_written.env.setdefault("frontend", str(frontend))
+        config._written = (as_written, written)
     return LoadedConfig(raw=raw, config=config, source=where, overrides=overrides)

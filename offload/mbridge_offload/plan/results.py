@@ -125,6 +125,39 @@ class StagePhases(BaseModel):
     peak_phase: str = Field(description="the name of the phase that sets this stage's peak")
 
 
+class EvidenceRun(BaseModel):
+    """One of the two runs an answer with evidence speaks of: the run the evidence measured, or the run asked about."""
+
+    settings: dict[str, Any] = Field(
+        description="the run's batch, sequence, GPU count and parallel sizes, and every setting where the two runs "
+        "differ (planner input names; Setup field names for the rest)"
+    )
+    described_by: str = Field(description="what describes this run: the config as written, the log, the flags, ...")
+    model_gib: float = Field(description="the model's peak for this run (worst stage), uncalibrated, GiB")
+    memory_gib: MemoryBreakdown = Field(
+        description="measured run: the model's categories with the evidence's difference on activations/other, "
+        "summing to the measured figure; asked run: measured + model(asked) - model(measured) per category, GiB"
+    )
+
+
+class SettingChange(BaseModel):
+    """A setting where the asked run differs from the measured one."""
+
+    name: str
+    measured: Any
+    asked: Any
+
+
+class LogMismatch(BaseModel):
+    """A setting the log printed about its own run that disagrees with the config (or the flags)."""
+
+    name: str = Field(description="planner input name (num_gpus for the world size)")
+    log: int = Field(description="what the log printed")
+    given: Any = Field(description="what the config or the flags say")
+    given_source: str = Field(description="where that came from: config, argv, flag")
+    line_number: int = Field(description="the log line that printed it (1-based)")
+
+
 class Anchor(BaseModel):
     """How the user's evidence (a log, a measured peak or step, "it ran out of memory") changed the predictions.
 
@@ -135,7 +168,11 @@ class Anchor(BaseModel):
     measured_peak_gib: float | None = Field(None, description="the measured peak (a point) the shift reproduces, GiB")
     measured_step_s: float | None = None
     predicted_peak_gib: float = Field(description="the model's peak at the measured settings, before anchoring")
-    memory_offset_gib: float = Field(0.0, description="added to every prediction's 'other'")
+    memory_offset_gib: float = Field(
+        0.0,
+        description="the measured run's figure minus the model's prediction for that run (GiB); added to every "
+        "prediction, on 'other' when positive, on activations and other in proportion when negative, never below 0",
+    )
     baseline_step_s: float | None = Field(None, description="the baseline step time the measurement implies")
     cpu_adam_params_per_s_per_core: float | None = Field(None, description="the CPU AdamW rate it implies")
     ooms: bool = False
@@ -159,6 +196,21 @@ class Anchor(BaseModel):
     )
     figures: list[Figure] = Field([], description="the figures read from measured_log, those that counted first")
     figures_omitted: int = Field(0, description="figures read but not listed (a log of many ranks)")
+    measured_run: EvidenceRun | None = Field(
+        None, description="the run the evidence measured: the config as written, the hardware inputs, the log's own"
+    )
+    asked_run: EvidenceRun | None = Field(
+        None, description="the run this answer is about (the config as given); the same settings when none changed"
+    )
+    changes: list[SettingChange] = Field([], description="where the asked run differs from the measured run")
+    set_aside: list[str] = Field([], description="figures physics refuses (impossible for that run on that GPU): why")
+    log_settings: dict[str, int] = Field(
+        {}, description="what the log printed about its own run (batch, sequence, world size, parallel sizes)"
+    )
+    mismatches: list[LogMismatch] = Field([], description="printed settings that disagree with the config or flags")
+    clamped: list[str] = Field(
+        [], description="a category the measured difference would drive below zero, held at zero, and why"
+    )
 
 
 class Estimate(BaseModel):

@@ -24,6 +24,7 @@ def plan(
     config: OffloadConfig | None = None,
     raw: dict[str, Any] | None = None,
     source: str | None = None,
+    asked: dict[str, Any] | None = None,
 ) -> Estimate | Recommendation:
     """Answer ``estimate`` or ``recommend`` for a loaded config and/or planner inputs.
 
@@ -33,6 +34,8 @@ def plan(
         config: a loaded config (``sources.load(...).config``), or None.
         raw: the config's raw dict (which keys it sets).
         source: where the config came from (``LoadedConfig.source``; ``recipe:NAME`` marks a Bridge recipe).
+        asked: planner inputs over ``flags`` that describe another run than the one the user's evidence measured
+            (a plot's swept input): the evidence is moved to that run, never anchored at it.
 
     Returns:
         The ``Estimate`` or the ``Recommendation``, the latter re-validated by the rule catalogue.
@@ -45,7 +48,7 @@ def plan(
         >>> plan("recommend", {"model": "qwen3-30b-a3b", "gpu": "h100-80gb"}).mode
         'none'
     """
-    r = resolve(flags or {}, config, raw, source)
+    r = resolve({**(flags or {}), **(asked or {})}, config, raw, source, asked=tuple(asked or ()))
     effective = r.effective.values if r.effective is not None else {}
     if kind == "estimate":
         est = estimate(r)

@@ -41,7 +41,8 @@ class Source:
     def plan(self, kind: PlanKind, at: dict[str, Any] | None = None, where: str = "") -> Any:
         """``plan(kind, ...)`` with ``at`` over the given inputs; the planner's refusals as one input error."""
         try:
-            return plan(kind, {**self.flags, **(at or {})}, self.config, self.raw, self.source)
+            # ``at`` asks for another run than the one a measured log describes: the log moves with it
+            return plan(kind, self.flags, self.config, self.raw, self.source, asked=at)
         except (KeyError, ValueError) as exc:  # an unknown preset, a setup Megatron rejects, a bound
             raise InputError(where + str(exc).strip("'\"")) from None
 

@@ -121,9 +121,12 @@ def _configs(
     Raises:
         ConfigError: a value that does not type-check; ParallelSizeError: a parallel size of 0 or below.
     """
-    base_cfg = build_config(_copy(raw), where, tree)
+    written = _copy(raw)
+    base_cfg = build_config(written, where, tree)
     effective_raw = apply_overrides(_copy(raw), list(overrides or []))
     cfg = build_config(effective_raw, where, tree if not overrides else None)
+    if overrides:  # a measured log belongs to the config as written (plan/evidence/runs.py)
+        cfg._written = (base_cfg, written)
     parallel_sizes.check(effective_raw)  # no edit of a run that cannot start (0 or negative TP, PP, CP, EP...)
     return base_cfg, cfg, effective_raw
 

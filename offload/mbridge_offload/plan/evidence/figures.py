@@ -14,6 +14,8 @@ from typing import Literal
 
 from pydantic import BaseModel, Field
 
+from mbridge_offload.plan.evidence.settings import LogSettings
+
 Kind = Literal["bound", "point", "step"]
 Source = Literal[
     "pytorch_oom",
@@ -50,6 +52,9 @@ class Figure(BaseModel):
         None, description="bound: allocated + requested at the failure; point: peak allocated; GiB (2^30 bytes)"
     )
     value_s: float | None = Field(None, description="a step time, seconds")
+    tflops_per_gpu: float | None = Field(
+        None, description="step: the throughput per GPU the same line prints (Megatron-LM's own FLOPs), TFLOP/s"
+    )
     line: str = Field(description="the log line it was read from (cut to 400 characters)")
     line_number: int = Field(description="1-based line number in the text read")
     rank: int | None = Field(None, description="the rank that printed it (global, or local with rank_source)")
@@ -58,6 +63,9 @@ class Figure(BaseModel):
     stage_source: str | None = Field(None, description="why that stage: the rank's stage in the layout, or the worst")
     shift_gib: float | None = Field(None, description="the figure minus the model's prediction for that stage, GiB")
     used: bool = Field(False, description="this figure set the shift every prediction carries")
+    set_aside: str | None = Field(
+        None, description="why physics refuses this figure for the measured run on this GPU (not used), or null"
+    )
     allocated_gib: float | None = Field(None, description="OOM: memory allocated by PyTorch at the failure, GiB")
     requested_gib: float | None = Field(None, description="OOM: the allocation that failed ('Tried to allocate'), GiB")
     reserved_unallocated_gib: float | None = Field(
@@ -77,6 +85,7 @@ class Evidence:
     memory: list[Figure] = field(default_factory=list)
     steps: list[Figure] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    settings: LogSettings = field(default_factory=LogSettings)  # what the log printed about its own run
 
     @property
     def bounds(self) -> list[Figure]:

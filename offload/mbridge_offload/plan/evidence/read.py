@@ -22,6 +22,7 @@ from mbridge_offload.config.errors import InputError
 from mbridge_offload.config.reading import read_text_file
 from mbridge_offload.plan.evidence import oom, reports, steps
 from mbridge_offload.plan.evidence.figures import SOURCES, Evidence
+from mbridge_offload.plan.evidence.settings import parse_settings
 
 ACCEPTED = "; ".join(v for k, v in SOURCES.items() if k != "pytorch_oom_unsized")
 # A one-line argument longer than this that holds no figure is neither a path nor a log.
@@ -35,7 +36,8 @@ def parse_log(text: str) -> Evidence:
         text: the log (any number of ranks, iterations and launcher prefixes).
 
     Returns:
-        The figures with their lines. An out-of-memory error without sizes is kept only when no sized message is
+        The figures with their lines, and the settings the log printed about its run (``settings.py``). An
+        out-of-memory error without sizes is kept only when no sized message is
         in the log (the same failure is usually printed both ways).
     """
     lines = text.splitlines()
@@ -49,6 +51,7 @@ def parse_log(text: str) -> Evidence:
     points = reports.parse_reports(lines, [i for i in pick(reports.is_candidate) if i + 1 not in oom_lines], ev.notes)
     ev.memory = sorted(bounds + points, key=lambda f: f.line_number)
     ev.steps = steps.parse_steps(lines, pick(steps.is_candidate))
+    ev.settings = parse_settings(text)
     return ev
 
 

@@ -19,6 +19,8 @@ from mbridge_offload.plan.evidence.sizes import NUMBER
 
 _MEGATRON = re.compile(rf"elapsed time per iteration \(ms\):\s*({NUMBER})")
 _NEMO = re.compile(rf"train_step_timing in s\"?\s*[:=]\s*({NUMBER})")
+# Megatron-LM's iteration line also prints the throughput its own FLOPs formula implies (``--log-throughput``).
+_THROUGHPUT = re.compile(rf"throughput per GPU \(TFLOP/s/GPU\):\s*({NUMBER})")
 
 
 def parse_steps(lines: list[str], candidates: list[int]) -> list[Figure]:
@@ -34,7 +36,17 @@ def parse_steps(lines: list[str], candidates: list[int]) -> list[Figure]:
             if not m:
                 continue
             seconds, source = float(m.group(1)), "nemo_step_timing"
-        out.append(Figure(source=source, kind="step", value_s=seconds, line=cut(line), line_number=i + 1))
+        tflops = _THROUGHPUT.search(line)
+        out.append(
+            Figure(
+                source=source,
+                kind="step",
+                value_s=seconds,
+                tflops_per_gpu=float(tflops.group(1)) if tflops else None,
+                line=cut(line),
+                line_number=i + 1,
+            )
+        )
     return out
 
 

@@ -237,25 +237,35 @@ class PlanInputs(BaseModel):
         help="what recommend may change, comma-separated: recompute, activation, fine-grained, optimizer, cp, tp, mbs "
         "(default: recompute and the three offloads; cp, tp and mbs are then shown as alternatives)",
     )
-    # --- the user's own run at these settings
+    # --- the user's own run: the measured run is the config as written (before overrides) with the hardware
+    # inputs, or without a config the flags; measured_settings and what the log prints about its run override it
     measured_peak_gib: float | None = _field(
         group="measured",
-        help="measured peak allocated at these settings, GiB (Megatron's 'max allocated' / 1024): a point, compared "
-        "with the worst stage",
+        help="measured peak allocated of the measured run, GiB (Megatron's 'max allocated' / 1024): a point, "
+        "compared with the worst stage; the measured run is the config as written (before overrides) with the "
+        "hardware inputs, or without a config the flags; another run asked about is predicted as measured + "
+        "model(asked) - model(measured)",
         gt=0,
         le=1e5,
     )
     measured_step_s: float | None = _field(
-        group="measured", help="measured step time at these settings, s", gt=0, le=1e6
+        group="measured", help="measured step time of the measured run (see measured_peak_gib), s", gt=0, le=1e6
     )
     measured_log: str | None = _field(
         group="measured",
-        help="the run's log, a path or the text: PyTorch's CUDA OOM message (a lower bound: allocated + requested), "
-        "Megatron/Bridge memory reports and max_memory_allocated prints (points), step-time lines; each compared "
-        "with its rank's pipeline stage (calibration lists them)",
+        help="the measured run's log, a path or the text: PyTorch's CUDA OOM message (a lower bound: allocated + "
+        "requested), Megatron/Bridge memory reports and max_memory_allocated prints (points), step-time lines; each "
+        "compared with its rank's pipeline stage (calibration lists them); the settings it prints about its run "
+        "(micro_batch_size, seq_length, global batch, world size, TP/PP/CP/EP) describe the measured run",
     )
     ooms: bool | None = _field(
-        group="measured", help="these settings ran out of GPU memory (an OOM message in measured_log says so too)"
+        group="measured", help="the measured run ran out of GPU memory (an OOM message in measured_log says so too)"
+    )
+    measured_settings: list[str] | None = _field(
+        group="measured",
+        help="NAME=VALUE planner inputs of the measured run where it differs from the run asked about, e.g. "
+        "micro_batch_size=1 (without a config the flags describe the asked run; with one, these override the config "
+        "as written for the measured run)",
     )
 
 
@@ -299,6 +309,44 @@ def help_text(field: str) -> str:
     """The help of an input with its bounds, e.g. ``transformer layers [>= 1, <= 1024]``."""
     bounds = bounds_text(field)
     return (PlanInputs.model_fields[field].description or "") + (f" [{bounds}]" if bounds else "")
+
+
+# Inputs that describe the job, the machine and the evidence, not the run's settings: the same in the run a user's
+# evidence measured and the run asked about (``plan/evidence/runs.py``).
+_SHARED_GROUPS = {"model", "hardware", "time", "decision", "measured"}
+# In those groups but settings of the run (config keys the caller may change).
+_RUN_SETTINGS_THERE = {"overlap_grad_reduce", "overlap_param_gather", "tp_comm_overlap"}
+
+
+def shared(name: str) -> bool:
+    """``name`` describes the job and the machine (both runs), not a setting the caller may change. The GPU count is
+    the job's: a flag gives it to both runs (``measured_settings`` or a log's world size may say otherwise)."""
+    return name == "num_gpus" or (group_of(name) in _SHARED_GROUPS and name not in _RUN_SETTINGS_THERE)
+
+
+def measured_settings(items: list[str] | None) -> dict[str, Any]:
+    """``measured_settings`` (``NAME=VALUE`` items) as planner input values, checked like the inputs themselves.
+
+    Raises:
+        InputError: an item without ``=``, a name that is no planner input or not a setting of the run, a value the
+            input refuses.
+    """
+    out: dict[str, Any] = {}
+    for item in items or []:
+        name, sep, text = (part.strip() for part in item.partition("="))
+        if not sep or name not in PlanInputs.model_fields:
+            raise InputError(
+                f"measured_settings {item!r}: expected NAME=VALUE with NAME a planner input, e.g. micro_batch_size=1 "
+                "or seq_length=4096 (CLI: --measured-settings micro_batch_size=1)"
+            )
+        if shared(name) and name != "num_gpus":
+            raise InputError(
+                f"measured_settings {item!r}: {name} is the same in the measured and the asked run (the model, the "
+                f"hardware, the evidence); pass it as {flag_name(name)}"
+            )
+        value: Any = [v for v in text.split(",") if v] if name in ("recompute_modules", "offload_modules") else text
+        out[name] = getattr(validate_inputs({name: value}, {name: "measured_settings"}), name)
+    return out
 
 
 def _message(err: ErrorDetails, where: dict[str, str], keys: dict[str, str]) -> str:

@@ -9,6 +9,7 @@ imports torch.
 from __future__ import annotations
 
 import math
+from collections.abc import Collection
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -156,7 +157,7 @@ REQUIRED = ("num_layers", "hidden_size", "num_attention_heads", "vocab_size")
 # walks in well under a second. Published MoEs: DeepSeek-V3 61 x 256, Kimi K2 61 x 384 (at EP 1).
 MAX_LOCAL_EXPERT_LAYERS = 32_768
 # Not listed as assumptions: how to read the inputs, not settings of the run.
-_NOT_ASSUMPTIONS = {"measured_log", "calibration", "host_profile", "model", "levers"}
+_NOT_ASSUMPTIONS = {"measured_log", "calibration", "host_profile", "model", "levers", "measured_settings"}
 
 
 class Assumption(BaseModel):
@@ -215,6 +216,18 @@ class Constraints:
         return out
 
 
+@dataclass(frozen=True)
+class Call:
+    """The arguments of one ``resolve`` call: the config (after any overrides), the flags, and which flags ask for
+    another run than the one the config (or, without one, the other flags) describes (a plot's swept input)."""
+
+    flags: dict[str, Any]
+    config: OffloadConfig | None
+    raw: dict[str, Any] | None
+    source: str | None
+    asked: frozenset[str] = frozenset()
+
+
 @dataclass
 class Resolved:
     """The merged inputs and what the models are built from."""
@@ -229,6 +242,7 @@ class Resolved:
     raw_config: dict[str, Any] | None = None  # the user's config as read, for the rule catalogue
     effective: Effective | None = None  # the config's one resolution (config.effective), None without a config
     host_profile: HostProfile | None = None  # the profile the caller named (host_profile / calibration), read once
+    call: Call | None = None  # what resolve() was given: the measured run is rebuilt from it (plan/evidence/runs.py)
 
     @property
     def source(self) -> str | None:
@@ -457,6 +471,7 @@ def resolve(
     config: OffloadConfig | None = None,
     raw: dict[str, Any] | None = None,
     source: str | None = None,
+    asked: Collection[str] = (),
 ) -> Resolved:
     """Merge defaults, the model preset's recipe, a config and flags; validate; build the models' inputs.
 
@@ -465,6 +480,8 @@ def resolve(
         config: a loaded Bridge config or Megatron-LM argv (``sources.load``), or None.
         raw: the config's raw dict (tells which keys it sets).
         source: where the config came from (``recipe:NAME`` marks a Bridge recipe for ``config.effective``).
+        asked: names of ``flags`` that describe another run than the one measured (a plot's swept input); the
+            user's evidence is moved to them, never anchored at them (``plan/evidence/runs.py``).
 
     Returns:
         The merged ``PlanInputs``, the source of each value, the model, setup, GPU and constraints.
@@ -487,7 +504,10 @@ def resolve(
     base = model_preset(name) if name else None
     preset = recipe_values(name) if name else {}
     defaults = {k: v for k, (v, _) in DEFAULTS.items()}
-    values, where = _merge([("default", defaults), ("preset", preset), (cfg_source, cfg), ("flag", flags)])
+    _check_measured_settings(flags)
+    printed = _log_settings(flags.get("measured_log"))
+    layers = [("default", defaults), ("preset", preset), ("log", printed), (cfg_source, cfg), ("flag", flags)]
+    values, where = _merge(layers)
     inputs = validate_inputs(values, where, CONFIG_KEYS)
     values = inputs.model_dump()
     extras = _config_model_spec(config, raw, base) if config is not None else {}
@@ -500,6 +520,7 @@ def resolve(
         m = replace(m, mtp_num_layers=mtp_layers(layout_text(values["pipeline_layout"]) or ""))
     notes = {k: note for k, (_, note) in DEFAULTS.items() if where.get(k) == "default"}
     notes["share_embeddings_and_output_weights"] = tying_note
+    notes.update({k: "printed by the measured log about its own run" for k in printed if where.get(k) == "log"})
     _derive(values, where, notes, m.seq_length, "preset" if base else "default")
     s = replace(_setup(values, m), manual_gc=_manual_gc(config, raw), **_moe_step_settings(config, raw, values))
     notes.update(model_notes(values, s, raw))
@@ -521,7 +542,38 @@ def resolve(
     assumptions = _assumptions(values, where, notes) + _batch_assumptions(s, where)
     raw_config = raw if raw is not None else (config.model_dump(mode="json") if config is not None else None)
     profile = _host_profile(final)
-    return Resolved(final, where, m, s, _gpu(values), constraints, assumptions, raw_config, eff, profile)
+    call = Call(flags, config, raw, source, frozenset(asked))
+    return Resolved(final, where, m, s, _gpu(values), constraints, assumptions, raw_config, eff, profile, call)
+
+
+def _check_measured_settings(flags: dict[str, Any]) -> None:
+    """``measured_settings`` read as inputs, and only beside evidence of the run they describe.
+
+    Raises:
+        InputError: an item that is not NAME=VALUE of a run setting, or no evidence to go with them.
+    """
+    from mbridge_offload.plan.inputs.fields import measured_settings
+
+    if not measured_settings(flags.get("measured_settings")):
+        return
+    evidence = ("measured_log", "measured_peak_gib", "measured_step_s", "ooms")
+    if not any(flags.get(k) not in (None, False) for k in evidence):
+        raise InputError(
+            "measured_settings describe the run a measurement comes from, and none is given",
+            "pass measured_log, measured_peak_gib, measured_step_s or ooms with them, or drop measured_settings",
+        )
+
+
+def _log_settings(log: str | None) -> dict[str, Any]:
+    """What the measured log printed about its own run (``plan/evidence/settings.py``): it fills what neither the
+    config nor a flag states, above a preset's guesses. Where the config or a flag says otherwise, the asked run keeps
+    theirs and the measured run the log's (``plan/evidence/runs.py``)."""
+    if not log:
+        return {}
+    from mbridge_offload.plan.evidence.read import read_log
+    from mbridge_offload.plan.evidence.settings import parse_settings
+
+    return parse_settings(read_log(log)).as_inputs()
 
 
 def _manual_gc(config: OffloadConfig | None, raw: dict[str, Any] | None) -> bool:

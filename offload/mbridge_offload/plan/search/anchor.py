@@ -14,10 +14,15 @@ a dense model at fixed sequence length and micro-batch asks for the same sizes i
 Neither relies on ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``: Bridge 0.6.2's Llama 3 70B / 3.1 405B
 layer-offload perf recipes do not set it (their ``env_vars``), and no published run gives its overhead.
 
-Anchoring: a measured peak at the given settings shifts every prediction by (measured − predicted); a measured
-step time fixes the baseline (or, with a baseline given too and offload on, the CPU AdamW rate). "These settings
-run out of memory" forces the shift to at least what an OOM implies, so the answer never says they fit. Never
-imports torch.
+Anchoring: a measured figure belongs to the run that produced it (``plan/evidence/runs.py``: the config as written,
+the hardware inputs, what the log printed about its run). The model is compared with the figure at that run; every
+other run (the asked one, each option) is predicted as measured + model(run) - model(measured), category by category:
+weights, gradients and optimizer state are counted from the parameters and carry no difference; a positive difference
+goes on "other", a negative one on activations and other in proportion to the measured run's. No category is ever
+negative: where the difference would drive one below zero it is held at zero and ``calibration.clamped`` says so. A
+measured step time fixes the compute efficiency at the measured run (or, with a baseline given too and offload on, the
+CPU AdamW rate). "These settings run out of memory" forces the shift to at least what an OOM implies, so the answer
+never says the measured run fits. Never imports torch.
 """
 
 from __future__ import annotations
@@ -25,15 +30,20 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from mbridge_offload.plan.evidence import runs
 from mbridge_offload.plan.evidence.figures import Figure
+from mbridge_offload.plan.evidence.read import read_evidence
+from mbridge_offload.plan.evidence.settings import LogSettings
 from mbridge_offload.plan.inputs.hardware import DEFAULT_MARGIN, PINNED_HOST_SHARE
 from mbridge_offload.plan.inputs.resolve import Assumption, Resolved
-from mbridge_offload.plan.memory.stage import MemoryEstimate, estimate_memory
+from mbridge_offload.plan.memory.stage import MemoryEstimate, StageMemory, estimate_memory
 from mbridge_offload.plan.model.architecture import GB, GiB
-from mbridge_offload.plan.results import Anchor, MemoryBreakdown
+from mbridge_offload.plan.results import Anchor, EvidenceRun, LogMismatch, MemoryBreakdown, SettingChange
 from mbridge_offload.plan.search import measured
-from mbridge_offload.plan.time.step import baseline_step_s, compute_efficiency, estimate_time
+from mbridge_offload.plan.time.step import baseline_step_s, compute_efficiency, estimate_time, offload_off
 
+# The categories of a prediction, the order of ``MemoryBreakdown``.
+CATEGORIES = ("weights", "gradients", "optimizer", "activations", "other")
 # The CUDA context and cuBLAS handles live outside PyTorch's allocator (~0.5 GiB on Hopper with CUDA 12).
 CUDA_CONTEXT_GIB = 0.5
 # Reserved beyond allocated (fragmentation of the caching allocator) for a dropless-MoE model, fitted to the card's
@@ -44,6 +54,12 @@ ALLOCATOR_OVERHEAD = 0.118
 # Megatron's memory prints inside DotProductAttention): 44,283.33 MB allocated / 44,926.00 MB reserved at its
 # highest point, 41,291.26 / 41,854.00 at the end of the forward: 1.45 % and 1.36 %; the larger one is used.
 DENSE_ALLOCATOR_OVERHEAD = 0.0145
+
+
+def _breakdown(parts: dict[str, float], unit: float) -> MemoryBreakdown:
+    total = sum(parts.values())
+    digits = 3
+    return MemoryBreakdown(**{k: round(v / unit, digits) for k, v in parts.items()}, total=round(total / unit, digits))
 
 
 def allocator_overhead(is_moe: bool) -> float:
@@ -63,7 +79,9 @@ class Plan:
     assumptions: list[Assumption] = field(default_factory=list)
     vet: Any = None  # advice.Vetter: the rule catalogue on each candidate (planner.recommend sets it)
     host_refused: dict[str, str] = field(default_factory=dict)  # mode → why the node's host RAM refuses it
-    ooms: bool = False  # the settings as given ran out of memory (the ooms input, or an OOM in the measured log)
+    ooms: bool = False  # the measured run ran out of memory (the ooms input, or an OOM in the measured log)
+    measured: Resolved | None = None  # the run the evidence measured (None: the run as given, r)
+    split: dict[str, float] = field(default_factory=dict)  # the offset by category (bytes): CATEGORIES' keys
 
     @property
     def overhead(self) -> float:
@@ -78,16 +96,39 @@ class Plan:
     def budget_bytes(self) -> float:
         return self.usable_bytes * (1 - self.margin)
 
+    @property
+    def measured_run(self) -> Resolved:
+        """The run the evidence measured (the run as given when there is no evidence or nothing changed it)."""
+        return self.measured if self.measured is not None else self.r
+
+    def categories(self, st: StageMemory) -> dict[str, float]:
+        """Stage ``st``'s categories (bytes) with the measured difference (``split``), none below zero; a category
+        held at zero is reported once in ``calibration.clamped``."""
+        parts = {c: float(getattr(st, c)) + self.split.get(c, 0.0) for c in CATEGORIES}
+        for c, v in parts.items():
+            if v < 0:
+                parts[c] = 0.0
+                if self.anchor is not None:
+                    _clamped(self.anchor, c, st, self.split[c])
+        return parts
+
+    def shift(self, st: StageMemory) -> float:
+        """Bytes the calibration adds to stage ``st``'s model peak (``offset``, or less where a category is held at
+        zero)."""
+        if not self.split:
+            return self.offset
+        return sum(self.categories(st).values()) - st.total
+
     def total(self, est: MemoryEstimate) -> float:
-        return est.worst.total + self.offset
+        return est.worst.total + self.shift(est.worst)
 
     def total_gib(self, est: MemoryEstimate) -> float:
         return self.total(est) / GiB
 
     def fits(self, est: MemoryEstimate) -> bool:
         """The verdict on this config: its peak, after the allocator overhead, within the device (no margin)."""
-        if (self.ooms or self.r.inputs.ooms) and est.setup == self.r.setup:
-            return False  # the user saw it fail: never contradict a measurement
+        if (self.ooms or self.r.inputs.ooms) and est.setup == self.measured_run.setup:
+            return False  # the user saw the measured run fail: never contradict a measurement
         return self.total(est) <= self.usable_bytes
 
     def keeps_margin(self, est: MemoryEstimate) -> bool:
@@ -113,8 +154,10 @@ class Plan:
         )
 
     def breakdown(self, est: MemoryEstimate, gib: bool = False) -> MemoryBreakdown:
-        parts = est.breakdown_gib(self.offset) if gib else est.breakdown_gb(self.offset)
-        return MemoryBreakdown(**parts)
+        """The worst stage by category, calibrated (``categories``), in GiB or GB."""
+        if not self.split:
+            return MemoryBreakdown(**(est.breakdown_gib(self.offset) if gib else est.breakdown_gb(self.offset)))
+        return _breakdown(self.categories(est.worst), GiB if gib else GB)
 
     def budget_sentence(self, before: MemoryEstimate) -> str:
         w, gpu = before.worst, self.r.gpu
@@ -144,8 +187,9 @@ class Plan:
 
 
 def _anchor_step(p: Plan, est: MemoryEstimate, step: float, a: Anchor) -> None:
-    """Baseline from a measured step; with a baseline given too and offload on, the CPU AdamW rate instead."""
-    r = p.r
+    """Baseline from a measured step (``est``: the measured run's); with a baseline given too and offload on, the CPU
+    AdamW rate instead."""
+    r = p.measured_run
     t = estimate_time(est, r.gpu, overlap=r.overlap, **p.time_kwargs)
     extra = t.optimizer_extra_s + t.activation_extra_s
     offloaded = max(st.offloaded_numel for st in est.stages)
@@ -160,7 +204,8 @@ def _anchor_step(p: Plan, est: MemoryEstimate, step: float, a: Anchor) -> None:
         p.time_kwargs["cpu_params_per_s_per_core"] = rate
         a.cpu_adam_params_per_s_per_core = rate
         a.notes.append(
-            f"measured step {step:.3f} s at these settings implies CPU AdamW {rate / 1e9:.2f}e9 params/s/core"
+            f"measured step {step:.3f} s at the measured run's settings implies CPU AdamW {rate / 1e9:.2f}e9 "
+            "params/s/core"
         )
         return
     baseline = step - extra
@@ -169,7 +214,9 @@ def _anchor_step(p: Plan, est: MemoryEstimate, step: float, a: Anchor) -> None:
         return
     p.time_kwargs["baseline_s"] = baseline
     a.baseline_step_s = baseline
-    a.notes.append(f"measured step {step:.3f} s at these settings implies a {baseline:.3f} s step without offload")
+    a.notes.append(
+        f"measured step {step:.3f} s at the measured run's settings implies a {baseline:.3f} s step without offload"
+    )
 
 
 def _anchor_oom(p: Plan, predicted: float, a: Anchor) -> None:
@@ -177,7 +224,7 @@ def _anchor_oom(p: Plan, predicted: float, a: Anchor) -> None:
     if needed > p.offset:
         p.offset = needed
     a.notes.append(
-        f"these settings ran out of memory: that needs a peak above {p.usable_bytes / GiB:.1f} GiB allocated, but "
+        f"the measured run ran out of memory: that needs a peak above {p.usable_bytes / GiB:.1f} GiB allocated, but "
         f"the model predicts {predicted / GiB:.1f} GiB, so at least {p.offset / GiB:.1f} GiB more is in use than "
         "modelled (uneven MoE routing, fragmentation, another process); every prediction here includes it"
     )
@@ -188,6 +235,18 @@ def _measured_anything(r: Resolved) -> bool:
     return bool(i.measured_log) or i.ooms is True or i.measured_peak_gib is not None or i.measured_step_s is not None
 
 
+def _clamped(a: Anchor, category: str, st: StageMemory, split: float) -> None:
+    """Say once per category that the measured difference would drive it below zero on some run."""
+    if any(c.startswith(f"{category}:") for c in a.clamped):
+        return
+    a.clamped.append(
+        f"{category}: the measured run's difference ({split / GiB:+.2f} GiB on {category}) is more than the "
+        f"{getattr(st, category) / GiB:.2f} GiB of {category} the model gives a run this answer predicts (stage "
+        f"{st.stage}, {st.peak_phase}): held at 0 GiB there, so that prediction is above measured + model(run) - "
+        "model(measured) by the rest (the model's difference between the runs is larger than the measured one)"
+    )
+
+
 def _anchor_point(p: Plan, m: measured.Measured, a: Anchor) -> None:
     """A measured peak: every prediction shifted so that the model reproduces it (``measured.py`` says how)."""
     f = m.point
@@ -195,7 +254,9 @@ def _anchor_point(p: Plan, m: measured.Measured, a: Anchor) -> None:
     p.offset = m.point_shift
     f.used = True
     a.measured_peak_gib, a.measured_kind, a.measured_stage = f.value_gib, "point", f.stage
-    a.notes.append(f"{m.point_note}: every prediction shifted by {p.offset / GiB:+.2f} GiB")
+    a.notes.append(
+        f"{m.point_note}: every prediction shifted by {p.offset / GiB:+.2f} GiB (the measured run's difference)"
+    )
 
 
 def _anchor_bound(p: Plan, f: Figure, predicted: dict[int, float], a: Anchor) -> None:
@@ -224,6 +285,9 @@ def _anchor_bound(p: Plan, f: Figure, predicted: dict[int, float], a: Anchor) ->
 def prepare(r: Resolved) -> Plan:
     """The yardstick for one answer: margin, time settings, and the anchor from the user's own run.
 
+    The evidence is compared with the model at the run it measured (``plan/evidence/runs.py``), never at the run
+    asked about; ``calibration.measured_run`` and ``asked_run`` show the two.
+
     Raises:
         InputError: a measured_log that cannot be read or holds no figure.
     """
@@ -237,38 +301,117 @@ def prepare(r: Resolved) -> Plan:
         p.assumptions += _baseline_assumptions(p)
         _freeze_efficiency(p)
         return p
-    est = estimate_memory(r.model, r.setup)
-    m = measured.measure(r, est)
-    predicted = {st.stage: float(st.total) for st in est.stages}
+    ev = read_evidence(r.inputs.measured_log) if r.inputs.measured_log else None
+    printed = ev.settings if ev is not None else None
+    pair = runs.runs(r, printed)
+    mr = pair.measured if pair.measured is not None else r
+    p.measured = mr
+    est = estimate_memory(mr.model, mr.setup)
+    m = measured.measure(mr, est, ev)
+    if pair.measured is None:  # the measured run cannot be modelled: nothing it says is moved to another run
+        m.set_aside.append(f"{pair.why}: every figure set aside")
+        m.point = m.bound = m.step_s = None
+        m.ooms = False
     worst = float(est.worst.total)
     a = Anchor(
         measured_step_s=m.step_s,
         predicted_peak_gib=round(worst / GiB, 3),
-        notes=list(m.notes),
+        notes=[*m.notes, *(printed.notes if printed else []), *m.set_aside],
         figures=m.figures,
         figures_omitted=m.omitted,
+        set_aside=m.set_aside,
     )
+    for f in m.figures:  # a bound physics set aside still says what its message says (another GPU, fragmentation)
+        if f.kind == "bound" and f.set_aside:
+            a.notes.extend(measured.oom_notes(f, mr.gpu.capacity_bytes / GiB, mr.gpu.name, CUDA_CONTEXT_GIB))
+    _anchor_memory(p, m, est, a)
+    if m.step_s is not None:
+        _anchor_step(p, est, m.step_s, a)
+    a.memory_offset_gib = round(p.offset / GiB, 3)
+    p.split = measured.split(p.offset, _measured_stage(est, a.measured_stage))
+    p.anchor = a
+    _describe_runs(p, pair, printed, est, a)
+    p.assumptions += _baseline_assumptions(p)
+    _freeze_efficiency(p)
+    return p
+
+
+def _anchor_memory(p: Plan, m: measured.Measured, est: MemoryEstimate, a: Anchor) -> None:
+    """The memory figures: a point sets the offset, a bound raises it, an OOM makes the measured run not fit."""
+    predicted = {st.stage: float(st.total) for st in est.stages}
     if m.point is not None:
         _anchor_point(p, m, a)
     if m.bound is not None:
         _anchor_bound(p, m.bound, predicted, a)
     if m.ooms:
         p.ooms = a.ooms = True
-        _anchor_oom(p, worst, a)
-    if m.step_s is not None:
-        _anchor_step(p, est, m.step_s, a)
-    a.memory_offset_gib = round(p.offset / GiB, 3)
-    p.anchor = a
-    p.assumptions += _baseline_assumptions(p)
-    _freeze_efficiency(p)
-    return p
+        _anchor_oom(p, float(est.worst.total), a)
+
+
+def _measured_stage(est: MemoryEstimate, stage: int | None) -> StageMemory:
+    return next((st for st in est.stages if st.stage == stage), est.worst)
+
+
+def _describe_runs(p: Plan, pair: runs.Runs, printed: LogSettings | None, est: MemoryEstimate, a: Anchor) -> None:
+    """``calibration``: the measured run and the asked run side by side, what differs, what the log printed."""
+    r, mr = p.r, p.measured_run
+    a.changes = [SettingChange(name=n, measured=mv, asked=av) for n, mv, av in pair.changes]
+    a.log_settings = printed.as_inputs() if printed else {}
+    a.mismatches = [
+        LogMismatch(name=x.name, log=x.log, given=x.given, given_source=x.source, line_number=x.line_number)
+        for x in pair.mismatches
+    ]
+    for x in pair.mismatches:
+        a.notes.append(
+            f"the log printed {x.name} = {x.log} (line {x.line_number}), the {x.source} says {x.given}: the figures "
+            f"belong to the run that printed them, so the measured run takes {x.log}"
+        )
+    changed = [n for n, _, _ in pair.changes]
+    asked = est
+    if pair.changes:
+        try:
+            asked = estimate_memory(r.model, r.setup)
+        except ValueError:  # an offload Megatron rejects: recommend's 'before' is then the run without it, as here
+            asked = estimate_memory(r.model, offload_off(r.setup))
+    written = "the config as written" if r.call is not None and r.call.config is not None else "the flags"
+    log = ", measured_settings" if r.inputs.measured_settings else ""
+    log += f", the log's {', '.join(pair.taken_from_log)}" if pair.taken_from_log else ""
+    a.measured_run = EvidenceRun(
+        settings=_settings(mr, changed),
+        described_by=f"{written} and the hardware inputs{log}",
+        model_gib=round(est.worst.total / GiB, 3),
+        memory_gib=p.breakdown(est, gib=True),
+    )
+    a.asked_run = EvidenceRun(
+        settings=_settings(r, changed),
+        described_by="the same run (nothing changed)"
+        if not pair.changes
+        else "the run as given: " + ", ".join(f"{n} {mv} -> {av}" for n, mv, av in pair.changes),
+        model_gib=round(asked.worst.total / GiB, 3),
+        memory_gib=p.breakdown(asked, gib=True),
+    )
+    if pair.changes:
+        a.notes.append(
+            f"the evidence belongs to the measured run ({a.measured_run.described_by}); this answer is about another "
+            f"run ({a.asked_run.described_by}): predicted as measured + model(asked) - model(measured) = "
+            f"{a.measured_run.memory_gib.total:.2f} + {a.asked_run.model_gib:.2f} - {a.measured_run.model_gib:.2f} GiB"
+            + (" (a category held at zero adds the rest)" if a.clamped else "")
+        )
+
+
+def _settings(r: Resolved, changed: list[str]) -> dict[str, Any]:
+    """What an answer shows of one run: the batch, sequence, GPUs and parallel sizes, and every changed setting."""
+    out: dict[str, Any] = {name: runs.value(r, name) for name in runs.SHOWN}
+    for name in changed:
+        out.setdefault(name, getattr(r.setup, name, None) if name != "model" else r.model.name)
+    return out
 
 
 def _freeze_efficiency(p: Plan) -> None:
     """A measured step calibrates the compute efficiency at the measured settings, once; every other setting the
     planner tries (another offload, recompute, TP) is then predicted at that efficiency, not pinned to the measured
     seconds."""
-    r, kw = p.r, p.time_kwargs
+    r, kw = p.measured_run, p.time_kwargs
     if kw.get("baseline_s") is None or kw.get("mfu") is not None:
         return
     eff, source = compute_efficiency(r.model, r.setup, r.gpu, baseline_s=kw["baseline_s"])

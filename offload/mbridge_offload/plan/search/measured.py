@@ -20,14 +20,16 @@ Never imports torch.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from mbridge_offload.plan.evidence.figures import Figure
+from mbridge_offload.plan.evidence.figures import Evidence, Figure
+from mbridge_offload.plan.evidence.physics import bound_problem, point_problem, step_problem, throughput_problem
 from mbridge_offload.plan.evidence.ranks import RankLayout, order_from_config, rank_of
 from mbridge_offload.plan.evidence.read import read_evidence
 from mbridge_offload.plan.evidence.steps import steady_step_s
 from mbridge_offload.plan.inputs.resolve import Resolved
-from mbridge_offload.plan.memory.stage import MemoryEstimate
+from mbridge_offload.plan.memory.stage import MemoryEstimate, StageMemory
 from mbridge_offload.plan.model.architecture import GiB
 
 # An answer lists at most this many figures (a 1024-GPU job prints an OOM per rank); the rest are counted.
@@ -47,6 +49,7 @@ class Measured:
     figures: list[Figure] = field(default_factory=list)
     omitted: int = 0
     notes: list[str] = field(default_factory=list)
+    set_aside: list[str] = field(default_factory=list)  # figures physics refuses, each with why (evidence/physics)
 
     @property
     def any(self) -> bool:
@@ -74,47 +77,108 @@ def _attribute(figures: list[Figure], where: RankLayout, est: MemoryEstimate) ->
             f.shift_gib = round(f.value_gib - predicted[stage] / GiB, 3)
 
 
-def measure(r: Resolved, est: MemoryEstimate) -> Measured:
-    """The evidence of ``r`` (its log, and the measured_* / ooms inputs) compared with ``est`` (the settings as
-    given).
+def measure(r: Resolved, est: MemoryEstimate, ev: Evidence | None = None) -> Measured:
+    """The evidence of ``r`` (its log, and the measured_* / ooms inputs) compared with ``est``: ``r`` is the run the
+    evidence measured (``plan/evidence/runs.py``), not the run asked about. A figure no run of these settings on this
+    GPU can produce is set aside with why (``plan/evidence/physics.py``).
+
+    Args:
+        r: the measured run.
+        est: its memory estimate.
+        ev: the log's evidence when the caller read it already (else ``r.inputs.measured_log`` is read).
 
     Raises:
         InputError: a measured_log that cannot be read or holds no figure (the message lists what is accepted).
     """
     i, out = r.inputs, Measured(ooms=bool(r.inputs.ooms))
     if i.measured_log:
-        ev = read_evidence(i.measured_log)
+        ev = ev if ev is not None else read_evidence(i.measured_log)
         out.notes += ev.notes
         _attribute(ev.memory, layout(r), est)
-        _choose_point(out, [f for f in ev.points if f.value_gib is not None], est)
-        sized = [f for f in ev.bounds if f.value_gib is not None]
+        points = _vetted([f for f in ev.points if f.value_gib is not None], out, lambda f: point_problem(f, r, est))
+        _choose_point(out, points, est)
+        sized = _vetted([f for f in ev.bounds if f.value_gib is not None], out, lambda f: bound_problem(f, r))
         out.bound = max(sized, key=lambda f: (f.shift_gib or 0.0, -f.line_number)) if sized else None
         out.ooms = out.ooms or ev.ooms
         step, count = steady_step_s(ev.steps)
+        if step is not None and (why := throughput_problem(ev.steps, r)) is not None:
+            step = None
+            out.set_aside.append(why)
+            for f in ev.steps:
+                f.set_aside = why
         if step is not None:
             out.step_s = step
             out.notes.append(f"log: median step time of {count} line(s) after the first (warm-up)")
         out.figures, out.omitted = _shown(ev.memory + ev.steps, out)
     if i.measured_peak_gib is not None:  # the caller's number wins over the log's: a point on the worst stage
-        worst = est.worst
-        out.point = Figure(
-            source="max_memory_allocated",
-            kind="point",
-            value_gib=i.measured_peak_gib,
-            line="measured_peak_gib (given)",
-            line_number=0,
-            stage=worst.stage,
-            stage_source=f"given without a rank: compared with the worst predicted stage ({worst.stage})",
-            shift_gib=round(i.measured_peak_gib - worst.total / GiB, 3),
-        )
-        out.point_shift = i.measured_peak_gib * GiB - worst.total
-        out.point_note = (
-            f"measured peak {i.measured_peak_gib:.2f} GiB (given) vs predicted {worst.total / GiB:.2f} GiB on the "
-            f"worst stage ({worst.stage})"
-        )
+        _given_point(out, i.measured_peak_gib, r, est)
     if i.measured_step_s is not None:
         out.step_s = i.measured_step_s
+    if out.step_s is not None:
+        where = "measured_step_s" if i.measured_step_s is not None else "the log's step time"
+        why = step_problem(out.step_s, r, where)
+        if why is not None:
+            out.step_s = None
+            out.set_aside.append(why)
+            for f in out.figures:
+                f.set_aside = f.set_aside or (why if f.kind == "step" else None)
     return out
+
+
+def split(offset: float, st: StageMemory) -> dict[str, float]:
+    """The offset (bytes: the measured figure minus the model at the measured run) by category.
+
+    Weights, gradients and optimizer state are counted from the parameters and carry none of it. A positive offset
+    (more in use than modelled: uneven MoE routing, workspaces, another process) goes on ``other``; a negative one
+    on activations and other in proportion to the measured stage's (``st``), so that the measured run's categories
+    sum to the figure and none is negative (physics has set aside a figure below the resident state).
+    """
+    if offset >= 0:
+        return {"other": offset} if offset else {}
+    act, other = float(st.activations), float(st.other)
+    if act + other <= 0:
+        return {"other": offset}
+    return {"activations": offset * act / (act + other), "other": offset * other / (act + other)}
+
+
+def _vetted(figures: list[Figure], out: Measured, problem: Callable[[Figure], str | None]) -> list[Figure]:
+    """The figures physics allows; each other one is marked and its reason kept in ``out.set_aside``."""
+    kept = []
+    for f in figures:
+        why = problem(f)
+        if why is None:
+            kept.append(f)
+        else:
+            f.set_aside = why
+            out.set_aside.append(why)
+    return kept
+
+
+def _given_point(out: Measured, peak_gib: float, r: Resolved, est: MemoryEstimate) -> None:
+    """``measured_peak_gib``: a point on the worst stage, unless physics sets it aside."""
+    worst = est.worst
+    f = Figure(
+        source="max_memory_allocated",
+        kind="point",
+        value_gib=peak_gib,
+        line="measured_peak_gib (given)",
+        line_number=0,
+        stage=worst.stage,
+        stage_source=f"given without a rank: compared with the worst predicted stage ({worst.stage})",
+        shift_gib=round(peak_gib - worst.total / GiB, 3),
+    )
+    why = point_problem(f, r, est)
+    if why is not None:
+        f.set_aside = why
+        out.set_aside.append(why)
+        out.figures.insert(0, f)
+        return
+    out.point = f
+    out.point_shift = peak_gib * GiB - worst.total
+    out.point_note = (
+        f"measured peak {peak_gib:.2f} GiB (given) vs predicted {worst.total / GiB:.2f} GiB on the worst stage "
+        f"({worst.stage}) of the measured run"
+    )
 
 
 def _choose_point(out: Measured, points: list[Figure], est: MemoryEstimate) -> None:

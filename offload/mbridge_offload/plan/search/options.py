@@ -204,7 +204,7 @@ def _option(p: Plan, c: Candidate, ctx: dict[str, Any], overlap: Callable[[Any, 
         memory_gib=p.breakdown(est, gib=True),
         peak_phase=est.worst.peak_phase,
         stages_gib=[
-            StageGib(stage=st.stage, total_gib=round((st.total + p.offset) / GiB, 3), peak_phase=st.peak_phase)
+            StageGib(stage=st.stage, total_gib=round((st.total + p.shift(st)) / GiB, 3), peak_phase=st.peak_phase)
             for st in est.stages
         ],
         host_gb=round(est.host_peak_gb, 3),

@@ -18,11 +18,12 @@ by the library, the CLI's JSON and the MCP tools alike. Never imports torch.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
 from mbridge_offload.plan.inputs.resolve import Assumption, Resolved
-from mbridge_offload.plan.memory.stage import MFSDP_OPTIMIZER_OFFLOAD, MemoryEstimate, estimate_memory
+from mbridge_offload.plan.memory.stage import MFSDP_OPTIMIZER_OFFLOAD, MemoryEstimate, StageMemory, estimate_memory
 from mbridge_offload.plan.model.architecture import GB, GiB
 from mbridge_offload.plan.model.run import Setup
 from mbridge_offload.plan.results import (
@@ -78,9 +79,10 @@ def time_terms(t: TimeEstimate) -> dict[str, Any]:
     return {**out, "efficiency": round(t.efficiency, 4), "assumptions": list(t.assumptions)}
 
 
-def stage_phases(est: MemoryEstimate, offset: float = 0.0) -> list[StagePhases]:
-    """Every stage's phases (``plan/memory/phases.py``) in GiB and GB; ``offset`` bytes (a calibration) are in each
-    phase's total, as in the breakdowns, so the worst stage's peak phase equals ``memory_gib.total``."""
+def stage_phases(est: MemoryEstimate, shift: Callable[[StageMemory], float] | float = 0.0) -> list[StagePhases]:
+    """Every stage's phases (``plan/memory/phases.py``) in GiB and GB; ``shift`` (a calibration: bytes, or bytes per
+    stage, ``Plan.shift``) is in each phase's total, as in the breakdowns, so the worst stage's peak phase equals
+    ``memory_gib.total``."""
     return [
         StagePhases(
             stage=st.stage,
@@ -96,6 +98,7 @@ def stage_phases(est: MemoryEstimate, offset: float = 0.0) -> list[StagePhases]:
             peak_phase=st.peak_phase,
         )
         for st in est.stages
+        for offset in [shift(st) if callable(shift) else shift]
     ]
 
 
@@ -120,7 +123,7 @@ def estimate_result(p: Plan, est: MemoryEstimate, t: TimeEstimate) -> Estimate:
                 stage=st.stage,
                 total_gb=round(st.total / GB, 3),
                 params=st.params,
-                total_gib=round((st.total + p.offset) / GiB, 3),
+                total_gib=round((st.total + p.shift(st)) / GiB, 3),
                 peak_phase=st.peak_phase,
             )
             for st in est.stages
@@ -146,7 +149,7 @@ def estimate_result(p: Plan, est: MemoryEstimate, t: TimeEstimate) -> Estimate:
         notes=p.notes(),
         assumptions=p.assumptions,
         calibration=p.anchor,
-        phases=stage_phases(est, p.offset),
+        phases=stage_phases(est, p.shift),
         peak_phase=est.worst.peak_phase,
     )
 
@@ -413,7 +416,7 @@ def recommend(r: Resolved) -> Recommendation:
         options=[o for _, o in ranked],
         levers=list(allowed),
         headroom_gib=round(options.headroom_gib(p), 3),
-        phases=stage_phases(after, p.offset),
+        phases=stage_phases(after, p.shift),
         peak_phase=after.worst.peak_phase,
     )
 
