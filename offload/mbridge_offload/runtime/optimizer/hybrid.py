@@ -442,10 +442,12 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         self._push_hyperparameters()
         self._refresh_stale_copies()
         compute = device.current_stream()
-        # Backward wrote the grads on the compute stream; both side streams start after it, and neither waits
+        # Backward wrote the grads on the compute stream; the D2H stream starts after it, and does not wait
         # for the device optimizer enqueued below (it touches only the non-offloaded parameters).
         self._d2h.wait_stream(compute)
-        self._h2d.wait_stream(compute)
+        # The H2D stream needs no wait on the compute stream: each bucket's H2D copy is issued only after the host
+        # waited on that bucket's d2h_done, recorded on the D2H stream after the wait above, so every compute-stream
+        # read of the weights it overwrites has finished before the copy is even issued.
         missing = {}
         with device.on_stream(self._d2h):
             for bi, b in enumerate(self._buckets):
@@ -589,7 +591,10 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                         if isinstance(v, torch.Tensor):
                             v.zero_()
             self.refresh_from_model()
-        device.synchronize()
+        # No device.synchronize() here: the weights, masters and device state above are written on the compute
+        # stream, which orders every later use (a checkpoint load copies into them on that stream too); the host
+        # state was written by the host itself, and refresh_from_model's blocking copies into the host masters
+        # return only after the compute stream (which waited for every bucket's H2D copy) has caught up.
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, process_group=None) -> torch.Tensor:
         """Clip the gradients of all parameters (host-updated and device-updated) by their global norm.
