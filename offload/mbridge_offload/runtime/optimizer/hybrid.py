@@ -28,7 +28,14 @@ from typing import Any, Literal, NamedTuple
 import torch
 
 from mbridge_offload.runtime import device
-from mbridge_offload.runtime.optimizer.buckets import Bucket, build_bucket, grad_of, plan_buckets, split_params
+from mbridge_offload.runtime.optimizer.buckets import (
+    Bucket,
+    TransferStats,
+    build_bucket,
+    grad_of,
+    plan_buckets,
+    split_params,
+)
 from mbridge_offload.runtime.optimizer.clip import clip_grad_norm_
 from mbridge_offload.runtime.optimizer.grad_hooks import GradCopyHooks
 from mbridge_offload.runtime.optimizer.state import (
@@ -371,6 +378,24 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
     @property
     def num_buckets(self) -> int:
         return len(self._buckets)
+
+    @property
+    def transfer_stats(self) -> TransferStats:
+        """What the offloaded part moved and stepped since construction or :meth:`reset_transfer_stats`.
+
+        Copies (one ``cudaMemcpyAsync`` each on a GPU) and bytes each way, and elements stepped by the CPU
+        optimizer: per step, the bytes and elements are the offloaded fraction's, and the copies about one per
+        bucket plus one per large member, not one per tensor.
+        """
+        total = TransferStats()
+        for b in self._buckets:
+            total = total.add(b.stats)
+        return total
+
+    def reset_transfer_stats(self) -> None:
+        """Zero the counters of :attr:`transfer_stats`."""
+        for b in self._buckets:
+            b.stats = TransferStats()
 
     # ------------------------------------------------------------------ the step
     def _push_hyperparameters(self) -> None:
