@@ -71,13 +71,15 @@ def megatron_hdo_classes() -> tuple[type, type, type, str] | None:
     return Upstream, gpu_cls, cpu_cls, f"{note}; CPU part: torch.optim.AdamW, fused"
 
 
-def megatron_hdo(params: Iterable[torch.Tensor], fraction: float, overlap: bool = True) -> Any:
+def megatron_hdo(params: Iterable[torch.Tensor], fraction: float, overlap: bool = True, pin: bool = True) -> Any:
     """megatron-core's HDO with exactly the arguments ``get_megatron_optimizer`` passes (adam, bf16 defaults).
 
     Args:
         params: the parameters (for the distributed optimizer: its fp32 main shards, 1-D, one per model param).
         fraction: ``optimizer_offload_fraction``.
         overlap: ``overlap_cpu_optimizer_d2h_h2d``.
+        pin: False only on a CPU-only machine (SHIM-PIN of ``tests/support/upstream_shims_hdo.py``: torch has no
+            pinned allocator there); else the factory's ``pin_cpu_grads`` / ``pin_cpu_params`` defaults.
 
     Returns:
         The optimizer, or None where megatron-core is not importable.
@@ -104,8 +106,8 @@ def megatron_hdo(params: Iterable[torch.Tensor], fraction: float, overlap: bool 
         "cpu_optimizer_cls": cpu_cls,
         "gpu_optimizer_cls": gpu_cls,
         "overlap_cpu_optimizer_d2h_h2d": cfg.overlap_cpu_optimizer_d2h_h2d,
-        "pin_cpu_grads": cfg.pin_cpu_grads,
-        "pin_cpu_params": cfg.pin_cpu_params,
+        "pin_cpu_grads": cfg.pin_cpu_grads and pin,
+        "pin_cpu_params": cfg.pin_cpu_params and pin,
         "param_update_in_fp32": True,
         "lr": cfg.lr,
         "weight_decay": cfg.weight_decay,
