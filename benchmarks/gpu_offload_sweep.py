@@ -1,4 +1,4 @@
-"""GPU: the HDO step against its floor, overlap on/off by fraction and model size, and the planner's rates (issue 35).
+"""GPU: the HDO step against its floor, overlap on/off by fraction and model size, and the planner's rates.
 
 Three measurements, one run (< 5 min on one H100/H200), every figure from this run:
 
@@ -35,8 +35,9 @@ from collections.abc import Callable
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from mbridge_offload.runtime import device
-from mbridge_offload.runtime.optimizer.hybrid import HybridDeviceOptimizer
+sys.path.insert(1, os.path.join(os.path.dirname(__file__), "..", "offload"))  # this checkout's runtime package
+from mbridge_offload_runtime import device
+from mbridge_offload_runtime.optimizer.hybrid import HybridDeviceOptimizer
 
 HYPER = {"lr": 1e-3, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
 FRACTIONS = (0.25, 0.5, 0.75)

@@ -33,10 +33,11 @@ import traceback
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(1, os.path.join(os.path.dirname(__file__), "..", "offload"))  # this checkout's runtime package
 from benchmarks import optimizer_peers as peers
-from mbridge_offload.runtime import device
-from mbridge_offload.runtime.optimizer.hybrid import HybridDeviceOptimizer
-from mbridge_offload.runtime.optimizer.megatron import install_optimizer_offload
+from mbridge_offload_runtime import device
+from mbridge_offload_runtime.optimizer.hybrid import HybridDeviceOptimizer
+from mbridge_offload_runtime.optimizer.megatron import install_optimizer_offload
 
 HYPER = {"lr": 1e-3, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
 SMALL = (1024, 4096, 16384)

@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mbridge_offload.runtime import device, ordering
-from mbridge_offload.runtime.ordering import CpuEvent, CpuStream, OrderingError, recording
+from mbridge_offload_runtime import device, ordering
+from mbridge_offload_runtime.ordering import CpuEvent, CpuStream, OrderingError, recording
 
 
 def _side_copy_into_host() -> tuple[torch.Tensor, CpuStream, torch.Tensor]:

@@ -1,8 +1,8 @@
 """The mutation check in CI: every stream/event wait and record of the runtime is seen by a test.
 
 ``tests/support/mutation.py`` finds each sync statement (stream waits, event records and waits, synchronize,
-query, record_stream) by AST in ``runtime/activation/``, ``runtime/optimizer/``, ``runtime/device.py`` and the CPU
-model of streams ``runtime/ordering.py``, replaces it with ``pass`` in a copy of the package and runs
+query, record_stream) by AST in ``activation/``, ``optimizer/``, ``device.py`` and the CPU model of
+streams ``ordering.py`` of ``mbridge_offload_runtime``, replaces it with ``pass`` in a copy of the package and runs
 ``tests/runtime/test_ordering.py`` (and ``test_device.py`` for the device layer) against the copy (one subprocess
 per mutant, ``-x``, with a timeout). Every mutant must die: a sync no schedule needs is deleted, with a why-comment
 at its place, rather than listed as equivalent. About two minutes on two cores.
@@ -23,12 +23,12 @@ def test_sites_are_found_by_ast_and_mutated_in_place() -> None:
     sites = mutation.find_sites()
     files = {s.path for s in sites}
     assert {
-        "runtime/activation/passes.py",
-        "runtime/optimizer/buckets.py",
-        "runtime/optimizer/hybrid.py",
-        "runtime/optimizer/grad_hooks.py",
-        "runtime/device.py",
-        "runtime/ordering.py",
+        "activation/passes.py",
+        "optimizer/buckets.py",
+        "optimizer/hybrid.py",
+        "optimizer/grad_hooks.py",
+        "device.py",
+        "ordering.py",
     } <= files
     assert any("wait_event" in s.text for s in sites) and any("record_stream" in s.text for s in sites)
     site = next(s for s in sites if s.path.endswith("passes.py"))

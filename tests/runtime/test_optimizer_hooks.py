@@ -7,8 +7,8 @@ import gc
 import pytest
 import torch
 
-from mbridge_offload.runtime.optimizer import buckets
-from mbridge_offload.runtime.optimizer.hybrid import HybridDeviceOptimizer
+from mbridge_offload_runtime.optimizer import buckets
+from mbridge_offload_runtime.optimizer.hybrid import HybridDeviceOptimizer
 from tests.runtime.test_optimizer import make_model
 
 HYPER = {"lr": 1e-2, "weight_decay": 0.1}

@@ -1,5 +1,5 @@
 """The offloaded work scales with the fraction: bytes each way and CPU-optimizer elements are the fraction's,
-and the number of host<->device copies follows the buckets, not the tensors (issue 35, item 1).
+and the number of host<->device copies follows the buckets, not the tensors.
 
 On the GPU the H200 run cost as much at fraction 0.25 as at 1.0 on 3,000 small tensors + 12 large ones: the greedy
 prefix put every small tensor in the first quarter, and each offloaded tensor cost one D2H and one H2D copy launch
@@ -13,8 +13,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mbridge_offload.runtime.optimizer import buckets
-from mbridge_offload.runtime.optimizer.hybrid import HybridDeviceOptimizer
+from mbridge_offload_runtime.optimizer import buckets
+from mbridge_offload_runtime.optimizer.hybrid import HybridDeviceOptimizer
 
 SMALL = (64, 256, 1024)
 

@@ -12,10 +12,10 @@ import pytest
 import torch
 from torch import nn
 
-from mbridge_offload.runtime import device
-from mbridge_offload.runtime.activation.context import get_cpu_offload_context
-from mbridge_offload.runtime.activation.layers import offload_layers
-from mbridge_offload.runtime.ordering import CpuEvent, CpuStream, OrderingError, recording
+from mbridge_offload_runtime import device
+from mbridge_offload_runtime.activation.context import get_cpu_offload_context
+from mbridge_offload_runtime.activation.layers import offload_layers
+from mbridge_offload_runtime.ordering import CpuEvent, CpuStream, OrderingError, recording
 
 pytestmark = pytest.mark.ordering
 
@@ -239,7 +239,7 @@ class _nothing:
 def copy_path(request, monkeypatch) -> None:
     """Both copy paths of the buckets: one copy per member (and a backward hook each, with overlap), and the
     default, where the toy's small members move in runs through a device staging buffer."""
-    from mbridge_offload.runtime.optimizer import buckets
+    from mbridge_offload_runtime.optimizer import buckets
 
     if request.param is not None:
         monkeypatch.setattr(buckets, "SMALL_COPY_NUMEL", request.param)
@@ -265,7 +265,7 @@ def _train(model: nn.Module, opt: torch.optim.Optimizer, steps: int = 3, skip_la
 @pytest.mark.parametrize("fraction", [0.5, 1.0])
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no_overlap"])
 def test_hdo_step_is_ordered_and_matches_adamw(fraction: float, overlap: bool) -> None:
-    from mbridge_offload.runtime.optimizer.hybrid import HybridDeviceOptimizer
+    from mbridge_offload_runtime.optimizer.hybrid import HybridDeviceOptimizer
 
     reference = _model()
     _train(reference, torch.optim.AdamW(reference.parameters(), lr=1e-2))
@@ -284,7 +284,7 @@ def test_hdo_step_is_ordered_and_matches_adamw(fraction: float, overlap: bool) -
 
 @pytest.mark.usefixtures("copy_path")
 def test_hdo_dummy_step_and_refresh_are_ordered() -> None:
-    from mbridge_offload.runtime.optimizer.hybrid import HybridDeviceOptimizer
+    from mbridge_offload_runtime.optimizer.hybrid import HybridDeviceOptimizer
 
     model = _model()
     with recording():
@@ -300,7 +300,7 @@ def test_hdo_dummy_step_and_refresh_are_ordered() -> None:
 def test_hdo_grad_dropped_between_backward_and_step_is_zeroed_in_order(overlap: bool) -> None:
     """A member whose grad is set to None after backward is skipped: its host gradient slot is rewritten only
     after any copy into it (e.g. one started by a backward hook) is ordered before the host's write."""
-    from mbridge_offload.runtime.optimizer.hybrid import HybridDeviceOptimizer
+    from mbridge_offload_runtime.optimizer.hybrid import HybridDeviceOptimizer
 
     model = _model()
     with recording():
@@ -314,7 +314,7 @@ def test_hdo_grad_dropped_between_backward_and_step_is_zeroed_in_order(overlap: 
 @pytest.mark.usefixtures("copy_path")
 def test_bucket_step_waits_for_its_previous_h2d_copy() -> None:
     """A bucket steps again only after its last H2D copy (which reads the host master) is done."""
-    from mbridge_offload.runtime.optimizer.hybrid import HybridDeviceOptimizer
+    from mbridge_offload_runtime.optimizer.hybrid import HybridDeviceOptimizer
 
     model = _model()
     with recording():
@@ -335,7 +335,7 @@ def test_bucket_step_waits_for_its_previous_h2d_copy() -> None:
 def test_hdo_grads_changed_in_place_after_backward_are_copied_after_the_change(overlap: bool) -> None:
     """Clipping-like in-place writes on the compute stream between backward and step: the copy the step makes
     (or re-makes) of each gradient must be ordered after them, and the result matches AdamW on the same grads."""
-    from mbridge_offload.runtime.optimizer.hybrid import HybridDeviceOptimizer
+    from mbridge_offload_runtime.optimizer.hybrid import HybridDeviceOptimizer
 
     def train(model: nn.Module, opt: torch.optim.Optimizer) -> None:
         gen = torch.Generator().manual_seed(3)

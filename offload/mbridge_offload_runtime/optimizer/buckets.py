@@ -1,4 +1,4 @@
-"""Flat host buckets: the offloaded part of :class:`mbridge_offload.runtime.optimizer.hybrid.HybridDeviceOptimizer`.
+"""Flat host buckets: the offloaded part of :class:`mbridge_offload_runtime.optimizer.hybrid.HybridDeviceOptimizer`.
 
 A bucket is a run of consecutive offloaded parameters of one param group and one master dtype. Its host side is
 two flat 1-D tensors (the master copy and the gradient buffer) plus one CPU optimizer whose only parameter is the
@@ -19,14 +19,14 @@ from typing import cast
 
 import torch
 
-from mbridge_offload.runtime import device
-from mbridge_offload.upstream import hdo_offload_mask
+from mbridge_offload_runtime import device
+from mbridge_offload_runtime.upstream import hdo_offload_mask
 
 _MISSING = object()
 # Members below this many elements cross PCIe in batches: a run of consecutive small members is gathered into one
 # device staging buffer and moved by one copy (and back the same way). Chosen, not measured: below ~1 MiB of fp32 a
 # host<->device copy costs more in its launch (several microseconds of host time each) than in its bytes, and
-# per-tensor launches were what made fraction 0.25 cost as much as 1.0 on many small tensors (issue 35).
+# per-tensor launches were what made fraction 0.25 cost as much as 1.0 on many small tensors.
 SMALL_COPY_NUMEL = 1 << 18
 
 

@@ -27,9 +27,9 @@ from collections.abc import Iterator
 
 import torch
 
-from mbridge_offload.runtime import device
-from mbridge_offload.runtime.optimizer import buckets as _buckets
-from mbridge_offload.runtime.optimizer.buckets import Bucket
+from mbridge_offload_runtime import device
+from mbridge_offload_runtime.optimizer import buckets as _buckets
+from mbridge_offload_runtime.optimizer.buckets import Bucket
 
 
 def _signature(grad: torch.Tensor) -> tuple[int, int]:

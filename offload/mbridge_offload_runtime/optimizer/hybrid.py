@@ -27,8 +27,8 @@ from typing import Any, Literal, NamedTuple
 
 import torch
 
-from mbridge_offload.runtime import device
-from mbridge_offload.runtime.optimizer.buckets import (
+from mbridge_offload_runtime import device
+from mbridge_offload_runtime.optimizer.buckets import (
     Bucket,
     TransferStats,
     build_bucket,
@@ -36,9 +36,9 @@ from mbridge_offload.runtime.optimizer.buckets import (
     plan_buckets,
     split_params,
 )
-from mbridge_offload.runtime.optimizer.clip import clip_grad_norm_
-from mbridge_offload.runtime.optimizer.grad_hooks import GradCopyHooks
-from mbridge_offload.runtime.optimizer.state import (
+from mbridge_offload_runtime.optimizer.clip import clip_grad_norm_
+from mbridge_offload_runtime.optimizer.grad_hooks import GradCopyHooks
+from mbridge_offload_runtime.optimizer.state import (
     LiveParamState,
     export_param_states,
     import_param_states,
