@@ -38,8 +38,9 @@ import torch
 from torch import nn
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(1, os.path.join(os.path.dirname(__file__), "..", "offload"))  # this checkout's runtime package
 from benchmarks.doc_fragment import DOCS, table, write_section
-from mbridge_offload.runtime.activation.layers import offload_layers
+from mbridge_offload_runtime.activation.layers import offload_layers
 
 DOC = DOCS / "benchmarks-activation.md"
 

@@ -30,8 +30,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(1, os.path.join(os.path.dirname(__file__), "..", "offload"))  # this checkout's runtime package
+from benchmarks import optimizer_peers as peers
 from benchmarks.doc_fragment import with_sections_of
-from mbridge_offload.runtime.optimizer.hybrid import HybridDeviceOptimizer
+from mbridge_offload_runtime.optimizer.hybrid import HybridDeviceOptimizer
 
 ROOT = Path(__file__).resolve().parents[1]
 HYPER = {"lr": 1e-3, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
@@ -112,6 +114,36 @@ class PerParamScheme:
             p.copy_(h)
 
 
+class MegatronHDO:
+    """megatron-core's own HDO built as ``get_megatron_optimizer`` builds it (``optimizer_peers.megatron_hdo``),
+    run on CPU under the three labelled shims of ``tests/support/upstream_shims_hdo.py`` (no-op streams, identity
+    pinning, parameters that report ``is_cuda``): its CPU part is what runs, fused CPU AdamW per parameter."""
+
+    def __init__(self, params, fraction: float):
+        from tests.support.upstream_shims_hdo import FakeDevParam, upstream_hdo_shims
+
+        self.shims = upstream_hdo_shims
+        self.params = []
+        for p in params:
+            fake = FakeDevParam(p.detach(), requires_grad=True)
+            fake.grad = p.grad
+            self.params.append(fake)
+        with self.shims():
+            self.opt = peers.megatron_hdo(self.params, fraction, overlap=True, pin=False)
+
+    def step(self):
+        with self.shims():
+            self.opt.step()
+
+
+class DeepSpeedFloor(OffloadFloor):
+    """The offload floor with DeepSpeed's CPU Adam (AdamW mode) in place of torch's fused AdamW on the flat buffer."""
+
+    def __init__(self, params, make):
+        super().__init__(params)
+        self.opt = make([self.flat])
+
+
 def hdo_maker(fraction: float):
     def make(params):
         return HybridDeviceOptimizer(params, offload_fraction=fraction, overlap_cpu_optimizer_d2h_h2d=True, **HYPER)
@@ -161,19 +193,28 @@ def measure_state_dict(opt: HybridDeviceOptimizer, reps: int) -> dict[str, float
 def run(hidden: int, layers: int, vocab: int, reps: int) -> dict:
     grads = make_grads(gpt_shapes(hidden, layers, vocab))
     result: dict = {"numel": sum(g.numel() for g in grads), "tensors": len(grads), "fractions": {}}
+    upstream = peers.megatron_hdo_classes() is not None
+    ds = peers.deepspeed_cpu_adam_cls()
     for f in FRACTIONS:
         makers = {"in_place": InPlace, "offload_floor": OffloadFloor, "hdo": hdo_maker(f)}
+        if upstream:
+            makers["megatron_hdo"] = lambda ps, f=f: MegatronHDO(ps, f)
         if f == 1.0:
             makers["per_param"] = PerParamScheme
+            if ds is not None:
+                makers["deepspeed_floor"] = lambda ps: DeepSpeedFloor(ps, ds)
         t, runners = best_times(makers, grads, reps)
         # The split is whole tensors (Megatron's greedy prefix), so the floor uses the fraction actually offloaded.
         achieved = runners["hdo"].offloaded_fraction
         floor = achieved * t["offload_floor"] + (1 - achieved) * t["in_place"]
         result["fractions"][f] = {**t, "achieved": achieved, "floor": floor, "ratio": t["hdo"] / floor}
+        if upstream:
+            result["fractions"][f]["megatron_achieved"] = peers.megatron_hdo_fraction(runners["megatron_hdo"].opt)
         if f in (0.5, 1.0):
             result[f"state_dict_{f}"] = measure_state_dict(runners["hdo"], reps)
         if f == 1.0:
             result["context"] = t
+            result["peers"] = {**peers.peer_status(), "megatron_note": peers.megatron_hdo_note()}
         del runners
         gc.collect()
     return result
@@ -219,8 +260,9 @@ def render(r: dict, reps: int, elapsed: float, command: str) -> str:
         "",
         "## Every fraction against its floor",
         "",
-        "| fraction | achieved | HDO s/step | floor s/step | in place s/step | offload floor s/step | HDO / floor |",
-        "|---|---|---|---|---|---|---|",
+        "| fraction | achieved | HDO s/step | floor s/step | in place s/step | offload floor s/step | HDO / floor |"
+        " megatron-core HDO s/step (achieved) | megatron-core / ours |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for f, t in r["fractions"].items():
         cells = [
@@ -229,11 +271,27 @@ def render(r: dict, reps: int, elapsed: float, command: str) -> str:
             f"{t['floor']:.4f}",
             f"{t['in_place']:.4f}",
             f"{t['offload_floor']:.4f}",
+            f"{t['ratio']:.2f}x",
         ]
-        lines.append(f"| f = {f:.2f} | " + " | ".join(cells) + f" | {t['ratio']:.2f}x |")
+        if "megatron_hdo" in t:
+            cells += [f"{t['megatron_hdo']:.4f} ({t['megatron_achieved']:.3f})", f"{t['megatron_hdo'] / t['hdo']:.2f}x"]
+        else:
+            cells += ["not installed", "-"]
+        lines.append(f"| f = {f:.2f} | " + " | ".join(cells) + " |")
     worst = max(t["ratio"] for t in r["fractions"].values())
     verdict = "within" if worst <= TARGET else "NOT within"
     lines += ["", f"Worst ratio {worst:.2f}x: every fraction {verdict} the {TARGET}x target.", ""]
+    lines += [
+        "megatron-core's HDO is built as `get_megatron_optimizer` builds it (`benchmarks/optimizer_peers.py`: "
+        "fused CPU AdamW, `param_update_in_fp32`, the factory's pinning defaults; "
+        f"{r['peers'].get('megatron_note', '')}), and runs here under the three labelled shims of "
+        "`tests/support/upstream_shims_hdo.py` (no-op streams, no pinning, parameters that report `is_cuda`): "
+        "what is timed is its CPU part, one fused CPU AdamW per parameter with overlap on; its achieved fraction is "
+        "read from its own state. Peers: "
+        + ", ".join(f"{k}: {v}" for k, v in r["peers"].items() if k != "megatron_note")
+        + " (installed with `pip install --target .peers --no-deps`, never into the shared environment).",
+        "",
+    ]
     lines += _context_and_state_dict(r)
     return "\n".join(lines) + "\n"
 
@@ -246,6 +304,10 @@ def _context_and_state_dict(r: dict) -> list[str]:
         ("(c) per-parameter optimizers (upstream scheme)", c["per_param"]),
         ("(d) floor: flat copy + one fused AdamW + copy back", c["offload_floor"]),
     ]
+    if "deepspeed_floor" in c:
+        rows.append(("(e) floor with DeepSpeed's DeepSpeedCPUAdam in place of fused AdamW", c["deepspeed_floor"]))
+    if "megatron_hdo" in c:
+        rows.append(("(f) megatron-core's HDO as its factory builds it, fraction 1.0", c["megatron_hdo"]))
     lines = [
         "## Fraction 1.0 in context",
         "",

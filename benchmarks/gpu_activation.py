@@ -45,9 +45,10 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(1, os.path.join(os.path.dirname(__file__), "..", "offload"))  # this checkout's runtime package
 from benchmarks.doc_fragment import DOCS, table, write_section
-from mbridge_offload.runtime import device
-from mbridge_offload.runtime.activation.layers import offload_layers
+from mbridge_offload_runtime import device
+from mbridge_offload_runtime.activation.layers import offload_layers
 
 DOC = DOCS / "benchmarks-activation.md"
 
@@ -175,7 +176,7 @@ def run_variant(model: GPT, tokens: torch.Tensor, setup: contextlib.AbstractCont
 
 def measure_all(model: GPT, tokens: torch.Tensor, ks: list[int], steps: int) -> dict[str, dict]:
     """Every variant: no offload, ours (hooks and TE's call shape), upstream TE where installed, save_on_cpu."""
-    from mbridge_offload.runtime.activation.context import get_cpu_offload_context as ours_factory
+    from mbridge_offload_runtime.activation.context import get_cpu_offload_context as ours_factory
 
     min_size = 256 * 1024 if device.has_cuda() else 1024
     te_factory = upstream_te()

@@ -4,12 +4,15 @@
     .venv/bin/python benchmarks/gpu_all.py --allow-cpu --docs /tmp/docs   # CPU smoke run (tests)
 
 Runs ``benchmarks/gpu_activation.py`` (memory and step time vs k, ours vs no offload vs Transformer Engine where
-installed) and ``benchmarks/gpu_optimizer.py`` (HybridDeviceOptimizer at each fraction vs plain AdamW, and
-megatron-core's DistributedOptimizer where it imports), one subprocess each with its share of the time budget.
+installed), ``benchmarks/gpu_optimizer.py`` (HybridDeviceOptimizer at each fraction vs plain AdamW and the peers as
+they run in production, and megatron-core's DistributedOptimizer where it imports) and
+``benchmarks/gpu_offload_sweep.py`` (the HDO step against its floor, overlap on/off by fraction and model size, the
+planner's rates against the measured ones; its table stays in ``benchmarks/results/``), one subprocess each with
+its share of the time budget.
 The activation script writes its own section of ``docs/benchmarks-activation.md``; the optimizer script's
 Markdown output goes into a section of ``docs/benchmarks-optimizer.md`` (or the script writes it itself if it
 takes ``--write-docs``). Every section says whether it was GPU-measured. Results (JSON, logs) go to
-``benchmarks/results/``. Exit code: 0 when both ran, 1 when one failed or ran out of time (its log says why),
+``benchmarks/results/``. Exit code: 0 when all ran, 1 when one failed or ran out of time (its log says why),
 2 when there is no GPU and ``--allow-cpu`` was not given.
 """
 
@@ -30,7 +33,7 @@ from benchmarks.doc_fragment import DOCS, write_section
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 # Seconds each script may take (their sum stays under the 10-minute call limit, leaving time for start-up).
-BUDGET = {"gpu_activation.py": 270, "gpu_optimizer.py": 270}
+BUDGET = {"gpu_activation.py": 180, "gpu_optimizer.py": 180, "gpu_offload_sweep.py": 180}
 
 
 def _has_cuda() -> bool:
@@ -78,6 +81,11 @@ def run_all(docs: Path, results: Path, cuda: bool) -> dict[str, int]:
         label = "GPU-measured" if cuda else "CPU smoke run of the GPU script: NOT a measurement"
         body = f"### GPU: optimizer step ({label})\n\n**{label}**, by `benchmarks/gpu_all.py`:\n\n"
         write_section(opt_doc, "gpu_optimizer.py", body + re.sub(r"^# ", "#### ", out, count=1, flags=re.M))
+    sweep = ["--output", str(results / "gpu_offload_sweep.md"), "--json", str(results / "gpu_offload_sweep.json")]
+    codes["gpu_offload_sweep.py"], _ = _run(
+        "gpu_offload_sweep.py", sweep if cuda else [*sweep, "--dry-run"], BUDGET["gpu_offload_sweep.py"],
+        results / "gpu_offload_sweep.log",
+    )  # fmt: skip
     (results / "gpu_all.json").write_text(json.dumps({"cuda": cuda, "exit_codes": codes}, indent=2))
     return codes
 

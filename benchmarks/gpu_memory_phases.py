@@ -42,7 +42,8 @@ from typing import Any
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from mbridge_offload.runtime import device
+sys.path.insert(1, os.path.join(os.path.dirname(__file__), "..", "offload"))  # this checkout's runtime package
+from mbridge_offload_runtime import device
 
 MiB = 2**20
 
@@ -123,7 +124,7 @@ def _build(shape: Shape, setup: Setup):
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.transformer.module import Float16Module
 
-    from mbridge_offload.runtime.megatron import build_tiny_gpt
+    from mbridge_offload_runtime.megatron import build_tiny_gpt
 
     model = build_tiny_gpt(
         shape.layers,
@@ -154,8 +155,8 @@ def _build(shape: Shape, setup: Setup):
 
 
 def measure(shape: Shape, setup: Setup, steps: int) -> Result:
-    from mbridge_offload.runtime.megatron import tiny_batch
-    from mbridge_offload.runtime.optimizer.megatron import install_optimizer_offload
+    from mbridge_offload_runtime.megatron import tiny_batch
+    from mbridge_offload_runtime.optimizer.megatron import install_optimizer_offload
 
     result = Result(setup.name, setup.grad_reduce_in_fp32, setup.offload, setup.fraction)
     dev = device.compute_device()
@@ -209,7 +210,7 @@ def measure(shape: Shape, setup: Setup, steps: int) -> Result:
 def _cpu_stand_ins() -> Iterator[None]:
     """The CPU smoke run only: the labelled stand-ins of the CPU optimizer tests (megatron-core's optimizer wrappers
     assume CUDA tensors). Never entered on a GPU, where every figure is real."""
-    from mbridge_offload.runtime.megatron import cpu_compat_shims
+    from mbridge_offload_runtime.megatron import cpu_compat_shims
     from tests.support.megatron_optimizer_worker import CudaOnCpu, _DoneStream
 
     saved = torch.cuda.synchronize, torch.cuda.current_stream
@@ -256,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     cuda = device.has_cuda()
     shape = TINY if (args.quick or not cuda) else Shape()
-    from mbridge_offload.runtime.megatron import ensure_model_parallel
+    from mbridge_offload_runtime.megatron import ensure_model_parallel
 
     ensure_model_parallel()
     import megatron.core

@@ -2,8 +2,11 @@
 
 For offload fractions 0 / 0.25 / 0.5 / 0.75 / 1.0, with and without overlap, it measures per optimizer step the
 wall time (synchronized), the host time until ``step()`` returns, ``max_memory_allocated`` during the step phase,
-and parity with plain GPU AdamW on the same parameters and gradients; when megatron-core is importable, the same
-for megatron-core's ``HybridDeviceOptimizer`` at each fraction (overlap on), and a 5-step training run through
+and parity with plain GPU AdamW on the same parameters and gradients; the same for the peers as they run in
+production (``benchmarks/optimizer_peers.py``): megatron-core's ``HybridDeviceOptimizer`` at each fraction built as
+``get_megatron_optimizer`` builds it (fused CPU AdamW, TE's FusedAdam or megatron-core's torch fallback,
+``param_update_in_fp32``; its fraction read from its own state) and torchao's ``CPUOffloadOptimizer`` where it
+imports (``PYTHONPATH=.peers``); a 5-step training run through
 ``get_megatron_optimizer`` + ``DistributedOptimizer`` with ours installed (:func:`install_optimizer_offload`),
 compared with the same run without offload; and forward + backward + step of an MLP at fraction 1.0 with overlap off
 vs on, where the gradient copies start in backward hooks. It prints the table and writes it to ``--output``
@@ -30,9 +33,11 @@ import traceback
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from mbridge_offload.runtime import device
-from mbridge_offload.runtime.optimizer.hybrid import HybridDeviceOptimizer
-from mbridge_offload.runtime.optimizer.megatron import install_optimizer_offload
+sys.path.insert(1, os.path.join(os.path.dirname(__file__), "..", "offload"))  # this checkout's runtime package
+from benchmarks import optimizer_peers as peers
+from mbridge_offload_runtime import device
+from mbridge_offload_runtime.optimizer.hybrid import HybridDeviceOptimizer
+from mbridge_offload_runtime.optimizer.megatron import install_optimizer_offload
 
 HYPER = {"lr": 1e-3, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
 SMALL = (1024, 4096, 16384)
@@ -49,7 +54,8 @@ def make_params(dev: torch.device, n_small: int, n_large: int, large: int) -> li
     return params
 
 
-def bench(make_opt, dev, sizes, steps: int) -> dict:
+def bench(make_opt, dev, sizes, steps: int, fraction_of=None) -> dict:
+    """Median step time, host time and peak memory of one optimizer; ``fraction_of(opt)`` reads its split."""
     params = make_params(dev, *sizes)
     device.synchronize()
     base = device.memory_counters(dev).allocated
@@ -66,7 +72,7 @@ def bench(make_opt, dev, sizes, steps: int) -> dict:
         wall.append(time.perf_counter() - t0)
     peak = device.memory_counters(dev).max_allocated - base
     out = {"wall": statistics.median(wall), "host": statistics.median(host), "peak": peak, "params": params}
-    out["fraction"] = getattr(opt, "offloaded_fraction", 0.0)
+    out["fraction"] = fraction_of(opt) if fraction_of is not None else getattr(opt, "offloaded_fraction", 0.0)
     return out
 
 
@@ -177,34 +183,27 @@ def backward_overlap_check(dev: torch.device, quick: bool, steps: int) -> str:
     )
 
 
-def upstream_hdo():
-    """megatron-core's own HybridDeviceOptimizer class, or None where it is not installed."""
-    try:
-        from megatron.core.optimizer.cpu_offloading.hybrid_optimizer import HybridDeviceOptimizer as Upstream
-    except Exception:
-        return None
-    return Upstream
-
-
 def measure_rows(dev: torch.device, sizes: tuple, steps: int) -> tuple[list, dict]:
-    """Plain AdamW, ours at every fraction (overlap off/on), upstream's HDO at every fraction (CUDA only)."""
+    """Plain AdamW, ours at every fraction (overlap off/on), and the peers as they run in production (CUDA only):
+    megatron-core's HDO as ``get_megatron_optimizer`` builds it (its fraction read from its own state) and torchao's
+    CPUOffloadOptimizer (everything offloaded; it has no fraction)."""
     ref = bench(lambda ps: torch.optim.AdamW(ps, fused=True, **HYPER), dev, sizes, steps)
     rows = [("no offload: fused AdamW", "-", "-", ref, 0.0)]
-    candidates = []
+    candidates: list[tuple] = []
     for fraction in (0.0, 0.25, 0.5, 0.75, 1.0):
         for overlap in (False, True):
             make = lambda ps, f=fraction, o=overlap: HybridDeviceOptimizer(  # noqa: E731
                 ps, offload_fraction=f, overlap_cpu_optimizer_d2h_h2d=o, **HYPER
             )
-            candidates.append((f"ours {fraction:.2f}", "on" if overlap else "off", make))
-    upstream = upstream_hdo() if device.has_cuda() else None
-    for fraction in (0.0, 0.25, 0.5, 0.75, 1.0) if upstream is not None else ():
-        make = lambda ps, f=fraction: upstream(  # noqa: E731
-            ps, offload_fraction=f, cpu_optimizer_cls=torch.optim.AdamW, gpu_optimizer_cls=torch.optim.AdamW, **HYPER
-        )
-        candidates.append((f"megatron-core HDO {fraction:.2f}", "on", make))
-    for label, overlap, make in candidates:
-        r = bench(make, dev, sizes, steps)
+            candidates.append((f"ours {fraction:.2f}", "on" if overlap else "off", make, None))
+    if device.has_cuda() and peers.megatron_hdo_classes() is not None:
+        for fraction in (0.0, 0.25, 0.5, 0.75, 1.0):
+            make = lambda ps, f=fraction: peers.megatron_hdo(ps, f, overlap=True)  # noqa: E731
+            candidates.append((f"megatron-core HDO {fraction:.2f}", "on", make, peers.megatron_hdo_fraction))
+    if device.has_cuda() and peers.torchao_offload([torch.nn.Parameter(torch.zeros(1, device=dev))]) is not None:
+        candidates.append(("torchao CPUOffloadOptimizer", "on", peers.torchao_offload, lambda _opt: 1.0))
+    for label, overlap, make, fraction_of in candidates:
+        r = bench(make, dev, sizes, steps, fraction_of)
         diff = max((a - b).abs().max().item() for a, b in zip(r["params"], ref["params"], strict=True))
         rows.append((label, f"{r['fraction']:.3f}", overlap, r, diff))
         del r["params"]
@@ -232,6 +231,7 @@ def render(rows: list, ref: dict, header: list[str], megatron: str, upstream_not
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="tiny sizes")
+    ap.add_argument("--dry-run", action="store_true", help="tiny sizes on whatever device is there (as --quick)")
     ap.add_argument("--steps", type=int, default=5, help="timed steps per row (median; default 5)")
     ap.add_argument(
         "--output",
@@ -240,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = ap.parse_args(argv)
     dev = device.compute_device()
-    quick = args.quick or not device.has_cuda()
+    quick = args.quick or args.dry_run or not device.has_cuda()
     sizes = (300, 2, 100_000) if quick else (3000, 12, 8_000_000)  # ~100 M params on a GPU
     total = sum(SMALL[i % len(SMALL)] for i in range(sizes[0])) + sizes[1] * sizes[2]
     where = (
@@ -256,10 +256,13 @@ def main(argv: list[str] | None = None) -> int:
         f" {args.steps} steps after one warm-up step. Written by `benchmarks/gpu_optimizer.py`.",
     ]
     rows, ref = measure_rows(dev, sizes, args.steps)
-    if upstream_hdo() is None:
+    if peers.megatron_hdo_classes() is None:
         upstream_note = "not installed"
+    elif device.has_cuda():
+        upstream_note = f"measured above, built as get_megatron_optimizer builds it ({peers.megatron_hdo_note()})"
     else:
-        upstream_note = "measured above" if device.has_cuda() else "skipped: it needs CUDA streams"
+        upstream_note = "skipped: it needs CUDA streams"
+    upstream_note += f"; peers: {peers.peer_status()}"
     hooks = backward_overlap_check(dev, quick, args.steps)
     text = render(rows, ref, header, megatron_check(dev, quick), upstream_note, hooks)
     with open(args.output, "w") as fh:

@@ -32,9 +32,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(1, os.path.join(os.path.dirname(__file__), "..", "offload"))  # this checkout's runtime package
 from benchmarks.cpu_optimizer import HYPER, gpt_shapes, make_grads
 from benchmarks.doc_fragment import table, write_section
-from mbridge_offload.runtime.optimizer.hybrid import HybridDeviceOptimizer
+from mbridge_offload_runtime.optimizer.hybrid import HybridDeviceOptimizer
 
 MIB = 2**20
 

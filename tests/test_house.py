@@ -23,10 +23,10 @@ def test_imports_point_one_way_and_the_config_side_never_imports_torch():
 
 
 def test_the_runtime_imports_no_agent_code_only_the_shared_upstream_facts():
-    assert house.ROOMS["mbridge_offload.runtime"] == (house.UPSTREAM,)
-    runtime = [m for m in house.modules().values() if house.room_of(m.name) == "mbridge_offload.runtime"]
+    assert house.ROOMS["mbridge_offload_runtime"] == (house.UPSTREAM,)
+    runtime = [m for m in house.modules().values() if house.room_of(m.name) == "mbridge_offload_runtime"]
     reached = {house.room_of(t) for m in runtime for t in m.imports if t != "torch"}
-    assert reached - {None, "mbridge_offload.runtime"} <= {house.UPSTREAM}
+    assert reached - {None, "mbridge_offload_runtime"} <= {house.UPSTREAM}
 
 
 def test_the_upstream_room_imports_nothing_of_ours_and_no_torch():

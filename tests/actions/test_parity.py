@@ -26,7 +26,7 @@ from mbridge_offload.actions.testing.parity import (
 from mbridge_offload.actions.testing.run import DEPTH_ENV
 from mbridge_offload.actions.testing.suite import run_tests
 from mbridge_offload.config.sources import load
-from mbridge_offload.runtime.optimizer.hybrid import HybridDeviceOptimizer
+from mbridge_offload_runtime.optimizer.hybrid import HybridDeviceOptimizer
 
 CONFIG = """\
 # 32-layer dense model, activation + optimizer offload.

@@ -14,8 +14,8 @@ import torch
 
 from mbridge_offload.actions.testing.parity import LOSS_BAR, MIN_RELATIVE_DROP, run_parity
 from mbridge_offload.config.sources import load
-from mbridge_offload.runtime.optimizer import buckets
-from mbridge_offload.runtime.optimizer.hybrid import HybridDeviceOptimizer
+from mbridge_offload_runtime.optimizer import buckets
+from mbridge_offload_runtime.optimizer.hybrid import HybridDeviceOptimizer
 
 STEPS = 20  # enough for the loss to fall by a third (checked below), so the mutants have something to spoil
 # Optimizer offload only (no activation offload): two runs per check, baseline and HybridDeviceOptimizer at 0.5.

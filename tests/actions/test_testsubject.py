@@ -88,7 +88,7 @@ def test_a_bridge_checkouts_tests_name_its_version_and_commit(repo: Path) -> Non
 
 def test_the_parity_answer_names_the_optimizer_and_the_cluster_recipe_for_megatron_cores_own() -> None:
     details = {
-        "optimizer": {"class": "HybridDeviceOptimizer", "module": "mbridge_offload.runtime.optimizer.hybrid"},
+        "optimizer": {"class": "HybridDeviceOptimizer", "module": "mbridge_offload_runtime.optimizer.hybrid"},
         "model": "megatron-core GPTModel (tiny)",
         "device": "cpu",
         "megatron_core": "0.16.1",
@@ -96,7 +96,7 @@ def test_the_parity_answer_names_the_optimizer_and_the_cluster_recipe_for_megatr
     under = testsubject.parity(details)
     assert under.optimizer == {
         "class": "HybridDeviceOptimizer",
-        "module": "mbridge_offload.runtime.optimizer.hybrid",
+        "module": "mbridge_offload_runtime.optimizer.hybrid",
         "origin": f"this project (mbridge-offload {mbridge_offload.__version__})",
     }
     assert "megatron-core GPTModel (tiny) on cpu (megatron-core 0.16.1)" in under.summary

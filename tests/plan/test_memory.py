@@ -12,7 +12,7 @@ from mbridge_offload.plan.memory.stage import estimate_memory, greedy_offload
 from mbridge_offload.plan.model.architecture import GB, ModelSpec
 from mbridge_offload.plan.model.params import next_pow2, padded_vocab, total_params
 from mbridge_offload.plan.model.run import Setup, check_setup
-from mbridge_offload.upstream import TE_MIN_OFFLOAD_NUMEL
+from mbridge_offload_runtime.upstream import TE_MIN_OFFLOAD_NUMEL
 
 QWEN_MOE = Setup(num_gpus=16, tp=2, pp=2, ep=4, etp=1, global_batch_size=8)
 # Upstream card (Qwen3-30B-A3B, TP2 PP2 EP4, 2 x 8 H100): GPU memory saved per GPU at each offload fraction.

@@ -1,4 +1,4 @@
-"""mbridge_offload.runtime.activation.context: the context, its sync function, eligibility, pools, and bad input.
+"""mbridge_offload_runtime.activation.context: the context, its sync function, eligibility, pools, and bad input.
 
 The toy model saves every kind of tensor the runtime must handle: views of one base (a transpose, two
 slices), a tensor saved twice (``a * a``), parameters saved by matmul (and a slice of one), a registered
@@ -16,10 +16,10 @@ import torch
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from mbridge_offload.runtime.activation.context import OffloadContext, get_cpu_offload_context
-from mbridge_offload.runtime.activation.eligibility import keep_on_device
-from mbridge_offload.runtime.activation.layers import offload_layers
-from mbridge_offload.runtime.activation.schedule import DEFAULT_MIN_TENSOR_SIZE, LayerPhase, check_transition
+from mbridge_offload_runtime.activation.context import OffloadContext, get_cpu_offload_context
+from mbridge_offload_runtime.activation.eligibility import keep_on_device
+from mbridge_offload_runtime.activation.layers import offload_layers
+from mbridge_offload_runtime.activation.schedule import DEFAULT_MIN_TENSOR_SIZE, LayerPhase, check_transition
 
 # The offload suite (`mbridge-offload test -k cpu_offload`, `pytest -k cpu_offload`): see pyproject.toml.
 pytestmark = pytest.mark.cpu_offload

@@ -13,9 +13,9 @@ import warnings
 import pytest
 import torch
 
-from mbridge_offload.runtime.activation.context import get_cpu_offload_context
-from mbridge_offload.runtime.activation.layers import offload_layers
-from mbridge_offload.runtime.activation.schedule import Schedule
+from mbridge_offload_runtime.activation.context import get_cpu_offload_context
+from mbridge_offload_runtime.activation.layers import offload_layers
+from mbridge_offload_runtime.activation.schedule import Schedule
 from tests.runtime.test_activation import MIN_SIZE, B, D, S, make_layers, run
 
 L = 6

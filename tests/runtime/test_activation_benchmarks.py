@@ -39,7 +39,7 @@ def test_cpu_benchmark_writes_its_section_labelled_cpu_measured(tmp_path) -> Non
 
 
 @pytest.mark.slow
-def test_one_call_runs_both_gpu_scripts_and_labels_a_cpu_run(tmp_path) -> None:
+def test_one_call_runs_every_gpu_script_and_labels_a_cpu_run(tmp_path) -> None:
     if torch.cuda.is_available():
         pytest.skip("on a GPU machine this is the real run")
     docs, results = tmp_path / "docs", tmp_path / "results"
@@ -51,8 +51,9 @@ def test_one_call_runs_both_gpu_scripts_and_labels_a_cpu_run(tmp_path) -> None:
         -2000:
     ]
     assert json.loads(done.stdout.strip().splitlines()[-1])["exit_codes"] == {
-        "gpu_activation.py": 0, "gpu_optimizer.py": 0
+        "gpu_activation.py": 0, "gpu_optimizer.py": 0, "gpu_offload_sweep.py": 0
     }  # fmt: skip
+    assert "DRY RUN on CPU" in (results / "gpu_offload_sweep.md").read_text()
     for name in ("benchmarks-activation.md", "benchmarks-optimizer.md"):
         text = (docs / name).read_text()
         assert "NOT a measurement" in text and "GPU-measured on" not in text, name

@@ -16,11 +16,11 @@ import pytest
 import torch
 from torch import nn
 
-from mbridge_offload.runtime.activation.context import get_cpu_offload_context
-from mbridge_offload.runtime.activation.layers import offload_layers
-from mbridge_offload.runtime.activation.passes import BackwardStep, LayerStore, Pass
-from mbridge_offload.runtime.activation.pool import HostBufferPool
-from mbridge_offload.runtime.ordering import recording
+from mbridge_offload_runtime.activation.context import get_cpu_offload_context
+from mbridge_offload_runtime.activation.layers import offload_layers
+from mbridge_offload_runtime.activation.passes import BackwardStep, LayerStore, Pass
+from mbridge_offload_runtime.activation.pool import HostBufferPool
+from mbridge_offload_runtime.ordering import recording
 
 L, K, D = 4, 2, 16
 

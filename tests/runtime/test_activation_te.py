@@ -21,10 +21,10 @@ import torch
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from mbridge_offload.runtime import device
-from mbridge_offload.runtime.activation.context import ManualController, get_cpu_offload_context
-from mbridge_offload.runtime.activation.eligibility import mark_not_offload
-from mbridge_offload.runtime.ordering import recording
+from mbridge_offload_runtime import device
+from mbridge_offload_runtime.activation.context import ManualController, get_cpu_offload_context
+from mbridge_offload_runtime.activation.eligibility import mark_not_offload
+from mbridge_offload_runtime.ordering import recording
 
 B, S, D = 4, 8, 32  # 1024 elements per activation
 MIN = 256

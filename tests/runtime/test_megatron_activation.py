@@ -1,4 +1,4 @@
-"""mbridge_offload.runtime.megatron: our activation offload inside a real megatron-core GPTModel, on CPU.
+"""mbridge_offload_runtime.megatron: our activation offload inside a real megatron-core GPTModel, on CPU.
 
 Real megatron-core 0.16.1 (local layer spec) under the two labelled shims of ``cpu_compat_shims``.
 """
@@ -20,8 +20,8 @@ pytest.importorskip("megatron.core")
 from megatron.core.tensor_parallel import layers as mcore_layers
 from megatron.core.transformer import transformer_block
 
-from mbridge_offload.runtime.activation.context import OffloadContext
-from mbridge_offload.runtime.megatron import (
+from mbridge_offload_runtime.activation.context import OffloadContext
+from mbridge_offload_runtime.megatron import (
     build_tiny_gpt,
     cpu_compat_shims,
     install_activation_offload,
@@ -66,7 +66,7 @@ def test_without_install_megatron_refuses_cpu_offloading_without_te() -> None:
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
         from megatron.core.transformer import TransformerConfig
 
-        from mbridge_offload.runtime.megatron import ensure_model_parallel
+        from mbridge_offload_runtime.megatron import ensure_model_parallel
 
         ensure_model_parallel()
         cfg = TransformerConfig(
@@ -229,7 +229,7 @@ def test_adapter_binds_megatrons_seventh_argument_as_retain_not_manual() -> None
 
 def test_gpt_step_is_stream_ordered() -> None:
     """Every copy of a real GPTModel's offloaded step is ordered (``ordering.recording`` raises otherwise)."""
-    from mbridge_offload.runtime.ordering import recording
+    from mbridge_offload_runtime.ordering import recording
 
     model, reference = gpt(cpu_offloading=True, cpu_offloading_num_layers=2), gpt()
     with recording() as rec:

@@ -7,9 +7,9 @@ import copy
 import pytest
 import torch
 
-from mbridge_offload.runtime.optimizer.buckets import split_params
-from mbridge_offload.runtime.optimizer.clip import clip_grad_norm_
-from mbridge_offload.runtime.optimizer.hybrid import HybridDeviceOptimizer
+from mbridge_offload_runtime.optimizer.buckets import split_params
+from mbridge_offload_runtime.optimizer.clip import clip_grad_norm_
+from mbridge_offload_runtime.optimizer.hybrid import HybridDeviceOptimizer
 
 # The offload suite (`mbridge-offload test -k cpu_offload`, `pytest -k cpu_offload`): see pyproject.toml.
 pytestmark = pytest.mark.cpu_offload

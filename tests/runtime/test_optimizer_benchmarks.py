@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import sys
 from pathlib import Path
 
@@ -73,3 +74,69 @@ def test_gpu_memory_phases_script_runs_a_labelled_cpu_smoke_run_of_every_setup(t
     assert set(by_setup) >= {"fp32 grads", "bf16 grads", "bf16 grads, ours 0.5", "bf16 grads, ours 1.0"}
     for name in ("fp32 grads", "bf16 grads"):  # megatron-core's own path runs on CPU with the stand-ins
         assert by_setup[name]["error"] is None and by_setup[name]["params"] > 0
+
+
+def _factory_hdo_keywords(init_py: Path) -> set[str]:
+    """The keywords megatron-core's factory passes to HybridDeviceOptimizer, read from its source (adam branch)."""
+    import ast
+
+    tree = ast.parse(init_py.read_text())
+    func = next(n for n in ast.walk(tree) if getattr(n, "name", "") == "_get_megatron_optimizer_based_on_param_groups")
+    call = next(
+        n for n in ast.walk(func) if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "HybridDeviceOptimizer"
+    )
+    named = {k.arg for k in call.keywords if k.arg is not None}
+    defaults = next(  # the first ``optimizer_defaults = dict(...)`` is the adam branch's
+        n.value
+        for n in ast.walk(func)
+        if isinstance(n, ast.Assign) and getattr(n.targets[0], "id", "") == "optimizer_defaults"
+    )
+    return named | {k.arg for k in defaults.keywords}
+
+
+@pytest.mark.parametrize("release", ["0.16.1", "0.19.2"])
+def test_the_benchmark_builds_megatron_cores_hdo_with_its_factorys_keywords(release, monkeypatch):
+    import megatron.core
+
+    venv = Path(megatron.core.__file__).parent
+    init = venv / "optimizer" / "__init__.py" if release == "0.16.1" else ROOT / ".mcore" / release
+    if release != "0.16.1":
+        init = init / "megatron" / "core" / "optimizer" / "__init__.py"
+        if not init.exists():
+            pytest.skip(f"megatron-core {release} is not unpacked in .mcore/")
+    peers = load("optimizer_peers", monkeypatch)
+    assert _factory_hdo_keywords(init) == peers.FACTORY_KEYWORDS
+
+
+def test_megatron_cores_hdo_reports_its_fraction_from_its_own_state(monkeypatch):
+    from tests.support.upstream_shims_hdo import FakeDevParam, upstream_hdo_shims
+
+    peers = load("optimizer_peers", monkeypatch)
+    params = [FakeDevParam(torch.zeros(n)) for n in (100, 300, 600)]
+    with upstream_hdo_shims():
+        opt = peers.megatron_hdo(params, 0.3)
+    assert opt is not None and peers.megatron_hdo_fraction(opt) == pytest.approx(0.4)
+
+
+def test_the_floor_and_sweep_script_dry_runs_on_cpu_and_labels_it(tmp_path, monkeypatch):
+    if torch.cuda.is_available():
+        pytest.skip("on a GPU machine the script measures")
+    out, raw = tmp_path / "sweep.md", tmp_path / "sweep.json"
+    sweep = load("gpu_offload_sweep", monkeypatch)
+    assert sweep.main(["--dry-run", "--steps", "1", "--output", str(out), "--json", str(raw)]) == 0
+    text, result = out.read_text(), json.loads(raw.read_text())
+    assert "DRY RUN on CPU, tiny shapes: NOT a measurement" in text and "GPU-measured" not in text
+    assert set(result["floor"]) == {"flat shards", "many small"}
+    for rows in result["floor"].values():
+        assert [r["fraction"] for r in rows] == [0.25, 0.5, 0.75]
+        # the bytes each way and the copies follow the split: far fewer copies than offloaded tensors
+        assert all(r["d2h_copies"] == r["h2d_copies"] <= max(1, r["offloaded_tensors"]) for r in rows)
+    assert {(r["fraction"]) for r in result["overlap"]} == {0.25, 0.5, 1.0} and len(result["overlap"]) == 6
+    assert result["rates"]["cpu_adam_per_core_preset"] > 0 and "| CPU AdamW params/s per core |" in text
+
+
+def test_the_floor_and_sweep_script_refuses_a_cpu_without_dry_run(tmp_path, monkeypatch, capsys):
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    assert load("gpu_offload_sweep", monkeypatch).main(["--output", str(tmp_path / "x.md")]) == 2
+    assert "error" in json.loads(capsys.readouterr().out)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mbridge_offload.runtime.optimizer.hybrid import HybridDeviceOptimizer
+from mbridge_offload_runtime.optimizer.hybrid import HybridDeviceOptimizer
 from tests.runtime.test_optimizer import HYPER, groups_of, make_model, max_diff
 
 # The offload suite (`mbridge-offload test -k cpu_offload`, `pytest -k cpu_offload`): see pyproject.toml.

@@ -7,10 +7,17 @@ import gc
 import pytest
 import torch
 
-from mbridge_offload.runtime.optimizer.hybrid import HybridDeviceOptimizer
+from mbridge_offload_runtime.optimizer import buckets
+from mbridge_offload_runtime.optimizer.hybrid import HybridDeviceOptimizer
 from tests.runtime.test_optimizer import make_model
 
 HYPER = {"lr": 1e-2, "weight_decay": 0.1}
+
+
+@pytest.fixture(autouse=True)
+def every_member_hooked(monkeypatch):
+    """The toy model's tensors are all below ``SMALL_COPY_NUMEL``: lower it so that each gets its backward hook."""
+    monkeypatch.setattr(buckets, "SMALL_COPY_NUMEL", 1)
 
 
 def hdo(model: torch.nn.Module, fraction: float = 1.0, overlap: bool = True) -> HybridDeviceOptimizer:
@@ -134,3 +141,19 @@ def test_overlap_off_registers_no_hooks():
     model = make_model()
     opt = hdo(model, overlap=False)
     assert hook_count(model) == 0 and opt._hooks is None
+
+
+def test_small_members_get_no_hook_and_step_moves_them_in_one_copy_per_run(monkeypatch):
+    monkeypatch.setattr(buckets, "SMALL_COPY_NUMEL", 100)  # the toy's 8x32 / 32x16 weights are large, the rest small
+    model = make_model()
+    opt = hdo(model)
+    large = [p for p in model.parameters() if p.numel() >= 100]
+    assert hook_count(model) == len(large) > 0
+    opt.reset_transfer_stats()
+    model(xs(1)[0]).pow(2).mean().backward()
+    opt.step()
+    stats = opt.transfer_stats
+    runs = sum(len(buckets.transfer_runs(list(range(len(b.members))), b.members)) for b in opt._buckets)
+    assert stats.d2h_copies == runs < sum(1 for _ in model.parameters())
+    assert stats.h2d_copies == runs
+    assert stats.d2h_bytes == stats.h2d_bytes == 4 * opt.offloaded_numel

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from benchmarks.optimizer_load import checkpoint_of, measure_call, state_bytes
-from mbridge_offload.runtime.optimizer.hybrid import HybridDeviceOptimizer
+from mbridge_offload_runtime.optimizer.hybrid import HybridDeviceOptimizer
 
 pytestmark = pytest.mark.skipif(
     not os.access("/proc/self/clear_refs", os.W_OK), reason="needs Linux /proc/self/clear_refs to reset the peak RSS"

@@ -12,7 +12,7 @@ import itertools
 import pytest
 import torch
 
-from mbridge_offload.runtime.optimizer.hybrid import HybridDeviceOptimizer
+from mbridge_offload_runtime.optimizer.hybrid import HybridDeviceOptimizer
 from tests.runtime.test_optimizer import make_model
 
 # The offload suite (`mbridge-offload test -k cpu_offload`, `pytest -k cpu_offload`): see pyproject.toml.

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mbridge_offload.runtime.optimizer.hybrid import HybridDeviceOptimizer
+from mbridge_offload_runtime.optimizer.hybrid import HybridDeviceOptimizer
 from tests.support.upstream_shims_hdo import fake_dev_params, upstream_hdo_shims
 
 HYPER = {"lr": 1e-2, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mbridge_offload.runtime.optimizer.hybrid import HybridDeviceOptimizer
+from mbridge_offload_runtime.optimizer.hybrid import HybridDeviceOptimizer
 from tests.runtime.test_optimizer import HYPER, groups_of, make_model
 from tests.support.upstream_shims_hdo import fake_dev_params, upstream_hdo_shims
 

@@ -11,7 +11,7 @@ import torch.multiprocessing as mp
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from mbridge_offload.runtime.optimizer.hybrid import HybridDeviceOptimizer
+from mbridge_offload_runtime.optimizer.hybrid import HybridDeviceOptimizer
 from tests.runtime.test_optimizer import HYPER, make_model
 
 STEPS = 5

@@ -12,10 +12,10 @@ import pytest
 import torch
 from torch import nn
 
-from mbridge_offload.runtime import device
-from mbridge_offload.runtime.activation.context import get_cpu_offload_context
-from mbridge_offload.runtime.activation.layers import offload_layers
-from mbridge_offload.runtime.ordering import CpuEvent, CpuStream, OrderingError, recording
+from mbridge_offload_runtime import device
+from mbridge_offload_runtime.activation.context import get_cpu_offload_context
+from mbridge_offload_runtime.activation.layers import offload_layers
+from mbridge_offload_runtime.ordering import CpuEvent, CpuStream, OrderingError, recording
 
 pytestmark = pytest.mark.ordering
 
@@ -235,6 +235,16 @@ class _nothing:
 # ---------------------------------------------------------------------------------------------------------
 # 3. HybridDeviceOptimizer
 # ---------------------------------------------------------------------------------------------------------
+@pytest.fixture(params=[1, None], ids=["per_tensor_copies", "batched_copies"])
+def copy_path(request, monkeypatch) -> None:
+    """Both copy paths of the buckets: one copy per member (and a backward hook each, with overlap), and the
+    default, where the toy's small members move in runs through a device staging buffer."""
+    from mbridge_offload_runtime.optimizer import buckets
+
+    if request.param is not None:
+        monkeypatch.setattr(buckets, "SMALL_COPY_NUMEL", request.param)
+
+
 def _model(seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
     return nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 16), nn.ReLU(), nn.Linear(16, 4))
@@ -251,10 +261,11 @@ def _train(model: nn.Module, opt: torch.optim.Optimizer, steps: int = 3, skip_la
         opt.step()
 
 
+@pytest.mark.usefixtures("copy_path")
 @pytest.mark.parametrize("fraction", [0.5, 1.0])
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no_overlap"])
 def test_hdo_step_is_ordered_and_matches_adamw(fraction: float, overlap: bool) -> None:
-    from mbridge_offload.runtime.optimizer.hybrid import HybridDeviceOptimizer
+    from mbridge_offload_runtime.optimizer.hybrid import HybridDeviceOptimizer
 
     reference = _model()
     _train(reference, torch.optim.AdamW(reference.parameters(), lr=1e-2))
@@ -271,8 +282,9 @@ def test_hdo_step_is_ordered_and_matches_adamw(fraction: float, overlap: bool) -
     assert out == pytest.approx(reference(torch.ones(1, 8)).sum().item(), rel=1e-5, abs=1e-6)
 
 
+@pytest.mark.usefixtures("copy_path")
 def test_hdo_dummy_step_and_refresh_are_ordered() -> None:
-    from mbridge_offload.runtime.optimizer.hybrid import HybridDeviceOptimizer
+    from mbridge_offload_runtime.optimizer.hybrid import HybridDeviceOptimizer
 
     model = _model()
     with recording():
@@ -283,11 +295,12 @@ def test_hdo_dummy_step_and_refresh_are_ordered() -> None:
     assert states
 
 
+@pytest.mark.usefixtures("copy_path")
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no_overlap"])
 def test_hdo_grad_dropped_between_backward_and_step_is_zeroed_in_order(overlap: bool) -> None:
     """A member whose grad is set to None after backward is skipped: its host gradient slot is rewritten only
     after any copy into it (e.g. one started by a backward hook) is ordered before the host's write."""
-    from mbridge_offload.runtime.optimizer.hybrid import HybridDeviceOptimizer
+    from mbridge_offload_runtime.optimizer.hybrid import HybridDeviceOptimizer
 
     model = _model()
     with recording():
@@ -298,9 +311,10 @@ def test_hdo_grad_dropped_between_backward_and_step_is_zeroed_in_order(overlap: 
         assert torch.equal(model[-1].weight, before)  # skipped, as torch skips a param without grad
 
 
+@pytest.mark.usefixtures("copy_path")
 def test_bucket_step_waits_for_its_previous_h2d_copy() -> None:
     """A bucket steps again only after its last H2D copy (which reads the host master) is done."""
-    from mbridge_offload.runtime.optimizer.hybrid import HybridDeviceOptimizer
+    from mbridge_offload_runtime.optimizer.hybrid import HybridDeviceOptimizer
 
     model = _model()
     with recording():
@@ -316,11 +330,12 @@ def test_bucket_step_waits_for_its_previous_h2d_copy() -> None:
                 bucket.step_and_copy_back(missing, h2d)
 
 
+@pytest.mark.usefixtures("copy_path")
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no_overlap"])
 def test_hdo_grads_changed_in_place_after_backward_are_copied_after_the_change(overlap: bool) -> None:
     """Clipping-like in-place writes on the compute stream between backward and step: the copy the step makes
     (or re-makes) of each gradient must be ordered after them, and the result matches AdamW on the same grads."""
-    from mbridge_offload.runtime.optimizer.hybrid import HybridDeviceOptimizer
+    from mbridge_offload_runtime.optimizer.hybrid import HybridDeviceOptimizer
 
     def train(model: nn.Module, opt: torch.optim.Optimizer) -> None:
         gen = torch.Generator().manual_seed(3)

@@ -16,7 +16,7 @@ import warnings
 def _train(model, steps: int = 3) -> list:
     import torch
 
-    from mbridge_offload.runtime.megatron import tiny_batch
+    from mbridge_offload_runtime.megatron import tiny_batch
 
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     out = []
@@ -32,7 +32,7 @@ def _train(model, steps: int = 3) -> list:
 def _case(name: str, **config) -> dict:
     import torch
 
-    from mbridge_offload.runtime.megatron import build_tiny_gpt, install_activation_offload
+    from mbridge_offload_runtime.megatron import build_tiny_gpt, install_activation_offload
 
     reference = _train(build_tiny_gpt(4, 64, 4, 128, 32))
     with install_activation_offload(min_tensor_size=1024) as installed:
@@ -58,7 +58,7 @@ def main() -> None:
         import megatron.core
         from megatron.core.transformer import TransformerConfig
 
-        from mbridge_offload.runtime.megatron import cpu_compat_shims
+        from mbridge_offload_runtime.megatron import cpu_compat_shims
 
         cases = [("default", {})]
         if "cpu_offloading_retain_pinned_cpu_buffers" in TransformerConfig.__dataclass_fields__:

@@ -73,7 +73,7 @@ def _step(module) -> None:
 
 
 def _offload(build) -> dict[str, int]:
-    from mbridge_offload.runtime.megatron import install_activation_offload
+    from mbridge_offload_runtime.megatron import install_activation_offload
 
     with install_activation_offload(min_tensor_size=16) as installed:
         module = build(_config(cpu_offloading=True, cpu_offloading_num_layers=2))
@@ -107,7 +107,7 @@ def main() -> None:
         import torch
         from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-        from mbridge_offload.runtime.megatron import cpu_compat_shims, ensure_model_parallel
+        from mbridge_offload_runtime.megatron import cpu_compat_shims, ensure_model_parallel
 
         ensure_model_parallel()
         out: dict[str, Any] = {"version": megatron.core.__version__}

@@ -91,7 +91,7 @@ def build(setup: str, fraction: float | None, seed: int = 1234):
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.transformer.module import Float16Module
 
-    from mbridge_offload.runtime.megatron import build_tiny_gpt
+    from mbridge_offload_runtime.megatron import build_tiny_gpt
 
     bf16, use_do = setup == "do", setup == "do"
     model = build_tiny_gpt(2, 64, 4, 128, 32, seed=seed, bf16=bf16, params_dtype=torch.bfloat16 if bf16 else None)
@@ -122,7 +122,7 @@ def inner(opt):
 
 
 def train(model, opt, first: int, last: int) -> None:
-    from mbridge_offload.runtime.megatron import tiny_batch
+    from mbridge_offload_runtime.megatron import tiny_batch
 
     rank = torch.distributed.get_rank()
     for it in range(first, last):
@@ -196,7 +196,7 @@ def torch_state_round_trip(model, opt, setup: str, fraction: float | None, path:
 def scenario(setup: str, tmp: str, first_steps: dict) -> dict:
     """The figures of one set-up; ``first_steps`` gets the weights after step 1 (Megatron's plain Adam and ours at
     each fraction, default kernels) for the test to compare element by element."""
-    from mbridge_offload.runtime.optimizer.hybrid import HybridDeviceOptimizer
+    from mbridge_offload_runtime.optimizer.hybrid import HybridDeviceOptimizer
 
     out: dict = {}
     model, opt = build(setup, None)
@@ -260,8 +260,8 @@ def bridge_scenario() -> dict:
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig
 
-    from mbridge_offload.runtime.megatron import build_tiny_gpt
-    from mbridge_offload.runtime.optimizer.hybrid import HybridDeviceOptimizer
+    from mbridge_offload_runtime.megatron import build_tiny_gpt
+    from mbridge_offload_runtime.optimizer.hybrid import HybridDeviceOptimizer
     from tests.support import te_stub
 
     models = {}
@@ -296,9 +296,9 @@ def rank_main(rank: int, world: int, store_path: str, out_path: str) -> None:
     torch.distributed.init_process_group("gloo", store=store, rank=rank, world_size=world)
     from megatron.core import parallel_state
 
-    from mbridge_offload.runtime.megatron import cpu_compat_shims
-    from mbridge_offload.runtime.optimizer.hybrid import HybridDeviceOptimizer
-    from mbridge_offload.runtime.optimizer.megatron import install_optimizer_offload
+    from mbridge_offload_runtime.megatron import cpu_compat_shims
+    from mbridge_offload_runtime.optimizer.hybrid import HybridDeviceOptimizer
+    from mbridge_offload_runtime.optimizer.megatron import install_optimizer_offload
 
     parallel_state.initialize_model_parallel(1, 1)
     import megatron.core.optimizer.optimizer_config as optimizer_config

@@ -31,39 +31,32 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGE_DIR = ROOT / "offload" / "mbridge_offload"  # the folder path is the import path
-PACKAGE = "mbridge_offload"
+PACKAGE_DIR = ROOT / "offload" / "mbridge_offload_runtime"  # the folder path is the import path
+PACKAGE = "mbridge_offload_runtime"
 ORDERING_METHODS = frozenset(
     {"wait_event", "wait_stream", "record_event", "record", "synchronize", "query", "record_stream"}
 )
-# The files whose ordering calls are mutated (globs under offload/), and the tests that must see each mutant.
+# The files whose ordering calls are mutated (globs under the runtime package), and the tests that must see each.
 TARGETS: dict[str, list[str]] = {
-    "runtime/activation/*.py": ["tests/runtime/test_ordering.py"],
-    "runtime/optimizer/buckets.py": ["tests/runtime/test_ordering.py"],
-    "runtime/optimizer/hybrid.py": ["tests/runtime/test_ordering.py"],
-    "runtime/optimizer/grad_hooks.py": ["tests/runtime/test_ordering.py"],  # h15a's gradient-copy hooks, if present
+    "activation/*.py": ["tests/runtime/test_ordering.py"],
+    "optimizer/*.py": ["tests/runtime/test_ordering.py"],
+    # The device layer and the CPU model of streams: their syncs are the ones the runtime's tests rely on.
+    "device.py": ["tests/runtime/test_device.py", "tests/runtime/test_ordering.py"],
+    "ordering.py": ["tests/runtime/test_device.py", "tests/runtime/test_ordering.py"],
 }
 TIMEOUT_S = 120
 # Statements whose removal no schedule can observe, with the reason; they are still run and reported. Keyed by
 # (file, function, statement) so edits elsewhere do not break it; a key that matches no statement is an error.
-EQUIVALENT: dict[tuple[str, str, str], str] = {
-    ("runtime/optimizer/hybrid.py", "HybridDeviceOptimizer.step", "self._h2d.wait_stream(compute)"): (
-        "every bucket's H2D copy is issued after the host waited on that bucket's d2h_done, and the D2H stream "
-        "had waited for the compute stream, so the H2D copy is already ordered after every compute read of the "
-        "weights; kept so a bucket whose D2H starts earlier (in a grad hook) stays safe"
-    ),
-    ("runtime/optimizer/hybrid.py", "HybridDeviceOptimizer.dummy_step", "device.synchronize()"): (
-        "refresh_from_model ends dummy_step with blocking device-to-host copies, after the compute stream waited "
-        "for every H2D copy, so the host already knows all queued work complete"
-    ),
-}
+# Empty: a sync that orders nothing is deleted, and the code says at its place why none is needed (the step's
+# H2D-stream wait and dummy_step's final synchronize in optimizer/hybrid.py went that way).
+EQUIVALENT: dict[tuple[str, str, str], str] = {}
 
 
 @dataclass(frozen=True)
 class Site:
     """One statement that orders streams: where it is and what it says."""
 
-    path: str  # relative to offload/
+    path: str  # relative to the runtime package
     function: str  # the enclosing function's qualified name
     line: int
     end_line: int
@@ -131,7 +124,7 @@ def find_sites(package_dir: Path = PACKAGE_DIR, targets: dict[str, list[str]] | 
     """Every ordering statement in the target files, in file order.
 
     Args:
-        package_dir: the ``offload/`` folder to read.
+        package_dir: the runtime package folder to read.
         targets: glob → tests (default :data:`TARGETS`).
 
     Returns:
@@ -164,7 +157,7 @@ def tests_for(site: Site) -> list[str]:
 
 
 def _copy_package(into: Path, site: Site | None) -> Path:
-    """A copy of the package named ``mbridge_offload`` under ``into`` (mutated at ``site`` if given)."""
+    """A copy of the runtime package under ``into`` (mutated at ``site`` if given)."""
     target = into / PACKAGE
     shutil.copytree(PACKAGE_DIR, target, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
     if site is not None:
@@ -183,7 +176,7 @@ def _env(pythonpath: Path) -> dict[str, str]:
 
 def _pytest(pythonpath: Path, tests: list[str], timeout: float) -> tuple[int, str]:
     # pytest puts the ini's ``pythonpath`` (this tree's own roots) ahead of PYTHONPATH: point it at the copy instead.
-    roots = f"pythonpath={pythonpath} {ROOT / 'tools'}"
+    roots = f"pythonpath={pythonpath} {ROOT / 'offload'} {ROOT / 'tools'}"
     cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "--no-header", "-W", "ignore"]
     cmd += ["-o", roots, *tests]
     try:

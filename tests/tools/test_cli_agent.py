@@ -108,7 +108,7 @@ def test_the_human_test_summary_names_the_code_under_test_and_the_cluster_recipe
     from mbridge_offload.actions.testing.result import TestRunResult
     from mbridge_offload_tools.cli.agent import _human_test
 
-    details = {"optimizer": {"class": "HybridDeviceOptimizer", "module": "mbridge_offload.runtime.optimizer.hybrid"}}
+    details = {"optimizer": {"class": "HybridDeviceOptimizer", "module": "mbridge_offload_runtime.optimizer.hybrid"}}
     under = testsubject.parity(details)
     result = TestRunResult(suite="parity", command=[], coverage="Ran the parity check. " + under.summary)
     result.under_test = under

@@ -224,7 +224,7 @@ def run_calibrate(args: argparse.Namespace) -> int:
     default = host_profile.default_path(name)  # a bad --name is refused before the timing starts
     target = Path(args.output).expanduser() if args.output else default
     try:
-        from mbridge_offload.runtime.adam_throughput import measure
+        from mbridge_offload_runtime.adam_throughput import measure
 
         measured = measure(numel=args.numel, steps=args.steps, threads=args.threads)
     except ImportError as exc:

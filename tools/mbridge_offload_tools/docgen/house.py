@@ -13,14 +13,19 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[3]
 # import name → its folder: the folder path is the import path (pyproject.toml finds packages under these roots)
-PACKAGES = {"mbridge_offload": "offload/mbridge_offload", "mbridge_offload_tools": "tools/mbridge_offload_tools"}
+PACKAGES = {
+    "mbridge_offload": "offload/mbridge_offload",
+    "mbridge_offload_runtime": "offload/mbridge_offload_runtime",
+    "mbridge_offload_tools": "tools/mbridge_offload_tools",
+}
 MAX_FUNCTION_LINES = 80
 
-# The rooms, and which other rooms each may import. ``tools → actions → plan → config``; the runtime serves the
-# actions (parity check) and imports no agent code; the upstream facts that the config rules, the planner and the
-# runtime share live in a room of their own (``mbridge_offload/upstream.py``) that imports nothing of ours.
+# The rooms, and which other rooms each may import. ``tools → actions → plan → config``; the runtime, a package of
+# its own (``mbridge_offload_runtime``, installable alone), serves the actions (parity check) and imports no agent
+# code; the upstream facts that the planner and the runtime share live in a room of their own inside it
+# (``mbridge_offload_runtime/upstream.py``) that imports nothing of ours and no torch.
 # ``upstream``, ``config`` and ``plan`` never import torch.
-UPSTREAM = "mbridge_offload.upstream"
+UPSTREAM = "mbridge_offload_runtime.upstream"
 # What each setting reaches, layer class by layer class (the table), and the megatron-core lines behind it: plain
 # data beside the upstream facts, read by the rules, the planner and the docs.
 UPSTREAM_SITES = "mbridge_offload.upstream_sites"
@@ -32,11 +37,11 @@ ROOMS: dict[str, tuple[str, ...]] = {
     UPSTREAM_LAYERS: (UPSTREAM_SITES,),
     "mbridge_offload.config": (UPSTREAM, *_TABLE),
     "mbridge_offload.plan": ("mbridge_offload.config", UPSTREAM, *_TABLE),
-    "mbridge_offload.runtime": (UPSTREAM,),
+    "mbridge_offload_runtime": (UPSTREAM,),
     "mbridge_offload.actions": (
         "mbridge_offload.plan",
         "mbridge_offload.config",
-        "mbridge_offload.runtime",
+        "mbridge_offload_runtime",
         UPSTREAM,
         *_TABLE,
     ),
@@ -44,7 +49,7 @@ ROOMS: dict[str, tuple[str, ...]] = {
         "mbridge_offload.actions",
         "mbridge_offload.plan",
         "mbridge_offload.config",
-        "mbridge_offload.runtime",
+        "mbridge_offload_runtime",
         UPSTREAM,
         *_TABLE,
     ),

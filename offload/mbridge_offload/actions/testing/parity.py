@@ -130,7 +130,7 @@ class _TorchTinyLM:
     def __init__(self, offload_layers: int, seed: int, device: Any) -> None:
         import torch
 
-        from mbridge_offload.runtime.activation.context import get_cpu_offload_context
+        from mbridge_offload_runtime.activation.context import get_cpu_offload_context
 
         hidden, vocab = HIDDEN, VOCAB
         torch.manual_seed(seed)
@@ -170,7 +170,7 @@ class _TorchTinyLM:
 
 class _MegatronTinyGPT:
     def __init__(self, offload_layers: int, seed: int, device: Any) -> None:
-        from mbridge_offload.runtime.megatron import build_tiny_gpt
+        from mbridge_offload_runtime.megatron import build_tiny_gpt
 
         self.model = build_tiny_gpt(
             num_layers=TINY_LAYERS,
@@ -283,7 +283,7 @@ def run_parity(
     """
     import torch
 
-    from mbridge_offload.runtime.optimizer.hybrid import HybridDeviceOptimizer
+    from mbridge_offload_runtime.optimizer.hybrid import HybridDeviceOptimizer
 
     if steps < 2:
         raise ValueError(f"steps is {steps}: parity needs at least 2 steps")
@@ -351,7 +351,7 @@ def _one_cpu_thread(device: Any) -> Iterator[None]:
 def _shims(megatron: bool) -> Callable[[], Any]:
     """The context the model needs on this machine: megatron-core's two labelled CPU shims, or nothing."""
     if megatron:
-        from mbridge_offload.runtime.megatron import cpu_compat_shims
+        from mbridge_offload_runtime.megatron import cpu_compat_shims
 
         return cpu_compat_shims
     return contextlib.nullcontext

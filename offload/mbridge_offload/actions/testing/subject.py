@@ -155,7 +155,7 @@ def parity(details: dict[str, Any] | None) -> CodeUnderTest:
     core = details.get("megatron_core")
     owner = (
         f"this project (mbridge-offload {mbridge_offload.__version__})"
-        if module.startswith("mbridge_offload.")
+        if module.startswith(("mbridge_offload.", "mbridge_offload_runtime."))
         else module.split(".")[0]
     )
     return CodeUnderTest(

@@ -23,8 +23,8 @@ from mbridge_offload.plan.memory import fine_grained, schedule
 from mbridge_offload.plan.model.architecture import ATTENTION_SYMBOLS, MAMBA, MOE, ModelSpec
 from mbridge_offload.plan.model.params import Tensor, chunk_layers, next_pow2, padded_vocab, stage_layers
 from mbridge_offload.plan.model.run import Setup
-from mbridge_offload.upstream import TE_MIN_OFFLOAD_NUMEL
 from mbridge_offload.upstream_layers import applies, because
+from mbridge_offload_runtime.upstream import TE_MIN_OFFLOAD_NUMEL
 
 
 def layer_activations(m: ModelSpec, s: Setup, index: int) -> list[Tensor]:

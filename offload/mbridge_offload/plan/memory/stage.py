@@ -34,7 +34,7 @@ from mbridge_offload.plan.memory.phases import PhaseMemory, optimizer_step_trans
 from mbridge_offload.plan.model.architecture import DTYPE_BYTES, GB, GiB, ModelSpec
 from mbridge_offload.plan.model.params import Tensor, next_pow2, stage_layers, stage_params
 from mbridge_offload.plan.model.run import Setup, check_setup
-from mbridge_offload.upstream import hdo_offload_mask
+from mbridge_offload_runtime.upstream import hdo_offload_mask
 
 __all__ = [
     "MemoryEstimate",

@@ -8,7 +8,7 @@ older ``--calibration FILE`` is the same with a file): a NAME is looked up in th
 reader may use, a FILE is read as given. Nothing in HOME or the environment is consulted: a file there changes no
 answer unless named. Every read goes through the bounded reader and the server's roots.
 
-No torch import here: the measurement itself lives in ``mbridge_offload.runtime.adam_throughput``.
+No torch import here: the measurement itself lives in ``mbridge_offload_runtime.adam_throughput``.
 """
 
 from __future__ import annotations

@@ -14,10 +14,10 @@ DOCS = Path(__file__).resolve().parents[4] / "docs"
 
 # (fragment, what it measures), in reading order.
 FRAGMENTS: list[tuple[str, str]] = [
-    ("benchmarks-optimizer.md", "Optimizer offload runtime (`offload/mbridge_offload/runtime/optimizer/hybrid.py`)"),
+    ("benchmarks-optimizer.md", "Optimizer offload runtime (`offload/mbridge_offload_runtime/optimizer/hybrid.py`)"),
     (
         "benchmarks-activation.md",
-        "Activation offload runtime (`offload/mbridge_offload/runtime/activation/context.py`)",
+        "Activation offload runtime (`offload/mbridge_offload_runtime/activation/context.py`)",
     ),
     ("benchmarks-memory-gpu.md", "Memory by phase of a step in real megatron-core (`benchmarks/gpu_memory_phases.py`)"),
     ("benchmarks-validate.md", "`validate` latency"),

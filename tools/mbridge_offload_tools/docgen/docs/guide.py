@@ -1,13 +1,13 @@
 """The activation-offload schedule diagram of docs/cpu-offloading.md, drawn from the runtime's schedule.
 
-The diagram is not typed in: every cell comes from :class:`~mbridge_offload.runtime.activation.schedule.Schedule`
+The diagram is not typed in: every cell comes from :class:`~mbridge_offload_runtime.activation.schedule.Schedule`
 (where each offloaded layer is released and reloaded), so it changes when the schedule does. The resident-layer row is
 computed from the same schedule and must stay within ``L − k``.
 """
 
 from __future__ import annotations
 
-from mbridge_offload.runtime.activation.schedule import Schedule
+from mbridge_offload_runtime.activation.schedule import Schedule
 
 # Shown in the guide: small enough to read, with more than one offloaded layer.
 DIAGRAM_LAYERS, DIAGRAM_OFFLOADED = 6, 2

@@ -1,4 +1,4 @@
-"""Flat host buckets: the offloaded part of :class:`mbridge_offload.runtime.optimizer.hybrid.HybridDeviceOptimizer`.
+"""Flat host buckets: the offloaded part of :class:`mbridge_offload_runtime.optimizer.hybrid.HybridDeviceOptimizer`.
 
 A bucket is a run of consecutive offloaded parameters of one param group and one master dtype. Its host side is
 two flat 1-D tensors (the master copy and the gradient buffer) plus one CPU optimizer whose only parameter is the
@@ -19,10 +19,64 @@ from typing import cast
 
 import torch
 
-from mbridge_offload.runtime import device
-from mbridge_offload.upstream import hdo_offload_mask
+from mbridge_offload_runtime import device
+from mbridge_offload_runtime.upstream import hdo_offload_mask
 
 _MISSING = object()
+# Members below this many elements cross PCIe in batches: a run of consecutive small members is gathered into one
+# device staging buffer and moved by one copy (and back the same way). Chosen, not measured: below ~1 MiB of fp32 a
+# host<->device copy costs more in its launch (several microseconds of host time each) than in its bytes, and
+# per-tensor launches were what made fraction 0.25 cost as much as 1.0 on many small tensors.
+SMALL_COPY_NUMEL = 1 << 18
+
+
+@dataclass
+class TransferStats:
+    """What one bucket moved and stepped, cumulative (``HybridDeviceOptimizer.transfer_stats`` sums them).
+
+    Attributes:
+        d2h_copies / h2d_copies: host<->device copy calls issued (one ``cudaMemcpyAsync`` each on a GPU).
+        d2h_bytes / h2d_bytes: bytes those copies moved (host-buffer side).
+        cpu_numel: elements the CPU optimizer stepped.
+    """
+
+    d2h_copies: int = 0
+    d2h_bytes: int = 0
+    h2d_copies: int = 0
+    h2d_bytes: int = 0
+    cpu_numel: int = 0
+
+    def add(self, other: TransferStats) -> TransferStats:
+        """The sum of two counters (a new object)."""
+        names = ("d2h_copies", "d2h_bytes", "h2d_copies", "h2d_bytes", "cpu_numel")
+        return TransferStats(*(getattr(self, n) + getattr(other, n) for n in names))
+
+
+def transfer_runs(ks: list[int], members: list[torch.Tensor]) -> list[list[int]]:
+    """Cut member indices (ascending) into copy units: each large member alone, consecutive small ones together.
+
+    Args:
+        ks: the members to copy, ascending.
+        members: the bucket's members (their sizes and dtypes decide).
+
+    Returns:
+        Runs of indices; a run of several is consecutive, all below :data:`SMALL_COPY_NUMEL`, one dtype.
+    """
+    runs: list[list[int]] = []
+    for k in ks:
+        small = members[k].numel() < SMALL_COPY_NUMEL
+        last = runs[-1] if runs else None
+        if (
+            small
+            and last is not None
+            and last[-1] == k - 1
+            and members[last[-1]].numel() < SMALL_COPY_NUMEL
+            and members[last[-1]].dtype == members[k].dtype
+        ):
+            last.append(k)
+        else:
+            runs.append([k])
+    return runs
 
 
 def grad_of(param: torch.Tensor) -> torch.Tensor | None:
@@ -48,6 +102,7 @@ class Bucket:
     d2h_done: device.Event = field(default_factory=device.new_event)
     h2d_done: device.Event = field(default_factory=device.new_event)
     versions: list[int] = field(default_factory=list)  # members' ``_version`` right after our last write
+    stats: TransferStats = field(default_factory=TransferStats)
 
     @property
     def numel(self) -> int:
@@ -56,6 +111,10 @@ class Bucket:
     def is_per_element(self, value: object) -> bool:
         """Whether an optimizer state value is laid out like the flat master (else it is a scalar such as step)."""
         return isinstance(value, torch.Tensor) and value.dim() == 1 and value.numel() == self.numel
+
+    def span(self, run: list[int]) -> tuple[int, int]:
+        """The flat range ``[lo, hi)`` a run of consecutive members occupies."""
+        return self.offsets[run[0]], self.offsets[run[-1]] + self.members[run[-1]].numel()
 
     def member_view(self, flat: torch.Tensor, k: int) -> torch.Tensor:
         member = self.members[k]
@@ -100,12 +159,21 @@ class Bucket:
         for k in missing:
             self.grad_views[k].zero_()
         todo = [k for k in range(len(grads)) if grads[k] is not None and k not in current]
-        if len(todo) == len(grads):
-            dst, src = self.grad_views, grads
-        else:
-            dst, src = [self.grad_views[k] for k in todo], [grads[k] for k in todo]
-        if dst:
-            torch._foreach_copy_(dst, src, non_blocking=device.is_pinned(self.flat_grad))
+        non_blocking = device.is_pinned(self.flat_grad)
+        singles = []
+        for run in transfer_runs(todo, self.members):
+            if len(run) == 1:
+                singles.append(run[0])
+                continue
+            # One gather on the device (this stream, after the grads' producers) and one copy across.
+            lo, hi = self.span(run)
+            staging = torch.cat([grads[k].reshape(-1) for k in run]).to(self.flat_grad.dtype)
+            self.flat_grad[lo:hi].copy_(staging, non_blocking=non_blocking)
+            self._count("d2h", 1, (hi - lo) * self.flat_grad.element_size())
+        if singles:
+            torch._foreach_copy_([self.grad_views[k] for k in singles], [grads[k] for k in singles],
+                                 non_blocking=non_blocking)  # fmt: skip
+            self._count("d2h", len(singles), sum(self.grad_views[k].nbytes for k in singles))
         # Recorded after this bucket's last copy on the D2H stream (hook copies were issued there earlier), so the
         # host waiting on it sees every gradient of the bucket.
         self.d2h_done.record(d2h_stream)
@@ -122,7 +190,7 @@ class Bucket:
             # Members without a grad are skipped like torch skips them: their weights and moments are restored.
             keep = [(k, self.param_views[k].clone(), self.member_state(k, clone=True)) for k in missing]
         self.optimizer.step()
-        members, views = self.members, self.param_views
+        skipped = set(missing)
         if keep is not None:
             for k, value, state in keep:
                 self.param_views[k].copy_(value)
@@ -131,14 +199,41 @@ class Bucket:
                         live.copy_(state[key])
                     elif self.is_per_element(self.flat_state().get(key)):
                         live.zero_()  # state created in this very step: a fresh member starts at zero
-            skipped = set(missing)
-            members = [p for k, p in enumerate(members) if k not in skipped]
-            views = [v for k, v in enumerate(views) if k not in skipped]
+        self.stats.cpu_numel += self.numel - sum(self.members[k].numel() for k in missing)
         with device.on_stream(h2d_stream):
-            if members:
-                torch._foreach_copy_(members, views, non_blocking=device.is_pinned(self.flat_param))
+            back = [k for k in range(len(self.members)) if k not in skipped]
+            if back:
+                self._copy_back(back)
             self.h2d_done.record(h2d_stream)
         self.versions = [p._version for p in self.members]
+
+    def _copy_back(self, ks: list[int]) -> None:
+        """Copy members ``ks`` from the host master into the model (on the current, H2D, stream)."""
+        non_blocking = device.is_pinned(self.flat_param)
+        singles = []
+        for run in transfer_runs(ks, self.members):
+            if len(run) == 1:
+                singles.append(run[0])
+                continue
+            # One copy across into a device staging buffer (allocated and freed on this stream), then one
+            # device-side scatter into the members.
+            lo, hi = self.span(run)
+            first = self.members[run[0]]
+            staging = torch.empty(hi - lo, dtype=self.flat_param.dtype, device=first.device)
+            staging.copy_(self.flat_param[lo:hi], non_blocking=non_blocking)
+            staging = staging.to(first.dtype)
+            views = [staging[o - lo : o - lo + self.members[k].numel()].view(self.members[k].shape)
+                     for k, o in ((k, self.offsets[k]) for k in run)]  # fmt: skip
+            torch._foreach_copy_([self.members[k] for k in run], views)
+            self._count("h2d", 1, (hi - lo) * self.flat_param.element_size())
+        if singles:
+            torch._foreach_copy_([self.members[k] for k in singles], [self.param_views[k] for k in singles],
+                                 non_blocking=non_blocking)  # fmt: skip
+            self._count("h2d", len(singles), sum(self.param_views[k].nbytes for k in singles))
+
+    def _count(self, way: str, copies: int, nbytes: int) -> None:
+        setattr(self.stats, f"{way}_copies", getattr(self.stats, f"{way}_copies") + copies)
+        setattr(self.stats, f"{way}_bytes", getattr(self.stats, f"{way}_bytes") + nbytes)
 
 
 def build_bucket(

@@ -19,9 +19,9 @@ import enum
 from collections import Counter
 from dataclasses import dataclass, field
 
-from mbridge_offload.upstream import TE_MIN_OFFLOAD_NUMEL
+from mbridge_offload_runtime.upstream import TE_MIN_OFFLOAD_NUMEL
 
-DEFAULT_MIN_TENSOR_SIZE = TE_MIN_OFFLOAD_NUMEL  # TE v2 default; see mbridge_offload/upstream.py
+DEFAULT_MIN_TENSOR_SIZE = TE_MIN_OFFLOAD_NUMEL  # TE v2 default; see mbridge_offload_runtime/upstream.py
 """Elements; Transformer Engine's threshold (about 1 MB in fp32). Smaller saved tensors stay on the device."""
 
 

@@ -27,11 +27,18 @@ from typing import Any, Literal, NamedTuple
 
 import torch
 
-from mbridge_offload.runtime import device
-from mbridge_offload.runtime.optimizer.buckets import Bucket, build_bucket, grad_of, plan_buckets, split_params
-from mbridge_offload.runtime.optimizer.clip import clip_grad_norm_
-from mbridge_offload.runtime.optimizer.grad_hooks import GradCopyHooks
-from mbridge_offload.runtime.optimizer.state import (
+from mbridge_offload_runtime import device
+from mbridge_offload_runtime.optimizer.buckets import (
+    Bucket,
+    TransferStats,
+    build_bucket,
+    grad_of,
+    plan_buckets,
+    split_params,
+)
+from mbridge_offload_runtime.optimizer.clip import clip_grad_norm_
+from mbridge_offload_runtime.optimizer.grad_hooks import GradCopyHooks
+from mbridge_offload_runtime.optimizer.state import (
     LiveParamState,
     export_param_states,
     import_param_states,
@@ -372,6 +379,24 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
     def num_buckets(self) -> int:
         return len(self._buckets)
 
+    @property
+    def transfer_stats(self) -> TransferStats:
+        """What the offloaded part moved and stepped since construction or :meth:`reset_transfer_stats`.
+
+        Copies (one ``cudaMemcpyAsync`` each on a GPU) and bytes each way, and elements stepped by the CPU
+        optimizer: per step, the bytes and elements are the offloaded fraction's, and the copies about one per
+        bucket plus one per large member, not one per tensor.
+        """
+        total = TransferStats()
+        for b in self._buckets:
+            total = total.add(b.stats)
+        return total
+
+    def reset_transfer_stats(self) -> None:
+        """Zero the counters of :attr:`transfer_stats`."""
+        for b in self._buckets:
+            b.stats = TransferStats()
+
     # ------------------------------------------------------------------ the step
     def _push_hyperparameters(self) -> None:
         """Copy lr/wd/... from the HDO groups (what schedulers and users change) into every sub-optimizer."""
@@ -442,10 +467,12 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         self._push_hyperparameters()
         self._refresh_stale_copies()
         compute = device.current_stream()
-        # Backward wrote the grads on the compute stream; both side streams start after it, and neither waits
+        # Backward wrote the grads on the compute stream; the D2H stream starts after it, and does not wait
         # for the device optimizer enqueued below (it touches only the non-offloaded parameters).
         self._d2h.wait_stream(compute)
-        self._h2d.wait_stream(compute)
+        # The H2D stream needs no wait on the compute stream: each bucket's H2D copy is issued only after the host
+        # waited on that bucket's d2h_done, recorded on the D2H stream after the wait above, so every compute-stream
+        # read of the weights it overwrites has finished before the copy is even issued.
         missing = {}
         with device.on_stream(self._d2h):
             for bi, b in enumerate(self._buckets):
@@ -589,7 +616,10 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                         if isinstance(v, torch.Tensor):
                             v.zero_()
             self.refresh_from_model()
-        device.synchronize()
+        # No device.synchronize() here: the weights, masters and device state above are written on the compute
+        # stream, which orders every later use (a checkpoint load copies into them on that stream too); the host
+        # state was written by the host itself, and refresh_from_model's blocking copies into the host masters
+        # return only after the compute stream (which waited for every bucket's H2D copy) has caught up.
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, process_group=None) -> torch.Tensor:
         """Clip the gradients of all parameters (host-updated and device-updated) by their global norm.

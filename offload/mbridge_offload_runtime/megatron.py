@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from mbridge_offload.runtime import activation
+from mbridge_offload_runtime import activation
 
 __all__ = [
     "ActivationOffloadInstall",

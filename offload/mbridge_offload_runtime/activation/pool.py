@@ -15,7 +15,7 @@ from collections import defaultdict
 
 import torch
 
-from mbridge_offload.runtime import device
+from mbridge_offload_runtime import device
 
 _Key = tuple[tuple[int, ...], tuple[int, ...], torch.dtype]
 _Spec = tuple[torch.Size, tuple[int, ...], torch.dtype]

@@ -6,7 +6,7 @@ from collections import defaultdict
 
 import torch
 
-from mbridge_offload.runtime.optimizer.buckets import grad_of
+from mbridge_offload_runtime.optimizer.buckets import grad_of
 
 
 def clip_grad_norm_(params, max_norm: float, norm_type: float = 2.0, process_group=None) -> torch.Tensor:

@@ -1,8 +1,9 @@
-"""Upstream facts that more than one room needs, each stated once, with where upstream states it.
+"""Upstream facts that the runtime and the planner both need, each stated once, with where upstream states it.
 
-A room of its own, plain Python (no torch, no project imports): the config rules, the planner (``plan/``) and the
-runtime (``runtime/``) all may import it, so the model of what upstream does and our reproduction of it cannot
-drift apart, and the runtime needs nothing from the agent side to read them.
+A room of its own, plain Python (no torch, no project imports), inside the runtime package so that the runtime
+needs nothing from the agent side: the runtime (``mbridge_offload_runtime``) and the planner (``mbridge_offload.plan``)
+both import it, so the model of what upstream does and our reproduction of it cannot drift apart. Importing it
+imports no torch (the package's ``__init__`` imports nothing), so the config side stays torch-free.
 """
 
 from __future__ import annotations

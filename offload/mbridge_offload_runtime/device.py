@@ -16,7 +16,7 @@ from typing import Any, Protocol, cast
 
 import torch
 
-from mbridge_offload.runtime import ordering
+from mbridge_offload_runtime import ordering
 
 
 def has_cuda() -> bool:

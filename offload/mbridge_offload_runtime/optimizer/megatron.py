@@ -23,7 +23,7 @@ from __future__ import annotations
 import sys
 from types import ModuleType
 
-from mbridge_offload.runtime.optimizer.hybrid import HybridDeviceOptimizer
+from mbridge_offload_runtime.optimizer.hybrid import HybridDeviceOptimizer
 
 __all__ = ["OptimizerOffloadInstall", "install_optimizer_offload"]
 

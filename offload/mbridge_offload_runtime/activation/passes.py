@@ -13,10 +13,10 @@ from typing import Protocol
 
 import torch
 
-from mbridge_offload.runtime import device
-from mbridge_offload.runtime.activation.eligibility import Eligibility, ViewSpec
-from mbridge_offload.runtime.activation.pool import HostBufferPool, ReloadBuffers, empty_strided
-from mbridge_offload.runtime.activation.schedule import (
+from mbridge_offload_runtime import device
+from mbridge_offload_runtime.activation.eligibility import Eligibility, ViewSpec
+from mbridge_offload_runtime.activation.pool import HostBufferPool, ReloadBuffers, empty_strided
+from mbridge_offload_runtime.activation.schedule import (
     LayerPhase,
     OffloadStats,
     Residency,
@@ -24,7 +24,7 @@ from mbridge_offload.runtime.activation.schedule import (
     ScheduleEvent,
     check_transition,
 )
-from mbridge_offload.runtime.device import Event, Stream
+from mbridge_offload_runtime.device import Event, Stream
 
 
 class PassOwner(Protocol):

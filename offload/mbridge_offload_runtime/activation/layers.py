@@ -8,9 +8,9 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from mbridge_offload.runtime.activation.context import OffloadContext, _build, _check_layers
-from mbridge_offload.runtime.activation.eligibility import mark_not_offload
-from mbridge_offload.runtime.activation.schedule import DEFAULT_MIN_TENSOR_SIZE, OffloadStats
+from mbridge_offload_runtime.activation.context import OffloadContext, _build, _check_layers
+from mbridge_offload_runtime.activation.eligibility import mark_not_offload
+from mbridge_offload_runtime.activation.schedule import DEFAULT_MIN_TENSOR_SIZE, OffloadStats
 
 __all__ = ["OffloadHandle", "offload_layers"]
 

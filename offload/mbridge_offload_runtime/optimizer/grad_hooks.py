@@ -1,7 +1,8 @@
 """Start each offloaded gradient's D2H copy in backward, as soon as autograd has finished accumulating it.
 
 With ``overlap_cpu_optimizer_d2h_h2d=True`` :class:`GradCopyHooks` registers a post-accumulate-grad hook
-(``Tensor.register_post_accumulate_grad_hook``, torch >= 2.1) on every offloaded parameter, as torchao's
+(``Tensor.register_post_accumulate_grad_hook``, torch >= 2.1) on every offloaded parameter of at least
+``buckets.SMALL_COPY_NUMEL`` elements (smaller ones are batched by ``step()``), as torchao's
 ``CPUOffloadOptimizer`` does: the copy into the bucket's host gradient buffer is issued on the D2H stream while
 backward goes on computing earlier layers, so by ``step()`` most gradients are already on the host. On CPU the
 same hooks run and the copies are plain copies, so the order is the same and tested.
@@ -26,8 +27,9 @@ from collections.abc import Iterator
 
 import torch
 
-from mbridge_offload.runtime import device
-from mbridge_offload.runtime.optimizer.buckets import Bucket
+from mbridge_offload_runtime import device
+from mbridge_offload_runtime.optimizer import buckets as _buckets
+from mbridge_offload_runtime.optimizer.buckets import Bucket
 
 
 def _signature(grad: torch.Tensor) -> tuple[int, int]:
@@ -52,7 +54,10 @@ class GradCopyHooks:
         ref = weakref.ref(self)  # the hooks must not keep a dropped optimizer's buffers alive
         for bi, bucket in enumerate(buckets):
             for k, param in enumerate(bucket.members):
-                if param.requires_grad:
+                # Small members are left to step(), which moves runs of them in one copy each: a copy per small
+                # tensor in backward costs more host time in launches than it hides (read at build time, so a
+                # test can lower it).
+                if param.requires_grad and param.numel() >= _buckets.SMALL_COPY_NUMEL:
                     self.handles.append(param.register_post_accumulate_grad_hook(_make_hook(ref, bi, k)))
 
     def copy_one(self, bi: int, k: int, grad: torch.Tensor) -> None:
@@ -67,6 +72,8 @@ class GradCopyHooks:
         # The gradient may be freed (zero_grad) while the copy is in flight: keep its memory until the D2H is done.
         device.record_stream(grad, self.d2h)
         self.copied[bi, k] = _signature(grad)
+        bucket.stats.d2h_copies += 1
+        bucket.stats.d2h_bytes += bucket.grad_views[k].nbytes
 
     def is_current(self, bi: int, k: int, grad: torch.Tensor) -> bool:
         """Whether the host buffer already holds exactly ``grad`` (copied by a hook, unchanged since)."""

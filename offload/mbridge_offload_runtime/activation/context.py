@@ -24,11 +24,11 @@ from typing import Any
 
 import torch
 
-from mbridge_offload.runtime import device
-from mbridge_offload.runtime.activation.eligibility import Eligibility
-from mbridge_offload.runtime.activation.passes import BackwardStep, LayerStore, Pass, unpack
-from mbridge_offload.runtime.activation.pool import HostBufferPool, ReloadBuffers
-from mbridge_offload.runtime.activation.schedule import DEFAULT_MIN_TENSOR_SIZE, LayerPhase, OffloadStats, Schedule
+from mbridge_offload_runtime import device
+from mbridge_offload_runtime.activation.eligibility import Eligibility
+from mbridge_offload_runtime.activation.passes import BackwardStep, LayerStore, Pass, unpack
+from mbridge_offload_runtime.activation.pool import HostBufferPool, ReloadBuffers
+from mbridge_offload_runtime.activation.schedule import DEFAULT_MIN_TENSOR_SIZE, LayerPhase, OffloadStats, Schedule
 
 __all__ = ["ManualController", "OffloadContext", "get_cpu_offload_context"]
 
@@ -249,7 +249,7 @@ def get_cpu_offload_context(
 
     The positional order is TE 2.10's (``…, double_buffering, manual_synchronization,
     retain_pinned_cpu_buffers, offload_stream``); Megatron Core's own wrapper puts ``retain_pinned_cpu_buffers``
-    seventh, which :func:`mbridge_offload.runtime.megatron.install_activation_offload` adapts.
+    seventh, which :func:`mbridge_offload_runtime.megatron.install_activation_offload` adapts.
 
     Args:
         enabled: turn offloading on; when False a no-op context and the identity are returned.

@@ -1,4 +1,4 @@
-"""Per-parameter optimizer state in and out of :class:`mbridge_offload.runtime.optimizer.hybrid.HybridDeviceOptimizer`.
+"""Per-parameter optimizer state in and out of :class:`mbridge_offload_runtime.optimizer.hybrid.HybridDeviceOptimizer`.
 
 The saved form is torch's: ``{"state": {index: {...}}, "param_groups": [{..., "params": [index, ...]}]}``, with
 indices in param_groups order. A host bucket's flat state is cut into per-parameter slices on the way out and

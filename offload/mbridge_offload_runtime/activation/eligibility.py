@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from mbridge_offload.runtime.activation.schedule import DEFAULT_MIN_TENSOR_SIZE
+from mbridge_offload_runtime.activation.schedule import DEFAULT_MIN_TENSOR_SIZE
 
 ViewSpec = tuple[torch.Size, tuple[int, ...], int | torch.SymInt]  # as_strided's size, stride, offset
 
