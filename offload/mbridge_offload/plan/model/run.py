@@ -65,6 +65,9 @@ class Setup:
     overlap_grad_reduce: bool = True
     overlap_param_gather: bool = True
     tp_comm_overlap: bool = False
+    # PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (env_vars): changes no tensor, only how the caching allocator
+    # maps them; the planner's yardstick reads it (search/options.py), the memory model does not.
+    expandable_segments: bool = False
 
     def resolved_etp(self, model: ModelSpec) -> int:
         if self.etp is not None:

@@ -4,7 +4,8 @@
   that the config without offload does not already raise (e.g. TE's ACT-NO-OVERLAP at ``num_layers − 1``).
 - ``given_mode`` / ``advice_sentence``: ``before`` is the config as given, offload included; when the advice is to
   switch an offload off, the answer says so in words.
-- ``fallback``: the cheapest offload (smallest step-time factor) that frees a stated headroom.
+- ``fallback``: the cheapest offload (smallest step-time factor) that frees a stated headroom (the planner's one
+  sweep builder and bisection, ``sweeps.py``).
 
 Never imports torch.
 """
@@ -17,7 +18,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from mbridge_offload.config.overrides import format_override
-from mbridge_offload.plan.memory.stage import MemoryEstimate, estimate_memory
+from mbridge_offload.plan.memory.stage import MemoryEstimate
 from mbridge_offload.plan.model.architecture import GB, GiB
 from mbridge_offload.plan.model.run import Setup
 from mbridge_offload.plan.results import Fallback
@@ -178,34 +179,6 @@ class FallbackChoice:
     factor: float
 
 
-def cheapest(
-    candidates: list[tuple[str, list[Setup]]],
-    frees: Callable[[MemoryEstimate], bool],
-    estimate: Callable[[Setup], MemoryEstimate],
-    factor: Callable[[MemoryEstimate], float],
-    clean: Callable[[Setup], bool],
-) -> FallbackChoice | None:
-    """Per mechanism, the least offload that ``frees`` the headroom (a binary search over growing offload), the
-    first of those the catalogue accepts; of those, the one with the smallest step-time factor."""
-    found: list[FallbackChoice] = []
-    for mode, setups in candidates:
-        lo, hi, hit = 0, len(setups) - 1, None
-        if not setups or not frees(estimate(setups[-1])):
-            continue
-        while lo <= hi:
-            mid = (lo + hi) // 2
-            if frees(estimate(setups[mid])):
-                hit, hi = mid, mid - 1
-            else:
-                lo = mid + 1
-        for s in setups[hit:] if hit is not None else []:
-            if clean(s):
-                est = estimate(s)
-                found.append(FallbackChoice(mode, est, factor(est)))
-                break
-    return min(found, key=lambda c: c.factor) if found else None
-
-
 def headroom_bytes(asked_gib: float | None, budget_bytes: float) -> tuple[float, str]:
     """The headroom a fallback must free, and where that figure comes from."""
     if asked_gib is not None:
@@ -217,32 +190,23 @@ def fallback(
     p: Any,
     before: MemoryEstimate,
     overlap: Callable[[Any, Setup], bool],
-    step: float,
     as_given_s: float | None = None,
 ) -> Fallback | None:
-    """The cheapest offload (smallest step-time factor) that frees the headroom, for a run that already fits.
+    """The cheapest offload (smallest step-time factor) that frees the headroom, for a run that already fits: per
+    offload sweep (``sweeps.offload_sweeps``, the one builder) the least setting that frees it (``sweeps.first_fit``,
+    the one bisection, with its host-RAM and catalogue checks), then the fastest of those.
 
     Args:
         p: the planner's ``anchor.Plan`` (budget, offset, vetter).
         before: the estimate without offload.
         overlap: ``(resolved, setup) → overlap_cpu_optimizer_d2h_h2d`` for a proposal.
-        step: the fraction grid.
         as_given_s: the step time of the config as given, which ``step_time_factor`` divides by (as the options');
             None: the step without offload.
     """
+    from mbridge_offload.plan.search import sweeps
+
     r, base = p.r, before.setup
     need, source = headroom_bytes(r.inputs.headroom_gib, p.budget_bytes)
-    steps = round(1 / step)
-    candidates = [
-        (
-            "optimizer",
-            [replace(base, optimizer_offload_fraction=round(i * step, 2)) for i in range(1, steps + 1)],
-        )
-    ]
-    if not r.constraints.activation_blockers(base, r.model.num_layers):
-        candidates.append(
-            ("activation", [replace(base, activation_offload_layers=k) for k in range(1, r.model.num_layers)])
-        )
 
     def timed(est: MemoryEstimate) -> Any:
         return estimate_time(est, r.gpu, overlap=overlap(r, est.setup), **p.time_kwargs)
@@ -251,15 +215,16 @@ def fallback(
         t = timed(est)
         return t.step_s / as_given_s if as_given_s else t.step_time_factor
 
-    choice = cheapest(
-        candidates,
-        lambda est: p.total(before) - p.total(est) >= need,
-        lambda s: estimate_memory(r.model, s),
-        factor,
-        p.vet.clean,
-    )
-    if choice is None:
+    found = []
+    for sw in sweeps.offload_sweeps(p, base):
+        if sw.name == "fine-grained":
+            continue  # the fallback names one knob (a fraction or a layer count), as apply --mode takes it
+        est = sweeps.first_fit(p, sw.setups, lambda e: p.total(before) - p.total(e) >= need)
+        if est is not None:
+            found.append(FallbackChoice(sw.name, est, factor(est)))
+    if not found:
         return None
+    choice = min(found, key=lambda c: c.factor)
     freed = p.total(before) - p.total(choice.est)
     return Fallback(
         mode=choice.mode,
