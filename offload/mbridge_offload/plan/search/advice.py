@@ -142,6 +142,11 @@ class Vetter:
         from mbridge_offload.config.validate import validate
 
         edited = copy.deepcopy(self.raw) if self.raw is not None else _synthesized(s, self.num_layers, self.extra)
+        model = edited.setdefault("model", {})
+        if isinstance(model, dict) and model.get("num_layers") is None:
+            # A config that leaves the model to --model (a preset): without its layer count the catalogue cannot
+            # check an offload's layers against it (ACT-NO-OVERLAP at L - 1, the L-layer limit).
+            model["num_layers"] = self.num_layers
         sources.apply_overrides(edited, overrides)
         return list(validate(sources.build_config(edited, "<candidate>"), edited, source=self.source).findings)
 
