@@ -34,7 +34,7 @@ from hypothesis import strategies as st
 from mcp import Client
 
 from mbridge_offload.config import sources
-from mbridge_offload.plan.search.levers import LEVERS
+from mbridge_offload.plan.inputs.fields import LEVERS
 from mbridge_offload_tools.cli.main import main
 from mbridge_offload_tools.server.app import mcp
 

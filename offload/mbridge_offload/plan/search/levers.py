@@ -28,29 +28,37 @@ from dataclasses import replace
 
 from mbridge_offload.config.errors import InputError
 from mbridge_offload.config.overrides import format_override
+from mbridge_offload.plan.inputs.fields import DEFAULT_LEVERS, LEVERS
 from mbridge_offload.plan.inputs.resolve import Resolved
 from mbridge_offload.plan.model.architecture import ModelSpec
 from mbridge_offload.plan.model.run import Setup, check_setup
 from mbridge_offload.plan.search import fine_grained_plan as fg
 
-LEVERS = (
-    "recompute",
-    "activation",
-    "fine-grained",
-    "optimizer",
-    "cp",
-    "tp",
-    "mbs",
-    "grad-reduce",
-    "ce-fusion",
-    "vpp",
-    "expandable-segments",
-)
-# The default keeps the parallel layout and the checkpoints as they are: recompute and the three offloads.
-DEFAULT_LEVERS = ("recompute", "activation", "fine-grained", "optimizer")
+# The default keeps the parallel layout, the numerics and the checkpoints as they are: recompute and the three
+# offloads (DEFAULT_LEVERS, declared with LEVERS in plan/inputs/fields.py).
 OFFLOAD_LEVERS = ("activation", "fine-grained", "optimizer")
 LAYOUT_LEVERS = ("cp", "tp", "mbs")
 SWITCH_LEVERS = ("grad-reduce", "ce-fusion", "vpp", "expandable-segments")
+# Less reserved-but-unallocated than this in an OOM message is the allocator's ordinary rounding, not fragmentation
+# that expandable segments would give back (PyTorch rounds blocks to 2 MiB / 20 MiB; a few hundred MiB is normal).
+FRAGMENTATION_MIN_GIB = 1.0
+# What each lever writes (Bridge keys; apply and options[].changes carry the exact overrides).
+WRITES = {
+    "recompute": "model.recompute_granularity, recompute_modules (selective: layernorm, moe_act, core_attn, "
+    "mla_up_proj, shared_experts, mlp, moe, those this model's layers have) or recompute_method/num_layers (full)",
+    "activation": "model.cpu_offloading, cpu_offloading_num_layers (+ activations on, weights off)",
+    "fine-grained": "model.fine_grained_activation_offloading, offload_modules, transformer_impl, "
+    "env_vars.NVTE_CPU_OFFLOAD_V1",
+    "optimizer": "optimizer.optimizer_cpu_offload, optimizer_offload_fraction, overlap_cpu_optimizer_d2h_h2d",
+    "cp": "model.context_parallel_size (doubling)",
+    "tp": "model.tensor_model_parallel_size (doubling, at most 8) with sequence_parallel",
+    "mbs": "train.micro_batch_size (halving; the global batch kept)",
+    "grad-reduce": "ddp.grad_reduce_in_fp32=false",
+    "ce-fusion": "model.cross_entropy_loss_fusion=true, cross_entropy_fusion_impl=te",
+    "vpp": "model.virtual_pipeline_model_parallel_size (each value dividing a stage's layers, or none)",
+    "expandable-segments": "env_vars.PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (only where an OOM message shows "
+    f"at least {FRAGMENTATION_MIN_GIB:g} GiB reserved but unallocated)",
+}
 # The one env var the expandable-segments lever writes (Bridge passes env_vars to the launcher's environment).
 EXPANDABLE = "expandable_segments:True"
 # TP stays inside one NVLink domain of an 8-GPU node: across nodes its per-layer collectives go over the network
@@ -210,11 +218,6 @@ def usable(lever: str, r: Resolved, base: Setup, frag_gib: float | None = None) 
     if lever in SWITCH_LEVERS:
         return None if switch_variants(lever, m, base) else why_not_switch(lever, base)
     return None if layout_variants(lever, m, base) else why_not_layout(lever, m, base)
-
-
-# Less reserved-but-unallocated than this in an OOM message is the allocator's ordinary rounding, not fragmentation
-# that expandable segments would give back (PyTorch rounds blocks to 2 MiB / 20 MiB; a few hundred MiB is normal).
-FRAGMENTATION_MIN_GIB = 1.0
 
 
 def expandable_evidence(frag_gib: float | None, base: Setup) -> float | None:

@@ -32,11 +32,7 @@ from mbridge_offload.plan.time.step import estimate_time, no_lever_setup
 
 FRACTION_STEP = sweeps.FRACTION_STEP
 Fit = Callable[[MemoryEstimate], bool]
-RANKING = (
-    "allowed levers before alternatives; options that fit (with the margin) before those that do not; among those "
-    "that fit, predicted step time x (1 + risk), risk = " + risks.FORMULA + ", then fewer changes; among those that "
-    "do not fit, the lowest peak first"
-)
+RANKING = risks.RANKING_WORDS
 
 
 @dataclass

@@ -25,6 +25,12 @@ FORMULA = (
     f"{THIN_WEIGHT:g} if less than the headroom stays free + each lever's known upstream risk"
 )
 
+RANKING_WORDS = (
+    "allowed levers before alternatives; options that fit (with the margin) before those that do not; among those "
+    "that fit, predicted step time x (1 + risk), risk = " + FORMULA + ", then fewer changes; among those that "
+    "do not fit, the lowest peak first (option 0 is the recommendation: mode and overrides describe it)"
+)
+
 # lever -> (share of the step, why), the problems a user meets with it in the releases we follow.
 LEVER_RISKS: dict[str, tuple[float, str]] = {
     "optimizer": (
@@ -83,3 +89,21 @@ def risk(levers: list[str], n_overrides: int, host_share: float, comfortable: bo
             score += weight
             why.append(f"{lever}: {text}")
     return score, why
+
+
+def render_table() -> str:
+    """The levers, what each writes, whether the default allows it, and its known risk (docs/planner.md)."""
+    from mbridge_offload.plan.inputs.fields import DEFAULT_LEVERS, LEVERS
+    from mbridge_offload.plan.search.levers import WRITES
+
+    rows = [
+        "| lever | default | writes | known risk (ranking weight) |",
+        "|---|---|---|---|",
+    ]
+    for lever in LEVERS:
+        weight, why = LEVER_RISKS.get(lever, (0.0, "none known"))
+        rows.append(
+            f"| `{lever}` | {'yes' if lever in DEFAULT_LEVERS else 'alternative'} | {WRITES[lever]} | "
+            f"{why} ({weight:g}) |"
+        )
+    return "\n".join(rows) + f"\n\nRanking: {RANKING_WORDS}.\n"
