@@ -1,14 +1,15 @@
-"""The planner: the skill's decision table made executable, then a search for the smallest offload that fits.
+"""The planner: ``estimate`` of a setting as given, and ``recommend``: one search over every lever, one ranking.
 
-Decision table (NVIDIA skill ``nemo-mbridge-perf-cpu-offloading``, "Quick Decision"):
+``recommend`` (NVIDIA skill ``nemo-mbridge-perf-cpu-offloading``'s "Quick Decision", made one search):
 
-- the run already fits → no offload (offloading always adds step time);
-- activation offload is possible only with PP = 1, no activation recompute, CUDA graphs off (or
-  ``full_iteration``) and no fine-grained activation offloading — the upstream checks; otherwise optimizer offload;
-- activations dominate and activation offload is possible → activation offload, smallest layer count that fits;
-- otherwise → optimizer offload, the smallest fraction (on a 0.05 grid, realised by HybridDeviceOptimizer's greedy
-  whole-tensor split) that brings the worst pipeline stage under the budget; both when neither alone suffices;
-- nothing fits → say what would: more PP, full recompute, more GPUs, each with its predicted memory.
+- the run already fits with the headroom → no change (offloading always adds step time);
+- otherwise every lever the run can use is swept once (``sweeps.py``: offloads, recompute by module or full, the
+  switches, layout steps, and two levers stacked where one alone does not reach), the least setting of each that
+  fits found by one bisection, inside what the rule catalogue accepts and the node's host RAM holds;
+- the candidates are ranked by one sort key (``options.sort_key``: allowed first, fitting first, step time grown by
+  risk, ``risks.py``), and option 0 is the recommendation: ``mode``, ``overrides`` and the figures describe it;
+- nothing fits → option 0 is the closest the allowed levers get inside those limits, and ``suggestions`` say what
+  would fit (more PP, full recompute, more GPUs), each with its predicted memory.
 
 "Fits" compares the predicted peak *allocated* memory, grown by the caching allocator's overhead, with what the
 device exposes minus the CUDA context and the margin. A measurement from the user's own run (peak, step time, or

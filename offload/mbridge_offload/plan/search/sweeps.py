@@ -146,10 +146,13 @@ def selective(s: Setup, modules: tuple[str, ...]) -> Setup:
     )
 
 
-def recompute_module_sets(m: ModelSpec, s: Setup) -> list[tuple[str, ...]]:
+def recompute_module_sets(
+    m: ModelSpec, s: Setup, refused: Callable[[Setup], bool] | None = None
+) -> list[tuple[str, ...]]:
     """Growing selective-recompute module sets beyond ``s``'s, each step one module that frees memory on this
     model's layer types: ``mlp`` on an all-MoE model, ``moe`` on a dense one, ``mla_up_proj`` without MLA free
-    nothing (megatron-core recomputes only the modules a layer has) and are skipped."""
+    nothing (megatron-core recomputes only the modules a layer has) and are skipped, as is a module ``refused``
+    (the rule catalogue: ``moe_act`` without grouped GEMM) so that it does not spoil every larger set."""
     if s.recompute_granularity == "full":
         return []
     have = tuple(s.recompute_modules) if s.recompute_granularity == "selective" else ()
@@ -163,17 +166,17 @@ def recompute_module_sets(m: ModelSpec, s: Setup) -> list[tuple[str, ...]]:
             continue  # megatron-core refuses it without multi_latent_attention (TransformerConfig.__post_init__)
         trial = (*acc, module)
         saved = _saved(m, selective(s, trial))
-        if saved < last:
+        if saved < last and not (refused is not None and refused(selective(s, trial))):
             acc, last = trial, saved
             out.append(acc)
     return out
 
 
-def recompute_sweeps(m: ModelSpec, s: Setup) -> list[Sweep]:
+def recompute_sweeps(m: ModelSpec, s: Setup, refused: Callable[[Setup], bool] | None = None) -> list[Sweep]:
     """Two sweeps, least recompute first: selective recompute by growing module set; full ``block`` of N = 1 …
     layers of the first stage, then full ``uniform`` 1 (every layer). Two, because selective recompute of every
     module can keep less than full recompute of one block: memory shrinks along each, not along both."""
-    sets = recompute_module_sets(m, s)
+    sets = recompute_module_sets(m, s, refused)
     by_module = [selective(s, mods) for mods in sets]
     out: list[Setup] = []
     per_stage = len(stage_layers(m, s)[0])
@@ -197,6 +200,14 @@ def switch_sweeps(p: Plan, s: Setup) -> list[Sweep]:
     return out
 
 
+def refuses(p: Plan) -> Callable[[Setup], bool] | None:
+    """The rule catalogue's refusal of a setup, for sweeps that must step around it (None: no vetter)."""
+    vet = p.vet
+    if vet is None:
+        return None
+    return lambda s: not vet.clean(s)
+
+
 def frag_gib(p: Plan) -> float | None:
     """The fragmentation the evidence shows: an OOM message's memory reserved but unallocated, GiB."""
     return p.anchor.expandable_segments_gib if p.anchor is not None else None
@@ -204,7 +215,7 @@ def frag_gib(p: Plan) -> float | None:
 
 def sweeps(p: Plan, s: Setup) -> list[Sweep]:
     """Every lever's sweep on ``s``: offloads, recompute, the switches and each layout step."""
-    out = [*offload_sweeps(p, s), *recompute_sweeps(p.r.model, s), *switch_sweeps(p, s)]
+    out = [*offload_sweeps(p, s), *recompute_sweeps(p.r.model, s, refuses(p)), *switch_sweeps(p, s)]
     for lever in levers.LAYOUT_LEVERS:
         variants = levers.layout_variants(lever, p.r.model, s)
         if variants:
@@ -213,9 +224,13 @@ def sweeps(p: Plan, s: Setup) -> list[Sweep]:
 
 
 def _partners(p: Plan, s: Setup) -> list[Sweep]:
-    """The levers a stack puts under the optimizer sweep: activation layers, fine-grained modules, full recompute."""
+    """The levers a stack puts under the optimizer sweep: activation layers, fine-grained modules, recompute (its
+    most selective set, full uniform), each switch."""
     partners = [sw for sw in offload_sweeps(p, s) if sw.name in ("activation", "fine-grained")]
-    return partners + [Sweep("recompute", [sw.setups[-1]]) for sw in recompute_sweeps(p.r.model, s)]
+    partners += [Sweep("recompute", [sw.setups[-1]]) for sw in recompute_sweeps(p.r.model, s, refuses(p))]
+    # The switches too (bf16 gradients, fused cross entropy, another VPP): each frees a little, often what the
+    # optimizer fraction on top then need not.
+    return partners + [sw for sw in switch_sweeps(p, s) if sw.name != "expandable-segments"]
 
 
 def closest_stacks(p: Plan, s: Setup) -> list[MemoryEstimate]:
@@ -252,7 +267,7 @@ def stacks(p: Plan, s: Setup, ok: Fit) -> list[MemoryEstimate]:
     for lever in levers.LAYOUT_LEVERS:
         variants = levers.layout_variants(lever, m, s)
         if variants and not ok(estimate_memory(m, variants[0])):
-            for sw in [*offload_sweeps(p, variants[0]), *recompute_sweeps(m, variants[0])]:
+            for sw in [*offload_sweeps(p, variants[0]), *recompute_sweeps(m, variants[0], refuses(p))]:
                 found = first_fit(p, sw.setups, ok)
                 if found is not None:
                     out.append(found)
