@@ -4,8 +4,7 @@
   that the config without offload does not already raise (e.g. TE's ACT-NO-OVERLAP at ``num_layers − 1``).
 - ``given_mode`` / ``advice_sentence``: ``before`` is the config as given, offload included; when the advice is to
   switch an offload off, the answer says so in words.
-- ``fallback``: the cheapest offload (smallest step-time factor) that frees a stated headroom (the planner's one
-  sweep builder and bisection, ``sweeps.py``).
+- ``headroom_bytes``: the headroom a fallback must free (``options.fallback`` finds the cheapest offload that frees it).
 
 Never imports torch.
 """
@@ -13,17 +12,13 @@ Never imports torch.
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from mbridge_offload.config.overrides import format_override
-from mbridge_offload.plan.memory.stage import MemoryEstimate
-from mbridge_offload.plan.model.architecture import GB, GiB
+from mbridge_offload.plan.model.architecture import GiB
 from mbridge_offload.plan.model.run import Setup
-from mbridge_offload.plan.results import Fallback
 from mbridge_offload.plan.search import fine_grained_plan
-from mbridge_offload.plan.time.step import estimate_time
 
 # Without a headroom asked for (--headroom-gib), a fallback frees this share of the allocatable budget.
 DEFAULT_HEADROOM_SHARE = 0.10
@@ -175,70 +170,8 @@ class Vetter:
 # ------------------------------------------------------------------------------------------- fallback
 
 
-@dataclass
-class FallbackChoice:
-    """The cheapest offload that frees ``headroom`` bytes: its estimate and step-time factor."""
-
-    mode: str
-    est: MemoryEstimate
-    factor: float
-
-
 def headroom_bytes(asked_gib: float | None, budget_bytes: float) -> tuple[float, str]:
     """The headroom a fallback must free, and where that figure comes from."""
     if asked_gib is not None:
         return asked_gib * GiB, "asked for (--headroom-gib)"
     return DEFAULT_HEADROOM_SHARE * budget_bytes, f"default: {DEFAULT_HEADROOM_SHARE:.0%} of the allocatable budget"
-
-
-def fallback(
-    p: Any,
-    before: MemoryEstimate,
-    overlap: Callable[[Any, Setup], bool],
-    as_given_s: float | None = None,
-) -> Fallback | None:
-    """The cheapest offload (smallest step-time factor) that frees the headroom, for a run that already fits: per
-    offload sweep (``sweeps.offload_sweeps``, the one builder) the least setting that frees it (``sweeps.first_fit``,
-    the one bisection, with its host-RAM and catalogue checks), then the fastest of those.
-
-    Args:
-        p: the planner's ``anchor.Plan`` (budget, offset, vetter).
-        before: the estimate without offload.
-        overlap: ``(resolved, setup) → overlap_cpu_optimizer_d2h_h2d`` for a proposal.
-        as_given_s: the step time of the config as given, which ``step_time_factor`` divides by (as the options');
-            None: the step without offload.
-    """
-    from mbridge_offload.plan.search import sweeps
-
-    r, base = p.r, before.setup
-    need, source = headroom_bytes(r.inputs.headroom_gib, p.budget_bytes)
-
-    def timed(est: MemoryEstimate) -> Any:
-        return estimate_time(est, r.gpu, overlap=overlap(r, est.setup), **p.time_kwargs)
-
-    def factor(est: MemoryEstimate) -> float:
-        t = timed(est)
-        return t.step_s / as_given_s if as_given_s else t.step_time_factor
-
-    found = []
-    for sw in sweeps.offload_sweeps(p, base):
-        if sw.name == "fine-grained":
-            continue  # the fallback names one knob (a fraction or a layer count), as apply --mode takes it
-        est = sweeps.first_fit(p, sw.setups, lambda e: p.total(before) - p.total(e) >= need)
-        if est is not None:
-            found.append(FallbackChoice(sw.name, est, factor(est)))
-    if not found:
-        return None
-    choice = min(found, key=lambda c: c.factor)
-    freed = p.total(before) - p.total(choice.est)
-    return Fallback(
-        mode=choice.mode,
-        overrides=overrides_for(choice.est.setup, overlap(r, choice.est.setup)),
-        headroom_gib=round(need / GiB, 3),
-        headroom_source=source,
-        freed_gib=round(freed / GiB, 3),
-        freed_gb=round(freed / GB, 3),
-        memory_gib=round(p.total_gib(choice.est), 3),
-        step_time_factor=round(choice.factor, 3),
-        step_time_factor_vs_no_levers=round(timed(choice.est).step_time_factor_vs_no_levers, 3),
-    )

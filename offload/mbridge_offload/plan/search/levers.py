@@ -55,7 +55,8 @@ WRITES = {
     "mbs": "train.micro_batch_size (halving; the global batch kept)",
     "grad-reduce": "ddp.grad_reduce_in_fp32=false",
     "ce-fusion": "model.cross_entropy_loss_fusion=true, cross_entropy_fusion_impl=te",
-    "vpp": "model.virtual_pipeline_model_parallel_size (each value dividing a stage's layers, or none)",
+    "vpp": "model.virtual_pipeline_model_parallel_size (off, or one step up or down among the values dividing a "
+    "stage's layers)",
     "expandable-segments": "env_vars.PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (only where an OOM message shows "
     f"at least {FRAGMENTATION_MIN_GIB:g} GiB reserved but unallocated)",
 }
@@ -163,8 +164,9 @@ def switch_variants(lever: str, m: ModelSpec, s: Setup) -> list[Setup]:
     - ``ce-fusion``: Transformer Engine's fused cross entropy keeps the bf16 logits and overwrites them with their
       gradient, where megatron-core's unfused and ``native`` paths keep an fp32 copy (``activations.output_bytes``,
       ``loss_transient_bytes``).
-    - ``vpp``: every other interleaving that divides the layers of a stage (and none): interleaving adds in-flight
-      micro-batches on the first stage and shrinks the bubble (``plan/memory/schedule.py``, ``plan/time``).
+    - ``vpp``: interleaving off, or one step up or down among the values that divide a stage's layers: interleaving
+      adds in-flight micro-batches on the first stage and shrinks the bubble (``plan/memory/schedule.py``,
+      ``plan/time``).
     """
     if lever == "grad-reduce":
         ok = s.grad_reduce_in_fp32 and s.params_dtype in ("bf16", "fp16") and not s.use_megatron_fsdp
@@ -176,7 +178,13 @@ def switch_variants(lever: str, m: ModelSpec, s: Setup) -> list[Setup]:
         if s.pp == 1 or s.pipeline_layout is not None or s.num_layers_in_first_pipeline_stage is not None:
             return []
         per_rank = m.num_layers // s.pp if m.num_layers % s.pp == 0 else 0
-        values: list[int | None] = [None, *[v for v in range(2, per_rank + 1) if per_rank % v == 0]]
+        divisors = [v for v in range(2, per_rank + 1) if per_rank % v == 0]
+        # The changes a user tries: interleaving off, or one step either way (the next divisor down and up);
+        # further steps only shrink the bubble further at more in-flight memory on the first stage.
+        if s.vpp is None:
+            values: list[int | None] = divisors[:1]
+        else:
+            values = [None, *[v for v in divisors if v < s.vpp][-1:], *[v for v in divisors if v > s.vpp][:1]]
         out = [replace(s, vpp=v) for v in values if v != s.vpp]
         return [v for v in out if _valid(m, v)]
     return []
@@ -201,9 +209,8 @@ def usable(lever: str, r: Resolved, base: Setup, frag_gib: float | None = None) 
     fragmentation the evidence shows, ``anchor.Anchor.expandable_segments_gib``)."""
     m = r.model
     if lever == "recompute":
-        from mbridge_offload.plan.search.sweeps import recompute_sweeps
-
-        return None if recompute_sweeps(m, base) else "recompute is already full (uniform, 1 layer)"
+        full_uniform = (base.recompute_granularity, base.recompute_method, base.recompute_num_layers)
+        return "recompute is already full (uniform, 1 layer)" if full_uniform == ("full", "uniform", 1) else None
     if lever == "activation":
         blockers = r.constraints.activation_blockers(base, m.num_layers)
         return "; ".join(blockers) if blockers else None

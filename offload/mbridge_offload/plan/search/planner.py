@@ -345,7 +345,7 @@ def recommend(r: Resolved) -> Recommendation:
         num_gpus=r.setup.num_gpus,
         given_mode=advice.mode_of(r.setup),
         advice=sentence,
-        fallback=advice.fallback(p, before, _overlap, as_given_s) if mode == "none" and not pulled else None,
+        fallback=options.fallback(p, before, _overlap, as_given_s) if mode == "none" and not pulled else None,
         options=opts,
         ranking=options.RANKING,
         levers=list(allowed),
