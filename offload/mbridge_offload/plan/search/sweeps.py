@@ -225,12 +225,9 @@ def sweeps(p: Plan, s: Setup) -> list[Sweep]:
 
 def _partners(p: Plan, s: Setup) -> list[Sweep]:
     """The levers a stack puts under the optimizer sweep: activation layers, fine-grained modules, recompute (its
-    most selective set, full uniform), each switch."""
+    most selective set, full uniform)."""
     partners = [sw for sw in offload_sweeps(p, s) if sw.name in ("activation", "fine-grained")]
-    partners += [Sweep("recompute", [sw.setups[-1]]) for sw in recompute_sweeps(p.r.model, s, refuses(p))]
-    # The switches too (bf16 gradients, fused cross entropy, another VPP): each frees a little, often what the
-    # optimizer fraction on top then need not.
-    return partners + [sw for sw in switch_sweeps(p, s) if sw.name != "expandable-segments"]
+    return partners + [Sweep("recompute", [sw.setups[-1]]) for sw in recompute_sweeps(p.r.model, s, refuses(p))]
 
 
 def closest_stacks(p: Plan, s: Setup) -> list[MemoryEstimate]:
@@ -249,8 +246,8 @@ def closest_stacks(p: Plan, s: Setup) -> list[MemoryEstimate]:
 
 def stacks(p: Plan, s: Setup, ok: Fit) -> list[MemoryEstimate]:
     """Two levers together, where one alone does not reach: the most of one lever (activation layers, fine-grained
-    modules, full recompute, a layout step) with the least optimizer fraction that fits on top, then the first lever
-    backed off to its least at that fraction; and a layout step with each other lever on top."""
+    modules, recompute) with the least optimizer fraction that fits on top, then the first lever backed off to its
+    least at that fraction; each numeric switch and a layout step with each offload and recompute sweep on top."""
     m, out = p.r.model, []
     if s.use_megatron_fsdp:
         return out
@@ -264,6 +261,15 @@ def stacks(p: Plan, s: Setup, ok: Fit) -> list[MemoryEstimate]:
         fraction = found.setup.optimizer_offload_fraction
         backed = first_fit(p, [replace(x, optimizer_offload_fraction=fraction) for x in partner.setups], ok)
         out.append(backed or found)
+    # Under each numeric switch (bf16 gradients, fused cross entropy), every offload and recompute sweep: each
+    # switch frees a little (the gradients, the loss phase's logits) that the lever on top then need not.
+    for sw in switch_sweeps(p, s):
+        if sw.name in ("grad-reduce", "ce-fusion"):
+            on = sw.setups[0]
+            for top in [*offload_sweeps(p, on), *recompute_sweeps(m, on, refuses(p))]:
+                found = first_fit(p, top.setups, ok)
+                if found is not None:
+                    out.append(found)
     for lever in levers.LAYOUT_LEVERS:
         variants = levers.layout_variants(lever, m, s)
         if variants and not ok(estimate_memory(m, variants[0])):
