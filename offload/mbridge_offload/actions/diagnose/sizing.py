@@ -40,7 +40,8 @@ GPU_OOM = (
 SIZED = (*GPU_OOM, "slowdown", "host_oom")
 # The planner input groups diagnose takes besides the model preset and the GPU count: the run itself is the config.
 _GROUPS = ("hardware", "time", "decision", "measured")
-# Shorter than this relative gain is no gain: the step-time model is first-order (options.STEP_TIE).
+# Shorter than this relative gain is no gain: the step-time model is first-order (the planner ranks near-ties by
+# risk, plan/search/risks.py).
 _FASTER = 0.97
 
 SIZING_NEED = (
