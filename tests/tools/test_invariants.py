@@ -280,6 +280,23 @@ def test_one_input_gives_the_same_numbers_in_every_tool(run: tuple[str, list[str
     _one_input_same_numbers_in_every_tool(run)
 
 
+@pytest.mark.xfail(
+    strict=True,
+    reason="found by these properties, not fixed here: a measured peak far below the model's resident state is "
+    "anchored as a point and drives categories negative (-149 GiB for llama3-8b on 1 H100 at a 5 GiB report); the "
+    "evidence work (issue 33 item 2, plan/search/anchor.py and measured.py) refuses such a figure: remove this mark "
+    "when it lands",
+)
+@settings(FAST, max_examples=10)
+@given(runs(), st.sampled_from([5.0, 20.0, 40.0, 70.0]))
+def test_a_measured_peak_never_makes_a_memory_category_negative(run: tuple[str, list[str]], peak: float) -> None:
+    body, flags = run
+    with tempfile.TemporaryDirectory() as folder:
+        got = _planner_answers(body, [*flags, "--measured-peak-gib", str(peak)], Path(folder))
+        if got is not None:
+            assert min(_categories(got[1]) + _categories(got[2])) >= 0
+
+
 @pytest.mark.long
 @LONG
 @given(runs())

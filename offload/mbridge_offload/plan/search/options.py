@@ -92,11 +92,14 @@ def candidates(p: Plan, base: Setup, before: MemoryEstimate, allowed: tuple[str,
             return out  # nothing to gain: every lever costs step time (the fallback covers more headroom)
     all_sweeps = sweeps.sweeps(p, base)
     for ok in (comfortable,) if p.keeps_margin(before) else (tight, comfortable):
+        fitting = len(out)
         for sw in all_sweeps:
             found = sweeps.first_fit(p, sw.setups, ok)
             if found is not None:
                 out.append(Candidate(found, label(base, found.setup)))
         out += [Candidate(est, label(base, est.setup)) for est in sweeps.stacks(p, base, ok)]
+        if len(out) == fitting:
+            break  # nothing fits with the margin: nothing keeps the headroom either
     if not any(set(levers.used(base, c.est.setup)) <= set(allowed) for c in out):
         for sw in all_sweeps:
             if sw.name in allowed and (est := sweeps.most(p, sw.setups)) is not None:

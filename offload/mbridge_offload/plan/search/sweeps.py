@@ -12,8 +12,10 @@ step with the other levers on top. ``options.rank`` orders what they find with o
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import Any
 
 from mbridge_offload.plan.memory.activations import layer_components
 from mbridge_offload.plan.memory.stage import MemoryEstimate, estimate_memory
@@ -25,6 +27,9 @@ from mbridge_offload.plan.search import fine_grained_plan as fg
 from mbridge_offload.plan.search.anchor import Plan
 
 FRACTION_STEP = 0.05
+# How far back from a sweep's far end ``most`` looks for a setting the catalogue accepts: its objections there are
+# one or two settings wide (ACT-NO-OVERLAP at L − 1), and each step costs an estimate and a catalogue run.
+MOST_WALK = 4
 Fit = Callable[[MemoryEstimate], bool]
 
 # Selective-recompute modules, cheapest to re-run per byte freed first (megatron-core TransformerConfig.
@@ -43,6 +48,13 @@ class Sweep:
 
     name: str
     setups: list[Setup]
+
+
+@functools.lru_cache(maxsize=2048)
+def estimate(m: ModelSpec, s: Setup) -> MemoryEstimate:
+    """``estimate_memory`` once per (model, setup): the passes, stacks and ``most`` revisit the same settings, and
+    at 1,024 layers one estimate costs a tenth of a second. Callers only read the result."""
+    return estimate_memory(m, s)
 
 
 def bisect(setups: list[Setup], ok: Callable[[Setup], bool]) -> int | None:
@@ -70,7 +82,7 @@ def what(p: Plan, s: Setup) -> str:
 def allowed_est(p: Plan, s: Setup) -> MemoryEstimate | None:
     """The estimate of ``s`` when the node's host RAM holds it and the rule catalogue accepts it, else None (and
     the reason is kept for the answer's rationale)."""
-    est = estimate_memory(p.r.model, s)
+    est = estimate(p.r.model, s)
     if not p.host_ok(est):
         p.host_refused.setdefault(what(p, s), p.host_sentence(est))
         return None
@@ -84,11 +96,11 @@ def first_fit(p: Plan, setups: list[Setup], ok: Fit) -> MemoryEstimate | None:
     """The first of ``setups`` (least first) that is ``ok``, that host RAM holds and that the catalogue accepts.
     More of a lever needs more host memory: past a host refusal nothing later is tried."""
     m = p.r.model
-    start = bisect(setups, lambda s: ok(estimate_memory(m, s)))
+    start = bisect(setups, lambda s: ok(estimate(m, s)))
     if start is None:
         return None
     for s in setups[start:]:  # more still fits; the catalogue only objects at the far end (k = L − 1)
-        est = estimate_memory(m, s)
+        est = estimate(m, s)
         if not p.host_ok(est):
             p.host_refused.setdefault(what(p, s), p.host_sentence(est))
             return None
@@ -99,8 +111,16 @@ def first_fit(p: Plan, setups: list[Setup], ok: Fit) -> MemoryEstimate | None:
 
 
 def most(p: Plan, setups: list[Setup]) -> MemoryEstimate | None:
-    """The most of a sweep that host RAM holds and the catalogue accepts (the least memory it can reach)."""
-    for s in reversed(setups):
+    """The most of a sweep that host RAM holds and the catalogue accepts (the least memory it can reach). Host
+    memory only grows along a sweep, so the last setting it holds is found by the same bisection; the catalogue
+    objects only at the far end (TE's warning at L − 1), so a few steps back from there are walked."""
+    m = p.r.model
+    over = bisect(setups, lambda s: not p.host_ok(estimate(m, s)))
+    if over is not None:
+        s = setups[over]
+        p.host_refused.setdefault(what(p, s), p.host_sentence(estimate(m, s)))
+    end = len(setups) if over is None else over
+    for s in reversed(setups[max(0, end - MOST_WALK) : end]):
         est = allowed_est(p, s)
         if est is not None:
             return est
@@ -123,12 +143,19 @@ def offload_sweeps(p: Plan, s: Setup) -> list[Sweep]:
         out.append(Sweep("activation", [replace(s, activation_offload_layers=k) for k in range(1, r.model.num_layers)]))
     if not s.use_megatron_fsdp:
         out.append(Sweep("optimizer", fractions(s)))
-    sets = fg.useful_sets(r.model, s, r.constraints.model_config())
+    sets = _useful_sets(r.model, s, tuple(sorted(r.constraints.model_config().items(), key=str)))
     if sets:
         out.append(Sweep("fine-grained", [replace(s, offload_modules=mods) for mods in sets]))
     return out
 
 
+@functools.lru_cache(maxsize=512)
+def _useful_sets(m: ModelSpec, s: Setup, config: tuple[tuple[str, Any], ...]) -> list[tuple[str, ...]]:
+    """``fine_grained_plan.useful_sets`` once per (model, setup, model facts): each step of it walks every layer."""
+    return fg.useful_sets(m, s, dict(config))
+
+
+@functools.lru_cache(maxsize=512)
 def _saved(m: ModelSpec, s: Setup) -> int:
     """Bytes the layers of every stage save for backward, one micro-batch (what a recompute module shrinks)."""
     return sum(sum(layer_components(m, s, i).values()) for i in range(m.num_layers))
@@ -272,7 +299,7 @@ def stacks(p: Plan, s: Setup, ok: Fit) -> list[MemoryEstimate]:
                     out.append(found)
     for lever in levers.LAYOUT_LEVERS:
         variants = levers.layout_variants(lever, m, s)
-        if variants and not ok(estimate_memory(m, variants[0])):
+        if variants and not ok(estimate(m, variants[0])):
             for sw in [*offload_sweeps(p, variants[0]), *recompute_sweeps(m, variants[0], refuses(p))]:
                 found = first_fit(p, sw.setups, ok)
                 if found is not None:
