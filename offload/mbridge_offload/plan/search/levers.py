@@ -182,7 +182,7 @@ def switch_variants(lever: str, m: ModelSpec, s: Setup) -> list[Setup]:
         # The changes a user tries: interleaving off, or one step either way (the next divisor down and up);
         # further steps only shrink the bubble further at more in-flight memory on the first stage.
         if s.vpp is None:
-            values: list[int | None] = divisors[:1]
+            values: list[int | None] = [*divisors[:1]]
         else:
             values = [None, *[v for v in divisors if v < s.vpp][-1:], *[v for v in divisors if v > s.vpp][:1]]
         out = [replace(s, vpp=v) for v in values if v != s.vpp]

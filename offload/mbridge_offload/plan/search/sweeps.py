@@ -275,10 +275,10 @@ def stacks(p: Plan, s: Setup, ok: Fit) -> list[MemoryEstimate]:
     """Two levers together, where one alone does not reach: the most of one lever (activation layers, fine-grained
     modules, recompute) with the least optimizer fraction that fits on top, then the first lever backed off to its
     least at that fraction; each numeric switch and a layout step with each offload and recompute sweep on top."""
-    m, out = p.r.model, []
-    if s.use_megatron_fsdp:
-        return out
-    for partner in _partners(p, s):
+    m = p.r.model
+    out: list[MemoryEstimate] = []
+    # Under Megatron-FSDP upstream refuses optimizer offload: no stack with a fraction on top.
+    for partner in [] if s.use_megatron_fsdp else _partners(p, s):
         top = most(p, partner.setups)
         if top is None:
             continue
@@ -293,8 +293,8 @@ def stacks(p: Plan, s: Setup, ok: Fit) -> list[MemoryEstimate]:
     for sw in switch_sweeps(p, s):
         if sw.name in ("grad-reduce", "ce-fusion"):
             on = sw.setups[0]
-            for top in [*offload_sweeps(p, on), *recompute_sweeps(m, on, refuses(p))]:
-                found = first_fit(p, top.setups, ok)
+            for lever_sweep in [*offload_sweeps(p, on), *recompute_sweeps(m, on, refuses(p))]:
+                found = first_fit(p, lever_sweep.setups, ok)
                 if found is not None:
                     out.append(found)
     for lever in levers.LAYOUT_LEVERS:
