@@ -84,7 +84,8 @@ def test_layout_levers_are_alternatives_by_default_and_ranked_when_allowed(tmp_p
     layout = [o for o in default.options if o.changes_layout]
     assert layout and all(o.alternative for o in layout)
     allowed = _recommend(loaded, **SFT, levers=["recompute,activation,fine-grained,optimizer,cp,tp"])
-    assert not any(o.alternative for o in allowed.options)
+    assert all(o.alternative == bool(set(o.levers) - set(allowed.levers)) for o in allowed.options)
+    assert any(o.changes_layout and not o.alternative for o in allowed.options)
     first = allowed.options[0]
     assert first.step_time_s * (1 + first.risk) == min(o.step_time_s * (1 + o.risk) for o in allowed.options if o.fits)
 

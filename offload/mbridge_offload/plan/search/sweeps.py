@@ -277,6 +277,8 @@ def stacks(p: Plan, s: Setup, ok: Fit) -> list[MemoryEstimate]:
     least at that fraction; each numeric switch and a layout step with each offload and recompute sweep on top."""
     m = p.r.model
     out: list[MemoryEstimate] = []
+    if not _reachable(p, estimate(m, s)):
+        return _layout_stacks(p, s, ok)  # only a layout change moves the weights
     # Under Megatron-FSDP upstream refuses optimizer offload: no stack with a fraction on top.
     for partner in [] if s.use_megatron_fsdp else _partners(p, s):
         top = most(p, partner.setups)
@@ -297,9 +299,22 @@ def stacks(p: Plan, s: Setup, ok: Fit) -> list[MemoryEstimate]:
                 found = first_fit(p, lever_sweep.setups, ok)
                 if found is not None:
                     out.append(found)
+    return out + _layout_stacks(p, s, ok)
+
+
+def _reachable(p: Plan, est: MemoryEstimate) -> bool:
+    """Whether anything but a layout change could make ``est`` fit: offload, recompute and the switches never move
+    the weights, so where the worst stage's weights alone exceed the budget, no stack of them is tried."""
+    return est.worst.weights + p.offset <= p.budget_bytes
+
+
+def _layout_stacks(p: Plan, s: Setup, ok: Fit) -> list[MemoryEstimate]:
+    """A layout step that does not fit alone, with each offload and recompute sweep on top."""
+    m = p.r.model
+    out: list[MemoryEstimate] = []
     for lever in levers.LAYOUT_LEVERS:
         variants = levers.layout_variants(lever, m, s)
-        if variants and not ok(estimate(m, variants[0])):
+        if variants and not ok(estimate(m, variants[0])) and _reachable(p, estimate(m, variants[0])):
             for sw in [*offload_sweeps(p, variants[0]), *recompute_sweeps(m, variants[0], refuses(p))]:
                 found = first_fit(p, sw.setups, ok)
                 if found is not None:
