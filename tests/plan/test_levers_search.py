@@ -176,3 +176,17 @@ def test_every_answer_states_its_ranking_and_each_option_its_risks(tmp_path):
     changed = [o for o in rec.options if o.changes]
     assert changed and all(o.risks for o in changed if o.risk > 0)
     assert all(o.fits == (o.memory_gib.total <= o.budget_gib) for o in rec.options)
+
+
+def test_a_config_that_sets_expandable_segments_is_judged_with_its_yardstick_in_estimate_and_recommend(tmp_path):
+    flags = {"model": "qwen3-30b-a3b", "gpu": "h100-80gb"}
+    log = tmp_path / "oom.log"
+    log.write_text(OOM.format(frag="6.20"), encoding="utf-8")
+    rec = service.plan("recommend", {**flags, "measured_log": str(log)})
+    assert isinstance(rec, Recommendation)
+    (option,) = [o for o in rec.options if o.levers == ["expandable-segments"]]
+    written = _loaded(tmp_path, "env_vars:\n  PYTORCH_CUDA_ALLOC_CONF: expandable_segments:True\n")
+    est = service.plan("estimate", flags, written.config, written.raw)
+    plain = service.plan("estimate", flags)
+    assert est.budget_gib == pytest.approx(option.budget_gib / (1 - 0.03), abs=0.01)
+    assert est.budget_gib > plain.budget_gib

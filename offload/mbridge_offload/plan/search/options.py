@@ -65,11 +65,20 @@ def budget_bytes(p: Plan, s: Setup) -> float:
     return usable_bytes(p, s) * (1 - p.margin)
 
 
+def fits(p: Plan, est: MemoryEstimate) -> bool:
+    """``Plan.fits`` with ``s``'s own yardstick (``usable_bytes``): no margin, the verdict on that config."""
+    if not est.setup.expandable_segments:
+        return p.fits(est)
+    if (p.ooms or p.r.inputs.ooms) and est.setup == p.r.setup:
+        return False  # the user saw it fail: never contradict a measurement
+    return p.total(est) <= usable_bytes(p, est.setup)
+
+
 def keeps_margin(p: Plan, est: MemoryEstimate) -> bool:
     """``Plan.keeps_margin`` with ``s``'s own yardstick (``usable_bytes``)."""
     if not est.setup.expandable_segments:
         return p.keeps_margin(est)
-    return p.total(est) <= budget_bytes(p, est.setup)
+    return fits(p, est) and p.total(est) <= budget_bytes(p, est.setup)
 
 
 def free_gib(p: Plan, est: MemoryEstimate) -> float:
@@ -86,12 +95,12 @@ def candidates(p: Plan, base: Setup, before: MemoryEstimate, allowed: tuple[str,
     room = headroom_gib(p)
     tight: Fit = lambda est: keeps_margin(p, est)  # noqa: E731
     comfortable: Fit = lambda est: keeps_margin(p, est) and free_gib(p, est) >= room  # noqa: E731
-    if p.keeps_margin(before):
+    if keeps_margin(p, before):
         out.append(Candidate(before, "no change"))
         if comfortable(before):
             return out  # nothing to gain: every lever costs step time (the fallback covers more headroom)
     all_sweeps = sweeps.sweeps(p, base)
-    for ok in (comfortable,) if p.keeps_margin(before) else (tight, comfortable):
+    for ok in (comfortable,) if keeps_margin(p, before) else (tight, comfortable):
         fitting = len(out)
         for sw in all_sweeps:
             found = sweeps.first_fit(p, sw.setups, ok)
