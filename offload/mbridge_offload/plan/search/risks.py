@@ -49,6 +49,12 @@ LEVER_RISKS: dict[str, tuple[float, str]] = {
         "changes numerics: each partial sum of the gradient reduction is rounded to bf16, which grows with the DP "
         "size (why Bridge recipes keep ddp.grad_reduce_in_fp32=True)",
     ),
+    "ce-fusion": (
+        0.005,
+        "needs Transformer Engine's parallel cross entropy at run time (megatron-core raises 'Trying to use a TE "
+        "block when it's not present' without it), and TE >= 2.7 under full-iteration CUDA graphs "
+        "(LanguageModule.compute_language_model_loss, 0.16)",
+    ),
     "expandable-segments": (
         0.01,
         "its gain is an assumption (no published run measures it); older NCCL/PyTorch pairs refused expandable "
