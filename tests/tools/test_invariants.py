@@ -29,7 +29,7 @@ from typing import Any
 
 import anyio
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from mcp import Client
 
@@ -287,7 +287,7 @@ def test_one_input_gives_the_same_numbers_in_every_tool(run: tuple[str, list[str
     "evidence work (issue 33 item 2, plan/search/anchor.py and measured.py) refuses such a figure: remove this mark "
     "when it lands",
 )
-@settings(FAST, max_examples=10)
+@settings(FAST, max_examples=6, phases=[Phase.explicit, Phase.reuse, Phase.generate])  # no shrinking while it fails
 @given(runs(), st.sampled_from([5.0, 20.0, 40.0, 70.0]))
 def test_a_measured_peak_never_makes_a_memory_category_negative(run: tuple[str, list[str]], peak: float) -> None:
     body, flags = run
