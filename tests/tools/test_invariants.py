@@ -283,9 +283,9 @@ def test_one_input_gives_the_same_numbers_in_every_tool(run: tuple[str, list[str
 @pytest.mark.xfail(
     strict=True,
     reason="found by these properties, not fixed here: a measured peak far below the model's resident state is "
-    "anchored as a point and drives categories negative (-149 GiB for llama3-8b on 1 H100 at a 5 GiB report); the "
-    "evidence work (issue 33 item 2, plan/search/anchor.py and measured.py) refuses such a figure: remove this mark "
-    "when it lands",
+    "anchored as a point and drives categories negative (-149 GiB for llama3-8b on 1 H100 at a 5 GiB report); "
+    "refusing such a figure belongs to the evidence checks (plan/search/anchor.py, measured.py): remove this mark "
+    "when they do",
 )
 @settings(FAST, max_examples=6, phases=[Phase.explicit, Phase.reuse, Phase.generate])  # no shrinking while it fails
 @given(runs(), st.sampled_from([5.0, 20.0, 40.0, 70.0]))

@@ -175,7 +175,7 @@ def _human_recommend(d: dict[str, Any]) -> str:
         lines += [f"  - {r}" for r in d["suggestions"]]
     if d.get("options"):
         lines.append(
-            f"options (ranked by step time among those that fit; x = step time over the config as given; "
+            f"options (ranked by step time x (1 + risk) among those that fit; x = step time over the config as given; "
             f"comfortable = at least {d['headroom_gib']:.1f} GiB free; apply --option N writes one):"
         )
         lines += option_lines(d["options"])
