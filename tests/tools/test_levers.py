@@ -14,7 +14,7 @@ import yaml
 from mcp import Client
 
 from mbridge_offload.config import sources
-from mbridge_offload.plan.search.levers import LEVERS
+from mbridge_offload.plan.inputs.fields import LEVERS
 from mbridge_offload_tools.server.app import mcp
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -285,7 +285,13 @@ class Option(BaseModel):
     margin_gib: float = Field(description="allocatable GPU memory left free at the predicted peak, GiB")
     comfortable: bool = Field(description="margin_gib is at least the headroom asked for (headroom_gib)")
     alternative: bool = Field(description="pulls a lever the caller did not allow: shown, not ranked first")
-    changes_layout: bool = Field(description="changes TP, CP or the micro-batch size (checkpoints, throughput)")
+    changes_layout: bool = Field(description="changes TP, CP, VPP or the micro-batch size (checkpoints, throughput)")
+    budget_gib: float = Field(
+        0.0,
+        description="what it may allocate with the margin kept, GiB: fits holds exactly when memory_gib.total <= it",
+    )
+    risk: float = Field(0.0, description="its risk as a share of the step time (ranking: step_time_s x (1 + risk))")
+    risks: list[str] = Field([], description="what it risks, in words (host RAM share, changes, known upstream bugs)")
     why: str
 
 
@@ -318,7 +324,10 @@ class Recommendation(BaseModel):
     given_mode: str = Field("none", description="the offload the config as given switches on")
     advice: str | None = Field(None, description="the advice in words when it changes the config's own offload")
     fallback: Fallback | None = Field(None, description="mode none: the cheapest offload that frees the headroom")
-    options: list[Option] = Field([], description="ways to fit, ranked by step time among those that fit")
+    options: list[Option] = Field(
+        [], description="ways to fit, in the order ranking states; options[0] = mode/overrides"
+    )
+    ranking: str = Field("", description="the order of options[] in words (the one sort key, options.RANKING)")
     levers: list[str] = Field([], description="the levers the caller allowed (ranked first); others are alternatives")
     headroom_gib: float | None = Field(None, description="the free memory a 'comfortable' option keeps, GiB")
     assumptions: list[Assumption]

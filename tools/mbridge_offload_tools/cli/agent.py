@@ -188,7 +188,10 @@ def _human_diagnose(d: dict[str, Any]) -> str:
     if d.get("options"):
         from mbridge_offload_tools.cli.plan import option_lines
 
-        lines.append("options (the planner's, ranked by step time among those that fit; apply --option N writes one):")
+        lines.append(
+            "options (the planner's, ranked by step time x (1 + risk) among those that fit; apply --option N writes "
+            "one):"
+        )
         lines += option_lines(d["options"])
     lines += _planner_lines(d)
     for f in d["findings"]:

@@ -33,10 +33,11 @@ def add_parsers(sub: Any) -> None:
         description="Pick the smallest offload that makes the run fit (none, optimizer with a fraction, activation, "
         "or both) and print the overrides, memory before and after, the step-time factor and the reasons. Also "
         "ranks options[]: each lever allowed by --levers (default recompute,activation,fine-grained,optimizer; "
-        "cp, tp and mbs are then shown as alternatives) at the least setting that fits with the margin and at one "
-        "that keeps --headroom-gib free (default a tenth of the allocatable budget), with memory per stage, host "
-        "memory per GPU and per node, step time and step_time_factor, its ratio to the config as given (1.0 = no "
-        "change; step_time_factor_vs_no_levers: to the run with no lever pulled); the first is the "
+        "cp, tp, mbs, vpp, grad-reduce, ce-fusion and expandable-segments are then shown as alternatives), ordered "
+        "by step time grown by risk (the answer's ranking says how), at the least setting that fits with the "
+        "margin and at one that keeps --headroom-gib free (default a tenth of the allocatable budget), with memory "
+        "per stage, host memory per GPU and per node, step time and step_time_factor, its ratio to the config as "
+        "given (1.0 = no change; step_time_factor_vs_no_levers: to the run with no lever pulled); the first is the "
         "recommendation (mode/overrides). Offload whose pinned buffers exceed 72%% of the node's host RAM "
         "(--host-ram-gb per GPU, --gpus-per-node) is never offered. apply --option N writes option N.",
     )
@@ -174,7 +175,7 @@ def _human_recommend(d: dict[str, Any]) -> str:
         lines += [f"  - {r}" for r in d["suggestions"]]
     if d.get("options"):
         lines.append(
-            f"options (ranked by step time among those that fit; x = step time over the config as given; "
+            f"options (ranked by step time x (1 + risk) among those that fit; x = step time over the config as given; "
             f"comfortable = at least {d['headroom_gib']:.1f} GiB free; apply --option N writes one):"
         )
         lines += option_lines(d["options"])

@@ -177,6 +177,12 @@ def render_gpu_presets() -> str:
     return render_gpu_table()
 
 
+def render_levers() -> str:
+    from mbridge_offload.plan.search.risks import render_table
+
+    return render_table()
+
+
 def render_step_time() -> str:
     from mbridge_offload_tools.evidence.step_fit import render_table
 
@@ -236,6 +242,7 @@ GENERATED: dict[str, dict[str, Callable[[], str]]] = {
         "gpu-presets": render_gpu_presets,
         "fine-grained": render_fine_grained,
         "step-time": render_step_time,
+        "levers": render_levers,
     },
 }
 

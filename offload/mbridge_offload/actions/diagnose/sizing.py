@@ -8,7 +8,7 @@ caller's planner inputs (:func:`input_names`: the GPU, the GPU count, the host, 
 the evidence) and the text as the measured log; a GPU OOM in the text also says "these settings ran out of memory"
 (``ooms``), unless the caller said otherwise. Each sized reading then takes, as its fix, the first option that fits:
 
-- a GPU OOM: the first option that fits (options are ranked by step time among those that fit with the margin);
+- a GPU OOM: the first option that fits (ranked by step time x (1 + risk) among those that fit with the margin);
 - a slowdown: the first that fits and is faster than the config as given;
 - a host OOM: the first that fits and needs less host memory than the config as given.
 
@@ -40,7 +40,8 @@ GPU_OOM = (
 SIZED = (*GPU_OOM, "slowdown", "host_oom")
 # The planner input groups diagnose takes besides the model preset and the GPU count: the run itself is the config.
 _GROUPS = ("hardware", "time", "decision", "measured")
-# Shorter than this relative gain is no gain: the step-time model is first-order (options.STEP_TIE).
+# Shorter than this relative gain is no gain: the step-time model is first-order (the planner ranks near-ties by
+# risk, plan/search/risks.py).
 _FASTER = 0.97
 
 SIZING_NEED = (

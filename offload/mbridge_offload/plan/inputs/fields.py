@@ -27,6 +27,22 @@ MAX_EXPERTS = 1_024  # and every local expert (published MoEs: up to 512)
 MAX_WIDTH = 1_000_000
 MAX_SEQ = 100_000_000
 MAX_BATCH = 100_000_000
+# What recommend may change (``levers``), declared once: the planner's search (plan/search/levers.py), the CLI and MCP
+# help and the generated references read this tuple. A new name is additive; an unknown one is bad input (exit 2).
+LEVERS = (
+    "recompute",
+    "activation",
+    "fine-grained",
+    "optimizer",
+    "cp",
+    "tp",
+    "mbs",
+    "grad-reduce",
+    "ce-fusion",
+    "vpp",
+    "expandable-segments",
+)
+DEFAULT_LEVERS = ("recompute", "activation", "fine-grained", "optimizer")
 
 GROUPS = ("model", "parallel", "precision", "recompute", "offload", "hardware", "time", "decision", "measured")
 
@@ -234,8 +250,11 @@ class PlanInputs(BaseModel):
     )
     levers: list[str] | None = _field(
         group="decision",
-        help="what recommend may change, comma-separated: recompute, activation, fine-grained, optimizer, cp, tp, mbs "
-        "(default: recompute and the three offloads; cp, tp and mbs are then shown as alternatives)",
+        help="what recommend may change, comma-separated: " + ", ".join(LEVERS) + " (default: "
+        + ", ".join(DEFAULT_LEVERS) + ": recompute, selective by module or full, and the three offloads; the others "
+        "are then shown as alternatives: cp, tp, mbs and vpp change the layout, grad-reduce reduces gradients in bf16, "
+        "ce-fusion switches on Transformer Engine's fused cross entropy, expandable-segments sets "
+        "PYTORCH_CUDA_ALLOC_CONF where an OOM message shows fragmentation)",
     )
     # --- the user's own run: the measured run is the config as written (before overrides) with the hardware
     # inputs, or without a config the flags; measured_settings and what the log prints about its run override it

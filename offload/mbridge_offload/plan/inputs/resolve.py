@@ -407,6 +407,14 @@ def _setup(values: dict[str, Any], m: ModelSpec) -> Setup:
     return s
 
 
+def _expandable_segments(raw: dict[str, Any] | None) -> bool:
+    """Whether the config's ``env_vars`` set ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` (Bridge exports
+    env_vars at launch): the planner's yardstick then takes the static-shape allocator overhead."""
+    env = (raw or {}).get("env_vars")
+    conf = env.get("PYTORCH_CUDA_ALLOC_CONF") if isinstance(env, dict) else None
+    return isinstance(conf, str) and "expandable_segments:true" in conf.replace(" ", "").lower()
+
+
 def _check_size(m: ModelSpec, s: Setup) -> None:
     if m.is_moe and s.ep >= 1:
         work = m.num_layers * (m.experts // s.ep)
@@ -541,6 +549,7 @@ def resolve(
     final = PlanInputs.model_validate({k: values.get(k) for k in FIELDS})
     assumptions = _assumptions(values, where, notes) + _batch_assumptions(s, where)
     raw_config = raw if raw is not None else (config.model_dump(mode="json") if config is not None else None)
+    s = replace(s, expandable_segments=_expandable_segments(raw_config))
     profile = _host_profile(final)
     call = Call(flags, config, raw, source, frozenset(asked))
     return Resolved(final, where, m, s, _gpu(values), constraints, assumptions, raw_config, eff, profile, call)

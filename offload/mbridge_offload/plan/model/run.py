@@ -82,6 +82,9 @@ class Setup:
     moe_router_force_load_balancing: bool = False
     moe_grouped_gemm: bool = True
     cuda_graph_impl: str = "none"
+    # PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (env_vars): changes no tensor, only how the caching allocator
+    # maps them; the planner's yardstick reads it (search/options.py), the memory model does not.
+    expandable_segments: bool = False
 
     def resolved_etp(self, model: ModelSpec) -> int:
         if self.etp is not None:

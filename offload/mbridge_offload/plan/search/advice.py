@@ -4,7 +4,7 @@
   that the config without offload does not already raise (e.g. TE's ACT-NO-OVERLAP at ``num_layers − 1``).
 - ``given_mode`` / ``advice_sentence``: ``before`` is the config as given, offload included; when the advice is to
   switch an offload off, the answer says so in words.
-- ``fallback``: the cheapest offload (smallest step-time factor) that frees a stated headroom.
+- ``headroom_bytes``: the headroom a fallback must free (``options.fallback`` finds the cheapest offload that frees it).
 
 Never imports torch.
 """
@@ -12,17 +12,13 @@ Never imports torch.
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from mbridge_offload.config.overrides import format_override
-from mbridge_offload.plan.memory.stage import MemoryEstimate, estimate_memory
-from mbridge_offload.plan.model.architecture import GB, GiB
+from mbridge_offload.plan.model.architecture import GiB
 from mbridge_offload.plan.model.run import Setup
-from mbridge_offload.plan.results import Fallback
 from mbridge_offload.plan.search import fine_grained_plan
-from mbridge_offload.plan.time.step import estimate_time
 
 # Without a headroom asked for (--headroom-gib), a fallback frees this share of the allocatable budget.
 DEFAULT_HEADROOM_SHARE = 0.10
@@ -141,6 +137,11 @@ class Vetter:
         from mbridge_offload.config.validate import validate
 
         edited = copy.deepcopy(self.raw) if self.raw is not None else _synthesized(s, self.num_layers, self.extra)
+        model = edited.setdefault("model", {})
+        if isinstance(model, dict) and model.get("num_layers") is None:
+            # A config that leaves the model to --model (a preset): without its layer count the catalogue cannot
+            # check an offload's layers against it (ACT-NO-OVERLAP at L - 1, the L-layer limit).
+            model["num_layers"] = self.num_layers
         sources.apply_overrides(edited, overrides)
         return list(validate(sources.build_config(edited, "<candidate>"), edited, source=self.source).findings)
 
@@ -169,106 +170,8 @@ class Vetter:
 # ------------------------------------------------------------------------------------------- fallback
 
 
-@dataclass
-class FallbackChoice:
-    """The cheapest offload that frees ``headroom`` bytes: its estimate and step-time factor."""
-
-    mode: str
-    est: MemoryEstimate
-    factor: float
-
-
-def cheapest(
-    candidates: list[tuple[str, list[Setup]]],
-    frees: Callable[[MemoryEstimate], bool],
-    estimate: Callable[[Setup], MemoryEstimate],
-    factor: Callable[[MemoryEstimate], float],
-    clean: Callable[[Setup], bool],
-) -> FallbackChoice | None:
-    """Per mechanism, the least offload that ``frees`` the headroom (a binary search over growing offload), the
-    first of those the catalogue accepts; of those, the one with the smallest step-time factor."""
-    found: list[FallbackChoice] = []
-    for mode, setups in candidates:
-        lo, hi, hit = 0, len(setups) - 1, None
-        if not setups or not frees(estimate(setups[-1])):
-            continue
-        while lo <= hi:
-            mid = (lo + hi) // 2
-            if frees(estimate(setups[mid])):
-                hit, hi = mid, mid - 1
-            else:
-                lo = mid + 1
-        for s in setups[hit:] if hit is not None else []:
-            if clean(s):
-                est = estimate(s)
-                found.append(FallbackChoice(mode, est, factor(est)))
-                break
-    return min(found, key=lambda c: c.factor) if found else None
-
-
 def headroom_bytes(asked_gib: float | None, budget_bytes: float) -> tuple[float, str]:
     """The headroom a fallback must free, and where that figure comes from."""
     if asked_gib is not None:
         return asked_gib * GiB, "asked for (--headroom-gib)"
     return DEFAULT_HEADROOM_SHARE * budget_bytes, f"default: {DEFAULT_HEADROOM_SHARE:.0%} of the allocatable budget"
-
-
-def fallback(
-    p: Any,
-    before: MemoryEstimate,
-    overlap: Callable[[Any, Setup], bool],
-    step: float,
-    as_given_s: float | None = None,
-) -> Fallback | None:
-    """The cheapest offload (smallest step-time factor) that frees the headroom, for a run that already fits.
-
-    Args:
-        p: the planner's ``anchor.Plan`` (budget, offset, vetter).
-        before: the estimate without offload.
-        overlap: ``(resolved, setup) → overlap_cpu_optimizer_d2h_h2d`` for a proposal.
-        step: the fraction grid.
-        as_given_s: the step time of the config as given, which ``step_time_factor`` divides by (as the options');
-            None: the step without offload.
-    """
-    r, base = p.r, before.setup
-    need, source = headroom_bytes(r.inputs.headroom_gib, p.budget_bytes)
-    steps = round(1 / step)
-    candidates = [
-        (
-            "optimizer",
-            [replace(base, optimizer_offload_fraction=round(i * step, 2)) for i in range(1, steps + 1)],
-        )
-    ]
-    if not r.constraints.activation_blockers(base, r.model.num_layers):
-        candidates.append(
-            ("activation", [replace(base, activation_offload_layers=k) for k in range(1, r.model.num_layers)])
-        )
-
-    def timed(est: MemoryEstimate) -> Any:
-        return estimate_time(est, r.gpu, overlap=overlap(r, est.setup), **p.time_kwargs)
-
-    def factor(est: MemoryEstimate) -> float:
-        t = timed(est)
-        return t.step_s / as_given_s if as_given_s else t.step_time_factor
-
-    choice = cheapest(
-        candidates,
-        lambda est: p.total(before) - p.total(est) >= need,
-        lambda s: estimate_memory(r.model, s),
-        factor,
-        p.vet.clean,
-    )
-    if choice is None:
-        return None
-    freed = p.total(before) - p.total(choice.est)
-    return Fallback(
-        mode=choice.mode,
-        overrides=overrides_for(choice.est.setup, overlap(r, choice.est.setup)),
-        headroom_gib=round(need / GiB, 3),
-        headroom_source=source,
-        freed_gib=round(freed / GiB, 3),
-        freed_gb=round(freed / GB, 3),
-        memory_gib=round(p.total_gib(choice.est), 3),
-        step_time_factor=round(choice.factor, 3),
-        step_time_factor_vs_no_levers=round(timed(choice.est).step_time_factor_vs_no_levers, 3),
-    )

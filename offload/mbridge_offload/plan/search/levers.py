@@ -1,18 +1,25 @@
 """The levers ``recommend`` may pull to make a run fit, which of them a run can use, and their config edits.
 
-Seven levers, in the user's words (``--levers`` on the CLI, ``levers`` over MCP):
+Eleven levers, in the user's words (``--levers`` on the CLI, ``levers`` over MCP):
 
-- ``recompute``: selective (``core_attn``), or full with ``uniform`` (every layer, one at a time) or ``block``
-  (the first N layers of each stage);
+- ``recompute``: selective by module (``recompute_modules``: layernorm, moe_act, core_attn, mla_up_proj,
+  shared_experts, mlp, moe, only those the model's layer types have), or full with ``block`` (the first N layers of
+  each stage) or ``uniform`` (every layer, one at a time);
 - ``activation``: layer-level activation offload (``model.cpu_offloading_num_layers``);
 - ``fine-grained``: fine-grained activation offload (``model.offload_modules``);
 - ``optimizer``: HybridDeviceOptimizer (``optimizer.optimizer_offload_fraction``);
-- ``cp``, ``tp`` (with sequence parallelism) and ``mbs``: change the parallel layout or the micro-batch, so
-  checkpoints and throughput change with them: evaluated and shown, ranked first only when the caller allows them.
+- ``grad-reduce``: gradients reduced and kept in bf16 (``ddp.grad_reduce_in_fp32=false``);
+- ``ce-fusion``: Transformer Engine's fused cross entropy (``model.cross_entropy_loss_fusion=true``,
+  ``model.cross_entropy_fusion_impl=te``);
+- ``cp``, ``tp`` (with sequence parallelism), ``mbs`` and ``vpp``: change the parallel layout, the micro-batch or
+  the interleaving, so checkpoints and throughput change with them;
+- ``expandable-segments``: ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` (``env_vars``), offered only when
+  the user's out-of-memory message shows memory reserved but unallocated (fragmentation).
 
-PP is suggested (``planner._suggest``), never changed. Which combinations upstream accepts is the rule catalogue's
-word (``resolve.Constraints.activation_blockers``, ``advice.Vetter``, ``fine_grained_plan.blockers``), never a copy
-here. Never imports torch.
+By default recompute and the three offloads; the others are evaluated and shown as alternatives, ranked first only
+when the caller allows them. PP is suggested (``planner._suggest``), never changed. Which combinations upstream
+accepts is the rule catalogue's word (``resolve.Constraints.activation_blockers``, ``advice.Vetter``,
+``fine_grained_plan.blockers``), never a copy here. Never imports torch.
 """
 
 from __future__ import annotations
@@ -21,17 +28,40 @@ from dataclasses import replace
 
 from mbridge_offload.config.errors import InputError
 from mbridge_offload.config.overrides import format_override
+from mbridge_offload.plan.inputs.fields import DEFAULT_LEVERS, LEVERS
 from mbridge_offload.plan.inputs.resolve import Resolved
 from mbridge_offload.plan.model.architecture import ModelSpec
-from mbridge_offload.plan.model.params import stage_layers
 from mbridge_offload.plan.model.run import Setup, check_setup
 from mbridge_offload.plan.search import fine_grained_plan as fg
 
-LEVERS = ("recompute", "activation", "fine-grained", "optimizer", "cp", "tp", "mbs")
-# The default keeps the parallel layout and the checkpoints as they are: recompute and the three offloads.
-DEFAULT_LEVERS = ("recompute", "activation", "fine-grained", "optimizer")
+# The default keeps the parallel layout, the numerics and the checkpoints as they are: recompute and the three
+# offloads (DEFAULT_LEVERS, declared with LEVERS in plan/inputs/fields.py).
 OFFLOAD_LEVERS = ("activation", "fine-grained", "optimizer")
 LAYOUT_LEVERS = ("cp", "tp", "mbs")
+SWITCH_LEVERS = ("grad-reduce", "ce-fusion", "vpp", "expandable-segments")
+# Less reserved-but-unallocated than this in an OOM message is the allocator's ordinary rounding, not fragmentation
+# that expandable segments would give back (PyTorch rounds blocks to 2 MiB / 20 MiB; a few hundred MiB is normal).
+FRAGMENTATION_MIN_GIB = 1.0
+# What each lever writes (Bridge keys; apply and options[].changes carry the exact overrides).
+WRITES = {
+    "recompute": "model.recompute_granularity, recompute_modules (selective: layernorm, moe_act, core_attn, "
+    "mla_up_proj, shared_experts, mlp, moe, those this model's layers have) or recompute_method/num_layers (full)",
+    "activation": "model.cpu_offloading, cpu_offloading_num_layers (+ activations on, weights off)",
+    "fine-grained": "model.fine_grained_activation_offloading, offload_modules, transformer_impl, "
+    "env_vars.NVTE_CPU_OFFLOAD_V1",
+    "optimizer": "optimizer.optimizer_cpu_offload, optimizer_offload_fraction, overlap_cpu_optimizer_d2h_h2d",
+    "cp": "model.context_parallel_size (doubling)",
+    "tp": "model.tensor_model_parallel_size (doubling, at most 8) with sequence_parallel",
+    "mbs": "train.micro_batch_size (halving; the global batch kept)",
+    "grad-reduce": "ddp.grad_reduce_in_fp32=false",
+    "ce-fusion": "model.cross_entropy_loss_fusion=true, cross_entropy_fusion_impl=te",
+    "vpp": "model.virtual_pipeline_model_parallel_size (off, or one step up or down among the values dividing a "
+    "stage's layers)",
+    "expandable-segments": "env_vars.PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (only where an OOM message shows "
+    f"at least {FRAGMENTATION_MIN_GIB:g} GiB reserved but unallocated)",
+}
+# The one env var the expandable-segments lever writes (Bridge passes env_vars to the launcher's environment).
+EXPANDABLE = "expandable_segments:True"
 # TP stays inside one NVLink domain of an 8-GPU node: across nodes its per-layer collectives go over the network
 # (memory-levers.md, "TP inside an NVLink domain").
 MAX_TP = 8
@@ -125,33 +155,62 @@ def why_not_layout(lever: str, m: ModelSpec, s: Setup) -> str:
 # ------------------------------------------------------------------------------------------- recompute
 
 
-def recompute_variants(m: ModelSpec, s: Setup) -> list[tuple[str, Setup]]:
-    """Recompute settings beyond the ones ``s`` has, least recompute first: selective (``core_attn``), full
-    ``block`` of N = 1 … layers of the first stage (``recompute_num_layers``), full ``uniform`` 1 (every layer)."""
-    out: list[tuple[str, Setup]] = []
-    if s.recompute_granularity is None:
-        out.append(("selective", replace(s, recompute_granularity="selective", recompute_modules=("core_attn",))))
-    per_stage = len(stage_layers(m, s)[0])
-    if s.recompute_granularity != "full" or s.recompute_method == "block":
-        first = (s.recompute_num_layers or 0) + 1 if s.recompute_granularity == "full" else 1
-        for n in range(first, per_stage):  # N = every layer of the stage is uniform 1's memory
-            full = replace(s, recompute_granularity="full", recompute_method="block", recompute_num_layers=n)
-            out.append((f"full block {n}", full))
-    if (s.recompute_granularity, s.recompute_method, s.recompute_num_layers) != ("full", "uniform", 1):
-        out.append(
-            (
-                "full uniform 1",
-                replace(s, recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
-            )
-        )
-    return out
+def switch_variants(lever: str, m: ModelSpec, s: Setup) -> list[Setup]:
+    """``s`` with one switch lever pulled, each value Megatron accepts (empty where it changes nothing here):
+
+    - ``grad-reduce``: ``ddp.grad_reduce_in_fp32=false``: the gradient buffers (and their reduce-scatter) in the
+      parameters' bf16, half of fp32's bytes (``plan/memory/stage.py``); the optimizer step then casts each shard to
+      fp32 (``plan/memory/phases.py``). Only where the config reduces in fp32 and trains in 16 bits.
+    - ``ce-fusion``: Transformer Engine's fused cross entropy keeps the bf16 logits and overwrites them with their
+      gradient, where megatron-core's unfused and ``native`` paths keep an fp32 copy (``activations.output_bytes``,
+      ``loss_transient_bytes``).
+    - ``vpp``: interleaving off, or one step up or down among the values that divide a stage's layers: interleaving
+      adds in-flight micro-batches on the first stage and shrinks the bubble (``plan/memory/schedule.py``,
+      ``plan/time``).
+    """
+    if lever == "grad-reduce":
+        ok = s.grad_reduce_in_fp32 and s.params_dtype in ("bf16", "fp16") and not s.use_megatron_fsdp
+        return [replace(s, grad_reduce_in_fp32=False)] if ok else []
+    if lever == "ce-fusion":
+        fused = s.cross_entropy_fusion and s.cross_entropy_fusion_impl == "te"
+        return [] if fused else [replace(s, cross_entropy_fusion=True, cross_entropy_fusion_impl="te")]
+    if lever == "vpp":
+        if s.pp == 1 or s.pipeline_layout is not None or s.num_layers_in_first_pipeline_stage is not None:
+            return []
+        per_rank = m.num_layers // s.pp if m.num_layers % s.pp == 0 else 0
+        divisors = [v for v in range(2, per_rank + 1) if per_rank % v == 0]
+        # The changes a user tries: interleaving off, or one step either way (the next divisor down and up);
+        # further steps only shrink the bubble further at more in-flight memory on the first stage.
+        if s.vpp is None:
+            values: list[int | None] = [*divisors[:1]]
+        else:
+            values = [None, *[v for v in divisors if v < s.vpp][-1:], *[v for v in divisors if v > s.vpp][:1]]
+        out = [replace(s, vpp=v) for v in values if v != s.vpp]
+        return [v for v in out if _valid(m, v)]
+    return []
 
 
-def usable(lever: str, r: Resolved, base: Setup) -> str | None:
-    """None when ``lever`` can change something for this run; else why not, in words."""
+def why_not_switch(lever: str, s: Setup) -> str:
+    """In words, why switch lever ``lever`` changes nothing for this run."""
+    if lever == "grad-reduce":
+        return "gradients are already reduced in the parameters' dtype (ddp.grad_reduce_in_fp32 is false), or fp32"
+    if lever == "ce-fusion":
+        return "Transformer Engine's fused cross entropy is already on"
+    if lever == "vpp":
+        return f"PP is {s.pp}: interleaving needs PP > 1, an even split and no explicit pipeline layout"
+    return (
+        "no out-of-memory message with memory reserved but unallocated (fragmentation) in the evidence, or "
+        "PYTORCH_CUDA_ALLOC_CONF already sets expandable_segments"
+    )
+
+
+def usable(lever: str, r: Resolved, base: Setup, frag_gib: float | None = None) -> str | None:
+    """None when ``lever`` can change something for this run; else why not, in words (``frag_gib``: the
+    fragmentation the evidence shows, ``anchor.Anchor.expandable_segments_gib``)."""
     m = r.model
     if lever == "recompute":
-        return None if recompute_variants(m, base) else "recompute is already full (uniform, 1 layer)"
+        full_uniform = (base.recompute_granularity, base.recompute_method, base.recompute_num_layers)
+        return "recompute is already full (uniform, 1 layer)" if full_uniform == ("full", "uniform", 1) else None
     if lever == "activation":
         blockers = r.constraints.activation_blockers(base, m.num_layers)
         return "; ".join(blockers) if blockers else None
@@ -161,18 +220,31 @@ def usable(lever: str, r: Resolved, base: Setup) -> str | None:
         return "fine-grained offloading frees nothing here, or the rule catalogue refuses every module set"
     if lever == "optimizer":
         return "Megatron-FSDP: upstream refuses optimizer CPU offload" if base.use_megatron_fsdp else None
+    if lever == "expandable-segments":
+        return None if expandable_evidence(frag_gib, base) else why_not_switch(lever, base)
+    if lever in SWITCH_LEVERS:
+        return None if switch_variants(lever, m, base) else why_not_switch(lever, base)
     return None if layout_variants(lever, m, base) else why_not_layout(lever, m, base)
 
 
-def check_usable(levers: tuple[str, ...], r: Resolved, base: Setup) -> None:
+def expandable_evidence(frag_gib: float | None, base: Setup) -> float | None:
+    """``frag_gib``, the GiB the user's out-of-memory message shows reserved but unallocated (what
+    ``expandable_segments:True`` usually gives back), when it is at least ``FRAGMENTATION_MIN_GIB`` and the run does
+    not set it already; else None."""
+    if base.expandable_segments or frag_gib is None:
+        return None
+    return frag_gib if frag_gib >= FRAGMENTATION_MIN_GIB else None
+
+
+def check_usable(levers: tuple[str, ...], r: Resolved, base: Setup, frag_gib: float | None = None) -> None:
     """Every lever the caller named explicitly can be used here.
 
     Raises:
         InputError: naming each lever that cannot, why, and the levers that can.
     """
-    refused = {lever: why for lever in levers if (why := usable(lever, r, base)) is not None}
+    refused = {lever: why for lever in levers if (why := usable(lever, r, base, frag_gib)) is not None}
     if refused:
-        allowed = [lever for lever in LEVERS if lever in refused or usable(lever, r, base) is None]
+        allowed = [lever for lever in LEVERS if lever in refused or usable(lever, r, base, frag_gib) is None]
         allowed = [lever for lever in allowed if lever not in refused]
         reasons = "; ".join(f"{lever}: {why}" for lever, why in refused.items())
         raise InputError(
@@ -198,7 +270,15 @@ def used(base: Setup, s: Setup) -> list[str]:
         out.append("optimizer")
     out += [
         lever
-        for lever, key in (("cp", "cp"), ("tp", "tp"), ("mbs", "micro_batch_size"))
+        for lever, key in (
+            ("cp", "cp"),
+            ("tp", "tp"),
+            ("mbs", "micro_batch_size"),
+            ("grad-reduce", "grad_reduce_in_fp32"),
+            ("ce-fusion", "cross_entropy_fusion_impl"),
+            ("vpp", "vpp"),
+            ("expandable-segments", "expandable_segments"),
+        )
         if getattr(base, key) != getattr(s, key)
     ]
     return out
@@ -217,6 +297,18 @@ def lever_overrides(base: Setup, s: Setup) -> list[str]:
         out.append(format_override("model.context_parallel_size", s.cp))
     if s.micro_batch_size != base.micro_batch_size:
         out.append(format_override("train.micro_batch_size", s.micro_batch_size))
+    if s.vpp != base.vpp:
+        out.append(format_override("model.virtual_pipeline_model_parallel_size", s.vpp))
+    if s.grad_reduce_in_fp32 != base.grad_reduce_in_fp32:
+        out.append(format_override("ddp.grad_reduce_in_fp32", s.grad_reduce_in_fp32))
+    if (s.cross_entropy_fusion, s.cross_entropy_fusion_impl) != (
+        base.cross_entropy_fusion,
+        base.cross_entropy_fusion_impl,
+    ):
+        out.append(format_override("model.cross_entropy_loss_fusion", s.cross_entropy_fusion))
+        out.append(format_override("model.cross_entropy_fusion_impl", s.cross_entropy_fusion_impl))
+    if s.expandable_segments and not base.expandable_segments:
+        out.append(format_override("env_vars.PYTORCH_CUDA_ALLOC_CONF", EXPANDABLE))
     if "recompute" in used(base, s):
         out.append(format_override("model.recompute_granularity", s.recompute_granularity))
         if s.recompute_granularity == "selective":

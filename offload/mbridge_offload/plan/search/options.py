@@ -1,71 +1,44 @@
-"""``recommend``'s ranked options: every lever (``levers.py``) searched for the least of it that fits, then ranked.
+"""``recommend``'s ranked options: every lever's sweep (``sweeps.py``) searched once, then ranked by one sort key.
 
-For each lever the search finds the smallest setting that fits with the margin (a binary search over a growing
-setting: layers, fraction, module sets, recompute blocks), and a "comfortable" one that also keeps ``headroom_gib``
-free (default: a tenth of the GPU's memory). A candidate is offered only if the rule catalogue accepts it
-(``advice.Vetter``: no error, no new warning) and the node's host RAM holds the offload buffers of all its GPUs
-(``anchor.Plan.host_ok``). Options are ranked by predicted step time (``timing.estimate_time(...).step_s``) among
-those that fit (within ``STEP_TIE`` the decision table's pick goes first); options that pull a lever the caller did
-not allow come after (``alternative``). Each option's
-``step_time_factor`` is its step over the step of the config as given (1.0 = no change: the card's definition);
-``step_time_factor_vs_no_levers`` over the step of ``timing.no_lever_setup(base)``. Never imports torch.
+For each sweep the search finds the least setting that fits with the margin, and a "comfortable" one that also keeps
+``headroom_gib`` free (default: a tenth of the allocatable budget); stacks add two levers together where one alone
+does not reach. A candidate is offered only if the rule catalogue accepts it (``advice.Vetter``: no error, no new
+warning) and the node's host RAM holds the offload buffers of all its GPUs within the share the answer states
+(``anchor.Plan.host_ok``). When no allowed lever fits, each allowed sweep's most (within host RAM and the catalogue)
+is listed, not fitting, so option 0 is still inside the answer's own limits.
+
+The sort key (``sort_key``, stated in every answer as ``ranking``): allowed levers before alternatives; fitting
+before not; among fitting options the predicted step time grown by the option's risk (``risks.py``: host RAM share,
+number of changes, known upstream bugs, a thin margin), then fewer changes; among options that do not fit, the
+lowest peak first. Option 0 is the recommendation by construction: ``mode`` and ``overrides`` describe it.
+Each option's ``step_time_factor`` is its step over the step of the config as given (1.0 = no change: the card's
+definition); ``step_time_factor_vs_no_levers`` over the step of ``timing.no_lever_setup(base)``. Never imports torch.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 from mbridge_offload.config.sources import override_value
 from mbridge_offload.plan.memory.stage import MemoryEstimate, estimate_memory
-from mbridge_offload.plan.model.architecture import GiB
+from mbridge_offload.plan.model.architecture import GB, GiB
 from mbridge_offload.plan.model.run import Setup
-from mbridge_offload.plan.results import Change, Option, StageGib
-from mbridge_offload.plan.search import advice, levers
-from mbridge_offload.plan.search import fine_grained_plan as fg
-from mbridge_offload.plan.search.anchor import Plan
+from mbridge_offload.plan.results import Change, Fallback, Option, StageGib
+from mbridge_offload.plan.search import advice, levers, risks, sweeps
+from mbridge_offload.plan.search.anchor import CUDA_CONTEXT_GIB, DENSE_ALLOCATOR_OVERHEAD, Plan
 from mbridge_offload.plan.time.step import estimate_time, no_lever_setup
 
-FRACTION_STEP = 0.05
+FRACTION_STEP = sweeps.FRACTION_STEP
 Fit = Callable[[MemoryEstimate], bool]
-
-
-# Step times closer than this are a tie: the time model is first-order (timing.py says which terms it has), so
-# within it the skill's decision table (the mechanism that targets the dominant memory) decides, then fewer changes.
-STEP_TIE = 0.03
+RANKING = risks.RANKING_WORDS
 
 
 @dataclass
 class Candidate:
     est: MemoryEstimate
     label: str
-    from_table: bool = False  # the decision table's pick (planner._search)
-
-
-def first_fit(p: Plan, setups: list[Setup], ok: Fit) -> MemoryEstimate | None:
-    """The first of ``setups`` (ordered by growing setting, so by shrinking GPU memory) that is ``ok``, that the
-    node's host RAM holds and that the rule catalogue accepts: a binary search, so 1000 settings cost ten
-    estimates. None when the least that is ``ok`` needs more host memory than the node allows (more needs more)."""
-    m = p.r.model
-    if not setups or not ok(estimate_memory(m, setups[-1])):
-        return None
-    lo, hi = 0, len(setups) - 1
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if ok(estimate_memory(m, setups[mid])):
-            hi = mid
-        else:
-            lo = mid + 1
-    for s in setups[lo:]:  # more still fits; the catalogue only objects at the far end (k = L − 1)
-        est = estimate_memory(m, s)
-        if not p.host_ok(est):
-            p.host_refused.setdefault(advice.mode_of(s), p.host_sentence(est))
-            return None
-        if p.vet is None or p.vet.clean(s):
-            return est
-        p.vet.rejected.setdefault(advice.mode_of(s), p.vet.problems(s))
-    return None
 
 
 def headroom_gib(p: Plan) -> float:
@@ -74,78 +47,79 @@ def headroom_gib(p: Plan) -> float:
     return advice.headroom_bytes(p.r.inputs.headroom_gib, p.budget_bytes)[0] / GiB
 
 
-def _free_gib(p: Plan, est: MemoryEstimate) -> float:
-    return (p.usable_bytes - p.total(est)) / GiB
+# ------------------------------------------------------------------------------------------- the yardstick
+
+
+def usable_bytes(p: Plan, s: Setup) -> float:
+    """Peak allocated bytes at which the device is full for ``s``: the plan's, except with expandable segments,
+    where the caching allocator maps a growing segment in pages instead of new blocks, so buffers whose size changes
+    every micro-batch (dropless MoE) reuse one range: the reserved-beyond-allocated falls to the static-shape figure
+    (``anchor.DENSE_ALLOCATOR_OVERHEAD``; an assumption, no published run measures it)."""
+    if not s.expandable_segments:
+        return p.usable_bytes
+    return (p.r.gpu.capacity_bytes - CUDA_CONTEXT_GIB * GiB) / (1 + DENSE_ALLOCATOR_OVERHEAD)
+
+
+def budget_bytes(p: Plan, s: Setup) -> float:
+    """What a recommendation may allocate for ``s``: its usable bytes less the margin."""
+    return usable_bytes(p, s) * (1 - p.margin)
+
+
+def fits(p: Plan, est: MemoryEstimate) -> bool:
+    """``Plan.fits`` with ``s``'s own yardstick (``usable_bytes``): no margin, the verdict on that config."""
+    if not est.setup.expandable_segments:
+        return p.fits(est)
+    if (p.ooms or p.r.inputs.ooms) and est.setup == p.r.setup:
+        return False  # the user saw it fail: never contradict a measurement
+    return p.total(est) <= usable_bytes(p, est.setup)
+
+
+def keeps_margin(p: Plan, est: MemoryEstimate) -> bool:
+    """``Plan.keeps_margin`` with ``s``'s own yardstick (``usable_bytes``)."""
+    if not est.setup.expandable_segments:
+        return p.keeps_margin(est)
+    return fits(p, est) and p.total(est) <= budget_bytes(p, est.setup)
+
+
+def free_gib(p: Plan, est: MemoryEstimate) -> float:
+    return (usable_bytes(p, est.setup) - p.total(est)) / GiB
 
 
 # ------------------------------------------------------------------------------------------- candidates
 
 
-def _offload_sweeps(p: Plan, s: Setup) -> list[tuple[str, list[Setup]]]:
-    """Each offload lever's settings on ``s``, least first (the activation sweep only where upstream allows it)."""
-    r, out = p.r, []
-    if not r.constraints.activation_blockers(s, r.model.num_layers):
-        out.append(("activation", [replace(s, activation_offload_layers=k) for k in range(1, r.model.num_layers)]))
-    if not s.use_megatron_fsdp:
-        steps = round(1 / FRACTION_STEP)
-        out.append(
-            (
-                "optimizer",
-                [replace(s, optimizer_offload_fraction=round(i * FRACTION_STEP, 2)) for i in range(1, steps + 1)],
-            )
-        )
-    sets = fg.useful_sets(r.model, s, r.constraints.model_config())
-    out.append(("fine-grained", [replace(s, offload_modules=mods) for mods in sets]))
-    return out
-
-
-def _recompute_sweeps(p: Plan, base: Setup) -> list[tuple[str, list[Setup]]]:
-    variants = levers.recompute_variants(p.r.model, base)
-    block = [s for label, s in variants if label.startswith("full block")]
-    single = [(label, [s]) for label, s in variants if not label.startswith("full block")]
-    return [*single, *([("full block", block)] if block else [])]
-
-
-def _search(p: Plan, sweeps: list[tuple[str, list[Setup]]], ok: Fit, out: list[Candidate]) -> None:
-    base = p.vet.base if p.vet is not None and p.vet.base is not None else p.r.setup
-    for _, setups in sweeps:
-        found = first_fit(p, setups, ok)
-        if found is not None:
-            out.append(Candidate(found, _label(base, found.setup)))
-
-
-def candidates(p: Plan, base: Setup, before: MemoryEstimate, given: MemoryEstimate | None) -> list[Candidate]:
-    """Every lever's least setting that fits with the margin, and the least that keeps the headroom free."""
+def candidates(p: Plan, base: Setup, before: MemoryEstimate, allowed: tuple[str, ...]) -> list[Candidate]:
+    """Every sweep's least setting that fits with the margin, and the least that keeps the headroom free; when no
+    allowed one fits, each allowed sweep's most within host RAM and the catalogue (the closest it gets)."""
     out: list[Candidate] = []
     room = headroom_gib(p)
-    comfortable: Fit = lambda est: p.keeps_margin(est) and _free_gib(p, est) >= room  # noqa: E731
-    if p.keeps_margin(before):
+    tight: Fit = lambda est: keeps_margin(p, est)  # noqa: E731
+    comfortable: Fit = lambda est: keeps_margin(p, est) and free_gib(p, est) >= room  # noqa: E731
+    if keeps_margin(p, before):
         out.append(Candidate(before, "no change"))
         if comfortable(before):
-            return out  # nothing to gain: every lever costs step time (the fallback key covers more headroom)
-    if given is not None and given.setup != base and p.keeps_margin(given):
-        out.append(Candidate(given, "the offload the decision table picks: " + _label(base, given.setup), True))
-    passes = ((False, comfortable),) if p.keeps_margin(before) else ((True, p.keeps_margin), (False, comfortable))
-    for tight, ok in passes:
-        _search(p, _offload_sweeps(p, base) + _recompute_sweeps(p, base), ok, out)
-        for lever in levers.LAYOUT_LEVERS:
-            variants = levers.layout_variants(lever, p.r.model, base)
-            before_count = len(out)
-            _search(p, [(lever, variants)], ok, out)
-            if variants and len(out) == before_count and tight:
-                # The layout change alone does not fit: its smallest step with the other levers on top.
-                _search(p, _offload_sweeps(p, variants[0]) + _recompute_sweeps(p, variants[0]), ok, out)
-    if not base.use_megatron_fsdp and base.recompute_granularity != "full":
-        # Full recompute with the least optimizer offload on top: where recompute alone does not fit, or leaves
-        # less than the headroom free.
-        full = replace(base, recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
-        alone = any(levers.used(base, c.est.setup) == ["recompute"] for c in out)
-        for ok in (comfortable,) if alone else (p.keeps_margin, comfortable):
-            _search(p, [sweep for sweep in _offload_sweeps(p, full) if sweep[0] == "optimizer"], ok, out)
+            return out  # nothing to gain: every lever costs step time (the fallback covers more headroom)
+    all_sweeps = sweeps.sweeps(p, base)
+    for ok in (comfortable,) if keeps_margin(p, before) else (tight, comfortable):
+        fitting = len(out)
+        for sw in all_sweeps:
+            found = sweeps.first_fit(p, sw.setups, ok)
+            if found is not None:
+                out.append(Candidate(found, label(base, found.setup)))
+        out += [Candidate(est, label(base, est.setup)) for est in sweeps.stacks(p, base, ok)]
+        if len(out) == fitting:
+            break  # nothing fits with the margin: nothing keeps the headroom either
+    if not any(set(levers.used(base, c.est.setup)) <= set(allowed) for c in out):
+        for sw in all_sweeps:
+            if sw.name in allowed and (est := sweeps.most(p, sw.setups)) is not None:
+                out.append(Candidate(est, "the most this lever reaches within the limits: " + label(base, est.setup)))
+        for est in sweeps.closest_stacks(p, base):
+            if set(levers.used(base, est.setup)) <= set(allowed):
+                out.append(Candidate(est, "the most these levers reach within the limits: " + label(base, est.setup)))
     return out
 
 
-def _label(base: Setup, s: Setup) -> str:
+def label(base: Setup, s: Setup) -> str:
     """What ``s`` changes from ``base``, in words."""
     used, parts = levers.used(base, s), []
     if "recompute" in used and s.recompute_granularity == "selective":
@@ -158,7 +132,15 @@ def _label(base: Setup, s: Setup) -> str:
         parts.append(f"fine-grained offload of {', '.join(s.offload_modules)}")
     if s.optimizer_offload_fraction:
         parts.append(f"optimizer offload fraction {s.optimizer_offload_fraction:g}")
-    shown = {"tp": f"TP {s.tp} with SP", "cp": f"CP {s.cp}", "mbs": f"micro-batch {s.micro_batch_size}"}
+    shown = {
+        "tp": f"TP {s.tp} with SP",
+        "cp": f"CP {s.cp}",
+        "mbs": f"micro-batch {s.micro_batch_size}",
+        "vpp": f"VPP {s.vpp}" if s.vpp else "no interleaving (VPP off)",
+        "grad-reduce": "bf16 gradient reduction (grad_reduce_in_fp32 off)",
+        "ce-fusion": "Transformer Engine's fused cross entropy",
+        "expandable-segments": "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True",
+    }
     parts += [shown[lever] for lever in used if lever in shown]
     return " + ".join(parts) or "no change"
 
@@ -186,16 +168,20 @@ def _changes(overrides: list[str], notation: str) -> list[Change]:
     return out
 
 
-def _option(p: Plan, c: Candidate, ctx: dict[str, Any], overlap: Callable[[Any, Setup], bool]) -> tuple[float, Option]:
+def _option(p: Plan, c: Candidate, ctx: dict[str, Any], overlap: Callable[[Any, Setup], bool]) -> Option:
     r, est, base = p.r, c.est, ctx["base"]
     s = est.setup
     t = estimate_time(est, r.gpu, overlap=overlap(r, s), **p.time_kwargs)
     used = levers.used(base, s)
     overrides = overrides_for(r.setup, base, s, overlap(r, s))
-    free = _free_gib(p, est)
-    factor = t.step_s / ctx["reference_s"] if ctx["reference_s"] > 0 else 1.0
-    no_levers = t.step_s / ctx["no_lever_s"] if ctx["no_lever_s"] > 0 else 1.0
-    option = Option(
+    free = free_gib(p, est)
+    # Rounded once: the option's fields, its why and the rationale quote the same figure.
+    factor = round(t.step_s / ctx["reference_s"] if ctx["reference_s"] > 0 else 1.0, 3)
+    no_levers = round(t.step_s / ctx["no_lever_s"] if ctx["no_lever_s"] > 0 else 1.0, 3)
+    free = round(free, 3)
+    comfortable = free >= ctx["headroom"]
+    score, why_risky = risks.risk(used, len(overrides), est.host_peak_gb / p.host_budget_gb, comfortable)
+    return Option(
         rank=0,
         changes=_changes(overrides, ctx["notation"]),
         notation=ctx["notation"],
@@ -210,24 +196,19 @@ def _option(p: Plan, c: Candidate, ctx: dict[str, Any], overlap: Callable[[Any, 
         host_gb=round(est.host_peak_gb, 3),
         host_gb_per_node=round(est.host_peak_gb * r.gpu.gpus_per_node, 3),
         step_time_s=round(t.step_s, 4),
-        step_time_factor=round(factor, 3),
-        step_time_factor_vs_no_levers=round(no_levers, 3),
-        fits=p.keeps_margin(est),
+        step_time_factor=factor,
+        step_time_factor_vs_no_levers=no_levers,
+        fits=keeps_margin(p, est),
         margin_gib=round(free, 3),
-        comfortable=free >= ctx["headroom"],
+        budget_gib=round(budget_bytes(p, s) / GiB, 3),
+        comfortable=comfortable,
         alternative=any(lever not in ctx["allowed"] for lever in used),
-        changes_layout=any(lever in levers.LAYOUT_LEVERS for lever in used),
+        changes_layout=any(lever in levers.LAYOUT_LEVERS or lever == "vpp" for lever in used),
+        risk=round(score, 4),
+        risks=why_risky,
         why=f"{c.label}: {p.total_gib(est):.1f} GiB peak per GPU, {free:.1f} GiB free, "
         f"{est.host_peak_gb:.0f} GB host per GPU, step ×{factor:.2f}",
     )
-    return t.step_s, option
-
-
-def most_offload(base: Setup, most: MemoryEstimate) -> Candidate:
-    """The decision table's most offload, for when no allowed lever fits: it is then the recommendation (mode and
-    overrides describe it), so it is listed, not fitting, as option 0."""
-    label = "the most offload the decision table allows: " + _label(base, most.setup)
-    return Candidate(most, label if most.setup != base else "no change: no allowed offload fits", True)
 
 
 def overrides_for(given: Setup, base: Setup, s: Setup, overlap: bool) -> list[str]:
@@ -236,19 +217,11 @@ def overrides_for(given: Setup, base: Setup, s: Setup, overlap: bool) -> list[st
     return advice.switch_off_overrides(given, s) + levers.lever_overrides(base, s) + advice.overrides_for(s, overlap)
 
 
-def _prefer_table(ordered: list[tuple[float, Candidate, Option]]) -> list[tuple[float, Candidate, Option]]:
-    """The decision table's pick first when it ties (``STEP_TIE``) with the fastest allowed option that fits, or when
-    no allowed option fits (its most offload is then the recommendation: mode and overrides describe it)."""
-    if not ordered:
-        return ordered
-    if ordered[0][2].alternative or not ordered[0][2].fits:
-        table = next((i for i, (_, c, o) in enumerate(ordered) if c.from_table and not o.alternative), None)
-        return ordered if table is None else [ordered[table], *ordered[:table], *ordered[table + 1 :]]
-    fastest = ordered[0][0]
-    for i, (step, c, option) in enumerate(ordered):
-        if c.from_table and option.fits and not option.alternative and step <= fastest * (1 + STEP_TIE):
-            return [ordered[i], *ordered[:i], *ordered[i + 1 :]]
-    return ordered
+def sort_key(o: Option) -> tuple[bool, bool, float, int, float]:
+    """The one order of every answer's options (``RANKING`` says it in words)."""
+    if o.fits:
+        return (o.alternative, False, o.step_time_s * (1 + o.risk), len(o.overrides), o.step_time_s)
+    return (o.alternative, True, o.memory_gib.total, len(o.overrides), o.step_time_s)
 
 
 def rank(
@@ -259,7 +232,7 @@ def rank(
     overlap: Callable[[Any, Setup], bool],
     as_given_s: float,
 ) -> list[tuple[Candidate, Option]]:
-    """The candidates as options, without duplicates, allowed ones first, then by step time and fewest changes.
+    """The candidates as options, without duplicates, in ``sort_key`` order, numbered.
 
     ``as_given_s``: the step time of the config as given, which every option's ``step_time_factor`` divides by.
     """
@@ -272,16 +245,75 @@ def rank(
         "reference_s": as_given_s,
         "no_lever_s": estimate_time(reference, p.r.gpu, overlap=False, **p.time_kwargs).step_s,
     }
-    seen: dict[str, tuple[float, Candidate, Option]] = {}
+    seen: dict[str, tuple[Candidate, Option]] = {}
     for c in found:
         key = repr(c.est.setup)
         if key not in seen:
-            step, option = _option(p, c, ctx, overlap)
-            seen[key] = (step, c, option)
-    ordered = sorted(seen.values(), key=lambda e: (e[2].alternative, not e[2].fits, round(e[0], 6), len(e[2].changes)))
-    ordered = _prefer_table(ordered)
-    out = []
-    for i, (_, c, option) in enumerate(ordered):
+            seen[key] = (c, _option(p, c, ctx, overlap))
+    ordered = sorted(seen.values(), key=lambda e: sort_key(e[1]))
+    for i, (_, option) in enumerate(ordered):
         option.rank = i
-        out.append((c, option))
-    return out
+    return ordered
+
+
+# ------------------------------------------------------------------------------------------- fallback
+
+
+@dataclass
+class FallbackChoice:
+    """The cheapest offload that frees ``headroom`` bytes: its estimate and step-time factor."""
+
+    mode: str
+    est: MemoryEstimate
+    factor: float
+
+
+def fallback(
+    p: Any,
+    before: MemoryEstimate,
+    overlap: Callable[[Any, Setup], bool],
+    as_given_s: float | None = None,
+) -> Fallback | None:
+    """The cheapest offload (smallest step-time factor) that frees the headroom, for a run that already fits: per
+    offload sweep (``sweeps.offload_sweeps``, the one builder) the least setting that frees it (``sweeps.first_fit``,
+    the one bisection, with its host-RAM and catalogue checks), then the fastest of those.
+
+    Args:
+        p: the planner's ``anchor.Plan`` (budget, offset, vetter).
+        before: the estimate without offload.
+        overlap: ``(resolved, setup) → overlap_cpu_optimizer_d2h_h2d`` for a proposal.
+        as_given_s: the step time of the config as given, which ``step_time_factor`` divides by (as the options');
+            None: the step without offload.
+    """
+    r, base = p.r, before.setup
+    need, source = advice.headroom_bytes(r.inputs.headroom_gib, p.budget_bytes)
+
+    def timed(est: MemoryEstimate) -> Any:
+        return estimate_time(est, r.gpu, overlap=overlap(r, est.setup), **p.time_kwargs)
+
+    def factor(est: MemoryEstimate) -> float:
+        t = timed(est)
+        return t.step_s / as_given_s if as_given_s else t.step_time_factor
+
+    found = []
+    for sw in sweeps.offload_sweeps(p, base):
+        if sw.name == "fine-grained":
+            continue  # the fallback names one knob (a fraction or a layer count), as apply --mode takes it
+        est = sweeps.first_fit(p, sw.setups, lambda e: p.total(before) - p.total(e) >= need)
+        if est is not None:
+            found.append(FallbackChoice(sw.name, est, factor(est)))
+    if not found:
+        return None
+    choice = min(found, key=lambda c: c.factor)
+    freed = p.total(before) - p.total(choice.est)
+    return Fallback(
+        mode=choice.mode,
+        overrides=advice.overrides_for(choice.est.setup, overlap(r, choice.est.setup)),
+        headroom_gib=round(need / GiB, 3),
+        headroom_source=source,
+        freed_gib=round(freed / GiB, 3),
+        freed_gb=round(freed / GB, 3),
+        memory_gib=round(p.total_gib(choice.est), 3),
+        step_time_factor=round(choice.factor, 3),
+        step_time_factor_vs_no_levers=round(timed(choice.est).step_time_factor_vs_no_levers, 3),
+    )

@@ -1,14 +1,15 @@
-"""The planner: the skill's decision table made executable, then a search for the smallest offload that fits.
+"""The planner: ``estimate`` of a setting as given, and ``recommend``: one search over every lever, one ranking.
 
-Decision table (NVIDIA skill ``nemo-mbridge-perf-cpu-offloading``, "Quick Decision"):
+``recommend`` (NVIDIA skill ``nemo-mbridge-perf-cpu-offloading``'s "Quick Decision", made one search):
 
-- the run already fits → no offload (offloading always adds step time);
-- activation offload is possible only with PP = 1, no activation recompute, CUDA graphs off (or
-  ``full_iteration``) and no fine-grained activation offloading — the upstream checks; otherwise optimizer offload;
-- activations dominate and activation offload is possible → activation offload, smallest layer count that fits;
-- otherwise → optimizer offload, the smallest fraction (on a 0.05 grid, realised by HybridDeviceOptimizer's greedy
-  whole-tensor split) that brings the worst pipeline stage under the budget; both when neither alone suffices;
-- nothing fits → say what would: more PP, full recompute, more GPUs, each with its predicted memory.
+- the run already fits with the headroom → no change (offloading always adds step time);
+- otherwise every lever the run can use is swept once (``sweeps.py``: offloads, recompute by module or full, the
+  switches, layout steps, and two levers stacked where one alone does not reach), the least setting of each that
+  fits found by one bisection, inside what the rule catalogue accepts and the node's host RAM holds;
+- the candidates are ranked by one sort key (``options.sort_key``: allowed first, fitting first, step time grown by
+  risk, ``risks.py``), and option 0 is the recommendation: ``mode``, ``overrides`` and the figures describe it;
+- nothing fits → option 0 is the closest the allowed levers get inside those limits, and ``suggestions`` say what
+  would fit (more PP, full recompute, more GPUs), each with its predicted memory.
 
 "Fits" compares the predicted peak *allocated* memory, grown by the caching allocator's overhead, with what the
 device exposes minus the CUDA context and the margin. A measurement from the user's own run (peak, step time, or
@@ -36,12 +37,11 @@ from mbridge_offload.plan.results import (
     StageTotal,
     TimeBreakdown,
 )
-from mbridge_offload.plan.search import advice, levers, options
-from mbridge_offload.plan.search import fine_grained_plan as fg
+from mbridge_offload.plan.search import advice, levers, options, sweeps
 from mbridge_offload.plan.search.anchor import Plan, prepare
 from mbridge_offload.plan.time.step import TimeEstimate, estimate_time
 
-FRACTION_STEP = options.FRACTION_STEP
+FRACTION_STEP = sweeps.FRACTION_STEP
 __all__ = [
     "FRACTION_STEP",
     "estimate",
@@ -112,9 +112,9 @@ def estimate_result(p: Plan, est: MemoryEstimate, t: TimeEstimate) -> Estimate:
         offloaded_fraction=round(est.offloaded_fraction, 4),
         step_time_factor=round(t.step_time_factor, 3),
         step_time_factor_vs_no_levers=round(t.step_time_factor_vs_no_levers, 3),
-        fits=p.fits(est),  # the verdict on this config: no margin, so its budget is the allocatable peak
-        budget_gb=round(p.usable_bytes / GB, 3),
-        budget_gib=round(p.usable_bytes / GiB, 3),
+        fits=options.fits(p, est),  # the verdict on this config: no margin, so its budget is the allocatable peak
+        budget_gb=round(options.usable_bytes(p, s) / GB, 3),
+        budget_gib=round(options.usable_bytes(p, s) / GiB, 3),
         gpu_memory_gb=round(r.gpu.capacity_bytes / GB, 3),
         gpu_memory_gib=round(r.gpu.capacity_bytes / GiB, 3),
         worst_stage=est.worst.stage,
@@ -171,7 +171,9 @@ def estimate(r: Resolved) -> Estimate:
 
 def _what_would_fit(p: Plan) -> str:
     """After a reported OOM: the smallest optimizer offload fraction that fits with the anchored memory."""
-    found = _smallest_fraction(p, replace(p.r.setup, optimizer_offload_fraction=0.0))
+    start = replace(p.r.setup, optimizer_offload_fraction=0.0)
+    ok = lambda e: options.keeps_margin(p, e)  # noqa: E731
+    found = None if start.use_megatron_fsdp else sweeps.first_fit(p, sweeps.fractions(start), ok)
     if found is None:
         return "no optimizer offload fraction fits with that; `recommend` says what would (more PP, recompute, GPUs)"
     return (
@@ -183,93 +185,26 @@ def _what_would_fit(p: Plan) -> str:
 # ------------------------------------------------------------------------------------------- search
 
 
-def _first_fit(p: Plan, setups: list[Setup]) -> MemoryEstimate | None:
-    """The first of ``setups`` (ordered by growing offload) that fits with the margin, that the node's host RAM
-    holds and that the rule catalogue accepts (``options.first_fit``: a binary search)."""
-    return options.first_fit(p, setups, p.keeps_margin)
-
-
-def _smallest_fraction(p: Plan, s: Setup) -> MemoryEstimate | None:
-    steps = round(1 / FRACTION_STEP)
-    return _first_fit(
-        p, [replace(s, optimizer_offload_fraction=round(i * FRACTION_STEP, 2)) for i in range(1, steps + 1)]
-    )
-
-
-def _smallest_layers(p: Plan, s: Setup) -> MemoryEstimate | None:
-    return _first_fit(p, [replace(s, activation_offload_layers=k) for k in range(1, p.r.model.num_layers)])
-
-
-def _order(p: Plan, before: MemoryEstimate, rationale: list[str]) -> tuple[str, ...]:
-    """Which mechanism to try first (the skill's table), given what upstream allows."""
-    blockers = p.r.constraints.activation_blockers(before.setup, p.r.model.num_layers)
-    rationale.extend(blockers)
-    w = before.worst
-    if before.setup.use_megatron_fsdp:  # upstream refuses optimizer offload under Megatron-FSDP: never proposed
+def _facts(p: Plan, before: MemoryEstimate, rationale: list[str]) -> None:
+    """What upstream allows here and what dominates the memory (the skill's decision table, as facts: the ranking
+    then weighs every lever on the same key)."""
+    s, w = before.setup, before.worst
+    rationale.extend(p.r.constraints.activation_blockers(s, p.r.model.num_layers))
+    if s.use_megatron_fsdp:  # upstream refuses optimizer offload under Megatron-FSDP: never proposed
         rationale.append(MFSDP_OPTIMIZER_OFFLOAD.replace("; the numbers here ignore the requested fraction", ""))
-        if not blockers:
-            return ("activation",)
-        return (fg.MODE,) if fg.useful_sets(p.r.model, before.setup, p.r.constraints.model_config()) else ()
-    if blockers:
-        if not fg.useful_sets(p.r.model, before.setup, p.r.constraints.model_config()):
-            return ("optimizer",)
-        if w.activations > w.optimizer:
-            rationale.append(
-                f"activations ({w.activations / GB:.1f} GB) dominate the optimizer state ({w.optimizer / GB:.1f} GB) "
-                "and layer-level offload is refused or does nothing here: fine-grained activation offloading first "
-                "(works with PP > 1, recompute and TE CUDA graphs)"
-            )
-            return (fg.MODE, "optimizer")
-        return ("optimizer", fg.MODE)
-    if w.activations > w.optimizer:
-        rationale.append(
-            f"activations ({w.activations / GB:.1f} GB) dominate the optimizer state "
-            f"({w.optimizer / GB:.1f} GB) and PP=1: activation offloading first"
-        )
-        return ("activation", "optimizer")
-    rationale.append(
-        f"optimizer state ({w.optimizer / GB:.1f} GB) dominates activations ({w.activations / GB:.1f} GB): "
-        "optimizer offloading first"
+    if options.keeps_margin(p, before):
+        rationale.append("it fits: offloading only adds step time, so none is recommended")
+        return
+    if options.fits(p, before):
+        rationale.append(f"it fits the device, but with less than the {p.margin:.0%} margin free")
+    big, small = (
+        ("activations", "optimizer state") if w.activations > w.optimizer else ("optimizer state", "activations")
     )
-    return ("optimizer", "activation")
-
-
-def _most_layers(p: Plan, s: Setup) -> int:
-    """The most layers whose activations the rule catalogue lets us offload without an error or a new warning
-    (TE warns at num_layers − 1: nothing left to overlap with)."""
-    for k in range(p.r.model.num_layers - 1, 0, -1):
-        candidate = replace(s, activation_offload_layers=k)
-        if p.vet is None or p.vet.clean(candidate):
-            return k
-        p.vet.rejected.setdefault(f"activation, {k} layers", p.vet.problems(candidate))
-    return 0
-
-
-def _search(p: Plan, base: Setup, order: tuple[str, ...]) -> tuple[str, MemoryEstimate | None]:
-    m, cfg = p.r.model, p.r.constraints.model_config()
-    for mode in order:
-        if mode == fg.MODE:
-            found = fg.smallest(m, base, cfg, lambda setups: _first_fit(p, setups))
-        else:
-            found = (_smallest_layers if mode == "activation" else _smallest_fraction)(p, base)
-        if found is not None:
-            return mode, found
-    most = fg.largest(m, base, cfg) if fg.MODE in order and "optimizer" in order else None
-    if most is not None:  # the most fine-grained offload allowed, then the smallest fraction on top
-        found = _smallest_fraction(p, most)
-        if found is not None:  # then the fewest modules at that fraction
-            at = replace(base, optimizer_offload_fraction=found.setup.optimizer_offload_fraction)
-            found = fg.smallest(m, at, cfg, lambda setups: _first_fit(p, setups)) or found
-        return fg.MODE_WITH_OPTIMIZER, found
-    if "activation" in order and "optimizer" in order:
-        # Both: the most activation offload allowed, the smallest fraction, then back off the layers.
-        found = _smallest_fraction(p, replace(base, activation_offload_layers=_most_layers(p, base)))
-        if found is not None:
-            with_fraction = replace(base, optimizer_offload_fraction=found.setup.optimizer_offload_fraction)
-            return "both", _smallest_layers(p, with_fraction) or found
-    if "optimizer" not in order:
-        return ("activation" if order else "none"), None
-    return ("both" if "activation" in order else "optimizer"), None
+    sizes = {"activations": w.activations, "optimizer state": w.optimizer}
+    rationale.append(
+        f"{big} ({sizes[big] / GB:.1f} GB) dominate the {small} ({sizes[small] / GB:.1f} GB) on the worst stage "
+        "without offload"
+    )
 
 
 def _suggest(p: Plan, s: Setup) -> list[str]:
@@ -284,14 +219,14 @@ def _suggest(p: Plan, s: Setup) -> list[str]:
             est = estimate_memory(m, replace(full, pp=pp, vpp=None))
         except ValueError:
             break
-        if p.keeps_margin(est):
+        if options.keeps_margin(p, est):
             out.append(f"PP={pp}{with_opt}: {p.total_gib(est):.1f} GiB per GPU")
             break
         pp *= 2
     if s.recompute_granularity != "full":
         recompute = replace(full, recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
         est = estimate_memory(m, recompute)
-        verdict = "fits" if p.keeps_margin(est) else "still does not fit"
+        verdict = "fits" if options.keeps_margin(p, est) else "still does not fit"
         out.append(
             f"model.recompute_granularity=full (uniform, 1 layer){with_opt}: "
             f"{p.total_gib(est):.1f} GiB per GPU, {verdict}"
@@ -301,7 +236,7 @@ def _suggest(p: Plan, s: Setup) -> list[str]:
             est = estimate_memory(m, replace(s, num_gpus=s.num_gpus * mult))
         except ValueError:
             continue
-        if p.keeps_margin(est):
+        if options.keeps_margin(p, est):
             out.append(f"{s.num_gpus * mult} GPUs (DP ×{mult}) without offload: {p.total_gib(est):.1f} GiB per GPU")
             break
     else:
@@ -312,9 +247,8 @@ def _suggest(p: Plan, s: Setup) -> list[str]:
 # ------------------------------------------------------------------------------------------- recommend
 
 
-def _explain(
-    p: Plan, before: MemoryEstimate, after: MemoryEstimate, t: TimeEstimate, mode: str, as_given_s: float
-) -> list[str]:
+def _explain(p: Plan, before: MemoryEstimate, after: MemoryEstimate, t: TimeEstimate, first: Option) -> list[str]:
+    """What option 0 (the recommendation) does, in words: each figure is option 0's (or the run without offload's)."""
     w, s, out = before.worst, after.setup, []
     if s.optimizer_offload_fraction:
         out.append(
@@ -334,13 +268,14 @@ def _explain(
             f"{(w.activations - after.worst.activations) / GiB:.1f} GiB of activations on the worst stage "
             f"(ours, simulated from megatron-core 0.19.2's offload points); {after.host_gb:.1f} GB pinned host memory"
         )
-    if mode != "none":
+    if first.levers:
         out.append(
-            f"predicted step time {t.step_s:.2f} s: ×{t.step_s / as_given_s:.2f} of the config as given "
-            f"({as_given_s:.2f} s), ×{t.step_time_factor_vs_no_levers:.2f} of the run with no lever "
-            f"({t.baseline_s:.2f} s)"
+            f"predicted step time {first.step_time_s:.2f} s: ×{first.step_time_factor:.2f} of the config as given, "
+            f"×{first.step_time_factor_vs_no_levers:.2f} of the run with no lever"
         )
         out.extend(t.notes)
+    if first.risks:
+        out.append("option 0 risks: " + "; ".join(first.risks))
     return out + after.warnings
 
 
@@ -366,36 +301,40 @@ def recommend(r: Resolved) -> Recommendation:
     base = replace(r.setup, optimizer_offload_fraction=0.0, activation_offload_layers=0, offload_modules=())
     allowed, explicit = levers.parse(r.inputs.levers)
     if explicit:
-        levers.check_usable(allowed, r, base)
+        levers.check_usable(allowed, r, base, sweeps.frag_gib(p))
     p.vet = advice.Vetter(r.raw_config, r.model.num_layers, r.constraints.model_keys(), source=r.source, base=base)
     before = estimate_memory(r.model, base, r.gpu.host_ram_gb)
     rationale = [p.budget_sentence(before), *p.notes()]
     given = _as_given(r, before, rationale)
     given_t = estimate_time(given, r.gpu, overlap=r.overlap, **p.time_kwargs)
     as_given_s = given_t.step_s  # every step_time_factor of this answer divides by it: 1.0 = the config as given
-    mode, after, suggestions, found = _offload_search(p, base, before, rationale, allowed)
-    ranked, top = _ranked(p, base, before, after, found, allowed, as_given_s)
-    if top is not None and top[0].est.setup != after.setup:
-        after, mode, suggestions = top[0].est, advice.mode_of(top[0].est.setup), []
+    _facts(p, before, rationale)
+    found = options.candidates(p, base, before, allowed) or [options.Candidate(before, "no change: nothing reaches")]
+    ranked = options.rank(p, base, found, allowed, _overlap, as_given_s)
+    after, first = ranked[0][0].est, ranked[0][1]
+    mode = advice.mode_of(after.setup)
+    suggestions = [] if first.fits and not first.alternative else _suggest(p, base)
     rationale += [f"not proposed ({m}): {'; '.join(why)}" for m, why in p.vet.rejected.items()]
     rationale += [f"not offered ({m}): {why}" for m, why in p.host_refused.items()]
     overlap = _overlap(r, after.setup)
-    t = estimate_time(after, r.gpu, overlap=overlap and mode != "none", **p.time_kwargs)
-    rationale += _explain(p, before, after, t, mode, as_given_s) + _verdict(base, [o for _, o in ranked], allowed)
-    pulled = top is not None and bool(set(top[1].levers) - _OFFLOADS)
+    t = estimate_time(after, r.gpu, overlap=overlap, **p.time_kwargs)
+    opts = [o for _, o in ranked]
+    rationale += _explain(p, before, after, t, first) + _verdict(opts, allowed)
+    pulled = bool(set(first.levers) - _OFFLOADS)
     sentence = advice.advice_sentence(
-        r.setup, mode, given_t.step_time_factor if given is not before else None, top[1].why if top and pulled else None
+        r.setup, mode, given_t.step_time_factor if given is not before else None, first.why if pulled else None
     )
     return Recommendation(
         mode=mode,
-        overrides=options.overrides_for(r.setup, base, after.setup, overlap),
+        overrides=first.overrides,
         memory_gb=_before_after(p, given, after, before, gib=False),
         memory_gib=_before_after(p, given, after, before, gib=True),
-        fits=p.fits(after),
-        **_factors(top[1] if top is not None and pulled else None, t, as_given_s),
+        fits=first.fits,
+        step_time_factor=first.step_time_factor,
+        step_time_factor_vs_no_levers=first.step_time_factor_vs_no_levers,
         rationale=rationale + ([sentence] if sentence else []),
-        budget_gb=round(p.budget_bytes / GB, 3),
-        budget_gib=round(p.budget_bytes / GiB, 3),
+        budget_gb=round(options.budget_bytes(p, after.setup) / GB, 3),
+        budget_gib=first.budget_gib,
         optimizer_offload_fraction=after.setup.optimizer_offload_fraction,
         offloaded_fraction=round(after.offloaded_fraction, 4),
         activation_offload_layers=after.setup.activation_offload_layers,
@@ -410,36 +349,14 @@ def recommend(r: Resolved) -> Recommendation:
         num_gpus=r.setup.num_gpus,
         given_mode=advice.mode_of(r.setup),
         advice=sentence,
-        fallback=advice.fallback(p, before, _overlap, FRACTION_STEP, as_given_s)
-        if mode == "none" and not pulled
-        else None,
-        options=[o for _, o in ranked],
+        fallback=options.fallback(p, before, _overlap, as_given_s) if mode == "none" and not pulled else None,
+        options=opts,
+        ranking=options.RANKING,
         levers=list(allowed),
         headroom_gib=round(options.headroom_gib(p), 3),
         phases=stage_phases(after, p.shift),
         peak_phase=after.worst.peak_phase,
     )
-
-
-def _ranked(
-    p: Plan,
-    base: Setup,
-    before: MemoryEstimate,
-    after: MemoryEstimate,
-    found: bool,
-    allowed: tuple[str, ...],
-    as_given_s: float,
-) -> tuple[list[tuple[options.Candidate, Option]], tuple[options.Candidate, Option] | None]:
-    """The ranked options and the first one when it is allowed and fits. Option 0 is the recommendation, also when
-    it does not fit: then the decision table's most offload leads."""
-    found_options = options.candidates(p, base, before, after if found else None)
-    ranked = options.rank(p, base, found_options, allowed, _overlap, as_given_s)
-    top = ranked[0] if ranked and ranked[0][1].fits and not ranked[0][1].alternative else None
-    if top is None and not found:
-        ranked = options.rank(
-            p, base, [*found_options, options.most_offload(base, after)], allowed, _overlap, as_given_s
-        )
-    return ranked, top
 
 
 def _before_after(
@@ -453,76 +370,32 @@ def _before_after(
     )
 
 
-def _factors(option: Option | None, t: TimeEstimate, as_given_s: float) -> dict[str, float]:
-    """The recommendation's step-time factors: over the config as given (the card's definition, as every option's),
-    and over the run with no lever; an option that pulls recompute or a layout lever carries its own."""
-    if option is not None:
-        return {
-            "step_time_factor": option.step_time_factor,
-            "step_time_factor_vs_no_levers": option.step_time_factor_vs_no_levers,
-        }
-    return {
-        "step_time_factor": round(t.step_s / as_given_s, 3),
-        "step_time_factor_vs_no_levers": round(t.step_time_factor_vs_no_levers, 3),
-    }
-
-
-_MODE_LEVER = {"optimizer": "optimizer", "activation": "activation", fg.MODE: "fine-grained"}
-
-
-def _offload_search(
-    p: Plan, base: Setup, before: MemoryEstimate, rationale: list[str], allowed: tuple[str, ...]
-) -> tuple[str, MemoryEstimate, list[str], bool]:
-    """The skill's decision table over the offloads the caller allows: (mode, the estimate with it, what would fit
-    otherwise, whether it fits)."""
-    r = p.r
-    if p.keeps_margin(before):
-        rationale.append("it fits: offloading only adds step time, so none is recommended")
-        return "none", before, [], True
-    if p.fits(before):
-        rationale.append(
-            f"it fits the device, but with less than the {p.margin:.0%} margin free: the offload below keeps it"
-        )
-    order = tuple(mode for mode in _order(p, before, rationale) if _MODE_LEVER[mode] in allowed)
-    if not order:
-        return "none", before, _suggest(p, base), False
-    mode, found = _search(p, base, order)
-    if found is not None:
-        return mode, found, [], True
-    most = _most_layers(p, base) if mode in ("both", "activation") else 0
-    fraction = 0.0 if base.use_megatron_fsdp else 1.0
-    after = estimate_memory(r.model, replace(base, optimizer_offload_fraction=fraction, activation_offload_layers=most))
-    if mode == fg.MODE_WITH_OPTIMIZER:
-        widest = fg.largest(r.model, base, r.constraints.model_config())
-        after = estimate_memory(r.model, replace(widest or base, optimizer_offload_fraction=1.0))
-    rationale.append(f"even the most offload allowed leaves {p.total_gib(after):.1f} GiB: no offload alone fits")
-    return mode, after, _suggest(p, base), False
-
-
 _OFFLOADS = {"activation", "optimizer", "fine-grained"}
 
 
-def _verdict(base: Setup, ranked: list[Option], allowed: tuple[str, ...]) -> list[str]:
-    """The ranking in words: what the first option is, and when no offload or recompute is the better answer."""
-    if not ranked:
-        return ["no option fits: none of the levers (" + ", ".join(levers.LEVERS) + ") alone makes it fit"]
+def _verdict(ranked: list[Option], allowed: tuple[str, ...]) -> list[str]:
+    """The ranking in words: what option 0 is, and when no offload or recompute is the better answer."""
     first = ranked[0]
     if not first.fits or first.alternative:
         best = next((o for o in ranked if o.fits), None)
+        closest = (
+            f"no allowed lever ({', '.join(allowed)}) fits: option 0 is the closest within the answer's limits "
+            f"({first.memory_gib.total:.1f} GiB peak, budget {first.budget_gib:.1f} GiB)"
+        )
         if best is None:
-            return [f"no option fits: none of the allowed levers ({', '.join(allowed)}) and no alternative"]
+            return [closest + "; no alternative fits either"]
         return [
-            f"none of the allowed levers ({', '.join(allowed)}) fits; the best alternative: {best.why} "
-            f"(option {best.rank}, pulls {', '.join(best.levers)}: allow it with --levers)"
+            closest + f"; the best alternative: {best.why} (option {best.rank}, pulls {', '.join(best.levers)}: "
+            "allow it with --levers)"
         ]
-    out = [f"option 0 of {len(ranked)} (fastest that fits): {first.why}"]
+    out = [f"option 0 of {len(ranked)} (first by the ranking: step time grown by risk): {first.why}"]
     if not first.levers:
         out.append("no offload is the better answer: the run fits as it is, and every lever costs step time")
     elif "recompute" in first.levers and not _OFFLOADS & set(first.levers):
         offload = next((o for o in ranked if o.fits and not o.alternative and set(o.levers) <= _OFFLOADS), None)
-        than = f" (the fastest offload: ×{offload.step_time_factor:.2f})" if offload else ""
+        than = f" (the first offload: option {offload.rank}, ×{offload.step_time_factor:.2f})" if offload else ""
         out.append(f"recompute is the better answer here: ×{first.step_time_factor:.2f}{than}")
-    comfortable = next((o for o in ranked if o.comfortable and not o.alternative), None)
+    comfortable = next((o for o in ranked if o.comfortable and o.fits and not o.alternative), None)
     if comfortable is not None and comfortable.rank != first.rank:
         out.append(f"with more headroom (option {comfortable.rank}): {comfortable.why}")
     return out
