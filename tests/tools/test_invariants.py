@@ -280,14 +280,7 @@ def test_one_input_gives_the_same_numbers_in_every_tool(run: tuple[str, list[str
     _one_input_same_numbers_in_every_tool(run)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="found by these properties, not fixed here: a measured peak far below the model's resident state is "
-    "anchored as a point and drives categories negative (-149 GiB for llama3-8b on 1 H100 at a 5 GiB report); "
-    "refusing such a figure belongs to the evidence checks (plan/search/anchor.py, measured.py): remove this mark "
-    "when they do",
-)
-@settings(FAST, max_examples=6, phases=[Phase.explicit, Phase.reuse, Phase.generate])  # no shrinking while it fails
+@settings(FAST, max_examples=6, phases=[Phase.explicit, Phase.reuse, Phase.generate])
 @given(runs(), st.sampled_from([5.0, 20.0, 40.0, 70.0]))
 def test_a_measured_peak_never_makes_a_memory_category_negative(run: tuple[str, list[str]], peak: float) -> None:
     body, flags = run
