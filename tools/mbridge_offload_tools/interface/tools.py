@@ -12,6 +12,7 @@ import typing
 from dataclasses import replace
 from typing import Any, Literal
 
+from mbridge_offload.actions.diagnose.diagnose import SYMPTOMS
 from mbridge_offload.actions.diagnose.sizing import input_names
 from mbridge_offload.config.rules.base import DEFAULT_TARGET
 from mbridge_offload.plan.inputs.fields import PlanInputs, cli_aliases, group_of
@@ -278,6 +279,14 @@ DIAGNOSE = Tool(
     "diagnose",
     (
         Param("error", str, "the error message or traceback", metavar="TEXT"),
+        Param(
+            "symptom",
+            Literal[SYMPTOMS],
+            "a failure the run printed no message for, by its id (references/failures.md): slowdown, no_saving, "
+            "resume_loss_jump, finetune_stale_masters, fsdp_save_hang, ... or oom (a GPU out-of-memory; the config "
+            "decides the reading). diagnose matches upstream's messages in error and log; it does not read prose, so "
+            "a symptom the user describes in words is named here",
+        ),
         Param(
             "log",
             str,
