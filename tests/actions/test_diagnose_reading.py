@@ -50,6 +50,16 @@ def test_resume_jump_confirms_with_a_run_that_tells_the_causes_apart_and_fixes_w
     assert any("5929" in a for a in top.actions)
 
 
+def test_the_resume_check_tells_the_hdo_restore_from_the_checkpoint_apart() -> None:
+    top = diagnose(symptom="resume_loss_jump").matches[0]
+    # Resuming the same state into the GPU optimizer: the jump goes only if the HybridDeviceOptimizer's restore is
+    # at fault. Resuming without the optimizer state makes every restore fault go, so it tells nothing.
+    assert top.confirm_overrides == ["optimizer.optimizer_cpu_offload=false"]
+    assert "goes away: the HybridDeviceOptimizer's restore" in top.confirm
+    assert "stays: the saved state or its reading" in top.confirm
+    assert "checkpoint.load_optim=false tells neither apart" in top.confirm
+
+
 def test_resume_jump_with_a_config_still_keeps_the_confirmation_out_of_the_fix(tmp_path: Path) -> None:
     cfg = _cfg(tmp_path, "optimizer:\n  optimizer_cpu_offload: true\n  optimizer_offload_fraction: 0.5\n")
     top = diagnose(symptom="resume_loss_jump", config=cfg).matches[0]

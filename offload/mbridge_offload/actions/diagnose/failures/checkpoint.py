@@ -86,23 +86,32 @@ CHECKPOINT: tuple[FailureMode, ...] = (
         "resuming a run (model and optimizer state), the HybridDeviceOptimizer's fp32 masters or its Adam step "
         "counter were not restored: precision-aware + offload resume (Megatron-LM#1842), stale 'step' in "
         "DP-reshardable loads (SkyRL#1401, Megatron-LM PR #5929)",
-        "a confirmation, not a fix: resume once from the same checkpoint with checkpoint.load_optim=false "
-        "(--no-load-optim); if the jump goes away, the optimizer-state restore is at fault (that run throws the Adam "
-        "state away, so do not keep training with it)",
+        "a check that tells the causes apart, not a fix: resume once from the same checkpoint, optimizer state "
+        "included, with optimizer.optimizer_cpu_offload=false (megatron-core's distributed optimizer saves exp_avg, "
+        "exp_avg_sq and the fp32 masters per parameter in the same layout with or without the "
+        "HybridDeviceOptimizer, so the GPU optimizer reads the same state; if it does not fit, check at a smaller "
+        "micro-batch or on more GPUs: a jump from 0.3 to 10 survives that). The jump goes away: the "
+        "HybridDeviceOptimizer's restore is at fault (its fp32 masters or Adam step not pushed to its "
+        "sub-optimizers). The jump stays: the saved state or its reading is, whatever the optimizer (a checkpoint "
+        "written in another format or parallel layout than the resume reads, or a cause outside the optimizer: data "
+        "order, LR schedule). Resuming with checkpoint.load_optim=false tells neither apart: it throws the state "
+        "away, so both jumps go",
         (),
         (
             "upgrade Megatron Bridge to >= 0.6.2: PR #4082 (Megatron-Bridge#3949) calls "
             "sync_hybrid_device_optimizer_fp32_master_copies after every checkpoint load, refreshing the "
             "HybridDeviceOptimizer's CPU copies and fp32 masters from the loaded weights",
             "upgrade megatron-core past Megatron-LM PR #5929 (main; Megatron-LM PR #6124 on dev): it restores the "
-            "Adam 'step' in DP-reshardable loads and the fp32 masters of native-fp32 parameters",
+            "Adam 'step' in DP-reshardable loads and the fp32 masters of native-fp32 parameters (megatron-core 0.16.1 "
+            "and 0.19.2 both predate it: their DP-reshardable load skips 'step', and _update_fp32_params_by_new_state "
+            "looks up every parameter's fp32 copy)",
             "or use this project's HybridDeviceOptimizer (install_optimizer_offload): its load_state_dict refreshes "
             "the host copies and masters from the loaded weights, then restores the saved masters and each "
             "parameter's step (resume is bit-exact: tests/runtime/test_optimizer_resume.py)",
         ),
         ("NVIDIA/Megatron-LM#1842", "NVIDIA-NeMo/Megatron-Bridge#4082", "NovaSky-AI/SkyRL#1401"),
         rules_out=fc.rules_out_resume_jump,
-        confirm_with=("checkpoint.load_optim=false",),
+        confirm_with=("optimizer.optimizer_cpu_offload=false",),
     ),
     FailureMode(
         "checkpoint_save_assert",
