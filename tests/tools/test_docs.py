@@ -500,6 +500,23 @@ def test_card_measured_results_are_ours_and_quoted_from_their_source():
     assert all("job" in r for r in upstream["results"])
 
 
+def test_card_states_upstreams_memory_in_its_published_unit_and_calls_the_fit_a_fit():
+    card = _card()
+    # Upstream publishes Megatron's report (bytes / 1024**2 printed as MB) under "GB" keys: the card says they are GiB.
+    assert "GiB" in card["upstream_published_results"]["memory_unit"]
+    memory = card["training_dimensions"]["memory"]["rationale"]
+    assert "GiB saved" in memory and " GB saved" not in memory
+    speed = card["training_dimensions"]["speed"]["rationale"]
+    assert "in-sample fit, not a validation" in speed and "held-out" in speed
+
+
+def test_the_accuracy_tables_fitted_points_are_called_in_sample():
+    from mbridge_offload_tools.evidence.published import render_accuracy_table
+
+    table = render_accuracy_table()
+    assert "in-sample fit, not a check" in table and "validat" not in table.lower()
+
+
 def test_card_failure_modes_exist_in_the_diagnosis_catalogue():
     from mbridge_offload.actions.diagnose.failures.catalogue import KNOWN
 
