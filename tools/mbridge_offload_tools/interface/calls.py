@@ -233,6 +233,7 @@ def apply_answer(v: dict[str, Any], **where: Any) -> Any:
             fraction=v["fraction"],
             num_layers=v["num_layers"],
             modules=v["modules"],
+            env=environment(None, v["te_version"]),
             overrides=v["overrides"],
             output=v["output"],
             in_place=v["in_place"],

@@ -66,6 +66,15 @@ MEGATRON_ARGS = Param(
     "--cpu-offloading-num-layers 4'",
     metavar='"ARGS"',
 )
+# One declaration for every tool that reads the Transformer Engine release (validate, apply).
+TE_VERSION = Param(
+    "te_version",
+    str,
+    "the Transformer Engine release the training cluster runs, e.g. 2.9 or 2.10.0; the TE-dependent rules "
+    "(activation offload v1/v2, fine-grained NVTE_CPU_OFFLOAD_V1) read it. Default: 2.18 assumed, the release "
+    "Megatron Bridge 0.6.2 pins (env.te_version_source says so)",
+    metavar="X.Y",
+)
 MODEL_CONFIG = CliOnly(
     ("--model-config",),
     "the older spelling of CONFIG",
@@ -121,14 +130,7 @@ VALIDATE = Tool(
             MEGATRON_ARGS,
             help=MEGATRON_ARGS.help + "; fixes then come back as flags (fix: add or set, fix_remove: delete)",
         ),
-        Param(
-            "te_version",
-            str,
-            "the Transformer Engine release the training cluster runs, e.g. 2.9 or 2.10.0; the TE-dependent rules "
-            "(activation offload v1/v2, fine-grained NVTE_CPU_OFFLOAD_V1) read it. Default: 2.18 assumed, the release "
-            "Megatron Bridge 0.6.2 pins (env.te_version_source says so)",
-            metavar="X.Y",
-        ),
+        TE_VERSION,
         Param(
             "env",
             list[str],
@@ -208,6 +210,11 @@ _APPLY_OWN = (
         "recommendation); implies mode recommended, re-validated like every apply",
         bounds=bounds(ge=0),
         metavar="N",
+    ),
+    replace(
+        TE_VERSION,
+        help=TE_VERSION.help + "; apply writes env_vars.NVTE_CPU_OFFLOAD_V1 for fine-grained offloading only from "
+        "TE 2.10, and judges the edited config with it",
     ),
 )
 # mode recommended / option: every input recommend takes (evidence, levers, headroom, GPU, count, layout...), so

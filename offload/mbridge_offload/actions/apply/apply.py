@@ -45,13 +45,16 @@ __all__ = [
 # ---------------------------------------------------------------------------------------------- entry point
 
 
-def _validate(config: OffloadConfig, raw: dict[str, Any]) -> tuple[bool, list[dict[str, Any]], dict[str, Any]]:
-    """The verdict on the edited config, its findings and its one effective config (``config.effective``)."""
+def _validate(
+    config: OffloadConfig, raw: dict[str, Any]
+) -> tuple[bool, list[dict[str, Any]], dict[str, Any], dict[str, str]]:
+    """The verdict on the edited config, its findings, its one effective config (``config.effective``) and the
+    environment facts the verdict assumed (validate's ``env``: the TE version and where it came from)."""
     from mbridge_offload.config.validate import validate
 
     report = validate(config, raw)
     data = report.to_dict()
-    return bool(report.ok), list(data.get("findings", [])), dict(report.effective)
+    return bool(report.ok), list(data.get("findings", [])), dict(report.effective), dict(report.env)
 
 
 def _copy(raw: dict[str, Any]) -> dict[str, Any]:
@@ -98,10 +101,12 @@ def _written(raw: dict[str, Any], key: str, value: Any) -> bool:
     return isinstance(block, dict) and leaf in block and block[leaf] == value
 
 
-def _result(text: str, where: str, label: str, new_text: str, **fields: Any) -> ApplyResult:
-    """Validate the edited text and build the result with its diff."""
+def _result(text: str, where: str, label: str, new_text: str, env: dict[str, str], **fields: Any) -> ApplyResult:
+    """Validate the edited text (in the caller's environment: ``env``) and build the result with its diff."""
     new_raw, _ = parse_text(new_text, where)
-    ok, findings, effective = _validate(build_config(new_raw, where), new_raw)
+    edited = build_config(new_raw, where)
+    edited.env.update(env)
+    ok, findings, effective, facts = _validate(edited, new_raw)
     diff = "".join(
         difflib.unified_diff(
             text.splitlines(keepends=True),
@@ -110,7 +115,7 @@ def _result(text: str, where: str, label: str, new_text: str, **fields: Any) -> 
             tofile=f"b/{label}",
         )
     )
-    return ApplyResult(ok=ok, findings=findings, diff=diff, text=new_text, effective=effective, **fields)
+    return ApplyResult(ok=ok, findings=findings, diff=diff, text=new_text, effective=effective, env=facts, **fields)
 
 
 def _configs(
@@ -153,6 +158,7 @@ def apply_offload(
     planner: dict[str, Any] | None = None,
     modules: str | list[str] | None = None,
     option: int | None = None,
+    env: dict[str, str] | None = None,
 ) -> ApplyResult:
     """Switch an offload mode on (or off) in a config, resolve the conflicts it implies, and optionally write it.
 
@@ -171,6 +177,9 @@ def apply_offload(
         planner: keyword arguments for the planner (``gpu``, ``num_gpus``, ...) when ``mode="recommended"``.
         modules: ``model.offload_modules`` for ``mode="fine-grained"`` (a list or ``"expert_fc1,attn_proj"``).
         option: ``mode="recommended"`` only: write recommend's ``options[N]`` instead of its recommendation.
+        env: facts about the training environment, as ``validate`` takes them (``te_version``; the interface's
+            ``environment``): the edits and the verdict on the result follow that Transformer Engine release
+            (default: the release Megatron Bridge 0.6.2 pins, stated in ``env``).
 
     Returns:
         ApplyResult with ``changes`` (each with a why), the unified ``diff``, the ``overrides`` that make the same
@@ -187,6 +196,8 @@ def apply_offload(
     text, where, source_path = _read(source, in_place)
     raw, tree = parse_text(text, where)
     base_cfg, cfg, effective_raw = _configs(raw, overrides, where, tree)
+    for typed in (base_cfg, cfg):
+        typed.env.update(env or {})
     notes: list[str] = []
     assumptions: list[dict[str, Any]] = []
     resolved_mode, wanted = plan_edits(
@@ -205,6 +216,8 @@ def apply_offload(
     is_json = text.lstrip().startswith("{")
     new_text = render(text, tree, changes, is_json, _copy(raw)) if changes else text
     nothing = [] if changes else [f"nothing to change: the config already has mode={resolved_mode}"]
+    if any(c.key == fge.NVTE_KEY for c in changes):
+        notes.append(fge.NVTE_EXPORT_NOTE)
     result = _result(
         text,
         where,
@@ -215,6 +228,7 @@ def apply_offload(
         overrides=[format_override(c.key, c.new) for c in changes],
         notes=notes + conflicts + nothing,
         assumptions=assumptions,
+        env=dict(env or {}),
     )
     return _write_asked(result, source_path, output, in_place, overwrite, output_format, write_roots, allowed_root)
 

@@ -117,8 +117,7 @@ def render_diagnosis_summary() -> str:
     lines += [
         "",
         "Cause, how to confirm, the full fix: [references/failures.md](references/failures.md). Every upstream "
-        "error message of the rule catalogue is also matched to its rule and fix. A failure with no message (prose "
-        "matches nothing): `--symptom ID`.",
+        "error message of the rule catalogue is also matched to its rule and fix. No message: `--symptom ID`.",
     ]
     return "\n".join(lines)
 
