@@ -91,6 +91,8 @@ def _changes(
         or (value is None and get_value(base_cfg, key) is not None)
         or (key in requested and not _written(base_raw, key, value))
     ]
+    if any(c.key == fge.NVTE_KEY for c in changes):  # TE reads it at import: say what another launcher must do
+        notes.append(fge.NVTE_EXPORT_NOTE)
     return changes, notes
 
 
@@ -119,9 +121,10 @@ def _result(text: str, where: str, label: str, new_text: str, env: dict[str, str
 
 
 def _configs(
-    raw: dict[str, Any], overrides: list[str] | None, where: str, tree: Any
+    raw: dict[str, Any], overrides: list[str] | None, where: str, tree: Any, env: dict[str, str]
 ) -> tuple[OffloadConfig, OffloadConfig, dict[str, Any]]:
-    """The config as read, the config with the caller's overrides, and the latter's raw dict.
+    """The config as read, the config with the caller's overrides, and the latter's raw dict; both typed configs
+    carry the caller's environment facts (``env``: the TE release the edits and the verdict follow).
 
     Raises:
         ConfigError: a value that does not type-check; ParallelSizeError: a parallel size of 0 or below.
@@ -130,6 +133,8 @@ def _configs(
     effective_raw = apply_overrides(_copy(raw), list(overrides or []))
     cfg = build_config(effective_raw, where, tree if not overrides else None)
     parallel_sizes.check(effective_raw)  # no edit of a run that cannot start (0 or negative TP, PP, CP, EP...)
+    for typed in (base_cfg, cfg):
+        typed.env.update(env)
     return base_cfg, cfg, effective_raw
 
 
@@ -177,9 +182,7 @@ def apply_offload(
         planner: keyword arguments for the planner (``gpu``, ``num_gpus``, ...) when ``mode="recommended"``.
         modules: ``model.offload_modules`` for ``mode="fine-grained"`` (a list or ``"expert_fc1,attn_proj"``).
         option: ``mode="recommended"`` only: write recommend's ``options[N]`` instead of its recommendation.
-        env: facts about the training environment, as ``validate`` takes them (``te_version``; the interface's
-            ``environment``): the edits and the verdict on the result follow that Transformer Engine release
-            (default: the release Megatron Bridge 0.6.2 pins, stated in ``env``).
+        env: the training environment's facts as ``validate`` takes them (``te_version``): edits and verdict follow it.
 
     Returns:
         ApplyResult with ``changes`` (each with a why), the unified ``diff``, the ``overrides`` that make the same
@@ -195,29 +198,17 @@ def apply_offload(
     _check_arguments(output, in_place, planner, mode, output_format)
     text, where, source_path = _read(source, in_place)
     raw, tree = parse_text(text, where)
-    base_cfg, cfg, effective_raw = _configs(raw, overrides, where, tree)
-    for typed in (base_cfg, cfg):
-        typed.env.update(env or {})
+    base_cfg, cfg, effective_raw = _configs(raw, overrides, where, tree, env or {})
     notes: list[str] = []
     assumptions: list[dict[str, Any]] = []
     resolved_mode, wanted = plan_edits(
-        cfg,
-        effective_raw,
-        mode,
-        fraction=fraction,
-        num_layers=num_layers,
-        planner=planner,
-        notes=notes,
-        modules=fge.parse_modules(modules),
-        option=option,
-        assumptions=assumptions,
-    )
+        cfg, effective_raw, mode, fraction=fraction, num_layers=num_layers, planner=planner, notes=notes,
+        modules=fge.parse_modules(modules), option=option, assumptions=assumptions,
+    )  # fmt: skip
     changes, conflicts = _changes(base_cfg, raw, wanted, list(overrides or []), effective_raw, resolved_mode)
     is_json = text.lstrip().startswith("{")
     new_text = render(text, tree, changes, is_json, _copy(raw)) if changes else text
     nothing = [] if changes else [f"nothing to change: the config already has mode={resolved_mode}"]
-    if any(c.key == fge.NVTE_KEY for c in changes):
-        notes.append(fge.NVTE_EXPORT_NOTE)
     result = _result(
         text,
         where,
