@@ -347,3 +347,31 @@ def test_a_requested_value_the_file_already_has_is_not_rewritten(tmp_path: Path)
     path.write_text("model:\n  num_layers: 8\n  pipeline_model_parallel_size: 1\n")
     result = apply_offload(str(path), "none", overrides=["model.pipeline_model_parallel_size=1"])
     assert "model.pipeline_model_parallel_size" not in {c.key for c in result.changes}
+
+
+# ---------------------------------------------------------------------------------------------- NVTE_CPU_OFFLOAD_V1
+
+DENSE_TE = "model:\n  num_layers: 8\n  transformer_impl: transformer_engine\n"
+
+
+def test_fine_grained_on_te_2_10_or_newer_writes_the_variable_and_says_to_export_it_before_te_is_imported(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "fg.yaml"
+    path.write_text(DENSE_TE)
+    result = apply_offload(str(path), "fine-grained")
+    assert "env_vars.NVTE_CPU_OFFLOAD_V1" in {c.key for c in result.changes} and result.ok
+    (note,) = [n for n in result.notes if "NVTE_CPU_OFFLOAD_V1" in n]
+    # TE reads it at import: Bridge's env_vars satisfy Bridge's check; any other launcher exports it itself.
+    assert "when transformer_engine.pytorch is imported" in note and "launcher other than Bridge's" in note
+    assert "export NVTE_CPU_OFFLOAD_V1=1 in the job's environment before Python starts" in note
+    assert "assumed" in result.env["te_version_source"]
+
+
+def test_fine_grained_on_te_before_2_10_writes_no_variable(tmp_path: Path) -> None:
+    path = tmp_path / "fg.yaml"
+    path.write_text(DENSE_TE)
+    result = apply_offload(str(path), "fine-grained", env={"te_version": "2.9"})
+    assert "env_vars.NVTE_CPU_OFFLOAD_V1" not in {c.key for c in result.changes}  # only the v1 path exists there
+    assert not any("NVTE_CPU_OFFLOAD_V1" in n for n in result.notes)
+    assert result.ok and result.env == {"te_version": "2.9"}

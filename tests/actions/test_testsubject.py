@@ -77,6 +77,23 @@ def test_our_tests_name_this_projects_package_version_and_commit() -> None:
         assert under.commit == _git(PROJECT_ROOT, "rev-parse", "HEAD") and under.commit[:12] in under.summary
 
 
+def test_the_summary_names_only_the_parts_whose_tests_ran() -> None:
+    runtime = ["tests/runtime/test_optimizer_checkpoint.py::test_resume", "tests/runtime/test_ordering.py::test_x"]
+    summary = testsubject.ours(PROJECT_ROOT, "two files", runtime).summary
+    assert "the parts whose tests ran: the HybridDeviceOptimizer, the runtime's devices and stream ordering" in summary
+    assert "planner" not in summary and "rules" not in summary and "activation" not in summary
+
+
+def test_the_planner_is_named_when_a_planner_test_ran() -> None:
+    summary = testsubject.ours(PROJECT_ROOT, "a file", ["tests/plan/test_planner.py::test_y"]).summary
+    assert "(the parts whose tests ran: the planner)" in summary
+
+
+def test_a_run_where_no_test_ran_claims_no_part() -> None:
+    summary = testsubject.ours(PROJECT_ROOT, "a file", []).summary
+    assert "no test of it ran" in summary and "HybridDeviceOptimizer" not in summary
+
+
 def test_a_bridge_checkouts_tests_name_its_version_and_commit(repo: Path) -> None:
     info = repo / "src/megatron/bridge/package_info.py"
     info.parent.mkdir(parents=True)

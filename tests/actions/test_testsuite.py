@@ -211,6 +211,9 @@ def test_cpu_offload_selector_runs_the_marked_tests_and_says_so() -> None:
     assert under.path == str(Path(mbridge_offload.__file__).resolve().parent)
     assert under.version == mbridge_offload.__version__ and under.tests == f"{path} selected by -m cpu_offload"
     assert under.summary in result.coverage and under.cluster_recipe is None
+    # Only the part those tests cover is named: the planner's and the rules' tests did not run.
+    assert "the parts whose tests ran: the HybridDeviceOptimizer)" in under.summary
+    assert "planner" not in under.summary and "rules" not in under.summary
 
 
 def test_suite_full_and_the_bridge_or_a_path_do_not_mix(tmp_path: Path) -> None:

@@ -115,7 +115,7 @@ def test_diagnose_slowdown_fix_lowers_the_fraction_with_overlap_as_the_rule_says
     tmp_path: Path, fraction: float
 ) -> None:
     cfg = load(str(_config(tmp_path, fraction))).config
-    top = diagnose(error="step time is 4x slower with optimizer offload", config=cfg).matches[0]
+    top = diagnose(symptom="slowdown", config=cfg).matches[0]
     new = float(next(f for f in top.fix if "optimizer_offload_fraction=" in f).split("=")[1])
     assert _overlap_in(top.fix) is overlap_advised(new)
 

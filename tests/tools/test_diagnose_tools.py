@@ -80,7 +80,7 @@ async def test_every_planner_input_of_diagnose_is_an_mcp_parameter_with_its_boun
     async with Client(mcp, raise_exceptions=True) as client:
         tools = {t.name: t.input_schema for t in (await client.list_tools()).tools}
     props = tools["diagnose_failure"]["properties"]
-    assert set(input_names()) | {"error", "log", "config", "before", "after"} == set(props)
+    assert set(input_names()) | {"error", "symptom", "log", "config", "before", "after"} == set(props)
     for name in input_names():  # the same schema as estimate_memory's parameter of that name
         assert props[name] == tools["estimate_memory"]["properties"][name], name
 

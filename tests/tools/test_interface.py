@@ -192,7 +192,7 @@ def test_plot_apply_and_diagnose_take_the_planners_inputs_as_recommend_does(sche
     assert set(FIELDS) - APPLY_OWN_INPUTS <= set(apply)
     assert set(apply["mode"]["enum"]) == set(MODES)
     diagnose = schemas["diagnose_failure"]["properties"]
-    assert set(diagnose) == {"error", "log", "config", "before", "after", *input_names()}
+    assert set(diagnose) == {"error", "symptom", "log", "config", "before", "after", *input_names()}
     assert all(diagnose[n] == recommend[n] for n in input_names())
 
 

@@ -135,6 +135,23 @@ async def test_a_bad_te_version_is_bad_input_on_both_surfaces(tmp_path: Path, mo
     assert cli.returncode == 2 and "X.Y" in json.loads(cli.stdout)["error"]
 
 
+@pytest.mark.anyio
+async def test_apply_takes_the_te_version_on_both_surfaces(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    path = tmp_path / "dense.yaml"
+    path.write_text("model:\n  num_layers: 4\n  transformer_impl: transformer_engine\n", encoding="utf-8")
+    cli = _cli("apply", str(path), "--mode", "fine-grained", "--te-version", "2.9", "--json", cwd=tmp_path)
+    async with Client(mcp, raise_exceptions=True) as client:
+        result = await client.call_tool(
+            "apply_offload", {"config": str(path), "mode": "fine-grained", "te_version": "2.9"}
+        )
+        bad = await client.call_tool("apply_offload", {"config": str(path), "mode": "none", "te_version": "latest"})
+    data = result.structured_content
+    assert cli.returncode == 0 and json.loads(cli.stdout)["env"] == data["env"] == {"te_version": "2.9"}
+    assert "env_vars.NVTE_CPU_OFFLOAD_V1" not in {c["key"] for c in data["changes"]}
+    assert bad.is_error and "X.Y" in bad.content[0].text
+
+
 # ---------------------------------------------------------------------------------------------- wording
 
 

@@ -183,7 +183,8 @@ def render_accuracy_table() -> str:
     rows += [
         "",
         f"Fitted physical parameters: CPU AdamW {rate / 1e9:.3f}·10⁹ params/s per Sapphire Rapids core (from the "
-        f"points marked (fit)); allocator overhead {overhead:.1%} of allocated (from the OOM point). Without a "
+        f"points marked (fit): their step factors are an in-sample fit, not a check); allocator overhead "
+        f"{overhead:.1%} of allocated (from the OOM point). Without a "
         "measured baseline the step comes from the step-time model, its efficiency fitted on Megatron Bridge's "
         "performance summary (mbridge_offload_tools/evidence/data/performance_summary.yaml), so the card's baseline "
         "is held out; the NeMo-RL "

@@ -84,10 +84,11 @@ def check_diagnose(v: dict[str, Any]) -> None:
     Raises:
         InputError: nothing given, or one of before/after alone.
     """
-    if not any(v.get(k) for k in ("error", "log", "config", "before", "after")):
+    if not any(v.get(k) for k in ("error", "log", "symptom", "config", "before", "after")):
         raise InputError(
-            "nothing to diagnose: pass error (the message), log (a file or an excerpt), and/or config, or before and "
-            "after configs (CLI: --error, --log, --config, --before/--after)"
+            "nothing to diagnose: pass error (the message), log (a file or an excerpt), symptom (a failure that "
+            "printed no message), and/or config, or before and after configs (CLI: --error, --log, --symptom, "
+            "--config, --before/--after)"
         )
     if (v.get("before") is None) != (v.get("after") is None):
         raise InputError("pass both before and after (two configs around the change; CLI --before/--after), or neither")
@@ -232,6 +233,7 @@ def apply_answer(v: dict[str, Any], **where: Any) -> Any:
             fraction=v["fraction"],
             num_layers=v["num_layers"],
             modules=v["modules"],
+            env=environment(None, v["te_version"]),
             overrides=v["overrides"],
             output=v["output"],
             in_place=v["in_place"],
@@ -280,4 +282,5 @@ def diagnose_answer(v: dict[str, Any]) -> Any:
         after=loaded["after"],
         source=cfg.source if cfg else None,
         planner={name: v[name] for name in input_names()},
+        symptom=v["symptom"],
     )

@@ -12,6 +12,7 @@ import typing
 from dataclasses import replace
 from typing import Any, Literal
 
+from mbridge_offload.actions.diagnose.diagnose import SYMPTOMS
 from mbridge_offload.actions.diagnose.sizing import input_names
 from mbridge_offload.config.rules.base import DEFAULT_TARGET
 from mbridge_offload.plan.inputs.fields import PlanInputs, cli_aliases, group_of
@@ -64,6 +65,15 @@ MEGATRON_ARGS = Param(
     "instead of a config: a Megatron-LM pretrain_gpt.py command line, quoted, e.g. '--num-layers 4 "
     "--cpu-offloading-num-layers 4'",
     metavar='"ARGS"',
+)
+# One declaration for every tool that reads the Transformer Engine release (validate, apply).
+TE_VERSION = Param(
+    "te_version",
+    str,
+    "the Transformer Engine release the training cluster runs, e.g. 2.9 or 2.10.0; the TE-dependent rules "
+    "(activation offload v1/v2, fine-grained NVTE_CPU_OFFLOAD_V1) read it. Default: 2.18 assumed, the release "
+    "Megatron Bridge 0.6.2 pins (env.te_version_source says so)",
+    metavar="X.Y",
 )
 MODEL_CONFIG = CliOnly(
     ("--model-config",),
@@ -120,14 +130,7 @@ VALIDATE = Tool(
             MEGATRON_ARGS,
             help=MEGATRON_ARGS.help + "; fixes then come back as flags (fix: add or set, fix_remove: delete)",
         ),
-        Param(
-            "te_version",
-            str,
-            "the Transformer Engine release the training cluster runs, e.g. 2.9 or 2.10.0; the TE-dependent rules "
-            "(activation offload v1/v2, fine-grained NVTE_CPU_OFFLOAD_V1) read it. Default: 2.18 assumed, the release "
-            "Megatron Bridge 0.6.2 pins (env.te_version_source says so)",
-            metavar="X.Y",
-        ),
+        TE_VERSION,
         Param(
             "env",
             list[str],
@@ -208,6 +211,11 @@ _APPLY_OWN = (
         bounds=bounds(ge=0),
         metavar="N",
     ),
+    replace(
+        TE_VERSION,
+        help=TE_VERSION.help + "; apply writes env_vars.NVTE_CPU_OFFLOAD_V1 for fine-grained offloading only from "
+        "TE 2.10, and judges the edited config with it",
+    ),
 )
 # mode recommended / option: every input recommend takes (evidence, levers, headroom, GPU, count, layout...), so
 # option N is recommend's option N. A planner input apply spells its own way is apply's: num_layers is
@@ -278,6 +286,14 @@ DIAGNOSE = Tool(
     "diagnose",
     (
         Param("error", str, "the error message or traceback", metavar="TEXT"),
+        Param(
+            "symptom",
+            Literal[SYMPTOMS],
+            "a failure the run printed no message for, by its id (references/failures.md): slowdown, no_saving, "
+            "resume_loss_jump, finetune_stale_masters, fsdp_save_hang, ... or oom (a GPU out-of-memory; the config "
+            "decides the reading). diagnose matches upstream's messages in error and log; it does not read prose, so "
+            "a symptom the user describes in words is named here",
+        ),
         Param(
             "log",
             str,

@@ -45,13 +45,16 @@ __all__ = [
 # ---------------------------------------------------------------------------------------------- entry point
 
 
-def _validate(config: OffloadConfig, raw: dict[str, Any]) -> tuple[bool, list[dict[str, Any]], dict[str, Any]]:
-    """The verdict on the edited config, its findings and its one effective config (``config.effective``)."""
+def _validate(
+    config: OffloadConfig, raw: dict[str, Any]
+) -> tuple[bool, list[dict[str, Any]], dict[str, Any], dict[str, str]]:
+    """The verdict on the edited config, its findings, its one effective config (``config.effective``) and the
+    environment facts the verdict assumed (validate's ``env``: the TE version and where it came from)."""
     from mbridge_offload.config.validate import validate
 
     report = validate(config, raw)
     data = report.to_dict()
-    return bool(report.ok), list(data.get("findings", [])), dict(report.effective)
+    return bool(report.ok), list(data.get("findings", [])), dict(report.effective), dict(report.env)
 
 
 def _copy(raw: dict[str, Any]) -> dict[str, Any]:
@@ -88,6 +91,8 @@ def _changes(
         or (value is None and get_value(base_cfg, key) is not None)
         or (key in requested and not _written(base_raw, key, value))
     ]
+    if any(c.key == fge.NVTE_KEY for c in changes):  # TE reads it at import: say what another launcher must do
+        notes.append(fge.NVTE_EXPORT_NOTE)
     return changes, notes
 
 
@@ -98,10 +103,12 @@ def _written(raw: dict[str, Any], key: str, value: Any) -> bool:
     return isinstance(block, dict) and leaf in block and block[leaf] == value
 
 
-def _result(text: str, where: str, label: str, new_text: str, **fields: Any) -> ApplyResult:
-    """Validate the edited text and build the result with its diff."""
+def _result(text: str, where: str, label: str, new_text: str, env: dict[str, str], **fields: Any) -> ApplyResult:
+    """Validate the edited text (in the caller's environment: ``env``) and build the result with its diff."""
     new_raw, _ = parse_text(new_text, where)
-    ok, findings, effective = _validate(build_config(new_raw, where), new_raw)
+    edited = build_config(new_raw, where)
+    edited.env.update(env)
+    ok, findings, effective, facts = _validate(edited, new_raw)
     diff = "".join(
         difflib.unified_diff(
             text.splitlines(keepends=True),
@@ -110,13 +117,14 @@ def _result(text: str, where: str, label: str, new_text: str, **fields: Any) -> 
             tofile=f"b/{label}",
         )
     )
-    return ApplyResult(ok=ok, findings=findings, diff=diff, text=new_text, effective=effective, **fields)
+    return ApplyResult(ok=ok, findings=findings, diff=diff, text=new_text, effective=effective, env=facts, **fields)
 
 
 def _configs(
-    raw: dict[str, Any], overrides: list[str] | None, where: str, tree: Any
+    raw: dict[str, Any], overrides: list[str] | None, where: str, tree: Any, env: dict[str, str]
 ) -> tuple[OffloadConfig, OffloadConfig, dict[str, Any]]:
-    """The config as read, the config with the caller's overrides, and the latter's raw dict.
+    """The config as read, the config with the caller's overrides, and the latter's raw dict; both typed configs
+    carry the caller's environment facts (``env``: the TE release the edits and the verdict follow).
 
     Raises:
         ConfigError: a value that does not type-check; ParallelSizeError: a parallel size of 0 or below.
@@ -128,6 +136,8 @@ def _configs(
     if overrides:  # a measured log belongs to the config as written (plan/evidence/runs.py)
         cfg._written = (base_cfg, written)
     parallel_sizes.check(effective_raw)  # no edit of a run that cannot start (0 or negative TP, PP, CP, EP...)
+    for typed in (base_cfg, cfg):
+        typed.env.update(env)
     return base_cfg, cfg, effective_raw
 
 
@@ -156,6 +166,7 @@ def apply_offload(
     planner: dict[str, Any] | None = None,
     modules: str | list[str] | None = None,
     option: int | None = None,
+    env: dict[str, str] | None = None,
 ) -> ApplyResult:
     """Switch an offload mode on (or off) in a config, resolve the conflicts it implies, and optionally write it.
 
@@ -174,6 +185,7 @@ def apply_offload(
         planner: keyword arguments for the planner (``gpu``, ``num_gpus``, ...) when ``mode="recommended"``.
         modules: ``model.offload_modules`` for ``mode="fine-grained"`` (a list or ``"expert_fc1,attn_proj"``).
         option: ``mode="recommended"`` only: write recommend's ``options[N]`` instead of its recommendation.
+        env: the training environment's facts as ``validate`` takes them (``te_version``): edits and verdict follow it.
 
     Returns:
         ApplyResult with ``changes`` (each with a why), the unified ``diff``, the ``overrides`` that make the same
@@ -189,21 +201,13 @@ def apply_offload(
     _check_arguments(output, in_place, planner, mode, output_format)
     text, where, source_path = _read(source, in_place)
     raw, tree = parse_text(text, where)
-    base_cfg, cfg, effective_raw = _configs(raw, overrides, where, tree)
+    base_cfg, cfg, effective_raw = _configs(raw, overrides, where, tree, env or {})
     notes: list[str] = []
     assumptions: list[dict[str, Any]] = []
     resolved_mode, wanted = plan_edits(
-        cfg,
-        effective_raw,
-        mode,
-        fraction=fraction,
-        num_layers=num_layers,
-        planner=planner,
-        notes=notes,
-        modules=fge.parse_modules(modules),
-        option=option,
-        assumptions=assumptions,
-    )
+        cfg, effective_raw, mode, fraction=fraction, num_layers=num_layers, planner=planner, notes=notes,
+        modules=fge.parse_modules(modules), option=option, assumptions=assumptions,
+    )  # fmt: skip
     changes, conflicts = _changes(base_cfg, raw, wanted, list(overrides or []), effective_raw, resolved_mode)
     is_json = text.lstrip().startswith("{")
     new_text = render(text, tree, changes, is_json, _copy(raw)) if changes else text
@@ -218,6 +222,7 @@ def apply_offload(
         overrides=[format_override(c.key, c.new) for c in changes],
         notes=notes + conflicts + nothing,
         assumptions=assumptions,
+        env=dict(env or {}),
     )
     return _write_asked(result, source_path, output, in_place, overwrite, output_format, write_roots, allowed_root)
 

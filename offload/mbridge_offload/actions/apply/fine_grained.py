@@ -3,13 +3,17 @@
 Besides the switch and ``model.offload_modules`` it writes what megatron-core 0.19.2 and Bridge 0.6 check for it:
 layer-level offloading off (mutually exclusive), ``model.transformer_impl=transformer_engine`` (Bridge's
 ConfigContainer check), ``env_vars.NVTE_CPU_OFFLOAD_V1=1`` (Bridge >= 0.6 with TE >= 2.10: "to avoid offloading
-weights"; Bridge applies ``env_vars`` to the process environment at start-up), and the TE op fuser for
+weights"; Bridge applies ``env_vars`` to the process environment at start-up, which satisfies its check; Transformer
+Engine reads the variable once, when ``transformer_engine.pytorch`` is imported, so another launcher must export it
+before Python imports TE: :data:`NVTE_EXPORT_NOTE`; megatron-core itself, 0.16.1 and 0.19.2 alike, never reads
+the variable), and the TE op fuser for
 ``fused_group_mlp``. What cannot be fixed without changing the run's memory or semantics (a whole-MoE recompute, a
 local CUDA graph over attention modules) is refused with the upstream message and the way out.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from mbridge_offload.plan.memory.fine_grained import module_errors
@@ -17,6 +21,25 @@ from mbridge_offload.upstream_layers import ALLOWED_OFFLOAD_MODULES
 
 MODE = "fine-grained"
 _MOE_INSIDE = {"expert_fc1", "moe_act", "fused_group_mlp"}
+NVTE_KEY = "env_vars.NVTE_CPU_OFFLOAD_V1"
+# What apply says whenever it writes the variable into env_vars (a note of its answer).
+NVTE_EXPORT_NOTE = (
+    "env_vars.NVTE_CPU_OFFLOAD_V1=1 is read by Megatron Bridge, which copies env_vars into the process environment "
+    "at start-up (os.environ.setdefault) before its check. Transformer Engine reads NVTE_CPU_OFFLOAD_V1 once, when "
+    "transformer_engine.pytorch is imported (cpu_offload.py, a module constant), and picks its offload code path "
+    "then: with a launcher other than Bridge's (a Megatron-LM script, your own entry point), or wherever TE may be "
+    "imported before Bridge applies env_vars, export NVTE_CPU_OFFLOAD_V1=1 in the job's environment before Python "
+    "starts (the shell, sbatch/srun --export, the container's env), not only in the config"
+)
+
+
+def _te_at_least_2_10(cfg: Any) -> bool:
+    """The run's Transformer Engine (``env.te_version``, else the release Bridge 0.6.2 pins) is 2.10 or newer: the
+    release whose default offload path (v2) makes Bridge and Megatron-LM ask for NVTE_CPU_OFFLOAD_V1=1."""
+    from mbridge_offload.config.rules.base import TE_VERSION_ASSUMED
+
+    text = str(cfg.env.get("te_version", TE_VERSION_ASSUMED))
+    return tuple(int(p) for p in re.findall(r"\d+", text)[:2]) >= (2, 10)
 
 
 def parse_modules(modules: str | list[str] | tuple[str, ...] | None) -> list[str] | None:
@@ -87,9 +110,10 @@ def fine_grained_edits(cfg: Any, modules: list[str] | None, edits: dict[str, tup
             True,
             "'fused_group_mlp requires use_transformer_engine_op_fuser.'",
         )
-    if cfg.env.get("frontend") != "megatron-lm":
-        edits["env_vars.NVTE_CPU_OFFLOAD_V1"] = (
+    if cfg.env.get("frontend") != "megatron-lm" and _te_at_least_2_10(cfg):  # before 2.10 only v1 exists
+        edits[NVTE_KEY] = (
             1,
             "Bridge with TE >= 2.10: 'NVTE_CPU_OFFLOAD_V1 environment variable should be set to 1 to avoid "
-            "offloading weights' (ConfigContainer.env_vars is exported at start-up)",
+            "offloading weights' (Bridge copies env_vars into the environment at start-up; Transformer Engine "
+            "reads the variable when it is imported: see the note)",
         )

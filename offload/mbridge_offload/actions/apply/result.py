@@ -52,6 +52,11 @@ class ApplyResult(BaseModel):
         description="the edited config's one effective config (mbridge_offload.config.effective): dotted key → "
         "{value, source}, as validate prints it for the edited file",
     )
+    env: dict[str, str] = Field(
+        default_factory=dict,
+        description="the environment facts the verdict assumed, as validate reports them: te_version (and "
+        "te_version_source when assumed), NVTE_CPU_OFFLOAD_V1 as the job would see it",
+    )
     text: str = Field("", exclude=True, description="the edited config text (library only)")
 
     @computed_field  # type: ignore[prop-decorator]

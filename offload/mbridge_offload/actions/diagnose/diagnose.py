@@ -1,18 +1,19 @@
-"""Explain a failed or disappointing offload run: match an error or log against the known failure modes.
+"""Explain a failed or disappointing offload run: match upstream's messages in an error or log to the known
+failure modes, and the failures that print no message by the symptom the caller names.
 
-Two sources of knowledge:
+Three sources of knowledge, none of them English prose:
 - every upstream error message in the rule catalogue (``config/rules/``): a log line that quotes one is
   matched back to its rule, and the rule's fix is returned as overrides;
-- the failures that have no single message — OOM with activation offload, OOM at partial optimizer offload, a
-  >4x slowdown, a loss jump after resume, ``weights_only`` load failures, pinned-memory / memlock limits, the
-  Transformer Engine ``get_cpu_offload_context`` TypeError, checkpoint-save assertions — each with a cause, a way
-  to confirm it and a fix; the catalogue is data in :mod:`mbridge_offload.actions.diagnose.failures.catalogue`.
+- the failure catalogue (:mod:`mbridge_offload.actions.diagnose.failures.catalogue`): failures recognised by
+  upstream's own output (PyTorch's out-of-memory message, Transformer Engine's and megatron-core's assertions, a
+  traceback frame, the kernel's OOM killer), each with a cause, a way to confirm it and a fix;
+- the symptom the caller names (``symptom``: a failure id, or ``oom``) for a failure that prints nothing of its
+  own: a slowdown, a loss that jumps after a resume, memory that did not go down. The client (a person or a coding
+  agent) reads the user's words; this module never does. A sentence with no upstream message matches nothing, and
+  the report says so and lists the symptoms it takes.
 
-Only statements count as symptoms (:mod:`mbridge_offload.actions.diagnose.text_scope`): argument and config dumps,
-metric
-records and traceback frames name settings, metrics and code, and a symptom word counts for the quantity it
-describes. With the config, matches are narrowed (an OOM with ``cpu_offloading`` on is the activation-offload OOM)
-and the validator's findings are added; without one, the offload settings the text states decide. An OOM's,
+With the config, matches are narrowed (an OOM with ``cpu_offloading`` on is the activation-offload OOM) and the
+validator's findings are added; without one, the offload settings the log states (:mod:`.stated`) decide. An OOM's,
 a slowdown's or a host OOM's fix is sized by the planner (:mod:`mbridge_offload.actions.diagnose.sizing`): one of
 ``recommend``'s ranked options for the config, with the text as evidence; without a config none is guessed. With
 two configs, :func:`compare_configs` lists the offload-related keys that changed and the planner's predicted
@@ -30,7 +31,6 @@ from __future__ import annotations
 
 import re
 import string
-from functools import cache, lru_cache
 from typing import Any
 
 from pydantic import BaseModel, Field
@@ -38,17 +38,8 @@ from pydantic import BaseModel, Field
 from mbridge_offload.actions.diagnose import sizing
 from mbridge_offload.actions.diagnose.failures.base import FailureMode
 from mbridge_offload.actions.diagnose.failures.catalogue import EXPLAINS_RULES, KNOWN
-from mbridge_offload.actions.diagnose.failures.concepts import CONCEPTS
 from mbridge_offload.actions.diagnose.failures.memory import OOM_UNATTRIBUTED
-from mbridge_offload.actions.diagnose.text_scope import (
-    Scoped,
-    Stated,
-    attached,
-    numeric_changes,
-    scope,
-    stated,
-    verdict,
-)
+from mbridge_offload.actions.diagnose.stated import Stated, stated, verdict
 from mbridge_offload.config import effective as effective_config
 from mbridge_offload.config import parallel_sizes
 from mbridge_offload.config.effective import EffectiveValue
@@ -60,18 +51,11 @@ from mbridge_offload.plan.results import Anchor, Option
 # A config to diagnose: loaded (raw dict and source known: the same reading as every other tool), or only typed.
 AnyConfig = OffloadConfig | LoadedConfig
 
-# Ideas that say how a symptom looks, not which mechanism causes it: sharing only these with a failure mode's
-# phrasing ("at step 2 it jumps": a step, an increase) makes no mode a candidate for ``closest``.
-_INCIDENTAL = frozenset(
-    {"time", "increase", "decrease", "negation", "early_step", "differ", "sizes", "state", "failure", "args"}
-)
-
-
-def _whole(text: str) -> re.Match[str]:
-    """What a fix function gets for a reading by meaning: a match over the whole text, with no groups."""
-    hit = re.match(r"(?s).*", text)
-    assert hit is not None  # ".*" matches every string
-    return hit
+# The failures a caller may name (``symptom``) when the run printed no upstream message for them: every known
+# failure mode by its id, and ``oom``, a GPU out-of-memory whose reading the config (or the log's settings) decides.
+OOM_SYMPTOM = "oom"
+SYMPTOMS: tuple[str, ...] = (OOM_SYMPTOM, *(mode.id for mode in KNOWN))
+_OOM_READINGS = sizing.GPU_OOM
 
 
 class Diagnosis(BaseModel):
@@ -87,17 +71,12 @@ class Diagnosis(BaseModel):
     fix: list[str] = Field(description="overrides that fix it (may be empty when the fix is not a config key)")
     actions: list[str] = Field([], description="other steps: upgrades, environment changes, alternatives")
     evidence: str | None = None
-    source: str = Field("known", description="known (pattern), meaning (a phrasing), or rule:ID")
+    source: str = Field(
+        "known",
+        description="known (an upstream message of the failure catalogue), symptom (named by the caller), rule:ID "
+        "(an upstream message of the rule catalogue), or predicted (before/after: the change offloads less)",
+    )
     references: list[str] = []
-
-
-class Closest(BaseModel):
-    """A failure mode the text resembles without matching: how many of a phrasing's ideas it shows."""
-
-    failure: str
-    title: str
-    score: float = Field(description="share of the best phrasing's ideas found in the text (0..1)")
-    phrasing: str
 
 
 class RuledOut(BaseModel):
@@ -117,7 +96,6 @@ class DiagnoseReport(BaseModel):
     comparison: dict[str, Any] | None = Field(
         None, description="with before/after: changed offload keys and predicted per-GPU memory"
     )
-    closest: list[Closest] = Field([], description="when nothing matched: the nearest failure modes")
     needs: list[str] = Field(
         [], description="what to pass for a firmer diagnosis (config, log, command line) when the text cannot decide"
     )
@@ -151,9 +129,9 @@ def _line_around(text: str, start: int, end: int) -> str:
     return text[left : right if right != -1 else len(text)].strip()[:300]
 
 
-def _evidence_line(hit: re.Match[str], scoped: Scoped) -> str:
-    """The line of a pattern's hit as the user wrote it (the fields blanked for matching are shown again)."""
-    return _line_around(scoped.text if hit.string is scoped.evidence else hit.string, hit.start(), hit.end())
+def _evidence_line(hit: re.Match[str], text: str) -> str:
+    """The line of a hit as the user wrote it (a hit in the whitespace-flattened text is shown flattened)."""
+    return _line_around(hit.string if hit.string is not text else text, hit.start(), hit.end())
 
 
 def _template_regex(template: str) -> str:
@@ -197,18 +175,17 @@ def _format_fix(templates: tuple[str, ...] | None, values: dict[str, Any]) -> li
     return fixes
 
 
-def _from_rules(scoped: Scoped, covered: set[str]) -> list[Diagnosis]:
+def _from_rules(text: str, covered: set[str]) -> list[Diagnosis]:
     found: list[Diagnosis] = []
     seen: set[str] = set(covered)
-    flat = _normalise(scoped.evidence)
+    flat = _normalise(text)
     for rule, regex in _rule_modes():
         if rule.id in seen:
             continue
-        hit = regex.search(scoped.evidence) or regex.search(flat)
+        hit = regex.search(text) or regex.search(flat)
         if not hit:
             continue
         seen.add(rule.id)
-        evidence = _evidence_line(hit, scoped)
         found.append(
             Diagnosis(
                 failure=rule.id,
@@ -216,7 +193,7 @@ def _from_rules(scoped: Scoped, covered: set[str]) -> list[Diagnosis]:
                 cause=rule.why,
                 confirm=f"check {', '.join(rule.keys)} in the effective config (`mbridge-offload validate CONFIG`)",
                 fix=_format_fix(rule.fix, {k: v for k, v in hit.groupdict().items() if v is not None}),
-                evidence=evidence,
+                evidence=_evidence_line(hit, text),
                 source=f"rule:{rule.id}",
             )
         )
@@ -241,25 +218,7 @@ def _diagnosis(
     )
 
 
-# ---------------------------------------------------------------------------------------------- meaning
-
-
-@lru_cache(maxsize=1)
-def _concept_regexes() -> dict[str, re.Pattern[str]]:
-    return {name: re.compile(pattern, re.IGNORECASE) for name, pattern in CONCEPTS.items()}
-
-
-def concepts(text: str) -> frozenset[str]:
-    """The ideas (``failures.CONCEPTS``) a text expresses, whatever its wording (and a change told in numbers,
-    "from 1.2 s to 5.1 s", as an increase or a decrease)."""
-    flat = _normalise(text.replace("’", "'"))
-    words = {name for name, regex in _concept_regexes().items() if regex.search(flat)}
-    return frozenset(words | {idea for _a, _b, idea in numeric_changes(flat)})
-
-
-@cache
-def _phrasing_concepts(phrasing: str) -> frozenset[str]:
-    return concepts(phrasing)
+# ---------------------------------------------------------------------------------------------- readings
 
 
 def exclusion(mode: FailureMode, config: OffloadConfig | None) -> str | None:
@@ -273,16 +232,13 @@ def exclusion(mode: FailureMode, config: OffloadConfig | None) -> str | None:
     return None
 
 
-def _offered(mode: FailureMode, config: OffloadConfig | None, ideas: frozenset[str], said: Stated | None) -> bool:
-    """Whether ``mode`` is a reading at all: with a config its conditions decide (``exclusion``); without one the
-    settings the text states decide (``text_scope.verdict``), else the text must show the mechanism
-    (``FailureMode.shows``), never only the symptom."""
-    if config is not None:
+def _offered(mode: FailureMode, config: OffloadConfig | None, said: Stated | None, named: bool) -> bool:
+    """Whether ``mode`` is a reading at all: with a config, or named by the caller, always (the config's conditions
+    then decide, ``exclusion``); without either, the settings the log states decide the OOM readings
+    (``stated.verdict``), and every other mode stands on its message."""
+    if config is not None or named:
         return True
-    stated_verdict = verdict(mode.id, said) if said is not None else None
-    if stated_verdict is not None:
-        return True  # offered, or shown and then ruled out by the stated settings (``_excluded``)
-    return mode.without_config and set(mode.shows) <= ideas
+    return (said is not None and verdict(mode.id, said) is not None) or mode.without_config
 
 
 def _excluded(mode: FailureMode, config: OffloadConfig | None, said: Stated | None) -> str | None:
@@ -293,66 +249,16 @@ def _excluded(mode: FailureMode, config: OffloadConfig | None, said: Stated | No
     return found[1] if found is not None and not found[0] else None
 
 
-def _ideas(scoped: Scoped, said: Stated | None) -> frozenset[str]:
-    """The ideas the statements express, and the mechanisms the stated settings switch on."""
-    return concepts(scoped.statement) | (said.ideas if said is not None else frozenset())
-
-
-def _by_meaning(
-    scoped: Scoped,
-    ideas: frozenset[str],
-    config: OffloadConfig | None,
-    found: set[str],
-    out_ruled: dict[str, RuledOut],
-    said: Stated | None,
-) -> list[Diagnosis]:
-    """Failure modes one of whose phrasings the text expresses (all of its ideas, ``_ideas``, present)."""
-    out = []
-    for mode in KNOWN:
-        if mode.id in found or mode.id in out_ruled or not mode.phrasings:
-            continue
-        if not _offered(mode, config, ideas, said):
-            continue
-        phrasing = next((p for p in mode.phrasings if _phrasing_concepts(p) <= ideas), None)
-        if phrasing is None or not attached(mode.id, scoped):
-            continue
-        if reason := _excluded(mode, config, said):
-            out_ruled[mode.id] = RuledOut(failure=mode.id, title=mode.title, reason=reason)
-            continue
-        fix = list(mode.fix(config, _whole(scoped.text)) if callable(mode.fix) else mode.fix)
-        out.append(_diagnosis(mode, fix, f"reads as: {phrasing!r}", "meaning", config))
-    return out
-
-
-def closest_modes(text: str, n: int = 3) -> list[Closest]:
-    """The ``n`` failure modes whose phrasings share the most ideas with the text, counting only phrasings that
-    share at least one idea of the mechanism (not only incidental words such as "step" or "jump")."""
-    ideas = concepts(scope(text).statement)
-    scored = []
-    for mode in KNOWN:
-        best = max(
-            (
-                (len(_phrasing_concepts(p) & ideas) / len(_phrasing_concepts(p)), p)
-                for p in mode.phrasings
-                if (_phrasing_concepts(p) & ideas) - _INCIDENTAL
-            ),
-            default=(0.0, ""),
-        )
-        if best[0] > 0:
-            scored.append(Closest(failure=mode.id, title=mode.title, score=round(best[0], 2), phrasing=best[1]))
-    return sorted(scored, key=lambda c: -c.score)[:n]
-
-
-def _pattern_hit(mode: FailureMode, scoped: Scoped, flat: str) -> re.Match[str] | None:
-    """The first hit of a pattern outside the text's fields whose symptom is about the mode's quantity."""
+def _pattern_hit(mode: FailureMode, text: str, flat: str) -> re.Match[str] | None:
+    """The first hit of one of the mode's upstream messages (also when a message is wrapped over lines)."""
     for pattern in mode.patterns:
-        for hit in re.finditer(pattern, scoped.evidence, re.IGNORECASE):
-            if attached(mode.id, scoped, hit.span()):
-                return hit
-        wrapped = re.search(pattern, flat, re.IGNORECASE)  # a message wrapped over lines
-        if wrapped and attached(mode.id, scoped):
-            return wrapped
+        if hit := re.search(pattern, text, re.IGNORECASE) or re.search(pattern, flat, re.IGNORECASE):
+            return hit
     return None
+
+
+def _named(mode: FailureMode, symptoms: frozenset[str]) -> bool:
+    return mode.id in symptoms or (OOM_SYMPTOM in symptoms and mode.id in _OOM_READINGS)
 
 
 def _supersede(matches: list[Diagnosis], ruled: dict[str, RuledOut]) -> list[Diagnosis]:
@@ -366,31 +272,49 @@ def _supersede(matches: list[Diagnosis], ruled: dict[str, RuledOut]) -> list[Dia
     return [m for m in matches if m.failure not in ruled]
 
 
-def match_and_exclude(text: str, config: OffloadConfig | None = None) -> tuple[list[Diagnosis], list[RuledOut]]:
-    """The known failure modes the text shows (most specific first), and those the config rules out."""
-    scoped = scope(text or "")
-    flat = _normalise(scoped.evidence)
-    said = stated(scoped) if config is None else None
+def check_symptoms(symptoms: list[str] | tuple[str, ...]) -> frozenset[str]:
+    """The named symptoms, each a known failure id or ``oom``.
+
+    Raises:
+        ValueError: an unknown symptom (the message lists the known ones).
+    """
+    unknown = [s for s in symptoms if s not in SYMPTOMS]
+    if unknown:
+        raise ValueError(f"unknown symptom {', '.join(map(repr, unknown))}: one of {', '.join(SYMPTOMS)}")
+    return frozenset(symptoms)
+
+
+def match_and_exclude(
+    text: str, config: OffloadConfig | None = None, symptoms: list[str] | tuple[str, ...] = ()
+) -> tuple[list[Diagnosis], list[RuledOut]]:
+    """The known failure modes the text's upstream messages show or the caller names (most specific first), and
+    those the config (or the settings the log states) rules out.
+
+    Raises:
+        ValueError: an unknown symptom.
+    """
+    named = check_symptoms(symptoms)
+    text = text or ""
+    flat = _normalise(text)
+    said = stated(text) if config is None else None
     matches: list[Diagnosis] = []
     ruled: dict[str, RuledOut] = {}
     covered: set[str] = set()
-    ideas = _ideas(scoped, said)
     for mode in KNOWN:
-        if not _offered(mode, config, ideas, said):
-            continue
-        hit = _pattern_hit(mode, scoped, flat)
-        if hit is None:
+        hit = _pattern_hit(mode, text, flat)
+        # ``oom`` stands for PyTorch's message: the config or the log's settings pick the reading; an id picks it.
+        if (hit is None and not _named(mode, named)) or not _offered(mode, config, said, mode.id in named):
             continue
         if reason := _excluded(mode, config, said):
             ruled[mode.id] = RuledOut(failure=mode.id, title=mode.title, reason=reason)
             continue
         fix = list(mode.fix(config, hit)) if callable(mode.fix) else list(mode.fix)
         covered.update(EXPLAINS_RULES.get(mode.id, ()))
-        matches.append(_diagnosis(mode, fix, _evidence_line(hit, scoped), "known", config))
-    matches += _from_rules(scoped, covered)
-    matches += _by_meaning(scoped, ideas, config, {m.failure for m in matches}, ruled, said)
+        evidence = _evidence_line(hit, text) if hit else f"named by the caller: symptom {mode.id}"
+        matches.append(_diagnosis(mode, fix, evidence, "known" if hit else "symptom", config))
+    matches += _from_rules(text, covered)
     matches = _supersede(matches, ruled)
-    matches += _unattributed_oom(scoped, ideas, flat, config, matches)
+    matches += _unattributed_oom(text, flat, config, matches, named)
     # A config error explains a crash better than the generic symptoms that may also match its log.
     specific = [m for m in matches if not m.failure.startswith(("oom_", "slowdown", "host_oom", "no_saving"))]
     generic = [m for m in matches if m not in specific]
@@ -398,22 +322,25 @@ def match_and_exclude(text: str, config: OffloadConfig | None = None) -> tuple[l
 
 
 def _unattributed_oom(
-    scoped: Scoped, ideas: frozenset[str], flat: str, config: OffloadConfig | None, matches: list[Diagnosis]
+    text: str, flat: str, config: OffloadConfig | None, matches: list[Diagnosis], named: frozenset[str]
 ) -> list[Diagnosis]:
-    """A GPU OOM no reading could take (no config, no mechanism in the text, or the readings the text showed are
+    """A GPU OOM no reading could take (no config, no offload setting in the log, or the readings the log showed are
     ruled out by the settings it states): say so, and guess no fix."""
     if config is not None or any(m.failure.startswith(("oom_", "host_oom")) for m in matches):
         return []
-    hit = _pattern_hit(OOM_UNATTRIBUTED, scoped, flat)
-    if "oom" not in ideas and hit is None:
+    hit = _pattern_hit(OOM_UNATTRIBUTED, text, flat)
+    if hit is None and OOM_SYMPTOM not in named and OOM_UNATTRIBUTED.id not in named:
         return []
-    evidence = _evidence_line(hit, scoped) if hit else None
-    return [_diagnosis(OOM_UNATTRIBUTED, [], evidence, "known" if hit else "meaning")]
+    evidence = _evidence_line(hit, text) if hit else f"named by the caller: symptom {OOM_SYMPTOM}"
+    return [_diagnosis(OOM_UNATTRIBUTED, [], evidence, "known" if hit else "symptom")]
 
 
-def match_text(text: str, config: OffloadConfig | None = None) -> list[Diagnosis]:
-    """Every known failure mode the text shows, most specific first (those the config rules out are left out)."""
-    return match_and_exclude(text, config)[0]
+def match_text(
+    text: str, config: OffloadConfig | None = None, symptoms: list[str] | tuple[str, ...] = ()
+) -> list[Diagnosis]:
+    """Every known failure mode the text shows or the caller names, most specific first (those the config rules out
+    are left out)."""
+    return match_and_exclude(text, config, symptoms)[0]
 
 
 # ---------------------------------------------------------------------------------------------- before / after
@@ -500,12 +427,15 @@ def diagnose(
     after: AnyConfig | None = None,
     source: str | None = None,
     planner: dict[str, Any] | None = None,
+    symptom: str | None = None,
 ) -> DiagnoseReport:
-    """Match an error message and/or a log excerpt against the known failure modes.
+    """Match an error message and/or a log excerpt against the known failure modes, and the symptom named.
 
     Args:
         error: the error text (one line or a traceback).
         log: a log excerpt.
+        symptom: a failure the run printed no message for, named by its id (:data:`SYMPTOMS`: a failure mode's id,
+            or ``oom``); the client reads the user's words, diagnose does not.
         config: the config of the failing run; narrows matches and adds the validator's findings.
         raw: the raw dict of ``config`` (for rules that read unknown keys).
         before, after: two configs around a change; adds ``comparison`` (offload diff, predicted memory). Pass them
@@ -520,7 +450,10 @@ def diagnose(
     Raises:
         ParallelSizeError: a config with a parallel size of 0 or below (``config.parallel_sizes``).
         InputError: a planner input out of its bounds, an unknown preset, an unreadable measured log.
+        ValueError: an unknown symptom.
     """
+    named = (symptom,) if symptom else ()
+    check_symptoms(named)
     inputs = sizing.check_inputs(planner)
     for label, given in (("config", raw), ("before", before), ("after", after)):
         # a run that cannot start is bad input here as everywhere (estimate, recommend, apply refuse it too)
@@ -528,7 +461,7 @@ def diagnose(
     text = "\n".join(t for t in (error, log) if t)
     typed_before = _parts(before)[0] if before is not None else None
     typed_after = _parts(after)[0] if after is not None else None
-    matches, ruled = match_and_exclude(text, config or typed_after) if text else ([], [])
+    matches, ruled = match_and_exclude(text, config or typed_after, named) if text or named else ([], [])
     report = DiagnoseReport(matches=matches, ruled_out=ruled)
     for r in ruled:
         report.notes.append(f"ruled out by the config: {r.failure} ({r.title}): {r.reason}")
@@ -540,17 +473,18 @@ def diagnose(
     if before is not None and after is not None and typed_before is not None and typed_after is not None:
         report.comparison = compare_configs(before, after, inputs)
         report.assumptions = report.comparison.pop("assumptions", [])
-        if not text:
+        if not text and not named:  # no failure reported: does the change predict an OOM?
             smaller = _got_smaller(typed_before, typed_after)
-            report.matches = match_text("out of memory", typed_after) if smaller else []
+            report.matches = match_text("", typed_after, (OOM_SYMPTOM,)) if smaller else []
+            for m in report.matches:
+                m.source, m.evidence = "predicted", "the change offloads less than before (comparison)"
     failing = sizing.Failing(config, raw, source) if config is not None else None
     if failing is None and after is not None:
         failing = sizing.Failing(*_parts(after))
     _size(report, failing, inputs, text)
     report.needs = [*_needs(report.matches, config or typed_after), *report.needs]
     if text and not report.matches:
-        report.closest = closest_modes(text)
-        report.notes.append(_nothing_matched(report.closest))
+        report.notes.append(_NOTHING_MATCHED)
         if config is None:
             report.needs = list(_NEEDS_WHEN_UNMATCHED)
     return report
@@ -570,7 +504,7 @@ def _size(report: DiagnoseReport, failing: sizing.Failing | None, inputs: dict[s
             report.needs.append(sizing.SIZING_NEED)
         return
     # The text reports the failure (a prediction from before/after has no text): it is the evidence.
-    oom_line = (oom.evidence or oom.title) if oom is not None and text else None
+    oom_line = (oom.evidence or oom.title) if oom is not None and oom.source != "predicted" else None
     found = sizing.size(readings, failing, inputs, text, oom_line)
     for m in report.matches:
         if m.failure in found.fixes:
@@ -598,13 +532,11 @@ def _needs(matches: list[Diagnosis], config: OffloadConfig | None) -> list[str]:
     return out
 
 
-def _nothing_matched(closest: list[Closest]) -> str:
-    """The note when no failure mode matched: the near ones if any, else what would help; never an empty list."""
-    ask = "pass the config and the log around the first error, or run `mbridge-offload validate CONFIG`"
-    if not closest:
-        return f"no known offload failure matched this text, and none is close: {ask}."
-    nearest = ", ".join(f"{c.failure} ({c.score:.0%} of '{c.phrasing}')" for c in closest)
-    return f"no known offload failure matched; the closest failure modes are {nearest}. For a firmer answer, {ask}."
+_NOTHING_MATCHED = (
+    "no upstream message of a known offload failure is in this text, and diagnose does not read prose: name the "
+    "failure instead (symptom: " + ", ".join(SYMPTOMS) + "), or pass the config and the log around the first error, "
+    "or run `mbridge-offload validate CONFIG`."
+)
 
 
 def _got_smaller(before: OffloadConfig, after: OffloadConfig) -> bool:

@@ -83,14 +83,57 @@ def bridge_version(root: Path) -> str | None:
 # ---------------------------------------------------------------------------------------------- the three kinds
 
 
-def ours(root: Path, tests: str) -> CodeUnderTest:
-    """This project's runtime and rules, as the unit suite imports them (``root``: the project's checkout)."""
+# The parts of this project a test file covers, by where it sits under tests/ (the suite mirrors the packages) and,
+# in the runtime, by which mechanism its name says: first match wins.
+PARTS: tuple[tuple[str, str], ...] = (
+    ("tests/runtime/test_optimizer", "the HybridDeviceOptimizer"),
+    ("tests/runtime/test_megatron_activation", "activation offload"),
+    ("tests/runtime/test_activation", "activation offload"),
+    ("tests/runtime/", "the runtime's devices and stream ordering"),
+    ("tests/config/", "the config reading and rules"),
+    ("tests/plan/", "the planner"),
+    ("tests/actions/", "apply, diagnose and the test tool"),
+    ("tests/tools/", "the CLI, the MCP server and the generated docs"),
+    ("tests/", "the house rules and upstream tables"),
+)
+# The outcomes of a test that ran (a skipped test ran none of the code it names).
+RAN = ("passed", "failed", "error", "xfailed", "xpassed")
+
+
+def parts_tested(nodeids: list[str]) -> list[str]:
+    """The parts of this project (:data:`PARTS`) that the tests ``nodeids`` exercise, in :data:`PARTS` order.
+
+    Args:
+        nodeids: pytest node ids of the tests that ran (``tests/plan/test_x.py::test_y``).
+
+    Returns:
+        Each part once; empty when no test ran.
+    """
+    found = set()
+    for nodeid in nodeids:
+        path = nodeid.split("::", 1)[0].replace("\\", "/")
+        found.add(next((part for prefix, part in PARTS if path.startswith(prefix)), None))
+    return [part for part in dict.fromkeys(part for _p, part in PARTS) if part in found]
+
+
+def ours(root: Path, tests: str, ran: list[str] | None = None) -> CodeUnderTest:
+    """This project's code, as the unit suite imports it (``root``: the project's checkout).
+
+    Args:
+        root: the checkout (its commit is named).
+        tests: which tests were selected, in words.
+        ran: the node ids of the tests that ran (outcome passed, failed or error); the summary names only the parts
+            of the project those tests cover. None: not known (the summary then names no part).
+    """
     package = Path(mbridge_offload.__file__).resolve().parent
     commit = git_commit(root)
+    parts = parts_tested(ran or [])
+    covered = f"the parts whose tests ran: {', '.join(parts)}" if parts else "no test of it ran"
+    if ran is None:  # the caller did not say which ran: name no part rather than claim one
+        covered = "which parts ran: see the tests"
     return CodeUnderTest(
-        summary=f"Tested this project's code: mbridge-offload {mbridge_offload.__version__} (the offload runtime, "
-        f"HybridDeviceOptimizer and activation offload, and the rules and planner) from {package}"
-        f"{f' at commit {commit[:12]}' if commit else ''}, with {tests}.",
+        summary=f"Tested this project's code: mbridge-offload {mbridge_offload.__version__} ({covered}) from "
+        f"{package}{f' at commit {commit[:12]}' if commit else ''}, with {tests}.",
         kind="mbridge-offload",
         package="mbridge_offload",
         path=str(package),

@@ -236,7 +236,8 @@ def _unit_run(
     else:
         tests = "the whole suite (tests/)" if files == ["tests"] else ", ".join(files)
         tests += f" selected by -m {marker}" if marker else f" selected by -k {expr!r}" if expr else ""
-    result.under_test = testsubject.ours(PROJECT_ROOT, tests)
+    ran = [t.nodeid for t in result.tests if t.outcome in testsubject.RAN]  # a skipped test covers nothing
+    result.under_test = testsubject.ours(PROJECT_ROOT, tests, ran)
     if offload_suite:
         result.coverage = testselect.offload_coverage(result, files)
     else:

@@ -18,7 +18,7 @@ CLI_EQUIVALENTS: dict[str, str] = {
     "apply_offload": "mbridge-offload apply CONFIG [--mode MODE | --option N] [--output FILE [--force] | --in-place]",
     "run_unit_tests": "mbridge-offload test [-k EXPR] [--suite SUITE] [--bridge-repo PATH]",
     "diagnose_failure": (
-        "mbridge-offload diagnose --error TEXT | --log FILE|TEXT [--config FILE] [--gpu G --num-gpus N]"
+        "mbridge-offload diagnose --error TEXT | --log FILE|TEXT | --symptom ID [--config FILE] [--gpu G ...]"
     ),
     "plot_offload": "mbridge-offload plot [CONFIG] --sweep KEY=START:STOP:STEP | --kind phases|options [--output FILE]",
 }
@@ -117,7 +117,7 @@ def render_diagnosis_summary() -> str:
     lines += [
         "",
         "Cause, how to confirm, the full fix: [references/failures.md](references/failures.md). Every upstream "
-        "error message of the rule catalogue is also matched to its rule and fix.",
+        "error message of the rule catalogue is also matched to its rule and fix. No message: `--symptom ID`.",
     ]
     return "\n".join(lines)
 

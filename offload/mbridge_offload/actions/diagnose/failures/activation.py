@@ -23,7 +23,6 @@ ACTIVATION: tuple[FailureMode, ...] = (
             "alternatively keep activation offload and set model.pipeline_model_parallel_size=1 if the model fits on "
             "one stage (see `mbridge-offload estimate`)",
         ),
-        phrasings=("activation offloading with pipeline parallelism fails",),
     ),
     FailureMode(
         "recompute_constraint",
@@ -33,7 +32,6 @@ ACTIVATION: tuple[FailureMode, ...] = (
         "check model.recompute_granularity",
         ("model.recompute_granularity=null",),
         ("or keep recompute and switch activation offload off (model.cpu_offloading=false)",),
-        phrasings=("activation offloading with recompute fails",),
     ),
     FailureMode(
         "fine_grained_constraint",
@@ -53,7 +51,6 @@ ACTIVATION: tuple[FailureMode, ...] = (
         "check model.cuda_graph_impl and model.enable_cuda_graph",
         ("model.cuda_graph_impl=none",),
         ("or keep CUDA graphs and use optimizer offloading instead (unaffected by CUDA graphs)",),
-        phrasings=("activation offloading with CUDA graphs fails",),
     ),
     FailureMode(
         "layer_range",
@@ -117,9 +114,5 @@ ACTIVATION: tuple[FailureMode, ...] = (
         ("or upgrade transformer-engine (asymmetric layers fixed in TE PR #1984)",),
         ("NVIDIA-NeMo/Speech#14670",),
         rules_out=fc.rules_out_double_buffering,
-        phrasings=(
-            "double buffering fails with buffers of different sizes",
-            "activation offload double buffer size mismatch",
-        ),
     ),
 )

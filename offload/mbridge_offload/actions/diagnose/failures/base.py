@@ -13,12 +13,18 @@ from mbridge_offload.actions.apply.plan import DEFAULT_FRACTION
 from mbridge_offload.config.rules.optimizer.offload import overlap_advised
 from mbridge_offload.config.schema import OffloadConfig
 
-FixFn = Callable[[OffloadConfig | None, "re.Match[str]"], list[str]]
+# A fix computed from the config and the upstream message's match (None: the caller named the failure as a symptom).
+FixFn = Callable[[OffloadConfig | None, "re.Match[str] | None"], list[str]]
 
 
 @dataclass(frozen=True)
 class FailureMode:
-    """A known way an offload run fails, with what to tell the user."""
+    """A known way an offload run fails, with what to tell the user.
+
+    ``patterns`` match upstream's own output only (an exception's message, a traceback frame, a kernel or launcher
+    line); a failure that has no such message (a slowdown, a loss that jumps) is named by the caller as a symptom
+    (its ``id``), never read from a sentence.
+    """
 
     id: str
     title: str
@@ -30,10 +36,9 @@ class FailureMode:
     references: tuple[str, ...] = ()
     # Only match when this holds for the given config (None config: always).
     when: Callable[[OffloadConfig], bool] | None = None
-    # Without a config, report this one only if it is one of the likely readings (not every OOM variant).
+    # Without a config (and without the offload settings a log states), report it on its message alone; False for the
+    # OOM readings, which the settings tell apart (a plain OOM is no reading's until then: oom_unattributed).
     without_config: bool = True
-    # How users describe it in their own words; matched by meaning (CONCEPTS), not by substring.
-    phrasings: tuple[str, ...] = ()
     # With a config: the reason it excludes this mode (key and value), or None (``failure_conditions``).
     rules_out: Callable[[OffloadConfig], str | None] | None = None
     # With a config: the cause told with the config's values, instead of ``cause``.
@@ -43,9 +48,6 @@ class FailureMode:
     # The overrides of the confirming experiment (``confirm``): they show the cause, they do not fix it (e.g.
     # resuming without the optimizer state throws that state away), so they never appear in ``fix``.
     confirm_with: tuple[str, ...] = ()
-    # Without a config: the ideas (CONCEPTS) the text must all show before this reading is offered, so that a bare
-    # symptom never leads with a mechanism nothing showed (a plain OOM is not "activation offload").
-    shows: tuple[str, ...] = ()
     # What the report's ``needs`` asks for when this mode matched without a config (or with an empty fix).
     needs: tuple[str, ...] = ()
 
@@ -68,7 +70,7 @@ def fraction_overrides(fraction: float) -> list[str]:
     return out
 
 
-def fix_slowdown(cfg: OffloadConfig | None, _m: re.Match[str]) -> list[str]:
+def fix_slowdown(cfg: OffloadConfig | None, _m: re.Match[str] | None) -> list[str]:
     current = _fraction(cfg)
     lower = 0.5 if current is None else max(0.25, round(current - 0.25, 2))
     if cfg is not None and cfg.model.cpu_offloading and not cfg.optimizer.optimizer_cpu_offload:
@@ -77,13 +79,9 @@ def fix_slowdown(cfg: OffloadConfig | None, _m: re.Match[str]) -> list[str]:
     return fraction_overrides(lower)
 
 
-# Megatron-LM's validate_args checks of the offload flags (rule ids, origin megatron-lm), and the words that
-# point at each one in a user's description; the fixes come from the rule catalogue, the one source.
-_MLM_RULES: tuple[tuple[str, str], ...] = (
-    ("ACT-MLM-FG-TE-IMPL", r"fine.?grained|offload.?modules"),
-    ("OPT-MLM-FP8-PARAM-GATHER", r"fp8"),
-    ("OPT-MLM-PRECISION-AWARE", r"optimi[sz]er|precision|fraction"),
-)
+# Megatron-LM's validate_args checks of the offload flags (rule ids, origin megatron-lm); their AssertionError texts
+# are matched from the rule catalogue, the one source of their fixes.
+_MLM_RULES = ("ACT-MLM-FG-TE-IMPL", "OPT-MLM-FP8-PARAM-GATHER", "OPT-MLM-PRECISION-AWARE")
 
 
 def _mlm_rule(rule_id: str):
@@ -92,35 +90,28 @@ def _mlm_rule(rule_id: str):
     return next(r for r in all_rules() if r.id == rule_id)
 
 
-def fix_mlm_args(_cfg: OffloadConfig | None, m: re.Match[str]) -> list[str]:
-    """The fix of the first validate_args check the description points at; none when it names no mechanism."""
-    for rule_id, words in _MLM_RULES:
-        if re.search(words, m.string, re.IGNORECASE):
-            return list(_mlm_rule(rule_id).fix or ())
-    return []
-
-
 def mlm_actions() -> tuple[str, ...]:
     from mbridge_offload.config.megatron_lm.fixes import flag_edit
 
     out = []
-    for rule_id, _words in reversed(_MLM_RULES):  # the check every --optimizer-cpu-offload meets first
+    for rule_id in reversed(_MLM_RULES):  # the check every --optimizer-cpu-offload meets first
         rule = _mlm_rule(rule_id)
         flags = [" ".join(edit[0]) for f in rule.fix or () if (edit := flag_edit(f))]
         out.append(f"if the AssertionError reads {rule.message!r}: add {' '.join(flags)} ({rule_id})")
     return tuple(out)
 
 
-def fix_layer_range(cfg: OffloadConfig | None, m: re.Match[str]) -> list[str]:
-    total: int | None
-    try:
-        total = int(m.group("n"))
-    except (IndexError, ValueError, TypeError):
-        total = int(cfg.model.num_layers) if cfg is not None and cfg.model.num_layers else None
+def fix_layer_range(cfg: OffloadConfig | None, m: re.Match[str] | None) -> list[str]:
+    total: int | None = None
+    if m is not None and m.groupdict().get("n"):
+        total = int(m.group("n"))  # the layer count upstream's message states
+    elif cfg is not None and cfg.model.num_layers:
+        total = int(cfg.model.num_layers)
     return [f"model.cpu_offloading_num_layers={total - 1}"] if total else []
 
 
-OOM_PATTERNS = (r"CUDA out of memory", r"OutOfMemoryError", r"CUDA error: out of memory", r"\bOOM\b", r"out of memory")
+# PyTorch's own GPU out-of-memory messages (the caching allocator's, the CUDA runtime's).
+OOM_PATTERNS = (r"CUDA out of memory", r"OutOfMemoryError", r"CUDA error: out of memory")
 # Optimizer offload starts where `apply` starts it (the balanced starting point).
 START_FRACTION = DEFAULT_FRACTION
 SWITCH_TO_OPTIMIZER = (

@@ -29,10 +29,6 @@ CHECKPOINT: tuple[FailureMode, ...] = (
         ),
         ("NVIDIA-NeMo/Speech#14574",),
         rules_out=fc.rules_out_save_assert,
-        phrasings=(
-            "optimizer states end up on different devices after resume",
-            "optimizer state tensors have mixed dtypes after loading the checkpoint",
-        ),
     ),
     FailureMode(
         "common_state_differs",
@@ -50,19 +46,11 @@ CHECKPOINT: tuple[FailureMode, ...] = (
         ),
         ("NVIDIA-NeMo/Speech#14243",),
         rules_out=fc.rules_out_save_assert,
-        phrasings=(
-            "the common state dict differs across ranks",
-            "optimizer state differs between ranks when saving the checkpoint",
-        ),
     ),
     FailureMode(
         "finetune_stale_masters",
         "Fine-tune: loss right at step 1, random at step 2",
-        (
-            r"sync_hybrid_device_optimizer_fp32_master_copies",
-            r"(?:fine.?tun\w*|pretrained).{0,200}loss.{0,160}(?:random|collaps\w*)",
-            r"loss.{0,60}step ?1\b.{0,160}(?:random|collaps\w*|~?10\b).{0,60}step ?2\b",
-        ),
+        (r"sync_hybrid_device_optimizer_fp32_master_copies",),  # else named (symptom finetune_stale_masters)
         "the HybridDeviceOptimizer's CPU and fp32 copies of the weights are made when the optimizer is built, "
         "before the pretrained checkpoint is loaded into the model; the load (model only) refreshes the distributed "
         "optimizer's own fp32 shards but not these copies, so the first step runs Adam on random-init weights and "
@@ -90,53 +78,48 @@ CHECKPOINT: tuple[FailureMode, ...] = (
                 "tells nothing; the stale copies are the HybridDeviceOptimizer's (finetune_stale_masters)",
             ),
         ),
-        phrasings=(
-            "fine-tuning from a pretrained checkpoint the loss is right at the first step and random at step two",
-            "fine-tuning loss collapses to random after the first step",
-            "after loading the pretrained weights the loss goes back to random",
-        ),
     ),
     FailureMode(
         "resume_loss_jump",
         "Loss jumps after resuming from a checkpoint",
-        (
-            r"loss (?:jumps?|jumped|spikes?|spiked|explodes?|exploded|diverge)",
-            r"after (?:resum|restart|load)\w*.{0,40}loss",
-            r"loss.{0,40}after (?:resum|restart|load)",
-        ),
+        (),  # no upstream message: the caller names it (symptom resume_loss_jump)
         "resuming a run (model and optimizer state), the HybridDeviceOptimizer's fp32 masters or its Adam step "
         "counter were not restored: precision-aware + offload resume (Megatron-LM#1842), stale 'step' in "
         "DP-reshardable loads (SkyRL#1401, Megatron-LM PR #5929)",
-        "a confirmation, not a fix: resume once from the same checkpoint with checkpoint.load_optim=false "
-        "(--no-load-optim); if the jump goes away, the optimizer-state restore is at fault (that run throws the Adam "
-        "state away, so do not keep training with it)",
+        "a check that tells the causes apart, not a fix: resume once from the same checkpoint, optimizer state "
+        "included, with optimizer.optimizer_cpu_offload=false (megatron-core's distributed optimizer saves exp_avg, "
+        "exp_avg_sq and the fp32 masters per parameter in the same layout with or without the "
+        "HybridDeviceOptimizer, so the GPU optimizer reads the same state; if it does not fit, check at a smaller "
+        "micro-batch or on more GPUs: a jump from 0.3 to 10 survives that). The jump goes away: the "
+        "HybridDeviceOptimizer's restore is at fault (its fp32 masters or Adam step not pushed to its "
+        "sub-optimizers). The jump stays: the saved state or its reading is, whatever the optimizer (a checkpoint "
+        "written in another format or parallel layout than the resume reads, or a cause outside the optimizer: data "
+        "order, LR schedule). Resuming with checkpoint.load_optim=false tells neither apart: it throws the state "
+        "away, so both jumps go",
         (),
         (
             "upgrade Megatron Bridge to >= 0.6.2: PR #4082 (Megatron-Bridge#3949) calls "
             "sync_hybrid_device_optimizer_fp32_master_copies after every checkpoint load, refreshing the "
             "HybridDeviceOptimizer's CPU copies and fp32 masters from the loaded weights",
             "upgrade megatron-core past Megatron-LM PR #5929 (main; Megatron-LM PR #6124 on dev): it restores the "
-            "Adam 'step' in DP-reshardable loads and the fp32 masters of native-fp32 parameters",
+            "Adam 'step' in DP-reshardable loads and the fp32 masters of native-fp32 parameters (megatron-core 0.16.1 "
+            "and 0.19.2 both predate it: their DP-reshardable load skips 'step', and _update_fp32_params_by_new_state "
+            "looks up every parameter's fp32 copy)",
             "or use this project's HybridDeviceOptimizer (install_optimizer_offload): its load_state_dict refreshes "
             "the host copies and masters from the loaded weights, then restores the saved masters and each "
             "parameter's step (resume is bit-exact: tests/runtime/test_optimizer_resume.py)",
         ),
         ("NVIDIA/Megatron-LM#1842", "NVIDIA-NeMo/Megatron-Bridge#4082", "NovaSky-AI/SkyRL#1401"),
         rules_out=fc.rules_out_resume_jump,
-        confirm_with=("checkpoint.load_optim=false",),
-        phrasings=(
-            "loss jumped after resuming",
-            "loss increased after loading the checkpoint",
-            "loss diverged after restart",
-        ),
+        confirm_with=("optimizer.optimizer_cpu_offload=false",),
     ),
     FailureMode(
         "checkpoint_save_assert",
         "AssertionError saving a checkpoint with optimizer offload",
         (
             r"gbuf_local_end - gbuf_local_start",
-            r"AssertionError.{0,200}(?:save|checkpoint)",
-            r"(?:save|checkpoint).{0,200}AssertionError",
+            r"AssertionError[\s\S]{0,300}(?:save_checkpoint|distrib_optimizer\.py)",
+            r"(?:save_checkpoint|distrib_optimizer\.py)[\s\S]{0,600}AssertionError",
         ),
         "torch AdamW's 0-dim 'step' tensor went through the per-bucket shape assertion of the distributed "
         "optimizer's save path (fixed in megatron-core 0.18.0, Megatron-LM PR #2874)",
@@ -149,7 +132,6 @@ CHECKPOINT: tuple[FailureMode, ...] = (
         ),
         ("NVIDIA-NeMo/Megatron-Bridge#1942", "NVIDIA/Megatron-LM#1872"),
         rules_out=fc.rules_out_save_assert,
-        phrasings=("assertion fails saving a checkpoint", "assert while saving the optimizer state"),
     ),
     FailureMode(
         "weights_only_load",
@@ -164,7 +146,6 @@ CHECKPOINT: tuple[FailureMode, ...] = (
             "before loading, or torch.load(..., weights_only=False)",
         ),
         ("NovaSky-AI/SkyRL#1401",),
-        phrasings=("weights_only load fails", "unpickling fails"),
     ),
     FailureMode(
         "fp32_master_keyerror",
@@ -180,7 +161,7 @@ CHECKPOINT: tuple[FailureMode, ...] = (
     FailureMode(
         "fsdp_save_hang",
         "Checkpoint save hangs with Megatron-FSDP and optimizer offload",
-        (r"hang.{0,80}(?:save|checkpoint)", r"(?:save|checkpoint).{0,80}hang"),
+        (),  # a hang prints nothing of its own: the caller names it (symptom fsdp_save_hang)
         "Megatron-FSDP's optimizer checkpoint save with optimizer_cpu_offload=True can hang (Megatron-LM#4910)",
         "the hang is in the optimizer state save: py-spy dump shows the ranks in the optimizer checkpoint save, "
         "and one save with checkpoint.save_optim=false completes",
@@ -197,16 +178,11 @@ CHECKPOINT: tuple[FailureMode, ...] = (
         ("NVIDIA/Megatron-LM#4910",),
         rules_out=fc.rules_out_fsdp,
         confirm_with=("checkpoint.save_optim=false",),
-        phrasings=("checkpoint save hangs", "stuck saving the optimizer state"),
     ),
     FailureMode(
         "stale_grad_reapplied",
         "Grad-less parameter updated with a stale gradient",
-        (
-            r"stale grad\w*.{0,200}(?:hybrid|offload|HybridDeviceOptimizer)",
-            r"(?:hybrid|offload|HybridDeviceOptimizer).{0,200}stale grad\w*",
-            r"_set_sub_optimizer_grads",
-        ),
+        (r"_set_sub_optimizer_grads",),  # a traceback frame; else named (symptom stale_grad_reapplied)
         "megatron-core's HybridDeviceOptimizer keeps each inner parameter's .grad from the last step; when the "
         "model parameter has no gradient it only sets requires_grad=False, and torch's Adam skips a parameter only "
         "when .grad is None, so the previous step's gradient is applied again (MoE experts that got no tokens, "
@@ -222,10 +198,5 @@ CHECKPOINT: tuple[FailureMode, ...] = (
         ("NVIDIA/Megatron-LM#7551", "NVIDIA/Megatron-LM#6871"),
         rules_out=fc.rules_out_save_assert,
         explain=fc.explain_stale_grad,
-        phrasings=(
-            "a parameter with no gradient is still updated with the stale gradient",
-            "experts that get no tokens still change with optimizer offload",
-            "the previous step's gradient is applied again to unused experts",
-        ),
     ),
 )
