@@ -104,16 +104,35 @@ def _mlp_activations(m: ModelSpec, s: Setup, tokens: int, t_sp: int) -> list[Ten
 
 
 def _moe_activations(m: ModelSpec, s: Setup, tokens: int, t_sp: int) -> list[Tensor]:
+    """What megatron-core's ``MoELayer`` saves (measured on CPU against 0.16.1, tests/plan/test_moe_activations.py).
+
+    Router (``moe/router.py``): its input (the pre-MLP norm's output), the fp32 softmax over all experts that the
+    load-balancing loss reads, the fp32 softmax over the top-k scores, and the int64 top-k indices twice (the
+    ``topk`` and the ``scatter`` into the routing map). Dispatcher (``token_dispatcher.py`` + ``moe_utils.permute``
+    / ``unpermute``): the int64 index over all ``T·E`` (token, expert) pairs that ``permute`` selects the probs with
+    (0.19.2; 0.16.1's ``masked_select`` keeps the bf16 probs and the bool routing map instead, 3 bytes a pair), and
+    the int64 index of ``unpermute``'s ``scatter_add``; the permuted tokens themselves are saved once, as the experts'
+    fc1 input. Experts (``experts.py`` with ``bias_activation_fusion``, as Bridge's MoE providers set it): fc1's
+    input and output, the routed probs the weighted SwiGLU saves, and fc2's input. A non-gated expert activation has
+    no weighted fused kernel (``mlp.py``: only SwiGLU and quick-GeGLU take ``per_token_scale`` fused), so the
+    multiplication by the probs also saves the activation's output (``expert_act_unweighted``)."""
     gate, h, etp = 2 if m.gated_linear_unit else 1, m.hidden_size, s.resolved_etp(m)
     routed = t_sp * m.moe_router_topk * etp  # balanced routing: each GPU receives its own tokens × top-k
-    ffn = m.expert_ffn_hidden_size // etp
+    ffn, k, e = m.expert_ffn_hidden_size // etp, m.moe_router_topk, m.experts
     out = [
         Tensor("router_in", t_sp * h),
-        Tensor("router_probs", t_sp * m.experts, nbytes_per=4),
+        Tensor("router_probs", t_sp * e, nbytes_per=4),
+        Tensor("router_topk", t_sp * k, nbytes_per=4),
+        Tensor("router_indices", 2 * t_sp * k, nbytes_per=8),
+        Tensor("dispatch_probs_index", t_sp * e, nbytes_per=8),
+        Tensor("unpermute_index", t_sp * k, nbytes_per=8),
         Tensor("expert_fc1_in", routed * h),
         Tensor("expert_fc1_out", routed * gate * ffn),
+        Tensor("expert_probs", routed),
         Tensor("expert_act_out", routed * ffn),
     ]
+    if not m.gated_linear_unit:
+        out.append(Tensor("expert_act_unweighted", routed * ffn))
     if m.moe_shared_expert_intermediate_size:
         sh = m.moe_shared_expert_intermediate_size // s.tp
         out += [Tensor("shared_fc1_out", tokens * gate * sh), Tensor("shared_act_out", tokens * sh)]
@@ -234,8 +253,23 @@ _RECOMPUTE_DROPS = {
     "core_attn": {"softmax_lse"},  # flash attention stores no scores: only its statistics go
     "layernorm": {"router_in"},
     "mlp": {"fc1_out", "act_out"},
-    "moe_act": {"expert_act_out", "shared_act_out"},
-    "moe": {"expert_fc1_in", "expert_fc1_out", "expert_act_out", "router_probs"},
+    "moe_act": {"expert_act_out", "expert_act_unweighted", "shared_act_out"},
+    # moe_layer.py checkpoints custom_forward, which runs the router, the dispatcher, the routed experts and the
+    # shared experts (shared_experts_compute): all of them go, only the checkpoint's input (router_in) stays.
+    "moe": {
+        "router_probs",
+        "router_topk",
+        "router_indices",
+        "dispatch_probs_index",
+        "unpermute_index",
+        "expert_fc1_in",
+        "expert_fc1_out",
+        "expert_probs",
+        "expert_act_out",
+        "expert_act_unweighted",
+        "shared_fc1_out",
+        "shared_act_out",
+    },
     "shared_experts": {"shared_fc1_out", "shared_act_out"},
     "mla_up_proj": {"q", "k", "v", "q_up_in", "kv_up_in"},
 }
