@@ -250,8 +250,11 @@ class PlanInputs(BaseModel):
     )
     levers: list[str] | None = _field(
         group="decision",
-        help="what recommend may change, comma-separated: " + ", ".join(LEVERS) + " (default: "
-        + ", ".join(DEFAULT_LEVERS) + ": recompute, selective by module or full, and the three offloads; the others "
+        help="what recommend may change, comma-separated: "
+        + ", ".join(LEVERS)
+        + " (default: "
+        + ", ".join(DEFAULT_LEVERS)
+        + ": recompute, selective by module or full, and the three offloads; the others "
         "are then shown as alternatives: cp, tp, mbs and vpp change the layout, grad-reduce reduces gradients in bf16, "
         "ce-fusion switches on Transformer Engine's fused cross entropy, expandable-segments sets "
         "PYTORCH_CUDA_ALLOC_CONF where an OOM message shows fragmentation)",
