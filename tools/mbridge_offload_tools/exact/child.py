@@ -133,7 +133,7 @@ def _needs_te(exc: BaseException) -> bool:
     return False
 
 
-def _build(torch, cls, body: dict, stage: str, out: dict, te: _TEChecks | None) -> None:
+def _build(torch, cls, body: dict, stage: str, out: dict, te: _TEChecks | None):
     fields = {f.name for f in dataclasses.fields(cls)}
     kwargs = {k: _value(torch, k, v) for k, v in body.items() if k in fields}
     out["dropped"] += sorted(f"{stage}:{k}" for k in body if k not in fields and not k.startswith("_"))
@@ -142,7 +142,7 @@ def _build(torch, cls, body: dict, stage: str, out: dict, te: _TEChecks | None) 
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            cls(**kwargs)
+            built = cls(**kwargs)
     except Exception as exc:  # every error megatron-core raises is the answer, except TE's absence
         if te is not None and (_needs_te(exc) or (_TE_MESSAGE.search(str(exc)) and not te.failed.get(stage))):
             out["skipped"].append(
@@ -151,19 +151,21 @@ def _build(torch, cls, body: dict, stage: str, out: dict, te: _TEChecks | None) 
             )
         else:
             out["errors"].append({"stage": stage, "type": type(exc).__name__, "message": str(exc)})
+        built = None
     if te is not None and te.asked.get(stage):
         out["skipped"].append(
             f"{stage}: megatron-core's TE version checks ({', '.join(te.asked[stage])}) not run against an installed "
             f"TE: {_NO_TE}; answered for TE {te.assumed} (assumed, as in env.te_version; pass --te-version "
             "X.Y, MCP te_version, for another) so that the checks after them ran"
         )
+    return built
 
 
 def _judge(torch, classes, data: dict, te: _TEChecks | None, have_te: bool) -> dict:
     """What megatron-core raises building one config's sections (``data``: model, optimizer, ddp)."""
     import megatron.core
 
-    transformer, optimizer, ddp = classes
+    transformer, optimizer, ddp, mla = classes
     out: dict = {
         "version": megatron.core.__version__.split("+")[0],
         "path": next(iter(megatron.core.__path__)),
@@ -171,6 +173,7 @@ def _judge(torch, classes, data: dict, te: _TEChecks | None, have_te: bool) -> d
         "errors": [],
         "skipped": [],
         "dropped": [],
+        "built": False,
     }
     if have_te:
         from importlib.metadata import PackageNotFoundError, version
@@ -183,7 +186,10 @@ def _judge(torch, classes, data: dict, te: _TEChecks | None, have_te: bool) -> d
         te.reset(str(data.get("te_version") or "2.18.0"))
     model = data.get("model") or {}
     if all(model.get(k) is not None for k in ("num_layers", "hidden_size", "num_attention_heads")):
-        _build(torch, transformer, model, "TransformerConfig", out, te)
+        cls = mla if model.get("multi_latent_attention") else transformer
+        config = _build(torch, cls, model, "TransformerConfig", out, te)
+        if config is not None and data.get("build", True):
+            _build_model(torch, config, model, out)
     else:
         out["skipped"].append("TransformerConfig: num_layers, hidden_size and num_attention_heads are needed")
     _build(torch, optimizer, {"lr": 1e-4, **(data.get("optimizer") or {})}, "OptimizerConfig", out, te)
@@ -191,25 +197,137 @@ def _judge(torch, classes, data: dict, te: _TEChecks | None, have_te: bool) -> d
     return out
 
 
+_BUILD = "GPTModel build (meta device, fake process group)"
+# An error that says a kernel package is missing here (grouped_gemm, apex, TE's fused kernels), not that the config
+# is wrong: the build is skipped from that layer on, and the answer says so.
+_MISSING_KERNEL = re.compile(r"pip install|is not (available|installed)|No module named|compiled with CUDA", re.I)
+_INT_KEYS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size")
+
+
+def _size(model: dict, key: str, default: int = 1) -> int:
+    value = model.get(key)
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else default
+
+
+def _layout(config, out: dict) -> bool:
+    """Every pipeline stage's and virtual chunk's layer count and offset, as the model build asks them."""
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    vp = config.virtual_pipeline_model_parallel_size
+    for pp_rank in range(config.pipeline_model_parallel_size):
+        for vp_stage in range(vp) if vp else (None,):
+            try:
+                get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
+                get_transformer_layer_offset(config, vp_stage=vp_stage, pp_rank=pp_rank)
+            except Exception as exc:  # the build's own refusal, verbatim
+                where = f"pipeline rank {pp_rank}" + (f", virtual stage {vp_stage}" if vp else "")
+                out["errors"].append(
+                    {"stage": _BUILD, "type": type(exc).__name__, "message": str(exc).strip(), "where": where}
+                )
+                return False
+    return True
+
+
+def _model(torch, config, model: dict, out: dict) -> None:
+    """Build the first pipeline stage's GPTModel (its first virtual chunk) on the meta device, under torch's fake
+    process group sized for the layout: the layer constructors' assertions come back; no memory, no step."""
+    import math
+
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    tp, pp, cp = (_size(model, k) for k in _INT_KEYS)
+    ep = _size(model, "expert_model_parallel_size")
+    etp = _size(model, "expert_tensor_parallel_size", tp)
+    vp = config.virtual_pipeline_model_parallel_size
+    if dist.is_initialized():
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=math.lcm(tp * cp, etp * ep) * pp)
+    try:
+        parallel_state.initialize_model_parallel(
+            tp,
+            pp,
+            virtual_pipeline_model_parallel_size=vp,
+            context_parallel_size=cp,
+            expert_model_parallel_size=ep,
+            expert_tensor_parallel_size=etp,
+            create_gloo_process_groups=False,
+        )
+        vp_stage = 0 if vp else None
+        spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, vp_stage=vp_stage, pp_rank=0)
+        kwargs = {k: model[k] for k in ("position_embedding_type", "rotary_percent", "rotary_base") if k in model}
+        with torch.device("meta"):
+            GPTModel(
+                config,
+                spec,
+                vocab_size=_size(model, "vocab_size", 32000),
+                max_sequence_length=_size(model, "seq_length", 4096),
+                pre_process=True,
+                post_process=pp == 1,
+                vp_stage=vp_stage,
+                **kwargs,
+            )
+    except Exception as exc:  # the build's own refusal, verbatim, unless a kernel package is missing here
+        text = str(exc).strip()
+        if _MISSING_KERNEL.search(text):
+            out["skipped"].append(f"{_BUILD}: stopped at {type(exc).__name__}({text!r}): a kernel package this "
+                                  "machine lacks; the checks before it ran")
+        else:
+            out["errors"].append({"stage": _BUILD, "type": type(exc).__name__, "message": text, "where": "rank 0"})
+
+
+def _build_model(torch, config, model: dict, out: dict) -> None:
+    """The build-time checks of the layout: every stage's layer split, then the first stage built on meta."""
+    if any(k in model for k in ("hybrid_override_pattern", "hybrid_layer_pattern", "is_hybrid_model")):
+        out["skipped"].append(f"{_BUILD}: a hybrid (Mamba) model; only GPT models are built")
+        return
+    if _layout(config, out):
+        # Where the weights would be initialised is no check: on the meta device, nothing is allocated or filled.
+        config.use_cpu_initialization, config.perform_initialization = True, False
+        _model(torch, config, model, out)
+    out["built"] = True
+
+
 def main() -> None:
     """One config on stdin, one answer on stdout; ``{"batch": [config, ...]}`` answers ``{"batch": [...]}`` with
-    one import of megatron-core (the generated-case tests judge many configs this way)."""
-    data = json.load(sys.stdin)
+    one import of megatron-core (the generated-case tests judge many configs this way); ``--serve``: one config a
+    line, one answer a line, until stdin closes (the warm worker of validate and the MCP server)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         import torch
         from megatron.core.distributed import DistributedDataParallelConfig
         from megatron.core.optimizer import OptimizerConfig
-        from megatron.core.transformer import TransformerConfig
-    classes = (TransformerConfig, OptimizerConfig, DistributedDataParallelConfig)
+        from megatron.core.transformer import MLATransformerConfig, TransformerConfig
+    classes = (TransformerConfig, OptimizerConfig, DistributedDataParallelConfig, MLATransformerConfig)
     have_te = importlib.util.find_spec("transformer_engine") is not None
     te = None if have_te else _TEChecks("2.18.0")
     if te is not None:
         te.install()
-    if isinstance(data.get("batch"), list):
-        json.dump({"batch": [_judge(torch, classes, item, te, have_te) for item in data["batch"]]}, sys.stdout)
-    else:
-        json.dump(_judge(torch, classes, data, te, have_te), sys.stdout)
+    if "--serve" in sys.argv:
+        print(json.dumps({"ready": True}), flush=True)
+        cache: dict[str, str] = {}
+        for line in sys.stdin:
+            if line not in cache:
+                if len(cache) > 256:
+                    cache.clear()
+                cache[line] = json.dumps(_answer(torch, classes, json.loads(line), te, have_te))
+            print(cache[line], flush=True)
+        return
+    data = json.load(sys.stdin)
+    json.dump(_answer(torch, classes, data, te, have_te), sys.stdout)
+
+
+def _answer(torch, classes, data: dict, te, have_te: bool) -> dict:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if isinstance(data.get("batch"), list):
+            return {"batch": [_judge(torch, classes, item, te, have_te) for item in data["batch"]]}
+        return _judge(torch, classes, data, te, have_te)
 
 
 if __name__ == "__main__":
