@@ -289,6 +289,14 @@ def _build_model(torch, config, model: dict, out: dict) -> None:
     if _layout(config, out):
         # Where the weights would be initialised is no check: on the meta device, nothing is allocated or filled.
         config.use_cpu_initialization, config.perform_initialization = True, False
+        if config.sequence_parallel and model.get("transformer_impl", "transformer_engine") != "local":
+            # Without TE the build takes megatron-core's local spec, whose torch norms refuse sequence parallelism
+            # that TE's norms take: a refusal of this machine's spec, not of the config.
+            config.sequence_parallel = False
+            out["skipped"].append(
+                f"{_BUILD}: built with megatron-core's local layer spec ({_NO_TE}), without sequence_parallel "
+                "(the local spec's torch norms refuse it; TE's take it)"
+            )
         _model(torch, config, model, out)
     out["built"] = True
 

@@ -173,7 +173,8 @@ class Worker:
         self.lock = threading.Lock()
         self.ready = False
         threading.Thread(target=self._pump, args=(self.proc.stdout, self.lines.put), daemon=True).start()
-        threading.Thread(target=self._pump, args=(self.proc.stderr, self.stderr.append), daemon=True).start()
+        self.errs = threading.Thread(target=self._pump, args=(self.proc.stderr, self.stderr.append), daemon=True)
+        self.errs.start()
 
     @staticmethod
     def _pump(stream: Any, put: Any) -> None:
@@ -193,7 +194,8 @@ class Worker:
                 f"megatron-core {self.install.version} did not answer within the deadline"
             ) from None
         if line is None:
-            last = ([s.strip() for s in self.stderr if s.strip()] or ["no output"])[-1]
+            self.errs.join(timeout=5)  # the child's last words
+            last = ([s.strip() for s in self.stderr if s and s.strip()] or ["no output"])[-1]
             # megatron-core 0.19 imports triton when it loads (GPU kernels no config check calls); scripts/setup pins it.
             hint = "; run scripts/setup, which installs the triton it imports" if "'triton'" in last else ""
             raise ExactUnavailable(
