@@ -291,3 +291,29 @@ def _activation_offload_errors(items: tuple[tuple[str, object], ...]) -> tuple[t
     report = validate(OffloadConfig.model_validate(raw), raw)
     offload_keys = ("model.cpu_offloading", "model.cpu_offloading_num_layers")
     return tuple((f.rule, f.message) for f in report.errors if any(k in f.keys for k in offload_keys))
+
+
+def model_errors(model: dict[str, object]) -> list[tuple[str, str]]:
+    """``(rule id, message)`` of every catalogue error of megatron-core's ``TransformerConfig`` stage on ``model``
+    (``model.*`` values: sizes and parallelism): the planner's layout checks ask this instead of restating them.
+
+    Example:
+        >>> model_errors({"num_layers": 4, "hidden_size": 64, "num_attention_heads": 6,
+        ...               "tensor_model_parallel_size": 4})[0][1]
+        'num_attention_heads (6) must be a multiple of tensor_model_parallel_size (4).'
+    """
+    return list(_model_errors(tuple(sorted(model.items(), key=lambda kv: kv[0]))))
+
+
+@lru_cache(maxsize=4096)
+def _model_errors(items: tuple[tuple[str, object], ...]) -> tuple[tuple[str, str], ...]:
+    from mbridge_offload.config.rules.base import STAGE_TRANSFORMER_CONFIG
+
+    probe = dict(items)
+    if int(str(probe.get("pipeline_model_parallel_size") or 1)) > 1:
+        probe.setdefault("pipeline_dtype", "bf16")  # Bridge fills it in; not what decides here
+    raw = {"model": probe}
+    eff = effective_config.resolve(OffloadConfig.model_validate(raw), raw, parse_target(DEFAULT_TARGET), None)
+    return tuple(
+        (f.rule, f.message) for f in _run_rules(eff) if f.severity == "error" and f.stage == STAGE_TRANSFORMER_CONFIG
+    )

@@ -275,8 +275,10 @@ def _model(torch, config, model: dict, out: dict) -> None:
     except Exception as exc:  # the build's own refusal, verbatim, unless a kernel package is missing here
         text = str(exc).strip()
         if _MISSING_KERNEL.search(text):
-            out["skipped"].append(f"{_BUILD}: stopped at {type(exc).__name__}({text!r}): a kernel package this "
-                                  "machine lacks; the checks before it ran")
+            out["skipped"].append(
+                f"{_BUILD}: stopped at {type(exc).__name__}({text!r}): a kernel package this "
+                "machine lacks; the checks before it ran"
+            )
         else:
             out["errors"].append({"stage": _BUILD, "type": type(exc).__name__, "message": text, "where": "rank 0"})
 

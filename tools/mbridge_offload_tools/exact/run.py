@@ -40,10 +40,10 @@ from pathlib import Path
 from typing import Any
 
 from mbridge_offload.config import bridge, effective
+from mbridge_offload.config import validate as validate_mod
 from mbridge_offload.config.rules.base import STAGE_OPTIMIZER_CONFIG, STAGE_TRANSFORMER_CONFIG, parse_target
 from mbridge_offload.config.schema import OffloadConfig
 from mbridge_offload.config.sources import ConfigError, build_config
-from mbridge_offload.config import validate as validate_mod
 from mbridge_offload.config.validate import Finding, Report
 
 CHILD = Path(__file__).with_name("child.py")
@@ -190,13 +190,11 @@ class Worker:
             line = self.lines.get(timeout=max(0.0, deadline - time.monotonic()))
         except queue.Empty:
             self.close()
-            raise ExactUnavailable(
-                f"megatron-core {self.install.version} did not answer within the deadline"
-            ) from None
+            raise ExactUnavailable(f"megatron-core {self.install.version} did not answer within the deadline") from None
         if line is None:
             self.errs.join(timeout=5)  # the child's last words
             last = ([s.strip() for s in self.stderr if s and s.strip()] or ["no output"])[-1]
-            # megatron-core 0.19 imports triton when it loads (GPU kernels no config check calls); scripts/setup pins it.
+            # megatron-core 0.19 imports triton when it loads (GPU kernels no check calls); scripts/setup pins it.
             hint = "; run scripts/setup, which installs the triton it imports" if "'triton'" in last else ""
             raise ExactUnavailable(
                 f"building the megatron-core {self.install.version} configs failed ({last}); none could run{hint}"
