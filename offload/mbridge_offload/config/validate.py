@@ -73,7 +73,7 @@ UPSTREAM_CHECKS = (
     "megatron-core OptimizerConfig.__post_init__",
     "megatron-core DistributedDataParallelConfig.__post_init__",
     "megatron-core model build: every pipeline stage's and virtual chunk's layer split, and the first stage's "
-    "GPTModel built on the meta device under a fake process group",
+    "GPTModel (one layer of each kind) built on the meta device under a fake process group",
 )
 NO_UPSTREAM = "not run: the rule catalogue only (no torch, no megatron-core)"
 

@@ -88,12 +88,14 @@ def _package_version(core: Path) -> str | None:
 def installs() -> list[Install]:
     """The megatron-core releases found here: this environment's first, then those under :func:`mcore_dir`."""
     found: list[Install] = []
-    try:
-        spec = importlib.util.find_spec("megatron.core")
+    try:  # the top-level name only: finding megatron.core would import megatron (this process stays torch-free)
+        spec = importlib.util.find_spec("megatron")
     except (ImportError, ValueError):
         spec = None
-    if spec is not None and spec.submodule_search_locations:
-        core = Path(next(iter(spec.submodule_search_locations)))
+    cores = [Path(p) / "core" for p in (spec.submodule_search_locations or []) if spec is not None]
+    cores = [c for c in cores if (c / "__init__.py").is_file()]
+    if cores:
+        core = cores[0]
         version = _package_version(core) or "unknown"
         found.append(Install(version, None, f"this Python environment ({core.parent.parent})"))
     base = mcore_dir()
@@ -321,8 +323,7 @@ def exact_report(
     )
     version = answer["version"]
     ran = f"megatron-core {version} ({answer['where']})"
-    stages = set(_STAGES.values()) | {"DistributedDataParallelConfig"}
-    kept = [f for f in report.findings if f.stage not in stages]
+    kept = _kept(report.findings, answer)
     exact = [
         Finding(
             rule="MCORE-BUILD" if e["stage"] == BUILD_STAGE else "MCORE-EXACT",
@@ -367,11 +368,37 @@ def exact_report(
     )
     env = {**report.env, "exact_megatron_core": version, "exact_megatron_core_from": answer["where"]}
     env["exact_transformer_engine"] = answer.get("te") or "not installed (TE checks skipped, see MCORE-EXACT-SKIPPED)"
-    checks = validate_mod.UPSTREAM_CHECKS
-    built = bool(answer.get("built"))
+    coverage = _coverage(answer, ran)
+    return report.model_copy(update={"findings": exact + kept + notes, "env": env, "coverage": coverage})
+
+
+def _coverage(answer: dict[str, Any], ran: str) -> dict[str, Any]:
+    """``coverage`` of an answer with the upstream run: the checks it ran, those it did not and why."""
+    names = ("TransformerConfig", "OptimizerConfig", "DistributedDataParallelConfig", BUILD_STAGE)
+    done = {*answer.get("ran", names[:3]), *([BUILD_STAGE] if answer.get("built") else [])}
+    checks = dict(zip(names, validate_mod.UPSTREAM_CHECKS, strict=True))
     coverage = {
         "upstream": f"ran: {ran}",
-        "upstream_checks": list(checks if built else checks[:3]),
-        "not_run": [*([] if built else checks[3:]), *answer["skipped"]],
+        "upstream_checks": [text for name, text in checks.items() if name in done],
+        "not_run": [*(text for name, text in checks.items() if name not in done), *answer["skipped"]],
     }
-    return report.model_copy(update={"findings": exact + kept + notes, "env": env, "coverage": coverage})
+    return coverage
+
+
+def _kept(findings: list[Finding], answer: dict[str, Any]) -> list[Finding]:
+    """The catalogue's findings that stay beside megatron-core's answer (whose ``errors`` lose those they match).
+
+    The stages megatron-core ran replace the catalogue's findings of those stages; a catalogue finding that says
+    what megatron-core raised stays in its place (its keys and fix), any other of those stages goes.
+    """
+    ran_stages = {_STAGES.get(s, s) for s in answer.get("ran", ["TransformerConfig", "OptimizerConfig"])}
+
+    def said(e: dict[str, Any]) -> tuple[str, str]:
+        return _STAGES.get(e["stage"], e["stage"]), e["message"]
+
+    raised = {said(e) for e in answer["errors"]}
+    confirmed = [f for f in findings if (f.stage, f.upstream_message or f.message) in raised]
+    answer["errors"] = [
+        e for e in answer["errors"] if all((f.stage, f.upstream_message or f.message) != said(e) for f in confirmed)
+    ]
+    return [f for f in findings if f.stage not in ran_stages or f in confirmed]
