@@ -284,3 +284,41 @@ def test_without_triton_the_0192_error_says_to_run_the_setup(tmp_path):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
     code, payload = _cli(tmp_path, "--exact", env=env)
     assert code == 2 and "No module named 'triton'" in payload["error"] and "scripts/setup" in payload["error"]
+
+
+def _validate(text: str, **kw) -> dict:
+    from mbridge_offload_tools.interface.calls import validate_answer
+    from mbridge_offload_tools.interface.tools import TOOLS
+
+    v = {p.name: p.default for p in TOOLS["validate_config"].params}
+    return validate_answer({**v, "config": textwrap.dedent(text), **kw}).to_dict()
+
+
+LAYERS_61_PP_8 = """
+model:
+  num_layers: 61
+  hidden_size: 256
+  num_attention_heads: 8
+  pipeline_model_parallel_size: 8
+  pipeline_dtype: bf16
+"""
+
+
+@needs_019
+def test_validate_builds_the_layout_and_returns_upstreams_refusal_verbatim():
+    # 61 layers over PP 8 with no uneven split: TransformerConfig accepts it, the model build refuses it.
+    answer = _validate(LAYERS_61_PP_8)
+    build = [f for f in answer["findings"] if f["rule"] == "MCORE-BUILD"]
+    assert answer["ok"] is False
+    assert [(f["origin"], f["exception"], f["message"]) for f in build] == [
+        ("mcore", "AssertionError", "num_layers=61 should be divisible by config.pipeline_model_parallel_size=8")
+    ]
+    assert answer["coverage"]["upstream"].startswith("ran: megatron-core 0.19.2")
+
+
+def test_no_upstream_names_every_check_it_did_not_run():
+    from mbridge_offload.config.validate import UPSTREAM_CHECKS
+
+    answer = _validate(LAYERS_61_PP_8, upstream=False)
+    assert answer["coverage"]["not_run"] == list(UPSTREAM_CHECKS)
+    assert "upstream=false" in answer["coverage"]["upstream"]
