@@ -31,7 +31,9 @@ _SHORT = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "float": "fl
 _TE_VERSION_FUNCS = ("get_te_version", "is_te_min_version")
 # A check that asks for TE by name (e.g. "apply_rope_fusion is not available. Please install TE >= 1.4.", raised
 # because TE's fused kernels are absent) when no TE version check of that stage answered "too old".
-_TE_MESSAGE = re.compile(r"install TE\b|Transformer ?Engine|transformer[-_]engine", re.I)
+# Not a message that names TE as a setting ("transformer_engine CUDA graph implementation", "use_transformer_engine_op_
+# fuser"): those are the config's own refusals.
+_TE_MESSAGE = re.compile(r"install TE\b|(Transformer ?Engine|TE)\b[^.]*\bnot (installed|available|present)", re.I)
 _NO_TE = "Transformer Engine is not installed here (it cannot be on a CPU machine)"
 
 
@@ -200,9 +202,12 @@ def _judge(torch, classes, data: dict, te: _TEChecks | None, have_te: bool) -> d
 
 
 _BUILD = "GPTModel build (meta device, fake process group)"
-# An error that says a kernel package is missing here (grouped_gemm, apex, TE's fused kernels), not that the config
-# is wrong: the build is skipped from that layer on, and the answer says so.
-_MISSING_KERNEL = re.compile(r"pip install|is not (available|installed)|No module named|compiled with CUDA", re.I)
+# An error that says a kernel package is missing here (grouped_gemm, apex, TE), or a set-up step of the training
+# script that a config check does not make (the CUDA-graph-safe RNG tracker), not that the config is wrong: the
+# build is skipped from that layer on, and the answer says so.
+_MISSING_KERNEL = re.compile(
+    r"pip install|is not (available|installed)|No module named|compiled with CUDA|TE is not present|RNG tracker", re.I
+)
 _INT_KEYS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size")
 
 
@@ -213,54 +218,65 @@ def _size(model: dict, key: str, default: int = 1) -> int:
 
 def _layout(config, out: dict) -> bool:
     """Every pipeline stage's and virtual chunk's layer count and offset, as the model build asks them."""
+    from megatron.core import parallel_state
     from megatron.core.transformer.transformer_block import get_num_layers_to_build
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
     vp = config.virtual_pipeline_model_parallel_size
-    for pp_rank in range(config.pipeline_model_parallel_size):
-        for vp_stage in range(vp) if vp else (None,):
-            try:
-                get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
-                get_transformer_layer_offset(config, vp_stage=vp_stage, pp_rank=pp_rank)
-            except Exception as exc:  # the build's own refusal, verbatim
-                where = f"pipeline rank {pp_rank}" + (f", virtual stage {vp_stage}" if vp else "")
-                out["errors"].append(
-                    {"stage": _BUILD, "type": type(exc).__name__, "message": str(exc).strip(), "where": where}
-                )
-                return False
+    try:
+        for pp_rank in range(config.pipeline_model_parallel_size):
+            # a pipeline_model_parallel_layout reads the rank from parallel_state, not from pp_rank
+            parallel_state.set_pipeline_model_parallel_rank(pp_rank)
+            for vp_stage in range(vp) if vp else (None,):
+                try:
+                    get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
+                    get_transformer_layer_offset(config, vp_stage=vp_stage, pp_rank=pp_rank)
+                except Exception as exc:  # the build's own refusal, verbatim
+                    where = f"pipeline rank {pp_rank}" + (f", virtual stage {vp_stage}" if vp else "")
+                    out["errors"].append(
+                        {"stage": _BUILD, "type": type(exc).__name__, "message": str(exc).strip(), "where": where}
+                    )
+                    return False
+    finally:
+        parallel_state.set_pipeline_model_parallel_rank(None)
     return True
+
+
+def _groups(model: dict, config) -> None:
+    """torch's fake process group (rank 0 of a world the layout divides) and megatron-core's groups on it."""
+    import math
+
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    tp, pp, cp = (_size(model, k) for k in _INT_KEYS)
+    ep = _size(model, "expert_model_parallel_size")
+    etp = _size(model, "expert_tensor_parallel_size", tp)
+    if dist.is_initialized():
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=math.lcm(tp * cp, etp * ep) * pp)
+    parallel_state.initialize_model_parallel(
+        tp,
+        pp,
+        virtual_pipeline_model_parallel_size=config.virtual_pipeline_model_parallel_size,
+        context_parallel_size=cp,
+        expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=etp,
+        create_gloo_process_groups=False,
+    )
 
 
 def _model(torch, config, model: dict, out: dict) -> None:
     """Build the first pipeline stage's GPTModel (its first virtual chunk, one layer of each kind) on the meta device,
     under torch's fake process group sized for the layout: the constructors' assertions come back; no memory, no
     step."""
-    import math
-
-    import torch.distributed as dist
-    from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
-    from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    tp, pp, cp = (_size(model, k) for k in _INT_KEYS)
-    ep = _size(model, "expert_model_parallel_size")
-    etp = _size(model, "expert_tensor_parallel_size", tp)
-    vp = config.virtual_pipeline_model_parallel_size
-    if dist.is_initialized():
-        parallel_state.destroy_model_parallel()
-        dist.destroy_process_group()
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=math.lcm(tp * cp, etp * ep) * pp)
+    pp, vp = config.pipeline_model_parallel_size, config.virtual_pipeline_model_parallel_size
     try:
-        parallel_state.initialize_model_parallel(
-            tp,
-            pp,
-            virtual_pipeline_model_parallel_size=vp,
-            context_parallel_size=cp,
-            expert_model_parallel_size=ep,
-            expert_tensor_parallel_size=etp,
-            create_gloo_process_groups=False,
-        )
         vp_stage = 0 if vp else None
         spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, vp_stage=vp_stage, pp_rank=0)
         # One layer of each kind (dense, MoE, ...): the layers of one spec run the same constructor asserts, and
@@ -297,6 +313,11 @@ def _build_model(torch, config, model: dict, out: dict) -> None:
     """The build-time checks of the layout: every stage's layer split, then the first stage built on meta."""
     if any(k in model for k in ("hybrid_override_pattern", "hybrid_layer_pattern", "is_hybrid_model")):
         out["skipped"].append(f"{_BUILD}: a hybrid (Mamba) model; only GPT models are built")
+        return
+    try:
+        _groups(model, config)
+    except Exception as exc:  # the groups are ours (a world sized to fit), so this is no refusal of the config
+        out["skipped"].append(f"{_BUILD}: the fake process group could not be set up ({type(exc).__name__}: {exc})")
         return
     if _layout(config, out):
         # Where the weights would be initialised is no check: on the meta device, nothing is allocated or filled.

@@ -313,15 +313,21 @@ def exact_report(
 
     ``config`` (the typed config ``raw`` built) lets a Bridge config get Bridge's ``finalize()`` first.
     """
-    target = parse_target(report.target)
     answer = run_child(
         raw,
         deadline_s,
         config=config,
-        target=str(target),
+        target=report.target,
         source=report.source,
         te_version=report.env.get("te_version"),
     )
+    return merge(report, answer)
+
+
+def merge(report: Report, answer: dict[str, Any]) -> Report:
+    """``report`` (the catalogue's) with the child's ``answer`` for the same config: megatron-core's errors
+    verbatim in place of the catalogue's findings of the stages it ran, its notes and ``coverage``."""
+    target = parse_target(report.target)
     version = answer["version"]
     ran = f"megatron-core {version} ({answer['where']})"
     kept = _kept(report.findings, answer)
@@ -395,16 +401,22 @@ def _kept(findings: list[Finding], answer: dict[str, Any]) -> list[Finding]:
     ran_stages = {_STAGES.get(s, s) for s in answer.get("ran", ["TransformerConfig", "OptimizerConfig"])}
 
     def said(e: dict[str, Any]) -> tuple[str, str]:
-        return _STAGES.get(e["stage"], e["stage"]), e["message"]
+        return _STAGES.get(e["stage"], e["stage"]), _sets_sorted(e["message"])
+
+    def says(f: Finding) -> tuple[str | None, str]:
+        return f.stage, _sets_sorted(f.message if f.upstream_message is None else f.upstream_message)
 
     raised = {said(e) for e in answer["errors"]}
-    confirmed = [f for f in findings if (f.stage, f.upstream_message or f.message) in raised]
-    answer["errors"] = [
-        e for e in answer["errors"] if all((f.stage, f.upstream_message or f.message) != said(e) for f in confirmed)
-    ]
+    confirmed = [f for f in findings if says(f) in raised]
+    answer["errors"] = [e for e in answer["errors"] if all(says(f) != said(e) for f in confirmed)]
     why = f"megatron-core {answer['version']} raised this very message (the upstream run)"
     return [
         f.model_copy(update={"why": f"{f.why} ({why})" if f.why else why}) if f in confirmed else f
         for f in findings
         if f.stage not in ran_stages or f in confirmed
     ]
+
+
+def _sets_sorted(message: str) -> str:
+    """``message`` with the contents of each ``{...}`` sorted: megatron-core prints sets in hash-seed order."""
+    return re.sub(r"\{([^{}]*)\}", lambda mo: "{" + ", ".join(sorted(mo.group(1).split(", "))) + "}", message)
