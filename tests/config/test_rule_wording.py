@@ -36,25 +36,6 @@ TRIGGERS: dict[str, tuple[str, Any, str]] = {
         {"model": {"num_layers": 4, "pipeline_model_parallel_size": 0}},
         "megatron-core==0.19.2",
     ),
-    "MC-FP8-STAGE-LAYERS-TYPE": (
-        "yaml",
-        {"model": {"num_layers": "4", "pipeline_model_parallel_size": 2, "fp8": "hybrid", "bf16": True}},
-        "megatron-core==0.19.2",
-    ),
-    "MC-PP-UNEVEN-MIDDLE-VPP": (
-        "yaml",
-        {
-            "model": {
-                "num_layers": 10,
-                "pipeline_model_parallel_size": 4,
-                "virtual_pipeline_model_parallel_size": 2,
-                "num_layers_in_first_pipeline_stage": 2,
-                "num_layers_in_last_pipeline_stage": 2,
-                "bf16": True,
-            }
-        },
-        "megatron-core==0.19.2",
-    ),
     "ACT-FG-DELTA-BYTES": (
         "yaml",
         {

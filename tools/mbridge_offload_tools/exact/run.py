@@ -308,8 +308,10 @@ def exact_report(
     raw: dict[str, Any],
     deadline_s: float = DEFAULT_DEADLINE_S,
     config: OffloadConfig | None = None,
+    notes: bool = True,
 ) -> Report:
-    """``report`` with its megatron-core config findings replaced by what the target's megatron-core raises.
+    """``report`` with its megatron-core config findings replaced by what the target's megatron-core raises
+    (``notes``: as :func:`merge`).
 
     ``config`` (the typed config ``raw`` built) lets a Bridge config get Bridge's ``finalize()`` first.
     """
@@ -321,12 +323,14 @@ def exact_report(
         source=report.source,
         te_version=report.env.get("te_version"),
     )
-    return merge(report, answer)
+    return merge(report, answer, notes)
 
 
-def merge(report: Report, answer: dict[str, Any]) -> Report:
+def merge(report: Report, answer: dict[str, Any], notes: bool = True) -> Report:
     """``report`` (the catalogue's) with the child's ``answer`` for the same config: megatron-core's errors
-    verbatim in place of the catalogue's findings of the stages it ran, its notes and ``coverage``."""
+    verbatim in place of the catalogue's findings of the stages it ran, and ``coverage``; ``notes``: also the
+    release that ran and what it skipped as info findings (``MCORE-EXACT-VERSION``, ``MCORE-EXACT-SKIPPED``: what
+    ``exact`` answers; by default ``coverage`` says the same)."""
     target = parse_target(report.target)
     version = answer["version"]
     ran = f"megatron-core {version} ({answer['where']})"
@@ -346,7 +350,7 @@ def merge(report: Report, answer: dict[str, Any]) -> Report:
         )
         for e in answer["errors"]
     ]
-    notes = [
+    infos = [
         Finding(
             rule="MCORE-EXACT-SKIPPED",
             severity="info",
@@ -359,24 +363,25 @@ def merge(report: Report, answer: dict[str, Any]) -> Report:
         for text in answer["skipped"]
     ]
     if version == target.label:
-        message = f"the upstream run ran megatron-core {version}, the target, from {answer['where']}"
+        message = f"megatron-core {version}, the target, from {answer['where']}"
         why = "megatron-core's own checks of the target release"
     else:
         hint = _SETUP_HINT.get(target.label, f"install megatron-core=={target.label}")
         message = (
-            f"the upstream run ran megatron-core {version} from {answer['where']}, not the target {target}: "
+            f"megatron-core {version} from {answer['where']}, not the target {target}: "
             f"{target.label} is not installed here ({hint})"
         )
         why = "the upstream run can only ask a release that is installed; the other findings follow the target"
-    notes.append(
+    infos.append(
         Finding(
             rule="MCORE-EXACT-VERSION", severity="info", origin="mcore", keys=[], message=message, fix=None, why=why
         )
     )
     env = {**report.env, "exact_megatron_core": version, "exact_megatron_core_from": answer["where"]}
     env["exact_transformer_engine"] = answer.get("te") or "not installed (TE checks skipped, see MCORE-EXACT-SKIPPED)"
-    coverage = _coverage(answer, ran)
-    return report.model_copy(update={"findings": exact + kept + notes, "env": env, "coverage": coverage})
+    coverage = {**_coverage(answer, ran), "upstream": f"ran: {message}"}
+    findings = exact + kept + (infos if notes else [])
+    return report.model_copy(update={"findings": findings, "env": env, "coverage": coverage})
 
 
 def _coverage(answer: dict[str, Any], ran: str) -> dict[str, Any]:

@@ -162,7 +162,7 @@ def _with_upstream(report: Any, loaded: Any, v: dict[str, Any]) -> Any:
     from mbridge_offload_tools.exact.run import ExactUnavailable, exact_report
 
     try:
-        return exact_report(report, loaded.raw, v["deadline"], loaded.config)
+        return exact_report(report, loaded.raw, v["deadline"], loaded.config, notes=v["exact"])
     except ExactUnavailable as exc:
         if v["exact"]:
             raise InputError(str(exc)) from None
