@@ -322,3 +322,50 @@ def test_no_upstream_names_every_check_it_did_not_run():
     answer = _validate(LAYERS_61_PP_8, upstream=False)
     assert answer["coverage"]["not_run"] == list(UPSTREAM_CHECKS)
     assert "upstream=false" in answer["coverage"]["upstream"]
+
+
+# Configs whose refusal was a hand-ported rule (MC-PP-LAYOUT-*, MC-PP-UNEVEN-MIDDLE-VPP, MC-FP8-STAGE-LAYERS-TYPE):
+# megatron-core's own checks now answer them through validate's upstream run.
+PORTED = {
+    **{
+        f"layout-{step}": {"num_layers": 4, "pipeline_model_parallel_size": 2, "pipeline_dtype": "bf16", **extra}
+        for step, extra in {
+            "conflict": {"pipeline_model_parallel_layout": "Ett|ttL", "num_layers_in_last_pipeline_stage": 2},
+            "parse": {"pipeline_model_parallel_layout": "Etx|ttL"},
+            "type": {"pipeline_model_parallel_layout": 5},
+            "divisible": {"pipeline_model_parallel_layout": "Et|t|tL"},
+            "layers": {"pipeline_model_parallel_layout": "tt|EttL"},
+            "decoders": {"pipeline_model_parallel_layout": "Et(t)*2|ttL"},
+            "mtp": {"pipeline_model_parallel_layout": "Ett|ttmL"},
+        }.items()
+    },
+    "uneven-middle-vpp": {
+        "num_layers": 10,
+        "pipeline_model_parallel_size": 4,
+        "virtual_pipeline_model_parallel_size": 2,
+        "num_layers_in_first_pipeline_stage": 2,
+        "num_layers_in_last_pipeline_stage": 2,
+        "bf16": True,
+        "pipeline_dtype": "bf16",
+    },
+    "fp8-stage-layers-type": {
+        "num_layers": "4",
+        "pipeline_model_parallel_size": 2,
+        "fp8": "hybrid",
+        "bf16": True,
+        "pipeline_dtype": "bf16",
+    },
+}
+
+
+@needs_019
+@pytest.mark.parametrize("name", sorted(PORTED))
+def test_a_deleted_ports_config_is_refused_by_megatron_core_itself(name):
+    import yaml
+
+    model = {"hidden_size": 64, "num_attention_heads": 4, **PORTED[name]}
+    answer = _validate(yaml.safe_dump({"model": model}))
+    refusals = [f for f in answer["findings"] if f["severity"] == "error" and f["origin"] == "mcore"]
+    assert answer["ok"] is False and refusals, answer["findings"]
+    assert all(f["rule"] in ("MCORE-EXACT", "MCORE-BUILD") and f["exception"] for f in refusals)
+    assert all(f["message"] == f["upstream_message"] or not f["upstream_message"] for f in refusals)
