@@ -206,7 +206,9 @@ _BUILD = "GPTModel build (meta device, fake process group)"
 # script that a config check does not make (the CUDA-graph-safe RNG tracker), not that the config is wrong: the
 # build is skipped from that layer on, and the answer says so.
 _MISSING_KERNEL = re.compile(
-    r"pip install|is not (available|installed)|No module named|compiled with CUDA|TE is not present|RNG tracker", re.I
+    r"pip install|is not (available|installed)|No module named|compiled with CUDA|TE is not present|RNG tracker|"
+    r"only supported by TE",  # the local spec's attention: "Context parallelism is only supported by TEDotProduct..."
+    re.I,
 )
 _INT_KEYS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size")
 
