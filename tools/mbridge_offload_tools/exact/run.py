@@ -400,8 +400,10 @@ def _coverage(answer: dict[str, Any], ran: str) -> dict[str, Any]:
 def _kept(findings: list[Finding], answer: dict[str, Any]) -> list[Finding]:
     """The catalogue's findings that stay beside megatron-core's answer (whose ``errors`` lose those they match).
 
-    The stages megatron-core ran replace the catalogue's findings of those stages; a catalogue finding that says
-    what megatron-core raised stays in its place (its keys and fix), any other of those stages goes.
+    megatron-core stops at the first failing check of a stage. A stage it ran: where its error is the one a
+    catalogue finding says, that finding stays in its place (its keys and fix), and so do the stage's findings
+    after it (checks upstream never reached, in upstream's order: all of a config's offload problems at once);
+    the findings before it, or all of the stage's when it raised nothing or something no rule says, go.
     """
     ran_stages = {_STAGES.get(s, s) for s in answer.get("ran", ["TransformerConfig", "OptimizerConfig"])}
 
@@ -414,12 +416,16 @@ def _kept(findings: list[Finding], answer: dict[str, Any]) -> list[Finding]:
     raised = {said(e) for e in answer["errors"]}
     confirmed = [f for f in findings if says(f) in raised]
     answer["errors"] = [e for e in answer["errors"] if all(says(f) != said(e) for f in confirmed)]
-    why = f"megatron-core {answer['version']} raised this very message (the upstream run)"
-    return [
-        f.model_copy(update={"why": f"{f.why} ({why})" if f.why else why}) if f in confirmed else f
-        for f in findings
-        if f.stage not in ran_stages or f in confirmed
-    ]
+    why = f"megatron-core {answer['version']} raised this very message in the upstream run"
+    reached: set[str | None] = set()  # stages whose confirmed finding has been passed
+    kept = []
+    for f in findings:
+        if f in confirmed and f.stage not in reached:
+            reached.add(f.stage)
+            kept.append(f.model_copy(update={"why": f"{f.why} ({why}.)" if f.why else why}))
+        elif f.stage not in ran_stages or f.stage in reached:
+            kept.append(f)
+    return kept
 
 
 def _sets_sorted(message: str) -> str:
