@@ -49,7 +49,7 @@ def test_exact_reports_megatron_cores_own_errors_verbatim(tmp_path):
     code, payload = _cli(tmp_path, "--exact", "--target", "megatron-core==0.16.1")
     assert code == 1
     # megatron-core's own errors; where a catalogue rule says the same, the rule's finding carries it (keys, fix)
-    exact = [f for f in payload["findings"] if f["severity"] == "error" and f["origin"] == "mcore"]
+    exact = [f for f in payload["findings"] if f["rule"] == "MCORE-EXACT" or "upstream run" in (f["why"] or "")]
     assert sorted((f["exception"], f["message"]) for f in exact) == [
         ("AssertionError", "main_grads_dtype can only be fp32 when not using precision-aware optimizer"),
         ("ValueError", "num_attention_heads (6) must be a multiple of tensor_model_parallel_size (4)."),
@@ -147,9 +147,9 @@ def test_bridge_yaml_with_pp_and_no_pipeline_dtype_is_clean_and_names_the_releas
         "num_attention_heads: 4", "num_attention_heads: 6\n  tensor_model_parallel_size: 4"
     )
     _, refused = _exact(heads, target)
-    assert [f.message for f in refused.errors] == [
-        "num_attention_heads (6) must be a multiple of tensor_model_parallel_size (4)."
-    ]
+    # megatron-core's first refusal; the stage's rules after it (checks it never reached) stay beside it
+    assert refused.errors[0].message == "num_attention_heads (6) must be a multiple of tensor_model_parallel_size (4)."
+    assert "raised this very message in the upstream run" in (refused.errors[0].why or "")
 
 
 @pytest.mark.long
@@ -177,7 +177,8 @@ def test_precision_aware_optimizer_without_te_is_a_stated_skip_not_an_error(targ
                 "llama3_70b_pretrain_64gpu_gb200_bf16_config",
                 "deepseek_v3_pretrain_128gpu_gb300_fp8mx_hsdp_config",
                 "nemotron_3_5_lightning_pretrain_16gpu_h100_bf16_config",
-                "deepseek_v3_pretrain_256gpu_gb200_fp8mx_partial_cg_dev_config",
+                # ..._partial_cg_dev_config is refused by megatron-core itself (VPP against the layout), no rule of
+                # ours: test_bridge_configs.py::test_the_dev_recipe_bridge_refuses_gets_bridges_error
             )
         ),
     ],
@@ -313,7 +314,7 @@ def test_validate_builds_the_layout_and_returns_upstreams_refusal_verbatim():
     assert [(f["origin"], f["exception"], f["message"]) for f in build] == [
         ("mcore", "AssertionError", "num_layers=61 should be divisible by config.pipeline_model_parallel_size=8")
     ]
-    assert answer["coverage"]["upstream"].startswith("ran: megatron-core 0.19.2")
+    assert "ran megatron-core 0.19.2" in answer["coverage"]["upstream"]
 
 
 def test_no_upstream_names_every_check_it_did_not_run():

@@ -363,12 +363,12 @@ def merge(report: Report, answer: dict[str, Any], notes: bool = True) -> Report:
         for text in answer["skipped"]
     ]
     if version == target.label:
-        message = f"megatron-core {version}, the target, from {answer['where']}"
+        message = f"the upstream run ran megatron-core {version}, the target, from {answer['where']}"
         why = "megatron-core's own checks of the target release"
     else:
         hint = _SETUP_HINT.get(target.label, f"install megatron-core=={target.label}")
         message = (
-            f"megatron-core {version} from {answer['where']}, not the target {target}: "
+            f"the upstream run ran megatron-core {version} from {answer['where']}, not the target {target}: "
             f"{target.label} is not installed here ({hint})"
         )
         why = "the upstream run can only ask a release that is installed; the other findings follow the target"
@@ -379,7 +379,7 @@ def merge(report: Report, answer: dict[str, Any], notes: bool = True) -> Report:
     )
     env = {**report.env, "exact_megatron_core": version, "exact_megatron_core_from": answer["where"]}
     env["exact_transformer_engine"] = answer.get("te") or "not installed (TE checks skipped, see MCORE-EXACT-SKIPPED)"
-    coverage = {**_coverage(answer, ran), "upstream": f"ran: {message}"}
+    coverage = {**_coverage(answer, ran), "upstream": message}
     findings = exact + kept + (infos if notes else [])
     return report.model_copy(update={"findings": findings, "env": env, "coverage": coverage})
 
