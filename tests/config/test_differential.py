@@ -408,8 +408,9 @@ def tolerated_disagreements(outcomes) -> list[dict]:
     for o in outcomes:
         if o.verdict_ok or not _explained(o):
             continue
-        origins = sorted({get_rule(r).origin for r in o.ours_rules})
-        stages = sorted({get_rule(r).stage or "model build" for r in o.ours_rules})
+        # MCORE-BUILD: megatron-core's own model build (the upstream run), which its config classes never reach
+        origins = sorted({"mcore" if r == "MCORE-BUILD" else get_rule(r).origin for r in o.ours_rules})
+        stages = sorted({"model build" if r == "MCORE-BUILD" else get_rule(r).stage for r in o.ours_rules})
         rows.append(
             {
                 "case": o.case["id"],
@@ -455,7 +456,10 @@ def test_validate_agrees_with_real_megatron_core(label, cases, differential_log)
     assert summary["real_refusals"] > n // 3
     shown = "\n".join(f"case {r['case']} {r['field']}: ours {r['ours']}; upstream {r['upstream']}" for r in unexplained)
     assert verdict >= REQUIRED_AGREEMENT, shown
-    assert summary["verdict_agree"] >= 0.99 * n, summary["classes"].most_common(10)
+    # Every refusal but megatron-core's own model build (the upstream run's MCORE-BUILD), which the oracle's config
+    # classes never reach.
+    built = sum(1 for o in outcomes if not o.verdict_ok and o.ours_rules and set(o.ours_rules) <= {"MCORE-BUILD"})
+    assert summary["verdict_agree"] + built >= 0.99 * n, summary["classes"].most_common(10)
     # Where both refuse, our first error of each stage megatron-core raised in has its exception type and text.
     assert summary["message_agree"] >= REQUIRED_AGREEMENT * both, shown
 

@@ -36,25 +36,6 @@ TRIGGERS: dict[str, tuple[str, Any, str]] = {
         {"model": {"num_layers": 4, "pipeline_model_parallel_size": 0}},
         "megatron-core==0.19.2",
     ),
-    "MC-FP8-STAGE-LAYERS-TYPE": (
-        "yaml",
-        {"model": {"num_layers": "4", "pipeline_model_parallel_size": 2, "fp8": "hybrid", "bf16": True}},
-        "megatron-core==0.19.2",
-    ),
-    "MC-PP-UNEVEN-MIDDLE-VPP": (
-        "yaml",
-        {
-            "model": {
-                "num_layers": 10,
-                "pipeline_model_parallel_size": 4,
-                "virtual_pipeline_model_parallel_size": 2,
-                "num_layers_in_first_pipeline_stage": 2,
-                "num_layers_in_last_pipeline_stage": 2,
-                "bf16": True,
-            }
-        },
-        "megatron-core==0.19.2",
-    ),
     "ACT-FG-DELTA-BYTES": (
         "yaml",
         {
@@ -416,28 +397,6 @@ TRIGGERS: dict[str, tuple[str, Any, str]] = {
         },
         "megatron-core==0.19.2",
     ),
-    **{
-        f"MC-PP-LAYOUT-{step}": (
-            "yaml",
-            {"model": {"num_layers": 4, "pipeline_model_parallel_size": 2, "pipeline_dtype": "bf16", **extra}},
-            "megatron-core==0.19.2",
-        )
-        for step, extra in {
-            "CONFLICT": {"pipeline_model_parallel_layout": "Ett|ttL", "num_layers_in_last_pipeline_stage": 2},
-            "PARSE": {"pipeline_model_parallel_layout": "Etx|ttL"},
-            "TYPE": {"pipeline_model_parallel_layout": 5},
-            "DIVISIBLE": {"pipeline_model_parallel_layout": "Et|t|tL"},
-            "LAYERS": {"pipeline_model_parallel_layout": "tt|EttL"},
-            "DECODERS": {"pipeline_model_parallel_layout": "Et(t)*2|ttL"},
-            "MTP": {"pipeline_model_parallel_layout": "Ett|ttmL"},
-            "ENCODER": {
-                "pipeline_model_parallel_layout": [
-                    ["embedding", "encoder", "decoder", "decoder"],
-                    ["decoder", "decoder", "loss"],
-                ]
-            },
-        }.items()
-    },
     "MC-RECOMPUTE-GDN-NORM-OUT": (
         "yaml",
         {"model": {"num_layers": 4, "recompute_granularity": "selective", "recompute_modules": ["gdn_norm_out"]}},

@@ -313,7 +313,7 @@ def test_presets_reproduce_published_parameter_counts(name, billions):
     "setup,match",
     [
         (Setup(num_gpus=0), "num_gpus is 0"),
-        (Setup(num_gpus=9, tp=3), "does not divide num_attention_heads"),
+        (Setup(num_gpus=9, tp=3), r"num_attention_heads \(32\) must be a multiple of tensor_model_parallel_size"),
         (Setup(num_gpus=12, tp=8), "not divisible by TP·PP·CP"),
         (Setup(num_gpus=8, optimizer_offload_fraction=1.5), r"\[0.0, 1.0\]"),
         (Setup(num_gpus=8, ep=2), "expert parallelism needs MoE"),
@@ -322,6 +322,17 @@ def test_presets_reproduce_published_parameter_counts(name, billions):
 def test_check_setup_rejects_what_megatron_rejects(setup, match):
     with pytest.raises(ValueError, match=match):
         check_setup(model_preset("llama3-8b"), setup)
+
+
+def test_check_setup_accepts_a_tp_that_is_a_multiple_of_the_query_groups():
+    # megatron-core 0.19 and the validator accept TP 8 over 4 query groups (each group replicated on 2 ranks); the
+    # planner asks the validator, so TP 8 is a layout the TP lever may offer for qwen3-30b-a3b.
+    check_setup(model_preset("qwen3-30b-a3b"), Setup(num_gpus=16, tp=8, ep=2))
+
+
+def test_check_setup_refuses_what_the_validator_refuses_with_its_rule():
+    with pytest.raises(ValueError, match=r"num_query_groups \(4\) must be a multiple or divisor .*MC-QUERY-GROUPS-TP"):
+        check_setup(model_preset("qwen3-30b-a3b"), Setup(num_gpus=48, tp=3, ep=1))
 
 
 def test_deepseek_v3_fits_only_with_many_gpus():

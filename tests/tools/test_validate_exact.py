@@ -48,19 +48,19 @@ def _cli(tmp_path: Path, *args: str, env: dict | None = None) -> tuple[int, dict
 def test_exact_reports_megatron_cores_own_errors_verbatim(tmp_path):
     code, payload = _cli(tmp_path, "--exact", "--target", "megatron-core==0.16.1")
     assert code == 1
-    exact = [f for f in payload["findings"] if f["rule"] == "MCORE-EXACT"]
-    assert [(f["exception"], f["message"]) for f in exact] == [
-        ("ValueError", "num_attention_heads (6) must be a multiple of tensor_model_parallel_size (4)."),
+    # megatron-core's own errors; where a catalogue rule says the same, the rule's finding carries it (keys, fix)
+    exact = [f for f in payload["findings"] if f["rule"] == "MCORE-EXACT" or "upstream run" in (f["why"] or "")]
+    assert sorted((f["exception"], f["message"]) for f in exact) == [
         ("AssertionError", "main_grads_dtype can only be fp32 when not using precision-aware optimizer"),
+        ("ValueError", "num_attention_heads (6) must be a multiple of tensor_model_parallel_size (4)."),
     ]
     assert all(f["origin"] == "mcore" for f in exact)
-    # The fast path says the same, first error per stage (the catalogue's findings of those stages are replaced).
-    code, fast = _cli(tmp_path, "--target", "megatron-core==0.16.1")
-    firsts = {}
-    for f in fast["findings"]:
-        if f["severity"] == "error":
-            firsts.setdefault(f["stage"], f["message"])
-    assert [firsts[f["stage"]] for f in exact] == [f["message"] for f in exact]
+    # The fast path keeps the TP check (a rule: the planner asks it without torch); megatron-core's optimizer dtype
+    # check is no rule of ours, and the answer names the check that did not run.
+    code, fast = _cli(tmp_path, "--target", "megatron-core==0.16.1", "--no-upstream")
+    errors = [f["message"] for f in fast["findings"] if f["severity"] == "error"]
+    assert errors[0] == "num_attention_heads (6) must be a multiple of tensor_model_parallel_size (4)."
+    assert "megatron-core OptimizerConfig.__post_init__" in fast["coverage"]["not_run"]
 
 
 def test_exact_without_megatron_core_is_a_clear_exit_2(tmp_path):
@@ -88,7 +88,7 @@ def test_mcp_validate_config_exact_parameter(tmp_path):
 
     # the tool as the server runs it: guarded (a worker thread under a deadline), hence a coroutine
     report = anyio.run(lambda: server.validate_config(config=str(path), exact=True))
-    messages = [f.message for f in report.findings if f.rule == "MCORE-EXACT"]
+    messages = [f.message for f in report.findings if f.severity == "error" and f.origin == "mcore"]
     assert "num_attention_heads (6) must be a multiple of tensor_model_parallel_size (4)." in messages
     assert "MCORE-EXACT-VERSION" in {f.rule for f in report.findings}  # every exact answer names the release that ran
 
@@ -147,9 +147,9 @@ def test_bridge_yaml_with_pp_and_no_pipeline_dtype_is_clean_and_names_the_releas
         "num_attention_heads: 4", "num_attention_heads: 6\n  tensor_model_parallel_size: 4"
     )
     _, refused = _exact(heads, target)
-    assert [f.message for f in refused.errors] == [
-        "num_attention_heads (6) must be a multiple of tensor_model_parallel_size (4)."
-    ]
+    # megatron-core's first refusal; the stage's rules after it (checks it never reached) stay beside it
+    assert refused.errors[0].message == "num_attention_heads (6) must be a multiple of tensor_model_parallel_size (4)."
+    assert "raised this very message in the upstream run" in (refused.errors[0].why or "")
 
 
 @pytest.mark.long
@@ -177,7 +177,8 @@ def test_precision_aware_optimizer_without_te_is_a_stated_skip_not_an_error(targ
                 "llama3_70b_pretrain_64gpu_gb200_bf16_config",
                 "deepseek_v3_pretrain_128gpu_gb300_fp8mx_hsdp_config",
                 "nemotron_3_5_lightning_pretrain_16gpu_h100_bf16_config",
-                "deepseek_v3_pretrain_256gpu_gb200_fp8mx_partial_cg_dev_config",
+                # ..._partial_cg_dev_config is refused by megatron-core itself (VPP against the layout), no rule of
+                # ours: test_bridge_configs.py::test_the_dev_recipe_bridge_refuses_gets_bridges_error
             )
         ),
     ],
@@ -284,3 +285,88 @@ def test_without_triton_the_0192_error_says_to_run_the_setup(tmp_path):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
     code, payload = _cli(tmp_path, "--exact", env=env)
     assert code == 2 and "No module named 'triton'" in payload["error"] and "scripts/setup" in payload["error"]
+
+
+def _validate(text: str, **kw) -> dict:
+    from mbridge_offload_tools.interface.calls import validate_answer
+    from mbridge_offload_tools.interface.tools import TOOLS
+
+    v = {p.name: p.default for p in TOOLS["validate_config"].params}
+    return validate_answer({**v, "config": textwrap.dedent(text), **kw}).to_dict()
+
+
+LAYERS_61_PP_8 = """
+model:
+  num_layers: 61
+  hidden_size: 256
+  num_attention_heads: 8
+  pipeline_model_parallel_size: 8
+  pipeline_dtype: bf16
+"""
+
+
+@needs_019
+def test_validate_builds_the_layout_and_returns_upstreams_refusal_verbatim():
+    # 61 layers over PP 8 with no uneven split: TransformerConfig accepts it, the model build refuses it.
+    answer = _validate(LAYERS_61_PP_8)
+    build = [f for f in answer["findings"] if f["rule"] == "MCORE-BUILD"]
+    assert answer["ok"] is False
+    assert [(f["origin"], f["exception"], f["message"]) for f in build] == [
+        ("mcore", "AssertionError", "num_layers=61 should be divisible by config.pipeline_model_parallel_size=8")
+    ]
+    assert "ran megatron-core 0.19.2" in answer["coverage"]["upstream"]
+
+
+def test_no_upstream_names_every_check_it_did_not_run():
+    from mbridge_offload.config.validate import UPSTREAM_CHECKS
+
+    answer = _validate(LAYERS_61_PP_8, upstream=False)
+    assert answer["coverage"]["not_run"] == list(UPSTREAM_CHECKS)
+    assert "upstream=false" in answer["coverage"]["upstream"]
+
+
+# Configs whose refusal was a hand-ported rule (MC-PP-LAYOUT-*, MC-PP-UNEVEN-MIDDLE-VPP, MC-FP8-STAGE-LAYERS-TYPE):
+# megatron-core's own checks now answer them through validate's upstream run.
+PORTED = {
+    **{
+        f"layout-{step}": {"num_layers": 4, "pipeline_model_parallel_size": 2, "pipeline_dtype": "bf16", **extra}
+        for step, extra in {
+            "conflict": {"pipeline_model_parallel_layout": "Ett|ttL", "num_layers_in_last_pipeline_stage": 2},
+            "parse": {"pipeline_model_parallel_layout": "Etx|ttL"},
+            "type": {"pipeline_model_parallel_layout": 5},
+            "divisible": {"pipeline_model_parallel_layout": "Et|t|tL"},
+            "layers": {"pipeline_model_parallel_layout": "tt|EttL"},
+            "decoders": {"pipeline_model_parallel_layout": "Et(t)*2|ttL"},
+            "mtp": {"pipeline_model_parallel_layout": "Ett|ttmL"},
+        }.items()
+    },
+    "uneven-middle-vpp": {
+        "num_layers": 10,
+        "pipeline_model_parallel_size": 4,
+        "virtual_pipeline_model_parallel_size": 2,
+        "num_layers_in_first_pipeline_stage": 2,
+        "num_layers_in_last_pipeline_stage": 2,
+        "bf16": True,
+        "pipeline_dtype": "bf16",
+    },
+    "fp8-stage-layers-type": {
+        "num_layers": "4",
+        "pipeline_model_parallel_size": 2,
+        "fp8": "hybrid",
+        "bf16": True,
+        "pipeline_dtype": "bf16",
+    },
+}
+
+
+@needs_019
+@pytest.mark.parametrize("name", sorted(PORTED))
+def test_a_deleted_ports_config_is_refused_by_megatron_core_itself(name):
+    import yaml
+
+    model = {"hidden_size": 64, "num_attention_heads": 4, **PORTED[name]}
+    answer = _validate(yaml.safe_dump({"model": model}))
+    refusals = [f for f in answer["findings"] if f["severity"] == "error" and f["origin"] == "mcore"]
+    assert answer["ok"] is False and refusals, answer["findings"]
+    assert all(f["rule"] in ("MCORE-EXACT", "MCORE-BUILD") and f["exception"] for f in refusals)
+    assert all(f["message"] == f["upstream_message"] or not f["upstream_message"] for f in refusals)

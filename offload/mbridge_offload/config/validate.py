@@ -66,6 +66,23 @@ class Finding(BaseModel):
         return self.model_dump(mode="json")
 
 
+# What the upstream run checks (``mbridge_offload_tools.exact``: megatron-core itself, in a warm subprocess), in the
+# words ``coverage`` uses; an answer without the upstream run lists them under ``not_run``, never a silent gap.
+UPSTREAM_CHECKS = (
+    "megatron-core TransformerConfig / MLATransformerConfig.__post_init__",
+    "megatron-core OptimizerConfig.__post_init__",
+    "megatron-core DistributedDataParallelConfig.__post_init__",
+    "megatron-core model build: every pipeline stage's and virtual chunk's layer split, and the first stage's "
+    "GPTModel (one layer of each kind) built on the meta device under a fake process group",
+)
+NO_UPSTREAM = "not run: the rule catalogue only (no torch, no megatron-core)"
+
+
+def rules_only_coverage(why: str = NO_UPSTREAM) -> dict[str, Any]:
+    """``coverage`` of an answer without the upstream run: which of megatron-core's checks did not run, and why."""
+    return {"upstream": why, "upstream_checks": [], "not_run": list(UPSTREAM_CHECKS)}
+
+
 class Report(BaseModel):
     """The result of :func:`validate`. ``ok`` is True when no finding has severity ``error``.
 
@@ -82,6 +99,11 @@ class Report(BaseModel):
     target: str = Field(description="the megatron-core release validated against, e.g. megatron-core==0.19.2")
     env: dict[str, str] = Field(default_factory=dict)
     source: str | None = Field(None, description="where the config came from (path, <text>, recipe:NAME, <argv>)")
+    coverage: dict[str, Any] = Field(
+        default_factory=rules_only_coverage,
+        description="which checks ran: upstream (megatron-core's own run, or why not), upstream_checks (those it "
+        "ran), not_run (those that did not, each named)",
+    )
     fix_notation: Literal["bridge", "megatron-lm"] = Field(
         default="bridge",
         description="how each finding's fix is written: Bridge overrides (section.key=value), or Megatron-LM "
@@ -269,3 +291,29 @@ def _activation_offload_errors(items: tuple[tuple[str, object], ...]) -> tuple[t
     report = validate(OffloadConfig.model_validate(raw), raw)
     offload_keys = ("model.cpu_offloading", "model.cpu_offloading_num_layers")
     return tuple((f.rule, f.message) for f in report.errors if any(k in f.keys for k in offload_keys))
+
+
+def model_errors(model: dict[str, object]) -> list[tuple[str, str]]:
+    """``(rule id, message)`` of every catalogue error of megatron-core's ``TransformerConfig`` stage on ``model``
+    (``model.*`` values: sizes and parallelism): the planner's layout checks ask this instead of restating them.
+
+    Example:
+        >>> model_errors({"num_layers": 4, "hidden_size": 64, "num_attention_heads": 6,
+        ...               "tensor_model_parallel_size": 4})[0][1]
+        'num_attention_heads (6) must be a multiple of tensor_model_parallel_size (4).'
+    """
+    return list(_model_errors(tuple(sorted(model.items(), key=lambda kv: kv[0]))))
+
+
+@lru_cache(maxsize=4096)
+def _model_errors(items: tuple[tuple[str, object], ...]) -> tuple[tuple[str, str], ...]:
+    from mbridge_offload.config.rules.base import STAGE_TRANSFORMER_CONFIG
+
+    probe = dict(items)
+    if int(str(probe.get("pipeline_model_parallel_size") or 1)) > 1:
+        probe.setdefault("pipeline_dtype", "bf16")  # Bridge fills it in; not what decides here
+    raw = {"model": probe}
+    eff = effective_config.resolve(OffloadConfig.model_validate(raw), raw, parse_target(DEFAULT_TARGET), None)
+    return tuple(
+        (f.rule, f.message) for f in _run_rules(eff) if f.severity == "error" and f.stage == STAGE_TRANSFORMER_CONFIG
+    )

@@ -31,7 +31,9 @@ _SHORT = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "float": "fl
 _TE_VERSION_FUNCS = ("get_te_version", "is_te_min_version")
 # A check that asks for TE by name (e.g. "apply_rope_fusion is not available. Please install TE >= 1.4.", raised
 # because TE's fused kernels are absent) when no TE version check of that stage answered "too old".
-_TE_MESSAGE = re.compile(r"install TE\b|Transformer ?Engine|transformer[-_]engine", re.I)
+# Not a message that names TE as a setting ("transformer_engine CUDA graph implementation", "use_transformer_engine_op_
+# fuser"): those are the config's own refusals.
+_TE_MESSAGE = re.compile(r"install TE\b|(Transformer ?Engine|TE)\b[^.]*\bnot (installed|available|present)", re.I)
 _NO_TE = "Transformer Engine is not installed here (it cannot be on a CPU machine)"
 
 
@@ -133,16 +135,17 @@ def _needs_te(exc: BaseException) -> bool:
     return False
 
 
-def _build(torch, cls, body: dict, stage: str, out: dict, te: _TEChecks | None) -> None:
+def _build(torch, cls, body: dict, stage: str, out: dict, te: _TEChecks | None):
     fields = {f.name for f in dataclasses.fields(cls)}
     kwargs = {k: _value(torch, k, v) for k, v in body.items() if k in fields}
     out["dropped"] += sorted(f"{stage}:{k}" for k in body if k not in fields and not k.startswith("_"))
+    out["ran"].append(stage)
     if te is not None:
         te.stage = stage
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            cls(**kwargs)
+            built = cls(**kwargs)
     except Exception as exc:  # every error megatron-core raises is the answer, except TE's absence
         if te is not None and (_needs_te(exc) or (_TE_MESSAGE.search(str(exc)) and not te.failed.get(stage))):
             out["skipped"].append(
@@ -151,19 +154,21 @@ def _build(torch, cls, body: dict, stage: str, out: dict, te: _TEChecks | None) 
             )
         else:
             out["errors"].append({"stage": stage, "type": type(exc).__name__, "message": str(exc)})
+        built = None
     if te is not None and te.asked.get(stage):
         out["skipped"].append(
             f"{stage}: megatron-core's TE version checks ({', '.join(te.asked[stage])}) not run against an installed "
             f"TE: {_NO_TE}; answered for TE {te.assumed} (assumed, as in env.te_version; pass --te-version "
             "X.Y, MCP te_version, for another) so that the checks after them ran"
         )
+    return built
 
 
 def _judge(torch, classes, data: dict, te: _TEChecks | None, have_te: bool) -> dict:
     """What megatron-core raises building one config's sections (``data``: model, optimizer, ddp)."""
     import megatron.core
 
-    transformer, optimizer, ddp = classes
+    transformer, optimizer, ddp, mla = classes
     out: dict = {
         "version": megatron.core.__version__.split("+")[0],
         "path": next(iter(megatron.core.__path__)),
@@ -171,6 +176,8 @@ def _judge(torch, classes, data: dict, te: _TEChecks | None, have_te: bool) -> d
         "errors": [],
         "skipped": [],
         "dropped": [],
+        "built": False,
+        "ran": [],
     }
     if have_te:
         from importlib.metadata import PackageNotFoundError, version
@@ -183,7 +190,10 @@ def _judge(torch, classes, data: dict, te: _TEChecks | None, have_te: bool) -> d
         te.reset(str(data.get("te_version") or "2.18.0"))
     model = data.get("model") or {}
     if all(model.get(k) is not None for k in ("num_layers", "hidden_size", "num_attention_heads")):
-        _build(torch, transformer, model, "TransformerConfig", out, te)
+        cls = mla if model.get("multi_latent_attention") else transformer
+        config = _build(torch, cls, model, "TransformerConfig", out, te)
+        if config is not None and data.get("build", True):
+            _build_model(torch, config, model, out)
     else:
         out["skipped"].append("TransformerConfig: num_layers, hidden_size and num_attention_heads are needed")
     _build(torch, optimizer, {"lr": 1e-4, **(data.get("optimizer") or {})}, "OptimizerConfig", out, te)
@@ -191,25 +201,176 @@ def _judge(torch, classes, data: dict, te: _TEChecks | None, have_te: bool) -> d
     return out
 
 
+_BUILD = "GPTModel build (meta device, fake process group)"
+# An error that says a kernel package is missing here (grouped_gemm, apex, TE), or a set-up step of the training
+# script that a config check does not make (the CUDA-graph-safe RNG tracker), not that the config is wrong: the
+# build is skipped from that layer on, and the answer says so.
+_MISSING_KERNEL = re.compile(
+    r"pip install|is not (available|installed)|No module named|compiled with CUDA|TE is not present|RNG tracker|"
+    r"only supported by TE",  # the local spec's attention: "Context parallelism is only supported by TEDotProduct..."
+    re.I,
+)
+_INT_KEYS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size")
+
+
+def _size(model: dict, key: str, default: int = 1) -> int:
+    value = model.get(key)
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else default
+
+
+def _layout(config, out: dict) -> bool:
+    """Every pipeline stage's and virtual chunk's layer count and offset, as the model build asks them."""
+    from megatron.core import parallel_state
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    vp = config.virtual_pipeline_model_parallel_size
+    try:
+        for pp_rank in range(config.pipeline_model_parallel_size):
+            # a pipeline_model_parallel_layout reads the rank from parallel_state, not from pp_rank
+            parallel_state.set_pipeline_model_parallel_rank(pp_rank)
+            for vp_stage in range(vp) if vp else (None,):
+                try:
+                    get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
+                    get_transformer_layer_offset(config, vp_stage=vp_stage, pp_rank=pp_rank)
+                except Exception as exc:  # the build's own refusal, verbatim
+                    where = f"pipeline rank {pp_rank}" + (f", virtual stage {vp_stage}" if vp else "")
+                    out["errors"].append(
+                        {"stage": _BUILD, "type": type(exc).__name__, "message": str(exc).strip(), "where": where}
+                    )
+                    return False
+    finally:
+        parallel_state.set_pipeline_model_parallel_rank(None)
+    return True
+
+
+def _groups(model: dict, config) -> None:
+    """torch's fake process group (rank 0 of a world the layout divides) and megatron-core's groups on it."""
+    import math
+
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    tp, pp, cp = (_size(model, k) for k in _INT_KEYS)
+    ep = _size(model, "expert_model_parallel_size")
+    etp = _size(model, "expert_tensor_parallel_size", tp)
+    if dist.is_initialized():
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=math.lcm(tp * cp, etp * ep) * pp)
+    parallel_state.initialize_model_parallel(
+        tp,
+        pp,
+        virtual_pipeline_model_parallel_size=config.virtual_pipeline_model_parallel_size,
+        context_parallel_size=cp,
+        expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=etp,
+        create_gloo_process_groups=False,
+    )
+
+
+def _model(torch, config, model: dict, out: dict) -> None:
+    """Build the first pipeline stage's GPTModel (its first virtual chunk, one layer of each kind) on the meta device,
+    under torch's fake process group sized for the layout: the constructors' assertions come back; no memory, no
+    step."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+    pp, vp = config.pipeline_model_parallel_size, config.virtual_pipeline_model_parallel_size
+    try:
+        vp_stage = 0 if vp else None
+        spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, vp_stage=vp_stage, pp_rank=0)
+        # One layer of each kind (dense, MoE, ...): the layers of one spec run the same constructor asserts, and
+        # a 48-layer MoE stage of 128 experts each takes ~1 s to build even on meta (the 50 ms warm budget).
+        kinds: list = []
+        for layer_spec in spec.layer_specs:
+            if layer_spec not in kinds:
+                kinds.append(layer_spec)
+        spec.layer_specs = kinds
+        kwargs = {k: model[k] for k in ("position_embedding_type", "rotary_percent", "rotary_base") if k in model}
+        with torch.device("meta"):
+            GPTModel(
+                config,
+                spec,
+                vocab_size=_size(model, "vocab_size", 32000),
+                max_sequence_length=_size(model, "seq_length", 4096),
+                pre_process=True,
+                post_process=pp == 1,
+                vp_stage=vp_stage,
+                **kwargs,
+            )
+    except Exception as exc:  # the build's own refusal, verbatim, unless a kernel package is missing here
+        text = str(exc).strip()
+        if _MISSING_KERNEL.search(text):
+            out["skipped"].append(
+                f"{_BUILD}: stopped at {type(exc).__name__}({text!r}): a kernel package this "
+                "machine lacks; the checks before it ran"
+            )
+        else:
+            out["errors"].append({"stage": _BUILD, "type": type(exc).__name__, "message": text, "where": "rank 0"})
+
+
+def _build_model(torch, config, model: dict, out: dict) -> None:
+    """The build-time checks of the layout: every stage's layer split, then the first stage built on meta."""
+    if any(k in model for k in ("hybrid_override_pattern", "hybrid_layer_pattern", "is_hybrid_model")):
+        out["skipped"].append(f"{_BUILD}: a hybrid (Mamba) model; only GPT models are built")
+        return
+    try:
+        _groups(model, config)
+    except Exception as exc:  # the groups are ours (a world sized to fit), so this is no refusal of the config
+        out["skipped"].append(f"{_BUILD}: the fake process group could not be set up ({type(exc).__name__}: {exc})")
+        return
+    if _layout(config, out):
+        # Where the weights would be initialised is no check: on the meta device, nothing is allocated or filled.
+        config.use_cpu_initialization, config.perform_initialization = True, False
+        if config.sequence_parallel and model.get("transformer_impl", "transformer_engine") != "local":
+            # Without TE the build takes megatron-core's local spec, whose torch norms refuse sequence parallelism
+            # that TE's norms take: a refusal of this machine's spec, not of the config.
+            config.sequence_parallel = False
+            out["skipped"].append(
+                f"{_BUILD}: built with megatron-core's local layer spec ({_NO_TE}), without sequence_parallel "
+                "(the local spec's torch norms refuse it; TE's take it)"
+            )
+        _model(torch, config, model, out)
+    out["built"] = True
+
+
 def main() -> None:
     """One config on stdin, one answer on stdout; ``{"batch": [config, ...]}`` answers ``{"batch": [...]}`` with
-    one import of megatron-core (the generated-case tests judge many configs this way)."""
-    data = json.load(sys.stdin)
+    one import of megatron-core (the generated-case tests judge many configs this way); ``--serve``: one config a
+    line, one answer a line, until stdin closes (the warm worker of validate and the MCP server)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         import torch
         from megatron.core.distributed import DistributedDataParallelConfig
         from megatron.core.optimizer import OptimizerConfig
-        from megatron.core.transformer import TransformerConfig
-    classes = (TransformerConfig, OptimizerConfig, DistributedDataParallelConfig)
+        from megatron.core.transformer import MLATransformerConfig, TransformerConfig
+    classes = (TransformerConfig, OptimizerConfig, DistributedDataParallelConfig, MLATransformerConfig)
     have_te = importlib.util.find_spec("transformer_engine") is not None
     te = None if have_te else _TEChecks("2.18.0")
     if te is not None:
         te.install()
-    if isinstance(data.get("batch"), list):
-        json.dump({"batch": [_judge(torch, classes, item, te, have_te) for item in data["batch"]]}, sys.stdout)
-    else:
-        json.dump(_judge(torch, classes, data, te, have_te), sys.stdout)
+    if "--serve" in sys.argv:
+        print(json.dumps({"ready": True}), flush=True)
+        cache: dict[str, str] = {}
+        for line in sys.stdin:
+            if line not in cache:
+                if len(cache) > 256:
+                    cache.clear()
+                cache[line] = json.dumps(_answer(torch, classes, json.loads(line), te, have_te))
+            print(cache[line], flush=True)
+        return
+    data = json.load(sys.stdin)
+    json.dump(_answer(torch, classes, data, te, have_te), sys.stdout)
+
+
+def _answer(torch, classes, data: dict, te, have_te: bool) -> dict:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if isinstance(data.get("batch"), list):
+            return {"batch": [_judge(torch, classes, item, te, have_te) for item in data["batch"]]}
+        return _judge(torch, classes, data, te, have_te)
 
 
 if __name__ == "__main__":

@@ -23,18 +23,24 @@ the same stages (megatron-core's own answer wins); the other findings (Transform
 
 from __future__ import annotations
 
+import atexit
+import collections
 import copy
 import importlib.util
 import json
 import os
+import queue
 import re
 import subprocess
 import sys
+import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from mbridge_offload.config import bridge, effective
+from mbridge_offload.config import validate as validate_mod
 from mbridge_offload.config.rules.base import STAGE_OPTIMIZER_CONFIG, STAGE_TRANSFORMER_CONFIG, parse_target
 from mbridge_offload.config.schema import OffloadConfig
 from mbridge_offload.config.sources import ConfigError, build_config
@@ -44,6 +50,7 @@ CHILD = Path(__file__).with_name("child.py")
 ROOT = Path(__file__).resolve().parents[3]
 DEFAULT_DEADLINE_S = 120.0
 _STAGES = {"TransformerConfig": STAGE_TRANSFORMER_CONFIG, "OptimizerConfig": STAGE_OPTIMIZER_CONFIG}
+BUILD_STAGE = "GPTModel build (meta device, fake process group)"  # child.py's name for it
 _SETUP_HINT = {
     "0.19.2": "scripts/setup (full mode) installs megatron-core 0.19.2 into .mcore/0.19.2",
     "0.16.1": "pip install megatron-core==0.16.1 into this Python environment (scripts/setup's venv has it)",
@@ -81,12 +88,15 @@ def _package_version(core: Path) -> str | None:
 def installs() -> list[Install]:
     """The megatron-core releases found here: this environment's first, then those under :func:`mcore_dir`."""
     found: list[Install] = []
-    try:
-        spec = importlib.util.find_spec("megatron.core")
+    try:  # the top-level name only: finding megatron.core would import megatron (this process stays torch-free)
+        spec = importlib.util.find_spec("megatron")
     except (ImportError, ValueError):
         spec = None
-    if spec is not None and spec.submodule_search_locations:
-        core = Path(next(iter(spec.submodule_search_locations)))
+    places = (spec.submodule_search_locations or []) if spec is not None else []
+    cores = [Path(p) / "core" for p in places]
+    cores = [c for c in cores if (c / "__init__.py").is_file()]
+    if cores:
+        core = cores[0]
         version = _package_version(core) or "unknown"
         found.append(Install(version, None, f"this Python environment ({core.parent.parent})"))
     base = mcore_dir()
@@ -143,32 +153,118 @@ def payload(raw: dict[str, Any], config: OffloadConfig | None, target: str, sour
     return data
 
 
-def _spawn(install: Install, body: dict[str, Any], deadline_s: float) -> dict[str, Any]:
-    env = dict(os.environ)
-    if install.pythonpath is not None:
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (install.pythonpath, env.get("PYTHONPATH")) if p)
-    try:
-        proc = subprocess.run(
-            [sys.executable, str(CHILD)],
-            input=json.dumps(body, default=str),
-            capture_output=True,
+class Worker:
+    """One warm megatron-core: ``child.py --serve`` started once, asked one config a line (megatron-core and torch
+    are imported once; the child keeps its answers to configs it has seen). The MCP server starts one at launch
+    (:func:`start`); the CLI starts one for its one call."""
+
+    def __init__(self, install: Install) -> None:
+        env = dict(os.environ)
+        if install.pythonpath is not None:
+            env["PYTHONPATH"] = os.pathsep.join(p for p in (install.pythonpath, env.get("PYTHONPATH")) if p)
+        self.install = install
+        self.proc = subprocess.Popen(
+            [sys.executable, str(CHILD), "--serve"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
             text=True,
-            timeout=deadline_s,
             env=env,
         )
-    except subprocess.TimeoutExpired:
-        raise ExactUnavailable(
-            f"--exact: megatron-core {install.version} did not answer within {deadline_s:g} s"
-        ) from None
-    if proc.returncode != 0:
-        last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-        # megatron-core 0.19 imports triton when it loads (GPU kernels no config check calls); scripts/setup pins it.
-        hint = "; run scripts/setup, which installs the triton it imports" if "'triton'" in last else ""
-        raise ExactUnavailable(
-            f"--exact: building the megatron-core {install.version} configs failed ({last}); none could run{hint}"
-        )
-    answer: dict[str, Any] = json.loads(proc.stdout)
-    return answer
+        self.lines: queue.Queue[str | None] = queue.Queue()
+        self.stderr: collections.deque[str] = collections.deque(maxlen=20)
+        self.lock = threading.Lock()
+        self.ready = False
+        threading.Thread(target=self._pump, args=(self.proc.stdout, self.lines.put), daemon=True).start()
+        self.errs = threading.Thread(target=self._pump, args=(self.proc.stderr, self.stderr.append), daemon=True)
+        self.errs.start()
+
+    @staticmethod
+    def _pump(stream: Any, put: Any) -> None:
+        for line in stream:
+            put(line)
+        put(None)
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def _line(self, deadline: float) -> dict[str, Any]:
+        try:
+            line = self.lines.get(timeout=max(0.0, deadline - time.monotonic()))
+        except queue.Empty:
+            self.close()
+            raise ExactUnavailable(f"megatron-core {self.install.version} did not answer within the deadline") from None
+        if line is None:
+            self.errs.join(timeout=5)  # the child's last words
+            last = ([s.strip() for s in self.stderr if s and s.strip()] or ["no output"])[-1]
+            # megatron-core 0.19 imports triton when it loads (GPU kernels no check calls); scripts/setup pins it.
+            hint = "; run scripts/setup, which installs the triton it imports" if "'triton'" in last else ""
+            raise ExactUnavailable(
+                f"building the megatron-core {self.install.version} configs failed ({last}); none could run{hint}"
+            )
+        answer: dict[str, Any] = json.loads(line)
+        return answer
+
+    def ask(self, body: dict[str, Any], deadline_s: float) -> dict[str, Any]:
+        """The child's answer for ``body``.
+
+        Raises:
+            ExactUnavailable: the child died or passed ``deadline_s`` (it is then stopped).
+        """
+        deadline = time.monotonic() + deadline_s
+        with self.lock:
+            if not self.ready:
+                self._line(deadline)  # {"ready": true}: megatron-core is imported
+                self.ready = True
+            assert self.proc.stdin is not None
+            try:
+                self.proc.stdin.write(json.dumps(body, default=str) + "\n")
+                self.proc.stdin.flush()
+            except OSError:
+                pass  # the child is gone: _line reports why
+            return self._line(deadline)
+
+    def close(self) -> None:
+        if self.alive():
+            self.proc.kill()
+        self.proc.wait()
+
+
+_WORKERS: dict[Install, Worker] = {}
+_WORKERS_LOCK = threading.Lock()
+
+
+def worker(install: Install) -> Worker:
+    """The warm worker of ``install``, started when none is alive."""
+    with _WORKERS_LOCK:
+        current = _WORKERS.get(install)
+        if current is None or not current.alive():
+            current = _WORKERS[install] = Worker(install)
+        return current
+
+
+def start(target: str = "megatron-core==0.19.2") -> Install | None:
+    """Start the target's warm worker now (the MCP server at launch), without waiting for it; None when no
+    megatron-core is installed here."""
+    try:
+        install = choose(parse_target(target).label)
+        worker(install)
+    except (ExactUnavailable, OSError):  # validate then says why in coverage; the server starts regardless
+        return None
+    return install
+
+
+@atexit.register
+def _stop_workers() -> None:
+    for w in list(_WORKERS.values()):
+        w.close()
+
+
+def _spawn(install: Install, body: dict[str, Any], deadline_s: float) -> dict[str, Any]:
+    try:
+        return worker(install).ask(body, deadline_s)
+    except ExactUnavailable as exc:
+        raise ExactUnavailable(f"--exact: {exc}") from None
 
 
 def run_child(
@@ -212,40 +308,49 @@ def exact_report(
     raw: dict[str, Any],
     deadline_s: float = DEFAULT_DEADLINE_S,
     config: OffloadConfig | None = None,
+    notes: bool = True,
 ) -> Report:
-    """``report`` with its megatron-core config findings replaced by what the target's megatron-core raises.
+    """``report`` with its megatron-core config findings replaced by what the target's megatron-core raises
+    (``notes``: as :func:`merge`).
 
     ``config`` (the typed config ``raw`` built) lets a Bridge config get Bridge's ``finalize()`` first.
     """
-    target = parse_target(report.target)
     answer = run_child(
         raw,
         deadline_s,
         config=config,
-        target=str(target),
+        target=report.target,
         source=report.source,
         te_version=report.env.get("te_version"),
     )
+    return merge(report, answer, notes)
+
+
+def merge(report: Report, answer: dict[str, Any], notes: bool = True) -> Report:
+    """``report`` (the catalogue's) with the child's ``answer`` for the same config: megatron-core's errors
+    verbatim in place of the catalogue's findings of the stages it ran, and ``coverage``; ``notes``: also the
+    release that ran and what it skipped as info findings (``MCORE-EXACT-VERSION``, ``MCORE-EXACT-SKIPPED``: what
+    ``exact`` answers; by default ``coverage`` says the same)."""
+    target = parse_target(report.target)
     version = answer["version"]
     ran = f"megatron-core {version} ({answer['where']})"
-    stages = set(_STAGES.values()) | {"DistributedDataParallelConfig"}
-    kept = [f for f in report.findings if f.stage not in stages]
+    kept = _kept(report.findings, answer)
     exact = [
         Finding(
-            rule="MCORE-EXACT",
+            rule="MCORE-BUILD" if e["stage"] == BUILD_STAGE else "MCORE-EXACT",
             severity="error",
             origin="mcore",
             keys=[],
             message=e["message"] or f"{e['type']} (no message)",
             fix=None,
-            why=f"raised by {ran}, building {e['stage']} (exact mode)",
+            why=f"raised by {ran}, building {e['stage']}" + (f" ({e['where']})" if e.get("where") else ""),
             stage=_STAGES.get(e["stage"], e["stage"]),
             upstream_message=e["message"],
             exception=e["type"],
         )
         for e in answer["errors"]
     ]
-    notes = [
+    infos = [
         Finding(
             rule="MCORE-EXACT-SKIPPED",
             severity="info",
@@ -253,25 +358,76 @@ def exact_report(
             keys=[],
             message=text,
             fix=None,
-            why=f"exact mode with {ran}",
+            why=f"the upstream run with {ran}",
         )
         for text in answer["skipped"]
     ]
     if version == target.label:
-        message = f"exact mode ran megatron-core {version}, the target, from {answer['where']}"
+        message = f"the upstream run ran megatron-core {version}, the target, from {answer['where']}"
         why = "megatron-core's own checks of the target release"
     else:
         hint = _SETUP_HINT.get(target.label, f"install megatron-core=={target.label}")
         message = (
-            f"exact mode ran megatron-core {version} from {answer['where']}, not the target {target}: "
+            f"the upstream run ran megatron-core {version} from {answer['where']}, not the target {target}: "
             f"{target.label} is not installed here ({hint})"
         )
-        why = "exact mode can only ask a release that is installed; the other findings follow the target"
-    notes.append(
+        why = "the upstream run can only ask a release that is installed; the other findings follow the target"
+    infos.append(
         Finding(
             rule="MCORE-EXACT-VERSION", severity="info", origin="mcore", keys=[], message=message, fix=None, why=why
         )
     )
     env = {**report.env, "exact_megatron_core": version, "exact_megatron_core_from": answer["where"]}
     env["exact_transformer_engine"] = answer.get("te") or "not installed (TE checks skipped, see MCORE-EXACT-SKIPPED)"
-    return report.model_copy(update={"findings": exact + kept + notes, "env": env})
+    coverage = {**_coverage(answer, ran), "upstream": message}
+    findings = exact + kept + (infos if notes else [])
+    return report.model_copy(update={"findings": findings, "env": env, "coverage": coverage})
+
+
+def _coverage(answer: dict[str, Any], ran: str) -> dict[str, Any]:
+    """``coverage`` of an answer with the upstream run: the checks it ran, those it did not and why."""
+    names = ("TransformerConfig", "OptimizerConfig", "DistributedDataParallelConfig", BUILD_STAGE)
+    done = {*answer.get("ran", names[:3]), *([BUILD_STAGE] if answer.get("built") else [])}
+    checks = dict(zip(names, validate_mod.UPSTREAM_CHECKS, strict=True))
+    coverage = {
+        "upstream": f"ran: {ran}",
+        "upstream_checks": [text for name, text in checks.items() if name in done],
+        "not_run": [*(text for name, text in checks.items() if name not in done), *answer["skipped"]],
+    }
+    return coverage
+
+
+def _kept(findings: list[Finding], answer: dict[str, Any]) -> list[Finding]:
+    """The catalogue's findings that stay beside megatron-core's answer (whose ``errors`` lose those they match).
+
+    megatron-core stops at the first failing check of a stage. A stage it ran: where its error is the one a
+    catalogue finding says, that finding stays in its place (its keys and fix), and so do the stage's findings
+    after it (checks upstream never reached, in upstream's order: all of a config's offload problems at once);
+    the findings before it, or all of the stage's when it raised nothing or something no rule says, go.
+    """
+    ran_stages = {_STAGES.get(s, s) for s in answer.get("ran", ["TransformerConfig", "OptimizerConfig"])}
+
+    def said(e: dict[str, Any]) -> tuple[str, str]:
+        return _STAGES.get(e["stage"], e["stage"]), _sets_sorted(e["message"])
+
+    def says(f: Finding) -> tuple[str | None, str]:
+        return f.stage, _sets_sorted(f.message if f.upstream_message is None else f.upstream_message)
+
+    raised = {said(e) for e in answer["errors"]}
+    confirmed = [f for f in findings if says(f) in raised]
+    answer["errors"] = [e for e in answer["errors"] if all(says(f) != said(e) for f in confirmed)]
+    why = f"megatron-core {answer['version']} raised this very message in the upstream run"
+    reached: set[str | None] = set()  # stages whose confirmed finding has been passed
+    kept = []
+    for f in findings:
+        if f in confirmed and f.stage not in reached:
+            reached.add(f.stage)
+            kept.append(f.model_copy(update={"why": f"{f.why} ({why}.)" if f.why else why}))
+        elif f.stage not in ran_stages or f.stage in reached:
+            kept.append(f)
+    return kept
+
+
+def _sets_sorted(message: str) -> str:
+    """``message`` with the contents of each ``{...}`` sorted: megatron-core prints sets in hash-seed order."""
+    return re.sub(r"\{([^{}]*)\}", lambda mo: "{" + ", ".join(sorted(mo.group(1).split(", "))) + "}", message)

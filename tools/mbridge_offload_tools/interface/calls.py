@@ -104,7 +104,7 @@ def validate_seconds(v: dict[str, Any]) -> float:
     from mbridge_offload.config.reading import deadline_s
 
     seconds = float(deadline_s())
-    if v.get("exact"):
+    if v.get("exact"):  # the default upstream run keeps to the call's deadline (_with_upstream)
         seconds = max(seconds, float(v.get("deadline") or 120.0) + EXACT_MARGIN_S)
     return seconds
 
@@ -142,18 +142,36 @@ def validate_answer(v: dict[str, Any]) -> Any:
     loaded.config.env.update(env)
     report = validate(loaded.config, loaded.raw, target=target, source=loaded.source)
     report.source = loaded.source
-    if v["exact"]:
-        from mbridge_offload_tools.exact.run import ExactUnavailable, exact_report
+    if v["upstream"] or v["exact"]:
+        report = _with_upstream(report, loaded, v)
+    else:
+        from mbridge_offload.config.validate import rules_only_coverage
 
-        try:
-            report = exact_report(report, loaded.raw, v["deadline"], loaded.config)
-        except ExactUnavailable as exc:
-            raise InputError(str(exc)) from None
+        why = "not run: upstream=false (CLI --no-upstream) asked for the rule catalogue only"
+        report = report.model_copy(update={"coverage": rules_only_coverage(why)})
     if argv is not None:  # fixes as the flags to edit on that command line
         from mbridge_offload.config.megatron_lm.fixes import megatron_lm_fixes
 
         report = megatron_lm_fixes(report)
     return report
+
+
+def _with_upstream(report: Any, loaded: Any, v: dict[str, Any]) -> Any:
+    """``report`` with megatron-core's own answer (``exact.run``); without megatron-core here, the catalogue's
+    report whose ``coverage`` says which checks did not run and why (``exact`` asks for an error instead)."""
+    from mbridge_offload.config.reading import deadline_s
+    from mbridge_offload.config.validate import rules_only_coverage
+    from mbridge_offload_tools.exact.run import ExactUnavailable, exact_report
+
+    # Asked for (exact), the run has its own deadline; by default it keeps within the call's, less a margin for the
+    # rest of the answer, and a run that passes it leaves the catalogue's answer with coverage saying so.
+    seconds = v["deadline"] if v["exact"] else min(v["deadline"], max(0.5, 0.8 * deadline_s() - 0.5))
+    try:
+        return exact_report(report, loaded.raw, seconds, loaded.config, notes=v["exact"])
+    except ExactUnavailable as exc:
+        if v["exact"]:
+            raise InputError(str(exc)) from None
+        return report.model_copy(update={"coverage": rules_only_coverage(f"not run: {exc}")})
 
 
 # ---------------------------------------------------------------------------------------------- the planner

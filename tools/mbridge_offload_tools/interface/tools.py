@@ -104,17 +104,27 @@ VALIDATE = Tool(
             metavar="megatron-core==X.Y",
         ),
         Param(
+            "upstream",
+            bool,
+            "run megatron-core itself where it is installed (the target's release: the environment's, or "
+            ".mcore/<version> from scripts/setup): its TransformerConfig/MLATransformerConfig, OptimizerConfig and "
+            "DistributedDataParallelConfig, and the model build for the layout (every pipeline stage's split, the "
+            "first stage built on the meta device), in a warm subprocess; its errors come back verbatim (origin "
+            "mcore). --no-upstream / false: the rule catalogue only (fast, no torch); coverage.not_run then names "
+            "the checks that did not run",
+            default=True,
+        ),
+        Param(
             "exact",
             bool,
-            "also build the real TransformerConfig/OptimizerConfig/DDP config with the target's megatron-core (the "
-            "environment's, or .mcore/<version> from scripts/setup; a subprocess, ~10-30 s) and report every error it "
-            "raises verbatim (origin mcore) and the release that ran (MCORE-EXACT-VERSION)",
+            "require the upstream run: an error (exit 2) when megatron-core cannot run here, where the default "
+            "answers from the rule catalogue and says so in coverage",
             default=False,
         ),
         Param(
             "deadline",
             float,
-            "time limit of exact, in seconds",
+            "time limit of the upstream run, in seconds",
             default=120.0,
             bounds=bounds(gt=0, le=3600),
             metavar="S",

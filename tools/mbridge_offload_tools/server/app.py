@@ -263,6 +263,11 @@ def run(
     if transport not in ("stdio", "streamable-http"):
         raise ValueError(f"transport {transport!r} is not one of stdio, streamable-http")
     guard.configure(roots or [], bridge_repos or [], bridge_venv)
+    # validate runs megatron-core itself by default: its warm worker imports torch and megatron-core now, while the
+    # client connects, so that a validate_config call costs the check only (docs/benchmarks-validate.md).
+    from mbridge_offload_tools.exact.run import start
+
+    start()
     # Started by hand, the server would otherwise look hung. stderr only: on stdio, stdout is the protocol.
     if transport == "stdio":
         sys.stderr.write(

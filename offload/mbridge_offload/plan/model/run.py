@@ -128,10 +128,7 @@ def check_setup(model: ModelSpec, setup: Setup) -> None:
     etp = s.resolved_etp(model)
     if s.num_gpus % (s.tp * s.pp * s.cp):
         raise ValueError(f"num_gpus {s.num_gpus} is not divisible by TP·PP·CP = {s.tp * s.pp * s.cp}")
-    if model.num_attention_heads % s.tp:
-        raise ValueError(f"TP {s.tp} does not divide num_attention_heads {model.num_attention_heads}")
-    if model.mla is None and model.num_query_groups % s.tp:
-        raise ValueError(f"TP {s.tp} does not divide num_query_groups {model.num_query_groups}")
+    _check_model_config(model, s, etp)
     if model.num_layers < s.pp:
         raise ValueError(f"PP {s.pp} exceeds num_layers {model.num_layers}")
     _check_hybrid(model, s)
@@ -148,7 +145,7 @@ def check_setup(model: ModelSpec, setup: Setup) -> None:
     if seq % s.cp or (s.cp > 1 and seq % (2 * s.cp)):
         raise ValueError(f"seq_length {seq} must be divisible by 2·CP = {2 * s.cp}")
     if model.is_moe:
-        if model.experts % s.ep:
+        if model.experts % s.ep:  # MoELayer's build-time assert (no TransformerConfig check, so not the catalogue's)
             raise ValueError(f"EP {s.ep} does not divide num_moe_experts {model.num_moe_experts}")
         if s.num_gpus % (s.pp * s.ep * etp):
             raise ValueError(f"num_gpus {s.num_gpus} is not divisible by PP·EP·ETP = {s.pp * s.ep * etp}")
@@ -159,6 +156,34 @@ def check_setup(model: ModelSpec, setup: Setup) -> None:
     fine_grained.check(s)
     if s.activation_offload_layers:
         _check_activation_offload(model, s)
+
+
+def _check_model_config(model: ModelSpec, s: Setup, etp: int) -> None:
+    """megatron-core's ``TransformerConfig`` checks of the sizes and the parallelism, as the validator runs them
+    (``config.validate.model_errors``, one home): e.g. 0.19 accepts a TP that is a multiple of the query groups."""
+    from mbridge_offload.config.validate import model_errors
+
+    values: dict[str, object] = {
+        "num_layers": model.num_layers,
+        "hidden_size": model.hidden_size,
+        "num_attention_heads": model.num_attention_heads,
+        "tensor_model_parallel_size": s.tp,
+        "pipeline_model_parallel_size": s.pp,
+        "context_parallel_size": s.cp,
+        "sequence_parallel": s.sp and s.tp > 1,  # Bridge leaves it off at TP 1
+    }
+    if model.mla is None:
+        values["num_query_groups"] = model.num_query_groups
+    if model.is_moe:
+        values.update(
+            num_moe_experts=model.experts,
+            expert_model_parallel_size=s.ep,
+            expert_tensor_parallel_size=etp,
+            moe_router_topk=model.moe_router_topk,
+        )
+    errors = model_errors(values)
+    if errors:
+        raise ValueError("; ".join(f"{message} ({rule})" for rule, message in errors))
 
 
 def _check_hybrid(model: ModelSpec, s: Setup) -> None:
