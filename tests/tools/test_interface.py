@@ -36,6 +36,7 @@ PAIRS = {
     "run_unit_tests": "test",
     "diagnose_failure": "diagnose",
     "plot_offload": "plot",
+    "trace_memory": "trace",
 }
 # The only spellings that differ (docs/mcp.md); config may also be the positional CONFIG.
 SPELLINGS = {"overrides": "--set", "k": "-k", "timeout_s": "--timeout", "overwrite": "--force"}

@@ -1,0 +1,159 @@
+"""What megatron-core needs from a CUDA machine, given on a CPU-only host: every patch of the trace, in one place.
+
+Applied only inside the trace's child process (:func:`apply`), never in the CLI or the MCP server. The trace runs
+on *fake CPU tensors* (``FakeTensorMode``: shapes, dtypes and storages, no data) rather than fake CUDA tensors or the
+meta device: on a CPU build of torch, fake CUDA tensors fail in ``embedding`` and in ``index_put_`` with a CPU
+scalar, and the meta device has no storages to count. Sizes do not depend on the device, so a CPU storage counts the
+bytes the GPU would hold. Each patch says why it is needed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+
+def _cpu(device: Any) -> Any:
+    if isinstance(device, torch.device) and device.type == "cuda":
+        return torch.device("cpu")
+    if isinstance(device, str) and device.startswith("cuda"):
+        return "cpu"
+    if isinstance(device, int):  # torch.cuda.current_device()'s index, passed as a device
+        return "cpu"
+    return device
+
+
+class CpuForCuda(TorchFunctionMode):
+    """Every ``device="cuda"`` argument becomes ``"cpu"``: megatron-core builds its causal mask, its DDP buffers and
+    its schedule's counters on ``"cuda"`` (``torch.cuda.current_device()``), and ``tensor.cuda()`` /
+    ``.to("cuda")`` would need a CUDA build."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = dict(kwargs or {})
+        if "device" in kwargs:
+            kwargs["device"] = _cpu(kwargs["device"])
+        name = getattr(func, "__name__", "")
+        if name == "cuda":  # Tensor.cuda(): stays where it is
+            return args[0]
+        if name == "type" and len(args) == 1 and not kwargs:
+            # megatron-core's optimizers sort parameters by Tensor.type() == "torch.cuda.BFloat16Tensor".
+            return func(*args).replace("torch.", "torch.cuda.", 1)
+        if name == "to" and args and len(args) > 1:
+            args = (args[0], _cpu(args[1]), *args[2:])
+        return func(*args, **kwargs)
+
+
+class _NullStream:
+    """``torch.cuda.Stream`` stand-in: work is ordered on one host thread, so every stream is the current one."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def wait_stream(self, *args: Any) -> None:
+        pass
+
+    def wait_event(self, *args: Any) -> None:
+        pass
+
+    def record_event(self, *args: Any) -> _NullEvent:
+        return _NullEvent()
+
+    def synchronize(self) -> None:
+        pass
+
+    def __enter__(self) -> _NullStream:
+        return self
+
+    def __exit__(self, *args: Any) -> None:
+        pass
+
+
+class _NullEvent:
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def record(self, *args: Any) -> None:
+        pass
+
+    def wait(self, *args: Any) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
+@contextlib.contextmanager
+def _null_context(*args: Any, **kwargs: Any) -> Any:
+    yield
+
+
+class _Done:
+    """A finished communication handle."""
+
+    def wait(self) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def _one_by_one(*args: Any, **kwargs: Any) -> Any:
+    yield _Done()
+
+
+def apply() -> None:
+    """Patch torch.cuda and megatron-core for the trace (module docstring); call once, in the child only."""
+    cuda = torch.cuda
+    # megatron-core asks for the current device by index to place buffers (utils.get_tensor, DDP buffers,
+    # VocabParallelEmbedding); an int index fails on a CPU build ("Cannot access accelerator device"), a string works.
+    cuda.current_device = lambda: "cpu"  # type: ignore[assignment]
+    # Streams and events order copies on a GPU; on one host thread everything is already in order.
+    cuda.Stream = _NullStream  # type: ignore[misc,assignment]
+    cuda.Event = _NullEvent  # type: ignore[misc,assignment]
+    cuda.current_stream = lambda *a, **k: _NullStream()  # type: ignore[assignment]
+    cuda.default_stream = lambda *a, **k: _NullStream()  # type: ignore[assignment]
+    cuda.stream = _null_context  # type: ignore[assignment]
+    cuda.synchronize = lambda *a, **k: None  # type: ignore[assignment]
+    # Nothing to free or measure on a device that is not there.
+    cuda.empty_cache = lambda: None  # type: ignore[assignment]
+    import torch.distributed as dist
+
+    def all_gather_object(out: list[Any], obj: Any, group: Any = None) -> None:
+        out[:] = [obj] * len(out)
+
+    # Pickled objects travel as byte tensors whose sizes are read with .item(), which a fake tensor cannot answer;
+    # with the fake group every rank is this one, so every rank's object is this rank's.
+    dist.all_gather_object = all_gather_object  # type: ignore[assignment]
+    from megatron.core.distributed import param_and_grad_buffer
+
+    # DDP batches its bucket collectives in torch's _coalescing_manager, whose coalesced c10d ops have no fake-tensor
+    # kernel; one by one (each has one) they write the same preallocated buffers, which is all the trace counts.
+    param_and_grad_buffer._coalescing_manager = _one_by_one  # type: ignore[attr-defined]
+    from megatron.core.optimizer import clip_grads, optimizer
+
+    # The gradient norm is read as a Python float (local_multi_tensor_l2_norm: float(l2_reduced)), which a fake
+    # tensor cannot give. Its memory is one scalar per tensor (apex/TE's fused kernel on a GPU); the norm is 1.0.
+    for module in (clip_grads, optimizer):
+        module.get_grad_norm_fp32 = lambda *a, **k: 1.0  # type: ignore[attr-defined]
+    from megatron.core.transformer import torch_norm
+
+    original_new = torch_norm.WrappedTorchNorm.__new__
+
+    def norm_new(cls: Any, config: Any, *args: Any, **kwargs: Any) -> Any:
+        # torch's norms refuse sequence parallelism (TE's and apex's take it): the norm's weights and its saved
+        # input are the same either way; SP only marks the weights for a gradient all-reduce.
+        import copy
+
+        plain = copy.copy(config)
+        object.__setattr__(plain, "sequence_parallel", False)
+        return original_new(cls, plain, *args, **kwargs)
+
+    torch_norm.WrappedTorchNorm.__new__ = norm_new  # type: ignore[method-assign,assignment]
+    from megatron.core.tensor_parallel import random
+
+    # The RNG tracker forks CUDA RNG state around dropout in TP regions; a fake tensor draws no numbers.
+    random.CudaRNGStatesTracker.fork = _null_context  # type: ignore[method-assign,assignment]
