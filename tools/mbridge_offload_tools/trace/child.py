@@ -62,10 +62,9 @@ def main() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         import megatron.core
-        import torch
-
         import patches
         import step
+        import torch
 
         patches.apply()
         _init_parallel(spec)

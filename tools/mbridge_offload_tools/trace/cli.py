@@ -30,7 +30,9 @@ def _human(d: dict[str, Any]) -> str:
         f"{d['model']}: stage {d['stage']} traced with megatron-core {d['under_test']['megatron_core']} "
         f"({d['under_test']['spec']}, {d['under_test']['schedule']}), peak allocated per GPU:",
         *(f"  {k:<12} {m[k]:8.3f} GiB" for k in (*m.keys(),)),
-        "phases: " + " | ".join(f"{p['name']} {p['memory_gib']:.3f}" for p in d["phases"]) + f" GiB (peak: {d['peak_phase']})",
+        "phases: "
+        + " | ".join(f"{p['name']} {p['memory_gib']:.3f}" for p in d["phases"])
+        + f" GiB (peak: {d['peak_phase']})",
         f"traced in {d['seconds']:.1f} s",
         *(f"note: {n}" for n in d["notes"]),
     ]

@@ -157,3 +157,17 @@ def apply() -> None:
 
     # The RNG tracker forks CUDA RNG state around dropout in TP regions; a fake tensor draws no numbers.
     random.CudaRNGStatesTracker.fork = _null_context  # type: ignore[method-assign,assignment]
+    # Recompute (CheckpointFunction) saves and restores the CUDA RNG state around the rebuilt forward; the CPU
+    # generator's state (a few KiB, as on a GPU) stands in for it.
+    random._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()  # type: ignore[attr-defined]
+    random._set_cuda_rng_state = lambda *a, **k: None  # type: ignore[attr-defined]
+    # The rebuilt forward runs inside autograd's backward, where the device mode above is not active.
+    backward = random.CheckpointFunction.backward
+
+    def checkpoint_backward(ctx: Any, *args: Any) -> Any:
+        with CpuForCuda():
+            return backward(ctx, *args)
+
+    random.CheckpointFunction.backward = staticmethod(checkpoint_backward)  # type: ignore[method-assign]
+    cuda.get_rng_state = lambda *a, **k: torch.get_rng_state()  # type: ignore[assignment]
+    cuda.set_rng_state = lambda *a, **k: None  # type: ignore[assignment]

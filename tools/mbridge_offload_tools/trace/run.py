@@ -117,12 +117,20 @@ def answer(child: dict[str, Any], spec: dict[str, Any], r: Any, install: Install
             "megatron_core_from": install.where,
             "spec": "local (megatron-core get_gpt_layer_local_spec)",
             "schedule": "interleaved 1F1B" if r.setup.vpp else ("1F1B" if r.setup.pp > 1 else "no pipelining"),
-            "optimizer": "DistributedOptimizer" if r.setup.use_distributed_optimizer else "Float16OptimizerWithFloat16Params",
+            "optimizer": "DistributedOptimizer"
+            if r.setup.use_distributed_optimizer
+            else "Float16OptimizerWithFloat16Params",
             "transformer_engine": None,
         },
         "model": r.model.name,
-        "parallel": {"tp": r.setup.tp, "pp": r.setup.pp, "vpp": r.setup.vpp, "cp": r.setup.cp, "dp": r.setup.dp,
-                     "num_gpus": r.setup.num_gpus},
+        "parallel": {
+            "tp": r.setup.tp,
+            "pp": r.setup.pp,
+            "vpp": r.setup.vpp,
+            "cp": r.setup.cp,
+            "dp": r.setup.dp,
+            "num_gpus": r.setup.num_gpus,
+        },
         "notes": notes,
         "assumptions": assumptions,
     }

@@ -16,7 +16,13 @@ _LAYER = re.compile(r"\.(\d+)(?=\.|$)")
 def _config(torch: Any, spec: dict[str, Any]) -> Any:
     from megatron.core.transformer import TransformerConfig
 
-    dtype = torch.bfloat16 if spec["params_dtype"] == "bf16" else torch.float16 if spec["params_dtype"] == "fp16" else torch.float32
+    dtype = (
+        torch.bfloat16
+        if spec["params_dtype"] == "bf16"
+        else torch.float16
+        if spec["params_dtype"] == "fp16"
+        else torch.float32
+    )
     kw = dict(spec["transformer"])
     if kw.pop("swiglu", False):
         kw["activation_func"] = torch.nn.functional.silu
@@ -70,7 +76,11 @@ def _module_hooks(tracker: Tracker, chunks: list[Any]) -> None:
         def hook(module: Any, args: Any) -> None:
             stack.append(name)
             tracker.module = name
-            if name.endswith("output_layer") and tracker.phase == "forward_backward" and tracker.category == "activations":
+            if (
+                name.endswith("output_layer")
+                and tracker.phase == "forward_backward"
+                and tracker.category == "activations"
+            ):
                 tracker.mark_phase("loss")
 
         return hook
@@ -91,9 +101,8 @@ def _module_hooks(tracker: Tracker, chunks: list[Any]) -> None:
 
 def trace(torch: Any, spec: dict[str, Any]) -> dict[str, Any]:
     """Trace one rank's step (module docstring); the answer's JSON."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
     import patches
+    from torch._subclasses.fake_tensor import FakeTensorMode
 
     tracker = Tracker()
     with FakeTensorMode(allow_non_fake_inputs=True), patches.CpuForCuda(), tracker:
@@ -134,7 +143,11 @@ def _build(torch: Any, spec: dict[str, Any], tracker: Tracker) -> dict[str, Any]
 def _dtypes(torch: Any, kw: dict[str, Any]) -> dict[str, Any]:
     out = {}
     for k, v in kw.items():
-        out[k] = getattr(torch, {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}.get(v, v)) if k.endswith("_dtype") and isinstance(v, str) else v
+        out[k] = (
+            getattr(torch, {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}.get(v, v))
+            if k.endswith("_dtype") and isinstance(v, str)
+            else v
+        )
     return out
 
 
