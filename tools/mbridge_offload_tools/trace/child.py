@@ -56,22 +56,44 @@ def _init_parallel(spec: dict[str, Any]) -> None:
     random.model_parallel_cuda_manual_seed = lambda *a, **k: None
 
 
+def _one(spec: dict[str, Any], started: float) -> dict[str, Any]:
+    import megatron.core
+    import step
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    _init_parallel(spec)
+    try:
+        answer = step.trace(torch, spec)
+    finally:  # the next spec of a batch has its own world
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
+    answer["megatron_core"] = megatron.core.__version__.split("+")[0]
+    answer["seconds"] = round(time.perf_counter() - started, 2)
+    return answer
+
+
 def main() -> None:
-    spec = json.load(sys.stdin)
+    """One spec on stdin, one answer on stdout; ``{"batch": [spec, ...]}`` answers ``{"batch": [answer or
+    {"error": ...}, ...]}`` with one import of megatron-core (the differential test traces many configs)."""
+    data = json.load(sys.stdin)
     started = time.perf_counter()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        import megatron.core
         import patches
-        import step
-        import torch
 
         patches.apply()
-        _init_parallel(spec)
-        answer = step.trace(torch, spec)
-    answer["megatron_core"] = megatron.core.__version__.split("+")[0]
-    answer["seconds"] = round(time.perf_counter() - started, 2)
-    json.dump(answer, sys.stdout)
+        if "batch" not in data:
+            json.dump(_one(data, started), sys.stdout)
+            return
+        out = []
+        for spec in data["batch"]:
+            try:
+                out.append(_one(spec, time.perf_counter()))
+            except Exception as exc:  # one config's failure is its answer, the batch goes on
+                out.append({"error": f"{type(exc).__name__}: {exc}"[:400]})
+        json.dump({"batch": out}, sys.stdout)
 
 
 if __name__ == "__main__":

@@ -45,6 +45,10 @@ def _chunks(torch: Any, spec: dict[str, Any], config: Any) -> list[Any]:
     layer_spec = get_gpt_layer_local_spec(
         num_experts=config.num_moe_experts, qk_layernorm=config.qk_layernorm, normalization=config.normalization
     )
+    if spec.get("attention", "fused") == "fused":
+        import standins
+
+        standins.use_te_attention(layer_spec)
     vpp = spec["parallel"].get("vpp")
     chunks = []
     for vp in range(vpp or 1):

@@ -1,0 +1,66 @@
+"""Transformer Engine stand-ins for the trace: modules whose *saved tensors* follow TE's source, nothing computed.
+
+TE cannot be installed on a CPU host, and megatron-core's local attention (``DotProductAttention``) keeps the
+``[b, heads, s, s]`` score and softmax matrices for backward, which no TE run does. Where the run uses TE (every
+Bridge recipe), the trace uses these instead, in the child only. Each stand-in saves, through
+``ctx.save_for_backward``, the tensors TE's own autograd function saves (``FACTS``, checked against TE's source by
+``tests/tools/test_trace_standins.py``), with TE's shapes and dtypes; its outputs have the real shapes and are never
+read (fake tensors).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+# TE's source, per fact: the file, the autograd function and the tensors its forward hands to save_for_backward.
+# The tests find each name inside that call in TE's source (release v2.9 and later: prepare_for_saving(...) then
+# ctx.save_for_backward(*tensors_to_save)).
+FACTS: dict[str, dict[str, Any]] = {
+    "fused_attention": {
+        "file": "transformer_engine/pytorch/attention/dot_product_attention/backends.py",
+        "function": "FusedAttnFunc",
+        "saves": ("*qkvo_tensors", "cu_seqlens_q", "cu_seqlens_kv", "*aux_ctx_tensors"),
+        "meaning": "q, k, v (GQA: k and v at the query-group count), the output, and aux_ctx_tensors: the softmax "
+        "statistics (fp32, [b, heads, s_q, 1]) and the dropout RNG state (2 x int64)",
+    },
+}
+
+
+class _FusedAttention(torch.autograd.Function):
+    """What TE's FusedAttnFunc keeps for backward: q, k, v, out, softmax statistics, RNG state."""
+
+    @staticmethod
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        sq, b, heads, dim = q.shape
+        out = q.new_empty(sq, b, heads, dim)
+        stats = q.new_empty(b, heads, sq, 1, dtype=torch.float32)
+        rng_state = q.new_empty(2, dtype=torch.int64)
+        ctx.save_for_backward(q, k, v, out, stats, rng_state)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
+        q, k, v, _out, _stats, _rng = ctx.saved_tensors
+        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+class FusedAttentionStandIn(torch.nn.Module):
+    """In place of ``TEDotProductAttention`` (constructor and forward as megatron-core's core attention takes them)."""
+
+    def __init__(self, config: Any, *args: Any, **kwargs: Any) -> None:
+        super().__init__()
+        self.config = config
+
+    def forward(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any, *args: Any, **kw: Any
+    ) -> torch.Tensor:
+        out = _FusedAttention.apply(query, key, value)
+        sq, b, heads, dim = out.shape
+        return out.view(sq, b, heads * dim)
+
+
+def use_te_attention(layer_spec: Any) -> None:
+    """Swap the local spec's core attention for the fused-attention stand-in (in place)."""
+    layer_spec.submodules.self_attention.submodules.core_attention = FusedAttentionStandIn
