@@ -141,16 +141,12 @@ def apply() -> None:
         module.get_grad_norm_fp32 = lambda *a, **k: 1.0  # type: ignore[attr-defined]
     from megatron.core.transformer import torch_norm
 
-    original_new = torch_norm.WrappedTorchNorm.__new__
+    import standins
 
-    def norm_new(cls: Any, config: Any, *args: Any, **kwargs: Any) -> Any:
-        # torch's norms refuse sequence parallelism (TE's and apex's take it): the norm's weights and its saved
-        # input are the same either way; SP only marks the weights for a gradient all-reduce.
-        import copy
-
-        plain = copy.copy(config)
-        object.__setattr__(plain, "sequence_parallel", False)
-        return original_new(cls, plain, *args, **kwargs)
+    def norm_new(cls: Any, config: Any, hidden_size: int, *args: Any, **kwargs: Any) -> Any:
+        # The local spec's norm is torch's (WrappedTorchNorm), which refuses sequence parallelism and keeps fp32
+        # intermediates no TE or apex kernel keeps: TE's saved tensors instead (trace.standins.NormStandIn).
+        return standins.NormStandIn(config, hidden_size)
 
     torch_norm.WrappedTorchNorm.__new__ = norm_new  # type: ignore[method-assign,assignment]
     from megatron.core.tensor_parallel import random

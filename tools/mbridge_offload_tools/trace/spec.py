@@ -60,6 +60,8 @@ def _transformer(m: ModelSpec, s: Setup) -> dict[str, Any]:
         "kv_channels": m.kv_channels,
         "gated_linear_unit": m.gated_linear_unit,
         "swiglu": m.gated_linear_unit,
+        # megatron-core's fused SwiGLU keeps the fc1 output only (Bridge's recipes switch it on)
+        "bias_activation_fusion": m.gated_linear_unit,
         "add_bias_linear": m.add_bias_linear,
         "qk_layernorm": m.qk_layernorm,
         "normalization": "RMSNorm",

@@ -25,7 +25,49 @@ FACTS: dict[str, dict[str, Any]] = {
         "meaning": "q, k, v (GQA: k and v at the query-group count), the output, and aux_ctx_tensors: the softmax "
         "statistics (fp32, [b, heads, s_q, 1]) and the dropout RNG state (2 x int64)",
     },
+    "layer_norm": {
+        "file": "transformer_engine/pytorch/module/layernorm.py",
+        "function": "_LayerNorm",
+        "saves": ("inputmat", "ln_weight", "mu", "rsigma"),
+        "meaning": "the norm's input, its weight and the fp32 statistics per token (RMSNorm: rsigma; mu unused)",
+    },
 }
+
+
+class _Norm(torch.autograd.Function):
+    """What TE's _LayerNorm / RMSNorm keeps for backward: its input, weight and the fp32 statistics per token."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        tokens = x.numel() // x.shape[-1]
+        rsigma = x.new_empty(tokens, dtype=torch.float32)
+        ctx.save_for_backward(x, weight, rsigma)
+        return torch.empty_like(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
+        x, weight, _rsigma = ctx.saved_tensors
+        return torch.empty_like(x), torch.empty_like(weight)
+
+
+class NormStandIn(torch.nn.Module):
+    """In place of TE's norms (and of megatron-core's WrappedTorchNorm, whose torch norm keeps fp32 copies): one
+    weight (and a bias for LayerNorm), the saved tensors of TE's kernel."""
+
+    def __init__(self, config: Any, hidden_size: int, *args: Any, **kwargs: Any) -> None:
+        super().__init__()
+        self.config = config
+        dtype = config.params_dtype
+        self.weight = torch.nn.Parameter(torch.empty(hidden_size, dtype=dtype))
+        self.bias = (
+            torch.nn.Parameter(torch.empty(hidden_size, dtype=dtype)) if config.normalization == "LayerNorm" else None
+        )
+        for param in (self.weight, self.bias):
+            if param is not None:  # as megatron-core marks norm weights under sequence parallelism
+                param.sequence_parallel = config.sequence_parallel  # type: ignore[attr-defined]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _Norm.apply(x, self.weight)
 
 
 class _FusedAttention(torch.autograd.Function):
