@@ -67,7 +67,9 @@ def generate(seed: int, n: int) -> list[dict[str, Any]]:
         mp = _layout(rng, case)
         dp = rng.choice((1, 2, 4, 8))
         case["num_gpus"] = mp * dp
-        case["global_batch_size"] = case["micro_batch_size"] * dp * rng.choice((1, 2, 4, 8))
+        # interleaving needs at least PP micro-batches (megatron-core refuses fewer)
+        least = case["pp"] if case.get("vpp") else 1
+        case["global_batch_size"] = case["micro_batch_size"] * dp * max(least, rng.choice((1, 2, 4, 8)))
         case["distributed_optimizer"] = rng.random() < 0.8
         case["grad_reduce_in_fp32"] = rng.random() < 0.7
         case["share_embeddings_and_output_weights"] = rng.random() < 0.2

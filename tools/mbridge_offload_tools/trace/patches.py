@@ -107,6 +107,8 @@ def _one_by_one(*args: Any, **kwargs: Any) -> Any:
 
 def apply() -> None:
     """Patch torch.cuda and megatron-core for the trace (module docstring); call once, in the child only."""
+    import standins
+
     cuda = torch.cuda
     # megatron-core asks for the current device by index to place buffers (utils.get_tensor, DDP buffers,
     # VocabParallelEmbedding); an int index fails on a CPU build ("Cannot access accelerator device"), a string works.
@@ -133,6 +135,15 @@ def apply() -> None:
     # DDP batches its bucket collectives in torch's _coalescing_manager, whose coalesced c10d ops have no fake-tensor
     # kernel; one by one (each has one) they write the same preallocated buffers, which is all the trace counts.
     param_and_grad_buffer._coalescing_manager = _one_by_one  # type: ignore[attr-defined]
+    import megatron.core.optimizer as optimizers
+
+    # Every Bridge run has TE, so megatron-core builds TE's FusedAdam (in-place multi-tensor kernel); without TE it
+    # falls back to torch's AdamW, whose temporaries no Bridge run has: TE's state and no temporaries instead.
+    optimizers.USING_PYTORCH_OPTIMIZER = False  # type: ignore[attr-defined]
+    optimizers.Adam = standins.FusedAdamStandIn  # type: ignore[attr-defined]
+    from megatron.core.optimizer import distrib_optimizer
+
+    distrib_optimizer.Adam = standins.FusedAdamStandIn  # type: ignore[attr-defined]  # its isinstance check
     from megatron.core.optimizer import clip_grads, optimizer
 
     # The gradient norm is read as a Python float (local_multi_tensor_l2_norm: float(l2_reduced)), which a fake
@@ -140,8 +151,6 @@ def apply() -> None:
     for module in (clip_grads, optimizer):
         module.get_grad_norm_fp32 = lambda *a, **k: 1.0  # type: ignore[attr-defined]
     from megatron.core.transformer import torch_norm
-
-    import standins
 
     def norm_new(cls: Any, config: Any, hidden_size: int, *args: Any, **kwargs: Any) -> Any:
         # The local spec's norm is torch's (WrappedTorchNorm), which refuses sequence parallelism and keeps fp32

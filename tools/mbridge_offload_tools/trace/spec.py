@@ -31,6 +31,7 @@ _NOT_YET = (
     (lambda m, s: bool(s.offload_modules), "fine-grained activation offloading"),
     (lambda m, s: s.optimizer_offload_fraction > 0, "optimizer CPU offload (HybridDeviceOptimizer)"),
     (lambda m, s: s.pipeline_layout is not None, "pipeline layouts"),
+    (lambda m, s: s.use_precision_aware_optimizer, "the precision-aware optimizer (TE FusedAdam's master weights)"),
 )
 
 

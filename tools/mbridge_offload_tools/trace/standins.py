@@ -106,3 +106,30 @@ class FusedAttentionStandIn(torch.nn.Module):
 def use_te_attention(layer_spec: Any) -> None:
     """Swap the local spec's core attention for the fused-attention stand-in (in place)."""
     layer_spec.submodules.self_attention.submodules.core_attention = FusedAttentionStandIn
+
+
+class FusedAdamStandIn(torch.optim.Optimizer):
+    """In place of TE's FusedAdam (what megatron-core builds when TE is installed, as in every Bridge run): its state
+    is ``exp_avg`` and ``exp_avg_sq`` per parameter, made at the first step, and its multi-tensor kernel updates
+    them in place with no temporaries. torch's AdamW, megatron-core's fallback without TE or apex, would add
+    per-parameter temporaries on CPU (and a whole fp32 copy per foreach op on a GPU) that no Bridge run has."""
+
+    def __init__(self, params: Any, lr: float = 1e-3, **kwargs: Any) -> None:
+        self.state_dtypes = (
+            kwargs.pop("exp_avg_dtype", torch.float32) or torch.float32,
+            kwargs.pop("exp_avg_sq_dtype", torch.float32) or torch.float32,
+        )
+        super().__init__(
+            params, {"lr": lr, **{k: v for k, v in kwargs.items() if k in ("weight_decay", "betas", "eps")}}
+        )
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:  # type: ignore[override]
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state["exp_avg"] = torch.zeros_like(p, dtype=self.state_dtypes[0])
+                    state["exp_avg_sq"] = torch.zeros_like(p, dtype=self.state_dtypes[1])

@@ -96,9 +96,9 @@ def _module_hooks(tracker: Tracker, chunks: list[Any]) -> None:
 
     for chunk in chunks:
         for name, module in chunk.named_modules():
-            if not name or name.count(".") > 4:
+            if name.count(".") > 4:
                 continue
-            short = _LAYER.sub(".*", name)
+            short = _LAYER.sub(".*", name) or "gpt_model (outside its submodules: the loss, the output's glue)"
             module.register_forward_pre_hook(pre(short))
             module.register_forward_hook(post)
 
