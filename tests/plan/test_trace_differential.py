@@ -36,7 +36,10 @@ RELEASE = DEFAULT_RELEASE if DEFAULT_RELEASE in {i.version for i in installs()} 
 def _rows() -> list[dict[str, Any]]:
     rows, batch = [], []
     for case in generate(20261206, CASES):
-        r = resolve(dict(case))
+        try:
+            r = resolve(dict(case))
+        except ValueError:  # a layout megatron-core would refuse too (the generator draws few): not compared
+            continue
         worst = estimate_memory(r.model, r.setup).worst
         rows.append({"case": case, "planner": worst, "overhead": int(r.setup.overhead_gb * GB)})
         batch.append(specs.build(r, worst.stage))
@@ -73,6 +76,7 @@ def _gaps(rows: list[dict[str, Any]]) -> list[tuple[float, float, dict[str, Any]
 
 
 def test_megatron_core_traces_every_run_the_planner_accepts(rows) -> None:
+    assert len(rows) >= 0.9 * CASES  # the generator draws runs the planner accepts
     failed = [(row["case"], row["trace"]["error"]) for row in rows if "error" in row["trace"]]
     assert not failed, failed[:5]
 

@@ -24,13 +24,13 @@ VOCABS = (32000, 50304, 128256, 151936)
 
 def _layout(rng: random.Random, case: dict[str, Any]) -> int:
     """Sets tp/pp/vpp/stages; returns the model-parallel size."""
-    tp = rng.choice((1, 1, 2, 4, 8))
+    tp = rng.choice([t for t in (1, 1, 2, 4, 8) if case["num_query_groups"] % t == 0])
     pp = rng.choice((1, 1, 2, 2, 4))
     layers = pp * rng.choice((1, 2, 3))
     case.update(tp=tp, pp=pp, num_layers=layers)
     if tp > 1:
         case["sequence_parallel"] = rng.random() < 0.7
-    if pp > 1 and rng.random() < 0.3 and layers // pp >= 2:
+    if pp > 1 and rng.random() < 0.3 and (layers // pp) % 2 == 0:
         case["vpp"] = 2
     elif pp > 2 and rng.random() < 0.25:  # uneven: one layer fewer on the first stage
         per = layers // pp + 1

@@ -26,24 +26,75 @@ def _cpu(device: Any) -> Any:
     return device
 
 
+MODE_TRACKER: list[Any] = []  # the tracker the device mode reports to (set by step.trace)
+_IS_CUDA = torch._C.TensorBase.__dict__["is_cuda"]
+
+
+def _device_kind(device: Any) -> str | None:
+    """"host" for an explicit CPU device, "device" for a CUDA one, None for none."""
+    if device is None:
+        return None
+    if isinstance(device, int):
+        return "device"
+    text = str(device)
+    return "device" if text.startswith("cuda") else "host" if text.startswith("cpu") else None
+
+
 class CpuForCuda(TorchFunctionMode):
     """Every ``device="cuda"`` argument becomes ``"cpu"``: megatron-core builds its causal mask, its DDP buffers and
     its schedule's counters on ``"cuda"`` (``torch.cuda.current_device()``), and ``tensor.cuda()`` /
-    ``.to("cuda")`` would need a CUDA build."""
+    ``.to("cuda")`` would need a CUDA build. With a tracker, it also keeps the GPU/host split that the CPU side of
+    optimizer offload needs (every fake tensor is a CPU tensor): ``.cpu()``, ``pin_memory``, ``.to("cpu")`` and an
+    explicit ``device="cpu"`` make host tensors (a copy when the source is on the GPU), ``.cuda()`` / ``.to("cuda")``
+    of a host tensor makes a GPU copy, and ``Tensor.is_cuda`` answers from that split (HybridDeviceOptimizer sorts
+    parameters by it)."""
+
+    def __init__(self, tracker: Any = None) -> None:
+        super().__init__()
+        self.tracker = tracker
+
+    def _moved(self, src: Any, where: str) -> Any:
+        """``src`` on ``where``: itself when it is there already, else a copy counted there."""
+        tracker = self.tracker
+        if tracker is None or tracker.is_host(src) == (where == "host"):
+            return src
+        tracker.force = where
+        try:
+            return src.clone()
+        finally:
+            tracker.force = None
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = dict(kwargs or {})
-        if "device" in kwargs:
-            kwargs["device"] = _cpu(kwargs["device"])
+        tracker = self.tracker
+        if getattr(func, "__self__", None) is _IS_CUDA:
+            return tracker is None or not tracker.is_host(args[0])
         name = getattr(func, "__name__", "")
-        if name == "cuda":  # Tensor.cuda(): stays where it is
-            return args[0]
         if name == "type" and len(args) == 1 and not kwargs:
             # megatron-core's optimizers sort parameters by Tensor.type() == "torch.cuda.BFloat16Tensor".
             return func(*args).replace("torch.", "torch.cuda.", 1)
-        if name == "to" and args and len(args) > 1:
-            args = (args[0], _cpu(args[1]), *args[2:])
-        return func(*args, **kwargs)
+        if name == "cuda":
+            return self._moved(args[0], "device")
+        if name in ("cpu", "pin_memory"):
+            return self._moved(args[0], "host")
+        if name == "is_pinned":
+            return tracker is not None and tracker.is_host(args[0])
+        if name == "to" and len(args) > 1 and _device_kind(args[1]) is not None and not isinstance(args[1], torch.dtype):
+            return self._moved(args[0], _device_kind(args[1]) or "device")
+        where = _device_kind(kwargs.get("device"))
+        if kwargs.pop("pin_memory", False):
+            where = "host"
+        if "device" in kwargs:
+            kwargs["device"] = _cpu(kwargs["device"])
+        if name == "to" and where is not None and args and isinstance(args[0], torch.Tensor):
+            return self._moved(func(*args, **{k: v for k, v in kwargs.items() if k != "device"}), where)
+        if tracker is None or where is None:
+            return func(*args, **kwargs)
+        tracker.force = where
+        try:
+            return func(*args, **kwargs)
+        finally:
+            tracker.force = None
 
 
 class _NullStream:
@@ -111,8 +162,9 @@ def apply() -> None:
 
     cuda = torch.cuda
     # megatron-core asks for the current device by index to place buffers (utils.get_tensor, DDP buffers,
-    # VocabParallelEmbedding); an int index fails on a CPU build ("Cannot access accelerator device"), a string works.
-    cuda.current_device = lambda: "cpu"  # type: ignore[assignment]
+    # VocabParallelEmbedding); an int index fails on a CPU build ("Cannot access accelerator device"). "cuda" (a
+    # string) tells the device mode that the tensor belongs on the GPU; the mode makes it a CPU fake tensor.
+    cuda.current_device = lambda: "cuda"  # type: ignore[assignment]
     # Streams and events order copies on a GPU; on one host thread everything is already in order.
     cuda.Stream = _NullStream  # type: ignore[misc,assignment]
     cuda.Event = _NullEvent  # type: ignore[misc,assignment]
@@ -170,7 +222,7 @@ def apply() -> None:
     backward = random.CheckpointFunction.backward
 
     def checkpoint_backward(ctx: Any, *args: Any) -> Any:
-        with CpuForCuda():
+        with CpuForCuda(MODE_TRACKER[0] if MODE_TRACKER else None):
             return backward(ctx, *args)
 
     random.CheckpointFunction.backward = staticmethod(checkpoint_backward)  # type: ignore[method-assign]

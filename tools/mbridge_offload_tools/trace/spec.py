@@ -29,7 +29,6 @@ _NOT_YET = (
     (lambda m, s: bool(s.fp8_recipe and s.fp8_recipe != "none"), "FP8 recipes (Transformer Engine)"),
     (lambda m, s: s.activation_offload_layers > 0, "layer-level activation offload"),
     (lambda m, s: bool(s.offload_modules), "fine-grained activation offloading"),
-    (lambda m, s: s.optimizer_offload_fraction > 0, "optimizer CPU offload (HybridDeviceOptimizer)"),
     (lambda m, s: s.pipeline_layout is not None, "pipeline layouts"),
     (lambda m, s: s.use_precision_aware_optimizer, "the precision-aware optimizer (TE FusedAdam's master weights)"),
 )
@@ -126,6 +125,10 @@ def build(r: Resolved, stage: int) -> dict[str, Any]:
             "main_params_dtype": s.main_params_dtype,
             "exp_avg_dtype": s.exp_avg_dtype,
             "exp_avg_sq_dtype": s.exp_avg_sq_dtype,
+            # megatron-core's HybridDeviceOptimizer (Bridge builds it for optimizer_cpu_offload)
+            "optimizer_cpu_offload": s.optimizer_offload_fraction > 0,
+            "optimizer_offload_fraction": s.optimizer_offload_fraction,
+            "overlap_cpu_optimizer_d2h_h2d": s.optimizer_offload_fraction > 0 and bool(r.inputs.overlap),
             # The gradient norm is not clipped: its value needs data (trace/patches.py), its memory is a scalar.
             "clip_grad": 0.0,
         },

@@ -14,22 +14,33 @@ from typing import Any
 
 import torch
 
-# TE's source, per fact: the file, the autograd function and the tensors its forward hands to save_for_backward.
-# The tests find each name inside that call in TE's source (release v2.9 and later: prepare_for_saving(...) then
-# ctx.save_for_backward(*tensors_to_save)).
+# TE's source, per stand-in and release: the file, the autograd function, and the names its forward hands to
+# ``save_for_backward`` (directly, or through ``prepare_for_saving(...)`` just before it). Checked against TE's git
+# tags by ``tests/tools/test_trace_standins.py`` where a TransformerEngine checkout is given.
 FACTS: dict[str, dict[str, Any]] = {
     "fused_attention": {
         "file": "transformer_engine/pytorch/attention/dot_product_attention/backends.py",
         "function": "FusedAttnFunc",
-        "saves": ("*qkvo_tensors", "cu_seqlens_q", "cu_seqlens_kv", "*aux_ctx_tensors"),
+        # v2.9: qkvo_tensors = (q, k, v, out); v2.18: f16_tensors = (q, k, v, out_f16) outside FP8
+        "saves": {"v2.9": ("*qkvo_tensors", "*aux_ctx_tensors"), "v2.18": ("*f16_tensors", "*aux_ctx_tensors")},
         "meaning": "q, k, v (GQA: k and v at the query-group count), the output, and aux_ctx_tensors: the softmax "
         "statistics (fp32, [b, heads, s_q, 1]) and the dropout RNG state (2 x int64)",
     },
-    "layer_norm": {
-        "file": "transformer_engine/pytorch/module/layernorm.py",
-        "function": "_LayerNorm",
-        "saves": ("inputmat", "ln_weight", "mu", "rsigma"),
-        "meaning": "the norm's input, its weight and the fp32 statistics per token (RMSNorm: rsigma; mu unused)",
+    "rmsnorm": {
+        "file": "transformer_engine/pytorch/ops/basic/rmsnorm.py",
+        "function": "RMSNorm",
+        "saves": {"v2.9": ("x", "rstdevs"), "v2.18": ("x", "rstdevs")},
+        "meaning": "the norm's input and its fp32 reciprocal standard deviation per token",
+    },
+    "layernorm_linear": {
+        "file": "transformer_engine/pytorch/module/layernorm_linear.py",
+        "function": "_LayerNormLinear",
+        "saves": {
+            "v2.9": ("inputmat", "ln_out", "mu", "rsigma"),
+            "v2.18": ("inputmat", "ln_out_to_save", "mu", "rsigma"),
+        },
+        "meaning": "the norm's input, the normalized output the GEMM reads (ln_out: the linear's saved input in "
+        "megatron-core's local spec) and the statistics: the norm stand-in plus the local linear save the same",
     },
 }
 

@@ -5,6 +5,7 @@ Imported by ``trace/child.py`` only (torch and megatron-core). See ``child.py`` 
 
 from __future__ import annotations
 
+import gc
 import re
 from typing import Any
 
@@ -32,7 +33,7 @@ def _config(torch: Any, spec: dict[str, Any]) -> Any:
         pipeline_dtype=dtype,
         bf16=dtype == torch.bfloat16,
         fp16=dtype == torch.float16,
-        use_cpu_initialization=True,  # no CUDA device: parameters are made where the (fake) tensors live
+        use_cpu_initialization=False,  # parameters made on the GPU (the device mode makes them fake CPU tensors)
         perform_initialization=False,  # values are not needed: a fake tensor has none
     )
 
@@ -109,7 +110,8 @@ def trace(torch: Any, spec: dict[str, Any]) -> dict[str, Any]:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     tracker = Tracker()
-    with FakeTensorMode(allow_non_fake_inputs=True), patches.CpuForCuda(), tracker:
+    patches.MODE_TRACKER[:] = [tracker]
+    with FakeTensorMode(allow_non_fake_inputs=True), patches.CpuForCuda(tracker), tracker:
         built = _build(torch, spec, tracker)
         _warm_up(torch, tracker, built)
         _run(torch, spec, tracker, built)
@@ -140,6 +142,10 @@ def _build(torch: Any, spec: dict[str, Any], tracker: Tracker) -> dict[str, Any]
     tracker.category = "optimizer"
     opt_kw = dict(spec["optimizer"])
     optimizer = get_megatron_optimizer(OptimizerConfig(**_dtypes(torch, opt_kw)), model, use_gloo_process_groups=False)
+    # megatron-core 0.16 builds a HybridDeviceOptimizer over the model's parameters, then the distributed optimizer
+    # builds its own over its shards; the first, with its fp32 copies, is cyclic garbage that Python's collector
+    # frees at its next pass (long before the first step on a real run): collect it now.
+    gc.collect()
     _module_hooks(tracker, chunks)
     return {"config": config, "model": model, "optimizer": optimizer, "params": params, "param_bytes": param_bytes}
 
@@ -229,6 +235,8 @@ def _answer(spec: dict[str, Any], tracker: Tracker, built: dict[str, Any]) -> di
     }
     return {
         "phases": phases,
+        "host_bytes": tracker.host_bytes,
+        "host_peak_bytes": tracker.host_peak,
         "params": built["params"],
         "param_bytes": built["param_bytes"],
         "allocations": tracker.allocations,

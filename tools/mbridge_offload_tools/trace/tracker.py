@@ -38,24 +38,43 @@ class Tracker(TorchDispatchMode):
         self.phase = "build"
         self.peaks: dict[str, dict[str, Any]] = {}
         self.allocations = 0
+        # Host memory (the CPU side of optimizer offload): storages made by .cpu(), pin_memory, device="cpu", and
+        # whatever an op makes from them. Not in the GPU's total.
+        self.force: str | None = None  # "host" / "device": what the device mode says the next outputs are
+        self.host_bytes = 0
+        self.host_peak = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         out = func(*args, **(kwargs or {}))
+        host = self.force == "host" or (
+            self.force is None
+            and any(isinstance(a, torch.Tensor) and self.is_host(a) for a in tree_flatten((args, kwargs))[0])
+        )
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor):
-                self.track(t)
+                self.track(t, host)
         return out
 
-    def track(self, t: torch.Tensor) -> None:
-        """Count ``t``'s storage if it is new."""
+    def is_host(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` lives in host memory (module docstring)."""
+        entry = self.live.get(t.untyped_storage()._cdata)
+        return entry is not None and entry[1] == "host"
+
+    def track(self, t: torch.Tensor, host: bool = False) -> None:
+        """Count ``t``'s storage if it is new (in host memory when ``host``)."""
         storage = t.untyped_storage()
         key = storage._cdata
         if key in self.live:
             return
         nbytes = int(storage.nbytes())
-        self.live[key] = [nbytes, self.category, self.module]
         self.allocations += 1
         weakref.finalize(storage, self._free, key)
+        if host:
+            self.live[key] = [nbytes, "host", ""]
+            self.host_bytes += nbytes
+            self.host_peak = max(self.host_peak, self.host_bytes)
+            return
+        self.live[key] = [nbytes, self.category, self.module]
         self.total += nbytes
         self.by_category[self.category] += nbytes
         if self.category == "activations" and self.module:
@@ -76,6 +95,9 @@ class Tracker(TorchDispatchMode):
         if entry is None:
             return
         nbytes, category, module = entry
+        if category == "host":
+            self.host_bytes -= nbytes
+            return
         self.total -= nbytes
         self.by_category[category] -= nbytes
         if category == "activations" and module:
@@ -90,7 +112,7 @@ class Tracker(TorchDispatchMode):
             self.track(t)
             entry = self.live[key]
         nbytes, old, module = entry
-        if old == category:
+        if old == category or old == "host":
             return
         self.by_category[old] -= nbytes
         if old == "activations" and module:
