@@ -26,7 +26,7 @@ SMALL = {
     "num_query_groups": 2,
     "kv_channels": 64,
     "vocab_size": 1024,
-    "seq_length": 256,
+    "seq_length": 2048,
     "num_gpus": 8,
 }
 _CACHE: dict[str, dict[str, Any]] = {}
@@ -43,6 +43,11 @@ def trace(release: str = "0.16.1", **changes: Any) -> dict[str, Any]:
 
 def gib(d: dict[str, Any], what: str) -> float:
     return float(d["memory_gib"][what])
+
+
+def saved(d: dict[str, Any]) -> float:
+    """The most activation bytes any phase holds at its peak."""
+    return max(float(p["breakdown_gib"]["activations"]) for p in d["phases"])
 
 
 @pytest.mark.parametrize("release", RELEASES)
@@ -64,14 +69,14 @@ def test_parameter_count_is_the_planners() -> None:
 def test_activations_grow_with_the_micro_batches_in_flight() -> None:
     one = trace(pp=2, global_batch_size=4, micro_batch_size=1, stage=0)  # DP 4: one micro-batch
     two = trace(pp=2, global_batch_size=8, micro_batch_size=1, stage=0)  # two: 1F1B keeps PP - 0 = 2 in flight
-    ratio = gib(two, "activations") / gib(one, "activations")
+    ratio = saved(two) / saved(one)
     assert 1.7 < ratio < 2.1, ratio
 
 
 def test_full_recompute_lowers_activations() -> None:
     plain = trace()
     full = trace(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
-    assert gib(full, "activations") < 0.6 * gib(plain, "activations")
+    assert saved(full) < 0.6 * saved(plain)
 
 
 def test_tensor_parallel_halves_the_weights_per_rank() -> None:
@@ -92,6 +97,41 @@ def test_the_answer_has_estimates_shape() -> None:
     assert d["memory_gib"]["total"] == max(p["memory_gib"] for p in d["phases"])
     assert all(v >= 0 for v in d["memory_gib"].values())
     assert d["by_module"] and d["assumptions"]
+
+
+@pytest.mark.parametrize("release", RELEASES)
+def test_optimizer_offload_at_half_moves_optimizer_state_to_the_host(release: str) -> None:
+    plain, hdo = trace(release), trace(release, optimizer_offload_fraction=0.5)
+    assert hdo["under_test"]["optimizer"].startswith("DistributedOptimizer over megatron-core's HybridDeviceOptimizer")
+    # the moments of about half the shard move; the fp32 main parameters of the whole shard stay (the distributed
+    # optimizer owns them), and the host gets a copy of the offloaded half, its moments and its gradient
+    assert gib(hdo, "optimizer") < 0.7 * gib(plain, "optimizer")
+    assert hdo["host_gib"] > 0.2 * gib(plain, "optimizer") > plain["host_gib"]
+
+
+def test_bf16_gradients_get_fp32_copies_in_the_optimizer_step() -> None:
+    fp32, bf16 = trace(), trace(grad_reduce_in_fp32=False)
+    step = {p["name"]: p for p in bf16["phases"]}["optimizer_step"]
+    assert step["breakdown_gib"]["other"] == pytest.approx(4 * bf16["params"] / 8 / 2**30, rel=0.05)
+    assert {p["name"]: p for p in fp32["phases"]}["optimizer_step"]["breakdown_gib"]["other"] < 0.01 * step[
+        "breakdown_gib"
+    ]["other"] + 1e-4
+
+
+def test_cli_and_mcp_give_the_same_refusal() -> None:
+    import anyio
+    from mcp import Client
+
+    from mbridge_offload_tools.server.app import mcp
+
+    code, cli = _cli(["trace", "--model", "qwen3-30b-a3b", "--json"])
+
+    async def call() -> Any:
+        async with Client(mcp) as client:
+            return await client.call_tool("trace_memory", {"model": "qwen3-30b-a3b"})
+
+    answer = anyio.run(call)
+    assert code == 2 and answer.is_error and cli["error"] in answer.content[0].text
 
 
 def _cli(argv: list[str]) -> tuple[int, dict[str, Any]]:

@@ -19,6 +19,8 @@ from torch.overrides import TorchFunctionMode
 def _cpu(device: Any) -> Any:
     if isinstance(device, torch.device) and device.type == "cuda":
         return torch.device("cpu")
+    if isinstance(device, _CurrentDevice):
+        return "cpu"
     if isinstance(device, str) and device.startswith("cuda"):
         return "cpu"
     if isinstance(device, int):  # torch.cuda.current_device()'s index, passed as a device
@@ -30,12 +32,19 @@ MODE_TRACKER: list[Any] = []  # the tracker the device mode reports to (set by s
 _IS_CUDA = torch._C.TensorBase.__dict__["is_cuda"]
 
 
+class _CurrentDevice(str):
+    """What ``torch.cuda.current_device()`` answers: the string ``"cpu"`` (so that a factory run where the device
+    mode is not active, as in autograd's backward, still makes a CPU fake tensor), marked as the GPU for the mode."""
+
+
 def _device_kind(device: Any) -> str | None:
-    """"host" for an explicit CPU device, "device" for a CUDA one, None for none."""
+    """ "host" for an explicit CPU device string, "device" for the GPU, None when it does not say."""
     if device is None:
         return None
-    if isinstance(device, int):
+    if isinstance(device, (int, _CurrentDevice)):
         return "device"
+    if isinstance(device, torch.device):  # torch.device(torch.cuda.current_device()) loses the mark: not host
+        return "device" if device.type == "cuda" else None
     text = str(device)
     return "device" if text.startswith("cuda") else "host" if text.startswith("cpu") else None
 
@@ -64,7 +73,7 @@ class CpuForCuda(TorchFunctionMode):
         finally:
             tracker.force = None
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+    def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
         tracker = self.tracker
         if getattr(func, "__self__", None) is _IS_CUDA:
@@ -79,7 +88,12 @@ class CpuForCuda(TorchFunctionMode):
             return self._moved(args[0], "host")
         if name == "is_pinned":
             return tracker is not None and tracker.is_host(args[0])
-        if name == "to" and len(args) > 1 and _device_kind(args[1]) is not None and not isinstance(args[1], torch.dtype):
+        if (
+            name == "to"
+            and len(args) > 1
+            and _device_kind(args[1]) is not None
+            and not isinstance(args[1], torch.dtype)
+        ):
             return self._moved(args[0], _device_kind(args[1]) or "device")
         where = _device_kind(kwargs.get("device"))
         if kwargs.pop("pin_memory", False):
@@ -144,6 +158,11 @@ def _null_context(*args: Any, **kwargs: Any) -> Any:
     yield
 
 
+def _patch(owner: Any, name: str, value: Any) -> None:
+    """Replace ``owner.name`` (typed attributes of torch and megatron-core included) with ``value``."""
+    setattr(owner, name, value)
+
+
 class _Done:
     """A finished communication handle."""
 
@@ -162,18 +181,18 @@ def apply() -> None:
 
     cuda = torch.cuda
     # megatron-core asks for the current device by index to place buffers (utils.get_tensor, DDP buffers,
-    # VocabParallelEmbedding); an int index fails on a CPU build ("Cannot access accelerator device"). "cuda" (a
-    # string) tells the device mode that the tensor belongs on the GPU; the mode makes it a CPU fake tensor.
-    cuda.current_device = lambda: "cuda"  # type: ignore[assignment]
+    # VocabParallelEmbedding); an int index fails on a CPU build ("Cannot access accelerator device"). A "cpu"
+    # string marked as the GPU (_CurrentDevice) places it on the CPU and tells the device mode it belongs on the GPU.
+    _patch(cuda, "current_device", lambda: _CurrentDevice("cpu"))
     # Streams and events order copies on a GPU; on one host thread everything is already in order.
-    cuda.Stream = _NullStream  # type: ignore[misc,assignment]
-    cuda.Event = _NullEvent  # type: ignore[misc,assignment]
-    cuda.current_stream = lambda *a, **k: _NullStream()  # type: ignore[assignment]
-    cuda.default_stream = lambda *a, **k: _NullStream()  # type: ignore[assignment]
-    cuda.stream = _null_context  # type: ignore[assignment]
-    cuda.synchronize = lambda *a, **k: None  # type: ignore[assignment]
+    _patch(cuda, "Stream", _NullStream)
+    _patch(cuda, "Event", _NullEvent)
+    _patch(cuda, "current_stream", lambda *a, **k: _NullStream())
+    _patch(cuda, "default_stream", lambda *a, **k: _NullStream())
+    _patch(cuda, "stream", _null_context)
+    _patch(cuda, "synchronize", lambda *a, **k: None)
     # Nothing to free or measure on a device that is not there.
-    cuda.empty_cache = lambda: None  # type: ignore[assignment]
+    _patch(cuda, "empty_cache", lambda: None)
     import torch.distributed as dist
 
     def all_gather_object(out: list[Any], obj: Any, group: Any = None) -> None:
@@ -181,27 +200,27 @@ def apply() -> None:
 
     # Pickled objects travel as byte tensors whose sizes are read with .item(), which a fake tensor cannot answer;
     # with the fake group every rank is this one, so every rank's object is this rank's.
-    dist.all_gather_object = all_gather_object  # type: ignore[assignment]
+    _patch(dist, "all_gather_object", all_gather_object)
     from megatron.core.distributed import param_and_grad_buffer
 
     # DDP batches its bucket collectives in torch's _coalescing_manager, whose coalesced c10d ops have no fake-tensor
     # kernel; one by one (each has one) they write the same preallocated buffers, which is all the trace counts.
-    param_and_grad_buffer._coalescing_manager = _one_by_one  # type: ignore[attr-defined]
+    _patch(param_and_grad_buffer, "_coalescing_manager", _one_by_one)
     import megatron.core.optimizer as optimizers
 
     # Every Bridge run has TE, so megatron-core builds TE's FusedAdam (in-place multi-tensor kernel); without TE it
     # falls back to torch's AdamW, whose temporaries no Bridge run has: TE's state and no temporaries instead.
-    optimizers.USING_PYTORCH_OPTIMIZER = False  # type: ignore[attr-defined]
-    optimizers.Adam = standins.FusedAdamStandIn  # type: ignore[attr-defined]
+    _patch(optimizers, "USING_PYTORCH_OPTIMIZER", False)
+    _patch(optimizers, "Adam", standins.FusedAdamStandIn)
     from megatron.core.optimizer import distrib_optimizer
 
-    distrib_optimizer.Adam = standins.FusedAdamStandIn  # type: ignore[attr-defined]  # its isinstance check
+    _patch(distrib_optimizer, "Adam", standins.FusedAdamStandIn)  # its isinstance check
     from megatron.core.optimizer import clip_grads, optimizer
 
     # The gradient norm is read as a Python float (local_multi_tensor_l2_norm: float(l2_reduced)), which a fake
     # tensor cannot give. Its memory is one scalar per tensor (apex/TE's fused kernel on a GPU); the norm is 1.0.
     for module in (clip_grads, optimizer):
-        module.get_grad_norm_fp32 = lambda *a, **k: 1.0  # type: ignore[attr-defined]
+        _patch(module, "get_grad_norm_fp32", lambda *a, **k: 1.0)
     from megatron.core.transformer import torch_norm
 
     def norm_new(cls: Any, config: Any, hidden_size: int, *args: Any, **kwargs: Any) -> Any:
@@ -209,15 +228,15 @@ def apply() -> None:
         # intermediates no TE or apex kernel keeps: TE's saved tensors instead (trace.standins.NormStandIn).
         return standins.NormStandIn(config, hidden_size)
 
-    torch_norm.WrappedTorchNorm.__new__ = norm_new  # type: ignore[method-assign,assignment]
+    _patch(torch_norm.WrappedTorchNorm, "__new__", norm_new)
     from megatron.core.tensor_parallel import random
 
     # The RNG tracker forks CUDA RNG state around dropout in TP regions; a fake tensor draws no numbers.
-    random.CudaRNGStatesTracker.fork = _null_context  # type: ignore[method-assign,assignment]
+    _patch(random.CudaRNGStatesTracker, "fork", _null_context)
     # Recompute (CheckpointFunction) saves and restores the CUDA RNG state around the rebuilt forward; the CPU
     # generator's state (a few KiB, as on a GPU) stands in for it.
-    random._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()  # type: ignore[attr-defined]
-    random._set_cuda_rng_state = lambda *a, **k: None  # type: ignore[attr-defined]
+    _patch(random, "_get_cuda_rng_state", lambda *a, **k: torch.get_rng_state())
+    _patch(random, "_set_cuda_rng_state", lambda *a, **k: None)
     # The rebuilt forward runs inside autograd's backward, where the device mode above is not active.
     backward = random.CheckpointFunction.backward
 
@@ -225,6 +244,6 @@ def apply() -> None:
         with CpuForCuda(MODE_TRACKER[0] if MODE_TRACKER else None):
             return backward(ctx, *args)
 
-    random.CheckpointFunction.backward = staticmethod(checkpoint_backward)  # type: ignore[method-assign]
-    cuda.get_rng_state = lambda *a, **k: torch.get_rng_state()  # type: ignore[assignment]
-    cuda.set_rng_state = lambda *a, **k: None  # type: ignore[assignment]
+    _patch(random.CheckpointFunction, "backward", staticmethod(checkpoint_backward))
+    _patch(cuda, "get_rng_state", lambda *a, **k: torch.get_rng_state())
+    _patch(cuda, "set_rng_state", lambda *a, **k: None)

@@ -90,9 +90,21 @@ def _gib(n: float) -> float:
     return round(max(0.0, n) / GIB, 4)
 
 
+def _optimizer_words(s: Any) -> str:
+    base = "DistributedOptimizer" if s.use_distributed_optimizer else "Float16OptimizerWithFloat16Params"
+    adam = "TE FusedAdam (stand-in: its state, no temporaries)"
+    if s.optimizer_offload_fraction > 0:
+        return (
+            f"{base} over megatron-core's HybridDeviceOptimizer (offload fraction {s.optimizer_offload_fraction:g}: "
+            f"{adam} on the GPU side, torch's fused CPU AdamW on the host side); the project's own HDO is installed "
+            "through mbridge_offload.runtime instead (apply's install path) and is not what this traces"
+        )
+    return f"{base} over {adam}"
+
+
 def answer(child: dict[str, Any], spec: dict[str, Any], r: Any, install: Install, stage: int) -> dict[str, Any]:
     """The JSON answer (module docstring) from the child's bytes."""
-    phases = []
+    phases: list[dict[str, Any]] = []
     for name in PHASES:
         got = child["phases"].get(name)
         if got is None:
@@ -119,6 +131,8 @@ def answer(child: dict[str, Any], spec: dict[str, Any], r: Any, install: Install
         "peak_phase": top["name"],
         "stage": stage,
         "by_module": {k: _gib(v) for k, v in list(peak["by_module"].items())[:40]},
+        "host_gib": _gib(child["host_bytes"]),
+        "host_peak_gib": _gib(child["host_peak_bytes"]),
         "params": child["params"],
         "param_bytes": child["param_bytes"],
         "allocations": child["allocations"],

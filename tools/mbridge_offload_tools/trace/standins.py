@@ -49,14 +49,14 @@ class _Norm(torch.autograd.Function):
     """What TE's _LayerNorm / RMSNorm keeps for backward: its input, weight and the fp32 statistics per token."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         tokens = x.numel() // x.shape[-1]
         rsigma = x.new_empty(tokens, dtype=torch.float32)
         ctx.save_for_backward(x, weight, rsigma)
         return torch.empty_like(x)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, ...]:
         x, weight, _rsigma = ctx.saved_tensors
         return torch.empty_like(x), torch.empty_like(weight)
 
@@ -75,7 +75,7 @@ class NormStandIn(torch.nn.Module):
         )
         for param in (self.weight, self.bias):
             if param is not None:  # as megatron-core marks norm weights under sequence parallelism
-                param.sequence_parallel = config.sequence_parallel  # type: ignore[attr-defined]
+                param.__dict__["sequence_parallel"] = config.sequence_parallel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return _Norm.apply(x, self.weight)
@@ -85,7 +85,7 @@ class _FusedAttention(torch.autograd.Function):
     """What TE's FusedAttnFunc keeps for backward: q, k, v, out, softmax statistics, RNG state."""
 
     @staticmethod
-    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         sq, b, heads, dim = q.shape
         out = q.new_empty(sq, b, heads, dim)
         stats = q.new_empty(b, heads, sq, 1, dtype=torch.float32)
@@ -94,7 +94,7 @@ class _FusedAttention(torch.autograd.Function):
         return out
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, ...]:
         q, k, v, _out, _stats, _rng = ctx.saved_tensors
         return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 

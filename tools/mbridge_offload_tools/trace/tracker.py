@@ -44,7 +44,7 @@ class Tracker(TorchDispatchMode):
         self.host_bytes = 0
         self.host_peak = 0
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         host = self.force == "host" or (
             self.force is None
