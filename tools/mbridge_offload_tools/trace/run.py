@@ -119,7 +119,7 @@ def answer(child: dict[str, Any], spec: dict[str, Any], r: Any, install: Install
         f"traced pipeline stage {stage} of {r.setup.pp} (the stage the planner finds worst), the first rank of it",
         f"{spec['num_microbatches']} micro-batch(es) through megatron-core's own schedule: enough for it to keep "
         "its most in flight on this stage",
-        "megatron-core's local layer spec (Transformer Engine cannot run on this host)",
+        "megatron-core's local layer spec with Transformer Engine stand-ins (TE cannot run on this host)",
         "one optimizer step before the traced step (Adam's moments exist from the first step on)",
         "the gradient norm is not clipped (clip_grad 0): its value needs data; its memory is a scalar per tensor",
         "simulated on CPU with fake tensors: no allocator fragmentation, CUDA context, NCCL or cuBLAS workspaces",
@@ -140,11 +140,10 @@ def answer(child: dict[str, Any], spec: dict[str, Any], r: Any, install: Install
         "under_test": {
             "megatron_core": child["megatron_core"],
             "megatron_core_from": install.where,
-            "spec": "local (megatron-core get_gpt_layer_local_spec)",
+            "spec": "megatron-core's local spec (get_gpt_layer_local_spec) with Transformer Engine stand-ins for "
+            "attention, norms and FusedAdam (trace/standins.py: what TE saves, per TE's source)",
             "schedule": "interleaved 1F1B" if r.setup.vpp else ("1F1B" if r.setup.pp > 1 else "no pipelining"),
-            "optimizer": "DistributedOptimizer"
-            if r.setup.use_distributed_optimizer
-            else "Float16OptimizerWithFloat16Params",
+            "optimizer": _optimizer_words(r.setup),
             "transformer_engine": None,
         },
         "model": r.model.name,
