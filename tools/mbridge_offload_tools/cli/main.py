@@ -21,7 +21,8 @@ from mbridge_offload_tools.cli.common import EXIT_BAD_INPUT, fail
 from mbridge_offload_tools.interface.build import finish
 
 # Commands with their own time limit (test: --timeout) or none by nature (serve).
-_NO_DEADLINE = ("serve", "test", "calibrate")
+# trace: its subprocess has its own deadline (--deadline), longer than the default call's.
+_NO_DEADLINE = ("serve", "test", "calibrate", "trace")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -38,6 +39,7 @@ SUBCOMMAND_MODULES = (
     "mbridge_offload_tools.cli.plan",
     "mbridge_offload_tools.cli.agent",
     "mbridge_offload_tools.plot.cli",
+    "mbridge_offload_tools.trace.cli",
     "mbridge_offload_tools.cli.mcp_config",
 )
 

@@ -174,6 +174,42 @@ RECOMMEND = Tool(
     "recommend_mode", "recommend", (_CONFIG_OPTIONAL, OVERRIDES, MEGATRON_ARGS, *plan_params()), _PLAN_CLI_ONLY
 )
 
+TRACE = Tool(
+    "trace_memory",
+    "trace",
+    (
+        _CONFIG_OPTIONAL,
+        OVERRIDES,
+        MEGATRON_ARGS,
+        Param(
+            "megatron_core",
+            Literal["0.16.1", "0.19.2"],
+            "the megatron-core release whose model, DDP, optimizer and schedule are traced (this environment's or "
+            ".mcore/<version>, as validate --exact finds them); default 0.19.2",
+            group="trace",
+        ),
+        Param(
+            "stage",
+            int,
+            "the pipeline stage to trace (default: the one the planner finds worst)",
+            bounds=bounds(ge=0),
+            metavar="N",
+            group="trace",
+        ),
+        Param(
+            "deadline",
+            float,
+            "time limit of the traced step, in seconds (a subprocess)",
+            default=300.0,
+            bounds=bounds(gt=0, le=3600),
+            metavar="S",
+            group="trace",
+        ),
+        *plan_params(),
+    ),
+    _PLAN_CLI_ONLY,
+)
+
 APPLY_MODES = ("optimizer", "activation", "both", "none", "recommended", "fine-grained")
 
 _APPLY_OWN = (
@@ -372,5 +408,5 @@ PLOT = Tool(
     ),
 )
 
-TOOLS: dict[str, Tool] = {t.name: t for t in (VALIDATE, ESTIMATE, RECOMMEND, APPLY, TEST, DIAGNOSE, PLOT)}
+TOOLS: dict[str, Tool] = {t.name: t for t in (VALIDATE, ESTIMATE, RECOMMEND, TRACE, APPLY, TEST, DIAGNOSE, PLOT)}
 BY_COMMAND: dict[str, Tool] = {t.command: t for t in TOOLS.values()}

@@ -129,6 +129,26 @@ _plan_tool(
 
 
 @mcp.tool(
+    title="Trace megatron-core's own step",
+    # Runs megatron-core in a subprocess on fake tensors; reads the config, writes nothing.
+    annotations=ToolAnnotations(
+        read_only_hint=True, destructive_hint=False, idempotent_hint=True, open_world_hint=False
+    ),
+)
+@guard.guarded(lambda kwargs: float(kwargs.get("deadline") or 300.0) + 30)
+@declared("trace_memory")
+def trace_memory(**v: Any) -> dict[str, Any]:  # the parameters: interface.tools.TRACE
+    """Trace megatron-core's own GPTModel, DDP buffers, optimizer and schedule for the worst pipeline stage of the
+    layout on fake tensors (a fake process group; nothing is computed, every allocation counted) and answer like
+    estimate_memory: memory_gib by category (total = the peak), phases, peak_phase, assumptions, plus by_module
+    and under_test (the megatron-core release and layer spec). Takes the inputs estimate_memory takes; ~10-120 s.
+    """
+    from mbridge_offload_tools.trace.run import trace_answer
+
+    return trace_answer(v)
+
+
+@mcp.tool(
     title="Apply an offload mode to a config",
     # Writes files (only with output/in_place, inside the server's roots); may replace an existing file when
     # overwrite=true or in_place=true (a backup is kept): destructive. A second identical write is refused.

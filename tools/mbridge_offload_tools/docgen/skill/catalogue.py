@@ -20,6 +20,7 @@ CLI_EQUIVALENTS: dict[str, str] = {
     "diagnose_failure": (
         "mbridge-offload diagnose --error TEXT | --log FILE|TEXT | --symptom ID [--config FILE] [--gpu G ...]"
     ),
+    "trace_memory": "mbridge-offload trace [CONFIG] [--model NAME --megatron-core X.Y ...]",
     "plot_offload": "mbridge-offload plot [CONFIG] --sweep KEY=START:STOP:STEP | --kind phases|options [--output FILE]",
 }
 

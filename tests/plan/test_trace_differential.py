@@ -1,0 +1,101 @@
+"""The planner held to the trace: ``estimate`` against megatron-core's own step on fake tensors, over generated runs.
+
+For each generated dense run (``tests/support/trace_cases.py``: TP, SP, PP, VPP, uneven stages, full and selective
+recompute, distributed optimizer or not, fp32 or bf16 gradient reduction, tied embeddings), the planner's worst stage
+is traced with megatron-core (one child process for all of them) and compared:
+
+- resident state (weights + gradients + optimizer state): the issue's bar, 1 %, on every run;
+- peak: the issue's bar, 5 %, is not met on every run yet (``docs/trace.md`` has the table; the misses are the
+  planner's activations, which another change owns). Its test is a strict xfail that turns into a failure the day it
+  holds; a second test holds every run to 20 % so that the gap cannot grow unseen.
+
+The planner's ``other`` carries a fitted constant for allocator workspaces (``Setup.overhead_gb``: cuBLAS, NCCL,
+DistOpt staging) that fake tensors cannot see; it is taken out of the planner's peak before comparing.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import pytest
+
+from mbridge_offload.plan.inputs.resolve import resolve
+from mbridge_offload.plan.memory.stage import estimate_memory
+from mbridge_offload.plan.model.architecture import GB
+from mbridge_offload_tools.exact.run import installs
+from mbridge_offload_tools.trace import spec as specs
+from mbridge_offload_tools.trace.run import DEFAULT_RELEASE, spawn_batch
+from tests.support.trace_cases import generate
+
+pytestmark = [pytest.mark.long, pytest.mark.megatron]
+CASES = int(os.environ.get("MBRIDGE_OFFLOAD_TRACE_CASES", "200"))
+RELEASE = DEFAULT_RELEASE if DEFAULT_RELEASE in {i.version for i in installs()} else "0.16.1"
+
+
+def _rows() -> list[dict[str, Any]]:
+    rows, batch = [], []
+    for case in generate(20261206, CASES):
+        try:
+            r = resolve(dict(case))
+        except ValueError:  # a layout megatron-core would refuse too (the generator draws few): not compared
+            continue
+        worst = estimate_memory(r.model, r.setup).worst
+        rows.append({"case": case, "planner": worst, "overhead": int(r.setup.overhead_gb * GB)})
+        batch.append(specs.build(r, worst.stage))
+    for row, got in zip(rows, spawn_batch(RELEASE, batch), strict=True):
+        row["trace"] = got
+    return rows
+
+
+@pytest.fixture(scope="module")
+def rows() -> list[dict[str, Any]]:
+    return _rows()
+
+
+def _trace_peak(got: dict[str, Any]) -> dict[str, Any]:
+    return max(got["phases"].values(), key=lambda p: p["total"])
+
+
+def _gaps(rows: list[dict[str, Any]]) -> list[tuple[float, float, dict[str, Any]]]:
+    out = []
+    for row in rows:
+        peak = _trace_peak(row["trace"])
+        cat = peak["by_category"]
+        resident = cat["weights"] + cat["gradients"] + cat["optimizer"]
+        w = row["planner"]
+        planned = w.weights + w.gradients + w.optimizer
+        out.append(
+            (
+                (planned - resident) / resident,
+                (w.total - row["overhead"] - peak["total"]) / peak["total"],
+                row["case"],
+            )
+        )
+    return out
+
+
+def test_megatron_core_traces_every_run_the_planner_accepts(rows) -> None:
+    assert len(rows) >= 0.9 * CASES  # the generator draws runs the planner accepts
+    failed = [(row["case"], row["trace"]["error"]) for row in rows if "error" in row["trace"]]
+    assert not failed, failed[:5]
+
+
+def test_resident_state_is_within_1_percent_of_the_trace(rows) -> None:
+    misses = [(round(res * 100, 2), case) for res, _peak, case in _gaps(rows) if abs(res) > 0.01]
+    assert not misses, misses[:5]
+
+
+def test_peak_is_within_20_percent_of_the_trace_on_every_run(rows) -> None:
+    misses = [(round(peak * 100, 1), case) for _res, peak, case in _gaps(rows) if abs(peak) > 0.20]
+    assert not misses, misses[:5]
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="the planner's activations miss the trace by more than 5 % on some runs "
+    "(docs/trace.md lists them); strict: passes only when the planner holds the issue's bar",
+)
+def test_peak_is_within_5_percent_of_the_trace_on_every_run(rows) -> None:
+    misses = [(round(peak * 100, 1), case) for _res, peak, case in _gaps(rows) if abs(peak) > 0.05]
+    assert not misses, f"{len(misses)} of {len(rows)} runs: {misses[:5]}"

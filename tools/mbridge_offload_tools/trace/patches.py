@@ -1,0 +1,249 @@
+"""What megatron-core needs from a CUDA machine, given on a CPU-only host: every patch of the trace, in one place.
+
+Applied only inside the trace's child process (:func:`apply`), never in the CLI or the MCP server. The trace runs
+on *fake CPU tensors* (``FakeTensorMode``: shapes, dtypes and storages, no data) rather than fake CUDA tensors or the
+meta device: on a CPU build of torch, fake CUDA tensors fail in ``embedding`` and in ``index_put_`` with a CPU
+scalar, and the meta device has no storages to count. Sizes do not depend on the device, so a CPU storage counts the
+bytes the GPU would hold. Each patch says why it is needed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+
+def _cpu(device: Any) -> Any:
+    if isinstance(device, torch.device) and device.type == "cuda":
+        return torch.device("cpu")
+    if isinstance(device, _CurrentDevice):
+        return "cpu"
+    if isinstance(device, str) and device.startswith("cuda"):
+        return "cpu"
+    if isinstance(device, int):  # torch.cuda.current_device()'s index, passed as a device
+        return "cpu"
+    return device
+
+
+MODE_TRACKER: list[Any] = []  # the tracker the device mode reports to (set by step.trace)
+_IS_CUDA = torch._C.TensorBase.__dict__["is_cuda"]
+
+
+class _CurrentDevice(str):
+    """What ``torch.cuda.current_device()`` answers: the string ``"cpu"`` (so that a factory run where the device
+    mode is not active, as in autograd's backward, still makes a CPU fake tensor), marked as the GPU for the mode."""
+
+
+def _device_kind(device: Any) -> str | None:
+    """ "host" for an explicit CPU device string, "device" for the GPU, None when it does not say."""
+    if device is None:
+        return None
+    if isinstance(device, (int, _CurrentDevice)):
+        return "device"
+    if isinstance(device, torch.device):  # torch.device(torch.cuda.current_device()) loses the mark: not host
+        return "device" if device.type == "cuda" else None
+    text = str(device)
+    return "device" if text.startswith("cuda") else "host" if text.startswith("cpu") else None
+
+
+class CpuForCuda(TorchFunctionMode):
+    """Every ``device="cuda"`` argument becomes ``"cpu"``: megatron-core builds its causal mask, its DDP buffers and
+    its schedule's counters on ``"cuda"`` (``torch.cuda.current_device()``), and ``tensor.cuda()`` /
+    ``.to("cuda")`` would need a CUDA build. With a tracker, it also keeps the GPU/host split that the CPU side of
+    optimizer offload needs (every fake tensor is a CPU tensor): ``.cpu()``, ``pin_memory``, ``.to("cpu")`` and an
+    explicit ``device="cpu"`` make host tensors (a copy when the source is on the GPU), ``.cuda()`` / ``.to("cuda")``
+    of a host tensor makes a GPU copy, and ``Tensor.is_cuda`` answers from that split (HybridDeviceOptimizer sorts
+    parameters by it)."""
+
+    def __init__(self, tracker: Any = None) -> None:
+        super().__init__()
+        self.tracker = tracker
+
+    def _moved(self, src: Any, where: str) -> Any:
+        """``src`` on ``where``: itself when it is there already, else a copy counted there."""
+        tracker = self.tracker
+        if tracker is None or tracker.is_host(src) == (where == "host"):
+            return src
+        tracker.force = where
+        try:
+            return src.clone()
+        finally:
+            tracker.force = None
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        tracker = self.tracker
+        if getattr(func, "__self__", None) is _IS_CUDA:
+            return tracker is None or not tracker.is_host(args[0])
+        name = getattr(func, "__name__", "")
+        if name == "type" and len(args) == 1 and not kwargs:
+            # megatron-core's optimizers sort parameters by Tensor.type() == "torch.cuda.BFloat16Tensor".
+            return func(*args).replace("torch.", "torch.cuda.", 1)
+        if name == "cuda":
+            return self._moved(args[0], "device")
+        if name in ("cpu", "pin_memory"):
+            return self._moved(args[0], "host")
+        if name == "is_pinned":
+            return tracker is not None and tracker.is_host(args[0])
+        if (
+            name == "to"
+            and len(args) > 1
+            and _device_kind(args[1]) is not None
+            and not isinstance(args[1], torch.dtype)
+        ):
+            return self._moved(args[0], _device_kind(args[1]) or "device")
+        where = _device_kind(kwargs.get("device"))
+        if kwargs.pop("pin_memory", False):
+            where = "host"
+        if "device" in kwargs:
+            kwargs["device"] = _cpu(kwargs["device"])
+        if name == "to" and where is not None and args and isinstance(args[0], torch.Tensor):
+            return self._moved(func(*args, **{k: v for k, v in kwargs.items() if k != "device"}), where)
+        if tracker is None or where is None:
+            return func(*args, **kwargs)
+        tracker.force = where
+        try:
+            return func(*args, **kwargs)
+        finally:
+            tracker.force = None
+
+
+class _NullStream:
+    """``torch.cuda.Stream`` stand-in: work is ordered on one host thread, so every stream is the current one."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def wait_stream(self, *args: Any) -> None:
+        pass
+
+    def wait_event(self, *args: Any) -> None:
+        pass
+
+    def record_event(self, *args: Any) -> _NullEvent:
+        return _NullEvent()
+
+    def synchronize(self) -> None:
+        pass
+
+    def __enter__(self) -> _NullStream:
+        return self
+
+    def __exit__(self, *args: Any) -> None:
+        pass
+
+
+class _NullEvent:
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def record(self, *args: Any) -> None:
+        pass
+
+    def wait(self, *args: Any) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
+@contextlib.contextmanager
+def _null_context(*args: Any, **kwargs: Any) -> Any:
+    yield
+
+
+def _patch(owner: Any, name: str, value: Any) -> None:
+    """Replace ``owner.name`` (typed attributes of torch and megatron-core included) with ``value``."""
+    setattr(owner, name, value)
+
+
+class _Done:
+    """A finished communication handle."""
+
+    def wait(self) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def _one_by_one(*args: Any, **kwargs: Any) -> Any:
+    yield _Done()
+
+
+def apply() -> None:
+    """Patch torch.cuda and megatron-core for the trace (module docstring); call once, in the child only."""
+    import standins
+
+    cuda = torch.cuda
+    # megatron-core asks for the current device by index to place buffers (utils.get_tensor, DDP buffers,
+    # VocabParallelEmbedding); an int index fails on a CPU build ("Cannot access accelerator device"). A "cpu"
+    # string marked as the GPU (_CurrentDevice) places it on the CPU and tells the device mode it belongs on the GPU.
+    _patch(cuda, "current_device", lambda: _CurrentDevice("cpu"))
+    # Streams and events order copies on a GPU; on one host thread everything is already in order.
+    _patch(cuda, "Stream", _NullStream)
+    _patch(cuda, "Event", _NullEvent)
+    _patch(cuda, "current_stream", lambda *a, **k: _NullStream())
+    _patch(cuda, "default_stream", lambda *a, **k: _NullStream())
+    _patch(cuda, "stream", _null_context)
+    _patch(cuda, "synchronize", lambda *a, **k: None)
+    # Nothing to free or measure on a device that is not there.
+    _patch(cuda, "empty_cache", lambda: None)
+    import torch.distributed as dist
+
+    def all_gather_object(out: list[Any], obj: Any, group: Any = None) -> None:
+        out[:] = [obj] * len(out)
+
+    # Pickled objects travel as byte tensors whose sizes are read with .item(), which a fake tensor cannot answer;
+    # with the fake group every rank is this one, so every rank's object is this rank's.
+    _patch(dist, "all_gather_object", all_gather_object)
+    from megatron.core.distributed import param_and_grad_buffer
+
+    # DDP batches its bucket collectives in torch's _coalescing_manager, whose coalesced c10d ops have no fake-tensor
+    # kernel; one by one (each has one) they write the same preallocated buffers, which is all the trace counts.
+    _patch(param_and_grad_buffer, "_coalescing_manager", _one_by_one)
+    import megatron.core.optimizer as optimizers
+
+    # Every Bridge run has TE, so megatron-core builds TE's FusedAdam (in-place multi-tensor kernel); without TE it
+    # falls back to torch's AdamW, whose temporaries no Bridge run has: TE's state and no temporaries instead.
+    _patch(optimizers, "USING_PYTORCH_OPTIMIZER", False)
+    _patch(optimizers, "Adam", standins.FusedAdamStandIn)
+    from megatron.core.optimizer import distrib_optimizer
+
+    _patch(distrib_optimizer, "Adam", standins.FusedAdamStandIn)  # its isinstance check
+    from megatron.core.optimizer import clip_grads, optimizer
+
+    # The gradient norm is read as a Python float (local_multi_tensor_l2_norm: float(l2_reduced)), which a fake
+    # tensor cannot give. Its memory is one scalar per tensor (apex/TE's fused kernel on a GPU); the norm is 1.0.
+    for module in (clip_grads, optimizer):
+        _patch(module, "get_grad_norm_fp32", lambda *a, **k: 1.0)
+    from megatron.core.transformer import torch_norm
+
+    def norm_new(cls: Any, config: Any, hidden_size: int, *args: Any, **kwargs: Any) -> Any:
+        # The local spec's norm is torch's (WrappedTorchNorm), which refuses sequence parallelism and keeps fp32
+        # intermediates no TE or apex kernel keeps: TE's saved tensors instead (trace.standins.NormStandIn).
+        return standins.NormStandIn(config, hidden_size)
+
+    _patch(torch_norm.WrappedTorchNorm, "__new__", norm_new)
+    from megatron.core.tensor_parallel import random
+
+    # The RNG tracker forks CUDA RNG state around dropout in TP regions; a fake tensor draws no numbers.
+    _patch(random.CudaRNGStatesTracker, "fork", _null_context)
+    # Recompute (CheckpointFunction) saves and restores the CUDA RNG state around the rebuilt forward; the CPU
+    # generator's state (a few KiB, as on a GPU) stands in for it.
+    _patch(random, "_get_cuda_rng_state", lambda *a, **k: torch.get_rng_state())
+    _patch(random, "_set_cuda_rng_state", lambda *a, **k: None)
+    # The rebuilt forward runs inside autograd's backward, where the device mode above is not active.
+    backward = random.CheckpointFunction.backward
+
+    def checkpoint_backward(ctx: Any, *args: Any) -> Any:
+        with CpuForCuda(MODE_TRACKER[0] if MODE_TRACKER else None):
+            return backward(ctx, *args)
+
+    _patch(random.CheckpointFunction, "backward", staticmethod(checkpoint_backward))
+    _patch(cuda, "get_rng_state", lambda *a, **k: torch.get_rng_state())
+    _patch(cuda, "set_rng_state", lambda *a, **k: None)

@@ -1,0 +1,140 @@
+"""What the trace's child builds, from the planner's resolved inputs: one reading of the config for every tool.
+
+``trace`` reads its config, overrides, command line and flags exactly as ``estimate`` does
+(:func:`mbridge_offload_tools.interface.calls.plan_source`, then :func:`mbridge_offload.plan.inputs.resolve.resolve`,
+which applies the one effective config of :mod:`mbridge_offload.config.effective`), so the same file gives the same
+``ModelSpec`` and ``Setup``. This module turns those into the megatron-core fields the child passes to
+``TransformerConfig``, ``DistributedDataParallelConfig`` and ``OptimizerConfig``, and picks the rank to trace: the
+pipeline stage the planner finds worst (its ``worst_stage``). Never imports torch.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from mbridge_offload.config.errors import InputError
+from mbridge_offload.plan.inputs.resolve import Resolved
+from mbridge_offload.plan.model.architecture import ModelSpec
+from mbridge_offload.plan.model.params import padded_vocab
+from mbridge_offload.plan.model.run import Setup
+
+# What the trace builds with megatron-core's local spec (no Transformer Engine here): the rest is refused, by name.
+_NOT_YET = (
+    (lambda m, s: m.is_moe, "MoE layers (token routing has data-dependent shapes on fake tensors)"),
+    (lambda m, s: m.mla is not None, "multi-latent attention"),
+    (lambda m, s: bool(m.layer_pattern), "hybrid Mamba stacks"),
+    (lambda m, s: m.mtp_num_layers > 0, "multi-token prediction"),
+    (lambda m, s: s.cp > 1, "context parallelism (megatron-core's local attention refuses CP > 1; TE's is needed)"),
+    (lambda m, s: s.use_megatron_fsdp, "Megatron-FSDP"),
+    (lambda m, s: bool(s.fp8_recipe and s.fp8_recipe != "none"), "FP8 recipes (Transformer Engine)"),
+    (lambda m, s: s.activation_offload_layers > 0, "layer-level activation offload"),
+    (lambda m, s: bool(s.offload_modules), "fine-grained activation offloading"),
+    (lambda m, s: s.pipeline_layout is not None, "pipeline layouts"),
+    (lambda m, s: s.use_precision_aware_optimizer, "the precision-aware optimizer (TE FusedAdam's master weights)"),
+)
+
+
+def unsupported(m: ModelSpec, s: Setup) -> list[str]:
+    """What of this run the trace cannot build yet (empty when it can)."""
+    return [words for test, words in _NOT_YET if test(m, s)]
+
+
+def microbatches(s: Setup) -> int:
+    """Micro-batches to run: enough for megatron-core's schedule to reach its steady state on every stage (the most
+    it keeps in flight), no more (each one costs time, not memory). 1F1B holds at most PP; interleaving reaches
+    its steady state within 2·PP."""
+    total = s.num_microbatches()
+    if s.pp == 1:
+        return 1
+    need = s.pp if s.vpp is None else 2 * s.pp
+    return need if total is None else max(1, min(total, need))
+
+
+def _transformer(m: ModelSpec, s: Setup) -> dict[str, Any]:
+    kw: dict[str, Any] = {
+        "num_layers": m.num_layers,
+        "hidden_size": m.hidden_size,
+        "ffn_hidden_size": m.ffn_hidden_size,
+        "num_attention_heads": m.num_attention_heads,
+        "num_query_groups": m.num_query_groups,
+        "kv_channels": m.kv_channels,
+        "gated_linear_unit": m.gated_linear_unit,
+        "swiglu": m.gated_linear_unit,
+        # megatron-core's fused SwiGLU keeps the fc1 output only (Bridge's recipes switch it on)
+        "bias_activation_fusion": m.gated_linear_unit,
+        "add_bias_linear": m.add_bias_linear,
+        "qk_layernorm": m.qk_layernorm,
+        "normalization": "RMSNorm",
+        "hidden_dropout": m.dropout,
+        "attention_dropout": m.dropout,
+        "tensor_model_parallel_size": s.tp,
+        "pipeline_model_parallel_size": s.pp,
+        "virtual_pipeline_model_parallel_size": s.vpp,
+        "sequence_parallel": s.sp and s.tp > 1,
+        "cross_entropy_loss_fusion": s.cross_entropy_fusion,
+    }
+    if s.num_layers_in_first_pipeline_stage is not None:
+        kw["num_layers_in_first_pipeline_stage"] = s.num_layers_in_first_pipeline_stage
+    if s.num_layers_in_last_pipeline_stage is not None:
+        kw["num_layers_in_last_pipeline_stage"] = s.num_layers_in_last_pipeline_stage
+    if s.recompute_granularity in ("full", "selective"):
+        kw["recompute_granularity"] = s.recompute_granularity
+        if s.recompute_granularity == "full":
+            kw["recompute_method"] = s.recompute_method or "uniform"
+            kw["recompute_num_layers"] = s.recompute_num_layers or 1
+        else:
+            kw["recompute_modules"] = list(s.recompute_modules)
+    return kw
+
+
+def build(r: Resolved, stage: int) -> dict[str, Any]:
+    """The child's spec for pipeline rank ``stage`` of the resolved run.
+
+    Raises:
+        InputError: what the trace cannot build yet (:func:`unsupported`), or a stage outside the pipeline.
+    """
+    m, s = r.model, r.setup
+    missing = unsupported(m, s)
+    if missing:
+        raise InputError(
+            "trace cannot build this run yet: " + "; ".join(missing),
+            "estimate answers for it with the planner's formulas; trace builds dense GPT models (local spec) with "
+            "TP, PP, VPP, SP, recompute and the distributed optimizer",
+        )
+    if not 0 <= stage < s.pp:
+        raise InputError(f"stage {stage} is outside the pipeline (PP {s.pp}: 0..{s.pp - 1})")
+    return {
+        "parallel": {"tp": s.tp, "pp": s.pp, "vpp": s.vpp, "cp": s.cp, "ep": s.ep, "etp": s.etp, "world": s.num_gpus},
+        "stage": stage,
+        "params_dtype": s.params_dtype,
+        "transformer": _transformer(m, s),
+        "ddp": {
+            "use_distributed_optimizer": s.use_distributed_optimizer,
+            "grad_reduce_in_fp32": s.grad_reduce_in_fp32,
+            "overlap_grad_reduce": s.overlap_grad_reduce,
+            "overlap_param_gather": s.overlap_param_gather and s.use_distributed_optimizer,
+        },
+        "optimizer": {
+            "optimizer": "adam",
+            "lr": 1e-4,
+            "bf16": s.params_dtype == "bf16",
+            "fp16": s.params_dtype == "fp16",
+            "params_dtype": s.params_dtype,
+            "use_distributed_optimizer": s.use_distributed_optimizer,
+            "use_precision_aware_optimizer": s.use_precision_aware_optimizer,
+            "main_params_dtype": s.main_params_dtype,
+            "exp_avg_dtype": s.exp_avg_dtype,
+            "exp_avg_sq_dtype": s.exp_avg_sq_dtype,
+            # megatron-core's HybridDeviceOptimizer (Bridge builds it for optimizer_cpu_offload)
+            "optimizer_cpu_offload": s.optimizer_offload_fraction > 0,
+            "optimizer_offload_fraction": s.optimizer_offload_fraction,
+            "overlap_cpu_optimizer_d2h_h2d": s.optimizer_offload_fraction > 0 and bool(r.inputs.overlap),
+            # The gradient norm is not clipped: its value needs data (trace/patches.py), its memory is a scalar.
+            "clip_grad": 0.0,
+        },
+        "vocab_size": padded_vocab(m, s.tp),  # Bridge builds GPTModel with the padded vocabulary
+        "seq_length": s.seq_length or m.seq_length,
+        "micro_batch_size": s.micro_batch_size,
+        "num_microbatches": microbatches(s),
+        "tied": m.tied_embeddings,
+    }
