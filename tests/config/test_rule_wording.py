@@ -184,6 +184,16 @@ TRIGGERS: dict[str, tuple[str, Any, str]] = {
     ),
     "CFG-UNKNOWN-ARGUMENT": ("argv", "--num-layers 4 --optimizer-cpu-ofload", "megatron-core==0.19.2"),
     "CFG-UNKNOWN-KEY": ("yaml", {"model": {"num_layers": 4, "cpu_ofloading": True}}, "megatron-core==0.19.2"),
+    "MC-CUDA-GRAPH-FULL-ITERATION-SCOPE-IMPL": (
+        "yaml",
+        {"model": {"num_layers": 4, "cuda_graph_scope": "full_iteration", "cuda_graph_impl": "transformer_engine"}},
+        "megatron-core==0.19.2",
+    ),
+    "MC-CUDA-GRAPH-TE-FULL-ITERATION": (
+        "yaml",
+        {"model": {"num_layers": 4, "cuda_graph_scope": "full_iteration", "cuda_graph_impl": "transformer_engine"}},
+        "megatron-core==0.16.1",
+    ),
     "MC-CUDA-GRAPH-ENABLE-AND-EXTERNAL": (
         "yaml",
         {"model": {"num_layers": 4, "enable_cuda_graph": True, "external_cuda_graph": True}},

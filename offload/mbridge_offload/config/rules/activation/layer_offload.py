@@ -9,6 +9,7 @@ built or the job is launched (Transformer Engine, Bridge, Megatron-LM) and the a
 from __future__ import annotations
 
 from mbridge_offload.config.overrides import format_override
+from mbridge_offload.config.rules.activation.recompute import granularity
 from mbridge_offload.config.rules.base import STAGE_TRANSFORMER_CONFIG, Context, Match, Rule
 
 TC = STAGE_TRANSFORMER_CONFIG
@@ -93,9 +94,9 @@ def _mode_fix(ctx: Context, prefix: str) -> list[str]:
 
 
 def _recompute(ctx: Context):
-    m = ctx.model
-    if m.cpu_offloading and m.recompute_granularity is not None:
-        return Match(fix=_mode_fix(ctx, "model.recompute_"))
+    if ctx.model.cpu_offloading and granularity(ctx) is not None:
+        # A granularity of another type (true) is dropped from the typed section: its fix is switching it off.
+        return Match(fix=_mode_fix(ctx, "model.recompute_") or ["model.recompute_granularity=null"])
     return None
 
 
