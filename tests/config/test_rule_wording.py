@@ -184,6 +184,13 @@ TRIGGERS: dict[str, tuple[str, Any, str]] = {
     ),
     "CFG-UNKNOWN-ARGUMENT": ("argv", "--num-layers 4 --optimizer-cpu-ofload", "megatron-core==0.19.2"),
     "CFG-UNKNOWN-KEY": ("yaml", {"model": {"num_layers": 4, "cpu_ofloading": True}}, "megatron-core==0.19.2"),
+    "CFG-MLM-EP-WITHOUT-EXPERTS": ("argv", "--num-layers 4 --expert-model-parallel-size 2", "megatron-core==0.19.2"),
+    "CFG-MLM-EP-EXPERTS-DIVISIBLE": (
+        "argv",
+        "--num-layers 4 --num-experts 6 --expert-model-parallel-size 4 --disable-bias-linear",
+        "megatron-core==0.19.2",
+    ),
+    "CFG-MLM-MOE-LATENT-SIZE": ("argv", "--num-layers 4 --moe-latent-size 16", "megatron-core==0.19.2"),
     "MC-CUDA-GRAPH-FULL-ITERATION-SCOPE-IMPL": (
         "yaml",
         {"model": {"num_layers": 4, "cuda_graph_scope": "full_iteration", "cuda_graph_impl": "transformer_engine"}},

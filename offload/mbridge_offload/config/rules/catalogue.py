@@ -10,6 +10,7 @@ from mbridge_offload.config.rules.activation.build import BUILD_RULES
 from mbridge_offload.config.rules.activation.layer_offload import ACTIVATION_RULES
 from mbridge_offload.config.rules.base import DEFAULT_TARGET, STAGE_OPTIMIZER_CONFIG, TARGETS, Rule, spec_contains
 from mbridge_offload.config.rules.input import hygiene
+from mbridge_offload.config.rules.input import megatron_lm as megatron_lm_args
 from mbridge_offload.config.rules.input.bridge import BRIDGE_RULES
 from mbridge_offload.config.rules.input.empty import INPUT_RULES
 from mbridge_offload.config.rules.megatron import architecture, model_init, parallelism, pipeline_layout
@@ -86,6 +87,7 @@ def all_rules() -> tuple[Rule, ...]:
         *BRIDGE_RULES,
         *CONFIG_RULES,
         *hygiene.RULES,
+        *megatron_lm_args.RULES,
         *transformer,
         *BUILD_RULES,
         *layer_reach.RULES,
