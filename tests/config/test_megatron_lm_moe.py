@@ -44,8 +44,11 @@ def test_every_argument_named_like_a_transformer_config_field_reaches_the_model_
         # --num-query-groups counts only with --group-query-attention (core_transformer_config_from_args).
         if dest not in transformer_fields() or kind not in ("store", "store_true") or dest == "num_query_groups":
             continue
-        value = [] if kind == "store_true" else [str(choices[0]) if choices else {"int": "2", "float": "0.5"}.get(
-            type_name or "", "x")]
+        value = (
+            []
+            if kind == "store_true"
+            else [str(choices[0]) if choices else {"int": "2", "float": "0.5"}.get(type_name or "", "x")]
+        )
         try:
             raw = parse_argv([options[0], *value])
         except ValueError:

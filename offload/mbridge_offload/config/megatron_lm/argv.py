@@ -123,9 +123,9 @@ def _derive_moe(model: dict[str, Any]) -> None:
     ``moe_freq_type`` conversion its parser applies to ``--moe-layer-freq``."""
     if model.get("num_moe_experts") == 0:
         model["num_moe_experts"] = None
-    if model.get("num_moe_experts") is not None and model.get("moe_ffn_hidden_size") is None:
-        if model.get("ffn_hidden_size") is not None:
-            model["moe_ffn_hidden_size"] = model["ffn_hidden_size"]
+    experts = model.get("num_moe_experts") is not None
+    if experts and model.get("moe_ffn_hidden_size") is None and model.get("ffn_hidden_size") is not None:
+        model["moe_ffn_hidden_size"] = model["ffn_hidden_size"]
     for key in ("moe_router_load_balancing_type", "moe_aux_loss_coeff"):
         if isinstance(model.get(key), list) and len(model[key]) == 1:
             model[key] = model[key][0]

@@ -4,7 +4,8 @@ A Megatron-LM command line meets these asserts before ``core_transformer_config_
 ``TransformerConfig``, so their text is the one its user sees: ``--expert-model-parallel-size 2`` without
 ``--num-experts`` stops on "num_experts must be non None to use expert model parallelism", not on megatron-core's
 "num_moe_experts must be non None to use expert-parallel.". The flags reach the config under their
-``TransformerConfig`` names (``--num-experts`` is ``model.num_moe_experts``; :mod:`mbridge_offload.config.megatron_lm.argv`).
+``TransformerConfig`` names (``--num-experts`` is ``model.num_moe_experts``;
+:mod:`mbridge_offload.config.megatron_lm.argv`).
 Megatron-LM command lines only; the parser table, and so these checks, are 0.19.2's for every target.
 """
 
