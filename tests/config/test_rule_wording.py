@@ -191,6 +191,11 @@ TRIGGERS: dict[str, tuple[str, Any, str]] = {
         "megatron-core==0.19.2",
     ),
     "CFG-MLM-MOE-LATENT-SIZE": ("argv", "--num-layers 4 --moe-latent-size 16", "megatron-core==0.19.2"),
+    "ACT-RECOMPUTE-MODULE-NO-EFFECT": (
+        "yaml",
+        {"model": {"num_layers": 4, "recompute_granularity": "selective", "recompute_modules": ["moe"]}},
+        "megatron-core==0.19.2",
+    ),
     "MC-CUDA-GRAPH-FULL-ITERATION-SCOPE-IMPL": (
         "yaml",
         {"model": {"num_layers": 4, "cuda_graph_scope": "full_iteration", "cuda_graph_impl": "transformer_engine"}},
