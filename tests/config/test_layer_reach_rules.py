@@ -201,6 +201,11 @@ def test_mlp_recompute_reaches_the_dense_layers_of_a_mixed_moe_model():
     assert _no_effect({**_ALL_MOE, "moe_layer_freq": [0, 1, 1, 1], "recompute_modules": ["mlp", "moe"]}) == []
 
 
+def test_moe_act_on_a_dense_model_is_flagged_where_megatron_core_accepts_it():
+    assert _no_effect({"moe_grouped_gemm": True, "recompute_modules": ["moe_act"]}) == ["moe_act"]
+    assert _no_effect({**_ALL_MOE, "recompute_modules": ["moe_act"]}) == []
+
+
 def test_shared_experts_recompute_needs_shared_experts():
     assert _no_effect({**_ALL_MOE, "recompute_modules": ["shared_experts"]}) == ["shared_experts"]
     shared = {**_ALL_MOE, "moe_shared_expert_intermediate_size": 64, "recompute_modules": ["shared_experts"]}

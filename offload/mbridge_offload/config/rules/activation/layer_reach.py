@@ -126,7 +126,8 @@ def _recompute_no_effect(ctx: Context):
     release = _release(ctx)
     for module in dict.fromkeys(recompute_modules(ctx)):
         setting = f"recompute_modules:{module}"
-        if module in ("mla_up_proj", "moe_act") or setting not in SETTING_KEYS:
+        refused = module == "mla_up_proj" or (module == "moe_act" and not ctx.model.moe_grouped_gemm)
+        if refused or setting not in SETTING_KEYS:
             continue  # refused outright where they cannot act (MC-RECOMPUTE-MLA-UP-PROJ / -MOE-ACT), or unknown
         if module == "layernorm" and ctx.model.transformer_impl != "transformer_engine":
             continue  # the local spec keeps its norms as modules: they are recomputed
