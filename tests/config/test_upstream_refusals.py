@@ -104,3 +104,51 @@ def test_sp_without_tp_behind_a_bridge_target_is_refused_on_0_16_as_bridge_0_3_d
 def test_sp_without_tp_in_a_plain_megatron_core_config_is_refused_on_0_19():
     rep = report("model.sequence_parallel=true")
     assert [f.message for f in rep.errors] == ["Cannot use sequence parallelism without tensor parallelism"]
+
+
+# ---------------------------------------------------------------------------------------------- ConfigContainer
+
+
+def test_a_distributed_optimizer_mismatch_is_bridges_warning_not_a_refusal():
+    rep = report(_PROVIDER, "ddp.use_distributed_optimizer=true", "optimizer.use_distributed_optimizer=false")
+    (finding,) = rep.by_rule("CFG-BRIDGE-DIST-OPT-SYNC")
+    assert rep.ok and finding.severity == "warning"
+    assert finding.message.startswith("Distributed optimizer settings were not in sync: ddp.use_distributed_optimizer")
+
+
+def test_container_checks_leave_a_plain_megatron_core_config_alone():
+    rep = report("ddp.use_distributed_optimizer=true", "+model.seq_length=2048", "+dataset.seq_length=4096")
+    assert not [f for f in rep.findings if f.rule.startswith("CFG-BRIDGE-")]
+
+
+@pytest.mark.parametrize(
+    ("target", "graph"),
+    [
+        (NEW, ["model.cuda_graph_impl=full_iteration"]),
+        (OLD, ["model.cuda_graph_impl=local", "+model.cuda_graph_scope=full_iteration"]),
+    ],
+)
+def test_the_full_iteration_graph_needs_the_nan_check_off_in_a_bridge_container(target, graph):
+    rep = report(_PROVIDER, *graph, target=target)
+    assert [f.rule for f in rep.errors] == ["CFG-BRIDGE-FULL-ITERATION-NAN-CHECK"]
+    assert report(_PROVIDER, *graph, "+rerun_state_machine.check_for_nan_in_loss=false", target=target).ok
+
+
+def test_context_parallelism_needs_a_sequence_of_twice_its_size():
+    assert report(_PROVIDER, "model.context_parallel_size=2", "+model.seq_length=4098").errors[0].message == (
+        "Sequence length must be divisible by 2 * context parallel size if context parallel is used."
+    )
+    assert report(_PROVIDER, "model.context_parallel_size=2", "+model.seq_length=4096").ok
+
+
+def test_mxfp8_parameter_gather_needs_the_buffer_reuse_on_bridge_0_6_only():
+    recipe = {"bf16": True, "fp8": "e4m3", "fp8_recipe": "mxfp8", "fp8_param_gather": True}
+    sets = [f"+mixed_precision.{k}={str(v).lower()}" for k, v in recipe.items()]
+    assert report(_PROVIDER, *sets).errors[0].rule == "CFG-BRIDGE-MXFP8-REUSE-GRAD-BUF"
+    assert not report(_PROVIDER, *sets, target=OLD).by_rule("CFG-BRIDGE-MXFP8-REUSE-GRAD-BUF")
+
+
+def test_precision_aware_optimizer_needs_the_models_precision_in_the_optimizer():
+    dist = ["optimizer.use_distributed_optimizer=true", "ddp.use_distributed_optimizer=true"]
+    rep = report(_PROVIDER, "model.bf16=true", "optimizer.use_precision_aware_optimizer=true", *dist)
+    assert [f.fix for f in rep.errors] == [["optimizer.bf16=true"]]

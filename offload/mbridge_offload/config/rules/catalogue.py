@@ -9,7 +9,7 @@ from mbridge_offload.config.rules.activation import fine_grained as offload_extr
 from mbridge_offload.config.rules.activation.build import BUILD_RULES
 from mbridge_offload.config.rules.activation.layer_offload import ACTIVATION_RULES
 from mbridge_offload.config.rules.base import DEFAULT_TARGET, STAGE_OPTIMIZER_CONFIG, TARGETS, Rule, spec_contains
-from mbridge_offload.config.rules.input import hygiene
+from mbridge_offload.config.rules.input import container, hygiene
 from mbridge_offload.config.rules.input import megatron_lm as megatron_lm_args
 from mbridge_offload.config.rules.input.bridge import BRIDGE_RULES
 from mbridge_offload.config.rules.input.empty import INPUT_RULES
@@ -90,6 +90,7 @@ def all_rules() -> tuple[Rule, ...]:
         *megatron_lm_args.RULES,
         *transformer,
         *BUILD_RULES,
+        *container.RULES,
         *layer_reach.RULES,
         *optimizer_stage,
         *rest,
