@@ -146,7 +146,9 @@ def test_validate_recipe_without_its_env_vars_is_bridges_start_up_error():
 # raises, we report its exception and text; where it accepts (a warning, or a value its finalize() normalises), we
 # report no error.
 _MUTATIONS = {
-    "dist-opt in optimizer only": [("ddp.use_distributed_optimizer", False), ("optimizer.use_distributed_optimizer", True)],
+    "dist-opt in optimizer only": [
+        ("ddp.use_distributed_optimizer", False), ("optimizer.use_distributed_optimizer", True)
+    ],
     "dist-opt in ddp only": [("ddp.use_distributed_optimizer", True), ("optimizer.use_distributed_optimizer", False)],
     "overlap_param_gather in optimizer only": [("optimizer.overlap_param_gather", True)],
     "seq_length mismatch": [("model.seq_length", 2048), ("dataset.seq_length", 4096)],
