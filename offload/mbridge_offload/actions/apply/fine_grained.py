@@ -12,11 +12,12 @@ from __future__ import annotations
 
 from typing import Any
 
+from mbridge_offload.config.rules.mcore import MOE_INSIDE
 from mbridge_offload.plan.memory.fine_grained import module_errors
 from mbridge_offload.upstream_layers import ALLOWED_OFFLOAD_MODULES
 
 MODE = "fine-grained"
-_MOE_INSIDE = {"expert_fc1", "moe_act", "fused_group_mlp"}
+_MOE_INSIDE = set(MOE_INSIDE)
 
 
 def parse_modules(modules: str | list[str] | tuple[str, ...] | None) -> list[str] | None:

@@ -17,7 +17,8 @@ from mbridge_offload.config.rules.megatron import architecture, model_init, para
 from mbridge_offload.config.rules.optimizer import dtypes as optimizer_config
 from mbridge_offload.config.rules.optimizer.offload import CONFIG_RULES, OPTIMIZER_RULES
 
-# The TransformerConfig stage's files besides activation.py; the order of this list does not matter (merge_stage).
+# The TransformerConfig stage's files besides activation/layer_offload.py; the order of this list does not matter
+# (merge_stage).
 TRANSFORMER_CONFIG_FILES = (
     parallelism,
     architecture,
@@ -73,8 +74,9 @@ def _add_run(runs: dict[str | None, list[Rule]], anchor: str | None, run: list[R
 
 @functools.cache
 def all_rules() -> tuple[Rule, ...]:
-    """Every rule, each stage in upstream code order: config hygiene, TransformerConfig (``activation.py`` in
-    upstream order, the other files placed by their ``follows``), build-time (TE, Bridge, Megatron-LM, advisory),
+    """Every rule, each stage in upstream code order: config hygiene, Megatron-LM's own checks, TransformerConfig
+    (``activation/layer_offload.py`` in upstream order, the other files placed by their ``follows``), build-time (TE,
+    Bridge, Megatron-LM, advisory), Bridge's ConfigContainer.validate() (``input/container.py``),
     what megatron-core accepts and then ignores per model class (``layer_reach``), OptimizerConfig, the optimizer
     factory and the rest."""
     transformer = merge_stage(ACTIVATION_RULES, tuple(f.RULES for f in TRANSFORMER_CONFIG_FILES))

@@ -31,8 +31,9 @@ FRACTION_STEP = 0.05
 Fit = Callable[[MemoryEstimate], bool]
 
 
-# Step times closer than this are a tie: the time model is first-order (timing.py says which terms it has), so
-# within it the skill's decision table (the mechanism that targets the dominant memory) decides, then fewer changes.
+# Step times closer than this are a tie: the time model is first-order (plan/time/terms.py says which terms it
+# has), so within it the skill's decision table (the mechanism that targets the dominant memory) decides, then fewer
+# changes.
 STEP_TIE = 0.03
 
 
