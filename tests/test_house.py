@@ -150,3 +150,40 @@ def test_a_foreign_tools_package_does_not_shadow_ours(tmp_path):
         [sys.executable, "-m", "mbridge_offload_tools", "--version"], cwd=tmp_path, capture_output=True, text=True
     )
     assert out.returncode == 0 and "foreign" not in out.stderr, out.stderr
+
+
+_DOTTED = re.compile(r"\b(mbridge_offload(?:_tools)?(?:\.[A-Za-z_]\w*)+)")
+_PATH = re.compile(r"(?<![\w/.-])((?:[\w.-]+/)+[\w-]+\.py)\b")
+
+
+def _names_that_exist(dotted: str, modules: set[str]) -> bool:
+    """``dotted`` is a module of ours, or a name defined in one (``mbridge_offload.config.validate.first_error``)."""
+    import importlib
+
+    parts = dotted.split(".")
+    for i in range(len(parts), 0, -1):
+        if ".".join(parts[:i]) in modules:
+            obj = importlib.import_module(".".join(parts[:i]))
+            for name in parts[i:]:
+                if not hasattr(obj, name):
+                    return False
+                obj = getattr(obj, name)
+            return True
+    return False
+
+
+def test_docstrings_and_comments_name_only_modules_that_exist():
+    # After a rename a docstring keeps the old name (issue 34): every dotted name of ours, and every path into one of
+    # our folders (``plan/time/terms.py``; ``megatron/...`` is upstream's tree), names a module that exists.
+    sources = [p for folder in house.PACKAGES.values() for p in (ROOT / folder).rglob("*.py")]
+    ours = [p.relative_to(ROOT).as_posix() for p in sources]
+    folders = {p.parent.name for p in sources} - {"megatron"}
+    modules = set(house.modules())
+    stale = []
+    for path in sources:
+        text = path.read_text(encoding="utf-8")
+        stale += [f"{path.name}: {d}" for d in _DOTTED.findall(text) if not _names_that_exist(d.rstrip("."), modules)]
+        for ref in _PATH.findall(text):
+            if ref.split("/")[0] in folders and not any(p.endswith("/" + ref) for p in ours):
+                stale.append(f"{path.name}: {ref}")
+    assert stale == []

@@ -349,6 +349,19 @@ DIRECTED += [
     {**_SELECTIVE, "recompute_modules": ["layernorm"], "fp8": "hybrid"},
     {**_SELECTIVE, "recompute_modules": ["core_attn", "layernorm"], "fp8": "e4m3", "fp8_recipe": "delayed"},
 ]
+# The classes an untuned fuzz seed found (issue 33): the deprecated full-iteration scope beside the TE implementation
+# (0.16 and 0.19 refuse it with different messages), a recompute_granularity that is no string (true, false, 1).
+DIRECTED += [
+    {"num_layers": 4, "cuda_graph_scope": "full_iteration", "cuda_graph_impl": "transformer_engine"},
+    {"num_layers": 4, "cuda_graph_scope": ["full_iteration"], "external_cuda_graph": True},
+    {"num_layers": 4, "cuda_graph_scope": "full_iteration", "cuda_graph_impl": "local"},
+    {"num_layers": 4, "recompute_granularity": True},
+    # Two recompute checks a fresh seed (20261206) did not reach as the first error: confirmed here on every seed.
+    {"num_layers": 4, "recompute_granularity": "full", "recompute_method": "uniform"},
+    {"num_layers": 4, "recompute_granularity": "selective", "recompute_num_layers": 1},
+    {"num_layers": 4, "recompute_granularity": False, "recompute_method": "uniform", "recompute_num_layers": 1},
+    {"num_layers": 4, "cpu_offloading": True, "cpu_offloading_num_layers": 1, "recompute_granularity": 1},
+]
 DIRECTED_OPTIMIZER: list[dict] = [
     {key: "bf16"} for key in ("main_grads_dtype", "main_params_dtype", "exp_avg_dtype", "exp_avg_sq_dtype")
 ] + [
@@ -356,6 +369,15 @@ DIRECTED_OPTIMIZER: list[dict] = [
     {"optimizer_cpu_offload": True, "use_precision_aware_optimizer": True},
     {"optimizer_cpu_offload": True, "optimizer_offload_fraction": "half", "use_distributed_optimizer": True},
     {"optimizer_cpu_offload": True, "optimizer_offload_fraction": None, "use_distributed_optimizer": True},
+    {"optimizer_offload_fraction": None},  # offload off: the dataclass keeps null and nothing reads it
+    # A rule a fresh seed (20261206) did not reach as the first error: confirmed here on every seed.
+    {
+        "optimizer_cpu_offload": True,
+        "optimizer_offload_fraction": 0.5,
+        "use_precision_aware_optimizer": True,
+        "use_distributed_optimizer": True,
+        "skip_megatron_wrapping": True,
+    },
 ]
 
 

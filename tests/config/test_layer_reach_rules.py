@@ -174,3 +174,75 @@ def test_the_lightning_recipe_hears_nothing_new_on_its_own_release():
     loaded = load(str(recipe))
     rules = {f.rule for f in validate(loaded.config, loaded.raw, target="megatron-core==0.19.2").findings}
     assert not {r for r in rules if "HYBRID" in r or "MTP" in r}
+
+
+# ---------------------------------------------------------------------------------------------- recompute modules
+
+_SELECTIVE = {"recompute_granularity": "selective"}
+_ALL_MOE = {"num_moe_experts": 8, "add_bias_linear": False, "moe_grouped_gemm": True}
+_NO_EFFECT = "ACT-RECOMPUTE-MODULE-NO-EFFECT"
+
+
+def _no_effect(model: dict, target: str = "megatron-core==0.19.2") -> list[str]:
+    report, _ = _report({**_SELECTIVE, **model}, target)
+    return [f.message.split(" includes ")[1].split(",")[0] for f in _rule(report, _NO_EFFECT)]
+
+
+@pytest.mark.parametrize("target", ["megatron-core==0.16.1", "megatron-core==0.19.2"])
+def test_mlp_recompute_on_an_all_moe_model_is_flagged(target):
+    assert _no_effect({**_ALL_MOE, "recompute_modules": ["mlp", "moe"]}, target) == ["mlp"]
+
+
+def test_moe_modules_on_a_dense_model_are_flagged():
+    assert _no_effect({"recompute_modules": ["core_attn", "moe", "shared_experts"]}) == ["moe", "shared_experts"]
+
+
+def test_mlp_recompute_reaches_the_dense_layers_of_a_mixed_moe_model():
+    assert _no_effect({**_ALL_MOE, "moe_layer_freq": [0, 1, 1, 1], "recompute_modules": ["mlp", "moe"]}) == []
+
+
+def test_moe_act_on_a_dense_model_is_flagged_where_megatron_core_accepts_it():
+    assert _no_effect({"moe_grouped_gemm": True, "recompute_modules": ["moe_act"]}) == ["moe_act"]
+    assert _no_effect({**_ALL_MOE, "recompute_modules": ["moe_act"]}) == []
+
+
+def test_shared_experts_recompute_needs_shared_experts():
+    assert _no_effect({**_ALL_MOE, "recompute_modules": ["shared_experts"]}) == ["shared_experts"]
+    shared = {**_ALL_MOE, "moe_shared_expert_intermediate_size": 64, "recompute_modules": ["shared_experts"]}
+    assert _no_effect(shared) == []
+
+
+def test_layernorm_recompute_follows_the_layer_spec():
+    assert _no_effect({"recompute_modules": ["layernorm"]}) == ["layernorm"]  # the TE spec fuses dense norms
+    assert _no_effect({"recompute_modules": ["layernorm"], "transformer_impl": "local"}) == []
+    assert _no_effect({**_ALL_MOE, "recompute_modules": ["layernorm"]}) == []  # the MoE pre-MLP norm is a module
+    assert _no_effect({"recompute_modules": ["layernorm"], "multi_latent_attention": True}) == []
+
+
+def test_mla_up_proj_without_mla_is_refused_not_just_flagged():
+    report, _ = _report({**_SELECTIVE, "recompute_modules": ["mla_up_proj"]})
+    assert [f.rule for f in report.errors] == ["MC-RECOMPUTE-MLA-UP-PROJ"] and not _rule(report, _NO_EFFECT)
+
+
+def test_each_no_effect_verdict_is_the_tables():
+    for module in ("core_attn", "mlp", "moe", "shared_experts"):
+        for model, column in (({}, "dense"), (_ALL_MOE, "moe")):
+            flagged = module in _no_effect(
+                {**model, "recompute_modules": [module], "moe_shared_expert_intermediate_size": 64 if model else None}
+            )
+            side = "dense" if module == "core_attn" else column
+            assert flagged == (cell(f"recompute_modules:{module}", side, "0.19.2").verdict != "applies"), (
+                module,
+                model,
+            )
+
+
+def test_the_no_effect_fix_clears_the_finding():
+    report, raw = _report({**_SELECTIVE, **_ALL_MOE, "recompute_modules": ["mlp", "moe"]})
+    (finding,) = _rule(report, _NO_EFFECT)
+    fixed = apply_overrides(raw, finding.fix)
+    assert not _rule(validate(build_config(fixed), fixed), _NO_EFFECT)
+
+
+def test_selective_recompute_modules_on_a_hybrid_stack_are_left_to_the_hybrid_rules():
+    assert _no_effect({"hybrid_layer_pattern": "M*-M*-M*-M*", "recompute_modules": ["moe"]}) == []

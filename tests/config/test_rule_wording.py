@@ -30,6 +30,7 @@ CORPUS_SIZE = 2000  # the generator spreads over many perturbations since the wi
 
 # rule id -> (yaml | argv, the config or the command line, target): inputs that fire the rules the seeded corpus does
 # not reach.
+_PROVIDER = "megatron.bridge.models.gpt_provider.GPTModelProvider"
 TRIGGERS: dict[str, tuple[str, Any, str]] = {
     "MC-PP-POSITIVE": (
         "yaml",
@@ -165,6 +166,54 @@ TRIGGERS: dict[str, tuple[str, Any, str]] = {
     ),
     "CFG-UNKNOWN-ARGUMENT": ("argv", "--num-layers 4 --optimizer-cpu-ofload", "megatron-core==0.19.2"),
     "CFG-UNKNOWN-KEY": ("yaml", {"model": {"num_layers": 4, "cpu_ofloading": True}}, "megatron-core==0.19.2"),
+    "CFG-MLM-EP-WITHOUT-EXPERTS": ("argv", "--num-layers 4 --expert-model-parallel-size 2", "megatron-core==0.19.2"),
+    "CFG-MLM-EP-EXPERTS-DIVISIBLE": (
+        "argv",
+        "--num-layers 4 --num-experts 6 --expert-model-parallel-size 4 --disable-bias-linear",
+        "megatron-core==0.19.2",
+    ),
+    "CFG-MLM-MOE-LATENT-SIZE": ("argv", "--num-layers 4 --moe-latent-size 16", "megatron-core==0.19.2"),
+    "ACT-RECOMPUTE-MODULE-NO-EFFECT": (
+        "yaml",
+        {"model": {"num_layers": 4, "recompute_granularity": "selective", "recompute_modules": ["moe"]}},
+        "megatron-core==0.19.2",
+    ),
+    **{
+        rule: ("yaml", {"model": {"_target_": _PROVIDER, "num_layers": 4, **model}, **rest}, "megatron-core==0.19.2")
+        for rule, model, rest in (
+            (
+                "CFG-BRIDGE-MXFP8-REUSE-GRAD-BUF",
+                {},
+                {"mixed_precision": {"bf16": True, "fp8": "e4m3", "fp8_recipe": "mxfp8", "fp8_param_gather": True}},
+            ),
+            ("CFG-BRIDGE-DETERMINISTIC-CE-FUSION", {"deterministic_mode": True, "cross_entropy_loss_fusion": True}, {}),
+            ("CFG-BRIDGE-DIST-OPT-SYNC", {}, {"ddp": {"use_distributed_optimizer": True}}),
+            ("CFG-BRIDGE-OVERLAP-PARAM-GATHER-SYNC", {}, {"optimizer": {"overlap_param_gather": True}}),
+            ("CFG-BRIDGE-MODEL-BF16-FP16", {"bf16": True, "fp16": True}, {}),
+            ("CFG-BRIDGE-OPTIMIZER-BF16-FP16", {}, {"optimizer": {"bf16": True, "fp16": True}}),
+            (
+                "CFG-BRIDGE-PRECISION-AWARE-DTYPE",
+                {"bf16": True},
+                {
+                    "optimizer": {"use_precision_aware_optimizer": True, "use_distributed_optimizer": True},
+                    "ddp": {"use_distributed_optimizer": True},
+                },
+            ),
+            ("CFG-BRIDGE-FULL-ITERATION-NAN-CHECK", {"cuda_graph_impl": "full_iteration"}, {}),
+            ("CFG-BRIDGE-CP-SEQ-LENGTH", {"context_parallel_size": 2, "seq_length": 4098}, {}),
+            ("CFG-BRIDGE-SEQ-LENGTH-MATCH", {"seq_length": 4096}, {"dataset": {"seq_length": 2048}}),
+        )
+    },
+    "MC-CUDA-GRAPH-FULL-ITERATION-SCOPE-IMPL": (
+        "yaml",
+        {"model": {"num_layers": 4, "cuda_graph_scope": "full_iteration", "cuda_graph_impl": "transformer_engine"}},
+        "megatron-core==0.19.2",
+    ),
+    "MC-CUDA-GRAPH-TE-FULL-ITERATION": (
+        "yaml",
+        {"model": {"num_layers": 4, "cuda_graph_scope": "full_iteration", "cuda_graph_impl": "transformer_engine"}},
+        "megatron-core==0.16.1",
+    ),
     "MC-CUDA-GRAPH-ENABLE-AND-EXTERNAL": (
         "yaml",
         {"model": {"num_layers": 4, "enable_cuda_graph": True, "external_cuda_graph": True}},

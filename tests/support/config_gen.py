@@ -146,7 +146,8 @@ def _p_paged_stash(rng, case):
 def _p_type_variant(rng, case):
     m = case["model"]
     kind = rng.choice(["num_layers-str", "bool-str", "impl-null", "layers-float", "offload-layers-str-or-null"])
-    if kind == "num_layers-str":
+    if kind == "num_layers-str" and isinstance(m["num_layers"], int | float | str):
+        # An earlier perturbation may have left a wrong-type value (a list, null): that one then stays.
         m["num_layers"] = str(int(float(m["num_layers"])))
     elif kind == "offload-layers-str-or-null":  # compared with 0 as given once offloading is on
         m["cpu_offloading"] = True
@@ -155,7 +156,7 @@ def _p_type_variant(rng, case):
         m[rng.choice(["cpu_offloading", "bf16", "sequence_parallel"])] = rng.choice(["false", "true", "False"])
     elif kind == "impl-null":
         m["cuda_graph_impl"] = None
-    else:
+    elif isinstance(m["num_layers"], int | float):
         m["num_layers"] = float(m["num_layers"]) if rng.random() < 0.5 else float(m["num_layers"]) + 0.5
 
 

@@ -219,7 +219,7 @@ def _env(config: OffloadConfig, raw: dict[str, Any]) -> dict[str, str]:
 
 def _run_rules(eff: effective_config.Effective) -> list[Finding]:
     # The catalogue judges the one effective config: after Bridge's mixed_precision block and finalize().
-    ctx = Context(config=eff.config, raw=eff.raw, target=eff.target, normalized=eff.normalized)
+    ctx = Context(config=eff.config, raw=eff.raw, target=eff.target, normalized=eff.normalized, container=eff.container)
     hits: list[tuple[Rule, Finding]] = []
     for rule in all_rules():
         if not rule.applies(eff.target):

@@ -16,11 +16,12 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from mbridge_offload.config.rules.mcore import MOE_INSIDE
 from mbridge_offload.plan.memory.fine_grained import module_errors
 from mbridge_offload.upstream_layers import ALLOWED_OFFLOAD_MODULES
 
 MODE = "fine-grained"
-_MOE_INSIDE = {"expert_fc1", "moe_act", "fused_group_mlp"}
+_MOE_INSIDE = set(MOE_INSIDE)
 NVTE_KEY = "env_vars.NVTE_CPU_OFFLOAD_V1"
 # What apply says whenever it writes the variable into env_vars (a note of its answer).
 NVTE_EXPORT_NOTE = (

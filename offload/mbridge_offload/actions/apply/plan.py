@@ -284,5 +284,5 @@ MODE_EDITS: dict[str, tuple[ModeEdit, ...]] = {
     "both": (_optimizer_mode, _activation_mode),
     "none": (_off_mode,),
 }
-# fine-grained takes its module list (fine_grained_edit.py), not (fraction, num_layers): its own branch above.
+# fine-grained takes its module list (actions/apply/fine_grained.py), not (fraction, num_layers): its own branch above.
 MODES = (*MODE_EDITS, fge.MODE, "recommended")

@@ -32,6 +32,15 @@ _MODEL_EXTRAS = {
     "tp_comm_overlap",  # a TransformerConfig field Megatron-LM copies from its args (ModelParallelConfig)
 }
 _TYPES = {"int": int, "float": float, "str": str}
+# Arguments that core_transformer_config_from_args (training/argument_utils.py, 0.19.2) passes to TransformerConfig
+# under another name.
+RENAMED: dict[str, str] = {
+    "num_experts": "num_moe_experts",
+    "decoder_first_pipeline_num_layers": "num_layers_in_first_pipeline_stage",
+    "decoder_last_pipeline_num_layers": "num_layers_in_last_pipeline_stage",
+    "fp8_param_gather": "fp8_param",
+    "fp4_param_gather": "fp4_param",
+}
 
 
 class ArgvError(InputError):
@@ -69,7 +78,11 @@ def _place(raw: dict[str, Any], dest: str, value: Any) -> None:
         if dest in cls.model_fields:
             raw.setdefault(section, {})[dest] = value
             placed = True
-    if dest in _MODEL_EXTRAS:
+    if dest in RENAMED:
+        raw.setdefault("model", {})[RENAMED[dest]] = value
+        placed = True
+    elif dest in _MODEL_EXTRAS or dest in table.transformer_fields():
+        # Every argument named like a TransformerConfig field reaches megatron-core (--moe-* among them).
         raw.setdefault("model", {})[dest] = value
         placed = True
     if not placed:
@@ -98,10 +111,57 @@ def _derive(raw: dict[str, Any], given: dict[str, Any]) -> None:
         model["virtual_pipeline_model_parallel_size"] = model["num_layers"] // (
             model["pipeline_model_parallel_size"] * vp_layers
         )
+    _derive_moe(model)
     for key, default in MLM_CLI_DEFAULTS.items():
         section, _, name = key.partition(".")
         if name not in given:
             raw.setdefault(section, {})[name] = default
+
+
+def _derive_moe(model: dict[str, Any]) -> None:
+    """validate_args' MoE derivations (arguments.py "MoE Spec check" / "MoE router check", 0.19.2) and the
+    ``moe_freq_type`` conversion its parser applies to ``--moe-layer-freq``."""
+    if model.get("num_moe_experts") == 0:
+        model["num_moe_experts"] = None
+    experts = model.get("num_moe_experts") is not None
+    if experts and model.get("moe_ffn_hidden_size") is None and model.get("ffn_hidden_size") is not None:
+        model["moe_ffn_hidden_size"] = model["ffn_hidden_size"]
+    for key in ("moe_router_load_balancing_type", "moe_aux_loss_coeff"):
+        if isinstance(model.get(key), list) and len(model[key]) == 1:
+            model[key] = model[key][0]
+    freq = model.get("moe_layer_freq")
+    if isinstance(freq, str):
+        try:
+            model["moe_layer_freq"] = layer_pattern(freq) if "[" in freq else int(freq)
+        except (ValueError, TypeError, SyntaxError) as exc:
+            raise ArgvError(f"argument --moe-layer-freq: invalid moe_freq_type value: {freq!r}") from exc
+
+
+def layer_pattern(text: str) -> list[int]:
+    """A layer pattern as ``moe_freq_type`` evaluates it (``"([0]+[1]*3)*2"`` → ``[0, 1, 1, 1, 0, 1, 1, 1]``):
+    lists of integers joined by ``+`` and repeated by ``*``, read without ``eval``.
+
+    Raises:
+        ValueError: anything else.
+    """
+    import ast
+    import operator
+
+    ops = {ast.Add: operator.add, ast.Mult: operator.mul}
+
+    def value(node: ast.AST) -> Any:
+        if isinstance(node, ast.List):
+            return [value(e) for e in node.elts]
+        if isinstance(node, ast.Constant) and isinstance(node.value, int):
+            return node.value
+        if isinstance(node, ast.BinOp) and type(node.op) in ops:
+            return ops[type(node.op)](value(node.left), value(node.right))
+        raise ValueError(f"not a layer pattern: {text!r}")
+
+    result = value(ast.parse(text.strip(), mode="eval").body)
+    if not isinstance(result, list):
+        raise ValueError(f"not a layer pattern: {text!r}")
+    return result
 
 
 def parse_argv(argv: list[str]) -> dict[str, Any]:

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from mbridge_offload.config.megatron_lm.flags import arguments
+from mbridge_offload.config.megatron_lm.argv import RENAMED
+from mbridge_offload.config.megatron_lm.flags import arguments, transformer_fields
 from mbridge_offload.config.schema import SECTIONS
 
 # Keys no flag sets directly: the flags Megatron-LM derives them from (arguments.py validate_args, 0.19.2).
@@ -30,8 +31,12 @@ _EXTRA_MODEL = {"moe_token_dispatcher_type", "fp8_recipe", "cuda_graph_modules",
 def _rows(section: str, name: str) -> list[tuple]:
     """The parser rows whose dest is ``name`` and that Megatron-LM passes to ``section``'s config."""
     cls = SECTIONS.get(section)
-    in_section = (cls is not None and name in cls.model_fields) or (section == "model" and name in _EXTRA_MODEL)
-    return [row for row in arguments() if row[1] == name] if in_section else []
+    model_field = section == "model" and (name in _EXTRA_MODEL or name in transformer_fields())
+    if not ((cls is not None and name in cls.model_fields) or model_field):
+        return []
+    # A TransformerConfig field that Megatron-LM fills from an argument of another name (--num-experts).
+    dests = {dest for dest, field in RENAMED.items() if field == name} if section == "model" else set()
+    return [row for row in arguments() if row[1] == name or row[1] in dests]
 
 
 def _value(text: str) -> Any:

@@ -16,20 +16,28 @@ DATA = "data/arguments.txt"
 
 
 @functools.cache
-def _table() -> tuple[str, tuple[tuple, ...]]:
+def _table() -> tuple[str, tuple[tuple, ...], frozenset[str]]:
     text = resources.files(__package__).joinpath(DATA).read_text(encoding="utf-8")
-    version, rows = "", []
+    version, rows, fields = "", [], frozenset[str]()
     for line in text.splitlines():
         if line.startswith("# version: "):
             version = line.removeprefix("# version: ").strip()
+        elif line.startswith("# transformer_fields: "):
+            fields = frozenset(line.removeprefix("# transformer_fields: ").split())
         elif line and not line.startswith("#"):
             rows.append(ast.literal_eval(line))
-    return version, tuple(rows)
+    return version, tuple(rows), fields
 
 
 def arguments() -> tuple[tuple, ...]:
     """Every argument of the table, in the parser's order."""
     return _table()[1]
+
+
+def transformer_fields() -> frozenset[str]:
+    """The fields of the release's ``TransformerConfig`` / ``MLATransformerConfig``: Megatron-LM's
+    ``core_transformer_config_from_args`` copies every argument of one of these names into the model's config."""
+    return _table()[2]
 
 
 def version() -> str:

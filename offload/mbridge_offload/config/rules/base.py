@@ -140,6 +140,8 @@ class Context:
     target: Target
     # What Megatron Bridge's finalize() changed before megatron-core's checks: (key, as written, as Bridge sets it).
     normalized: tuple[tuple[str, Any, Any], ...] = ()
+    # Whether the config is a Megatron Bridge ConfigContainer (config.bridge.is_container): its validate() applies.
+    container: bool = False
 
     @property
     def model(self):

@@ -9,7 +9,8 @@ from mbridge_offload.config.rules.activation import fine_grained as offload_extr
 from mbridge_offload.config.rules.activation.build import BUILD_RULES
 from mbridge_offload.config.rules.activation.layer_offload import ACTIVATION_RULES
 from mbridge_offload.config.rules.base import DEFAULT_TARGET, STAGE_OPTIMIZER_CONFIG, TARGETS, Rule, spec_contains
-from mbridge_offload.config.rules.input import hygiene
+from mbridge_offload.config.rules.input import container, hygiene
+from mbridge_offload.config.rules.input import megatron_lm as megatron_lm_args
 from mbridge_offload.config.rules.input.bridge import BRIDGE_RULES
 from mbridge_offload.config.rules.input.empty import INPUT_RULES
 from mbridge_offload.config.rules.megatron import parallelism
@@ -67,8 +68,9 @@ def _add_run(runs: dict[str | None, list[Rule]], anchor: str | None, run: list[R
 
 @functools.cache
 def all_rules() -> tuple[Rule, ...]:
-    """Every rule, each stage in upstream code order: config hygiene, TransformerConfig (``activation.py`` in
-    upstream order, the other files placed by their ``follows``), build-time (TE, Bridge, Megatron-LM, advisory),
+    """Every rule, each stage in upstream code order: config hygiene, Megatron-LM's own checks, TransformerConfig
+    (``activation/layer_offload.py`` in upstream order, the other files placed by their ``follows``), build-time (TE,
+    Bridge, Megatron-LM, advisory), Bridge's ConfigContainer.validate() (``input/container.py``),
     what megatron-core accepts and then ignores per model class (``layer_reach``), OptimizerConfig, the optimizer
     factory and the rest."""
     transformer = merge_stage(ACTIVATION_RULES, tuple(f.RULES for f in TRANSFORMER_CONFIG_FILES))
@@ -79,8 +81,10 @@ def all_rules() -> tuple[Rule, ...]:
         *BRIDGE_RULES,
         *CONFIG_RULES,
         *hygiene.RULES,
+        *megatron_lm_args.RULES,
         *transformer,
         *BUILD_RULES,
+        *container.RULES,
         *layer_reach.RULES,
         *optimizer_stage,
         *rest,

@@ -14,6 +14,35 @@ def _enable_and_external(ctx: Context) -> bool:
     return m.cuda_graph_impl == "none" and bool(m.enable_cuda_graph) and bool(m.external_cuda_graph)
 
 
+def _impl_as_written(ctx: Context) -> str | None:
+    """``cuda_graph_impl`` after the deprecated ``enable_cuda_graph`` / ``external_cuda_graph`` spellings map to it
+    and before 0.19 migrates a deprecated ``full_iteration`` scope (what upstream's scope checks compare)."""
+    m = ctx.model
+    if m.cuda_graph_impl == "none" and m.enable_cuda_graph:
+        return "local"
+    if m.cuda_graph_impl == "none" and m.external_cuda_graph:
+        return "transformer_engine"
+    return m.cuda_graph_impl
+
+
+def _full_iteration_scope_019(ctx: Context):
+    # 0.19 cuda_graph_config.validate_deprecated_cuda_graph_modules_migration_inputs: the deprecated scope
+    # 'full_iteration' migrates to cuda_graph_impl='full_iteration' only from none / local (or that impl itself).
+    impl = _impl_as_written(ctx)
+    if "full_iteration" not in ctx._scopes() or impl in ("none", "local", "full_iteration"):
+        return None
+    return Match({"impl": repr(impl)})
+
+
+def _full_iteration_scope_016(ctx: Context) -> bool:
+    # 0.16: checked after "CUDA graphs not supported with CPU offloading." (which cpu_offloading raises first).
+    return (
+        _impl_as_written(ctx) == "transformer_engine"
+        and not ctx.model.cpu_offloading
+        and "full_iteration" in ctx._scopes()
+    )
+
+
 def _graph_full_recompute(ctx: Context) -> bool:
     impl, g = ctx.cuda_graph_impl, granularity(ctx)
     if impl in (None, "none") or impl not in ctx.allowed_cuda_graph_impls or not g or g == "selective":
@@ -143,6 +172,32 @@ GRAPH_FULL_RECOMPUTE = mcore_rule(
     "Full recomputation with CUDA graphs needs the full-iteration graph.",
     ("model.recompute_granularity", "model.cuda_graph_impl", "model.cuda_graph_scope"),
 )
+_SCOPE = "model.cuda_graph_scope"
+FULL_ITERATION_SCOPE_019 = mcore_rule(
+    "MC-CUDA-GRAPH-FULL-ITERATION-SCOPE-IMPL",
+    "AssertionError",
+    "cuda_graph_modules='full_iteration' cannot be combined with cuda_graph_impl={impl}.",
+    _full_iteration_scope_019,
+    "The deprecated scope `full_iteration` only migrates from `cuda_graph_impl` none or local (0.19+).",
+    ("model.cuda_graph_impl", _SCOPE),
+    applies_to=">=0.19",
+    fix=("model.cuda_graph_impl=full_iteration", f"{_SCOPE}=null"),
+    why="0.19 turns cuda_graph_scope / cuda_graph_modules 'full_iteration' into cuda_graph_impl='full_iteration' "
+    "and refuses the old scope beside another implementation; 0.16 refuses it beside transformer_engine with "
+    "another message (MC-CUDA-GRAPH-TE-FULL-ITERATION).",
+)
+FULL_ITERATION_SCOPE_016 = mcore_rule(
+    "MC-CUDA-GRAPH-TE-FULL-ITERATION",
+    "AssertionError",
+    "To use full iteration cuda graph, please use cuda_graph_impl=local instead of cuda_graph_impl=transformer_engine.",
+    _full_iteration_scope_016,
+    "The full-iteration CUDA graph scope needs `cuda_graph_impl: local` on 0.16.",
+    ("model.cuda_graph_impl", _SCOPE),
+    applies_to="<0.19",
+    fix=("model.cuda_graph_impl=local",),
+    why="0.16 captures the full iteration only with its local implementation; 0.19 names it cuda_graph_impl="
+    "full_iteration instead (MC-CUDA-GRAPH-FULL-ITERATION-SCOPE-IMPL).",
+)
 _FG = "fine-grained activation offloading with cuda_graph_impl='local' "
 DROPOUT_RULES: tuple[Rule, ...] = (
     mcore_rule(
@@ -225,5 +280,6 @@ FG_GRAPH_RULES: tuple[Rule, ...] = (
 
 RULES = (
     *following("ACT-CUDA-GRAPH-ENABLE-AND-IMPL", GRAPH_ENABLE_AND_EXTERNAL),
-    *following("ACT-CUDA-GRAPH", GRAPH_FULL_RECOMPUTE, *DROPOUT_RULES, *FG_GRAPH_RULES),
+    *following("ACT-CUDA-GRAPH-DEPRECATED", FULL_ITERATION_SCOPE_019),
+    *following("ACT-CUDA-GRAPH", FULL_ITERATION_SCOPE_016, GRAPH_FULL_RECOMPUTE, *DROPOUT_RULES, *FG_GRAPH_RULES),
 )

@@ -9,7 +9,9 @@ built or the job is launched (Transformer Engine, Bridge, Megatron-LM) and the a
 from __future__ import annotations
 
 from mbridge_offload.config.overrides import format_override
+from mbridge_offload.config.rules.activation.recompute import granularity
 from mbridge_offload.config.rules.base import STAGE_TRANSFORMER_CONFIG, Context, Match, Rule
+from mbridge_offload.upstream_layers import ALLOWED_OFFLOAD_MODULES
 
 TC = STAGE_TRANSFORMER_CONFIG
 
@@ -93,9 +95,9 @@ def _mode_fix(ctx: Context, prefix: str) -> list[str]:
 
 
 def _recompute(ctx: Context):
-    m = ctx.model
-    if m.cpu_offloading and m.recompute_granularity is not None:
-        return Match(fix=_mode_fix(ctx, "model.recompute_"))
+    if ctx.model.cpu_offloading and granularity(ctx) is not None:
+        # A granularity of another type (true) is dropped from the typed section: its fix is switching it off.
+        return Match(fix=_mode_fix(ctx, "model.recompute_") or ["model.recompute_granularity=null"])
     return None
 
 
@@ -108,9 +110,10 @@ def _fg_modules_empty(ctx: Context) -> bool:
 
 
 def _allowed_modules(ctx: Context) -> set[str]:
-    allowed = {"core_attn", "attn_proj", "expert_fc1", "moe_act", "attn_norm", "mlp_norm", "qkv_linear"}
-    if ctx.target.version >= (0, 19, 0):
-        allowed.add("fused_group_mlp")
+    # The one list is 0.19.2's (upstream_layers); 0.16 lacks fused_group_mlp, main adds gdp_qkv.
+    allowed = set(ALLOWED_OFFLOAD_MODULES)
+    if ctx.target.version < (0, 19, 0):
+        allowed.discard("fused_group_mlp")
     if ctx.target.version >= (0, 20, 0):
         allowed.add("gdp_qkv")
     return allowed

@@ -11,10 +11,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from mbridge_offload.config.rules.activation.recompute import granularity
+from mbridge_offload.config.overrides import format_override
+from mbridge_offload.config.rules.activation.recompute import granularity, recompute_modules
 from mbridge_offload.config.rules.base import Context, Match, Rule
 from mbridge_offload.config.rules.mcore import given
-from mbridge_offload.upstream_layers import because, release_of
+from mbridge_offload.upstream_layers import SETTINGS, because, cell, release_of
+
+SETTING_KEYS = frozenset(s.key for s in SETTINGS)
 
 STAGE_MODEL_FORWARD = "MultiTokenPredictionLayer.forward (first training step)"
 _HYBRID_PROVIDERS = (".mamba.", ".hybrid.", "nemotronh", "nemotron_h")
@@ -91,12 +94,85 @@ def _mtp_block(ctx: Context) -> bool:
     return bool(_mtp_depths(ctx)) and granularity(ctx) == "full" and ctx.model.recompute_method == "block"
 
 
+def _layer_kinds(ctx: Context) -> tuple[bool, bool]:
+    """``(dense layers, MoE layers)`` of a GPT decoder: ``moe_layer_freq`` N makes every N-th layer MoE (from the
+    first), a list marks each layer (1 = MoE); without experts every layer is dense."""
+    experts = given(ctx, "num_moe_experts", None)
+    if not experts:
+        return True, False
+    freq = given(ctx, "moe_layer_freq", 1)
+    if isinstance(freq, list):
+        return 0 in freq, 1 in freq
+    if isinstance(freq, int) and not isinstance(freq, bool) and freq >= 1:
+        return freq > 1, True
+    return True, True  # a form megatron-core parses later (a pattern string): both kinds, no claim
+
+
+def _columns(ctx: Context, module: str) -> list[str]:
+    """The table's columns (upstream_layers.LAYERS) where ``module`` would act in this model, attention side first."""
+    dense, moe = _layer_kinds(ctx)
+    attention = "mla" if ctx.model.multi_latent_attention else "dense"
+    mlp_side = [c for c, present in (("dense", dense), ("moe", moe)) if present]
+    if module in ("core_attn", "mla_up_proj"):
+        return [attention]
+    if module == "layernorm":
+        return [attention, *mlp_side]
+    return mlp_side
+
+
+def _recompute_no_effect(ctx: Context):
+    if granularity(ctx) != "selective" or hybrid_stack(ctx):
+        return None  # a hybrid stack's layers come from its pattern: the hybrid column of the table says
+    release = _release(ctx)
+    for module in dict.fromkeys(recompute_modules(ctx)):
+        setting = f"recompute_modules:{module}"
+        refused = module == "mla_up_proj" or (module == "moe_act" and not ctx.model.moe_grouped_gemm)
+        if refused or setting not in SETTING_KEYS:
+            continue  # refused outright where they cannot act (MC-RECOMPUTE-MLA-UP-PROJ / -MOE-ACT), or unknown
+        if module == "layernorm" and ctx.model.transformer_impl != "transformer_engine":
+            continue  # the local spec keeps its norms as modules: they are recomputed
+        columns = _columns(ctx, module)
+        if any(cell(setting, c, release).verdict == "applies" for c in columns):
+            if module != "shared_experts" or given(ctx, "moe_shared_expert_intermediate_size", None):
+                continue
+            yield Match(
+                {
+                    "module": module,
+                    "because": "the MoE layers build no shared experts (moe_shared_expert_intermediate_size is unset)",
+                },
+                fix=_without(ctx, module),
+            )
+            continue
+        yield Match({"module": module, "because": because(setting, columns[0], release)}, fix=_without(ctx, module))
+
+
+def _without(ctx: Context, module: str) -> list[str]:
+    kept = [m for m in recompute_modules(ctx) if m != module]
+    return [format_override("model.recompute_modules", kept) if kept else "model.recompute_granularity=null"]
+
+
 _OFFLOAD, _FG, _MODULES = "model.cpu_offloading", "model.fine_grained_activation_offloading", "model.offload_modules"
 _GRANULARITY, _METHOD, _N = "model.recompute_granularity", "model.recompute_method", "model.recompute_num_layers"
 _PATTERN = "model.hybrid_layer_pattern"
 _TABLE = " The table of what each setting reaches per model class: references/upstream-layers.md."
 
 RULES: tuple[Rule, ...] = (
+    Rule(
+        id="ACT-RECOMPUTE-MODULE-NO-EFFECT",
+        severity="warning",
+        origin="advisory",
+        upstream=False,
+        summary="A selective `recompute_modules` entry that no layer of this model reads (e.g. `mlp` on an all-MoE "
+        "model, `moe` on a dense one).",
+        keys=("model.recompute_modules", "model.num_moe_experts", "model.moe_layer_freq"),
+        message="model.recompute_modules includes {module}, which recomputes nothing in this model: {because}.",
+        why="megatron-core accepts every name of its set on every model and each layer reads only its own modules "
+        "(TransformerLayer: core_attn, layernorm, mlp; MoELayer: moe, moe_act, shared_experts; MLA: mla_up_proj), "
+        "so the memory it was meant to save is not saved. The same in 0.16.1 and 0.19.2; layernorm acts only "
+        "where the layer spec keeps the norm as a module (not the TE spec's fused dense norms)." + _TABLE,
+        fix=None,
+        check=_recompute_no_effect,
+    ),
     Rule(
         id="ACT-HYBRID-LAYER-OFFLOAD",
         severity="warning",

@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from mbridge_offload.config.overrides import format_override
 from mbridge_offload.config.rules.base import Context, Match, Rule
 from mbridge_offload.config.rules.mcore import following, given, mcore_rule, set_repr
 
 
-def granularity(ctx: Context) -> str | None:
-    return ctx.model.recompute_granularity
+def granularity(ctx: Context) -> Any:
+    """``recompute_granularity`` as megatron-core sees it: a value of another type (``true``, ``1``) is kept as
+    written, and ``if self.recompute_granularity is not None`` then refuses it (the typed section drops it)."""
+    seen = ctx.seen("model.recompute_granularity")
+    return ctx.model.recompute_granularity if seen is None or isinstance(seen, str) else seen
 
 
 def _bad_granularity(ctx: Context):
