@@ -173,7 +173,7 @@ def _names_that_exist(dotted: str, modules: set[str]) -> bool:
 
 
 def test_docstrings_and_comments_name_only_modules_that_exist():
-    # After a rename a docstring keeps the old name (issue 34): every dotted name of ours, and every path into one of
+    # After a rename a docstring keeps the old name: every dotted name of ours, and every path into one of
     # our folders (``plan/time/terms.py``; ``megatron/...`` is upstream's tree), names a module that exists.
     sources = [p for folder in house.PACKAGES.values() for p in (ROOT / folder).rglob("*.py")]
     ours = [p.relative_to(ROOT).as_posix() for p in sources]

@@ -349,7 +349,7 @@ DIRECTED += [
     {**_SELECTIVE, "recompute_modules": ["layernorm"], "fp8": "hybrid"},
     {**_SELECTIVE, "recompute_modules": ["core_attn", "layernorm"], "fp8": "e4m3", "fp8_recipe": "delayed"},
 ]
-# The classes an untuned fuzz seed found (issue 33): the deprecated full-iteration scope beside the TE implementation
+# The classes an untuned fuzz seed found: the deprecated full-iteration scope beside the TE implementation
 # (0.16 and 0.19 refuse it with different messages), a recompute_granularity that is no string (true, false, 1).
 DIRECTED += [
     {"num_layers": 4, "cuda_graph_scope": "full_iteration", "cuda_graph_impl": "transformer_engine"},

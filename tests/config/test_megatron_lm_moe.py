@@ -1,4 +1,4 @@
-"""The Megatron-LM front end reads every MoE flag as Megatron-LM 0.19.2 passes it to megatron-core (issue 33 item 5).
+"""The Megatron-LM front end reads every MoE flag as Megatron-LM 0.19.2 passes it to megatron-core.
 
 ``core_transformer_config_from_args`` copies every argument named like a ``TransformerConfig`` field and renames a
 few (``--num-experts`` becomes ``num_moe_experts``); ``validate_args`` asserts its own MoE checks first. Both are

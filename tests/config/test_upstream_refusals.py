@@ -1,4 +1,4 @@
-"""Upstream's refusals that validate used to miss, and the ones it made that upstream does not (issue 33 item 5).
+"""Upstream's refusals that validate used to miss, and the ones it made that upstream does not.
 
 Each case states the releases' own behaviour, read from their source (megatron-core 0.16.1 in the venv, 0.19.2 in
 ``.mcore/0.19.2``; Megatron Bridge 0.3.1 / 0.6.2); the differential test (tests/config/test_differential.py) runs the

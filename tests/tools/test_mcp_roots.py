@@ -141,7 +141,10 @@ async def test_every_file_a_tool_reads_is_bounded_and_inside_the_roots(tmp_path)
                 f.truncate(64 * 1024 * 1024)
                 f.seek(0, 2)
                 f.write(b"\n[Rank 0] (after 2 iterations) memory (MB) | allocated: 1.0 | max allocated: 40960.0 |\n")
-            tail = await client.call_tool("recommend_mode", {**plan, "measured_log": str(huge_log)})
+            # At TP 8 on 8 GPUs (1 B parameters a GPU): 40 GiB is a peak the physics checks accept; on one GPU the
+            # same figure is below the model's resident state and set aside.
+            at_tp8 = {**plan, "num_gpus": 8, "tp": 8}
+            tail = await client.call_tool("recommend_mode", {**at_tp8, "measured_log": str(huge_log)})
             assert not tail.is_error and tail.structured_content["calibration"]["measured_peak_gib"] == 40.0
             for before, after in (
                 (outside / "pretrain.yaml", project / "pretrain.yaml"),

@@ -25,6 +25,7 @@ TOOLS = {
     "run_unit_tests",
     "diagnose_failure",
     "plot_offload",
+    "trace_memory",
 }
 
 CONFIG = """\

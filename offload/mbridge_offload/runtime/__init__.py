@@ -1,7 +1,7 @@
 """Deprecated alias: the runtime moved to its own package, ``mbridge_offload_runtime`` (kept for one release).
 
-``import mbridge_offload.runtime.X`` (any depth) gives the very module ``mbridge_offload_runtime.X``, not a copy, so
-classes, ``isinstance`` checks and monkeypatches agree across both names; each first import through the old name
+An import of a submodule of this old path (any depth) gives the very module of the same name under
+``mbridge_offload_runtime``, not a copy, so classes, ``isinstance`` checks and monkeypatches agree across both names; each first import through the old name
 warns with a ``DeprecationWarning``. New code imports ``mbridge_offload_runtime``.
 """
 
@@ -19,7 +19,7 @@ _OLD, _NEW = __name__, "mbridge_offload_runtime"
 
 
 class _Alias(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Resolves ``mbridge_offload.runtime.X`` to the already-importable ``mbridge_offload_runtime.X``."""
+    """Resolves a submodule of this old path to the already-importable module of the same name in the new package."""
 
     def find_spec(
         self, fullname: str, path: object = None, target: object = None

@@ -1,5 +1,6 @@
 """What a Bridge run config says beyond its plain keys, for the planner's inputs: the pipeline layout, and the notes on
-what the numbers leave out (hybrid layers, MTP, FP8 details, Megatron-FSDP). FP8, the gradient dtype and the
+what the numbers leave out (hybrid layers, MTP, FP8 details, Megatron-FSDP), and the run settings the planner reads
+beside its table (manual_gc, the MoE step settings, expandable segments). FP8, the gradient dtype and the
 ``mixed_precision`` block are read once, by ``mbridge_offload.config.effective``. ``resolve.py`` calls these; never
 imports torch.
 """
@@ -10,6 +11,7 @@ from dataclasses import replace
 from typing import Any
 
 from mbridge_offload.config.errors import BoundsError as InputError
+from mbridge_offload.config.schema import OffloadConfig
 from mbridge_offload.plan.inputs.vocab import tokenizer_vocab
 from mbridge_offload.plan.model.run import Setup
 from mbridge_offload.upstream_layers import PLANNER_RELEASE
@@ -92,3 +94,70 @@ def with_layout(s: Setup, text: str) -> Setup:
         )
     vpp = len(counts) // s.pp
     return replace(s, pipeline_layout=counts, vpp=vpp if vpp > 1 else None)
+
+
+def expandable_segments(raw: dict[str, Any] | None) -> bool:
+    """Whether the config's ``env_vars`` set ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` (Bridge exports
+    env_vars at launch): the planner's yardstick then takes the static-shape allocator overhead."""
+    env = (raw or {}).get("env_vars")
+    conf = env.get("PYTORCH_CUDA_ALLOC_CONF") if isinstance(env, dict) else None
+    return isinstance(conf, str) and "expandable_segments:true" in conf.replace(" ", "").lower()
+
+
+def manual_gc(config: OffloadConfig | None, raw: dict[str, Any] | None) -> bool:
+    """``train.manual_gc`` as the run will have it: the config's, else Bridge's recipes' (True, recipes/common.py),
+    else Megatron-LM's default (False) for an argv config."""
+    given = raw_section(raw, "train").get("manual_gc")
+    if given is None:  # Megatron-LM's --manual-gc (its argv keeps the flags no config section reads here)
+        given = raw_section(raw, "megatron_lm").get("manual_gc")
+    if given is None and config is not None:
+        given = config.model_dump(mode="json").get("train", {}).get("manual_gc")
+    if isinstance(given, bool):
+        return given
+    return not (config is not None and config.env.get("frontend") == "megatron-lm")
+
+
+# model.* keys the MoE step time reads (plan/time/moe.py), with the Setup field each sets and its type.
+_MOE_STEP_KEYS = {
+    "moe_token_dispatcher_type": str,
+    "overlap_moe_expert_parallel_comm": bool,
+    "moe_router_force_load_balancing": bool,
+    "moe_grouped_gemm": bool,
+}
+
+
+def moe_step_settings(
+    config: OffloadConfig | None, raw: dict[str, Any] | None, values: dict[str, Any]
+) -> dict[str, Any]:
+    """The MoE step-time settings a config writes (else megatron-core's defaults stay), and its CUDA-graph scope."""
+    model = dict(config.model_dump(mode="json").get("model", {})) if config is not None else {}
+    model.update(raw_section(raw, "model"))
+    out: dict[str, Any] = {"cuda_graph_impl": values.get("cuda_graph_impl") or "none"}
+    for key, kind in _MOE_STEP_KEYS.items():
+        if key in raw_section(raw, "model") and isinstance(model.get(key), kind):
+            out[key] = model[key]
+    return out
+
+
+def hybrid_optimizer_note(s: Setup) -> str:
+    """The assumption every answer carries: which HybridDeviceOptimizer the numbers count, and how to get the other.
+
+    Args:
+        s: the settings (``hybrid_optimizer``, ``manual_gc``).
+
+    Returns:
+        One sentence for the ``hybrid_optimizer`` assumption.
+    """
+    if s.hybrid_optimizer == "ours":
+        return (
+            "optimizer: our HybridDeviceOptimizer (mbridge_offload_runtime.optimizer.install_optimizer_offload() "
+            "called before the optimizer is built; it frees its fp32 gradient copies after each step); without that "
+            "call Bridge builds megatron-core's: pass hybrid_optimizer=megatron-core to count it"
+        )
+    gc_words = "" if s.manual_gc else "; no train.manual_gc: its first build's fp32 clones stay too"
+    return (
+        "optimizer: megatron-core's HybridDeviceOptimizer, what Bridge builds with optimizer_cpu_offload (it keeps "
+        f"fp32 gradient copies on the GPU with the precision-aware optimizer{gc_words}); to use ours: call "
+        "mbridge_offload_runtime.optimizer.install_optimizer_offload() before the optimizer is built, and pass "
+        "hybrid_optimizer=ours"
+    )

@@ -156,7 +156,7 @@ class PlanInputs(BaseModel):
         group="offload",
         help="which HybridDeviceOptimizer runs with optimizer.optimizer_cpu_offload: megatron-core (what Bridge "
         "builds; it keeps fp32 gradient copies on the GPU) or ours (after "
-        "mbridge_offload.runtime.optimizer.install_optimizer_offload())",
+        "mbridge_offload_runtime.optimizer.install_optimizer_offload())",
     )
     cuda_graph_impl: Literal["none", "local", "transformer_engine", "full_iteration"] | None = _field(
         group="offload", help="model.cuda_graph_impl (blocks activation offload unless none/full_iteration)"

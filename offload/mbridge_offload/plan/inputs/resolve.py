@@ -22,7 +22,15 @@ from mbridge_offload.config.effective import resolve as resolve_config
 from mbridge_offload.config.errors import BoundsError as InputError
 from mbridge_offload.config.schema import OffloadConfig
 from mbridge_offload.plan.inputs import family, implied
-from mbridge_offload.plan.inputs.config_facts import model_notes, raw_section, with_layout
+from mbridge_offload.plan.inputs.config_facts import (
+    expandable_segments,
+    hybrid_optimizer_note,
+    manual_gc,
+    model_notes,
+    moe_step_settings,
+    raw_section,
+    with_layout,
+)
 from mbridge_offload.plan.inputs.fields import FIELDS, PlanInputs, validate_inputs
 from mbridge_offload.plan.inputs.hardware import DEFAULT_MARGIN, GpuPreset, gpu_preset, with_overrides
 from mbridge_offload.plan.inputs.vocab import tokenizer_vocab
@@ -407,14 +415,6 @@ def _setup(values: dict[str, Any], m: ModelSpec) -> Setup:
     return s
 
 
-def _expandable_segments(raw: dict[str, Any] | None) -> bool:
-    """Whether the config's ``env_vars`` set ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` (Bridge exports
-    env_vars at launch): the planner's yardstick then takes the static-shape allocator overhead."""
-    env = (raw or {}).get("env_vars")
-    conf = env.get("PYTORCH_CUDA_ALLOC_CONF") if isinstance(env, dict) else None
-    return isinstance(conf, str) and "expandable_segments:true" in conf.replace(" ", "").lower()
-
-
 def _check_size(m: ModelSpec, s: Setup) -> None:
     if m.is_moe and s.ep >= 1:
         work = m.num_layers * (m.experts // s.ep)
@@ -530,7 +530,7 @@ def resolve(
     notes["share_embeddings_and_output_weights"] = tying_note
     notes.update({k: "printed by the measured log about its own run" for k in printed if where.get(k) == "log"})
     _derive(values, where, notes, m.seq_length, "preset" if base else "default")
-    s = replace(_setup(values, m), manual_gc=_manual_gc(config, raw), **_moe_step_settings(config, raw, values))
+    s = replace(_setup(values, m), manual_gc=manual_gc(config, raw), **moe_step_settings(config, raw, values))
     notes.update(model_notes(values, s, raw))
     notes["hybrid_optimizer"] = hybrid_optimizer_note(s)
     notes = {**_effective_notes(eff, where, cfg_source), **notes}
@@ -549,7 +549,7 @@ def resolve(
     final = PlanInputs.model_validate({k: values.get(k) for k in FIELDS})
     assumptions = _assumptions(values, where, notes) + _batch_assumptions(s, where)
     raw_config = raw if raw is not None else (config.model_dump(mode="json") if config is not None else None)
-    s = replace(s, expandable_segments=_expandable_segments(raw_config))
+    s = replace(s, expandable_segments=expandable_segments(raw_config))
     profile = _host_profile(final)
     call = Call(flags, config, raw, source, frozenset(asked))
     return Resolved(final, where, m, s, _gpu(values), constraints, assumptions, raw_config, eff, profile, call)
@@ -583,65 +583,6 @@ def _log_settings(log: str | None) -> dict[str, Any]:
     from mbridge_offload.plan.evidence.settings import parse_settings
 
     return parse_settings(read_log(log)).as_inputs()
-
-
-def _manual_gc(config: OffloadConfig | None, raw: dict[str, Any] | None) -> bool:
-    """``train.manual_gc`` as the run will have it: the config's, else Bridge's recipes' (True, recipes/common.py),
-    else Megatron-LM's default (False) for an argv config."""
-    given = raw_section(raw, "train").get("manual_gc")
-    if given is None:  # Megatron-LM's --manual-gc (its argv keeps the flags no config section reads here)
-        given = raw_section(raw, "megatron_lm").get("manual_gc")
-    if given is None and config is not None:
-        given = config.model_dump(mode="json").get("train", {}).get("manual_gc")
-    if isinstance(given, bool):
-        return given
-    return not (config is not None and config.env.get("frontend") == "megatron-lm")
-
-
-# model.* keys the MoE step time reads (plan/time/moe.py), with the Setup field each sets and its type.
-_MOE_STEP_KEYS = {
-    "moe_token_dispatcher_type": str,
-    "overlap_moe_expert_parallel_comm": bool,
-    "moe_router_force_load_balancing": bool,
-    "moe_grouped_gemm": bool,
-}
-
-
-def _moe_step_settings(
-    config: OffloadConfig | None, raw: dict[str, Any] | None, values: dict[str, Any]
-) -> dict[str, Any]:
-    """The MoE step-time settings a config writes (else megatron-core's defaults stay), and its CUDA-graph scope."""
-    model = dict(config.model_dump(mode="json").get("model", {})) if config is not None else {}
-    model.update(raw_section(raw, "model"))
-    out: dict[str, Any] = {"cuda_graph_impl": values.get("cuda_graph_impl") or "none"}
-    for key, kind in _MOE_STEP_KEYS.items():
-        if key in raw_section(raw, "model") and isinstance(model.get(key), kind):
-            out[key] = model[key]
-    return out
-
-
-def hybrid_optimizer_note(s: Setup) -> str:
-    """The assumption every answer carries: which HybridDeviceOptimizer the numbers count, and how to get the other.
-
-    Args:
-        s: the settings (``hybrid_optimizer``, ``manual_gc``).
-
-    Returns:
-        One sentence for the ``hybrid_optimizer`` assumption.
-    """
-    if s.hybrid_optimizer == "ours":
-        return (
-            "optimizer: our HybridDeviceOptimizer (mbridge_offload.runtime.optimizer.install_optimizer_offload() "
-            "called before the optimizer is built; it frees its fp32 gradient copies after each step); without that "
-            "call Bridge builds megatron-core's: pass hybrid_optimizer=megatron-core to count it"
-        )
-    gc_words = "" if s.manual_gc else "; no train.manual_gc: its first build's fp32 clones stay too"
-    return (
-        "optimizer: megatron-core's HybridDeviceOptimizer, what Bridge builds with optimizer_cpu_offload (it keeps "
-        f"fp32 gradient copies on the GPU with the precision-aware optimizer{gc_words}); to use ours: call "
-        "mbridge_offload.runtime.optimizer.install_optimizer_offload() before the optimizer is built, and pass "
-        "hybrid_optimizer=ours"
-    )
 
 
 def _derive(

@@ -39,7 +39,7 @@ class Setup:
     recompute_modules: tuple[str, ...] = ("core_attn",)
     optimizer_offload_fraction: float = 0.0
     # Which HybridDeviceOptimizer runs with optimizer_cpu_offload: megatron-core's own (what Bridge builds) or ours
-    # (after mbridge_offload.runtime.optimizer.install_optimizer_offload()). They keep different GPU tensors: see
+    # (after mbridge_offload_runtime.optimizer.install_optimizer_offload()). They keep different GPU tensors: see
     # plan/memory/stage.py optimizer_memory.
     hybrid_optimizer: str = "megatron-core"
     # train.manual_gc: Bridge recipes set it (recipes/common.py), and its training loop then runs gc.collect() before

@@ -50,20 +50,21 @@ def render_constraints(docs: str = "docs/") -> str:
 
 
 def render_constraint_summary() -> str:
-    """SKILL.md's short form: the offloading rules upstream enforces (severity error), one line each; megatron-core's
-    general refusals (``MC-*``: parallel sizes, precision, MoE, recompute values) and the warnings are counted."""
+    """SKILL.md's short form: the offloading rules upstream enforces (severity error), one line each; the general
+    refusals that do not concern offloading (megatron-core's ``MC-*``: parallel sizes, precision, MoE, recompute values;
+    Bridge's ConfigContainer and Megatron-LM's front end, ``CFG-*``) and the warnings are counted."""
     from mbridge_offload.config.rules.catalogue import all_rules
 
     rules = list(all_rules())
-    general = [r for r in rules if r.id.startswith("MC-")]
+    general = [r for r in rules if r.id.startswith(("MC-", "CFG-"))]
     errors = [r for r in rules if r.severity == "error" and r not in general]
     lines = ["| rule | origin | constraint |", "|---|---|---|"]
     lines += [f"| `{r.id}` | {r.origin} | {_cell(r.summary)} |" for r in errors]
     rest = len(rules) - len(errors) - len(general)
     lines += [
         "",
-        f"Plus {len(general)} general megatron-core refusals that `validate` also checks (`MC-*`: parallel sizes, "
-        f"precision, MoE, recompute values) and {rest} warnings and notes (runs, but does nothing or something "
+        f"Plus {len(general)} general refusals that `validate` also checks (`MC-*` megatron-core: parallel sizes, "
+        f"precision, MoE, recompute values; `CFG-*` Bridge and Megatron-LM) and {rest} warnings and notes (runs, but does nothing or something "
         f"surprising). All {len(rules)} rules with their keys and fixes: "
         "[references/constraints.md](references/constraints.md).",
     ]
