@@ -8,7 +8,8 @@ installed), ``benchmarks/gpu_optimizer.py`` (HybridDeviceOptimizer at each fract
 they run in production, and megatron-core's DistributedOptimizer where it imports) and
 ``benchmarks/gpu_offload_sweep.py`` (the HDO step against its floor, overlap on/off by fraction and model size, the
 planner's rates against the measured ones; its table stays in ``benchmarks/results/``), one subprocess each with
-its share of the time budget.
+its share of the time budget; and ``benchmarks/gpu_trace_check.py`` (megatron-core's real step by phase against
+``trace`` and ``estimate``, six settings: ``docs/benchmarks-trace-gpu.md``; a dry run on the CPU).
 The activation script writes its own section of ``docs/benchmarks-activation.md``; the optimizer script's
 Markdown output goes into a section of ``docs/benchmarks-optimizer.md`` (or the script writes it itself if it
 takes ``--write-docs``). Every section says whether it was GPU-measured. Results (JSON, logs) go to
@@ -33,7 +34,7 @@ from benchmarks.doc_fragment import DOCS, write_section
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 # Seconds each script may take (their sum stays under the 10-minute call limit, leaving time for start-up).
-BUDGET = {"gpu_activation.py": 180, "gpu_optimizer.py": 180, "gpu_offload_sweep.py": 180}
+BUDGET = {"gpu_activation.py": 150, "gpu_optimizer.py": 150, "gpu_offload_sweep.py": 150, "gpu_trace_check.py": 120}
 
 
 def _has_cuda() -> bool:
@@ -85,6 +86,11 @@ def run_all(docs: Path, results: Path, cuda: bool) -> dict[str, int]:
     codes["gpu_offload_sweep.py"], _ = _run(
         "gpu_offload_sweep.py", sweep if cuda else [*sweep, "--dry-run"], BUDGET["gpu_offload_sweep.py"],
         results / "gpu_offload_sweep.log",
+    )  # fmt: skip
+    check = ["--output", str(docs / "benchmarks-trace-gpu.md"), "--json", str(results / "gpu_trace_check.json")]
+    codes["gpu_trace_check.py"], _ = _run(
+        "gpu_trace_check.py", check if cuda else ["--dry-run"], BUDGET["gpu_trace_check.py"],
+        results / "gpu_trace_check.log",
     )  # fmt: skip
     (results / "gpu_all.json").write_text(json.dumps({"cuda": cuda, "exit_codes": codes}, indent=2))
     return codes

@@ -51,7 +51,7 @@ def test_one_call_runs_every_gpu_script_and_labels_a_cpu_run(tmp_path) -> None:
         -2000:
     ]
     assert json.loads(done.stdout.strip().splitlines()[-1])["exit_codes"] == {
-        "gpu_activation.py": 0, "gpu_optimizer.py": 0, "gpu_offload_sweep.py": 0
+        "gpu_activation.py": 0, "gpu_optimizer.py": 0, "gpu_offload_sweep.py": 0, "gpu_trace_check.py": 0
     }  # fmt: skip
     assert "DRY RUN on CPU" in (results / "gpu_offload_sweep.md").read_text()
     for name in ("benchmarks-activation.md", "benchmarks-optimizer.md"):

@@ -175,7 +175,9 @@ def test_types_defaults_choices_and_required_agree(tool, schemas, subcommands) -
 
 
 def test_estimate_and_recommend_take_the_same_inputs(schemas) -> None:
-    assert schemas["estimate_memory"]["properties"] == schemas["recommend_mode"]["properties"]
+    recommend = dict(schemas["recommend_mode"]["properties"])
+    assert recommend.pop("confirm")["default"] is False  # recommend's own: options[0] re-checked by the trace
+    assert schemas["estimate_memory"]["properties"] == recommend
 
 
 def test_plot_apply_and_diagnose_take_the_planners_inputs_as_recommend_does(schemas) -> None:
@@ -185,7 +187,7 @@ def test_plot_apply_and_diagnose_take_the_planners_inputs_as_recommend_does(sche
     from mbridge_offload.actions.diagnose.sizing import input_names
     from mbridge_offload.plan.inputs.fields import FIELDS
 
-    recommend = schemas["recommend_mode"]["properties"]
+    recommend = {k: v for k, v in schemas["recommend_mode"]["properties"].items() if k != "confirm"}  # its own
     plot = schemas["plot_offload"]["properties"]
     assert {k: v for k, v in plot.items() if k in recommend} == recommend
     assert set(plot) - set(recommend) == {"kind", "sweep", "output", "overwrite", "format"}

@@ -335,3 +335,8 @@ class Recommendation(BaseModel):
     effective: dict[str, EffectiveValue] = Field(default_factory=dict, description=EFFECTIVE_DOC)
     phases: list[StagePhases] = Field([], description="with the recommendation, per pipeline stage: the step's phases")
     peak_phase: str | None = Field(None, description="the phase that sets the worst stage's peak (memory_*.after)")
+    confirm: dict[str, Any] | None = Field(
+        None,
+        description="recommend --confirm only: options[0] re-checked by trace (its peak and categories beside the "
+        "planner's, the gap, fits_by_trace and the verdict), or why the trace could not build it",
+    )

@@ -72,8 +72,11 @@ def add_parsers(sub: Any) -> None:
 def _plan(kind: str, args: argparse.Namespace) -> Any:
     """The planner on this command's config and flags: the body the MCP tools run too (``interface.calls``)."""
     from mbridge_offload_tools.interface.calls import plan_answer
+    from mbridge_offload_tools.trace.confirm import recommend_answer
 
-    return plan_answer(kind, values(args, {"estimate": "estimate_memory", "recommend": "recommend_mode"}[kind]))
+    if kind == "recommend":  # its --confirm re-checks options[0] with the trace
+        return recommend_answer(values(args, "recommend_mode"))
+    return plan_answer(kind, values(args, "estimate_memory"))
 
 
 # ---------------------------------------------------------------------------------------------- human output
@@ -186,6 +189,9 @@ def _human_recommend(d: dict[str, Any]) -> str:
             f"{f['freed_gib']:.1f} GiB ({f['memory_gib']:.1f} GiB left) at step time x{f['step_time_factor']:.2f}:"
         )
         lines += [f"  {o}" for o in f["overrides"]]
+    if d.get("confirm"):  # recommend --confirm
+        c = d["confirm"]
+        lines.append(f"confirm (trace): {c['verdict'] if c['traced'] else 'not traced: ' + c['why']}")
     return "\n".join([*lines, f"unit: {d['unit']}", *_assumption_lines(d)])
 
 

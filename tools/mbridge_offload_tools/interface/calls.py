@@ -220,13 +220,17 @@ def plan_answer(kind: str, v: dict[str, Any]) -> Any:
     from mbridge_offload.plan.service import plan
 
     args = dict(v)
+    confirming = bool(args.pop("confirm", False))
     cfg, raw, source = plan_source(args)
     try:
-        return plan(kind, args, cfg, raw, source)  # type: ignore[arg-type]
+        answer = plan(kind, args, cfg, raw, source)  # type: ignore[arg-type]
     except InputError:  # an input out of bounds: its message and fix as they are
         raise
     except (ValueError, KeyError) as exc:  # an unknown preset, a setup Megatron rejects
         raise InputError(str(exc).strip("'\"")) from None
+    if confirming and kind == "recommend":  # the trace runs in trace.confirm.recommend_answer, which calls this
+        raise InputError("confirm is recommend's re-check by the trace: call trace.confirm.recommend_answer")
+    return answer
 
 
 # ---------------------------------------------------------------------------------------------- apply

@@ -170,8 +170,18 @@ _PLAN_CLI_ONLY = (MODEL_CONFIG, JSON_FLAG)
 ESTIMATE = Tool(
     "estimate_memory", "estimate", (_CONFIG_OPTIONAL, OVERRIDES, MEGATRON_ARGS, *plan_params()), _PLAN_CLI_ONLY
 )
+CONFIRM = Param(
+    "confirm",
+    bool,
+    "re-check options[0] with trace (~10-120 s): adds confirm, the trace's peak beside the planner's",
+    default=False,
+    group="trace",
+)
 RECOMMEND = Tool(
-    "recommend_mode", "recommend", (_CONFIG_OPTIONAL, OVERRIDES, MEGATRON_ARGS, *plan_params()), _PLAN_CLI_ONLY
+    "recommend_mode",
+    "recommend",
+    (_CONFIG_OPTIONAL, OVERRIDES, MEGATRON_ARGS, CONFIRM, *plan_params()),
+    _PLAN_CLI_ONLY,
 )
 
 TRACE = Tool(

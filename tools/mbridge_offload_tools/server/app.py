@@ -70,6 +70,10 @@ def _plan_tool(kind: str, output: type, doc: str, title: str) -> None:
     name = {"estimate": "estimate_memory", "recommend": "recommend_mode"}[kind]
 
     def tool(**kwargs: Any) -> Any:
+        if kind == "recommend":  # its confirm re-checks options[0] with the trace (trace.confirm)
+            from mbridge_offload_tools.trace.confirm import recommend_answer
+
+            return recommend_answer(kwargs)
         return plan_answer(kind, kwargs)
 
     tool.__name__ = name

@@ -177,8 +177,6 @@ def _one_by_one(*args: Any, **kwargs: Any) -> Any:
 
 def apply() -> None:
     """Patch torch.cuda and megatron-core for the trace (module docstring); call once, in the child only."""
-    import standins
-
     cuda = torch.cuda
     # megatron-core asks for the current device by index to place buffers (utils.get_tensor, DDP buffers,
     # VocabParallelEmbedding); an int index fails on a CPU build ("Cannot access accelerator device"). A "cpu"
@@ -206,29 +204,13 @@ def apply() -> None:
     # DDP batches its bucket collectives in torch's _coalescing_manager, whose coalesced c10d ops have no fake-tensor
     # kernel; one by one (each has one) they write the same preallocated buffers, which is all the trace counts.
     _patch(param_and_grad_buffer, "_coalescing_manager", _one_by_one)
-    import megatron.core.optimizer as optimizers
-
-    # Every Bridge run has TE, so megatron-core builds TE's FusedAdam (in-place multi-tensor kernel); without TE it
-    # falls back to torch's AdamW, whose temporaries no Bridge run has: TE's state and no temporaries instead.
-    _patch(optimizers, "USING_PYTORCH_OPTIMIZER", False)
-    _patch(optimizers, "Adam", standins.FusedAdamStandIn)
-    from megatron.core.optimizer import distrib_optimizer
-
-    _patch(distrib_optimizer, "Adam", standins.FusedAdamStandIn)  # its isinstance check
+    apply_standins()
     from megatron.core.optimizer import clip_grads, optimizer
 
     # The gradient norm is read as a Python float (local_multi_tensor_l2_norm: float(l2_reduced)), which a fake
     # tensor cannot give. Its memory is one scalar per tensor (apex/TE's fused kernel on a GPU); the norm is 1.0.
     for module in (clip_grads, optimizer):
         _patch(module, "get_grad_norm_fp32", lambda *a, **k: 1.0)
-    from megatron.core.transformer import torch_norm
-
-    def norm_new(cls: Any, config: Any, hidden_size: int, *args: Any, **kwargs: Any) -> Any:
-        # The local spec's norm is torch's (WrappedTorchNorm), which refuses sequence parallelism and keeps fp32
-        # intermediates no TE or apex kernel keeps: TE's saved tensors instead (trace.standins.NormStandIn).
-        return standins.NormStandIn(config, hidden_size)
-
-    _patch(torch_norm.WrappedTorchNorm, "__new__", norm_new)
     from megatron.core.tensor_parallel import random
 
     # The RNG tracker forks CUDA RNG state around dropout in TP regions; a fake tensor draws no numbers.
@@ -247,3 +229,27 @@ def apply() -> None:
     _patch(random.CheckpointFunction, "backward", staticmethod(checkpoint_backward))
     _patch(cuda, "get_rng_state", lambda *a, **k: torch.get_rng_state())
     _patch(cuda, "set_rng_state", lambda *a, **k: None)
+
+
+def apply_standins() -> None:
+    """Only the Transformer Engine stand-ins (``trace.standins``: norms and FusedAdam; attention goes in through the
+    layer spec): what ``apply`` patches for TE, and all that a real GPU run of the same model needs
+    (``benchmarks/gpu_trace_check.py`` runs it on CUDA tensors to hold the trace to the GPU's allocator)."""
+    import megatron.core.optimizer as optimizers
+    import standins
+
+    # Every Bridge run has TE, so megatron-core builds TE's FusedAdam (in-place multi-tensor kernel); without TE it
+    # falls back to torch's AdamW, whose temporaries no Bridge run has: TE's state and no temporaries instead.
+    _patch(optimizers, "USING_PYTORCH_OPTIMIZER", False)
+    _patch(optimizers, "Adam", standins.FusedAdamStandIn)
+    from megatron.core.optimizer import distrib_optimizer
+
+    _patch(distrib_optimizer, "Adam", standins.FusedAdamStandIn)  # its isinstance check
+    from megatron.core.transformer import torch_norm
+
+    def norm_new(cls: Any, config: Any, hidden_size: int, *args: Any, **kwargs: Any) -> Any:
+        # The local spec's norm is torch's (WrappedTorchNorm), which refuses sequence parallelism and keeps fp32
+        # intermediates no TE or apex kernel keeps: TE's saved tensors instead (trace.standins.NormStandIn).
+        return standins.NormStandIn(config, hidden_size)
+
+    _patch(torch_norm.WrappedTorchNorm, "__new__", norm_new)
