@@ -138,7 +138,10 @@ def test_recommend_activation_for_small_model(capsys):
             ["--model", "llama3-8b", "--num-gpus", "0"],
             "--num-gpus = 0 (flag): input should be greater than or equal to 1",
         ),
-        (["--model", "llama3-8b", "--tp", "3", "--num-gpus", "3"], "num_attention_heads (32) must be a multiple of tensor_model_parallel_size (3)"),
+        (
+            ["--model", "llama3-8b", "--tp", "3", "--num-gpus", "3"],
+            "num_attention_heads (32) must be a multiple of tensor_model_parallel_size (3)",
+        ),
         (
             ["--model", "llama3-8b", "--optimizer-offload-fraction", "1.5"],
             "1.5 (flag): input should be less than or equal to 1",

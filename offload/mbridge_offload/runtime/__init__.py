@@ -1,8 +1,9 @@
 """Deprecated alias: the runtime moved to its own package, ``mbridge_offload_runtime`` (kept for one release).
 
 An import of a submodule of this old path (any depth) gives the very module of the same name under
-``mbridge_offload_runtime``, not a copy, so classes, ``isinstance`` checks and monkeypatches agree across both names; each first import through the old name
-warns with a ``DeprecationWarning``. New code imports ``mbridge_offload_runtime``.
+``mbridge_offload_runtime``, not a copy, so classes, ``isinstance`` checks and monkeypatches agree across both names;
+each first import through the old name warns with a ``DeprecationWarning``.
+New code imports ``mbridge_offload_runtime``.
 """
 
 from __future__ import annotations

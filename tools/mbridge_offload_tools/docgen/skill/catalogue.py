@@ -64,8 +64,8 @@ def render_constraint_summary() -> str:
     lines += [
         "",
         f"Plus {len(general)} general refusals that `validate` also checks (`MC-*` megatron-core: parallel sizes, "
-        f"precision, MoE, recompute values; `CFG-*` Bridge and Megatron-LM) and {rest} warnings and notes (runs, but does nothing or something "
-        f"surprising). All {len(rules)} rules with their keys and fixes: "
+        f"precision, MoE, recompute values; `CFG-*` Bridge and Megatron-LM) and {rest} warnings and notes (runs, but "
+        f"does nothing or something surprising). All {len(rules)} rules with their keys and fixes: "
         "[references/constraints.md](references/constraints.md).",
     ]
     return "\n".join(lines)
