@@ -382,6 +382,29 @@ def backward_workspace(m: ModelSpec, s: Setup, layers: list[int]) -> int:
     return best
 
 
+def vocab_backward_bytes(m: ModelSpec, s: Setup, stage: int, first_chunk_saved: int) -> int:
+    """The largest transient of the vocabulary layers' backward on ``stage`` beyond the in-flight activations.
+
+    Last stage: the output layer is megatron-core's own ``ColumnParallelLinear`` in every spec; its backward
+    (``tensor_parallel/layers.py``) holds the logits' gradient, the gradient of its input, and a weight-sized
+    ``grad_weight = torch.empty(weight.main_grad.shape)`` that it returns even when the fused kernel accumulated
+    into ``main_grad`` (so that DDP's hook runs on the main thread). First stage: the embedding's backward
+    (``VocabParallelEmbedding``: indexing the weight) writes a dense weight-sized gradient, after that micro-batch's
+    layers are done (so without its activations); with tied embeddings on one stage autograd also still holds the
+    output layer's and sums the two into a third."""
+    seq = s.seq_length or m.seq_length
+    tokens = seq * s.micro_batch_size // s.cp
+    vocab = padded_vocab(m, s.tp) // s.tp
+    weight = 2 * vocab * m.hidden_size
+    best = 0
+    if stage == s.pp - 1:
+        best = weight + 2 * tokens * vocab + 2 * tokens * m.hidden_size
+    if stage == 0:
+        tied_here = m.tied_embeddings and s.pp == 1
+        best = max(best, (3 if tied_here else 1) * weight - first_chunk_saved)
+    return best
+
+
 def p2p_gradient_bytes(m: ModelSpec, s: Setup, stage: int) -> int:
     """The gradient of a chunk's output that the next pipeline stage sends back (megatron-core
     ``pipeline_parallel/p2p_communication.py``: ``recv_backward`` allocates it, ``[s/CP(/TP with SP), b, h]`` in the
@@ -466,7 +489,8 @@ def stage_activations(m: ModelSpec, s: Setup, stage: int) -> ActivationMemory:
         saved -= fg.gpu_saving_bytes
         loss_saved -= fg.gpu_saving_bytes if loss_saved else 0
         host += fg.host_bytes
-    workspace = backward_workspace(m, s, layers) + moe_dispatch_bytes(m, s, layers) + p2p_gradient_bytes(m, s, stage)
+    workspace = max(backward_workspace(m, s, layers), vocab_backward_bytes(m, s, stage, per_chunk[0]))
+    workspace += moe_dispatch_bytes(m, s, layers) + p2p_gradient_bytes(m, s, stage)
     return ActivationMemory(
         saved, _rebuilt(full, s), workspace, loss_saved, loss_transient, max(eligible, default=0), host
     )
