@@ -389,10 +389,10 @@ def vocab_backward_bytes(m: ModelSpec, s: Setup, stage: int, first_chunk_saved: 
     (``tensor_parallel/layers.py``) holds the logits' gradient, the gradient of its input, and a weight-sized
     ``grad_weight = torch.empty(weight.main_grad.shape)`` that it returns even when the fused kernel accumulated
     into ``main_grad`` (so that DDP's hook runs on the main thread; with TE installed it is TE's cached
-    ``get_dummy_wgrad`` buffer, which then also outlives the backward: not counted in the other phases). First stage: the embedding's backward
-    (``VocabParallelEmbedding``: indexing the weight) writes a dense weight-sized gradient, after that micro-batch's
-    layers are done (so without its activations); with tied embeddings on one stage autograd also still holds the
-    output layer's and sums the two into a third."""
+    ``get_dummy_wgrad`` buffer, which then also outlives the backward: not counted in the other phases).
+    First stage: the embedding's backward (``VocabParallelEmbedding``: indexing the weight) writes a dense
+    weight-sized gradient, after that micro-batch's layers are done (so without its activations); with tied
+    embeddings on one stage autograd also still holds the output layer's and sums the two into a third."""
     seq = s.seq_length or m.seq_length
     tokens = seq * s.micro_batch_size // s.cp
     vocab = padded_vocab(m, s.tp) // s.tp
