@@ -152,6 +152,13 @@ def measure(torch: Any, spec: dict[str, Any], cuda: bool) -> dict[str, Any]:
     import step as trace_step
     from megatron.core.pipeline_parallel import schedules
 
+    from megatron.core.tensor_parallel import layers
+
+    # The trace builds with gradient_accumulation_fusion (Bridge turns it on wherever apex/TE's fused wgrad kernel is
+    # installed); megatron-core refuses it without the kernel, so a GPU host without apex/TE runs without it, and
+    # then holds one weight-sized gradient temporary per linear in backward that the trace does not count.
+    if not getattr(layers, "_grad_accum_fusion_available", False):
+        spec["transformer"]["gradient_accumulation_fusion"] = False
     built = trace_step._build(torch, spec, _NoTracker())  # type: ignore[arg-type]
     model, optimizer = built["model"], built["optimizer"]
     handle = None

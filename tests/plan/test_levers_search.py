@@ -12,6 +12,7 @@ import pytest
 from mbridge_offload.config import sources
 from mbridge_offload.config.errors import InputError
 from mbridge_offload.plan import service
+from mbridge_offload.plan.inputs.hardware import DEFAULT_MARGIN
 from mbridge_offload.plan.inputs.presets import model_preset
 from mbridge_offload.plan.model.run import Setup
 from mbridge_offload.plan.results import MemoryBreakdown, Option, Recommendation
@@ -188,5 +189,5 @@ def test_a_config_that_sets_expandable_segments_is_judged_with_its_yardstick_in_
     written = _loaded(tmp_path, "env_vars:\n  PYTORCH_CUDA_ALLOC_CONF: expandable_segments:True\n")
     est = service.plan("estimate", flags, written.config, written.raw)
     plain = service.plan("estimate", flags)
-    assert est.budget_gib == pytest.approx(option.budget_gib / (1 - 0.03), abs=0.01)
+    assert est.budget_gib == pytest.approx(option.budget_gib / (1 - DEFAULT_MARGIN), abs=0.01)
     assert est.budget_gib > plain.budget_gib

@@ -127,10 +127,12 @@ def test_estimator_matches_megatron_theoretical_formula(tp, pp, dist):
     setup = Setup(num_gpus=32, tp=tp, pp=pp, sequence_parallel=True, use_distributed_optimizer=dist)
     want_static, want_act = megatron_theoretical(GPT, setup)
     est = estimate_memory(GPT, setup)
-    # Megatron reports the first stage (embedding + most in-flight micro-batches).
+    # Megatron reports the first stage (embedding + most in-flight micro-batches); its formula counts saved
+    # activations (with the output layer's on PP 1), not backward's buffers: the phase with the most activations,
+    # whichever phase sets the stage's peak.
     first = est.stages[0]
     assert first.weights + first.gradients + first.optimizer == pytest.approx(want_static, rel=0.01)
-    assert first.activations == pytest.approx(want_act, rel=0.01)
+    assert max(p.activations for p in first.phases) == pytest.approx(want_act, rel=0.01)
 
 
 def test_tensor_parallel_without_sequence_parallel_is_korthikanti_10_plus_24_over_t():
@@ -317,11 +319,18 @@ def test_presets_reproduce_published_parameter_counts(name, billions):
         (Setup(num_gpus=12, tp=8), "not divisible by TP·PP·CP"),
         (Setup(num_gpus=8, optimizer_offload_fraction=1.5), r"\[0.0, 1.0\]"),
         (Setup(num_gpus=8, ep=2), "expert parallelism needs MoE"),
+        # interleaving with fewer micro-batches than PP, or not a multiple of PP: megatron-core's schedule refuses
+        (Setup(num_gpus=8, pp=4, vpp=2, global_batch_size=12), "6 micro-batches .* multiple of PP 4"),
+        (Setup(num_gpus=8, pp=4, vpp=2, global_batch_size=4), "2 micro-batches .* multiple of PP 4"),
     ],
 )
 def test_check_setup_rejects_what_megatron_rejects(setup, match):
     with pytest.raises(ValueError, match=match):
         check_setup(model_preset("llama3-8b"), setup)
+
+
+def test_check_setup_accepts_interleaving_with_a_multiple_of_pp_micro_batches():
+    check_setup(model_preset("llama3-8b"), Setup(num_gpus=8, pp=4, vpp=2, global_batch_size=16))
 
 
 def test_check_setup_accepts_a_tp_that_is_a_multiple_of_the_query_groups():

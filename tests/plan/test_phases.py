@@ -238,7 +238,10 @@ def test_the_config_reads_the_cross_entropy_kernel(tmp_path):
     assumed = {a.name: a for a in native.assumptions}
     assert assumed["cross_entropy_fusion_impl"].value == "native" and assumed["cross_entropy_fusion_impl"].source
     assert "cross_entropy_fusion_impl" not in {a.name for a in estimate_for_inputs(model="llama3-8b").assumptions}
-    assert native.memory_gib.total - te.memory_gib.total == pytest.approx(4 * 8192 * 128256 / GiB, abs=0.01)
+    # The loss phase holds 4 bytes more per logit (fp32 saved + bf16 copy against TE's bf16 in place); with TE's
+    # kernel the output layer's backward (its weight-sized gradient) may set the stage's peak instead.
+    te_loss, native_loss = (next(p for p in r.phases[0].phases if p.name == "loss").memory_gib for r in (te, native))
+    assert native_loss - te_loss == pytest.approx(4 * 8192 * 128256 / GiB, abs=0.01)
 
 
 # ------------------------------------------------------------------------------------------- the answers

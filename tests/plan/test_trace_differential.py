@@ -5,9 +5,9 @@ recompute, distributed optimizer or not, fp32 or bf16 gradient reduction, tied e
 is traced with megatron-core (one child process for all of them) and compared:
 
 - resident state (weights + gradients + optimizer state): the issue's bar, 1 %, on every run;
-- peak: the issue's bar, 5 %, is not met on every run yet (``docs/trace.md`` has the table; the misses are the
-  planner's activations, which another change owns). Its test is a strict xfail that turns into a failure the day it
-  holds; a second test holds every run to 20 % so that the gap cannot grow unseen.
+- peak: the issue's bar, 5 %, is not met on every run yet (``docs/trace.md`` has the table: 195 of 200 on
+  megatron-core 0.16.1, the misses within 8.5 %, the planner under the trace). Its test is a strict xfail that turns
+  into a failure the day it holds; a second test holds every run to 10 % so that the gap cannot grow unseen.
 
 The planner's ``other`` carries a fitted constant for allocator workspaces (``Setup.overhead_gb``: cuBLAS, NCCL,
 DistOpt staging) that fake tensors cannot see; it is taken out of the planner's peak before comparing.
@@ -86,8 +86,8 @@ def test_resident_state_is_within_1_percent_of_the_trace(rows) -> None:
     assert not misses, misses[:5]
 
 
-def test_peak_is_within_20_percent_of_the_trace_on_every_run(rows) -> None:
-    misses = [(round(peak * 100, 1), case) for _res, peak, case in _gaps(rows) if abs(peak) > 0.20]
+def test_peak_is_within_10_percent_of_the_trace_on_every_run(rows) -> None:
+    misses = [(round(peak * 100, 1), case) for _res, peak, case in _gaps(rows) if abs(peak) > 0.10]
     assert not misses, misses[:5]
 
 

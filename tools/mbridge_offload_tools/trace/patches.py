@@ -175,6 +175,18 @@ def _one_by_one(*args: Any, **kwargs: Any) -> Any:
     yield _Done()
 
 
+class _InPlaceWgrad:
+    """apex/TE's ``fused_weight_gradient_mlp_cuda``: accumulates ``input^T @ grad`` into ``main_grad`` in place."""
+
+    @staticmethod
+    def wgrad_gemm_accum_fp32(total_input: Any, grad_output: Any, main_grad: Any) -> None:
+        return None
+
+    @staticmethod
+    def wgrad_gemm_accum_fp16(total_input: Any, grad_output: Any, main_grad: Any) -> None:
+        return None
+
+
 def apply() -> None:
     """Patch torch.cuda and megatron-core for the trace (module docstring); call once, in the child only."""
     cuda = torch.cuda
@@ -211,6 +223,14 @@ def apply() -> None:
     # tensor cannot give. Its memory is one scalar per tensor (apex/TE's fused kernel on a GPU); the norm is 1.0.
     for module in (clip_grads, optimizer):
         _patch(module, "get_grad_norm_fp32", lambda *a, **k: 1.0)
+    from megatron.core.tensor_parallel import layers
+
+    # Bridge switches gradient_accumulation_fusion on wherever apex/TE's fused_weight_gradient_mlp_cuda is
+    # installed (GPTModelProvider: fusions.can_enable_gradient_accumulation_fusion), so on every GPU run a linear's
+    # weight gradient is accumulated into main_grad by that kernel, in place, with no weight-sized temporary
+    # (tensor_parallel/layers.py, wgrad_gemm_accum_fp32/fp16). The kernel allocates nothing: in-place no-ops.
+    _patch(layers, "_grad_accum_fusion_available", True)
+    _patch(layers, "fused_weight_gradient_mlp_cuda", _InPlaceWgrad)
     from megatron.core.tensor_parallel import random
 
     # The RNG tracker forks CUDA RNG state around dropout in TP regions; a fake tensor draws no numbers.

@@ -72,6 +72,13 @@ def _transformer(m: ModelSpec, s: Setup) -> dict[str, Any]:
         "virtual_pipeline_model_parallel_size": s.vpp,
         "sequence_parallel": s.sp and s.tp > 1,
         "cross_entropy_loss_fusion": s.cross_entropy_fusion,
+        # Bridge's GPTModelProvider sets it (megatron-core's default is False): after sending a stage's output,
+        # schedules.py's deallocate_output_tensor frees its data, so a non-last stage does not keep one output per
+        # in-flight micro-batch
+        "deallocate_pipeline_outputs": True,
+        # Bridge's GPTModelProvider sets it wherever the fused wgrad kernel is installed (every GPU run): weight
+        # gradients go straight into main_grad (the child's patches provide the kernel's in-place no-op)
+        "gradient_accumulation_fusion": True,
     }
     if s.num_layers_in_first_pipeline_stage is not None:
         kw["num_layers_in_first_pipeline_stage"] = s.num_layers_in_first_pipeline_stage

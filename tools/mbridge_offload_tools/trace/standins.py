@@ -109,6 +109,12 @@ class FusedAttentionStandIn(torch.nn.Module):
     def forward(
         self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any, *args: Any, **kw: Any
     ) -> torch.Tensor:
+        if not all(x.is_contiguous() for x in (query, key, value)):
+            # TE's get_qkv_layout (attention/dot_product_attention/utils.py) names a layout from the strides and
+            # offsets; megatron-core's q/k (new tensors after RoPE) beside v (a slice of linear_qkv's output, its
+            # strides unlike k's) match none, so TE makes all three contiguous: the saved v is a copy and the QKV
+            # output is freed, not kept alive by the slice.
+            query, key, value = (x.contiguous() for x in (query, key, value))
         out = _FusedAttention.apply(query, key, value)
         sq, b, heads, dim = out.shape
         return out.view(sq, b, heads * dim)

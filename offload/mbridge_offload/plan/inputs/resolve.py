@@ -136,7 +136,7 @@ DEFAULTS: dict[str, tuple[Any, str]] = {
         DEFAULT_MARGIN,
         f"{DEFAULT_MARGIN:.0%} of the usable GPU memory a recommendation keeps free (an estimate's fits has no "
         "margin): what the tightest published NVIDIA layer-offload recipe keeps free by this model (Bridge 0.6.2 "
-        "Llama 3 70B on 64 GB200, FP8-CS, 40 layers: 3.1 %), rounded down",
+        "Llama 3 70B on 64 GB200, FP8-CS, 40 layers: 2.2 %), rounded down",
     ),
 }
 # Listed (and used) only when fine-grained offloading is on.

@@ -361,15 +361,69 @@ _BACKWARD_GROUPS = (
 )
 
 
+# Column-parallel linears whose backward turns the gradient of their output (the saved tensors named) into the
+# gradient of their input at the full sequence: fc1 and the QKV projection.
+_COLUMN_PARALLEL = (frozenset({"fc1_out"}), frozenset({"q", "k", "v"}))
+
+
 def backward_workspace(m: ModelSpec, s: Setup, layers: list[int]) -> int:
     """Bytes of the largest sub-module's gradient buffers in backward (bf16, as TE's dgrad GEMMs write them) over
-    ``layers``: e.g. a SwiGLU MLP holds the gradient of its activation output and of ``fc1``'s output together."""
+    ``layers``: e.g. a SwiGLU MLP holds the gradient of its activation output and of ``fc1``'s output together.
+
+    A column-parallel linear's backward (megatron-core ``tensor_parallel/layers.py``,
+    ``LinearWithGradAccumulationAndAsyncCommunication.backward``; TE's ``_Linear`` / ``_LayerNormLinear`` alike)
+    holds the gradient of its output while it writes the gradient of its input over the whole sequence
+    (``grad_output.matmul(weight)``: tokens × h, all-reduced in place, or reduce-scattered with SP) and, with SP,
+    the input all-gathered again for the weight gradient (tokens × h, the saved input is the local shard)."""
+    seq = s.seq_length or m.seq_length
+    tokens = seq * s.micro_batch_size // s.cp
+    full = tokens * m.hidden_size * (2 if s.sp and s.tp > 1 else 1)
     best = 0
     for kind, moe in {(m.layer_kind(i), m.is_moe_layer(i)) for i in layers}:
         acts = kind_activations(m, s, kind, moe)
         for group in _BACKWARD_GROUPS:
             best = max(best, 2 * sum(t.numel for t in acts if t.name in group))
+        for group in _COLUMN_PARALLEL:
+            out = sum(t.numel for t in acts if t.name in group)
+            best = max(best, 2 * (out + full) if out else 0)
     return best
+
+
+def vocab_backward_bytes(m: ModelSpec, s: Setup, stage: int, first_chunk_saved: int) -> int:
+    """The largest transient of the vocabulary layers' backward on ``stage`` beyond the in-flight activations.
+
+    Last stage: the output layer is megatron-core's own ``ColumnParallelLinear`` in every spec; its backward
+    (``tensor_parallel/layers.py``) holds the logits' gradient, the gradient of its input, and a weight-sized
+    ``grad_weight = torch.empty(weight.main_grad.shape)`` that it returns even when the fused kernel accumulated
+    into ``main_grad`` (so that DDP's hook runs on the main thread; with TE installed it is TE's cached
+    ``get_dummy_wgrad`` buffer, which then also outlives the backward: not counted in the other phases).
+    First stage: the embedding's backward (``VocabParallelEmbedding``: indexing the weight) writes a dense
+    weight-sized gradient, after that micro-batch's layers are done (so without its activations); with tied
+    embeddings on one stage autograd also still holds the output layer's and sums the two into a third."""
+    seq = s.seq_length or m.seq_length
+    tokens = seq * s.micro_batch_size // s.cp
+    vocab = padded_vocab(m, s.tp) // s.tp
+    weight = 2 * vocab * m.hidden_size
+    best = 0
+    if stage == s.pp - 1:
+        best = weight + 2 * tokens * vocab + 2 * tokens * m.hidden_size
+    if stage == 0:
+        tied_here = m.tied_embeddings and s.pp == 1
+        best = max(best, (3 if tied_here else 1) * weight - first_chunk_saved)
+    return best
+
+
+def p2p_gradient_bytes(m: ModelSpec, s: Setup, stage: int) -> int:
+    """The gradient of a chunk's output that the next pipeline stage sends back (megatron-core
+    ``pipeline_parallel/p2p_communication.py``: ``recv_backward`` allocates it, ``[s/CP(/TP with SP), b, h]`` in the
+    pipeline dtype) and that stays alive while the chunk runs backward. Every chunk but the model's last receives
+    one: stages before the last, and with VPP every stage."""
+    if s.pp == 1 or (stage == s.pp - 1 and not s.vpp):
+        return 0
+    seq = s.seq_length or m.seq_length
+    tokens = seq * s.micro_batch_size // s.cp
+    t_sp = tokens // s.tp if s.sp and s.tp > 1 else tokens
+    return 2 * t_sp * m.hidden_size
 
 
 def loss_transient_bytes(m: ModelSpec, s: Setup) -> int:
@@ -443,7 +497,8 @@ def stage_activations(m: ModelSpec, s: Setup, stage: int) -> ActivationMemory:
         saved -= fg.gpu_saving_bytes
         loss_saved -= fg.gpu_saving_bytes if loss_saved else 0
         host += fg.host_bytes
-    workspace = backward_workspace(m, s, layers) + moe_dispatch_bytes(m, s, layers)
+    workspace = max(backward_workspace(m, s, layers), vocab_backward_bytes(m, s, stage, per_chunk[0]))
+    workspace += moe_dispatch_bytes(m, s, layers) + p2p_gradient_bytes(m, s, stage)
     return ActivationMemory(
         saved, _rebuilt(full, s), workspace, loss_saved, loss_transient, max(eligible, default=0), host
     )

@@ -141,6 +141,7 @@ def check_setup(model: ModelSpec, setup: Setup) -> None:
                 f"VPP {s.vpp} needs PP > 1 and num_layers {model.num_layers} divisible by PP·VPP "
                 "(or an uneven split: pipeline_model_parallel_layout, num_layers_in_first/last_pipeline_stage)"
             )
+    _check_interleaved_microbatches(s)
     seq = s.seq_length or model.seq_length
     if seq % s.cp or (s.cp > 1 and seq % (2 * s.cp)):
         raise ValueError(f"seq_length {seq} must be divisible by 2·CP = {2 * s.cp}")
@@ -156,6 +157,21 @@ def check_setup(model: ModelSpec, setup: Setup) -> None:
     fine_grained.check(s)
     if s.activation_offload_layers:
         _check_activation_offload(model, s)
+
+
+def _check_interleaved_microbatches(s: Setup) -> None:
+    """megatron-core's interleaved schedule (``pipeline_parallel/schedules.py``,
+    ``forward_backward_pipelining_with_interleaving``, the same in 0.16.1 and 0.19.2) refuses a micro-batch group
+    ``g`` (``microbatch_group_size_per_vp_stage``, PP when unset, as here) outside ``[PP, M]`` (ValueError) and a
+    last group ``M mod g`` in ``(0, PP)`` (RuntimeError): with ``g = PP``, M must be a multiple of PP."""
+    m = s.num_microbatches()
+    if s.vpp is None or s.pp == 1 or m is None or (m >= s.pp and m % s.pp == 0):
+        return
+    raise ValueError(
+        f"VPP {s.vpp} with {m} micro-batches per step: megatron-core's interleaved schedule needs a multiple of "
+        f"PP {s.pp} (global_batch_size / (micro_batch_size · DP)); raise global_batch_size to a multiple of "
+        f"{s.pp * s.micro_batch_size * s.dp}, or drop VPP"
+    )
 
 
 def _check_model_config(model: ModelSpec, s: Setup, etp: int) -> None:
