@@ -112,6 +112,12 @@ def child_spec(model: dict[str, Any], lever: dict[str, Any]) -> dict[str, Any]:
     if lever.get("fine_grained_activation_offloading"):
         spec["transformer"].update(fine_grained_activation_offloading=True, offload_modules=lever["offload_modules"])
     spec["layer_offload"] = int(lever.get("activation_offload_layers") or 0)
+    if spec["layer_offload"]:
+        # Under any saved-tensor hook (ours, TE's) autograd hands backward a new tensor object for a saved weight,
+        # so the local spec's linear loses the weight's `grad_added_to_main_grad` flag, returns no dummy gradient
+        # with gradient_accumulation_fusion, and DDP's overlap_grad_reduce hook asserts. Reducing after backward
+        # instead changes when the (same, contiguous) gradient buffer is reduced, not what is allocated.
+        spec["ddp"]["overlap_grad_reduce"] = False
     return spec
 
 
@@ -151,7 +157,6 @@ def measure(torch: Any, spec: dict[str, Any], cuda: bool) -> dict[str, Any]:
     """One real step of the trace's model: the allocator's peak by phase (None on the CPU)."""
     import step as trace_step
     from megatron.core.pipeline_parallel import schedules
-
     from megatron.core.tensor_parallel import layers
 
     # The trace builds with gradient_accumulation_fusion (Bridge turns it on wherever apex/TE's fused wgrad kernel is

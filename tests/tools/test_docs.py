@@ -396,6 +396,22 @@ def test_walkthrough_blocks_are_captured_output():
         assert f"$ {commands[0]}" in guide[name] and "(exit code " in guide[name], name
 
 
+def test_the_walkthroughs_prose_quotes_what_recommend_answers():
+    """The figures the walkthrough's own sentences quote (the H100's budget, its margin, the 48 GB fraction) are
+    the tool's, so a changed default cannot leave the prose behind the generated blocks beside it."""
+    from mbridge_offload.plan.inputs.hardware import DEFAULT_MARGIN
+
+    text = " ".join((ROOT / "docs/walkthrough.md").read_text().split())
+    qwen = ["recommend", "--model", "qwen3-30b-a3b", "--gpu", "h100-80gb", "--num-gpus", "16", "--tp", "2", "--pp",
+            "2", "--ep", "4", "--json"]  # fmt: skip
+    _, out = _cli(qwen)
+    assert f"That fits the {json.loads(out)['budget_gib']:.1f} GiB an H100 can allocate" in text
+    assert f"a {DEFAULT_MARGIN:.0%} margin".replace("%", " %") in text
+    _, out = _cli([*qwen, "--gpu-memory-gb", "48"])
+    fraction = next(o for o in json.loads(out)["overrides"] if o.startswith("optimizer.optimizer_offload_fraction="))
+    assert f"(`--gpu-memory-gb 48` gives optimizer offload at {fraction.split('=')[1]})" in text
+
+
 def test_cli_equivalents_name_real_subcommands():
     for command in CLI_EQUIVALENTS.values():
         sub = command.split()[1]

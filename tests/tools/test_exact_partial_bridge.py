@@ -8,8 +8,9 @@ real megatron-core of each release judges exact mode's payload (:func:`mbridge_o
 sections the child builds) for seeded partial YAMLs (PP 1/2/4 with and without ``pipeline_dtype``, TP, sequence
 parallelism, MoE with and without ETP, a ``_target_`` or a ``mixed_precision`` block on some, overrides on others,
 and an injected real error on about a quarter), one megatron-core import per release; each must give, per stage, the
-first error plain validate reports (none where validate finds none), never the pipeline_dtype error, and the
-injected errors must still be reported.
+first error the rule catalogue reports where it reports one (the catalogue keeps only what megatron-core cannot check
+here; validate runs megatron-core itself by default), never the pipeline_dtype error, and the injected errors must
+still be reported.
 """
 
 from __future__ import annotations
@@ -107,7 +108,11 @@ def _check(judged: list[tuple[dict, Report, dict]]) -> None:
         for name, stage in STAGES.items():
             theirs = next(((e["type"], e["message"]) for e in answer["errors"] if e["stage"] == name), None)
             mine = first_error(report, stage)
-            assert theirs == (None if mine is None else (mine.exception, mine.upstream_message)), (case, name)
+            # The catalogue keeps only the checks megatron-core cannot run here (validate runs megatron-core itself by
+            # default, so a check it makes is not ported): where the catalogue errs, megatron-core errs the same way
+            # first; where it is silent, megatron-core's own answer is validate's (coverage says which ran).
+            if mine is not None:
+                assert theirs == (mine.exception, mine.upstream_message), (case, name)
         if case["injected"]:  # a real error is still megatron-core's answer
             assert case["injected"] in messages, case
     assert sum(bool(c["injected"]) for c, _, _ in judged) >= 5
@@ -127,7 +132,7 @@ def test_on_the_fallback_release_no_generated_partial_yaml_gets_the_pipeline_dty
     for case, report, answer in _judge("megatron-core==0.19.2", "0.16.1"):
         messages = [e["message"] for e in answer["errors"]]
         assert PIPELINE_DTYPE_ERROR not in messages, case
-        assert bool(messages) == (not report.ok), (case, messages, [f.rule for f in report.errors])
+        assert bool(messages) or report.ok, (case, messages, [f.rule for f in report.errors])
 
 
 def test_without_the_frontends_fill_megatron_core_would_refuse_the_issues_yaml():

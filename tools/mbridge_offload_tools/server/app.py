@@ -43,6 +43,7 @@ from mbridge_offload_tools.interface.calls import (
 )
 from mbridge_offload_tools.plot import tool as plot_tool
 from mbridge_offload_tools.server import guard, roots
+from mbridge_offload_tools.trace.result import TraceAnswer
 
 logger = logging.getLogger(__name__)
 
@@ -141,7 +142,7 @@ _plan_tool(
 )
 @guard.guarded(lambda kwargs: float(kwargs.get("deadline") or 300.0) + 30)
 @declared("trace_memory")
-def trace_memory(**v: Any) -> dict[str, Any]:  # the parameters: interface.tools.TRACE
+def trace_memory(**v: Any) -> TraceAnswer:  # the parameters: interface.tools.TRACE
     """Trace megatron-core's own GPTModel, DDP buffers, optimizer and schedule for the worst pipeline stage of the
     layout on fake tensors (a fake process group; nothing is computed, every allocation counted) and answer like
     estimate_memory: memory_gib by category (total = the peak), phases, peak_phase, assumptions, plus by_module
@@ -149,7 +150,7 @@ def trace_memory(**v: Any) -> dict[str, Any]:  # the parameters: interface.tools
     """
     from mbridge_offload_tools.trace.run import trace_answer
 
-    return trace_answer(v)
+    return TraceAnswer.model_validate(trace_answer(v))
 
 
 @mcp.tool(

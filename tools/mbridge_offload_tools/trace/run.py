@@ -184,7 +184,9 @@ def trace_answer(v: dict[str, Any]) -> dict[str, Any]:
         raise
     except (ValueError, KeyError) as exc:
         raise InputError(str(exc).strip("'\"")) from None
+    from mbridge_offload_tools.trace.result import TraceAnswer
+
     spec = specs.build(r, worst)
     install = choose_release(release)
     child = spawn(install, spec, deadline)
-    return answer(child, spec, r, install, worst)
+    return TraceAnswer.model_validate(answer(child, spec, r, install, worst)).model_dump(mode="json")
