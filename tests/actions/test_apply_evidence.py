@@ -8,23 +8,12 @@ from pathlib import Path
 from mbridge_offload.actions.apply.apply import apply_offload
 from mbridge_offload.config import sources
 from mbridge_offload.plan.service import plan
+from tests.support.configs import LLAMA3_8B, bridge_yaml
 
-CONFIG = """\
-model:
-  num_layers: 32
-  hidden_size: 4096
-  ffn_hidden_size: 14336
-  num_attention_heads: 32
-  num_query_groups: 8
-  kv_channels: 128
-  vocab_size: 128256
-  seq_length: 8192
-  tensor_model_parallel_size: 2
-  sequence_parallel: true
-train:
-  micro_batch_size: 1
-  global_batch_size: 64
-"""
+CONFIG = bridge_yaml(
+    ("model", {**LLAMA3_8B, "seq_length": 8192, "tensor_model_parallel_size": 2, "sequence_parallel": True}),
+    ("train", {"micro_batch_size": 1, "global_batch_size": 64}),
+)
 HARDWARE = {"gpu": "h100-80gb", "num_gpus": 8}
 
 

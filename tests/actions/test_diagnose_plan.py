@@ -18,6 +18,7 @@ from mbridge_offload.config.errors import InputError
 from mbridge_offload.config.sources import load
 from mbridge_offload.plan.inputs.fields import PlanInputs, group_of
 from mbridge_offload.plan.service import estimate_for_inputs, recommend_for_inputs
+from tests.support.configs import LLAMA3_8B, bridge_yaml
 
 OOM = (
     "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 3.00 GiB. GPU 0 has a total capacity of 79.10 GiB "
@@ -25,28 +26,21 @@ OOM = (
     "by PyTorch but unallocated."
 )
 # The issue's case: Llama 3 8B SFT at 16k on H100s (the old answer, optimizer offload 0.5, stays far over budget).
-SFT_8B_16K = """\
-model:
-  num_layers: 32
-  hidden_size: 4096
-  ffn_hidden_size: 14336
-  num_attention_heads: 32
-  num_query_groups: 8
-  kv_channels: 128
-  vocab_size: 128256
-  seq_length: 16384
-  tensor_model_parallel_size: 1
-  pipeline_model_parallel_size: 1
-  bf16: true
-train:
-  micro_batch_size: 1
-  global_batch_size: 32
-checkpoint:
-  pretrained_checkpoint: /models/llama3-8b
-optimizer:  # last: a test appends optimizer keys
-  use_distributed_optimizer: true
-  bf16: true
-"""
+SFT_8B_16K = bridge_yaml(
+    (
+        "model",
+        {
+            **LLAMA3_8B,
+            "seq_length": 16384,
+            "tensor_model_parallel_size": 1,
+            "pipeline_model_parallel_size": 1,
+            "bf16": True,
+        },
+    ),
+    ("train", {"micro_batch_size": 1, "global_batch_size": 32}),
+    ("checkpoint", {"pretrained_checkpoint": "/models/llama3-8b"}),
+    ("optimizer", {"use_distributed_optimizer": True, "bf16": True}),  # last: a test appends optimizer keys
+)
 
 
 def _write(tmp_path: Path, body: str, name: str = "run.yaml") -> Path:

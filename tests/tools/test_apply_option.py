@@ -20,28 +20,24 @@ from mbridge_offload.config.rules.optimizer.offload import OVERLAP_FROM_FRACTION
 from mbridge_offload.plan.inputs.fields import FIELDS
 from mbridge_offload_tools.cli.main import main
 from mbridge_offload_tools.server.app import mcp
+from tests.support.configs import LLAMA3_8B, bridge_yaml
 
 ROOT = Path(__file__).resolve().parents[2]
-SFT = """\
-# Llama 3.1 8B SFT at 16k tokens on one 8 x H100 node.
-model:
-  num_layers: 32
-  hidden_size: 4096
-  ffn_hidden_size: 14336
-  num_attention_heads: 32
-  num_query_groups: 8
-  kv_channels: 128
-  vocab_size: 128256
-  gated_linear_unit: true
-  share_embeddings_and_output_weights: false
-  seq_length: 16384
-  tensor_model_parallel_size: 1
-train:
-  micro_batch_size: 1
-  global_batch_size: 64
-optimizer:
-  use_distributed_optimizer: true
-"""
+SFT = bridge_yaml(
+    (
+        "model",
+        {
+            **LLAMA3_8B,
+            "gated_linear_unit": True,
+            "share_embeddings_and_output_weights": False,
+            "seq_length": 16384,
+            "tensor_model_parallel_size": 1,
+        },
+    ),
+    ("train", {"micro_batch_size": 1, "global_batch_size": 64}),
+    ("optimizer", {"use_distributed_optimizer": True}),
+    comment="Llama 3.1 8B SFT at 16k tokens on one 8 x H100 node.",
+)
 PP2 = """\
 model:
   num_layers: 16

@@ -18,25 +18,14 @@ from mbridge_offload.plan.inputs.fields import flag_name
 from mbridge_offload_tools.cli.main import build_parser
 from mbridge_offload_tools.server.app import mcp
 from tests.support import tree
+from tests.support.configs import LLAMA3_8B, bridge_yaml
 
 OOM = "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 3.00 GiB."
-CONFIG = """\
-model:
-  num_layers: 32
-  hidden_size: 4096
-  ffn_hidden_size: 14336
-  num_attention_heads: 32
-  num_query_groups: 8
-  kv_channels: 128
-  vocab_size: 128256
-  seq_length: 16384
-  bf16: true
-train:
-  micro_batch_size: 1
-  global_batch_size: 32
-optimizer:
-  use_distributed_optimizer: true
-"""
+CONFIG = bridge_yaml(
+    ("model", {**LLAMA3_8B, "seq_length": 16384, "bf16": True}),
+    ("train", {"micro_batch_size": 1, "global_batch_size": 32}),
+    ("optimizer", {"use_distributed_optimizer": True}),
+)
 
 
 @pytest.fixture
