@@ -12,7 +12,8 @@ import pytest
 
 from mbridge_offload.config import sources
 from mbridge_offload.config.errors import BoundsError as InputError
-from mbridge_offload.plan.inputs.fields import FIELDS, PlanInputs, flag_name, validate_inputs
+from mbridge_offload.plan.inputs.fields import FIELDS, PlanInputs, flag_name
+from mbridge_offload.plan.inputs.given import validate_inputs
 from mbridge_offload.plan.inputs.resolve import resolve
 from mbridge_offload.plan.search import planner as plan
 from mbridge_offload_tools.cli import main as cli
@@ -235,3 +236,25 @@ def test_an_out_of_bounds_input_is_one_of_the_bad_input_family():
         validate_inputs({"tp": 0})
     payload, code = error_payload(err.value)
     assert code == EXIT_BAD_INPUT and payload["kind"] == "bad_input" and payload["error"].startswith("--tp = 0")
+
+
+def test_each_input_declares_its_config_key_and_fallback_once_and_every_tool_shows_the_key():
+    # One declaration per input (fields.PlanInputs): its key and fallback live on the field, so resolve's tables,
+    # the CLI's --help and the MCP parameter descriptions are views of it and cannot name another key.
+    from mbridge_offload.config.schema import SECTIONS
+    from mbridge_offload.plan.inputs import resolve
+    from mbridge_offload.plan.inputs.fields import CONFIG_KEYS, EFFECTIVE_KEYS, config_key, fallbacks
+    from mbridge_offload_tools.interface.tools import plan_param
+
+    assert resolve.CONFIG_KEYS is CONFIG_KEYS and fallbacks() == resolve.DEFAULTS
+    assert not set(CONFIG_KEYS) & set(EFFECTIVE_KEYS)
+    for name in FIELDS:
+        key = config_key(name)
+        if key is None:
+            continue
+        assert key.partition(".")[0] in SECTIONS, (name, key)  # a section the config reader knows
+        assert key in plan_param(name).description, name
+    assert len(set(CONFIG_KEYS.values())) == len(CONFIG_KEYS)  # one name per setting: no key read by two inputs
+    for name, (value, why) in {**fallbacks(), **fallbacks("fine_grained"), **fallbacks("loss_fusion")}.items():
+        PlanInputs.model_validate({name: value})  # a fallback is a value the input itself accepts
+        assert why, name

@@ -15,7 +15,7 @@ from typing import Any, Literal
 from mbridge_offload.actions.diagnose.diagnose import SYMPTOMS
 from mbridge_offload.actions.diagnose.sizing import input_names
 from mbridge_offload.config.rules.base import DEFAULT_TARGET
-from mbridge_offload.plan.inputs.fields import PlanInputs, cli_aliases, group_of
+from mbridge_offload.plan.inputs.fields import PlanInputs, cli_aliases, config_key, group_of
 from mbridge_offload_tools.interface.param import BOUND_NAMES, JSON_FLAG, CliOnly, Param, Tool, bounds
 
 _METAVARS = {int: "N", float: "X", str: "TEXT"}
@@ -31,10 +31,13 @@ def plan_param(name: str, **changes: Any) -> Param:
         for attr in BOUND_NAMES
         if getattr(meta, attr, None) is not None
     )
+    key, described = config_key(name), info.description or ""
+    if key is not None and key not in described:  # one name per setting, with the config key shown beside it
+        described += f" (config: {key})"
     param = Param(
         name,
         kinds[0],
-        info.description or "",
+        described,
         bounds=found,
         aliases=cli_aliases(name),
         metavar=_METAVARS.get(kinds[0]),

@@ -17,7 +17,8 @@ import typing
 from decimal import ROUND_FLOOR, Decimal, InvalidOperation
 
 from mbridge_offload.config.errors import InputError
-from mbridge_offload.plan.inputs.fields import FIELDS, PlanInputs, flag_name, group_of, validate_inputs
+from mbridge_offload.plan.inputs.fields import FIELDS, PlanInputs, flag_name, group_of
+from mbridge_offload.plan.inputs.given import validate_inputs
 from mbridge_offload.plan.inputs.resolve import CONFIG_KEYS
 
 MAX_POINTS = 101  # 0:1:0.01; each point is one estimate (milliseconds) and one marker

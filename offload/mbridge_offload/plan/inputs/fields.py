@@ -11,13 +11,11 @@ source of each value so that every answer can list its assumptions. Never import
 
 from __future__ import annotations
 
-import math
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
-from pydantic_core import ErrorDetails
+from pydantic import BaseModel, ConfigDict, Field
 
-from mbridge_offload.config.errors import BoundsError as InputError
+from mbridge_offload.plan.inputs.hardware import DEFAULT_MARGIN
 
 # Upper bounds: far above any real run, low enough that the arithmetic stays exact and fast.
 MAX_GPUS = 1_000_000
@@ -47,12 +45,49 @@ DEFAULT_LEVERS = ("recompute", "activation", "fine-grained", "optimizer")
 GROUPS = ("model", "parallel", "precision", "recompute", "offload", "hardware", "time", "decision", "measured")
 
 
-def _field(default: Any = None, *, group: str, help: str, aliases: tuple[str, ...] = (), **bounds: Any) -> Any:
-    """A ``Field`` with the group (for --help sections) and the older CLI spellings still accepted."""
+_UNSET: Any = object()  # no fallback declared (``None`` is a value a fallback may have)
+
+
+def _field(
+    default: Any = None,
+    *,
+    group: str,
+    help: str,
+    key: str | None = None,
+    effective: bool = False,
+    fallback: Any = _UNSET,
+    why: str = "",
+    when: str | None = None,
+    aliases: tuple[str, ...] = (),
+    **bounds: Any,
+) -> Any:
+    """One planner input, declared once: a ``Field`` with everything else the tools need to know about it.
+
+    Args:
+        group: its section of --help (one of ``GROUPS``).
+        key: the dotted config key it reads (Bridge ConfigContainer; Megatron-LM argv is mapped onto the same keys).
+        effective: read from the effective config only (decided by several keys, e.g. the mixed_precision block),
+            not swept or named as one key.
+        fallback, why: the value used when neither flag, log, config nor preset gives one, and its source (listed
+            as an assumption).
+        when: the fallback applies only when that feature is on (``fine_grained``, ``loss_fusion``).
+        aliases: older CLI spellings still accepted.
+    """
     extra: dict[str, Any] = {"group": group}
+    if key is not None:
+        extra["key"], extra["effective"] = key, effective
+    if fallback is not _UNSET:
+        extra["fallback"], extra["why"], extra["when"] = fallback, why, when
     if aliases:
         extra["aliases"] = list(aliases)
     return Field(default, description=help, json_schema_extra=extra, **bounds)
+
+
+_MARGIN_WHY = (
+    f"{DEFAULT_MARGIN:.0%} of the usable GPU memory a recommendation keeps free (an estimate's fits has no "
+    "margin): what the tightest published NVIDIA layer-offload recipe keeps free by this model (Bridge 0.6.2 "
+    "Llama 3 70B on 64 GB200, FP8-CS, 40 layers: 2.2 %), rounded down"
+)
 
 
 Dtype = Literal["bf16", "fp16", "fp32"]
@@ -68,120 +103,334 @@ class PlanInputs(BaseModel):
 
     # --- what is trained
     model: str | None = _field(group="model", help="model preset (its recipe's settings fill what is not given)")
-    num_layers: int | None = _field(group="model", help="transformer layers", ge=1, le=MAX_LAYERS)
-    hidden_size: int | None = _field(group="model", help="hidden size", ge=1, le=MAX_WIDTH)
-    ffn_hidden_size: int | None = _field(group="model", help="dense MLP width", ge=1, le=MAX_WIDTH)
-    num_attention_heads: int | None = _field(group="model", help="attention heads", ge=1, le=MAX_WIDTH)
-    num_query_groups: int | None = _field(group="model", help="KV heads (GQA groups)", ge=1, le=MAX_WIDTH)
-    kv_channels: int | None = _field(group="model", help="head dimension", ge=1, le=MAX_WIDTH)
-    vocab_size: int | None = _field(group="model", help="vocabulary size", ge=1, le=MAX_SEQ)
-    num_moe_experts: int | None = _field(group="model", help="routed experts (MoE)", ge=1, le=MAX_EXPERTS)
-    moe_ffn_hidden_size: int | None = _field(group="model", help="expert MLP width", ge=1, le=MAX_WIDTH)
-    moe_router_topk: int | None = _field(group="model", help="experts per token", ge=1, le=MAX_EXPERTS)
+    num_layers: int | None = _field(
+        key="model.num_layers", group="model", help="transformer layers", ge=1, le=MAX_LAYERS
+    )
+    hidden_size: int | None = _field(key="model.hidden_size", group="model", help="hidden size", ge=1, le=MAX_WIDTH)
+    ffn_hidden_size: int | None = _field(
+        key="model.ffn_hidden_size", group="model", help="dense MLP width", ge=1, le=MAX_WIDTH
+    )
+    num_attention_heads: int | None = _field(
+        key="model.num_attention_heads", group="model", help="attention heads", ge=1, le=MAX_WIDTH
+    )
+    num_query_groups: int | None = _field(
+        key="model.num_query_groups", group="model", help="KV heads (GQA groups)", ge=1, le=MAX_WIDTH
+    )
+    kv_channels: int | None = _field(key="model.kv_channels", group="model", help="head dimension", ge=1, le=MAX_WIDTH)
+    vocab_size: int | None = _field(key="model.vocab_size", group="model", help="vocabulary size", ge=1, le=MAX_SEQ)
+    num_moe_experts: int | None = _field(
+        key="model.num_moe_experts", group="model", help="routed experts (MoE)", ge=1, le=MAX_EXPERTS
+    )
+    moe_ffn_hidden_size: int | None = _field(
+        key="model.moe_ffn_hidden_size", group="model", help="expert MLP width", ge=1, le=MAX_WIDTH
+    )
+    moe_router_topk: int | None = _field(
+        key="model.moe_router_topk", group="model", help="experts per token", ge=1, le=MAX_EXPERTS
+    )
     share_embeddings_and_output_weights: bool | None = _field(
+        key="model.share_embeddings_and_output_weights",
         group="model",
         help="model.share_embeddings_and_output_weights: one matrix for the input embedding and the output layer "
         "(default: the config's, the preset's or the model family's; else the frontend's, listed as assumed)",
     )
     # --- parallelism and batch
     num_gpus: int | None = _field(group="parallel", help="GPUs in the job", ge=1, le=MAX_GPUS)
-    tp: int | None = _field(group="parallel", help="tensor parallel size", ge=1, le=MAX_PARALLEL)
-    pp: int | None = _field(group="parallel", help="pipeline parallel size", ge=1, le=MAX_PARALLEL)
-    vpp: int | None = _field(group="parallel", help="virtual pipeline stages per rank", ge=1, le=MAX_PARALLEL)
-    cp: int | None = _field(group="parallel", help="context parallel size", ge=1, le=MAX_PARALLEL)
-    ep: int | None = _field(group="parallel", help="expert parallel size", ge=1, le=MAX_PARALLEL)
-    etp: int | None = _field(
-        group="parallel", help="expert tensor parallel size (megatron-core default: TP)", ge=1, le=MAX_PARALLEL
+    tp: int | None = _field(
+        fallback=1,
+        why="megatron-core default",
+        key="model.tensor_model_parallel_size",
+        group="parallel",
+        help="tensor parallel size",
+        ge=1,
+        le=MAX_PARALLEL,
     )
-    sequence_parallel: bool | None = _field(group="parallel", help="sequence parallelism (default: on when TP > 1)")
-    seq_length: int | None = _field(group="parallel", help="sequence length", ge=1, le=MAX_SEQ)
-    micro_batch_size: int | None = _field(group="parallel", help="micro-batch size", ge=1, le=MAX_BATCH)
-    global_batch_size: int | None = _field(group="parallel", help="global batch size", ge=1, le=MAX_BATCH)
+    pp: int | None = _field(
+        fallback=1,
+        why="megatron-core default",
+        key="model.pipeline_model_parallel_size",
+        group="parallel",
+        help="pipeline parallel size",
+        ge=1,
+        le=MAX_PARALLEL,
+    )
+    vpp: int | None = _field(
+        key="model.virtual_pipeline_model_parallel_size",
+        group="parallel",
+        help="virtual pipeline stages per rank",
+        ge=1,
+        le=MAX_PARALLEL,
+    )
+    cp: int | None = _field(
+        fallback=1,
+        why="megatron-core default",
+        key="model.context_parallel_size",
+        group="parallel",
+        help="context parallel size",
+        ge=1,
+        le=MAX_PARALLEL,
+    )
+    ep: int | None = _field(
+        fallback=1,
+        why="megatron-core default",
+        key="model.expert_model_parallel_size",
+        group="parallel",
+        help="expert parallel size",
+        ge=1,
+        le=MAX_PARALLEL,
+    )
+    etp: int | None = _field(
+        key="model.expert_tensor_parallel_size",
+        group="parallel",
+        help="expert tensor parallel size (megatron-core default: TP)",
+        ge=1,
+        le=MAX_PARALLEL,
+    )
+    sequence_parallel: bool | None = _field(
+        key="model.sequence_parallel", group="parallel", help="sequence parallelism (default: on when TP > 1)"
+    )
+    seq_length: int | None = _field(key="model.seq_length", group="parallel", help="sequence length", ge=1, le=MAX_SEQ)
+    micro_batch_size: int | None = _field(
+        fallback=1,
+        why="Bridge recipe default",
+        key="train.micro_batch_size",
+        group="parallel",
+        help="micro-batch size",
+        ge=1,
+        le=MAX_BATCH,
+    )
+    global_batch_size: int | None = _field(
+        key="train.global_batch_size", group="parallel", help="global batch size", ge=1, le=MAX_BATCH
+    )
     num_layers_in_first_pipeline_stage: int | None = _field(
-        group="parallel", help="model.num_layers_in_first_pipeline_stage (uneven PP)", ge=1, le=MAX_LAYERS
+        key="model.num_layers_in_first_pipeline_stage",
+        group="parallel",
+        help="model.num_layers_in_first_pipeline_stage (uneven PP)",
+        ge=1,
+        le=MAX_LAYERS,
     )
     num_layers_in_last_pipeline_stage: int | None = _field(
-        group="parallel", help="model.num_layers_in_last_pipeline_stage (uneven PP)", ge=1, le=MAX_LAYERS
+        key="model.num_layers_in_last_pipeline_stage",
+        group="parallel",
+        help="model.num_layers_in_last_pipeline_stage (uneven PP)",
+        ge=1,
+        le=MAX_LAYERS,
     )
     pipeline_layout: str | None = _field(
+        key="model.pipeline_model_parallel_layout",
         group="parallel",
         help="model.pipeline_model_parallel_layout, e.g. 'Et*4|(tttt|)*14tmL' (decides the layers of each stage)",
         max_length=4096,
     )
-    use_megatron_fsdp: bool | None = _field(group="parallel", help="ddp.use_megatron_fsdp (Megatron-FSDP)")
+    use_megatron_fsdp: bool | None = _field(
+        fallback=False,
+        why="megatron-core default: DDP with the distributed optimizer",
+        key="ddp.use_megatron_fsdp",
+        group="parallel",
+        help="ddp.use_megatron_fsdp (Megatron-FSDP)",
+    )
     fsdp_sharding_strategy: FsdpStrategy | None = _field(
-        group="parallel", help="ddp.data_parallel_sharding_strategy under Megatron-FSDP"
+        fallback="no_shard",
+        why="megatron-core default ddp.data_parallel_sharding_strategy",
+        key="ddp.data_parallel_sharding_strategy",
+        group="parallel",
+        help="ddp.data_parallel_sharding_strategy under Megatron-FSDP",
     )
     # --- precision
-    params_dtype: Dtype | None = _field(group="precision", help="parameter dtype")
-    grad_reduce_in_fp32: bool | None = _field(group="precision", help="ddp.grad_reduce_in_fp32 (fp32 grad buffers)")
-    distributed_optimizer: bool | None = _field(group="precision", help="use_distributed_optimizer")
-    precision_aware_optimizer: bool | None = _field(group="precision", help="use_precision_aware_optimizer")
-    main_params_dtype: StateDtype | None = _field(group="precision", help="precision-aware: master param dtype")
-    exp_avg_dtype: StateDtype | None = _field(group="precision", help="precision-aware: exp_avg dtype")
-    exp_avg_sq_dtype: StateDtype | None = _field(group="precision", help="precision-aware: exp_avg_sq dtype")
-    fp8_recipe: Fp8Recipe | None = _field(
-        group="precision", help="FP8 compute recipe (none = bf16; GEMM inputs saved in 1 byte otherwise)"
+    params_dtype: Dtype | None = _field(
+        fallback="bf16",
+        why="Bridge recipes train in bf16",
+        key="model.params_dtype",
+        group="precision",
+        help="parameter dtype",
     )
-    fp8_param: bool | None = _field(group="precision", help="fp8_param_gather: FP8 weights (1 byte per element)")
+    grad_reduce_in_fp32: bool | None = _field(
+        fallback=True,
+        why="Bridge recipes set ddp.grad_reduce_in_fp32=True (megatron-core's default is False)",
+        key="ddp.grad_reduce_in_fp32",
+        group="precision",
+        help="ddp.grad_reduce_in_fp32 (fp32 grad buffers)",
+    )
+    distributed_optimizer: bool | None = _field(
+        fallback=True,
+        why="Bridge recipes use the distributed optimizer",
+        key="optimizer.use_distributed_optimizer",
+        group="precision",
+        help="use_distributed_optimizer",
+    )
+    precision_aware_optimizer: bool | None = _field(
+        fallback=False,
+        why="megatron-core default",
+        key="optimizer.use_precision_aware_optimizer",
+        group="precision",
+        help="use_precision_aware_optimizer",
+    )
+    main_params_dtype: StateDtype | None = _field(
+        fallback="fp32",
+        why="megatron-core default",
+        key="optimizer.main_params_dtype",
+        group="precision",
+        help="precision-aware: master param dtype",
+    )
+    exp_avg_dtype: StateDtype | None = _field(
+        fallback="fp32",
+        why="megatron-core default",
+        key="optimizer.exp_avg_dtype",
+        group="precision",
+        help="precision-aware: exp_avg dtype",
+    )
+    exp_avg_sq_dtype: StateDtype | None = _field(
+        fallback="fp32",
+        why="megatron-core default",
+        key="optimizer.exp_avg_sq_dtype",
+        group="precision",
+        help="precision-aware: exp_avg_sq dtype",
+    )
+    fp8_recipe: Fp8Recipe | None = _field(
+        fallback="none",
+        why="bf16 compute: no FP8 recipe given",
+        key="model.fp8_recipe",
+        effective=True,
+        group="precision",
+        help="FP8 compute recipe (none = bf16; GEMM inputs saved in 1 byte otherwise)",
+    )
+    fp8_param: bool | None = _field(
+        fallback=False,
+        why="megatron-core default fp8_param_gather=False",
+        key="model.fp8_param",
+        effective=True,
+        group="precision",
+        help="fp8_param_gather: FP8 weights (1 byte per element)",
+    )
     cross_entropy_loss_fusion: bool | None = _field(
-        group="precision", help="model.cross_entropy_loss_fusion (fused cross-entropy kernel)"
+        fallback=False,
+        why="megatron-core default: fp32 logits kept for the loss",
+        key="model.cross_entropy_loss_fusion",
+        group="precision",
+        help="model.cross_entropy_loss_fusion (fused cross-entropy kernel)",
     )
     cross_entropy_fusion_impl: Literal["native", "te"] | None = _field(
+        fallback="native",
+        why="megatron-core default: its fused kernel still casts the logits to fp32",
+        when="loss_fusion",
+        key="model.cross_entropy_fusion_impl",
         group="precision",
         help="model.cross_entropy_fusion_impl with the fusion on: native (still an fp32 copy of the logits) or te "
         "(Transformer Engine's kernel, in place on the bf16 logits)",
     )
     fsdp_main_grads_dtype: Dtype | None = _field(
-        group="precision", help="ddp.megatron_fsdp_main_grads_dtype (default: the parameter dtype)"
+        key="ddp.megatron_fsdp_main_grads_dtype",
+        group="precision",
+        help="ddp.megatron_fsdp_main_grads_dtype (default: the parameter dtype)",
     )
     # --- activation recompute
     recompute_granularity: Literal["none", "selective", "full"] | None = _field(
-        group="recompute", help="model.recompute_granularity", aliases=("--recompute",)
+        fallback="none",
+        why="megatron-core default: no activation recompute",
+        key="model.recompute_granularity",
+        group="recompute",
+        help="model.recompute_granularity",
+        aliases=("--recompute",),
     )
-    recompute_method: Literal["uniform", "block"] | None = _field(group="recompute", help="full recompute method")
+    recompute_method: Literal["uniform", "block"] | None = _field(
+        key="model.recompute_method", group="recompute", help="full recompute method"
+    )
     recompute_num_layers: int | None = _field(
-        group="recompute", help="layers per recompute group (uniform) or recomputed layers (block)", ge=1, le=MAX_LAYERS
+        key="model.recompute_num_layers",
+        group="recompute",
+        help="layers per recompute group (uniform) or recomputed layers (block)",
+        ge=1,
+        le=MAX_LAYERS,
     )
-    recompute_modules: list[str] | None = _field(group="recompute", help="selective recompute modules")
+    recompute_modules: list[str] | None = _field(
+        key="model.recompute_modules", group="recompute", help="selective recompute modules"
+    )
     # --- offload and upstream constraints
     optimizer_offload_fraction: float | None = _field(
-        group="offload", help="optimizer states on the CPU (0..1)", ge=0.0, le=1.0
+        fallback=0.0,
+        why="no optimizer offload",
+        key="optimizer.optimizer_offload_fraction",
+        group="offload",
+        help="optimizer states on the CPU (0..1)",
+        ge=0.0,
+        le=1.0,
     )
     activation_offload_layers: int | None = _field(
-        group="offload", help="model.cpu_offloading_num_layers", ge=0, le=MAX_LAYERS
+        fallback=0,
+        why="no activation offload",
+        key="model.cpu_offloading_num_layers",
+        group="offload",
+        help="model.cpu_offloading_num_layers",
+        ge=0,
+        le=MAX_LAYERS,
     )
-    overlap: bool | None = _field(group="offload", help="optimizer.overlap_cpu_optimizer_d2h_h2d")
+    overlap: bool | None = _field(
+        fallback=False,
+        why="megatron-core default overlap_cpu_optimizer_d2h_h2d=False",
+        key="optimizer.overlap_cpu_optimizer_d2h_h2d",
+        group="offload",
+        help="optimizer.overlap_cpu_optimizer_d2h_h2d",
+    )
     hybrid_optimizer: Literal["megatron-core", "ours"] | None = _field(
+        fallback="megatron-core",
+        why="what Bridge builds with optimizer.optimizer_cpu_offload=True",
         group="offload",
         help="which HybridDeviceOptimizer runs with optimizer.optimizer_cpu_offload: megatron-core (what Bridge "
         "builds; it keeps fp32 gradient copies on the GPU) or ours (after "
         "mbridge_offload_runtime.optimizer.install_optimizer_offload())",
     )
     cuda_graph_impl: Literal["none", "local", "transformer_engine", "full_iteration"] | None = _field(
-        group="offload", help="model.cuda_graph_impl (blocks activation offload unless none/full_iteration)"
+        fallback="none",
+        why="megatron-core default",
+        key="model.cuda_graph_impl",
+        group="offload",
+        help="model.cuda_graph_impl (blocks activation offload unless none/full_iteration)",
     )
     fine_grained_activation_offloading: bool | None = _field(
-        group="offload", help="model.fine_grained_activation_offloading (blocks layer-level offload)"
+        fallback=False,
+        why="megatron-core default",
+        key="model.fine_grained_activation_offloading",
+        group="offload",
+        help="model.fine_grained_activation_offloading (blocks layer-level offload)",
     )
     offload_modules: list[str] | None = _field(
+        key="model.offload_modules",
         group="offload",
         help="model.offload_modules: fine-grained offload points (0.19.2: attn_norm qkv_linear core_attn attn_proj "
         "mlp_norm expert_fc1 moe_act fused_group_mlp); switches fine-grained offloading on unless it is set off",
     )
     min_offloaded_tensor_size: int | None = _field(
-        group="offload", help="model.min_offloaded_tensor_size: smaller saved tensors stay (elements)", ge=0, le=2**40
+        fallback=1048576,
+        why="megatron-core default (elements)",
+        when="fine_grained",
+        key="model.min_offloaded_tensor_size",
+        group="offload",
+        help="model.min_offloaded_tensor_size: smaller saved tensors stay (elements)",
+        ge=0,
+        le=2**40,
     )
     activation_offload_fraction: float | None = _field(
+        fallback=1.0,
+        why="megatron-core default",
+        when="fine_grained",
+        key="model.activation_offload_fraction",
         group="offload",
         help="model.activation_offload_fraction: share of each chunk's offload groups (0..1)",
         ge=0.0,
         le=1.0,
     )
-    moe_paged_stash: bool | None = _field(group="offload", help="blocks layer-level offload")
+    moe_paged_stash: bool | None = _field(
+        fallback=False,
+        why="megatron-core default",
+        key="model.moe_paged_stash",
+        group="offload",
+        help="blocks layer-level offload",
+    )
     # --- hardware
     gpu: str | None = _field(
-        group="hardware", help="GPU preset (h100-80gb, h200-141gb, gh200, gb200, gb300, a100-80gb, b200, b300)"
+        fallback="h100-80gb",
+        why="the GPU of the upstream card",
+        group="hardware",
+        help="GPU preset (h100-80gb, h200-141gb, gh200, gb200, gb300, a100-80gb, b200, b300)",
     )
     gpu_memory_gb: float | None = _field(
         group="hardware", help="GPU memory the device exposes, decimal GB (instead of the preset's)", gt=0, le=1e5
@@ -200,7 +449,12 @@ class PlanInputs(BaseModel):
     cpu_cores: int | None = _field(group="hardware", help="CPU cores per GPU", ge=1, le=MAX_GPUS)
     # --- step time
     cpu_threads: int | None = _field(
-        group="time", help="CPU threads per rank (OMP_NUM_THREADS; torchrun sets 1)", ge=1, le=MAX_GPUS
+        fallback=1,
+        why="torchrun sets OMP_NUM_THREADS=1 per rank when it starts several per node",
+        group="time",
+        help="CPU threads per rank (OMP_NUM_THREADS; torchrun sets 1)",
+        ge=1,
+        le=MAX_GPUS,
     )
     cpu_adam_params_per_s: float | None = _field(
         group="time",
@@ -225,19 +479,33 @@ class PlanInputs(BaseModel):
         group="time", help="the older name of host_profile: a host profile FILE (from `calibrate`)", max_length=4096
     )
     overlap_grad_reduce: bool | None = _field(
-        group="time", help="ddp.overlap_grad_reduce (gradient reduce-scatter behind the backward)"
+        fallback=True,
+        why="Bridge recipes set ddp.overlap_grad_reduce=True (megatron-core's default is False)",
+        key="ddp.overlap_grad_reduce",
+        group="time",
+        help="ddp.overlap_grad_reduce (gradient reduce-scatter behind the backward)",
     )
     overlap_param_gather: bool | None = _field(
-        group="time", help="ddp.overlap_param_gather (parameter all-gather behind the forward)"
+        fallback=True,
+        why="Bridge recipes set ddp.overlap_param_gather=True (megatron-core's default is False)",
+        key="ddp.overlap_param_gather",
+        group="time",
+        help="ddp.overlap_param_gather (parameter all-gather behind the forward)",
     )
     tp_comm_overlap: bool | None = _field(
-        group="time", help="comm_overlap.tp_comm_overlap (TE userbuffers hide most TP traffic)"
+        fallback=False,
+        why="Bridge's CommOverlapConfig default (its performance recipes switch it on for TP > 1)",
+        key="model.tp_comm_overlap",
+        group="time",
+        help="comm_overlap.tp_comm_overlap (TE userbuffers hide most TP traffic)",
     )
     # --- decision
     margin: float | None = _field(
+        fallback=DEFAULT_MARGIN,
+        why=_MARGIN_WHY,
         group="decision",
-        help="fraction of usable GPU memory a recommendation keeps free (default 0.03: what NVIDIA's tightest "
-        "published offload recipe keeps, rounded down)",
+        help=f"fraction of usable GPU memory a recommendation keeps free (default {DEFAULT_MARGIN:g}: what NVIDIA's "
+        "tightest published offload recipe keeps, rounded down)",
         ge=0.0,
         lt=1.0,
     )
@@ -300,6 +568,25 @@ def _extra(field: str) -> dict[str, Any]:
     return extra if isinstance(extra, dict) else {}  # always a dict here: ``_field`` never passes a callable
 
 
+def config_key(field: str) -> str | None:
+    """The dotted config key an input reads (``model.tensor_model_parallel_size`` for ``tp``), if it reads one."""
+    key = _extra(field).get("key")
+    return None if key is None else str(key)
+
+
+# Input -> the one config key it reads (the effective-only inputs left out: several keys decide them).
+CONFIG_KEYS: dict[str, str] = {
+    n: str(_extra(n)["key"]) for n in FIELDS if _extra(n).get("key") and not _extra(n).get("effective")
+}
+# Inputs read from the effective config besides CONFIG_KEYS (FP8: model.* or the mixed_precision block).
+EFFECTIVE_KEYS: dict[str, str] = {n: str(_extra(n)["key"]) for n in FIELDS if _extra(n).get("effective")}
+
+
+def fallbacks(when: str | None = None) -> dict[str, tuple[Any, str]]:
+    """``{input: (value, why)}``: what applies when nothing gives a value; ``when`` picks a feature's own ones."""
+    return {n: (e["fallback"], str(e["why"])) for n in FIELDS if "fallback" in (e := _extra(n)) and e["when"] == when}
+
+
 def flag_name(field: str) -> str:
     """The CLI flag of an input: its name in kebab case, ``--seq-length`` (the one rule for every tool)."""
     return "--" + field.replace("_", "-")
@@ -331,76 +618,3 @@ def help_text(field: str) -> str:
     """The help of an input with its bounds, e.g. ``transformer layers [>= 1, <= 1024]``."""
     bounds = bounds_text(field)
     return (PlanInputs.model_fields[field].description or "") + (f" [{bounds}]" if bounds else "")
-
-
-# Inputs that describe the job, the machine and the evidence, not the run's settings: the same in the run a user's
-# evidence measured and the run asked about (``plan/evidence/runs.py``).
-_SHARED_GROUPS = {"model", "hardware", "time", "decision", "measured"}
-# In those groups but settings of the run (config keys the caller may change).
-_RUN_SETTINGS_THERE = {"overlap_grad_reduce", "overlap_param_gather", "tp_comm_overlap"}
-
-
-def shared(name: str) -> bool:
-    """``name`` describes the job and the machine (both runs), not a setting the caller may change. The GPU count is
-    the job's: a flag gives it to both runs (``measured_settings`` or a log's world size may say otherwise)."""
-    return name == "num_gpus" or (group_of(name) in _SHARED_GROUPS and name not in _RUN_SETTINGS_THERE)
-
-
-def measured_settings(items: list[str] | None) -> dict[str, Any]:
-    """``measured_settings`` (``NAME=VALUE`` items) as planner input values, checked like the inputs themselves.
-
-    Raises:
-        InputError: an item without ``=``, a name that is no planner input or not a setting of the run, a value the
-            input refuses.
-    """
-    out: dict[str, Any] = {}
-    for item in items or []:
-        name, sep, text = (part.strip() for part in item.partition("="))
-        if not sep or name not in PlanInputs.model_fields:
-            raise InputError(
-                f"measured_settings {item!r}: expected NAME=VALUE with NAME a planner input, e.g. micro_batch_size=1 "
-                "or seq_length=4096 (CLI: --measured-settings micro_batch_size=1)"
-            )
-        if shared(name) and name != "num_gpus":
-            raise InputError(
-                f"measured_settings {item!r}: {name} is the same in the measured and the asked run (the model, the "
-                f"hardware, the evidence); pass it as {flag_name(name)}"
-            )
-        value: Any = [v for v in text.split(",") if v] if name in ("recompute_modules", "offload_modules") else text
-        out[name] = getattr(validate_inputs({name: value}, {name: "measured_settings"}), name)
-    return out
-
-
-def _message(err: ErrorDetails, where: dict[str, str], keys: dict[str, str]) -> str:
-    name = str(err["loc"][0]) if err["loc"] else "input"
-    value = err.get("input")
-    source = where.get(name, "flag")
-    shown = flag_name(name) if name in PlanInputs.model_fields and source == "flag" else name
-    if source in ("config", "argv") and name in keys:
-        shown = keys[name]  # the config's own key: model.tensor_model_parallel_size, not tp
-    text = err["msg"]
-    if isinstance(value, float) and not math.isfinite(value):
-        text = "must be a finite number"
-    return f"{shown} = {value!r} ({source}): {text[0].lower() + text[1:]}"
-
-
-def validate_inputs(
-    values: dict[str, Any], where: dict[str, str] | None = None, keys: dict[str, str] | None = None
-) -> PlanInputs:
-    """``PlanInputs`` from a dict of values; one readable line per violated bound.
-
-    Args:
-        values: input name → value (unknown names are refused).
-        where: input name → source (``flag``, ``config``, ``preset``...), named in the message.
-        keys: input name → the dotted config key, named instead of the input where the config gave the value.
-
-    Raises:
-        InputError: the first three problems, each with the input, its value and the bound.
-    """
-    try:
-        return PlanInputs.model_validate(values)
-    except ValidationError as exc:
-        errors = exc.errors()
-        lines = [_message(e, where or {}, keys or {}) for e in errors[:3]]
-        more = f" (and {len(errors) - 3} more)" if len(errors) > 3 else ""
-        raise InputError("; ".join(lines) + more) from None

@@ -21,7 +21,7 @@ from mbridge_offload.config.effective import Effective
 from mbridge_offload.config.effective import resolve as resolve_config
 from mbridge_offload.config.errors import BoundsError as InputError
 from mbridge_offload.config.schema import OffloadConfig
-from mbridge_offload.plan.inputs import family, implied
+from mbridge_offload.plan.inputs import family, fields, implied
 from mbridge_offload.plan.inputs.config_facts import (
     expandable_segments,
     hybrid_optimizer_note,
@@ -31,8 +31,9 @@ from mbridge_offload.plan.inputs.config_facts import (
     raw_section,
     with_layout,
 )
-from mbridge_offload.plan.inputs.fields import FIELDS, PlanInputs, validate_inputs
-from mbridge_offload.plan.inputs.hardware import DEFAULT_MARGIN, GpuPreset, gpu_preset, with_overrides
+from mbridge_offload.plan.inputs.fields import FIELDS, PlanInputs
+from mbridge_offload.plan.inputs.given import validate_inputs
+from mbridge_offload.plan.inputs.hardware import GpuPreset, gpu_preset, with_overrides
 from mbridge_offload.plan.inputs.vocab import tokenizer_vocab
 from mbridge_offload.plan.model.architecture import ModelSpec
 from mbridge_offload.plan.model.layout import layout_text
@@ -41,113 +42,11 @@ from mbridge_offload.plan.time import host_profile
 from mbridge_offload.plan.time.host_profile import HostProfile
 from mbridge_offload.plan.time.step import cpu_adam_rate_source
 
-# Input → dotted config key (Bridge ConfigContainer; Megatron-LM argv is mapped onto the same keys by sources.py).
-CONFIG_KEYS: dict[str, str] = {
-    "num_layers": "model.num_layers",
-    "hidden_size": "model.hidden_size",
-    "ffn_hidden_size": "model.ffn_hidden_size",
-    "num_attention_heads": "model.num_attention_heads",
-    "num_query_groups": "model.num_query_groups",
-    "kv_channels": "model.kv_channels",
-    "vocab_size": "model.vocab_size",
-    "num_moe_experts": "model.num_moe_experts",
-    "moe_ffn_hidden_size": "model.moe_ffn_hidden_size",
-    "moe_router_topk": "model.moe_router_topk",
-    "share_embeddings_and_output_weights": "model.share_embeddings_and_output_weights",
-    "tp": "model.tensor_model_parallel_size",
-    "pp": "model.pipeline_model_parallel_size",
-    "vpp": "model.virtual_pipeline_model_parallel_size",
-    "cp": "model.context_parallel_size",
-    "ep": "model.expert_model_parallel_size",
-    "etp": "model.expert_tensor_parallel_size",
-    "sequence_parallel": "model.sequence_parallel",
-    "seq_length": "model.seq_length",
-    "micro_batch_size": "train.micro_batch_size",
-    "global_batch_size": "train.global_batch_size",
-    "params_dtype": "model.params_dtype",
-    "grad_reduce_in_fp32": "ddp.grad_reduce_in_fp32",
-    "overlap_grad_reduce": "ddp.overlap_grad_reduce",
-    "overlap_param_gather": "ddp.overlap_param_gather",
-    "tp_comm_overlap": "model.tp_comm_overlap",
-    "distributed_optimizer": "optimizer.use_distributed_optimizer",
-    "precision_aware_optimizer": "optimizer.use_precision_aware_optimizer",
-    "main_params_dtype": "optimizer.main_params_dtype",
-    "exp_avg_dtype": "optimizer.exp_avg_dtype",
-    "exp_avg_sq_dtype": "optimizer.exp_avg_sq_dtype",
-    "recompute_granularity": "model.recompute_granularity",
-    "recompute_method": "model.recompute_method",
-    "recompute_num_layers": "model.recompute_num_layers",
-    "recompute_modules": "model.recompute_modules",
-    "optimizer_offload_fraction": "optimizer.optimizer_offload_fraction",
-    "activation_offload_layers": "model.cpu_offloading_num_layers",
-    "overlap": "optimizer.overlap_cpu_optimizer_d2h_h2d",
-    "cuda_graph_impl": "model.cuda_graph_impl",
-    "fine_grained_activation_offloading": "model.fine_grained_activation_offloading",
-    "offload_modules": "model.offload_modules",
-    "min_offloaded_tensor_size": "model.min_offloaded_tensor_size",
-    "activation_offload_fraction": "model.activation_offload_fraction",
-    "moe_paged_stash": "model.moe_paged_stash",
-    "num_layers_in_first_pipeline_stage": "model.num_layers_in_first_pipeline_stage",
-    "num_layers_in_last_pipeline_stage": "model.num_layers_in_last_pipeline_stage",
-    "pipeline_layout": "model.pipeline_model_parallel_layout",
-    "cross_entropy_loss_fusion": "model.cross_entropy_loss_fusion",
-    "cross_entropy_fusion_impl": "model.cross_entropy_fusion_impl",
-    "use_megatron_fsdp": "ddp.use_megatron_fsdp",
-    "fsdp_sharding_strategy": "ddp.data_parallel_sharding_strategy",
-    "fsdp_main_grads_dtype": "ddp.megatron_fsdp_main_grads_dtype",
-}
-
-# The value used when nothing gives one, and why (Bridge recipe defaults unless said otherwise).
-DEFAULTS: dict[str, tuple[Any, str]] = {
-    "tp": (1, "megatron-core default"),
-    "pp": (1, "megatron-core default"),
-    "cp": (1, "megatron-core default"),
-    "ep": (1, "megatron-core default"),
-    "micro_batch_size": (1, "Bridge recipe default"),
-    "params_dtype": ("bf16", "Bridge recipes train in bf16"),
-    "grad_reduce_in_fp32": (True, "Bridge recipes set ddp.grad_reduce_in_fp32=True (megatron-core's default is False)"),
-    "distributed_optimizer": (True, "Bridge recipes use the distributed optimizer"),
-    "overlap_grad_reduce": (True, "Bridge recipes set ddp.overlap_grad_reduce=True (megatron-core's default is False)"),
-    "overlap_param_gather": (
-        True,
-        "Bridge recipes set ddp.overlap_param_gather=True (megatron-core's default is False)",
-    ),
-    "tp_comm_overlap": (False, "Bridge's CommOverlapConfig default (its performance recipes switch it on for TP > 1)"),
-    "precision_aware_optimizer": (False, "megatron-core default"),
-    "main_params_dtype": ("fp32", "megatron-core default"),
-    "exp_avg_dtype": ("fp32", "megatron-core default"),
-    "exp_avg_sq_dtype": ("fp32", "megatron-core default"),
-    "recompute_granularity": ("none", "megatron-core default: no activation recompute"),
-    "optimizer_offload_fraction": (0.0, "no optimizer offload"),
-    "activation_offload_layers": (0, "no activation offload"),
-    "overlap": (False, "megatron-core default overlap_cpu_optimizer_d2h_h2d=False"),
-    "hybrid_optimizer": ("megatron-core", "what Bridge builds with optimizer.optimizer_cpu_offload=True"),
-    "cuda_graph_impl": ("none", "megatron-core default"),
-    "fine_grained_activation_offloading": (False, "megatron-core default"),
-    "moe_paged_stash": (False, "megatron-core default"),
-    "use_megatron_fsdp": (False, "megatron-core default: DDP with the distributed optimizer"),
-    "fsdp_sharding_strategy": ("no_shard", "megatron-core default ddp.data_parallel_sharding_strategy"),
-    "fp8_recipe": ("none", "bf16 compute: no FP8 recipe given"),
-    "fp8_param": (False, "megatron-core default fp8_param_gather=False"),
-    "cross_entropy_loss_fusion": (False, "megatron-core default: fp32 logits kept for the loss"),
-    "gpu": ("h100-80gb", "the GPU of the upstream card"),
-    "cpu_threads": (1, "torchrun sets OMP_NUM_THREADS=1 per rank when it starts several per node"),
-    "margin": (
-        DEFAULT_MARGIN,
-        f"{DEFAULT_MARGIN:.0%} of the usable GPU memory a recommendation keeps free (an estimate's fits has no "
-        "margin): what the tightest published NVIDIA layer-offload recipe keeps free by this model (Bridge 0.6.2 "
-        "Llama 3 70B on 64 GB200, FP8-CS, 40 layers: 2.2 %), rounded down",
-    ),
-}
-# Listed (and used) only when fine-grained offloading is on.
-# Listed (and used) only when the fused cross entropy is on.
-LOSS_FUSION_DEFAULTS: dict[str, tuple[Any, str]] = {
-    "cross_entropy_fusion_impl": ("native", "megatron-core default: its fused kernel still casts the logits to fp32"),
-}
-FINE_GRAINED_DEFAULTS: dict[str, tuple[Any, str]] = {
-    "min_offloaded_tensor_size": (1024 * 1024, "megatron-core default (elements)"),
-    "activation_offload_fraction": (1.0, "megatron-core default"),
-}
+# Every input's config key and fallback is declared once, on its field (``fields.PlanInputs``); these are views.
+CONFIG_KEYS = fields.CONFIG_KEYS
+DEFAULTS = fields.fallbacks()
+FINE_GRAINED_DEFAULTS = fields.fallbacks("fine_grained")  # listed (and used) only when fine-grained offloading is on
+LOSS_FUSION_DEFAULTS = fields.fallbacks("loss_fusion")  # listed (and used) only when the fused cross entropy is on
 ARCHITECTURE = (
     "num_layers",
     "hidden_size",
@@ -282,16 +181,12 @@ class Resolved:
 # ------------------------------------------------------------------------------------------- layers
 
 
-# Effective keys the planner reads besides CONFIG_KEYS: FP8 is decided from model.* or the mixed_precision block.
-_EFFECTIVE_INPUTS = {"fp8_recipe": "model.fp8_recipe", "fp8_param": "model.fp8_param"}
-
-
 def config_values(eff: Effective) -> dict[str, Any]:
     """The inputs the config decides (``Effective.given``): written, from ``mixed_precision``, Bridge's
     ``finalize()`` or derived from what is written. Keys only a frontend default decides stay unset, so presets
     and the planner's defaults apply."""
     out: dict[str, Any] = {}
-    for name, dotted in {**CONFIG_KEYS, **_EFFECTIVE_INPUTS}.items():
+    for name, dotted in {**CONFIG_KEYS, **fields.EFFECTIVE_KEYS}.items():
         given, value = eff.given(dotted)
         if given:
             out[name] = value
@@ -452,7 +347,7 @@ def _effective_notes(eff: Effective | None, where: dict[str, str], cfg_source: s
     if eff is None:
         return {}
     out = {}
-    for name, dotted in {**CONFIG_KEYS, **_EFFECTIVE_INPUTS}.items():
+    for name, dotted in {**CONFIG_KEYS, **fields.EFFECTIVE_KEYS}.items():
         entry = eff.values.get(dotted)
         if entry is not None and where.get(name) == cfg_source and entry.source != cfg_source:
             out[name] = f"effective {dotted}: {entry.source}"
@@ -561,7 +456,7 @@ def _check_measured_settings(flags: dict[str, Any]) -> None:
     Raises:
         InputError: an item that is not NAME=VALUE of a run setting, or no evidence to go with them.
     """
-    from mbridge_offload.plan.inputs.fields import measured_settings
+    from mbridge_offload.plan.inputs.given import measured_settings
 
     if not measured_settings(flags.get("measured_settings")):
         return
