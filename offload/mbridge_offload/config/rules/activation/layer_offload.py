@@ -174,14 +174,6 @@ def _paged_stash(ctx: Context) -> bool:
     return ctx.model.moe_paged_stash and ctx.model.cpu_offloading
 
 
-def _enable_with_impl(ctx: Context):
-    m = ctx.model
-    on = [k for k in ("enable_cuda_graph", "external_cuda_graph") if getattr(m, k)]
-    if on and m.cuda_graph_impl != "none":
-        return Match(fix=[f"model.{k}=false" for k in on])
-    return None
-
-
 def _enable_deprecated(ctx: Context):
     m = ctx.model
     if m.cuda_graph_impl != "none" or (m.enable_cuda_graph and m.external_cuda_graph):
@@ -392,19 +384,9 @@ ACTIVATION_RULES: tuple[Rule, ...] = (
         applies_to=">=0.19",
         check=_paged_stash,
     ),
-    Rule(
-        id="ACT-CUDA-GRAPH-ENABLE-AND-IMPL",
-        severity="error",
-        origin="mcore",
-        stage=TC,
-        exception="AssertionError",
-        summary="The deprecated `enable_cuda_graph` cannot be combined with `cuda_graph_impl`.",
-        keys=("model.enable_cuda_graph", "model.cuda_graph_impl"),
-        message="Do not use enable_cuda_graph or external_cuda_graph with cuda_graph_impl.",
-        why="`enable_cuda_graph=True` is the old spelling of `cuda_graph_impl=local`; set only one.",
-        fix=("model.enable_cuda_graph=false",),
-        check=_enable_with_impl,
-    ),
+    # Two megatron-core CUDA-graph checks stay rules although they concern no offload: the deprecation is a
+    # warning (validate's megatron-core run reports errors only), and the implementation check decides per release
+    # whether full_iteration, the one graph ACT-CUDA-GRAPH allows beside offloading, exists at all.
     Rule(
         id="ACT-CUDA-GRAPH-DEPRECATED",
         severity="warning",
