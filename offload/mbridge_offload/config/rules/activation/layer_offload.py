@@ -42,7 +42,7 @@ def _num_layers(ctx: Context):
 def _pp(ctx: Context):
     m = ctx.model
     # megatron-core compares the size as written: 4.5 (which our typed field does not keep) is > 1 too; a text or
-    # null size has failed ModelParallelConfig's own comparison before this check (MC-PARALLEL-SIZES-TYPE).
+    # null size has failed ModelParallelConfig's own comparison before this check (validate's upstream run).
     pp = ctx.seen("model.pipeline_model_parallel_size")
     if not isinstance(pp, int | float):
         pp = m.pipeline_model_parallel_size
