@@ -189,7 +189,9 @@ def _judge(torch, classes, data: dict, te: _TEChecks | None, have_te: bool) -> d
     if te is not None:
         te.reset(str(data.get("te_version") or "2.18.0"))
     model = data.get("model") or {}
-    if all(model.get(k) is not None for k in ("num_layers", "hidden_size", "num_attention_heads")):
+    # A size written as null is built as written (megatron-core's own TypeError answers it); only a size the config
+    # leaves out (a partial YAML) skips the TransformerConfig.
+    if all(k in model for k in ("num_layers", "hidden_size", "num_attention_heads")):
         cls = mla if model.get("multi_latent_attention") else transformer
         config = _build(torch, cls, model, "TransformerConfig", out, te)
         if config is not None and data.get("build", True):
