@@ -144,11 +144,6 @@ def _load_optim(cfg: OffloadConfig) -> Any:
     return section(cfg, "checkpoint").get("load_optim")
 
 
-def fine_tune_start(cfg: OffloadConfig) -> bool:
-    ckpt = section(cfg, "checkpoint")
-    return _flag(ckpt.get("pretrained_checkpoint")) or _flag(ckpt.get("finetune"))
-
-
 def rules_out_resume_jump(cfg: OffloadConfig) -> str | None:
     if reason := _offload_off(cfg):
         return reason
