@@ -147,16 +147,6 @@ class SavedTensor(Protocol):
     def nbytes(self) -> int: ...
 
 
-def module_errors(modules: Sequence[str]) -> list[str]:
-    """What megatron-core's ``TransformerConfig.__post_init__`` refuses in ``offload_modules`` (empty when valid), as
-    the rule catalogue says it (``config.validate.fine_grained_errors``, one home)."""
-    from mbridge_offload.config.validate import fine_grained_errors
-
-    # The fused grouped MLP is modelled as TE's op fuser runs it: its own prerequisite is the config's to state.
-    fuser = {"use_transformer_engine_op_fuser": True} if "fused_group_mlp" in modules else {}
-    return [f"{message} ({rule})" for rule, message in fine_grained_errors({"offload_modules": list(modules), **fuser})]
-
-
 def check(setup) -> None:
     """Refuse what megatron-core refuses about a ``memory.Setup``'s fine-grained settings (the rule catalogue's
     fine-grained errors, ``config.validate.fine_grained_errors``).
@@ -175,7 +165,7 @@ def check(setup) -> None:
         "min_offloaded_tensor_size": setup.min_offloaded_tensor_size,
     }
     if "fused_group_mlp" in modules:
-        model["use_transformer_engine_op_fuser"] = True  # as module_errors: the planner models TE's op fuser
+        model["use_transformer_engine_op_fuser"] = True  # the planner models the fused MLP as TE's op fuser runs it
     if setup.activation_offload_layers:
         model.update(cpu_offloading=True, cpu_offloading_num_layers=setup.activation_offload_layers)
     errors = fine_grained_errors(model)
