@@ -23,10 +23,6 @@ def section(cfg: OffloadConfig, name: str) -> dict[str, Any]:
     return value if isinstance(value, dict) else {}
 
 
-def _flag(value: Any) -> bool:
-    return value not in (None, False, "", "false", "False", 0)
-
-
 def fraction(cfg: OffloadConfig) -> float | None:
     """The offload fraction that takes effect (None: optimizer offload is off)."""
     return cfg.optimizer.optimizer_offload_fraction if cfg.optimizer.optimizer_cpu_offload else None

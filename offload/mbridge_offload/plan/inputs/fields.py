@@ -315,24 +315,6 @@ def group_of(field: str) -> str:
     return str(_extra(field)["group"])
 
 
-def bounds_text(field: str) -> str:
-    """The declared bounds of an input, e.g. ``>= 1, <= 65536`` (empty when it has none)."""
-    signs = {"ge": ">=", "gt": ">", "le": "<=", "lt": "<"}
-    out = []
-    for meta in PlanInputs.model_fields[field].metadata:
-        for attr, sign in signs.items():
-            value = getattr(meta, attr, None)
-            if value is not None:
-                out.append(f"{sign} {value:g}")
-    return ", ".join(out)
-
-
-def help_text(field: str) -> str:
-    """The help of an input with its bounds, e.g. ``transformer layers [>= 1, <= 1024]``."""
-    bounds = bounds_text(field)
-    return (PlanInputs.model_fields[field].description or "") + (f" [{bounds}]" if bounds else "")
-
-
 # Inputs that describe the job, the machine and the evidence, not the run's settings: the same in the run a user's
 # evidence measured and the run asked about (``plan/evidence/runs.py``).
 _SHARED_GROUPS = {"model", "hardware", "time", "decision", "measured"}
