@@ -227,6 +227,10 @@ def _layout(config, out: dict) -> bool:
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
     vp = config.virtual_pipeline_model_parallel_size
+    if not all(isinstance(n, int) for n in (config.pipeline_model_parallel_size, vp or 0)):
+        # A size the dataclass kept as written (2.0): no stage can be counted from it; the answer says so.
+        out["skipped"].append(f"{_BUILD}: the pipeline sizes are no integers, so no stage's layers were counted")
+        return False
     try:
         for pp_rank in range(config.pipeline_model_parallel_size):
             # a pipeline_model_parallel_layout reads the rank from parallel_state, not from pp_rank
