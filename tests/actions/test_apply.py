@@ -375,3 +375,22 @@ def test_fine_grained_on_te_before_2_10_writes_no_variable(tmp_path: Path) -> No
     assert "env_vars.NVTE_CPU_OFFLOAD_V1" not in {c.key for c in result.changes}  # only the v1 path exists there
     assert not any("NVTE_CPU_OFFLOAD_V1" in n for n in result.notes)
     assert result.ok and result.env == {"te_version": "2.9"}
+
+
+# ---------------------------------------------------------------------------------------------- fine-grained refusals
+
+
+def test_fine_grained_refuses_what_the_catalogue_refuses_beside_the_runs_recompute(tmp_path: Path) -> None:
+    # One home (config.validate.fine_grained_errors): MoE-inside modules while the whole MoE layer is recomputed.
+    path = tmp_path / "moe.yaml"
+    path.write_text(DENSE_TE + "  recompute_granularity: selective\n  recompute_modules: [moe]\n")
+    with pytest.raises(ApplyError, match=r"\(MC-FG-MOE-RECOMPUTE\)"):
+        apply_offload(str(path), "fine-grained", modules=["expert_fc1"])
+    assert apply_offload(str(path), "fine-grained", modules=["core_attn", "attn_proj"]).ok
+
+
+def test_fine_grained_refuses_an_unknown_module_with_the_catalogues_rule(tmp_path: Path) -> None:
+    path = tmp_path / "fg.yaml"
+    path.write_text(DENSE_TE)
+    with pytest.raises(ApplyError, match=r"\(ACT-FG-MODULES-INVALID\)"):
+        apply_offload(str(path), "fine-grained", modules=["dense_mlp"])

@@ -219,9 +219,10 @@ def test_layernorm_recompute_follows_the_layer_spec():
     assert _no_effect({"recompute_modules": ["layernorm"], "multi_latent_attention": True}) == []
 
 
-def test_mla_up_proj_without_mla_is_refused_not_just_flagged():
+def test_mla_up_proj_without_mla_is_left_to_megatron_cores_refusal_not_flagged():
+    # megatron-core refuses it (its own run in validate says so); a no-effect warning would misname the problem.
     report, _ = _report({**_SELECTIVE, "recompute_modules": ["mla_up_proj"]})
-    assert [f.rule for f in report.errors] == ["MC-RECOMPUTE-MLA-UP-PROJ"] and not _rule(report, _NO_EFFECT)
+    assert not _rule(report, _NO_EFFECT)
 
 
 def test_each_no_effect_verdict_is_the_tables():

@@ -204,21 +204,6 @@ TRIGGERS: dict[str, tuple[str, Any, str]] = {
             ("CFG-BRIDGE-SEQ-LENGTH-MATCH", {"seq_length": 4096}, {"dataset": {"seq_length": 2048}}),
         )
     },
-    "MC-CUDA-GRAPH-FULL-ITERATION-SCOPE-IMPL": (
-        "yaml",
-        {"model": {"num_layers": 4, "cuda_graph_scope": "full_iteration", "cuda_graph_impl": "transformer_engine"}},
-        "megatron-core==0.19.2",
-    ),
-    "MC-CUDA-GRAPH-TE-FULL-ITERATION": (
-        "yaml",
-        {"model": {"num_layers": 4, "cuda_graph_scope": "full_iteration", "cuda_graph_impl": "transformer_engine"}},
-        "megatron-core==0.16.1",
-    ),
-    "MC-CUDA-GRAPH-ENABLE-AND-EXTERNAL": (
-        "yaml",
-        {"model": {"num_layers": 4, "enable_cuda_graph": True, "external_cuda_graph": True}},
-        "megatron-core==0.19.2",
-    ),
     "MC-FG-CUDA-GRAPH-IMPL": (
         "yaml",
         {
@@ -306,18 +291,6 @@ TRIGGERS: dict[str, tuple[str, Any, str]] = {
         },
         "megatron-core==0.19.2",
     ),
-    "MC-NCCLEP-FLEX": (
-        "yaml",
-        {
-            "model": {
-                "num_layers": 4,
-                "num_moe_experts": 8,
-                "moe_flex_dispatcher_backend": "ncclep",
-                "moe_token_dispatcher_type": "alltoall",
-            }
-        },
-        "megatron-core==0.19.2",
-    ),
     "MC-PAGED-STASH-MODULES": (
         "yaml",
         {
@@ -336,24 +309,6 @@ TRIGGERS: dict[str, tuple[str, Any, str]] = {
         },
         "megatron-core==0.19.2",
     ),
-    "MC-RANK-CAPACITY-BACKEND": (
-        "yaml",
-        {"model": {"num_layers": 4, "num_moe_experts": 8, "moe_expert_rank_capacity_factor": 1.5}},
-        "megatron-core==0.19.2",
-    ),
-    "MC-RANK-CAPACITY-OP-FUSER": (
-        "yaml",
-        {
-            "model": {
-                "num_layers": 4,
-                "num_moe_experts": 8,
-                "moe_expert_rank_capacity_factor": 1.5,
-                "moe_flex_dispatcher_backend": "hybridep",
-                "moe_token_dispatcher_type": "flex",
-            }
-        },
-        "megatron-core==0.19.2",
-    ),
     "MC-RECOMPUTE-DISTRIBUTE-SP": (
         "yaml",
         {
@@ -367,33 +322,6 @@ TRIGGERS: dict[str, tuple[str, Any, str]] = {
                 "distribute_saved_activations": True,
             }
         },
-        "megatron-core==0.19.2",
-    ),
-    "MC-RECOMPUTE-MLA-UP-PROJ": (
-        "yaml",
-        {
-            "model": {
-                "num_layers": 4,
-                "recompute_granularity": "selective",
-                "recompute_modules": ["core_attn", "mla_up_proj"],
-            }
-        },
-        "megatron-core==0.19.2",
-    ),
-    "MC-RECOMPUTE-MODULES": (
-        "yaml",
-        {
-            "model": {
-                "num_layers": 4,
-                "recompute_granularity": "selective",
-                "recompute_modules": ["core_attn", "everything"],
-            }
-        },
-        "megatron-core==0.19.2",
-    ),
-    "MC-RECOMPUTE-NUM-LAYERS-TYPE": (
-        "yaml",
-        {"model": {"num_layers": "4", "recompute_granularity": "full", "recompute_method": "uniform"}},
         "megatron-core==0.19.2",
     ),
     "OPT-BRIDGE-MFSDP-V2": (
@@ -444,11 +372,6 @@ TRIGGERS: dict[str, tuple[str, Any, str]] = {
                 "use_torch_optimizer_for_cpu_offload": True,
             }
         },
-        "megatron-core==0.19.2",
-    ),
-    "MC-RECOMPUTE-GDN-NORM-OUT": (
-        "yaml",
-        {"model": {"num_layers": 4, "recompute_granularity": "selective", "recompute_modules": ["gdn_norm_out"]}},
         "megatron-core==0.19.2",
     ),
     "MC-RECOMPUTE-SHARED-EXPERTS-OVERLAP": (

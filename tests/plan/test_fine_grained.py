@@ -161,6 +161,18 @@ def test_host_memory_is_the_pinned_in_flight_groups():
     assert est.host_gb * 1e9 == pytest.approx(7 * fine_grained._next_pow2(_bytes(MOE, s, "expert_fc1_in")))
 
 
+def test_the_planner_refuses_with_the_catalogues_fine_grained_rules():
+    # One home: the planner asks config.validate.fine_grained_errors, so the refusal names the catalogue's rule.
+    with pytest.raises(ValueError, match=r"\(ACT-FG-ATTN-PROJ\)"):
+        estimate_memory(MOE, replace(Setup(num_gpus=1), offload_modules=("attn_proj",)))
+    with pytest.raises(ValueError, match=r"\(MC-FG-FUSED-GROUP-MLP-PARTIAL\)"):
+        estimate_memory(MOE, replace(Setup(num_gpus=1), offload_modules=("fused_group_mlp", "expert_fc1")))
+    with pytest.raises(ValueError, match=r"\(ACT-FG-FRACTION-RANGE\)"):
+        estimate_memory(
+            MOE, replace(Setup(num_gpus=1), offload_modules=("expert_fc1",), activation_offload_fraction=1.5)
+        )
+
+
 def test_upstream_refusals_are_refused():
     with pytest.raises(ValueError, match="attn_proj cannot be set"):
         estimate_memory(MOE, replace(Setup(num_gpus=1), offload_modules=("attn_proj",)))

@@ -138,7 +138,10 @@ def test_on_the_fallback_release_no_generated_partial_yaml_gets_the_pipeline_dty
 def test_without_the_frontends_fill_megatron_core_would_refuse_the_issues_yaml():
     # The check above can fail: the same sections with pipeline_dtype removed are refused by megatron-core itself.
     issues = [_ours(c, "megatron-core==0.16.1") for c in CASES if c["pp"] > 1 and c["dtype"] is None]
-    body = next(body for report, body in issues if report.ok)
+    bodies = [body for report, body in issues if report.ok]
+    # One megatron-core itself accepts as filled (the catalogue no longer restates its other checks).
+    answers = run_children(bodies, "megatron-core==0.16.1")
+    body = next(body for body, answer in zip(bodies, answers, strict=True) if not answer["errors"])
     assert body["model"]["pipeline_dtype"] is not None
     body["model"].pop("pipeline_dtype")
     (answer,) = run_children([body], "megatron-core==0.16.1")

@@ -370,3 +370,14 @@ def test_a_deleted_ports_config_is_refused_by_megatron_core_itself(name):
     assert answer["ok"] is False and refusals, answer["findings"]
     assert all(f["rule"] in ("MCORE-EXACT", "MCORE-BUILD") and f["exception"] for f in refusals)
     assert all(f["message"] == f["upstream_message"] or not f["upstream_message"] for f in refusals)
+
+
+def test_a_pipeline_size_written_as_a_float_skips_the_layer_count_not_the_whole_answer():
+    # megatron-core's dataclass keeps 2.0 as written; the build's stage walk cannot count from it (it once crashed
+    # the child, and with it every config of a batch).
+    from mbridge_offload_tools.exact.run import run_children
+
+    model = {"num_layers": 4, "hidden_size": 64, "num_attention_heads": 4, "pipeline_model_parallel_size": 2.0}
+    body = {"model": {**model, "pipeline_dtype": "bf16"}, "optimizer": {}, "ddp": {}, "te_version": "2.18.0"}
+    (answer,) = run_children([body], "megatron-core==0.16.1")
+    assert any("the pipeline sizes are no integers" in s for s in answer["skipped"]), answer

@@ -14,7 +14,7 @@ What upstream does with them (megatron-core 0.16.1 / 0.19.2, Bridge 0.6.2):
 So ``validate`` keeps the catalogue's finding where the dataclass itself refuses the value, and refuses the input
 otherwise (:func:`check`, ``covered`` = the error findings); the planning and writing tools (estimate, recommend,
 apply, diagnose) always refuse it, since no memory or step time exists for such a run. A boolean or a string is a
-wrong type, not a size: the catalogue judges it as megatron-core does (MC-PARALLEL-SIZES-TYPE), and the planner's
+wrong type, not a size: megatron-core's own run in validate refuses it with its TypeError, and the planner's
 bounds refuse it. Config side: no torch.
 """
 

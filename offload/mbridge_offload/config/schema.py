@@ -191,7 +191,7 @@ class ModelSection(Section):
     params_dtype: DType = None
     fp8: str | None = None
     # Activation recomputation
-    # Any string: megatron-core itself refuses other values (rule MC-RECOMPUTE-GRANULARITY / -METHOD), and the
+    # Any string: megatron-core itself refuses other values (validate's upstream run says so), and the
     # strings "none"/"null" are not None there either.
     recompute_granularity: str | None = None
     recompute_method: str | None = None

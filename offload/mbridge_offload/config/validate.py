@@ -293,6 +293,35 @@ def _activation_offload_errors(items: tuple[tuple[str, object], ...]) -> tuple[t
     return tuple((f.rule, f.message) for f in report.errors if any(k in f.keys for k in offload_keys))
 
 
+def fine_grained_errors(model: dict[str, object]) -> list[tuple[str, str]]:
+    """``(rule id, message)`` of every catalogue error of megatron-core's ``TransformerConfig`` stage that
+    fine-grained activation offloading raises on ``model`` (``model.*`` values; the switch is turned on here).
+
+    The one home of its constraints (the module names, attn_proj without core_attn, layer-level offload beside it,
+    the fraction and size bounds, ...): the planner (``plan.memory.fine_grained.check``) and ``apply`` ask this.
+
+    Example:
+        >>> fine_grained_errors({"offload_modules": ["attn_proj"]})[0][0]
+        'ACT-FG-ATTN-PROJ'
+    """
+    items = tuple(sorted((k, tuple(v) if isinstance(v, list | tuple) else v) for k, v in model.items()))
+    return list(_fine_grained_errors(items))
+
+
+@lru_cache(maxsize=512)
+def _fine_grained_errors(items: tuple[tuple[str, object], ...]) -> tuple[tuple[str, str], ...]:
+    from mbridge_offload.config.rules.base import STAGE_TRANSFORMER_CONFIG
+
+    model = {k: list(v) if isinstance(v, tuple) else v for k, v in items}
+    raw = {"model": {"num_layers": 1, **model, "fine_grained_activation_offloading": True}}
+    report = validate(OffloadConfig.model_validate(raw), raw)
+    keys = {f"model.{k}" for k in ("fine_grained_activation_offloading", "offload_modules")}
+    keys |= {f"model.{k}" for k in ("min_offloaded_tensor_size", "activation_offload_fraction")}
+    return tuple(
+        (f.rule, f.message) for f in report.errors if f.stage == STAGE_TRANSFORMER_CONFIG and keys.intersection(f.keys)
+    )
+
+
 def model_errors(model: dict[str, object]) -> list[tuple[str, str]]:
     """``(rule id, message)`` of every catalogue error of megatron-core's ``TransformerConfig`` stage on ``model``
     (``model.*`` values: sizes and parallelism): the planner's layout checks ask this instead of restating them.

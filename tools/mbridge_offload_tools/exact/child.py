@@ -189,7 +189,9 @@ def _judge(torch, classes, data: dict, te: _TEChecks | None, have_te: bool) -> d
     if te is not None:
         te.reset(str(data.get("te_version") or "2.18.0"))
     model = data.get("model") or {}
-    if all(model.get(k) is not None for k in ("num_layers", "hidden_size", "num_attention_heads")):
+    # A size written as null is built as written (megatron-core's own TypeError answers it); only a size the config
+    # leaves out (a partial YAML) skips the TransformerConfig.
+    if all(k in model for k in ("num_layers", "hidden_size", "num_attention_heads")):
         cls = mla if model.get("multi_latent_attention") else transformer
         config = _build(torch, cls, model, "TransformerConfig", out, te)
         if config is not None and data.get("build", True):
@@ -225,6 +227,10 @@ def _layout(config, out: dict) -> bool:
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
     vp = config.virtual_pipeline_model_parallel_size
+    if not all(isinstance(n, int) for n in (config.pipeline_model_parallel_size, vp or 0)):
+        # A size the dataclass kept as written (2.0): no stage can be counted from it; the answer says so.
+        out["skipped"].append(f"{_BUILD}: the pipeline sizes are no integers, so no stage's layers were counted")
+        return False
     try:
         for pp_rank in range(config.pipeline_model_parallel_size):
             # a pipeline_model_parallel_layout reads the rank from parallel_state, not from pp_rank

@@ -108,10 +108,6 @@ def installs() -> list[Install]:
     return found
 
 
-def megatron_core_installed() -> bool:
-    return bool(installs())
-
-
 def choose(target_label: str) -> Install:
     """The target's release when installed here, else the first one found (the answer then says so).
 

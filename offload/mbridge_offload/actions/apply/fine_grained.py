@@ -16,12 +16,10 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from mbridge_offload.config.rules.mcore import MOE_INSIDE
-from mbridge_offload.plan.memory.fine_grained import module_errors
+from mbridge_offload.config.validate import fine_grained_errors
 from mbridge_offload.upstream_layers import ALLOWED_OFFLOAD_MODULES
 
 MODE = "fine-grained"
-_MOE_INSIDE = set(MOE_INSIDE)
 NVTE_KEY = "env_vars.NVTE_CPU_OFFLOAD_V1"
 # What apply says whenever it writes the variable into env_vars (a note of its answer).
 NVTE_EXPORT_NOTE = (
@@ -75,24 +73,22 @@ def fine_grained_edits(cfg: Any, modules: list[str] | None, edits: dict[str, tup
         modules, why = _default_modules(model)
     else:
         why = "the requested offload points"
-    errors = module_errors(modules)
+    # What megatron-core refuses about these modules beside the run's recompute and CUDA graphs, as the catalogue
+    # says it (config.validate.fine_grained_errors); what apply writes itself (layer offload off, TE's op fuser for
+    # fused_group_mlp) is not asked.
+    asked: dict[str, Any] = {"offload_modules": list(modules), "use_transformer_engine_op_fuser": True}
+    for key in ("recompute_granularity", "recompute_modules", "cuda_graph_impl", "cuda_graph_scope"):
+        if getattr(model, key) is not None:
+            asked[key] = getattr(model, key)
+    if model.extras().get("cuda_graph_modules") is not None:
+        asked["cuda_graph_modules"] = model.extras()["cuda_graph_modules"]
+    errors = fine_grained_errors(asked)
     if errors:
         raise ApplyError(
             f"modules {modules}: "
-            + "; ".join(errors)
-            + f" (megatron-core 0.19.2 accepts {', '.join(ALLOWED_OFFLOAD_MODULES)})"
-        )
-    recompute_moe = model.recompute_granularity == "selective" and "moe" in (model.recompute_modules or [])
-    if recompute_moe and _MOE_INSIDE & set(modules):
-        raise ApplyError(
-            f"Cannot offload {sorted(_MOE_INSIDE & set(modules))} while recomputing the entire MoE layer "
-            "(megatron-core 0.19.2); remove 'moe' from model.recompute_modules or pick attention modules"
-        )
-    if model.cuda_graph_impl == "local" and set(modules) - _MOE_INSIDE:
-        raise ApplyError(
-            "fine-grained activation offloading with cuda_graph_impl='local' only supports offload_modules "
-            "'expert_fc1', 'moe_act', and 'fused_group_mlp' (megatron-core 0.19.2): pick those, or use "
-            "cuda_graph_impl=transformer_engine"
+            + "; ".join(f"{message} ({rule})" for rule, message in errors)
+            + f" (megatron-core 0.19.2 accepts {', '.join(ALLOWED_OFFLOAD_MODULES)}; pick other modules, or change "
+            "the recompute or CUDA-graph setting it names)"
         )
     edits["model.fine_grained_activation_offloading"] = (True, "master switch for fine-grained activation offloading")
     edits["model.offload_modules"] = (list(modules), why)

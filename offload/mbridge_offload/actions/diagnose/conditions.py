@@ -23,10 +23,6 @@ def section(cfg: OffloadConfig, name: str) -> dict[str, Any]:
     return value if isinstance(value, dict) else {}
 
 
-def _flag(value: Any) -> bool:
-    return value not in (None, False, "", "false", "False", 0)
-
-
 def fraction(cfg: OffloadConfig) -> float | None:
     """The offload fraction that takes effect (None: optimizer offload is off)."""
     return cfg.optimizer.optimizer_offload_fraction if cfg.optimizer.optimizer_cpu_offload else None
@@ -142,11 +138,6 @@ def explain_slowdown(cfg: OffloadConfig) -> str:
 
 def _load_optim(cfg: OffloadConfig) -> Any:
     return section(cfg, "checkpoint").get("load_optim")
-
-
-def fine_tune_start(cfg: OffloadConfig) -> bool:
-    ckpt = section(cfg, "checkpoint")
-    return _flag(ckpt.get("pretrained_checkpoint")) or _flag(ckpt.get("finetune"))
 
 
 def rules_out_resume_jump(cfg: OffloadConfig) -> str | None:

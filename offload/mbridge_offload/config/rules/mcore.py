@@ -1,9 +1,9 @@
 """How a megatron-core refusal is written as a rule, and how a group of rules says where upstream checks it.
 
-The rules in ``parallelism``, ``recompute``, ``offload_extras``, ``model_init``, ``cuda_graphs`` (all
-``TransformerConfig.__post_init__``; ``ModelParallelConfig.__post_init__`` for the first) and ``optimizer_config``
-(``OptimizerConfig.__post_init__``) are megatron-core 0.16.1's and 0.19.2's own refusals, read and run
-(``tests/config/test_differential.py``). Messages are upstream's, verbatim, with the values printed as
+The rules in ``parallelism``, ``recompute``, ``fine_grained`` and ``cuda_graphs`` (all
+``TransformerConfig.__post_init__``; ``ModelParallelConfig.__post_init__`` for the first) are megatron-core 0.16.1's and
+0.19.2's own refusals, read and run (``tests/config/test_differential.py``); each file says why it stays a rule
+beside validate's megatron-core run. Messages are upstream's, verbatim, with the values printed as
 megatron-core prints them (as the user wrote them: ``'false'`` stays a string). Each group names the upstream check
 it comes right after (:func:`following`); the catalogue merges the groups into upstream's order from that alone,
 because upstream stops at its first failing check.
@@ -74,12 +74,3 @@ def upstream_compare(op: Callable[[Any, Any], Any], left: Any, right: Any) -> tu
         return op(left, right), None
     except (TypeError, ZeroDivisionError) as exc:
         return None, Match(message=str(exc), exception=type(exc).__name__)
-
-
-def first_failure(steps: list[tuple[Callable[[Any, Any], Any], Any, Any]]) -> Match | None:
-    """The first of upstream's operations ``(op, left, right)``, in upstream's order, that raises (else None)."""
-    for op, left, right in steps:
-        _, error = upstream_compare(op, left, right)
-        if error is not None:
-            return error
-    return None

@@ -600,21 +600,3 @@ def cli_aliases(field: str) -> tuple[str, ...]:
 def group_of(field: str) -> str:
     """The input's group (one of ``GROUPS``): its section of ``--help``."""
     return str(_extra(field)["group"])
-
-
-def bounds_text(field: str) -> str:
-    """The declared bounds of an input, e.g. ``>= 1, <= 65536`` (empty when it has none)."""
-    signs = {"ge": ">=", "gt": ">", "le": "<=", "lt": "<"}
-    out = []
-    for meta in PlanInputs.model_fields[field].metadata:
-        for attr, sign in signs.items():
-            value = getattr(meta, attr, None)
-            if value is not None:
-                out.append(f"{sign} {value:g}")
-    return ", ".join(out)
-
-
-def help_text(field: str) -> str:
-    """The help of an input with its bounds, e.g. ``transformer layers [>= 1, <= 1024]``."""
-    bounds = bounds_text(field)
-    return (PlanInputs.model_fields[field].description or "") + (f" [{bounds}]" if bounds else "")

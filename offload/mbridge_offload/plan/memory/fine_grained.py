@@ -34,8 +34,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from mbridge_offload.upstream_layers import ALLOWED_OFFLOAD_MODULES
-
 DEFAULT_MIN_OFFLOADED_TENSOR_SIZE = 1024 * 1024  # elements (TransformerConfig.min_offloaded_tensor_size)
 
 
@@ -149,45 +147,30 @@ class SavedTensor(Protocol):
     def nbytes(self) -> int: ...
 
 
-def module_errors(modules: Sequence[str]) -> list[str]:
-    """What 0.19.2's ``TransformerConfig.__post_init__`` refuses in ``offload_modules`` (empty when valid)."""
-    out = []
-    bad = sorted(set(modules) - set(ALLOWED_OFFLOAD_MODULES))
-    if bad:
-        out.append(f"Invalid choices for offload_modules: {bad}. Allowed modules are: {list(ALLOWED_OFFLOAD_MODULES)}")
-    if "attn_proj" in modules and "core_attn" not in modules:
-        out.append("attn_proj cannot be set to offload_modules alone without core_attn")
-    if "fused_group_mlp" in modules and {"expert_fc1", "moe_act"} & set(modules):
-        out.append(
-            "fused_group_mlp offloads the whole fused grouped MLP and cannot be combined with expert_fc1 or moe_act"
-        )
-    return out
-
-
 def check(setup) -> None:
-    """Refuse what megatron-core 0.19.2 refuses about a ``memory.Setup``'s fine-grained settings.
+    """Refuse what megatron-core refuses about a ``memory.Setup``'s fine-grained settings (the rule catalogue's
+    fine-grained errors, ``config.validate.fine_grained_errors``).
 
     Raises:
-        ValueError: naming the key, the value and the fix.
+        ValueError: naming the rules and upstream's messages.
     """
-    modules = tuple(setup.offload_modules)
+    from mbridge_offload.config.validate import fine_grained_errors
+
+    modules = list(setup.offload_modules)
     if not modules:
         return
-    errors = module_errors(modules)
-    if errors:
-        raise ValueError(f"model.offload_modules={list(modules)}: " + "; ".join(errors))
+    model: dict[str, object] = {
+        "offload_modules": modules,
+        "activation_offload_fraction": setup.activation_offload_fraction,
+        "min_offloaded_tensor_size": setup.min_offloaded_tensor_size,
+    }
+    if "fused_group_mlp" in modules:
+        model["use_transformer_engine_op_fuser"] = True  # the planner models the fused MLP as TE's op fuser runs it
     if setup.activation_offload_layers:
-        raise ValueError(
-            "fine_grained_activation_offloading cannot be enabled with cpu_offloading "
-            f"(offload_modules={list(modules)}, cpu_offloading_num_layers={setup.activation_offload_layers}): "
-            "use one of the two"
-        )
-    if not 0.0 <= setup.activation_offload_fraction <= 1.0:
-        raise ValueError(
-            f"activation_offload_fraction is {setup.activation_offload_fraction}: it must be in range [0, 1]"
-        )
-    if setup.min_offloaded_tensor_size < 0:
-        raise ValueError(f"min_offloaded_tensor_size is {setup.min_offloaded_tensor_size}: it must be non-negative")
+        model.update(cpu_offloading=True, cpu_offloading_num_layers=setup.activation_offload_layers)
+    errors = fine_grained_errors(model)
+    if errors:
+        raise ValueError(f"model.offload_modules={modules}: " + "; ".join(f"{m} ({rule})" for rule, m in errors))
 
 
 def _eligible(t: SavedTensor, min_size: int) -> bool:

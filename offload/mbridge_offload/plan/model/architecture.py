@@ -117,9 +117,6 @@ class ModelSpec:
             return self.layer_pattern[index] == MOE
         return self.is_moe and index >= self.first_k_dense
 
-    def has_attention(self, index: int) -> bool:
-        return self.layer_kind(index) in ATTENTION_SYMBOLS or self.layer_kind(index) == "T"
-
     @property
     def attention_layers(self) -> int:
         """Decoder layers with attention (every layer of a GPT model; the attention symbols of a hybrid one)."""

@@ -11,7 +11,6 @@ weights", Bridge ``training/config.py``). Never imports torch.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -107,12 +106,6 @@ def useful_sets(m: ModelSpec, s: Setup, model_config: dict[str, Any]) -> list[tu
             acc, last = trial, saving
             out.append(acc)
     return out
-
-
-def smallest(m: ModelSpec, s: Setup, model_config: dict[str, Any], first_fit: Callable[[list[Setup]], Any]) -> Any:
-    """The first fitting estimate over the useful module sets (``first_fit`` = the planner's binary search)."""
-    sets = useful_sets(m, s, model_config)
-    return first_fit([replace(s, offload_modules=mods) for mods in sets]) if sets else None
 
 
 def largest(m: ModelSpec, s: Setup, model_config: dict[str, Any]) -> Setup | None:

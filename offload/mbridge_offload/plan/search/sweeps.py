@@ -163,7 +163,7 @@ def _saved(m: ModelSpec, s: Setup) -> int:
 
 def selective(s: Setup, modules: tuple[str, ...]) -> Setup:
     """``s`` with selective recompute of ``modules``: megatron-core refuses a recompute method or layer count beside
-    selective granularity (MC-RECOMPUTE-SELECTIVE-LAYERS), so both go."""
+    selective granularity, so both go."""
     return replace(
         s,
         recompute_granularity="selective",

@@ -51,7 +51,7 @@ def render_constraints(docs: str = "docs/") -> str:
 
 def render_constraint_summary() -> str:
     """SKILL.md's short form: the offloading rules upstream enforces (severity error), one line each; the general
-    refusals that do not concern offloading (megatron-core's ``MC-*``: parallel sizes, precision, MoE, recompute values;
+    refusals (megatron-core's ``MC-*`` that stay rules: layout, recompute and fine-grained checks the planner vets;
     Bridge's ConfigContainer and Megatron-LM's front end, ``CFG-*``) and the warnings are counted."""
     from mbridge_offload.config.rules.catalogue import all_rules
 
@@ -63,9 +63,10 @@ def render_constraint_summary() -> str:
     rest = len(rules) - len(errors) - len(general)
     lines += [
         "",
-        f"Plus {len(general)} general refusals that `validate` also checks (`MC-*` megatron-core: parallel sizes, "
-        f"precision, MoE, recompute values; `CFG-*` Bridge and Megatron-LM) and {rest} warnings and notes (runs, but "
-        f"does nothing or something surprising). All {len(rules)} rules with their keys and fixes: "
+        f"Plus {len(general)} general refusals that `validate` checks (`MC-*` megatron-core: layout, recompute and "
+        f"fine-grained checks the planner vets without torch; `CFG-*` Bridge and Megatron-LM; megatron-core's other "
+        f"checks come from its own run) and {rest} warnings and notes (runs, but does nothing or something "
+        f"surprising). All {len(rules)} rules with their keys and fixes: "
         "[references/constraints.md](references/constraints.md).",
     ]
     return "\n".join(lines)

@@ -249,7 +249,7 @@ BUILD_RULES: tuple[Rule, ...] = (
         "config.recompute_granularity is None` when enable_cuda_graph is set in training; MCore's config check "
         "rejects the same configs earlier, so this is listed for completeness.",
         fix=("model.enable_cuda_graph=false",),
-        shadowed_by=("ACT-CUDA-GRAPH", "ACT-CUDA-GRAPH-ENABLE-AND-IMPL"),
+        shadowed_by=("ACT-CUDA-GRAPH",),
         check=_bridge_cudagraph_assert,
     ),
     Rule(

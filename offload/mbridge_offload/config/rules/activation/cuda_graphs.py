@@ -1,5 +1,11 @@
 """``TransformerConfig.__post_init__``'s CUDA-graph checks that are not in the activation rules' files, last in
-upstream's order."""
+upstream's order.
+
+Kept although validate's megatron-core run makes them too: the fine-grained offloading ones are offload semantics,
+and the recompute ones (full recompute, graphed dropout) refuse what the planner's recompute lever may propose beside
+a CUDA graph, vetted without torch (``plan.search.advice.Vetter``). The other CUDA-graph checks (the deprecated
+spellings and scopes) are megatron-core's alone: its run in validate reports them.
+"""
 
 from __future__ import annotations
 
@@ -7,40 +13,6 @@ from mbridge_offload.config.rules.activation.fine_grained import fg_on
 from mbridge_offload.config.rules.activation.recompute import granularity
 from mbridge_offload.config.rules.base import Context, Match, Rule
 from mbridge_offload.config.rules.mcore import following, given, mcore_rule
-
-
-def _enable_and_external(ctx: Context) -> bool:
-    m = ctx.model
-    return m.cuda_graph_impl == "none" and bool(m.enable_cuda_graph) and bool(m.external_cuda_graph)
-
-
-def _impl_as_written(ctx: Context) -> str | None:
-    """``cuda_graph_impl`` after the deprecated ``enable_cuda_graph`` / ``external_cuda_graph`` spellings map to it
-    and before 0.19 migrates a deprecated ``full_iteration`` scope (what upstream's scope checks compare)."""
-    m = ctx.model
-    if m.cuda_graph_impl == "none" and m.enable_cuda_graph:
-        return "local"
-    if m.cuda_graph_impl == "none" and m.external_cuda_graph:
-        return "transformer_engine"
-    return m.cuda_graph_impl
-
-
-def _full_iteration_scope_019(ctx: Context):
-    # 0.19 cuda_graph_config.validate_deprecated_cuda_graph_modules_migration_inputs: the deprecated scope
-    # 'full_iteration' migrates to cuda_graph_impl='full_iteration' only from none / local (or that impl itself).
-    impl = _impl_as_written(ctx)
-    if "full_iteration" not in ctx._scopes() or impl in ("none", "local", "full_iteration"):
-        return None
-    return Match({"impl": repr(impl)})
-
-
-def _full_iteration_scope_016(ctx: Context) -> bool:
-    # 0.16: checked after "CUDA graphs not supported with CPU offloading." (which cpu_offloading raises first).
-    return (
-        _impl_as_written(ctx) == "transformer_engine"
-        and not ctx.model.cpu_offloading
-        and "full_iteration" in ctx._scopes()
-    )
 
 
 def _graph_full_recompute(ctx: Context) -> bool:
@@ -155,15 +127,6 @@ def _fg_inflight(ctx: Context) -> bool:
     )
 
 
-GRAPH_ENABLE_AND_EXTERNAL = mcore_rule(
-    "MC-CUDA-GRAPH-ENABLE-AND-EXTERNAL",
-    "AssertionError",
-    "enable_cuda_graph and external_cuda_graph cannot be enabled at the same time.",
-    _enable_and_external,
-    "The deprecated `enable_cuda_graph` and `external_cuda_graph` exclude each other.",
-    ("model.enable_cuda_graph", "model.external_cuda_graph"),
-    fix=("model.external_cuda_graph=false",),
-)
 GRAPH_FULL_RECOMPUTE = mcore_rule(
     "MC-CUDA-GRAPH-FULL-RECOMPUTE",
     "AssertionError",
@@ -171,32 +134,6 @@ GRAPH_FULL_RECOMPUTE = mcore_rule(
     _graph_full_recompute,
     "Full recomputation with CUDA graphs needs the full-iteration graph.",
     ("model.recompute_granularity", "model.cuda_graph_impl", "model.cuda_graph_scope"),
-)
-_SCOPE = "model.cuda_graph_scope"
-FULL_ITERATION_SCOPE_019 = mcore_rule(
-    "MC-CUDA-GRAPH-FULL-ITERATION-SCOPE-IMPL",
-    "AssertionError",
-    "cuda_graph_modules='full_iteration' cannot be combined with cuda_graph_impl={impl}.",
-    _full_iteration_scope_019,
-    "The deprecated scope `full_iteration` only migrates from `cuda_graph_impl` none or local (0.19+).",
-    ("model.cuda_graph_impl", _SCOPE),
-    applies_to=">=0.19",
-    fix=("model.cuda_graph_impl=full_iteration", f"{_SCOPE}=null"),
-    why="0.19 turns cuda_graph_scope / cuda_graph_modules 'full_iteration' into cuda_graph_impl='full_iteration' "
-    "and refuses the old scope beside another implementation; 0.16 refuses it beside transformer_engine with "
-    "another message (MC-CUDA-GRAPH-TE-FULL-ITERATION).",
-)
-FULL_ITERATION_SCOPE_016 = mcore_rule(
-    "MC-CUDA-GRAPH-TE-FULL-ITERATION",
-    "AssertionError",
-    "To use full iteration cuda graph, please use cuda_graph_impl=local instead of cuda_graph_impl=transformer_engine.",
-    _full_iteration_scope_016,
-    "The full-iteration CUDA graph scope needs `cuda_graph_impl: local` on 0.16.",
-    ("model.cuda_graph_impl", _SCOPE),
-    applies_to="<0.19",
-    fix=("model.cuda_graph_impl=local",),
-    why="0.16 captures the full iteration only with its local implementation; 0.19 names it cuda_graph_impl="
-    "full_iteration instead (MC-CUDA-GRAPH-FULL-ITERATION-SCOPE-IMPL).",
 )
 _FG = "fine-grained activation offloading with cuda_graph_impl='local' "
 DROPOUT_RULES: tuple[Rule, ...] = (
@@ -278,8 +215,4 @@ FG_GRAPH_RULES: tuple[Rule, ...] = (
 )
 
 
-RULES = (
-    *following("ACT-CUDA-GRAPH-ENABLE-AND-IMPL", GRAPH_ENABLE_AND_EXTERNAL),
-    *following("ACT-CUDA-GRAPH-DEPRECATED", FULL_ITERATION_SCOPE_019),
-    *following("ACT-CUDA-GRAPH", FULL_ITERATION_SCOPE_016, GRAPH_FULL_RECOMPUTE, *DROPOUT_RULES, *FG_GRAPH_RULES),
-)
+RULES = following("ACT-CUDA-GRAPH", GRAPH_FULL_RECOMPUTE, *DROPOUT_RULES, *FG_GRAPH_RULES)

@@ -1,5 +1,7 @@
 """``TransformerConfig.__post_init__``'s fine-grained offloading and paged-stash checks (0.19) that are not in the
-activation rules' files, each placed after the activation check upstream runs just before it."""
+activation rules' files, each placed after the activation check upstream runs just before it. All of them concern
+offloading (``offload_modules``; paged stashing of what offloading would move); paged stashing's own MoE
+prerequisites are megatron-core's alone (validate's upstream run reports them)."""
 
 from __future__ import annotations
 
@@ -44,11 +46,6 @@ def _fg_fused_partial(ctx: Context):
     return Match({"partial": set_repr(partial)}, fix=[fix] if fix else None)  # fused_group_mlp stays: never None
 
 
-def _paged_capacity(ctx: Context) -> bool:
-    m = ctx.model
-    return bool(m.moe_paged_stash) and not m.cpu_offloading and m.moe_expert_rank_capacity_factor is None
-
-
 def _paged_modules(ctx: Context):
     m = ctx.model
     if not m.moe_paged_stash or m.cpu_offloading or m.moe_expert_rank_capacity_factor is None:
@@ -82,16 +79,6 @@ FG_FUSED_PARTIAL = mcore_rule(
     applies_to=">=0.19",
 )
 PAGED_STASH_RULES: tuple[Rule, ...] = (
-    mcore_rule(
-        "MC-PAGED-STASH-CAPACITY",
-        "ValueError",
-        "moe_paged_stash requires moe_expert_rank_capacity_factor to be set; there is no need to use paged stashing "
-        "without it.",
-        _paged_capacity,
-        "`moe_paged_stash` needs `moe_expert_rank_capacity_factor` (0.19+).",
-        ("model.moe_paged_stash", "model.moe_expert_rank_capacity_factor"),
-        applies_to=">=0.19",
-    ),
     mcore_rule(
         "MC-PAGED-STASH-MODULES",
         "ValueError",

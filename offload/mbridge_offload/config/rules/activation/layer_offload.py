@@ -42,7 +42,7 @@ def _num_layers(ctx: Context):
 def _pp(ctx: Context):
     m = ctx.model
     # megatron-core compares the size as written: 4.5 (which our typed field does not keep) is > 1 too; a text or
-    # null size has failed ModelParallelConfig's own comparison before this check (MC-PARALLEL-SIZES-TYPE).
+    # null size has failed ModelParallelConfig's own comparison before this check (validate's upstream run).
     pp = ctx.seen("model.pipeline_model_parallel_size")
     if not isinstance(pp, int | float):
         pp = m.pipeline_model_parallel_size
@@ -172,14 +172,6 @@ def _fg_fused_group_mlp(ctx: Context) -> bool:
 
 def _paged_stash(ctx: Context) -> bool:
     return ctx.model.moe_paged_stash and ctx.model.cpu_offloading
-
-
-def _enable_with_impl(ctx: Context):
-    m = ctx.model
-    on = [k for k in ("enable_cuda_graph", "external_cuda_graph") if getattr(m, k)]
-    if on and m.cuda_graph_impl != "none":
-        return Match(fix=[f"model.{k}=false" for k in on])
-    return None
 
 
 def _enable_deprecated(ctx: Context):
@@ -392,19 +384,9 @@ ACTIVATION_RULES: tuple[Rule, ...] = (
         applies_to=">=0.19",
         check=_paged_stash,
     ),
-    Rule(
-        id="ACT-CUDA-GRAPH-ENABLE-AND-IMPL",
-        severity="error",
-        origin="mcore",
-        stage=TC,
-        exception="AssertionError",
-        summary="The deprecated `enable_cuda_graph` cannot be combined with `cuda_graph_impl`.",
-        keys=("model.enable_cuda_graph", "model.cuda_graph_impl"),
-        message="Do not use enable_cuda_graph or external_cuda_graph with cuda_graph_impl.",
-        why="`enable_cuda_graph=True` is the old spelling of `cuda_graph_impl=local`; set only one.",
-        fix=("model.enable_cuda_graph=false",),
-        check=_enable_with_impl,
-    ),
+    # Two megatron-core CUDA-graph checks stay rules although they concern no offload: the deprecation is a
+    # warning (validate's megatron-core run reports errors only), and the implementation check decides per release
+    # whether full_iteration, the one graph ACT-CUDA-GRAPH allows beside offloading, exists at all.
     Rule(
         id="ACT-CUDA-GRAPH-DEPRECATED",
         severity="warning",

@@ -128,7 +128,7 @@ def _recompute_no_effect(ctx: Context):
         setting = f"recompute_modules:{module}"
         refused = module == "mla_up_proj" or (module == "moe_act" and not ctx.model.moe_grouped_gemm)
         if refused or setting not in SETTING_KEYS:
-            continue  # refused outright where they cannot act (MC-RECOMPUTE-MLA-UP-PROJ / -MOE-ACT), or unknown
+            continue  # refused outright where they cannot act (by megatron-core / MC-RECOMPUTE-MOE-ACT), or unknown
         if module == "layernorm" and ctx.model.transformer_impl != "transformer_engine":
             continue  # the local spec keeps its norms as modules: they are recomputed
         columns = _columns(ctx, module)

@@ -1,41 +1,19 @@
-"""The first checks of ``ModelParallelConfig`` / ``TransformerConfig.__post_init__``: parallel sizes, precision,
-MoE dispatch, and the type of ``num_layers``; they open the TransformerConfig stage."""
+"""The first checks of ``ModelParallelConfig`` / ``TransformerConfig.__post_init__`` that stay rules; they open the
+TransformerConfig stage.
+
+Kept although validate's megatron-core run makes them too: the heads / query groups / pipeline size checks are what
+the planner's layout checks and levers ask without torch (``config.validate.model_errors``, the Vetter), and
+``config.parallel_sizes`` leaves a TP or PP below 1 to them; the two type checks concern the offloaded layer count.
+The other checks of this part of upstream (sequence parallelism, fp16/bf16, the types of the sizes, MoE dispatch)
+are megatron-core's alone: its run in validate reports them.
+"""
 
 from __future__ import annotations
 
 import operator
 
 from mbridge_offload.config.rules.base import Context, Match, Rule
-from mbridge_offload.config.rules.mcore import first_failure, following, given, mcore_rule, upstream_compare, written
-
-
-def _sp_without_tp(ctx: Context):
-    if not given(ctx, "sequence_parallel", False):
-        return None
-    small, error = upstream_compare(operator.le, given(ctx, "tensor_model_parallel_size", 1), 1)
-    return error or bool(small)
-
-
-def _parallel_sizes_type(ctx: Context):
-    # ModelParallelConfig.__post_init__ computes with the sizes as written (after the sequence-parallel check).
-    tp = given(ctx, "tensor_model_parallel_size", 1)
-    steps: list = []
-    if ctx.target.version >= (0, 19, 0):  # resolve_tensor_parallel_weight_shards: tp * gtp_weight_remat_size
-        etp = given(ctx, "expert_tensor_parallel_size", None)  # None: ModelParallelConfig sets it to tp first
-        steps += [(operator.mul, tp, 1), (operator.mul, tp if etp is None else etp, 1)]
-    steps.append((operator.gt, given(ctx, "pipeline_model_parallel_size", 1), 1))
-    ep = given(ctx, "expert_model_parallel_size", 1)
-    steps.append((operator.gt, ep, 1))
-    failure = first_failure(steps)
-    if failure is None and upstream_compare(operator.gt, ep, 1)[0]:
-        failure = first_failure([(operator.gt, tp, 1)])
-    return failure
-
-
-def _fp16_bf16(ctx: Context):
-    if ctx.model.fp16 and ctx.model.bf16:
-        return Match({"fp16": ctx.seen("model.fp16"), "bf16": ctx.seen("model.bf16")})
-    return None
+from mbridge_offload.config.rules.mcore import following, given, mcore_rule, upstream_compare, written
 
 
 def _heads_tp(ctx: Context):
@@ -46,20 +24,6 @@ def _heads_tp(ctx: Context):
     if error is not None:
         return error
     return Match({"heads": heads, "tp": tp}) if rest != 0 else None
-
-
-def _sizes_type(ctx: Context):
-    # The derived sizes, computed from the values as written: ffn_hidden_size = 4 * hidden_size and
-    # kv_channels = hidden_size // num_attention_heads, when not given.
-    hidden, heads = given(ctx, "hidden_size", None), given(ctx, "num_attention_heads", None)
-    if not written(ctx, "hidden_size") or heads is None:
-        return None
-    steps: list = []
-    if given(ctx, "ffn_hidden_size", None) is None:
-        steps.append((operator.mul, 4, hidden))
-    if given(ctx, "kv_channels", None) is None:
-        steps.append((operator.floordiv, hidden, heads))
-    return first_failure(steps)
 
 
 def _groups_tp(ctx: Context):
@@ -99,100 +63,7 @@ def _offload_layers_type(ctx: Context):
     return None
 
 
-def _moe_extra(ctx: Context, key: str, default: str) -> str:
-    return str(ctx.model.extras().get(key, default))
-
-
-def _ncclep_flex(ctx: Context) -> bool:
-    return (
-        _moe_extra(ctx, "moe_flex_dispatcher_backend", "deepep") == "ncclep"
-        and _moe_extra(ctx, "moe_token_dispatcher_type", "allgather") != "flex"
-    )
-
-
-def _rank_capacity_backend(ctx: Context) -> bool:
-    backend = _moe_extra(ctx, "moe_flex_dispatcher_backend", "deepep")
-    return ctx.model.moe_expert_rank_capacity_factor is not None and backend not in ("hybridep", "ncclep")
-
-
-def _rank_capacity_fuser(ctx: Context) -> bool:
-    backend = _moe_extra(ctx, "moe_flex_dispatcher_backend", "deepep")
-    return (
-        ctx.model.moe_expert_rank_capacity_factor is not None
-        and backend == "hybridep"
-        and not ctx.model.use_transformer_engine_op_fuser
-    )
-
-
-_MOE_RULES: tuple[Rule, ...] = (
-    mcore_rule(
-        "MC-NCCLEP-FLEX",
-        "ValueError",
-        "moe_flex_dispatcher_backend='ncclep' requires moe_token_dispatcher_type='flex'.",
-        _ncclep_flex,
-        "The ncclep dispatcher backend needs the flex token dispatcher (0.19+).",
-        ("model.moe_flex_dispatcher_backend", "model.moe_token_dispatcher_type"),
-        applies_to=">=0.19",
-        fix=("model.moe_token_dispatcher_type=flex",),
-    ),
-    mcore_rule(
-        "MC-RANK-CAPACITY-BACKEND",
-        "ValueError",
-        "moe_expert_rank_capacity_factor requires moe_flex_dispatcher_backend to be 'hybridep' or 'ncclep'.",
-        _rank_capacity_backend,
-        "`moe_expert_rank_capacity_factor` (needed by `moe_paged_stash`) needs the hybridep or ncclep backend (0.19+).",
-        ("model.moe_expert_rank_capacity_factor", "model.moe_flex_dispatcher_backend"),
-        applies_to=">=0.19",
-    ),
-    mcore_rule(
-        "MC-RANK-CAPACITY-OP-FUSER",
-        "ValueError",
-        "moe_expert_rank_capacity_factor with the 'hybridep' backend requires use_transformer_engine_op_fuser to be "
-        "enabled.",
-        _rank_capacity_fuser,
-        "`moe_expert_rank_capacity_factor` with hybridep needs `use_transformer_engine_op_fuser` (0.19+).",
-        ("model.moe_expert_rank_capacity_factor", "model.use_transformer_engine_op_fuser"),
-        applies_to=">=0.19",
-        fix=("model.use_transformer_engine_op_fuser=true",),
-    ),
-)
-
-
 EARLY_RULES: tuple[Rule, ...] = (
-    mcore_rule(
-        "MC-SEQUENCE-PARALLEL-TP",
-        "ValueError",
-        "Cannot use sequence parallelism without tensor parallelism",
-        _sp_without_tp,
-        "`sequence_parallel` needs tensor parallel size > 1 (ModelParallelConfig).",
-        ("model.sequence_parallel", "model.tensor_model_parallel_size"),
-        fix=("model.sequence_parallel=false",),
-    ),
-    mcore_rule(
-        "MC-PARALLEL-SIZES-TYPE",
-        "TypeError",
-        "'>' not supported between instances of 'str' and 'int'",
-        _parallel_sizes_type,
-        "A parallel size given as text, a list or null (ModelParallelConfig computes with it as written).",
-        (
-            "model.tensor_model_parallel_size",
-            "model.pipeline_model_parallel_size",
-            "model.expert_model_parallel_size",
-            "model.expert_tensor_parallel_size",
-        ),
-        why="megatron-core's dataclass does not convert types; write the number without quotes. The message is "
-        "Python's own for the operands given (this one: a string compared with 1).",
-    ),
-    mcore_rule(
-        "MC-FP16-BF16",
-        "ValueError",
-        "Only one of self.fp16: {fp16} and self.bf16 {bf16} should be True.",
-        _fp16_bf16,
-        "`fp16` and `bf16` are mutually exclusive.",
-        ("model.fp16", "model.bf16"),
-        fix=("model.fp16=false",),
-        why="megatron-core reads the flags by truthiness: the string 'false' counts as set.",
-    ),
     mcore_rule(
         "MC-HEADS-TP",
         "ValueError",
@@ -202,16 +73,6 @@ EARLY_RULES: tuple[Rule, ...] = (
         ("model.num_attention_heads", "model.tensor_model_parallel_size"),
     ),
     mcore_rule(
-        "MC-SIZES-TYPE",
-        "TypeError",
-        "unsupported operand type(s) for //: 'str' and 'int'",
-        _sizes_type,
-        "`hidden_size` (or `num_attention_heads`) of a type megatron-core cannot derive the FFN / KV sizes from.",
-        ("model.hidden_size", "model.num_attention_heads", "model.ffn_hidden_size", "model.kv_channels"),
-        why="megatron-core computes ffn_hidden_size = 4 * hidden_size and kv_channels = hidden_size // "
-        "num_attention_heads from the values as written. The message is Python's own for the operands given.",
-    ),
-    mcore_rule(
         "MC-QUERY-GROUPS-TP",
         "ValueError",
         "num_query_groups ({groups}) must be a multiple or divisor of tensor_model_parallel_size ({tp}).",
@@ -219,7 +80,6 @@ EARLY_RULES: tuple[Rule, ...] = (
         "`num_query_groups` (default: the head count) must divide or be divisible by the tensor parallel size.",
         ("model.num_query_groups", "model.tensor_model_parallel_size"),
     ),
-    *_MOE_RULES,
     mcore_rule(
         "MC-CPU-OFFLOAD-LAYERS-TYPE",
         "TypeError",
@@ -238,22 +98,6 @@ EARLY_RULES: tuple[Rule, ...] = (
         ("model.num_layers",),
         why="megatron-core's dataclass does not convert types; write the number without quotes.",
     ),
-)
-
-
-def _cp_type(ctx: Context):
-    return upstream_compare(operator.gt, given(ctx, "context_parallel_size", 1), 1)[1]
-
-
-CP_TYPE = mcore_rule(
-    "MC-CP-TYPE",
-    "TypeError",
-    "'>' not supported between instances of 'str' and 'int'",
-    _cp_type,
-    "`context_parallel_size` given as text, a list or null (compared with 1 as written).",
-    ("model.context_parallel_size",),
-    why="megatron-core's dataclass does not convert types; write the number without quotes. The message is Python's "
-    "own for the operands given.",
 )
 
 
@@ -276,6 +120,5 @@ PP_POSITIVE = mcore_rule(
     why="The message's run of spaces is upstream's (a line continuation inside its f-string).",
 )
 
-# EARLY_RULES open the stage (they follow no other check); the context-parallel comparison and the pipeline size
-# assert close it.
-RULES = (*EARLY_RULES, *following("MC-FG-CUDA-GRAPH-INFLIGHT", CP_TYPE, PP_POSITIVE))
+# EARLY_RULES open the stage (they follow no other check); the pipeline size assert closes it.
+RULES = (*EARLY_RULES, *following("MC-FG-CUDA-GRAPH-INFLIGHT", PP_POSITIVE))
