@@ -21,8 +21,12 @@ from mbridge_offload.plan.model.run import Setup
 # What the trace builds with megatron-core's local spec (no Transformer Engine here): the rest is refused, by name.
 _NOT_YET = (
     (
+        lambda m, s: m.is_moe and s.moe_token_dispatcher_type == "allgather",
+        "MoE with the allgather token dispatcher (the trace balances the alltoall dispatcher's routing only)",
+    ),
+    (
         lambda m, s: m.is_moe and s.moe_token_dispatcher_type not in ("alltoall", "allgather"),
-        "MoE with the flex dispatcher (DeepEP / HybridEP kernels)",
+        "MoE with the flex token dispatcher (DeepEP / HybridEP kernels)",
     ),
     (lambda m, s: m.mla is not None, "multi-latent attention"),
     (lambda m, s: bool(m.layer_pattern), "hybrid Mamba stacks"),
@@ -130,8 +134,8 @@ def build(r: Resolved, stage: int) -> dict[str, Any]:
     if missing:
         raise InputError(
             "trace cannot build this run yet: " + "; ".join(missing),
-            "estimate answers for it with the planner's formulas; trace builds dense GPT models (local spec) with "
-            "TP, PP, VPP, SP, recompute and the distributed optimizer",
+            "estimate answers for it with the planner's formulas; trace builds GPT models (local spec), dense or MoE "
+            "with the alltoall dispatcher, with TP, PP, VPP, SP, EP, ETP, recompute and the distributed optimizer",
         )
     if not 0 <= stage < s.pp:
         raise InputError(f"stage {stage} is outside the pipeline (PP {s.pp}: 0..{s.pp - 1})")
