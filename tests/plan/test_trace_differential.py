@@ -9,8 +9,8 @@ them) and compared:
 - resident state (weights + gradients + optimizer state): the issue's bar, 1 %, on every run;
 - peak: the issue's bar, 5 %, is not met on every run yet (``docs/trace.md`` has the tables: 195 of 200 dense runs and
   64 of 64 MoE runs on megatron-core 0.19.2, the dense misses within 8.5 %, the planner under the trace). Its test
-  is a strict xfail that turns
-  into a failure the day it holds; a second test holds every run to 10 % so that the gap cannot grow unseen.
+  is a strict xfail that turns into a failure the day it holds; a second test holds every run to 10 % so that the
+  gap cannot grow unseen.
 
 The planner's ``other`` carries a fitted constant for allocator workspaces (``Setup.overhead_gb``: cuBLAS, NCCL,
 DistOpt staging) that fake tensors cannot see; it is taken out of the planner's peak before comparing.
