@@ -8,6 +8,7 @@ optimizer or not, fp32 or bf16 gradient reduction, tied embeddings, micro-batch 
 
 from __future__ import annotations
 
+import math
 import random
 from typing import Any
 
@@ -74,5 +75,77 @@ def generate(seed: int, n: int) -> list[dict[str, Any]]:
         case["grad_reduce_in_fp32"] = rng.random() < 0.7
         case["share_embeddings_and_output_weights"] = rng.random() < 0.2
         _levers(rng, case)
+        out.append(case)
+    return out
+
+
+# MoE shapes (hidden, heads, query groups, kv channels, dense ffn, expert ffn, experts, top-k, shared-expert ffn) of
+# published models without multi-latent attention: Mixtral 8x7B, Qwen3-30B-A3B, OLMoE, Qwen2-57B-A14B, a
+# DeepSeek-V2-Lite-like layer with standard attention, and a small one.
+MOE_WIDTHS = (
+    (4096, 32, 8, 128, 14336, 14336, 8, 2, None),
+    (2048, 32, 4, 128, 6144, 768, 128, 8, None),
+    (2048, 16, 16, 128, 8192, 1024, 64, 8, None),
+    (3584, 28, 4, 128, 18944, 2560, 64, 8, 20480),
+    (2048, 16, 16, 128, 10944, 1408, 64, 6, 2816),
+    (1024, 16, 8, 64, 4096, 512, 16, 4, 1024),
+)
+
+
+def _moe_config(shared: int | None, dense_first: bool, layers: int) -> str:
+    """The model section a MoE case states beyond the planner's flags: shared experts and ``moe_layer_freq``
+    (a leading dense layer, as DeepSeek's ``first_k_dense_replace``), SwiGLU without biases."""
+    lines = ["model:", "  gated_linear_unit: true", "  add_bias_linear: false"]
+    if shared:
+        lines.append(f"  moe_shared_expert_intermediate_size: {shared}")
+    if dense_first:
+        lines.append(f"  moe_layer_freq: {[0] + [1] * (layers - 1)}")
+    return "\n".join(lines) + "\n"
+
+
+def generate_moe(seed: int, n: int) -> list[dict[str, Any]]:
+    """``n`` MoE cases from ``seed``: EP (with at most 32 local experts a layer: time goes with them), expert-TP
+    equal to TP or 1 (expert DP follows), shared experts, a leading dense layer, top-k, TP/SP, PP/VPP, recompute.
+    Each case's ``config`` key holds the model section for :func:`_moe_config`'s fields."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        hidden, heads, groups, kv, ffn, moe_ffn, experts, topk, shared = rng.choice(MOE_WIDTHS)
+        case: dict[str, Any] = {
+            "hidden_size": hidden,
+            "num_attention_heads": heads,
+            "num_query_groups": groups,
+            "kv_channels": kv,
+            "ffn_hidden_size": ffn,
+            "moe_ffn_hidden_size": moe_ffn,
+            "num_moe_experts": experts,
+            # top-1 needs moe_router_pre_softmax (megatron-core refuses it otherwise): at least 2
+            "moe_router_topk": rng.choice((topk, topk, max(2, topk // 2))),
+            "vocab_size": rng.choice(VOCABS),
+            "seq_length": rng.choice((1024, 2048, 4096)),
+            "micro_batch_size": rng.choice((1, 1, 2)),
+        }
+        tp = rng.choice([t for t in (1, 1, 2, 4) if groups % t == 0])
+        pp = rng.choice((1, 1, 2))
+        layers = pp * rng.choice((1, 2))
+        case.update(tp=tp, pp=pp, num_layers=layers)
+        if tp > 1:  # megatron-core refuses MoE with TP and without SP
+            case["sequence_parallel"] = True
+        if pp > 1 and layers // pp == 2 and rng.random() < 0.3:
+            case["vpp"] = 2
+        ep = rng.choice([e for e in (1, 2, 4, 8) if experts % e == 0 and experts // e <= 32])
+        etp = tp if tp == 1 or rng.random() < 0.5 else 1
+        case.update(ep=ep, etp=etp)
+        unit = tp * pp
+        expert_unit = pp * ep * etp
+        base = math.lcm(unit, expert_unit)
+        case["num_gpus"] = base * rng.choice((1, 1, 2))
+        dp = case["num_gpus"] // unit
+        least = pp if case.get("vpp") else 1
+        case["global_batch_size"] = case["micro_batch_size"] * dp * max(least, rng.choice((1, 2, 4)))
+        case["distributed_optimizer"] = rng.random() < 0.85
+        case["grad_reduce_in_fp32"] = rng.random() < 0.7
+        _levers(rng, case)
+        case["config"] = _moe_config(shared, layers > 1 and rng.random() < 0.3, layers)
         out.append(case)
     return out

@@ -56,6 +56,20 @@ def _init_parallel(spec: dict[str, Any]) -> None:
     random.model_parallel_cuda_manual_seed = lambda *a, **k: None
 
 
+def _reset_moe_tracker() -> None:
+    """Forget the MoE layers' auxiliary-loss tracker: megatron-core keeps it in a module global, one tensor per loss
+    sized by the first model's layer count, which the next spec of a batch (more layers) would index past."""
+    from megatron.core.transformer.moe import moe_utils
+
+    legacy = getattr(moe_utils, "_MOE_LAYER_WISE_LOGGING_TRACKER", None)  # 0.16.1
+    if isinstance(legacy, dict):
+        legacy.clear()
+    getter = getattr(moe_utils, "get_moe_metrics_tracker", None)  # 0.19.2
+    metrics = getattr(getter(), "metrics", None) if getter is not None else None
+    if isinstance(metrics, dict):
+        metrics.clear()
+
+
 def _one(spec: dict[str, Any], started: float) -> dict[str, Any]:
     import megatron.core
     import step
@@ -69,6 +83,7 @@ def _one(spec: dict[str, Any], started: float) -> dict[str, Any]:
     finally:  # the next spec of a batch has its own world
         parallel_state.destroy_model_parallel()
         dist.destroy_process_group()
+        _reset_moe_tracker()
     answer["megatron_core"] = megatron.core.__version__.split("+")[0]
     answer["seconds"] = round(time.perf_counter() - started, 2)
     return answer

@@ -217,6 +217,7 @@ def apply() -> None:
     # kernel; one by one (each has one) they write the same preallocated buffers, which is all the trace counts.
     _patch(param_and_grad_buffer, "_coalescing_manager", _one_by_one)
     apply_standins()
+    apply_moe()
     from megatron.core.optimizer import clip_grads, optimizer
 
     # The gradient norm is read as a Python float (local_multi_tensor_l2_norm: float(l2_reduced)), which a fake
@@ -273,3 +274,81 @@ def apply_standins() -> None:
         return standins.NormStandIn(config, hidden_size)
 
     _patch(torch_norm.WrappedTorchNorm, "__new__", norm_new)
+
+
+def balanced_counts(tokens: int, topk: int, experts: int) -> list[int]:
+    """Tokens each expert receives from one rank under balanced routing: ``tokens·topk`` (token, expert) pairs spread
+    over the experts as evenly as integers allow (the first experts take the remainder, so the traced rank, whose
+    local experts come first, is the busiest). What the planner assumes, with ``moe_router_force_load_balancing``'s
+    even spread."""
+    pairs = tokens * topk
+    return [pairs // experts + (1 if e < pairs % experts else 0) for e in range(experts)]
+
+
+def _balanced_preprocess(original: Any) -> Any:
+    """``MoEAlltoAllTokenDispatcher.preprocess`` with balanced routing (:func:`balanced_counts`).
+
+    The dispatcher reads its all-to-all splits and each local expert's token count from the routing map's values
+    (``routing_map.sum(0)``, then ``.cpu()`` / ``.tolist()`` / ``.numpy()``), which a fake tensor does not have. Its
+    own code runs first (what it allocates is counted); then every count it would have read is set to the balanced
+    one as host values: the all-to-all splits as lists, the per-chunk counts and chunk orders as numpy arrays (what
+    megatron-core's own ``maybe_move_tensor_to_cpu(..., as_numpy=True)`` gives), with every fake rank routing like
+    this one. The permuted tokens are ``tokens·topk`` rows whatever the split (dropless), so only the split moves."""
+    import numpy as np
+
+    def preprocess(self: Any, routing_map: Any) -> Any:
+        counts = original(self, routing_map)
+        if self.drop_and_pad:  # capacity-padded: static counts already
+            return counts
+        tp, ep, local = self.tp_size, self.ep_size, self.num_local_experts
+        per = balanced_counts(int(routing_map.size(0)), self.config.moe_router_topk, self.num_experts)
+        mine = per[self.local_expert_indices[0] : self.local_expert_indices[-1] + 1]
+        self.num_out_tokens = int(routing_map.size(0)) * self.config.moe_router_topk
+        self.input_splits = [sum(per[j * local : (j + 1) * local]) for j in range(ep)]
+        self.output_splits = [sum(mine)] * ep
+        self.output_splits_tp = np.array([ep * sum(mine)] * tp)
+        self.num_global_tokens_per_local_expert = np.array([mine] * (tp * ep))
+        chunks = np.arange(self.num_experts * tp)
+        self.sort_input_by_local_experts = chunks.reshape(-1, local).T.ravel()
+        self.restore_output_by_local_experts = chunks.reshape(local, -1).T.ravel()
+        if ep == 1 and tp == 1:
+            self.input_splits = self.output_splits = self.output_splits_tp = None
+        return np.array([tp * ep * n for n in mine])
+
+    return preprocess
+
+
+def _counted_permute(original: Any) -> Any:
+    """``moe_utils.permute`` with its ``masked_select`` sized: megatron-core 0.16.1 selects the routed (token,
+    expert) pairs with ``masked_select`` (0.19.2 with a fixed-shape argsort), whose output size is the mask's count
+    of ones; under balanced dropless routing that is ``num_out_tokens`` (``tokens·topk``), which the tracker gives."""
+
+    def permute(tokens: Any, routing_map: Any, *args: Any, **kwargs: Any) -> Any:
+        tracker = MODE_TRACKER[0] if MODE_TRACKER else None
+        count = kwargs.get("num_out_tokens", args[1] if len(args) > 1 else None)
+        if tracker is None or count is None:
+            return original(tokens, routing_map, *args, **kwargs)
+        tracker.selected = int(count)
+        try:
+            return original(tokens, routing_map, *args, **kwargs)
+        finally:
+            tracker.selected = None
+
+    return permute
+
+
+def apply_moe() -> None:
+    """Balanced routing for megatron-core's alltoall token dispatcher (:func:`_balanced_preprocess`): its counts are
+    host values from the start, so its device-to-host copy point hands them on as they are."""
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
+
+    # megatron-core 0.16.1 imports te_general_gemm only with Transformer Engine and then reads the name without a
+    # guard in the router's gating GEMM (NameError without TE); None takes its torch path, as 0.19.2 does without TE.
+    if not hasattr(moe_utils, "te_general_gemm"):
+        _patch(moe_utils, "te_general_gemm", None)
+    _patch(token_dispatcher, "permute", _counted_permute(moe_utils.permute))
+    cls = token_dispatcher.MoEAlltoAllTokenDispatcher
+    _patch(cls, "preprocess", _balanced_preprocess(cls.preprocess))
+    _patch(cls, "_maybe_dtoh_and_synchronize", lambda self, point, tokens_per_expert=None: tokens_per_expert)
+    # The host copies above are recorded on a stream in megatron-core (record_stream): streams are null here.
+    _patch(torch.Tensor, "record_stream", lambda self, *a, **k: None)

@@ -20,7 +20,14 @@ from mbridge_offload.plan.model.run import Setup
 
 # What the trace builds with megatron-core's local spec (no Transformer Engine here): the rest is refused, by name.
 _NOT_YET = (
-    (lambda m, s: m.is_moe, "MoE layers (token routing has data-dependent shapes on fake tensors)"),
+    (
+        lambda m, s: m.is_moe and s.moe_token_dispatcher_type == "allgather",
+        "MoE with the allgather token dispatcher (the trace balances the alltoall dispatcher's routing only)",
+    ),
+    (
+        lambda m, s: m.is_moe and s.moe_token_dispatcher_type not in ("alltoall", "allgather"),
+        "MoE with the flex token dispatcher (DeepEP / HybridEP kernels)",
+    ),
     (lambda m, s: m.mla is not None, "multi-latent attention"),
     (lambda m, s: bool(m.layer_pattern), "hybrid Mamba stacks"),
     (lambda m, s: m.mtp_num_layers > 0, "multi-token prediction"),
@@ -80,6 +87,8 @@ def _transformer(m: ModelSpec, s: Setup) -> dict[str, Any]:
         # gradients go straight into main_grad (the child's patches provide the kernel's in-place no-op)
         "gradient_accumulation_fusion": True,
     }
+    if m.is_moe:
+        kw.update(_moe(m, s))
     if s.num_layers_in_first_pipeline_stage is not None:
         kw["num_layers_in_first_pipeline_stage"] = s.num_layers_in_first_pipeline_stage
     if s.num_layers_in_last_pipeline_stage is not None:
@@ -94,6 +103,26 @@ def _transformer(m: ModelSpec, s: Setup) -> dict[str, Any]:
     return kw
 
 
+def _moe(m: ModelSpec, s: Setup) -> dict[str, Any]:
+    """The MoE fields: the planner's experts, top-k, shared experts, leading dense layers and dispatcher; the
+    router's load-balancing loss as the planner counts it (``aux_loss``: the fp32 softmax over all experts is saved).
+    ``moe_grouped_gemm`` stays off: megatron-core's local spec builds ``SequentialMLP`` experts either way (0.19.2;
+    0.16.1 would build the legacy ``GroupedMLP``, which needs the grouped_gemm package)."""
+    return {
+        "num_moe_experts": m.experts,
+        "moe_ffn_hidden_size": m.expert_ffn_hidden_size,
+        "moe_router_topk": m.moe_router_topk,
+        "moe_shared_expert_intermediate_size": m.moe_shared_expert_intermediate_size,
+        "moe_layer_freq": [0 if i < m.first_k_dense else 1 for i in range(m.num_layers)],
+        "moe_token_dispatcher_type": s.moe_token_dispatcher_type,
+        "moe_router_load_balancing_type": "aux_loss",
+        "moe_aux_loss_coeff": 1e-3,
+        "moe_grouped_gemm": False,
+        "expert_model_parallel_size": s.ep,
+        "expert_tensor_parallel_size": s.resolved_etp(m),
+    }
+
+
 def build(r: Resolved, stage: int) -> dict[str, Any]:
     """The child's spec for pipeline rank ``stage`` of the resolved run.
 
@@ -105,13 +134,21 @@ def build(r: Resolved, stage: int) -> dict[str, Any]:
     if missing:
         raise InputError(
             "trace cannot build this run yet: " + "; ".join(missing),
-            "estimate answers for it with the planner's formulas; trace builds dense GPT models (local spec) with "
-            "TP, PP, VPP, SP, recompute and the distributed optimizer",
+            "estimate answers for it with the planner's formulas; trace builds GPT models (local spec), dense or MoE "
+            "with the alltoall dispatcher, with TP, PP, VPP, SP, EP, ETP, recompute and the distributed optimizer",
         )
     if not 0 <= stage < s.pp:
         raise InputError(f"stage {stage} is outside the pipeline (PP {s.pp}: 0..{s.pp - 1})")
     return {
-        "parallel": {"tp": s.tp, "pp": s.pp, "vpp": s.vpp, "cp": s.cp, "ep": s.ep, "etp": s.etp, "world": s.num_gpus},
+        "parallel": {
+            "tp": s.tp,
+            "pp": s.pp,
+            "vpp": s.vpp,
+            "cp": s.cp,
+            "ep": s.ep,
+            "etp": s.resolved_etp(m),
+            "world": s.num_gpus,
+        },
         "stage": stage,
         "params_dtype": s.params_dtype,
         "transformer": _transformer(m, s),

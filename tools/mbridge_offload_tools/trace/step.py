@@ -39,21 +39,29 @@ def _config(torch: Any, spec: dict[str, Any]) -> Any:
 
 
 def _chunks(torch: Any, spec: dict[str, Any], config: Any) -> list[Any]:
+    import standins
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
 
-    layer_spec = get_gpt_layer_local_spec(
-        num_experts=config.num_moe_experts, qk_layernorm=config.qk_layernorm, normalization=config.normalization
-    )
-    if spec.get("attention", "fused") == "fused":
-        import standins
-
-        standins.use_te_attention(layer_spec)
     vpp = spec["parallel"].get("vpp")
     chunks = []
     for vp in range(vpp or 1):
         vp_stage = vp if vpp else None
+        layer_spec: Any
+        if config.num_moe_experts:
+            # MoE: megatron-core's block spec, local backend, which reads moe_layer_freq (dense and MoE layers mixed);
+            # a single layer spec would make every layer MoE.
+            layer_spec = get_gpt_decoder_block_spec(
+                config, use_transformer_engine=False, normalization=config.normalization, vp_stage=vp_stage
+            )
+            layers = list(layer_spec.layer_specs)
+        else:
+            layer_spec = get_gpt_layer_local_spec(qk_layernorm=config.qk_layernorm, normalization=config.normalization)
+            layers = [layer_spec]
+        if spec.get("attention", "fused") == "fused":
+            for one in layers:
+                standins.use_te_attention(one)
         first = parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
         last = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
         kwargs: dict[str, Any] = {"vp_stage": vp_stage} if vpp else {}

@@ -43,9 +43,15 @@ class Tracker(TorchDispatchMode):
         self.force: str | None = None  # "host" / "device": what the device mode says the next outputs are
         self.host_bytes = 0
         self.host_peak = 0
+        # Elements a masked_select gives while the MoE permutation runs (trace.patches: balanced routing); a fake
+        # tensor has no mask values to count.
+        self.selected: int | None = None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
+        if func is torch.ops.aten.masked_select.default and self.selected is not None:
+            out = args[0].new_empty((self.selected,))
+        else:
+            out = func(*args, **(kwargs or {}))
         host = self.force == "host" or (
             self.force is None
             and any(isinstance(a, torch.Tensor) and self.is_host(a) for a in tree_flatten((args, kwargs))[0])

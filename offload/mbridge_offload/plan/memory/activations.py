@@ -457,7 +457,9 @@ def _rebuilt(full: list[list[int]], s: Setup) -> int:
         return 0
     n = s.recompute_num_layers or 1
     if s.recompute_method == "block":
-        return max((max(chunk[:n], default=0) for chunk in full), default=0)
+        # The first n layers of a chunk are rebuilt after the chunk's last layers ran their backward: the current
+        # micro-batch's saved tensors of those (counted in ``saved``) are gone by then.
+        return max((max(0, max(chunk[:n], default=0) - sum(chunk[n:])) for chunk in full), default=0)
     return sum(sorted((b for chunk in full for b in chunk), reverse=True)[:n])
 
 
@@ -497,11 +499,13 @@ def stage_activations(m: ModelSpec, s: Setup, stage: int) -> ActivationMemory:
         saved -= fg.gpu_saving_bytes
         loss_saved -= fg.gpu_saving_bytes if loss_saved else 0
         host += fg.host_bytes
-    workspace = max(backward_workspace(m, s, layers), vocab_backward_bytes(m, s, stage, per_chunk[0]))
-    workspace += moe_dispatch_bytes(m, s, layers) + p2p_gradient_bytes(m, s, stage)
-    return ActivationMemory(
-        saved, _rebuilt(full, s), workspace, loss_saved, loss_transient, max(eligible, default=0), host
-    )
+    # Two moments of backward: a decoder layer's (the rebuilt layer, its gradient buffers, the MoE dispatch
+    # buffers) and a vocabulary layer's (the output layer before the decoder layers run backward, the embedding
+    # after): never at once, so the vocabulary's transient meets no rebuilt layer.
+    rebuilt = _rebuilt(full, s)
+    layer = backward_workspace(m, s, layers) + moe_dispatch_bytes(m, s, layers)
+    workspace = max(layer, vocab_backward_bytes(m, s, stage, per_chunk[0]) - rebuilt) + p2p_gradient_bytes(m, s, stage)
+    return ActivationMemory(saved, rebuilt, workspace, loss_saved, loss_transient, max(eligible, default=0), host)
 
 
 def stage_groups(
