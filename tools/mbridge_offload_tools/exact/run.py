@@ -67,7 +67,7 @@ class Install:
     """One megatron-core release that exact mode can run: its version and the path entry that imports it."""
 
     version: str
-    pythonpath: str | None  # None: this Python environment's own
+    pythonpath: str | None  # the folder that holds its `megatron` package, put first on the child's path
     where: str
 
 
@@ -98,7 +98,9 @@ def installs() -> list[Install]:
     if cores:
         core = cores[0]
         version = _package_version(core) or "unknown"
-        found.append(Install(version, None, f"this Python environment ({core.parent.parent})"))
+        # Its folder goes on the child's path: this process may have found it on a path added at run time (a
+        # Bridge install given by MBRIDGE_OFFLOAD_BRIDGE_PATH), which a fresh interpreter would not search.
+        found.append(Install(version, str(core.parent.parent), f"this Python environment ({core.parent.parent})"))
     base = mcore_dir()
     if base.is_dir():
         for tree in sorted(base.iterdir(), reverse=True):

@@ -111,7 +111,7 @@ def validate_seconds(v: dict[str, Any]) -> float:
 
 def validate_answer(v: dict[str, Any]) -> Any:
     """``validate`` / ``validate_config``: the rule catalogue's report on one config, recipe or command line."""
-    from mbridge_offload.config.rules.base import parse_target
+    from mbridge_offload.config.rules.base import DEFAULT_TARGET, parse_target
     from mbridge_offload.config.sources import ConfigError, load
     from mbridge_offload.config.validate import validate
 
@@ -122,7 +122,7 @@ def validate_answer(v: dict[str, Any]) -> Any:
             'stdin), recipe (--recipe NAME) or megatron_args (--megatron-args "...", a Megatron-LM command line)'
         )
     try:
-        target = parse_target(v["target"])
+        target = parse_target(v["target"] or DEFAULT_TARGET)
     except ValueError as exc:  # only the target's own errors are "target" errors
         raise InputError(f"target {v['target']!r}: {exc}") from None
     env = environment(v["env"], v["te_version"])
@@ -140,6 +140,8 @@ def validate_answer(v: dict[str, Any]) -> Any:
     except ValueError as exc:  # shlex: an unbalanced quote
         raise InputError(f"megatron_args: cannot read the command line: {exc}") from None
     loaded.config.env.update(env)
+    if recipe is not None and v["target"] is None:
+        target = _bridges_release(target)
     report = validate(loaded.config, loaded.raw, target=target, source=loaded.source)
     report.source = loaded.source
     if v["upstream"] or v["exact"]:
@@ -154,6 +156,20 @@ def validate_answer(v: dict[str, Any]) -> Any:
 
         report = megatron_lm_fixes(report)
     return report
+
+
+def _bridges_release(fallback: Any) -> Any:
+    """The megatron-core release the Bridge that built a recipe imported (each Bridge release pins its own: 0.3.1
+    builds 0.16's fields, 0.6.2 0.19's), when it is a supported target; else ``fallback``."""
+    import sys
+
+    from mbridge_offload.config.rules.base import parse_target
+
+    core = sys.modules.get("megatron.core")
+    try:
+        return parse_target(str(getattr(core, "__version__", "")))
+    except ValueError:
+        return fallback
 
 
 def _with_upstream(report: Any, loaded: Any, v: dict[str, Any]) -> Any:

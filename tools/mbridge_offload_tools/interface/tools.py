@@ -102,8 +102,8 @@ VALIDATE = Tool(
         Param(
             "target",
             str,
-            "the megatron-core release to check against: megatron-core==0.16.1, megatron-core==0.19.2 or main",
-            default=DEFAULT_TARGET,
+            f"the megatron-core release to check against: megatron-core==0.16.1, megatron-core==0.19.2 or main "
+            f"(default: {DEFAULT_TARGET}; for a recipe, the release the installed Bridge imports)",
             metavar="megatron-core==X.Y",
         ),
         Param(
