@@ -1,8 +1,5 @@
-"""Measure torch's fused CPU AdamW on this host: the params/s the planner's time model needs.
-
-It runs the CPU optimizer HybridDeviceOptimizer uses (``torch.optim.AdamW(fused=True)`` on fp32 params, the MCore
-factory's choice) over a few large tensors and records elements updated per second, per core and in total.
-"""
+"""Measure the CPU optimizer HybridDeviceOptimizer uses (fused AdamW on fp32) on this host: the params/s the
+planner's time model needs."""
 
 from __future__ import annotations
 
@@ -15,12 +12,7 @@ import torch
 def measure(
     numel: int = 32 * 1024 * 1024, tensors: int = 4, steps: int = 5, threads: int | None = None
 ) -> dict[str, Any]:
-    """Time ``steps`` fused AdamW steps over ``tensors`` fp32 tensors of ``numel`` elements (after one warm-up).
-
-    Returns:
-        ``{"cpu_adam_params_per_s", "cpu_adam_params_per_s_per_core", "threads", "numel", "seconds_per_step",
-        "torch_version", "fused"}``.
-    """
+    """Time ``steps`` fused AdamW steps over ``tensors`` fp32 tensors of ``numel`` elements in all (after a warm-up)."""
     if threads:
         torch.set_num_threads(threads)
     threads_used = torch.get_num_threads()

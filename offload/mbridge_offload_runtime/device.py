@@ -1,10 +1,8 @@
-"""The one place that knows whether CUDA is there.
+"""The one place that knows whether CUDA is there: streams, events, pinned allocation and memory counters.
 
-Streams, events, pinned allocation and memory counters behind one small interface. With CUDA these are the
-``torch.cuda`` objects, untouched. On CPU the same calls return ``ordering.CpuStream`` / ``ordering.CpuEvent``,
-which keep CUDA's happens-before as vector clocks; inside ``ordering.recording()`` every tensor access is
-checked against it (host buffers count as pinned, their copies as asynchronous), so a missing wait or record
-fails a CPU test. Outside it the copies are plain synchronous copies.
+With CUDA these are the ``torch.cuda`` objects. On CPU they are ``ordering.CpuStream`` / ``ordering.CpuEvent``,
+which keep CUDA's happens-before; inside ``ordering.recording()`` host buffers count as pinned and their copies as
+asynchronous, so a missing wait or record fails a CPU test.
 """
 
 from __future__ import annotations
@@ -29,11 +27,8 @@ def compute_device() -> torch.device:
 
 
 class Event(Protocol):
-    """What the runtime calls on an event: ``torch.cuda.Event`` and ``ordering.CpuEvent`` both satisfy it.
-
-    Arguments are ``Any`` because each implementation takes only its own kind of stream; the runtime never mixes
-    them (``device`` hands out one kind per process).
-    """
+    """``torch.cuda.Event`` or ``ordering.CpuEvent``; streams are ``Any``: each takes only its own kind, and
+    ``device`` hands out one kind per process."""
 
     def record(self, stream: Any = None, /) -> None: ...
     def wait(self, stream: Any = None, /) -> None: ...
@@ -42,7 +37,7 @@ class Event(Protocol):
 
 
 class Stream(Protocol):
-    """What the runtime calls on a stream: ``torch.cuda.Stream`` and ``ordering.CpuStream`` both satisfy it."""
+    """``torch.cuda.Stream`` or ``ordering.CpuStream``."""
 
     def wait_stream(self, stream: Any, /) -> None: ...
     def wait_event(self, event: Any, /) -> None: ...
@@ -52,11 +47,7 @@ class Stream(Protocol):
 
 
 def new_stream(name: str = "side") -> Stream:
-    """A side stream: ``torch.cuda.Stream`` with CUDA, else an ``ordering.CpuStream``.
-
-    Args:
-        name: the CPU stream's name in ordering error messages (unused with CUDA).
-    """
+    """A side stream; ``name`` names a CPU stream in ordering error messages."""
     return torch.cuda.Stream() if has_cuda() else ordering.CpuStream(name)
 
 
@@ -81,11 +72,7 @@ def on_stream(stream: Stream) -> Iterator[None]:
 
 @contextlib.contextmanager
 def speculative() -> Iterator[None]:
-    """Copies whose owner re-validates the data later (a no-op with CUDA; see ``ordering.speculative``).
-
-    Use it only where a racing write is detected and the copy redone (e.g. by a version check); the CPU
-    ordering check then lets later writes race with these copies, and still checks everything else.
-    """
+    """Copies whose owner detects a racing write and redoes them (``ordering.speculative``; a no-op with CUDA)."""
     if has_cuda():
         yield
     else:
@@ -103,21 +90,16 @@ def record_stream(tensor: torch.Tensor, stream: Stream) -> None:
         tensor.record_stream(cast(torch.cuda.Stream, stream))
 
 
-def empty_host(shape: torch.Size | tuple[int, ...], dtype: torch.dtype, pin: bool = True) -> torch.Tensor:
-    """A host tensor, page-locked when CUDA is present and ``pin`` is set."""
-    return _host(torch.empty(shape, dtype=dtype, device="cpu", pin_memory=pin and has_cuda()), pin)
-
-
-def is_pinned(tensor: torch.Tensor) -> bool:
-    """Whether copies to/from ``tensor`` may be asynchronous (pinned; under the CPU ordering check, a host buffer)."""
-    if has_cuda():
-        return tensor.is_pinned()
-    recorder = ordering.active()
-    return recorder is not None and recorder.is_host(tensor)
-
-
-def _host(tensor: torch.Tensor, pin: bool) -> torch.Tensor:
-    """Book a new host buffer with the CPU ordering check (pinned ones only: pageable copies are synchronous)."""
+def empty_host(
+    shape: torch.Size | tuple[int, ...], dtype: torch.dtype, pin: bool = True, stride: tuple[int, ...] | None = None
+) -> torch.Tensor:
+    """A host tensor (``stride``: to mirror a dense, non-contiguous device tensor), page-locked when CUDA is present
+    and ``pin`` is set; under the CPU ordering check a pinned one is booked as a host buffer."""
+    pinned = pin and has_cuda()
+    if stride is None:
+        tensor = torch.empty(shape, dtype=dtype, device="cpu", pin_memory=pinned)
+    else:
+        tensor = torch.empty_strided(shape, stride, dtype=dtype, device="cpu", pin_memory=pinned)
     if not pin or has_cuda():
         return tensor
     recorder = ordering.active()
@@ -126,6 +108,14 @@ def _host(tensor: torch.Tensor, pin: bool) -> torch.Tensor:
     else:
         ordering.mark_host(tensor)  # a recording started later still knows it is a host buffer
     return tensor
+
+
+def is_pinned(tensor: torch.Tensor) -> bool:
+    """Whether copies to/from ``tensor`` may be asynchronous (pinned; under the CPU ordering check, a host buffer)."""
+    if has_cuda():
+        return tensor.is_pinned()
+    recorder = ordering.active()
+    return recorder is not None and recorder.is_host(tensor)
 
 
 @dataclass(frozen=True)
@@ -152,10 +142,3 @@ def synchronize() -> None:
         torch.cuda.synchronize()
     else:
         ordering.synchronize()
-
-
-def empty_host_strided(
-    shape: torch.Size | tuple[int, ...], stride: tuple[int, ...], dtype: torch.dtype, pin: bool = True
-) -> torch.Tensor:
-    """A host tensor with the given strides (to mirror a dense, non-contiguous device tensor), pinned as above."""
-    return _host(torch.empty_strided(shape, stride, dtype=dtype, device="cpu", pin_memory=pin and has_cuda()), pin)

@@ -1,23 +1,18 @@
 """Streams and events on the CPU that keep CUDA's happens-before, and a checker that fails on unordered access.
 
-Without CUDA every copy is synchronous, so a missing ``wait_event`` changes nothing a test can see. This module
-makes ordering visible: :class:`CpuStream` and :class:`CpuEvent` implement the subset of ``torch.cuda.Stream`` /
-``torch.cuda.Event`` the runtime uses, with vector clocks (what each stream, and the host, knows to be complete),
-and :func:`recording` installs a dispatch mode that sees every tensor operation and raises
-:class:`OrderingError` when an access is not ordered after the copies it depends on:
+Without CUDA every copy is synchronous, so a missing ``wait_event`` changes nothing a test can see. Here
+:class:`CpuStream` and :class:`CpuEvent` keep vector clocks (what each stream, and the host, knows complete), and
+:func:`recording` sees every tensor operation and raises :class:`OrderingError` on
 
-* a read of a buffer before the copy (or kernel) that wrote it is ordered before the reader (the reload used in
-  backward before the H2D event was waited on; a D2H host buffer read by the host before its event);
-* a write of a buffer while an earlier access on another stream may still run (write-after-read/-write);
-* a device buffer freed on its allocation stream while a copy on another stream may still use it, unless
-  ``record_stream`` told the allocator about that stream (the caching allocator's semantics).
+* a read of a buffer before the copy (or kernel) that wrote it is ordered before the reader;
+* a write of a buffer while an earlier access on another stream may still run;
+* a device buffer freed on its allocation stream while another stream may still use it, unless ``record_stream``
+  told the allocator about that stream (the caching allocator's semantics).
 
-Model (CUDA semantics, strict where CUDA is lenient): an operation that touches a host buffer made by
-``device.empty_host*`` and is not a host↔device copy runs on the host; every other operation runs on the current
-stream (``device.on_stream``), after everything the host knows complete when it is issued. Copies to or from
-host buffers are asynchronous unless ``non_blocking=False``; ``.item()`` synchronises. Waiting on an event that
-was never recorded is a no-op, as in CUDA. Production code is unchanged: with CUDA, ``device`` returns real
-``torch.cuda`` streams and events and this module is never used.
+Model (CUDA semantics, strict where CUDA is lenient): an operation on a host buffer of ``device.empty_host`` that
+is not a host↔device copy runs on the host; every other runs on the current stream, after everything the host
+knows complete. Copies to or from host buffers are asynchronous unless ``non_blocking=False``; ``.item()``
+synchronises; waiting on an event never recorded is a no-op. With CUDA this module is never used.
 """
 
 from __future__ import annotations
@@ -51,15 +46,7 @@ def _join(into: Clock, other: Clock) -> None:
 
 
 class CpuStream:
-    """A stream on the CPU: work on it is ordered; it learns of other work only by waiting (as on CUDA).
-
-    Args:
-        name: shown in error messages.
-
-    Example:
-        >>> side, ev = CpuStream("d2h"), CpuEvent()
-        >>> ev.record(side); current_stream().wait_event(ev)
-    """
+    """A stream on the CPU: work on it is ordered; it learns of other work only by waiting (as on CUDA)."""
 
     def __init__(self, name: str = "side") -> None:
         self.id = next(_ids)
@@ -69,7 +56,6 @@ class CpuStream:
         _streams.add(self)
 
     def issue(self) -> Op:
-        """Enqueue one operation; returns its id."""
         if self is not HOST:
             # Why: the host enqueues this work after everything it already saw complete.
             _join(self.knowledge, HOST.knowledge)
@@ -162,15 +148,10 @@ def _is_speculative() -> bool:
 
 @contextlib.contextmanager
 def speculative() -> Iterator[None]:
-    """Mark the copies issued inside as speculative: their owner checks later whether the data they moved is
-    still current (e.g. a gradient copy started in a backward hook, re-made in ``step()`` when the gradient's
-    version changed), so a later write that races with them is not a violation. They must still be ordered
-    after the writes they read, and a freed source still needs ``record_stream``.
-
-    Example:
-        >>> with device.on_stream(side), ordering.speculative():
-        ...     host_slot.copy_(grad, non_blocking=True)
-    """
+    """Copies issued inside are speculative: their owner checks later whether the data they moved is still
+    current (a backward-hook gradient copy, redone in ``step()`` when the gradient's version changed), so a later
+    write racing with them is no violation. They must still be ordered after the writes they read, and a freed
+    source still needs ``record_stream``."""
     _local.speculative = getattr(_local, "speculative", 0) + 1
     try:
         yield
@@ -204,11 +185,8 @@ class _Entry:
 
 @dataclass
 class _Access:
-    """What is known about one storage: where it lives, the accesses not yet superseded, its allocation stream.
-
-    Accesses are kept per byte range, so copies into disjoint views of one buffer (the members of a bucket)
-    do not order each other, as on a GPU.
-    """
+    """One storage: where it lives, its accesses not yet superseded, its allocation stream. Accesses are kept per
+    byte range, so copies into disjoint views of one buffer (a bucket's members) do not order each other."""
 
     host: bool
     entries: list[_Entry] = field(default_factory=list)
@@ -257,12 +235,7 @@ def _key(tensor: torch.Tensor) -> int | None:
 
 
 class OrderingRecorder(TorchDispatchMode):
-    """The dispatch mode behind :func:`recording`: checks and books every tensor access (see module docstring).
-
-    Attributes:
-        operations: how many operations were checked.
-        violations: the messages of the violations found (the first one is also raised).
-    """
+    """The dispatch mode behind :func:`recording`: ``operations`` checked, ``violations`` found (the first raised)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -271,7 +244,6 @@ class OrderingRecorder(TorchDispatchMode):
         self.violations: list[str] = []
         self._pending: list[str] = []
 
-    # ---- registration (called by ``device``) ----------------------------------------------------------
     def register_host(self, tensor: torch.Tensor) -> None:
         """``tensor`` is a (pinned) host buffer, written by the host now."""
         mark_host(tensor)
@@ -292,7 +264,6 @@ class OrderingRecorder(TorchDispatchMode):
         """``tensor.record_stream(stream)``: the allocator keeps the memory until ``stream``'s work is done."""
         self._access(tensor).recorded.add(stream.id)
 
-    # ---- the dispatch mode ------------------------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         self._raise_pending()
@@ -404,11 +375,7 @@ class OrderingRecorder(TorchDispatchMode):
             self._fail(message)
 
     def check(self) -> None:
-        """Raise the first violation found at a free (raised at the next operation otherwise).
-
-        Raises:
-            OrderingError: a buffer was freed before the work on another stream that used it.
-        """
+        """Raise the first violation found at a free (else raised at the next operation)."""
         self._raise_pending()
 
 
@@ -453,12 +420,6 @@ def recording() -> Iterator[OrderingRecorder]:
     Raises:
         OrderingError: on the first unordered access (also at exit, for a buffer freed too early).
         RuntimeError: where CUDA is present (real streams cannot be checked this way).
-
-    Example:
-        >>> with recording() as rec:
-        ...     loss = model(x).sum(); loss.backward()
-        >>> rec.operations > 0
-        True
     """
     if torch.cuda.is_available():
         raise RuntimeError("ordering.recording() checks the CPU model of streams; it cannot run with CUDA")

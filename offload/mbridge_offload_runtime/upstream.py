@@ -1,9 +1,7 @@
 """Upstream facts that the runtime and the planner both need, each stated once, with where upstream states it.
 
-A room of its own, plain Python (no torch, no project imports), inside the runtime package so that the runtime
-needs nothing from the agent side: the runtime (``mbridge_offload_runtime``) and the planner (``mbridge_offload.plan``)
-both import it, so the model of what upstream does and our reproduction of it cannot drift apart. Importing it
-imports no torch (the package's ``__init__`` imports nothing), so the config side stays torch-free.
+Plain Python (no torch, no project imports), inside the runtime package so that the runtime needs nothing from the
+agent side; the planner (``mbridge_offload.plan``) imports it too, so its model and our runtime cannot drift apart.
 """
 
 from __future__ import annotations
@@ -66,18 +64,10 @@ def _major_minor(te_version: str) -> tuple[int, int]:
 
 
 def te_offload_threshold(te_version: str, v1: bool = False) -> TeOffloadThreshold:
-    """The size rule of Transformer Engine ``te_version``'s activation offload, on the path the job takes.
-
-    Args:
-        te_version: the release, ``X.Y`` or ``X.Y.Z`` (patch releases share their minor's code; checked up to 2.18).
-        v1: ``NVTE_CPU_OFFLOAD_V1=1`` in the job's environment (only matters from 2.10; before, v1 is the only path).
-
-    Returns:
-        The ``TE_OFFLOAD_THRESHOLDS`` row. Releases after the last one read take the newest row on their path: an
-        assumption, stated here, until the table is extended.
-
-    Raises:
-        ValueError: ``te_version`` is not a version, or is older than 1.3 (no ``cpu_offload.py`` then).
+    """The ``TE_OFFLOAD_THRESHOLDS`` row of Transformer Engine ``te_version`` (``X.Y`` or ``X.Y.Z``), on the path
+    the job takes (``v1``: ``NVTE_CPU_OFFLOAD_V1=1``, which matters from 2.10). Releases after the last one read
+    take the newest row on their path: an assumption until the table is extended. ``ValueError`` for a bad
+    version or one older than 1.3 (no ``cpu_offload.py``).
     """
     version = _major_minor(te_version)
     path = "v1" if v1 or version < (2, 10) else "v2"
@@ -100,11 +90,10 @@ TE_MIN_OFFLOAD_NUMEL = te_min_offload_numel("2.18")
 def hdo_offload_mask(numels: Sequence[int], offload_fraction: float) -> list[bool]:
     """Which tensors ``HybridDeviceOptimizer`` puts on the host: a greedy prefix over whole tensors.
 
-    Walk the tensors in param_groups order and offload each while the offloaded element count is still below
-    ``offload_fraction × sum(numels)``; the tensor that crosses the threshold goes whole, so 0.0 offloads nothing
-    and 1.0 everything. Source: megatron-core 0.16.1 and 0.19.2 (byte-identical),
-    ``megatron/core/optimizer/cpu_offloading/hybrid_optimizer.py``, ``_get_sub_optimizer_param_groups``.
-    A tensor of size 0 counts for nothing and is placed like its neighbours would be.
+    In param_groups order, each tensor is offloaded while the offloaded element count is still below
+    ``offload_fraction × sum(numels)``; the one that crosses goes whole (0.0 offloads nothing, 1.0 everything).
+    Source: megatron-core 0.16.1 and 0.19.2, ``cpu_offloading/hybrid_optimizer.py``,
+    ``_get_sub_optimizer_param_groups``.
     """
     threshold = offload_fraction * sum(numels)
     offloaded, mask = 0, []

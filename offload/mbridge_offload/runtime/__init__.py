@@ -1,10 +1,5 @@
-"""Deprecated alias: the runtime moved to its own package, ``mbridge_offload_runtime`` (kept for one release).
-
-An import of a submodule of this old path (any depth) gives the very module of the same name under
-``mbridge_offload_runtime``, not a copy, so classes, ``isinstance`` checks and monkeypatches agree across both names;
-each first import through the old name warns with a ``DeprecationWarning``.
-New code imports ``mbridge_offload_runtime``.
-"""
+"""Deprecated alias of ``mbridge_offload_runtime`` (kept for one release): a submodule imported by this old name is
+the very module of the new name, not a copy, so classes, ``isinstance`` checks and monkeypatches agree."""
 
 from __future__ import annotations
 
@@ -20,8 +15,6 @@ _OLD, _NEW = __name__, "mbridge_offload_runtime"
 
 
 class _Alias(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Resolves a submodule of this old path to the already-importable module of the same name in the new package."""
-
     def find_spec(
         self, fullname: str, path: object = None, target: object = None
     ) -> importlib.machinery.ModuleSpec | None:

@@ -1,16 +1,9 @@
-"""Layer-level activation offloading with Transformer Engine's call shape.
+"""Layer-level activation offloading with Transformer Engine's call shape (the schedule is in ``schedule.py``, the
+per-pass mechanics in ``passes.py``).
 
-``get_cpu_offload_context(...)`` returns ``(context, sync_fn)``: enter ``context`` around each layer's forward
-and pass each layer's output through ``sync_fn``, exactly as Megatron Core's ``TransformerBlock`` does with
-TE. Inside the context, ``torch.autograd.graph.saved_tensors_hooks`` sees every tensor autograd saves; the
-ones that qualify (see :class:`Eligibility`) in the first ``num_layers`` layers are copied to host memory as
-they are saved (on a side stream on CUDA), dropped from the device when layer ``L − k + i`` starts, and
-copied back when backward reaches layer ``L − 1 − k + i`` (the schedule is in ``schedule.py``; the
-per-pass mechanics in ``passes.py``). On CPU the same state machine runs with plain copies.
-
-The runtime follows TE v2 (``transformer_engine/pytorch/cpu_offload.py``): same errors, same schedule, same
-size threshold by default. Unlike TE, ``double_buffering`` is a real option, views are folded onto their base
-whatever their coverage, several forwards may run before their backwards, and every pass is accounted.
+It follows TE v2 (``transformer_engine/pytorch/cpu_offload.py``): same errors, same schedule, same size threshold
+by default. Unlike TE, ``double_buffering`` is a real option, views are folded onto their base whatever their
+coverage, several forwards may run before their backwards, and every pass is accounted.
 """
 
 from __future__ import annotations
@@ -18,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import warnings
 from collections import deque
-from collections.abc import Callable
 from types import TracebackType
 from typing import Any
 
@@ -40,10 +32,8 @@ class _DisabledContext(contextlib.nullcontext):
 
 
 class OffloadContext:
-    """The context entered around each layer's forward; ``sync`` is the matching ``sync_fn``.
-
-    Build it with :func:`get_cpu_offload_context`. Accounting: :attr:`stats` (the last pass whose backward
-    finished), :attr:`history` (recent passes), :attr:`current` (the pass whose forward is running).
+    """The context entered around each layer's forward; ``sync`` is the matching ``sync_fn``. Accounting:
+    :attr:`stats` (the last pass whose backward finished), :attr:`history`, :attr:`current` (the running forward).
     """
 
     def __init__(
@@ -126,19 +116,14 @@ class OffloadContext:
             self.reset()  # the forward is abandoned: the next one starts again at layer 0
 
     def _abandon(self) -> None:
-        self._inside = False
-        hooks, self._hooks = self._hooks, None
         try:
-            if hooks is not None:
-                hooks.__exit__(None, None, None)
+            self.__exit__(None, None, None)
         finally:
             self.reset()
 
     def sync(self, tensor: torch.Tensor) -> torch.Tensor:
-        """The ``sync_fn``: mark ``tensor`` as the output of the layer that just ran; returns it unchanged.
-
-        Its ``grad_fn`` gets a pre-hook that tells the schedule when backward reaches this layer.
-        """
+        """The ``sync_fn``: ``tensor``'s ``grad_fn`` gets a pre-hook that tells the schedule when backward reaches
+        the layer that just ran; returns it unchanged (or an alias of a leaf)."""
         if not (torch.is_grad_enabled() and isinstance(tensor, torch.Tensor) and tensor.requires_grad):
             return tensor
         if self._pass is None or self._inside:
@@ -158,7 +143,7 @@ class OffloadContext:
             self._pass = None
 
     def reset(self) -> None:
-        """Forget the layer count (done automatically when a layer raises inside the context)."""
+        """Forget the layer count (automatic when a layer raises inside the context)."""
         self._layer, self._pass = -1, None
 
     def reset_buffers(self) -> None:
@@ -167,11 +152,8 @@ class OffloadContext:
 
 
 class ManualController:
-    """What ``manual_synchronization=True`` returns third: the caller starts each layer's offload steps.
-
-    Same methods as Transformer Engine's ``ManualOffloadSynchronizer`` (TE ≥ 2.10). A layer none of them is
-    called for is not offloaded: its saved tensors stay on the device. Layers are numbered as the context
-    counts them (``0 … model_layers − 1`` in forward order).
+    """What ``manual_synchronization=True`` returns third: TE ≥ 2.10's ``ManualOffloadSynchronizer`` methods. A
+    layer none of them is called for keeps its saved tensors on the device; layers count ``0 … model_layers − 1``.
 
     Example:
         >>> ctx, sync, manual = get_cpu_offload_context(True, model_layers=n, manual_synchronization=True)
@@ -193,42 +175,38 @@ class ManualController:
             store.start_offload()
 
     def release_activation_forward_gpu_memory(self, layer_id: int) -> None:
-        """Drop layer ``layer_id``'s device copies; the compute stream first waits for their offload.
-
-        Raises:
-            RuntimeError: the layer's offload was not started (TE: invalid state).
-        """
-        store = self._store(layer_id)
-        if store is None:
-            return
-        if store.phase is not LayerPhase.OFFLOAD_STARTED:
-            raise RuntimeError(
-                f"activation offload: release_activation_forward_gpu_memory({layer_id}) needs a started offload; "
-                f"layer {layer_id} is {store.phase.value} (call start_offload_layer first)"
-            )
-        store.release(at=-1)
+        """Drop the layer's device copies once their offload is done; ``RuntimeError`` if it was not started."""
+        store = self._store(layer_id, "release_activation_forward_gpu_memory")
+        if store is not None:
+            store.release(at=-1)
 
     def start_reload_layer(self, layer_id: int) -> None:
-        """Start the host→device copies of layer ``layer_id``; each saved tensor waits only for its own copy.
+        """Start the layer's host→device copies (each saved tensor waits only for its own); ``RuntimeError`` if it
+        was not released."""
+        store = self._store(layer_id, "start_reload_layer")
+        if store is not None:
+            store.start_reload(at=-1)
 
-        Raises:
-            RuntimeError: the layer was not released (TE: invalid state).
-        """
-        store = self._store(layer_id)
-        if store is None:
-            return
-        if store.phase is not LayerPhase.RELEASED:
-            raise RuntimeError(
-                f"activation offload: start_reload_layer({layer_id}) needs a released layer; layer {layer_id} is "
-                f"{store.phase.value} (call release_activation_forward_gpu_memory first)"
-            )
-        store.start_reload(at=-1)
-
-    def _store(self, layer_id: int) -> LayerStore | None:
+    def _store(self, layer_id: int, step: str = "") -> LayerStore | None:
+        """The layer's store in the latest pass; ``RuntimeError`` if ``step`` needs another phase (as in TE)."""
         if not 0 <= layer_id < self.context.schedule.model_layers:
             raise ValueError(f"layer_id is {layer_id}; it must be in [0, {self.context.schedule.model_layers})")
         last = self.context.last_pass
-        return last.store(layer_id) if last is not None else None
+        store = last.store(layer_id) if last is not None else None
+        if store is not None and step in _NEEDS and store.phase is not _NEEDS[step][0]:
+            _, what, first = _NEEDS[step]
+            raise RuntimeError(
+                f"activation offload: {step}({layer_id}) needs {what}; layer {layer_id} is {store.phase.value} "
+                f"(call {first} first)"
+            )
+        return store
+
+
+# The phase each manual step needs, what to call it in the error, and the step that gets a layer there.
+_NEEDS = {
+    "release_activation_forward_gpu_memory": (LayerPhase.OFFLOAD_STARTED, "a started offload", "start_offload_layer"),
+    "start_reload_layer": (LayerPhase.RELEASED, "a released layer", "release_activation_forward_gpu_memory"),
+}
 
 
 def get_cpu_offload_context(
@@ -245,11 +223,12 @@ def get_cpu_offload_context(
     min_tensor_size: int = DEFAULT_MIN_TENSOR_SIZE,
     pin_memory: bool = True,
 ) -> tuple[Any, ...]:
-    """Activation offloading for a sequence of layers, with Transformer Engine ≥ 2.10's signature.
+    """Activation offloading for a sequence of layers, with Transformer Engine ≥ 2.10's signature and positional
+    order (Megatron Core's wrapper puts ``retain_pinned_cpu_buffers`` seventh: ``megatron.py`` adapts it).
 
-    The positional order is TE 2.10's (``…, double_buffering, manual_synchronization,
-    retain_pinned_cpu_buffers, offload_stream``); Megatron Core's own wrapper puts ``retain_pinned_cpu_buffers``
-    seventh, which :func:`mbridge_offload_runtime.megatron.install_activation_offload` adapts.
+    Enter ``context`` around each layer's forward and pass each layer's output through ``sync_fn``. Tensors saved
+    in the first ``num_layers`` layers that qualify (:class:`Eligibility`) are copied to the host as they are saved,
+    dropped from the device when layer ``L − k + i`` starts, and reloaded when backward reaches ``L − 1 − k + i``.
 
     Args:
         enabled: turn offloading on; when False a no-op context and the identity are returned.
@@ -279,8 +258,6 @@ def get_cpu_offload_context(
         ...     with context:
         ...         x = layer(x)
         ...     x = sync_fn(x)
-        >>> x.sum().backward()
-        >>> context.stats.bytes_offloaded
     """
     off = (_DisabledContext(), _identity, None) if manual_synchronization else (_DisabledContext(), _identity)
     if not enabled:
@@ -297,40 +274,20 @@ def get_cpu_offload_context(
             return off
     if offload_stream is not None and not manual_synchronization:
         raise ValueError("offload_stream can be provided only if manual_synchronization is True")
-    if manual_synchronization:
-        if model_layers < 1:
-            raise ValueError(f"model_layers is {model_layers}; it must be at least 1")
-        context = _context(Schedule(model_layers, model_layers, manual=True), double_buffering,
-                           retain_pinned_cpu_buffers, min_tensor_size, pin_memory, offload_stream)  # fmt: skip
-        return context, context.sync, ManualController(context)
-    layers = _check_layers(num_layers, model_layers)
-    return _build(layers, model_layers, double_buffering, retain_pinned_cpu_buffers, min_tensor_size, pin_memory)
-
-
-def _build(
-    num_layers: int, model_layers: int, double: bool, retain: bool, min_size: int, pin: bool
-) -> tuple[OffloadContext, Callable[[torch.Tensor], torch.Tensor]]:
-    ctx = _context(Schedule(model_layers, num_layers), double, retain, min_size, pin)
-    return ctx, ctx.sync
-
-
-def _context(
-    schedule: Schedule, double: bool, retain: bool, min_size: int, pin: bool, stream: device.Stream | None = None
-) -> OffloadContext:
-    return OffloadContext(
-        schedule,
-        Eligibility(device.compute_device(), min_size),
-        double_buffering=double,
-        retain_pinned_cpu_buffers=retain,
-        pin_memory=pin,
-        stream=stream,
+    if model_layers < 1:
+        raise ValueError(f"model_layers is {model_layers}; it must be at least 1")
+    schedule = Schedule(model_layers, model_layers, manual=True)
+    if not manual_synchronization:
+        schedule = Schedule(model_layers, _check_layers(num_layers, model_layers))
+    eligibility = Eligibility(device.compute_device(), min_tensor_size)
+    context = OffloadContext(
+        schedule, eligibility, double_buffering, retain_pinned_cpu_buffers, pin_memory, stream=offload_stream
     )
+    return (context, context.sync, ManualController(context)) if manual_synchronization else (context, context.sync)
 
 
 def _check_layers(num_layers: int | None, model_layers: int) -> int:
-    """The automatic schedule's ``num_layers``, validated; the one value the schedule is built from."""
-    if model_layers < 1:
-        raise ValueError(f"model_layers is {model_layers}; it must be at least 1")
+    """The automatic schedule's ``num_layers``, validated (``model_layers`` is at least 1)."""
     if num_layers is None:
         # TE 2.10 allows None only because manual mode ignores it; its automatic schedule compares it with
         # model_layers and fails there, so refuse it here with the fix.

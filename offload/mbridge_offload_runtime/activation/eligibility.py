@@ -1,7 +1,4 @@
-"""Which saved tensors are worth offloading: parameters, buffers, small, fake and gappy tensors stay put.
-
-Also the two opt-outs a user has: :func:`keep_on_device` for a region, :func:`mark_not_offload` for tensors.
-"""
+"""Which saved tensors are worth offloading, and the user's opt-outs (a region, or tensors)."""
 
 from __future__ import annotations
 
@@ -21,10 +18,8 @@ _keep_depth = [0]
 
 @contextlib.contextmanager
 def keep_on_device() -> Iterator[None]:
-    """Keep every tensor saved inside this block on the device, even within an offloaded layer.
-
-    Use it for regions whose activations are consumed right away in backward, or are too large to move in
-    time (an output head). Works whether it is entered inside or outside the offload context.
+    """Keep every tensor saved inside this block on the device, even within an offloaded layer (an output head
+    whose activations are used right away in backward, or too large to move in time).
 
     Example:
         >>> with context:
@@ -46,12 +41,7 @@ def mark_not_offload(*tensors: torch.Tensor) -> None:
 
 
 class Eligibility:
-    """Which saved tensors are worth offloading, and why the others are not.
-
-    Args:
-        compute_device: the device whose memory we relieve; tensors elsewhere stay put.
-        min_tensor_size: smallest number of elements worth a copy (default TE's ``256 * 1024``).
-    """
+    """Which saved tensors on ``compute_device`` of at least ``min_tensor_size`` elements are worth offloading."""
 
     def __init__(self, compute_device: torch.device, min_tensor_size: int = DEFAULT_MIN_TENSOR_SIZE) -> None:
         if min_tensor_size < 0:
@@ -98,15 +88,12 @@ def _dense(tensor: torch.Tensor) -> bool:
     if tensor.is_contiguous():
         return True
     expected = 1
-    for size, stride in sorted((d for d in zip(tensor.shape, tensor.stride(), strict=True) if d[0] != 1), key=_stride):
+    dims = sorted((d for d in zip(tensor.shape, tensor.stride(), strict=True) if d[0] != 1), key=lambda d: d[1])
+    for size, stride in dims:
         if stride != expected:
             return False
         expected *= size
     return True
-
-
-def _stride(dim: tuple[int, int]) -> int:
-    return dim[1]
 
 
 def fold_view(tensor: torch.Tensor) -> tuple[torch.Tensor, ViewSpec | None]:

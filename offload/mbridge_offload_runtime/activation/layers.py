@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from mbridge_offload_runtime.activation.context import OffloadContext, _build, _check_layers
+from mbridge_offload_runtime.activation.context import OffloadContext, get_cpu_offload_context
 from mbridge_offload_runtime.activation.eligibility import mark_not_offload
 from mbridge_offload_runtime.activation.schedule import DEFAULT_MIN_TENSOR_SIZE, OffloadStats
 
@@ -16,11 +16,11 @@ __all__ = ["OffloadHandle", "offload_layers"]
 
 
 class OffloadHandle:
-    """What :func:`offload_layers` returns: the live context and ``remove()`` to uninstall the hooks."""
+    """What :func:`offload_layers` returns: the live context, and ``remove()`` (or leaving ``with``)."""
 
-    def __init__(self, context: OffloadContext, hooks: list[torch.utils.hooks.RemovableHandle]) -> None:
+    def __init__(self, context: OffloadContext) -> None:
         self.context = context
-        self._hooks = hooks
+        self._hooks: list[torch.utils.hooks.RemovableHandle] = []
 
     @property
     def stats(self) -> OffloadStats | None:
@@ -37,17 +37,10 @@ class OffloadHandle:
     def __exit__(self, *exc: object) -> None:
         self.remove()
 
-
-class _LayerHooks:
-    """Forward pre/post hooks that run one module inside the context and sync its output."""
-
-    def __init__(self, context: OffloadContext) -> None:
-        self.context = context
-
-    def enter(self, module: nn.Module, args: tuple[object, ...]) -> None:
+    def _enter(self, module: nn.Module, args: tuple[object, ...]) -> None:
         self.context.__enter__()
 
-    def leave(self, module: nn.Module, args: tuple[object, ...], output: object) -> object:
+    def _leave(self, module: nn.Module, args: tuple[object, ...], output: object) -> object:
         # Why: with always_call, torch runs this hook from inside its ``except`` when the layer raised; the
         # context must see the exception to start the next forward at layer 0.
         exc = sys.exc_info() if output is None else (None, None, None)
@@ -72,17 +65,14 @@ def offload_layers(
 ) -> OffloadHandle:
     """Offload the activations of the first ``num_layers`` modules of a sequential stack.
 
-    Installs forward hooks on every module of ``module_list`` (entering the context and syncing the output)
-    and marks the modules' buffers as not offloadable. The modules must run in order, once per forward.
+    Forward hooks run each module inside the context and sync its output; the modules' buffers are marked as not
+    offloadable. The modules must run in order, once per forward.
 
     Args:
         module_list: the layers, in forward order (e.g. an ``nn.ModuleList``).
         num_layers: how many of the first layers to offload (``0 ≤ num_layers ≤ len(module_list) − 1``).
         double_buffering, retain_pinned_cpu_buffers, min_tensor_size, pin_memory: as in
             :func:`get_cpu_offload_context`.
-
-    Returns:
-        An :class:`OffloadHandle`; ``handle.remove()`` uninstalls it (also on leaving ``with handle:``).
 
     Raises:
         ValueError: ``num_layers`` out of range.
@@ -94,15 +84,19 @@ def offload_layers(
         >>> handle.remove()
     """
     modules = list(module_list)
-    _check_layers(num_layers, len(modules))
-    context, _ = _build(
-        num_layers, len(modules), double_buffering, retain_pinned_cpu_buffers, min_tensor_size, pin_memory
+    context, _ = get_cpu_offload_context(
+        True,
+        num_layers,
+        len(modules),
+        double_buffering=double_buffering,
+        retain_pinned_cpu_buffers=retain_pinned_cpu_buffers,
+        min_tensor_size=min_tensor_size,
+        pin_memory=pin_memory,
     )
-    hooks = _LayerHooks(context)
-    handles = []
+    handle = OffloadHandle(context)
     for module in modules:
         mark_not_offload(*module.buffers())
-        handles.append(module.register_forward_pre_hook(hooks.enter))
+        handle._hooks.append(module.register_forward_pre_hook(handle._enter))
         # always_call: leave the context even if the layer raises, so the next forward can enter it again.
-        handles.append(module.register_forward_hook(hooks.leave, always_call=True))
-    return OffloadHandle(context, handles)
+        handle._hooks.append(module.register_forward_hook(handle._leave, always_call=True))
+    return handle

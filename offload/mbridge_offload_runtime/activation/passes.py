@@ -1,8 +1,7 @@
 """One pass of activation offloading: the saved tensors of one forward, until its backward is over.
 
-A :class:`Pass` owns one :class:`LayerStore` per layer. The context (``context.py``) creates a pass at
-layer 0 of every forward with grad enabled, so several forwards may be in flight before their backwards
-(gradient accumulation): each saved tensor's handle points at its own pass and layer.
+The context creates a :class:`Pass` (one :class:`LayerStore` per layer) at layer 0 of every forward with grad
+enabled, so several forwards may be in flight (gradient accumulation): each handle points at its pass and layer.
 """
 
 from __future__ import annotations
@@ -28,7 +27,7 @@ from mbridge_offload_runtime.device import Event, Stream
 
 
 class PassOwner(Protocol):
-    """What a pass needs of the context that owns it (``context.OffloadContext``), without importing it."""
+    """What a pass needs of ``context.OffloadContext`` (which imports this module)."""
 
     schedule: Schedule
     eligibility: Eligibility
@@ -42,7 +41,7 @@ class PassOwner(Protocol):
 
 @dataclass(frozen=True)
 class SavedHandle:
-    """What autograd keeps for an offloaded saved tensor: where its copy is, and how to rebuild the view."""
+    """What autograd keeps for an offloaded saved tensor: its copy, and how to rebuild the view."""
 
     store: LayerStore
     slot: int
@@ -53,26 +52,19 @@ class SavedHandle:
 
 
 def unpack(packed: object) -> torch.Tensor:
-    """The unpack hook: offloaded tensors come back from their layer store, the rest are returned as saved."""
     return packed.load() if isinstance(packed, SavedHandle) else packed  # type: ignore[return-value]
 
 
 def storage_key(tensor: torch.Tensor) -> tuple[object, ...]:
-    """Identity of a tensor's data: two saved tensors with the same key hold the same bytes.
-
-    Object ids would not do: the alias we keep does not keep the original Python object alive, so its id
-    can be reused by an unrelated tensor; the storage is kept alive, so its address cannot.
-    """
+    """Identity of a tensor's data. Not an object id: the alias we keep does not keep the Python object alive, so
+    its id can be reused; the storage is kept alive, so its address cannot."""
     return (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tensor.shape, tensor.stride(), tensor.dtype)
 
 
 def _without_graph(tensor: torch.Tensor) -> torch.Tensor:
-    """What to keep for a tensor that stays: itself, detached if it has a ``grad_fn``.
-
-    Why: a saved output returned as-is from a pack hook makes a cycle (tensor → grad_fn → saved tensor), so a
-    forward whose backward never runs would hold its activations until the garbage collector runs. Autograd
-    re-attaches the saved tensor's grad_fn on unpack, so detaching changes nothing else.
-    """
+    """A tensor that stays, detached if it has a ``grad_fn``. Why: a saved output returned as-is from a pack hook
+    makes a cycle (tensor → grad_fn → saved tensor), so a forward whose backward never runs would hold its
+    activations until the garbage collector runs; autograd re-attaches the grad_fn on unpack."""
     return tensor.detach() if tensor.grad_fn is not None else tensor
 
 
@@ -106,8 +98,7 @@ class LayerStore:
 
     # forward ---------------------------------------------------------------------------------------------
     def push(self, base: torch.Tensor) -> tuple[int, bool]:
-        """The slot holding ``base``, starting its copy if it is new (unless the schedule is manual and the
-        layer's offload has not been started); returns ``(slot, is_new)``."""
+        """``(slot, is_new)`` for ``base``; a new one starts its copy unless a manual layer's offload is not started."""
         key = storage_key(base)
         slot = self._index.get(key)
         if slot is not None:
@@ -125,11 +116,7 @@ class LayerStore:
         return slot, True
 
     def start_offload(self) -> None:
-        """Issue the device→host copies of the saved tensors not copied yet (at push, or by the manual controller).
-
-        Raises:
-            RuntimeError: the layer's device copies were already released (its offload is over).
-        """
+        """Issue the device→host copies not issued yet (at push, or by the manual controller)."""
         if self.phase is LayerPhase.NOT_OFFLOADED:
             self._set_phase(LayerPhase.OFFLOAD_STARTED)
             self.owner.log_event("fwd", "offload_start", self.layer, self.owner.layer)
@@ -184,10 +171,9 @@ class LayerStore:
         specs = [(h.shape, h.stride(), h.dtype) for h in hosts]
         # A reload after the layer's backward (a retained graph) has no later free to return a shared set.
         shared = ctx.reload_buffers if not self._backward_done else None
-        double = shared is not None
         targets = shared.take(self.layer, specs) if shared is not None else None
         self._double_buffered = targets is not None
-        if double:
+        if shared is not None:
             self.owner.stats.double_buffer_hits += int(targets is not None)
             self.owner.stats.double_buffer_misses += int(targets is None)
         if targets is None:
@@ -232,11 +218,8 @@ class LayerStore:
         return tensor if view is None else tensor.as_strided(*view)
 
     def free(self, at: int) -> list[torch.Tensor]:
-        """The layer's backward is over: drop the device copies; returns host buffers the pool may reuse.
-
-        Host copies are kept (and die with the graph) unless the pool retains them for the next iteration, so
-        a retained graph (``retain_graph=True``, ``create_graph=True``) can unpack again with a late reload.
-        """
+        """The layer's backward is over: drop the device copies; returns host buffers the pool may reuse. Unless the
+        pool retains them, host copies die with the graph, so a retained graph can unpack again (a late reload)."""
         if self.freed:
             return []
         if self._double_buffered and self.owner.ctx.reload_buffers is not None:
@@ -262,7 +245,6 @@ class LayerStore:
         return host
 
     def _hosts(self) -> list[torch.Tensor]:
-        """The host copies issued so far, in slot order."""
         return [slot.host for slot in self._slots[: self._copied] if slot.host is not None]
 
     def _set_phase(self, new: LayerPhase) -> None:
@@ -287,20 +269,17 @@ class Pass:
         self._anchors: list[weakref.ref] = []  # objects only this pass's autograd graph keeps alive
 
     def anchor(self, obj: object) -> None:
-        """Remember ``obj`` (held by the graph: a saved-tensor handle, a grad_fn hook) to tell if the graph died."""
+        """Remember ``obj`` (held by the graph only: a handle, a grad_fn hook) to tell whether the graph died."""
         self._anchors = [*self._anchors[-1:], weakref.ref(obj)]
 
     def forward_abandoned(self) -> bool:
-        """True if this pass's forward stopped part-way and its graph was freed (nothing can run its backward).
-
-        Why: an exception between layers (outside the context) never reaches ``__exit__``; without this the
-        next forward would continue the old layer count and offload the wrong layers.
-        """
+        """True if this forward stopped part-way and its graph was freed. Why: an exception between layers (outside
+        the context) never reaches ``__exit__``; the next forward would continue the old count otherwise."""
         in_progress = 0 <= self.layer < self.ctx.schedule.model_layers - 1
         return in_progress and bool(self._anchors) and all(ref() is None for ref in self._anchors)
 
     def log_event(self, phase: str, action: str, layer: int, at: int) -> None:
-        """Append one schedule event to this pass's accounting (not a stream event)."""
+        """Account one schedule event (not a stream event)."""
         self.stats.events.append(ScheduleEvent(phase, action, layer, at))
 
     # forward ---------------------------------------------------------------------------------------------

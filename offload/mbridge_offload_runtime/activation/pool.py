@@ -1,13 +1,4 @@
-"""Host buffers for offloaded activations, and the optional persistent device buffers for reload.
-
-``HostBufferPool`` hands out (pinned, where CUDA is present) host tensors keyed by ``(shape, dtype)``. With
-``retain=True`` the buffers come back to the pool after backward and are reused next iteration, so their
-addresses stay stable (what CUDA-graph capture needs) and no page-locked allocation happens in steady state;
-each ``(layer, slot)`` must then see the same shape every iteration, as in Transformer Engine.
-
-``ReloadBuffers`` is ``double_buffering``: two persistent device buffer sets, used by alternate offloaded
-layers for their reload, so backward does not allocate per layer.
-"""
+"""Host buffers for offloaded activations, and the optional persistent device buffers for reload."""
 
 from __future__ import annotations
 
@@ -22,11 +13,11 @@ _Spec = tuple[torch.Size, tuple[int, ...], torch.dtype]
 
 
 class HostBufferPool:
-    """Host buffers keyed by ``(shape, stride, dtype)`` (strides are kept so dense permuted layouts survive).
+    """Host buffers keyed by ``(shape, stride, dtype)`` (strides kept, so dense permuted layouts survive).
 
-    Args:
-        retain: keep buffers after backward and reuse them next iteration (``retain_pinned_cpu_buffers``).
-        pin: page-lock the buffers where CUDA is present.
+    With ``retain`` (``retain_pinned_cpu_buffers``) buffers come back after backward and are reused next
+    iteration: stable addresses (what CUDA-graph capture needs), no page-locked allocation in steady state; each
+    ``(layer, slot)`` must then keep its shape, as in Transformer Engine.
     """
 
     def __init__(self, retain: bool = False, pin: bool = True) -> None:
@@ -34,27 +25,20 @@ class HostBufferPool:
         self.pin = pin
         self._free: dict[_Key, list[torch.Tensor]] = defaultdict(list)
         self._layout: dict[tuple[int, int], _Key] = {}
-        self.allocated = 0
 
     def acquire(
         self, layer: int, slot: int, shape: torch.Size, stride: tuple[int, ...], dtype: torch.dtype
     ) -> tuple[torch.Tensor, bool]:
-        """A host buffer for copy ``slot`` of ``layer``; returns ``(buffer, newly_allocated)``.
-
-        Raises:
-            ValueError: with ``retain``, when this ``(layer, slot)`` had another shape or dtype last iteration.
-        """
+        """``(buffer, newly_allocated)`` for copy ``slot`` of ``layer``."""
         key = (tuple(shape), tuple(stride), dtype)
         if self.retain:
             self._check_layout(layer, slot, key)
         free = self._free.get(key)
         if free:
             return free.pop(), False
-        self.allocated += 1
-        return device.empty_host_strided(shape, stride, dtype, pin=self.pin), True
+        return device.empty_host(shape, dtype, pin=self.pin, stride=stride), True
 
     def give_back(self, buffers: list[torch.Tensor]) -> None:
-        """Return buffers after backward: kept for reuse with ``retain``, else dropped (freed)."""
         if not self.retain:
             return
         for buf in buffers:
@@ -79,10 +63,8 @@ class HostBufferPool:
 
 
 class ReloadBuffers:
-    """Two persistent device buffer sets for reloads (``double_buffering``).
-
-    Offloaded layer ``i`` reloads into set ``i % 2`` when that set is free and its shapes match the layer's
-    copies; otherwise into fresh memory (a miss). A set is busy from its reload until its layer's backward
+    """``double_buffering``: offloaded layer ``i`` reloads into persistent device set ``i % 2`` when it is free and
+    of the same shapes, else into fresh memory (a miss). A set is busy from its reload until its layer's backward
     is over, so with more than two reloaded layers alive at once (``min(k, L − k) > 2``) some reloads miss.
     """
 
@@ -92,7 +74,7 @@ class ReloadBuffers:
         self._busy: list[bool] = [False, False]
 
     def take(self, layer: int, specs: list[_Spec]) -> list[torch.Tensor] | None:
-        """The buffer set for ``layer`` if usable now, marked busy; ``None`` means allocate fresh."""
+        """The buffer set for ``layer``, marked busy, or ``None`` (allocate fresh)."""
         index = layer % 2
         if self._busy[index]:
             return None

@@ -1,10 +1,5 @@
-"""The layer schedule of activation offloading, and what one pass reports.
-
-Pure bookkeeping, no copies: which layers are offloaded, at which forward layer each one's device memory is
-released, at which backward layer its reload starts (Transformer Engine v2's default synchronizer), the
-per-layer state machine, and the per-pass accounting (:class:`OffloadStats`).
-
-With ``L`` layers of which ``k`` are offloaded, layer ``i < k``:
+"""The layer schedule of activation offloading (Transformer Engine v2's default synchronizer), the per-layer state
+machine, and what one pass reports; bookkeeping only. With ``L`` layers of which ``k`` are offloaded, layer ``i < k``:
 
 * starts its device→host copy as its tensors are saved (forward of layer ``i``);
 * has its device memory released when layer ``L − k + i`` starts forward;
@@ -60,13 +55,7 @@ def check_transition(layer: int, old: LayerPhase, new: LayerPhase) -> None:
 
 @dataclass(frozen=True)
 class Schedule:
-    """When each offloaded layer is released and reloaded.
-
-    Args:
-        model_layers: ``L``, the number of layers entering the context per forward.
-        num_layers: ``k``, how many of the first layers are offloaded (``0 ≤ k ≤ L − 1``).
-        manual: no automatic release or reload (TE's ``manual_synchronization``); ``num_layers`` is ignored.
-    """
+    """When each of the first ``num_layers`` (``k``) of ``model_layers`` (``L``) is released and reloaded."""
 
     model_layers: int
     num_layers: int
@@ -84,16 +73,13 @@ class Schedule:
         return self.model_layers - 1 - self.num_layers + layer
 
     def releases_when_entering(self, layer: int) -> list[int]:
-        if self.manual:
-            return []
-        first = layer - (self.model_layers - self.num_layers)
-        return [first] if 0 <= first < self.num_layers else []
+        return self._due(layer - self.release_at(0))
 
     def reloads_when_backward_reaches(self, layer: int) -> list[int]:
-        if self.manual:
-            return []
-        first = layer - (self.model_layers - 1 - self.num_layers)
-        return [first] if 0 <= first < self.num_layers else []
+        return self._due(layer - self.reload_at(0))
+
+    def _due(self, offloaded: int) -> list[int]:
+        return [offloaded] if not self.manual and 0 <= offloaded < self.num_layers else []
 
 
 @dataclass(frozen=True)
@@ -108,37 +94,21 @@ class ScheduleEvent:
 
 @dataclass
 class OffloadStats:
-    """What one pass (one forward and its backward) did.
+    """What one pass (one forward and its backward) did."""
 
-    Attributes:
-        bytes_offloaded: bytes copied device→host (each base tensor once per layer).
-        bytes_reloaded: bytes copied host→device.
-        tensors_offloaded: saved tensors answered from a host copy (duplicates and views included).
-        copies_offloaded: distinct device→host copies (after de-duplication and view folding).
-        tensors_deduplicated: saved tensors that shared an earlier copy (same tensor, or a view of the same base).
-        tensors_resident: eligible tensors saved in layers that are not offloaded.
-        skipped: ineligible saved tensors by reason (``parameter``, ``buffer``, ``small``, ``other_device``,
-            ``non_contiguous``, ``opt_out``, ``fake``).
-        peak_resident_bytes: the most offloadable bytes on the device at once, over all layers of the pass.
-        peak_resident_layers: the most layers with offloadable bytes on the device at once.
-        host_buffers_allocated: host buffers newly allocated (0 once a retained pool is warm).
-        double_buffer_hits / double_buffer_misses: reloads into a persistent buffer set / into fresh memory.
-        events: the schedule points, in the order they happened.
-    """
-
-    bytes_offloaded: int = 0
+    bytes_offloaded: int = 0  # device→host, each base tensor once per layer
     bytes_reloaded: int = 0
-    tensors_offloaded: int = 0
-    copies_offloaded: int = 0
-    tensors_deduplicated: int = 0
-    tensors_resident: int = 0
-    skipped: Counter[str] = field(default_factory=Counter)
-    peak_resident_bytes: int = 0
-    peak_resident_layers: int = 0
-    host_buffers_allocated: int = 0
-    double_buffer_hits: int = 0
-    double_buffer_misses: int = 0
-    events: list[ScheduleEvent] = field(default_factory=list)
+    tensors_offloaded: int = 0  # saved tensors answered from a host copy (duplicates and views included)
+    copies_offloaded: int = 0  # after de-duplication and view folding
+    tensors_deduplicated: int = 0  # saved tensors that shared an earlier copy (same tensor, or a view of its base)
+    tensors_resident: int = 0  # eligible tensors saved in layers that are not offloaded
+    skipped: Counter[str] = field(default_factory=Counter)  # ineligible saved tensors by reason (``Eligibility``)
+    peak_resident_bytes: int = 0  # the most offloadable bytes on the device at once
+    peak_resident_layers: int = 0  # the most layers with offloadable bytes on the device at once
+    host_buffers_allocated: int = 0  # 0 once a retained pool is warm
+    double_buffer_hits: int = 0  # reloads into a persistent buffer set
+    double_buffer_misses: int = 0  # reloads into fresh memory
+    events: list[ScheduleEvent] = field(default_factory=list)  # the schedule points, in order
 
     def points(self, action: str) -> dict[int, int]:
         """``{layer: at}`` for every event of ``action`` (e.g. ``"release"``)."""

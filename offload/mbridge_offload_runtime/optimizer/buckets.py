@@ -1,20 +1,16 @@
 """Flat host buckets: the offloaded part of :class:`mbridge_offload_runtime.optimizer.hybrid.HybridDeviceOptimizer`.
 
-A bucket is a run of consecutive offloaded parameters of one param group and one master dtype. Its host side is
-two flat 1-D tensors (the master copy and the gradient buffer) plus one CPU optimizer whose only parameter is the
-flat master, so one fused ``torch.optim.AdamW`` call updates every parameter of the bucket. Each member parameter
-is a view ``flat[offset:offset + numel].view(shape)``; the optimizer's per-element state (``exp_avg``, ...) is
-laid out the same way, which is how it is cut back into per-parameter state for checkpoints.
-
-Flattening is exact for element-wise optimizers (Adam, AdamW, SGD, Adagrad, RMSprop, ...): each element's update
-depends only on that element. Optimizers with per-tensor statistics (LAMB's trust ratio, Adafactor, Muon) would see
-one tensor per bucket; use ``bucket_size_numel=1`` to give each parameter its own bucket for those.
+A bucket is a run of offloaded parameters of one param group and one master dtype: a flat host master, a flat
+host gradient buffer and one CPU optimizer over the flat master (one fused AdamW call per bucket). Members, and
+the optimizer's per-element state, are views ``flat[offset:offset + numel]``. Flattening is exact for element-wise
+optimizers (Adam, AdamW, SGD, ...); ones with per-tensor statistics (LAMB, Adafactor, Muon) need
+``bucket_size_numel=1``, a bucket per parameter.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import astuple, dataclass, field
 from typing import cast
 
 import torch
@@ -32,13 +28,8 @@ SMALL_COPY_NUMEL = 1 << 18
 
 @dataclass
 class TransferStats:
-    """What one bucket moved and stepped, cumulative (``HybridDeviceOptimizer.transfer_stats`` sums them).
-
-    Attributes:
-        d2h_copies / h2d_copies: host<->device copy calls issued (one ``cudaMemcpyAsync`` each on a GPU).
-        d2h_bytes / h2d_bytes: bytes those copies moved (host-buffer side).
-        cpu_numel: elements the CPU optimizer stepped.
-    """
+    """What one bucket moved and stepped, cumulative: host<->device copy calls (one ``cudaMemcpyAsync`` each on a
+    GPU) and their bytes each way, and elements the CPU optimizer stepped."""
 
     d2h_copies: int = 0
     d2h_bytes: int = 0
@@ -47,21 +38,12 @@ class TransferStats:
     cpu_numel: int = 0
 
     def add(self, other: TransferStats) -> TransferStats:
-        """The sum of two counters (a new object)."""
-        names = ("d2h_copies", "d2h_bytes", "h2d_copies", "h2d_bytes", "cpu_numel")
-        return TransferStats(*(getattr(self, n) + getattr(other, n) for n in names))
+        return TransferStats(*(a + b for a, b in zip(astuple(self), astuple(other), strict=True)))
 
 
 def transfer_runs(ks: list[int], members: list[torch.Tensor]) -> list[list[int]]:
-    """Cut member indices (ascending) into copy units: each large member alone, consecutive small ones together.
-
-    Args:
-        ks: the members to copy, ascending.
-        members: the bucket's members (their sizes and dtypes decide).
-
-    Returns:
-        Runs of indices; a run of several is consecutive, all below :data:`SMALL_COPY_NUMEL`, one dtype.
-    """
+    """Cut ascending member indices into copy units: each large member alone, consecutive small ones of one dtype
+    together."""
     runs: list[list[int]] = []
     for k in ks:
         small = members[k].numel() < SMALL_COPY_NUMEL
@@ -160,20 +142,18 @@ class Bucket:
             self.grad_views[k].zero_()
         todo = [k for k in range(len(grads)) if grads[k] is not None and k not in current]
         non_blocking = device.is_pinned(self.flat_grad)
-        singles = []
-        for run in transfer_runs(todo, self.members):
-            if len(run) == 1:
-                singles.append(run[0])
-                continue
+        runs = transfer_runs(todo, self.members)
+        singles = [run[0] for run in runs if len(run) == 1]
+        for run in (run for run in runs if len(run) > 1):
             # One gather on the device (this stream, after the grads' producers) and one copy across.
             lo, hi = self.span(run)
             staging = torch.cat([grads[k].reshape(-1) for k in run]).to(self.flat_grad.dtype)
             self.flat_grad[lo:hi].copy_(staging, non_blocking=non_blocking)
-            self._count("d2h", 1, (hi - lo) * self.flat_grad.element_size())
+            self.count("d2h", 1, (hi - lo) * self.flat_grad.element_size())
         if singles:
             torch._foreach_copy_([self.grad_views[k] for k in singles], [grads[k] for k in singles],
                                  non_blocking=non_blocking)  # fmt: skip
-            self._count("d2h", len(singles), sum(self.grad_views[k].nbytes for k in singles))
+            self.count("d2h", len(singles), sum(self.grad_views[k].nbytes for k in singles))
         # Recorded after this bucket's last copy on the D2H stream (hook copies were issued there earlier), so the
         # host waiting on it sees every gradient of the bucket.
         self.d2h_done.record(d2h_stream)
@@ -210,11 +190,9 @@ class Bucket:
     def _copy_back(self, ks: list[int]) -> None:
         """Copy members ``ks`` from the host master into the model (on the current, H2D, stream)."""
         non_blocking = device.is_pinned(self.flat_param)
-        singles = []
-        for run in transfer_runs(ks, self.members):
-            if len(run) == 1:
-                singles.append(run[0])
-                continue
+        runs = transfer_runs(ks, self.members)
+        singles = [run[0] for run in runs if len(run) == 1]
+        for run in (run for run in runs if len(run) > 1):
             # One copy across into a device staging buffer (allocated and freed on this stream), then one
             # device-side scatter into the members.
             lo, hi = self.span(run)
@@ -225,13 +203,13 @@ class Bucket:
             views = [staging[o - lo : o - lo + self.members[k].numel()].view(self.members[k].shape)
                      for k, o in ((k, self.offsets[k]) for k in run)]  # fmt: skip
             torch._foreach_copy_([self.members[k] for k in run], views)
-            self._count("h2d", 1, (hi - lo) * self.flat_param.element_size())
+            self.count("h2d", 1, (hi - lo) * self.flat_param.element_size())
         if singles:
             torch._foreach_copy_([self.members[k] for k in singles], [self.param_views[k] for k in singles],
                                  non_blocking=non_blocking)  # fmt: skip
-            self._count("h2d", len(singles), sum(self.param_views[k].nbytes for k in singles))
+            self.count("h2d", len(singles), sum(self.param_views[k].nbytes for k in singles))
 
-    def _count(self, way: str, copies: int, nbytes: int) -> None:
+    def count(self, way: str, copies: int, nbytes: int) -> None:
         setattr(self.stats, f"{way}_copies", getattr(self.stats, f"{way}_copies") + copies)
         setattr(self.stats, f"{way}_bytes", getattr(self.stats, f"{way}_bytes") + nbytes)
 
@@ -244,18 +222,8 @@ def build_bucket(
     pin_grads: bool,
     make_optimizer: Callable[[torch.Tensor], torch.optim.Optimizer],
 ) -> Bucket:
-    """Allocate one bucket's flat buffers, fill the master from the model weights and build its optimizer.
-
-    Args:
-        group_index: index of the param group every entry belongs to.
-        entries: ``(global_index, param)`` pairs, in order.
-        master_dtype: dtype of the host master and gradient buffer (fp32 with ``param_update_in_fp32``).
-        pin_params / pin_grads: page-lock the buffers (only has an effect when CUDA is present).
-        make_optimizer: builds the CPU optimizer over the flat master.
-
-    Returns:
-        The bucket, with ``flat_param.grad`` bound to ``flat_grad`` once and for all.
-    """
+    """One bucket over ``(global_index, param)`` entries: flat buffers (``flat_param.grad`` is ``flat_grad`` once
+    and for all), the master filled from the model weights, and ``make_optimizer(flat_param)``."""
     members = [p for _, p in entries]
     offsets, total = [], 0
     for p in members:
@@ -267,17 +235,9 @@ def build_bucket(
     param_views = [flat_param[o : o + p.numel()].view(p.shape) for o, p in zip(offsets, members, strict=True)]
     grad_views = [flat_grad[o : o + p.numel()].view(p.shape) for o, p in zip(offsets, members, strict=True)]
     flat_param.grad = flat_grad
-    bucket = Bucket(
-        group_index=group_index,
-        indices=[i for i, _ in entries],
-        members=members,
-        offsets=offsets,
-        flat_param=flat_param,
-        flat_grad=flat_grad,
-        param_views=param_views,
-        grad_views=grad_views,
-        optimizer=make_optimizer(flat_param),
-    )
+    indices = [i for i, _ in entries]
+    optimizer = make_optimizer(flat_param)
+    bucket = Bucket(group_index, indices, members, offsets, flat_param, flat_grad, param_views, grad_views, optimizer)
     with torch.no_grad():
         bucket.refresh_members()
     return bucket
@@ -286,19 +246,10 @@ def build_bucket(
 def plan_buckets(
     offloaded: list[tuple[int, int, torch.Tensor]], bucket_size_numel: int, master_dtype_of: Callable
 ) -> list[tuple[int, list[tuple[int, torch.Tensor]]]]:
-    """Cut the offloaded parameters, in order, into buckets.
+    """Cut ``(global_index, group_index, param)`` triples, in order, into ``(group_index, entries)`` buckets.
 
-    A bucket closes when the group, the master dtype or ``requires_grad`` changes (so frozen parameters share
-    no bucket with trained ones), or when adding the next parameter would pass ``bucket_size_numel``; a
-    parameter larger than the bucket size gets a bucket of its own.
-
-    Args:
-        offloaded: ``(global_index, group_index, param)`` triples in param_groups order.
-        bucket_size_numel: target elements per bucket.
-        master_dtype_of: param -> dtype of its host master.
-
-    Returns:
-        ``(group_index, [(global_index, param), ...])`` per bucket.
+    A bucket closes when the group, the master dtype or ``requires_grad`` changes (frozen parameters share no
+    bucket with trained ones), or when the next parameter would pass ``bucket_size_numel``.
     """
     plans: list[tuple[int, list[tuple[int, torch.Tensor]]]] = []
     key, size = None, 0
@@ -313,20 +264,7 @@ def plan_buckets(
 
 
 def split_params(params: list[torch.Tensor], offload_fraction: float, on_device: list[bool]) -> list[bool]:
-    """Which parameters go to the host: Megatron Core's greedy prefix rule, reproduced exactly.
-
-    Walk the parameters in param_groups order and offload each device parameter while the offloaded element
-    count is still below ``offload_fraction × (elements of all device parameters)``. The parameter that crosses
-    the threshold is offloaded whole, so the split overshoots by less than one tensor; 0.0 offloads nothing and
-    1.0 everything. Parameters not on the compute device are not counted and are never "offloaded".
-
-    Args:
-        params: the parameters in param_groups order.
-        offload_fraction: requested fraction in [0, 1].
-        on_device: per parameter, whether it lives on the compute device.
-
-    Returns:
-        Per parameter, whether it is offloaded.
-    """
+    """Which parameters go to the host: Megatron Core's greedy prefix rule (``upstream.hdo_offload_mask``) over
+    the parameters on the compute device; the others are not counted and never "offloaded"."""
     numels = [p.numel() if d else 0 for p, d in zip(params, on_device, strict=True)]
     return [d and host for d, host in zip(on_device, hdo_offload_mask(numels, offload_fraction), strict=True)]

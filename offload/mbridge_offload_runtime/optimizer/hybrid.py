@@ -1,11 +1,5 @@
 """``HybridDeviceOptimizer``: a drop-in for Megatron Core's optimizer CPU offload, bucketed and resumable.
 
-A fraction of the parameters (by element count, see :func:`buckets.split_params`) is updated on
-the host: their gradients are copied into flat host buffers, one CPU optimizer call per bucket updates a flat
-master copy, and the result is copied back into the model weights. The rest is updated where it lives by the device
-optimizer, which runs while the host works. Checkpoints are plain per-parameter torch state dicts, independent of
-the split.
-
 Schedule of one ``step()`` (streams on CUDA; on CPU the same calls run as plain copies)::
 
     compute  |== device optimizer ==|                  wait(h2d[0]) wait(h2d[1]) ... -> next forward
@@ -23,7 +17,7 @@ import inspect
 import weakref
 from collections import defaultdict
 from collections.abc import Iterable, Iterator
-from typing import Any, Literal, NamedTuple
+from typing import Any
 
 import torch
 
@@ -50,69 +44,27 @@ DEFAULT_BUCKET_SIZE_NUMEL = 1 << 22  # 4 Mi elements: 16 MiB of fp32 master, sma
 # Implementation selectors of torch optimizers: never copied between the HDO groups and the sub-optimizers'
 # defaults, so each side keeps its own fast path (fused CPU AdamW, TE/foreach on the GPU).
 _SELECTOR_KEYS = frozenset({"fused", "foreach", "capturable", "differentiable", "decoupled_weight_decay"})
-# Constructor options: kept out of the param groups (and dropped from loaded ones, where upstream saved them).
-_OPTION_KEYS = frozenset(
-    {
-        "offload_fraction",
-        "cpu_optimizer_cls",
-        "gpu_optimizer_cls",
-        "param_update_in_fp32",
-        "pin_cpu_grads",
-        "pin_cpu_params",
-        "overlap_cpu_optimizer_d2h_h2d",
-        "bucket_size_numel",
-    }
-)
-
-
 # Kernel selectors: injected into the sub-optimizers only when the caller chose none.
 _KERNEL_KEYS = frozenset({"fused", "foreach"})
+# Where each parameter is updated (``state.py`` reads the same tuples): ``("bucket", bucket, k)`` on the CPU,
+# ``("device", tensor)`` by the device optimizer (the parameter or its fp32 master), ``("resident", param)`` for a
+# parameter already on the host, updated in place.
+Slot = tuple[Any, ...]
 
 
-class BucketSlot(NamedTuple):
-    """A parameter updated on the CPU: member ``k`` of ``bucket``."""
-
-    kind: Literal["bucket"]
-    bucket: Bucket
-    k: int
-
-
-class DeviceSlot(NamedTuple):
-    """A parameter updated by the device optimizer, through ``inner`` (itself, or its fp32 master)."""
-
-    kind: Literal["device"]
-    inner: torch.Tensor
-
-
-class ResidentSlot(NamedTuple):
-    """A parameter already on the host, updated in place by the resident optimizer."""
-
-    kind: Literal["resident"]
-    param: torch.Tensor
-
-
-# Named tuples, so ``slot.kind`` reads by name and ``state.py``'s ``slot[0]`` / ``slot[1]`` keep working.
-Slot = BucketSlot | DeviceSlot | ResidentSlot
-
-
-def _accepts_fused(cls: type[torch.optim.Optimizer]) -> bool:
-    """Whether ``cls(params, fused=True)`` is accepted (torch's Adam, AdamW, SGD, Adagrad ... in torch >= 2.4)."""
+def _init_parameters(cls: type[torch.optim.Optimizer]) -> list[inspect.Parameter]:
     try:
-        return "fused" in inspect.signature(cls.__init__).parameters
+        return list(inspect.signature(cls.__init__).parameters.values())
     except (TypeError, ValueError):
-        return False
+        return []
 
 
 def _constructor_defaults(cls: type[torch.optim.Optimizer]) -> dict[str, Any]:
     """The hyper-parameters ``cls`` fills a param group with when the caller leaves them out."""
-    try:
-        params = inspect.signature(cls.__init__).parameters.values()
-    except (TypeError, ValueError):
-        return {}
     skip = {"self", "params"} | _KERNEL_KEYS
     return {
         p.name: p.default
-        for p in params
+        for p in _init_parameters(cls)
         if p.name not in skip and p.default is not inspect.Parameter.empty and p.kind is p.POSITIONAL_OR_KEYWORD
     }
 
@@ -132,15 +84,14 @@ def _check_optimizer_cls(cls: Any, name: str) -> type[torch.optim.Optimizer]:
 class HybridDeviceOptimizer(torch.optim.Optimizer):
     """Update ``offload_fraction`` of the parameters on the CPU and the rest on the device, in one optimizer.
 
-    Same constructor as ``megatron.core.optimizer.cpu_offloading.HybridDeviceOptimizer``. Offloaded parameters are
-    grouped into flat host buckets (one fused CPU optimizer call per bucket); copies run on dedicated D2H/H2D
-    streams with one event per bucket, and the compute stream only waits (on the GPU, not the host) for the
-    weights to be back. On a machine without CUDA the "device" is the CPU and the same path runs with plain copies.
+    Same constructor as ``megatron.core.optimizer.cpu_offloading.HybridDeviceOptimizer``. Without CUDA the
+    "device" is the CPU and the same path runs with plain copies. Checkpoints are plain per-parameter torch state
+    dicts, independent of the split.
 
     Args:
         params: parameters or param-group dicts, as for any torch optimizer.
-        offload_fraction: fraction of device-parameter elements updated on the CPU, in [0, 1]
-            (which ones: :func:`buckets.split_params`).
+        offload_fraction: fraction of device-parameter elements updated on the CPU, in [0, 1] (which ones:
+            :func:`buckets.split_params`).
         cpu_optimizer_cls: optimizer class for the host buckets; default ``torch.optim.AdamW`` with ``fused=True``.
         gpu_optimizer_cls: optimizer class for the device part; default ``torch.optim.AdamW``.
         param_update_in_fp32: keep fp32 masters (host and device) for non-fp32 parameters.
@@ -184,7 +135,11 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             )
         if isinstance(bucket_size_numel, bool) or not isinstance(bucket_size_numel, int) or bucket_size_numel < 1:
             raise ValueError(f"`bucket_size_numel` is {bucket_size_numel!r}; it must be a positive integer.")
-        self.offload_fraction = float(offload_fraction)
+        offload_fraction = self.offload_fraction = float(offload_fraction)
+        # The param groups get hyper-parameters only (no classes, no offload options), so that checkpoints load
+        # with weights_only=True and do not depend on the split. ``self.defaults`` still carries every constructor
+        # argument because Megatron's DistributedOptimizer re-creates the optimizer as ``cls(params, **defaults)``.
+        options = {k: v for k, v in locals().items() if k in _OPTION_KEYS}
         self.cpu_optimizer_cls = _check_optimizer_cls(cpu_optimizer_cls, "cpu_optimizer_cls")
         self.gpu_optimizer_cls = _check_optimizer_cls(gpu_optimizer_cls, "gpu_optimizer_cls")
         self.param_update_in_fp32 = param_update_in_fp32
@@ -199,20 +154,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             if not isinstance(p, torch.Tensor):
                 raise TypeError(f"parameter {i} is a {type(p).__name__}, not a torch.Tensor: pass model.parameters().")
         super().__init__(given, dict(defaults))
-        # The param groups hold hyper-parameters only (no classes, no offload options), so that checkpoints load
-        # with weights_only=True and do not depend on the split. ``defaults`` still carries every constructor
-        # argument because Megatron's DistributedOptimizer re-creates the optimizer as ``cls(params, **defaults)``.
-        self.defaults = {
-            **defaults,
-            "offload_fraction": self.offload_fraction,
-            "cpu_optimizer_cls": cpu_optimizer_cls,
-            "gpu_optimizer_cls": gpu_optimizer_cls,
-            "param_update_in_fp32": param_update_in_fp32,
-            "pin_cpu_grads": pin_cpu_grads,
-            "pin_cpu_params": pin_cpu_params,
-            "overlap_cpu_optimizer_d2h_h2d": overlap_cpu_optimizer_d2h_h2d,
-            "bucket_size_numel": bucket_size_numel,
-        }
+        self.defaults = {**defaults, **options}
         self._build()
 
     # ------------------------------------------------------------------ construction
@@ -234,22 +176,23 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
     def _master_dtype(self, p: torch.Tensor) -> torch.dtype:
         return torch.float32 if self.param_update_in_fp32 and p.dtype != torch.float32 else p.dtype
 
-    def _make_sub_optimizer(
-        self, cls: type[torch.optim.Optimizer], groups: list[dict[str, Any]], host: bool
-    ) -> torch.optim.Optimizer:
+    def _sub_optimizer(self, cls: type[torch.optim.Optimizer], groups: dict[int, list]) -> torch.optim.Optimizer:
+        """``cls`` over ``{HDO group index: params}``, each group with its HDO group's hyper-parameters."""
+        subs = [
+            {
+                **{k: v for k, v in self.param_groups[gi].items() if k != "params" and k not in _OPTION_KEYS},
+                "params": ps,
+            }
+            for gi, ps in sorted(groups.items())
+        ]
         # Both parts default to torch's fused kernel (CPU and CUDA have one for Adam/AdamW/SGD): it is the fastest
         # path on either side, and the same kernel on both sides makes a resume at another fraction bit-exact.
         # A kernel the caller chose (``fused``/``foreach`` in the groups or defaults) is left alone.
-        kwargs: dict[str, Any] = {}
-        chosen = any(k in g for g in groups for k in _KERNEL_KEYS)
-        params = [p for g in groups for p in g["params"]]
-        if not chosen and _accepts_fused(cls) and all(p.is_floating_point() for p in params):
-            kwargs["fused"] = True
-        return cls(groups, **kwargs)
-
-    def _sub_group(self, group_index: int, params: list[torch.Tensor]) -> dict[str, Any]:
-        group = self.param_groups[group_index]
-        return {**{k: v for k, v in group.items() if k != "params" and k not in _OPTION_KEYS}, "params": params}
+        chosen = any(k in g for g in subs for k in _KERNEL_KEYS)
+        floating = all(p.is_floating_point() for ps in groups.values() for p in ps)
+        fused = not chosen and floating and any(p.name == "fused" for p in _init_parameters(cls))
+        kwargs: dict[str, Any] = {"fused": True} if fused else {}
+        return cls(subs, **kwargs)
 
     def _build(self) -> None:
         compute = device.compute_device()
@@ -273,30 +216,30 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                 if self._master_dtype(p) != p.dtype:
                     inner = self._masters[i] = p.detach().clone().float()
                 device_groups[gi].append(inner)
-                slots[i] = DeviceSlot("device", inner)
+                slots[i] = ("device", inner)
             else:
                 # Already on the host (a CUDA run with some CPU params): updated in place, nothing to copy.
                 resident_groups[gi].append(p)
-                slots[i] = ResidentSlot("resident", p)
+                slots[i] = ("resident", p)
 
         def host_opt(gi: int):
-            return lambda flat_param: self._make_sub_optimizer(
-                self.cpu_optimizer_cls, [self._sub_group(gi, [flat_param])], host=True
-            )
+            return lambda flat_param: self._sub_optimizer(self.cpu_optimizer_cls, {gi: [flat_param]})
 
         self._buckets: list[Bucket] = []
         for gi, entries in plan_buckets(offloaded, self.bucket_size_numel, self._master_dtype):
             dtype = self._master_dtype(entries[0][1])
             bucket = build_bucket(gi, entries, dtype, self.pin_cpu_params, self.pin_cpu_grads, host_opt(gi))
             for k, (i, _) in enumerate(entries):
-                slots[i] = BucketSlot("bucket", bucket, k)
+                slots[i] = ("bucket", bucket, k)
             self._buckets.append(bucket)
         self._slot: list[Slot] = [slot for slot in slots if slot is not None]
         assert len(self._slot) == len(flat), "every parameter has a slot"
         # Which HDO group each sub-optimizer group mirrors (the sub-optimizers hold only the groups with params).
         self._device_group_index, self._resident_group_index = sorted(device_groups), sorted(resident_groups)
-        self.device_optimizer = self._group_optimizer(self.gpu_optimizer_cls, device_groups, host=False)
-        self.resident_optimizer = self._group_optimizer(self.cpu_optimizer_cls, resident_groups, host=True)
+        self.device_optimizer = self._sub_optimizer(self.gpu_optimizer_cls, device_groups) if device_groups else None
+        self.resident_optimizer = (
+            self._sub_optimizer(self.cpu_optimizer_cls, resident_groups) if resident_groups else None
+        )
         self._d2h = device.new_stream() if self.overlap_cpu_optimizer_d2h_h2d else device.current_stream()
         self._h2d = device.new_stream() if self.overlap_cpu_optimizer_d2h_h2d else device.current_stream()
         self._device_versions = {i: self._params[i]._version for i in self._masters}
@@ -307,9 +250,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
 
     def _install_hooks(self) -> None:
         """With overlap on, gradient copies start in backward (post-accumulate-grad hooks, see ``grad_hooks``)."""
-        if self._hooks is not None:
-            self._hooks.remove()
-            self._hooks = None
+        self.remove_hooks()
         if self.overlap_cpu_optimizer_d2h_h2d and self._buckets:
             self._hooks = GradCopyHooks(self._buckets, self._d2h)
             # Unregister when this optimizer is dropped (Megatron's DistributedOptimizer replaces the one it got).
@@ -328,18 +269,8 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         Without it accumulation is still correct (each hook copies the running sum, the last copy wins); it only
         saves the earlier micro-batches' transfers, like Megatron DDP's ``no_sync()`` for its reduce-scatter.
         """
-        if self._hooks is None:
+        with self._hooks.no_sync() if self._hooks is not None else contextlib.nullcontext():
             yield
-            return
-        with self._hooks.no_sync():
-            yield
-
-    def _group_optimizer(
-        self, cls: type[torch.optim.Optimizer], groups: dict[int, list[torch.Tensor]], host: bool
-    ) -> torch.optim.Optimizer | None:
-        if not groups:
-            return None
-        return self._make_sub_optimizer(cls, [self._sub_group(gi, groups[gi]) for gi in sorted(groups)], host=host)
 
     def _group_optimizers(self) -> list[tuple[torch.optim.Optimizer, list[int]]]:
         """The device and resident optimizers that exist, each with the HDO group index of each of its groups."""
@@ -367,7 +298,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
 
     def is_offloaded(self, param: torch.Tensor) -> bool:
         """Whether ``param`` is updated on the CPU."""
-        return any(p is param and self._slot[i].kind == "bucket" for i, p in enumerate(self._params))
+        return any(p is param and self._slot[i][0] == "bucket" for i, p in enumerate(self._params))
 
     @property
     def sub_optimizers(self) -> list[torch.optim.Optimizer]:
@@ -381,12 +312,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
 
     @property
     def transfer_stats(self) -> TransferStats:
-        """What the offloaded part moved and stepped since construction or :meth:`reset_transfer_stats`.
-
-        Copies (one ``cudaMemcpyAsync`` each on a GPU) and bytes each way, and elements stepped by the CPU
-        optimizer: per step, the bytes and elements are the offloaded fraction's, and the copies about one per
-        bucket plus one per large member, not one per tensor.
-        """
+        """Copies, bytes each way and CPU-stepped elements since construction or :meth:`reset_transfer_stats`."""
         total = TransferStats()
         for b in self._buckets:
             total = total.add(b.stats)
@@ -409,11 +335,8 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                 sub.update(hyper[gi])
 
     def _refresh_stale_copies(self) -> None:
-        """Re-copy weights that were written outside the optimizer (e.g. a model-only checkpoint load).
-
-        Best effort through the tensors' version counters; writes through ``.data`` are not seen, which is why
-        :meth:`refresh_from_model` exists.
-        """
+        """Re-copy weights written outside the optimizer (a model-only checkpoint load), seen by version counter;
+        writes through ``.data`` are not seen, which is why :meth:`refresh_from_model` exists."""
         for b in self._buckets:
             stale = [k for k, p in enumerate(b.members) if p._version != b.versions[k]]
             if stale:
@@ -452,13 +375,10 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        """One update of every parameter that has a gradient (parameters without one are skipped, as in torch).
-
-        Args:
-            closure: optional callable that re-evaluates the model and returns the loss (run with grad enabled).
+        """One update of every parameter that has a gradient (those without one are skipped, as in torch).
 
         Returns:
-            The closure's loss, or None.
+            The loss of ``closure`` (run with grad enabled), or None.
         """
         loss = None
         if closure is not None:
@@ -515,12 +435,9 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         import_param_states(self, states)
 
     def _saved_group(self, gi: int) -> dict[str, Any]:
-        """Group ``gi`` as a plain torch optimizer needs it: every hyper-parameter, not only the ones passed in.
-
-        Filled from the sub-optimizer that steps the group (torch completed its defaults there), else from the
-        class's constructor defaults; the HDO group's own values win. ``fused`` comes along like torch saves it,
-        so a plain optimizer that loads the checkpoint keeps running the same kernel (a bit-exact resume).
-        """
+        """Group ``gi`` with every hyper-parameter a plain torch optimizer needs: from the sub-optimizer that steps
+        it, else the class's constructor defaults; the HDO group's own values win. ``fused`` comes along like torch
+        saves it, so a plain optimizer that loads the checkpoint runs the same kernel (a bit-exact resume)."""
         full = _constructor_defaults(self.cpu_optimizer_cls if self._buckets else self.gpu_optimizer_cls)
         subs = [b.optimizer.param_groups[0] for b in self._buckets if b.group_index == gi]
         for opt, index in self._group_optimizers():
@@ -533,11 +450,9 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
     def state_dict(self) -> dict[str, Any]:
         """A torch-format state dict: per-parameter state keyed by index, the same for any split or bucketing.
 
-        Like torch's own ``Optimizer.state_dict()``, it holds references to the live state, not copies: a host
-        bucket's per-parameter entries are views into its flat state (``torch.save`` writes each flat storage
-        once), so the call costs no memory and no copy time. Save it (or deep-copy it) before the next ``step()``.
-        Every param group carries the full hyper-parameters (``betas``, ``eps``, ...), so a plain
-        ``torch.optim.AdamW`` loads the checkpoint when offloading is turned off.
+        Like torch's, it holds references to the live state (a bucket member's entries are views into its flat
+        state), so it costs no memory: save it before the next ``step()``. Every group carries the full
+        hyper-parameters, so a plain ``torch.optim.AdamW`` loads it when offloading is turned off.
 
         Returns:
             ``{"state": {index: {"step", "exp_avg", ..., ["master_param"]}}, "param_groups": [...]}`` with plain
@@ -552,8 +467,8 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state dict saved by this class (any split) or by a plain torch optimizer of the same model.
 
-        Load the model weights first: host copies and masters are refreshed from them, then the saved
-        ``master_param`` (when present) overrides the master.
+        Load the model weights first: the host copies and masters are refreshed from them (a saved
+        ``master_param`` then overrides the master).
 
         Raises:
             ValueError: the state dict has a different group/parameter layout or state shapes (another model).
@@ -568,9 +483,8 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
     def refresh_from_model(self) -> None:
         """Re-copy every host copy and fp32 master from the current model weights.
 
-        Call it after loading model weights without the optimizer (a fine-tune start, ``--no-load-optim``; the
-        Megatron Bridge #4082 case), otherwise the first step would write the stale copies back. Version-counter
-        checks in ``step()`` catch most in-place loads on their own; this is the explicit, complete form.
+        Call it after loading model weights without the optimizer (``--no-load-optim``, the Megatron Bridge #4082
+        case), else the first step writes the stale copies back; ``step()``'s version checks miss ``.data`` writes.
         """
         with torch.no_grad():
             for b in self._buckets:
@@ -596,11 +510,8 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                     p.decoupled_grad.zero_()
 
     def dummy_step(self) -> None:
-        """Materialize the optimizer state (zeros, ``step`` 0) without changing any weight.
-
-        Megatron's DistributedOptimizer calls this before loading state in place. Unlike upstream's, it leaves the
-        parameters and the lr schedule untouched.
-        """
+        """Materialize the optimizer state (zeros, ``step`` 0), as Megatron's DistributedOptimizer needs before it
+        loads state in place; unlike upstream's, the parameters and the lr schedule are left untouched."""
         saved = [p.detach().clone() for p in self._params]
         grads = [(p, p.grad) for p in self._params]
         for p in self._params:
@@ -622,17 +533,13 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         # return only after the compute stream (which waited for every bucket's H2D copy) has caught up.
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, process_group=None) -> torch.Tensor:
-        """Clip the gradients of all parameters (host-updated and device-updated) by their global norm.
+        """Clip all gradients (host- and device-updated) by their global norm; call it between backward and step.
 
-        Call it between backward and ``step()``. Norms are computed per device and combined, and summed over
-        ``process_group`` when given (for optimizers that hold one shard of the model per rank).
-
-        Args:
-            max_norm: the largest allowed total norm.
-            norm_type: p of the p-norm (``inf`` for the max norm).
-            process_group: optional torch.distributed group whose ranks hold disjoint parameter shards.
-
-        Returns:
-            The total norm before clipping, as a 0-dim tensor.
+        ``process_group``: the ranks holding disjoint shards, over which the norm is summed. Returns the total norm
+        before clipping (0-dim).
         """
         return clip_grad_norm_(self._params, max_norm, norm_type, process_group)
+
+
+# Constructor options: kept out of the param groups (and dropped from loaded ones, where upstream saved them).
+_OPTION_KEYS = frozenset(inspect.signature(HybridDeviceOptimizer.__init__).parameters) - {"self", "params", "defaults"}

@@ -1,21 +1,10 @@
 """Install our ``HybridDeviceOptimizer`` into megatron-core's optimizer factory (``optimizer_cpu_offload``).
 
-megatron-core (0.16.1 and 0.19.2 alike) builds the hybrid optimizer in one place,
-``megatron/core/optimizer/__init__.py`` ``_get_megatron_optimizer_based_on_param_groups``, by calling the module
-global ``HybridDeviceOptimizer`` when ``OptimizerConfig.optimizer_cpu_offload`` is set. The
-``DistributedOptimizer`` (``megatron/core/optimizer/distrib_optimizer.py``) holds its own module global of the same
-name: it re-creates the optimizer over its shard groups as ``HybridDeviceOptimizer(params=..., **defaults)``, and
-its ``isinstance(..., HybridDeviceOptimizer)`` checks route checkpointing through ``sub_optimizers``,
-``dummy_step``, ``update_fp32_param_by_new_param`` and ``_sync_hdo_state_to_sub_optimizers``.
-:func:`install_optimizer_offload` rebinds that name, in every loaded ``megatron.*`` module that imported upstream's
-class (megatron-core, and Megatron Bridge's modules when they are imported first), to ours; ``remove()`` restores
-upstream's. Upstream's class itself stays where it is, in ``cpu_offloading/hybrid_optimizer.py``.
-
-Example:
-    >>> from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-    >>> with install_optimizer_offload():
-    ...     opt = get_megatron_optimizer(OptimizerConfig(lr=1e-3, optimizer_cpu_offload=True,
-    ...                                                  optimizer_offload_fraction=0.5), [ddp_model])
+megatron-core (0.16.1 and 0.19.2) builds the hybrid optimizer by calling the module global
+``HybridDeviceOptimizer`` of ``megatron/core/optimizer/__init__.py``; ``distrib_optimizer.py`` holds its own
+global of that name, re-creates the optimizer with it (``HybridDeviceOptimizer(params=..., **defaults)``) and
+routes checkpointing through its ``isinstance`` checks. So the name is rebound in every loaded ``megatron.*``
+module that imported upstream's class; upstream's class itself stays in ``cpu_offloading/hybrid_optimizer.py``.
 """
 
 from __future__ import annotations
@@ -72,10 +61,13 @@ class OptimizerOffloadInstall:
 def install_optimizer_offload() -> OptimizerOffloadInstall:
     """Make megatron-core's ``get_megatron_optimizer`` build our ``HybridDeviceOptimizer``.
 
-    Call it once before building the optimizer (``setup_model_and_optimizer`` in Megatron-LM or Bridge); with
-    ``optimizer.optimizer_cpu_offload=True`` the factory then constructs ours, with or without the distributed
-    optimizer. Import Megatron Bridge's training modules before calling it if they are used, so their copies of
-    the name are rebound too. Without ``optimizer_cpu_offload`` nothing changes.
+    Call it before building the optimizer; with ``optimizer_cpu_offload=True`` the factory then constructs ours,
+    with or without the distributed optimizer. Import Megatron Bridge's training modules first if they are used,
+    so that their copies of the name are rebound too.
+
+    Example:
+        >>> with install_optimizer_offload():
+        ...     opt = get_megatron_optimizer(OptimizerConfig(lr=1e-3, optimizer_cpu_offload=True), [ddp_model])
 
     Returns:
         The installation; use it as a context manager or call ``remove()`` to restore upstream's class.

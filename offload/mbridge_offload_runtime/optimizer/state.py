@@ -1,10 +1,8 @@
 """Per-parameter optimizer state in and out of :class:`mbridge_offload_runtime.optimizer.hybrid.HybridDeviceOptimizer`.
 
-The saved form is torch's: ``{"state": {index: {...}}, "param_groups": [{..., "params": [index, ...]}]}``, with
-indices in param_groups order. A host bucket's flat state is cut into per-parameter slices on the way out and
-joined again on the way in, so the form does not depend on the offload fraction, the overlap setting or the bucket
-size. ``master_param`` (the fp32 master) is saved for parameters that have one, i.e. non-fp32 parameters with
-``param_update_in_fp32``; native-fp32 parameters are their own master and have no such key.
+The saved form is torch's, indexed in param_groups order: a bucket's flat state is cut into per-parameter slices on
+the way out and joined on the way in, so it does not depend on the split or the bucketing. ``master_param`` is
+saved for parameters with an fp32 master (non-fp32 ones with ``param_update_in_fp32``).
 """
 
 from __future__ import annotations
@@ -34,14 +32,12 @@ _SCALAR_KEYS = frozenset({"step"})
 
 
 class LiveParamState(dict):
-    """One parameter's entry of ``HybridDeviceOptimizer.state``: its values are the live tensors (sub-optimizer
-    state, or views into a bucket's flat state), and assigning a tensor to an existing key copies it into them.
+    """One parameter's entry of ``HybridDeviceOptimizer.state``: live tensors (sub-optimizer state, or views into a
+    bucket's flat state); assigning a tensor of the same shape to an existing key copies it into them.
 
-    Megatron's DistributedOptimizer loads a checkpoint by assigning ``optimizer.state[param][key] = tensor``
-    (``_set_main_param_and_optimizer_states``), and not every load path calls ``_sync_hdo_state_to_sub_optimizers``
-    afterwards (the legacy ``load_parameter_state`` does not). Upstream's HDO shares its sub-optimizers' dicts, so
-    such writes land; copying in place gives ours the same effect. A new key (or another shape) is stored as given
-    and reaches the sub-optimizers through ``_sync_hdo_state_to_sub_optimizers``.
+    Why: Megatron's DistributedOptimizer loads by assigning ``optimizer.state[param][key] = tensor``, and not every
+    load path calls ``_sync_hdo_state_to_sub_optimizers`` afterwards (the legacy ``load_parameter_state`` does not);
+    upstream's HDO shares its sub-optimizers' dicts, so such writes land. Other values are stored as given.
     """
 
     def __setitem__(self, key: Any, value: Any) -> None:
@@ -84,12 +80,9 @@ def export_param_states(opt: HybridDeviceOptimizer, clone: bool) -> dict[int, di
 
 
 def saved_param_states(opt: HybridDeviceOptimizer) -> dict[int, dict[str, Any]]:
-    """Every parameter's state for ``state_dict()``: references to the live tensors, not copies.
-
-    Per-element tensors (``exp_avg``, ``master_param``, ...) are the live tensors or views into a bucket's flat
-    state. Only the scalar tensors (``step``) are copied, because a bucket keeps one for all its members and an
-    optimizer that loads the dict steps each parameter's ``step`` in place: a shared one would count N times.
-    """
+    """Every parameter's state for ``state_dict()``: the live tensors (or views), not copies, except the scalar
+    ones (``step``): a bucket keeps one for all its members, and an optimizer that loads the dict steps each
+    parameter's ``step`` in place, so a shared one would count N times."""
     out = export_param_states(opt, clone=False)
     for state in out.values():
         for key, value in state.items():
@@ -99,12 +92,7 @@ def saved_param_states(opt: HybridDeviceOptimizer) -> dict[int, dict[str, Any]]:
 
 
 def validate_state_dict(opt: HybridDeviceOptimizer, state_dict: Any) -> dict[int, dict[str, Any]]:
-    """Check that ``state_dict`` fits this optimizer's parameters; map its states to global indices.
-
-    Raises:
-        ValueError: not an optimizer state dict, or one saved for a different model (group count, parameter
-            count per group, or a state tensor whose shape differs from its parameter's).
-    """
+    """``state_dict``'s states by global index; ``ValueError`` if it is not one, or was saved for another model."""
     if not isinstance(state_dict, dict) or "state" not in state_dict or "param_groups" not in state_dict:
         raise ValueError("not an optimizer state dict: expected a dict with 'state' and 'param_groups' keys.")
     saved_groups = state_dict["param_groups"]
@@ -170,13 +158,9 @@ def _bucket_fits(bucket, live: dict[str, Any], template: dict[str, Any], members
 
 
 def _load_flat(bucket, member_states: list[dict | None]) -> None:
-    """Load one bucket's members into its flat state, one member slice at a time (no concatenated copy).
-
-    A bucket that already has state of the same layout (any optimizer that has stepped, and Megatron's, which
-    initialises state before it loads) takes the values in place: no memory beyond the caller's state dict. Else
-    the flat state is allocated once, filled slice by slice and handed to the optimizer's own ``load_state_dict``
-    (same dtype and device, so torch keeps it as is).
-    """
+    """Load one bucket's members into its flat state, slice by slice: in place when the live state has the same
+    layout (any stepped optimizer, and Megatron's, which initialises state before loading: no memory beyond the
+    caller's state dict), else into a flat state allocated once and given to the optimizer's ``load_state_dict``."""
     members: list[dict[str, Any] | None] = [_saved(s) or None for s in member_states]
     first = next(k for k, s in enumerate(members) if s)
     template: dict[str, Any] = members[first] or {}
@@ -261,12 +245,10 @@ def _load_masters(opt: HybridDeviceOptimizer, states: dict[int, dict[str, Any]])
 
 
 def import_param_states(opt: HybridDeviceOptimizer, states: dict[int, dict[str, Any]]) -> None:
-    """Replace every sub-optimizer's state with ``states`` (global index -> torch per-parameter state).
+    """Replace every sub-optimizer's state with ``states`` (global index -> torch per-parameter state; only read).
 
-    ``master_param`` entries are copied into the masters. The rest is copied into the live state tensors where
-    they already have the saved layout (the usual resume: no memory beyond the state dict, one copy per value),
-    else it goes through each sub-optimizer's own ``load_state_dict`` so that dtype and device placement follow
-    torch's rules for that optimizer. ``states`` is only read; nothing of it is kept.
+    Values are copied into the live state where it has the saved layout (the usual resume), else loaded through
+    each sub-optimizer's own ``load_state_dict``, so dtype and device follow torch's rules for that optimizer.
     """
     with torch.no_grad():
         _load_masters(opt, states)
