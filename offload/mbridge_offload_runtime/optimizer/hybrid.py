@@ -13,6 +13,7 @@ See ``docs/optimizer-runtime.md`` for the split rule, the bucket layout and the 
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import weakref
 from collections import defaultdict
@@ -67,6 +68,11 @@ def _constructor_defaults(cls: type[torch.optim.Optimizer]) -> dict[str, Any]:
         for p in _init_parameters(cls)
         if p.name not in skip and p.default is not inspect.Parameter.empty and p.kind is p.POSITIONAL_OR_KEYWORD
     }
+
+
+def _hyper(group: dict[str, Any], skip: frozenset[str] = frozenset()) -> dict[str, Any]:
+    """A param group's hyper-parameters: everything but its params (and ``skip``)."""
+    return {k: v for k, v in group.items() if k != "params" and k not in skip}
 
 
 def _check_optimizer_cls(cls: Any, name: str) -> type[torch.optim.Optimizer]:
@@ -149,20 +155,16 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         self._hyper_defaults = dict(defaults)
         self._built = False
         self._hooks: GradCopyHooks | None = None
-        given: list[Any] = list(params)
-        for i, p in enumerate(given if given and not isinstance(given[0], dict) else []):
-            if not isinstance(p, torch.Tensor):
-                raise TypeError(f"parameter {i} is a {type(p).__name__}, not a torch.Tensor: pass model.parameters().")
-        super().__init__(given, dict(defaults))
+        super().__init__(params, dict(defaults))  # our add_param_group checks every parameter
         self.defaults = {**defaults, **options}
         self._build()
 
     # ------------------------------------------------------------------ construction
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a group (torch semantics); existing state is kept and the split is recomputed."""
-        for p in param_group["params"] if isinstance(param_group.get("params"), (list, tuple)) else []:
+        for i, p in enumerate(param_group["params"] if isinstance(param_group.get("params"), (list, tuple)) else []):
             if not isinstance(p, torch.Tensor):
-                raise TypeError(f"a parameter is a {type(p).__name__}, not a torch.Tensor: pass model.parameters().")
+                raise TypeError(f"parameter {i} is a {type(p).__name__}, not a torch.Tensor: pass model.parameters().")
         full, self.defaults = self.defaults, self._hyper_defaults  # fill groups with hyper-parameters only
         try:
             super().add_param_group(param_group)
@@ -178,13 +180,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
 
     def _sub_optimizer(self, cls: type[torch.optim.Optimizer], groups: dict[int, list]) -> torch.optim.Optimizer:
         """``cls`` over ``{HDO group index: params}``, each group with its HDO group's hyper-parameters."""
-        subs = [
-            {
-                **{k: v for k, v in self.param_groups[gi].items() if k != "params" and k not in _OPTION_KEYS},
-                "params": ps,
-            }
-            for gi, ps in sorted(groups.items())
-        ]
+        subs = [{**_hyper(self.param_groups[gi], _OPTION_KEYS), "params": ps} for gi, ps in sorted(groups.items())]
         # Both parts default to torch's fused kernel (CPU and CUDA have one for Adam/AdamW/SGD): it is the fastest
         # path on either side, and the same kernel on both sides makes a resume at another fraction bit-exact.
         # A kernel the caller chose (``fused``/``foreach`` in the groups or defaults) is left alone.
@@ -313,10 +309,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
     @property
     def transfer_stats(self) -> TransferStats:
         """Copies, bytes each way and CPU-stepped elements since construction or :meth:`reset_transfer_stats`."""
-        total = TransferStats()
-        for b in self._buckets:
-            total = total.add(b.stats)
-        return total
+        return functools.reduce(TransferStats.add, (b.stats for b in self._buckets), TransferStats())
 
     def reset_transfer_stats(self) -> None:
         """Zero the counters of :attr:`transfer_stats`."""
@@ -327,7 +320,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
     def _push_hyperparameters(self) -> None:
         """Copy lr/wd/... from the HDO groups (what schedulers and users change) into every sub-optimizer."""
         skip = _SELECTOR_KEYS | _OPTION_KEYS  # wrappers such as ZeroRedundancyOptimizer copy options into groups
-        hyper = [{k: v for k, v in g.items() if k != "params" and k not in skip} for g in self.param_groups]
+        hyper = [_hyper(g, skip) for g in self.param_groups]
         for b in self._buckets:
             b.optimizer.param_groups[0].update(hyper[b.group_index])
         for opt, index in self._group_optimizers():
@@ -443,8 +436,8 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         for opt, index in self._group_optimizers():
             subs += [g for g, i in zip(opt.param_groups, index, strict=True) if i == gi]
         if subs:
-            full.update({k: v for k, v in subs[0].items() if k != "params"})
-        full.update({k: v for k, v in self.param_groups[gi].items() if k != "params"})
+            full.update(_hyper(subs[0]))
+        full.update(_hyper(self.param_groups[gi]))
         return full
 
     def state_dict(self) -> dict[str, Any]:
@@ -476,7 +469,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         states = validate_state_dict(self, state_dict)
         for group, saved in zip(self.param_groups, state_dict["param_groups"], strict=True):
             # Upstream checkpoints carry the constructor options (and classes) in every group: not ours to take.
-            group.update({k: v for k, v in saved.items() if k != "params" and k not in _OPTION_KEYS})
+            group.update(_hyper(saved, _OPTION_KEYS))
         self.refresh_from_model()
         import_param_states(self, states)
 
