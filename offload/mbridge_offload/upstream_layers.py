@@ -1,21 +1,11 @@
 """What each offload and recompute setting does in each model class of megatron-core 0.16.1 and 0.19.2.
 
-One table, read from megatron-core's source: rows are the settings (layer-level offload, each fine-grained
-``offload_modules`` entry, optimizer offload, full recompute by method, each selective ``recompute_modules`` entry),
-columns the model classes (the GPT model's ``TransformerBlock``, its dense layer, the hybrid stack, the Mamba mixer,
-MLA attention, the MoE layer, the MTP block). Each cell says **applies**, **no effect** (accepted, does nothing
-there) or **refused** (megatron-core raises), with the :class:`~mbridge_offload.upstream_sites.Evidence` that
-decides it, per release.
-
-Containers (the GPT block, the hybrid stack, the MTP block) decide the stack-level settings (layer-level offload,
-full recompute, the fine-grained chunk); for a module-level setting a container's cell says whether it lets the
-setting reach its layers, and what it does there is the layer's column. A layer's cell for a stack-level setting is
-what happens to that layer where its container applies the setting.
-
-The config rules (``config/rules/activation/layer_reach.py``), the planner (the memory model, the search) and the
-generated
-``references/upstream-layers.md`` all read this module; ``tests/test_upstream_layers.py`` checks every cell's
-evidence against the installed sources of both releases. Plain Python.
+One table read from megatron-core's source: rows are settings, columns model classes, and each cell says
+**applies**, **no effect** (accepted, does nothing there) or **refused**, with the :class:`Evidence` that decides
+it per release. Containers (GPT block, hybrid stack, MTP block) decide the stack-level settings; for a module-level
+setting a container's cell says whether the setting reaches its layers. The config rules (``layer_reach``), the
+planner and ``references/upstream-layers.md`` read it; ``tests/test_upstream_layers.py`` checks every cell's
+evidence against the installed sources of both releases.
 """
 
 from __future__ import annotations

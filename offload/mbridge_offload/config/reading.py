@@ -1,21 +1,10 @@
-"""The one bounded reader behind every config source: regular files only, a size cap, depth and alias limits.
+"""The one bounded reader behind every config source (file, stdin, inline; YAML or JSON).
 
-Every config the project reads (a file, stdin, inline text; YAML or JSON) passes through here, so a hostile or
-careless input is refused with a one-line :class:`~mbridge_offload.config.errors.InputError` instead of hanging,
-eating memory or crashing:
-
-- only regular files are read: a directory, a device (``/dev/zero``), a FIFO or a socket is refused. The file
-  is opened with ``O_NONBLOCK`` and checked with ``fstat`` *before* any read, so a FIFO never blocks;
-- at most ``MBRIDGE_OFFLOAD_MAX_CONFIG_BYTES`` bytes (default 2 MiB; Bridge configs are tens of KB);
-- at most ``MBRIDGE_OFFLOAD_MAX_DEPTH`` levels of nesting (default 32) and ``MBRIDGE_OFFLOAD_MAX_NODES`` values
-  after YAML alias expansion (default 100 000), so an alias bomb ("billion laughs") stops early;
-- JSON ``NaN``/``Infinity`` are refused (not JSON). Non-finite YAML numbers (``.nan``, ``.inf``, ``1e999``) are
-  read: upstream float fields take them (``optimizer.grad_norm_skip_threshold: .inf`` is Bridge's own default);
-  ``schema.refuses_non_finite`` names the keys that refuse them (counts, and the bounds that are ours);
-- a server can fix, at its start, the directories configs may be read from (:func:`set_read_roots`), and narrow
-  them for one MCP session to the roots its client declares (:func:`using_roots`).
-
-No torch import on this path.
+A hostile or careless input is refused with a one-line InputError instead of hanging, eating memory or crashing:
+only regular files (opened ``O_NONBLOCK`` and checked with ``fstat`` before any read, so a FIFO never blocks), a
+size cap, depth and node caps after alias expansion (a "billion laughs" stops early), JSON ``NaN`` refused
+(non-finite YAML numbers are read: Bridge's own defaults use ``.inf``), and read roots a server may fix or narrow
+per MCP session. No torch.
 """
 
 from __future__ import annotations
@@ -145,17 +134,8 @@ def _decode(data: bytes, where: str) -> str:
 def read_text_file(path: str | os.PathLike[str], what: str = "config", tail: bool = False) -> str:
     """The text of a regular file, at most :func:`max_bytes` long, never blocking on a FIFO or device.
 
-    Args:
-        path: the file to read (symlinks are followed; a server's read roots apply to the target).
-        what: what the file is, for messages (``config``, ``--log``).
-        tail: a log: keep its last :func:`max_bytes` bytes instead of refusing a larger file; bytes that are
-            not UTF-8 are replaced.
-
-    Returns:
-        The file's text (UTF-8; a BOM is dropped).
-
-    Raises:
-        InputError: missing, not a regular file, too large, unreadable, not UTF-8, or outside the read roots.
+    ``tail`` (a log) keeps the last :func:`max_bytes` bytes instead of refusing a larger file and replaces bytes that
+    are not UTF-8. Raises InputError: missing, not regular, too large, unreadable, not UTF-8, outside the read roots.
     """
     where = str(path)
     p = Path(path)

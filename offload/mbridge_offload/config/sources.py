@@ -267,19 +267,10 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
 
 
 def parse_megatron_argv(argv: list[str]) -> dict[str, Any]:
-    """Megatron-LM ``pretrain_gpt.py`` flags → a raw config dict, read with Megatron-LM 0.19.2's full parser
-    (:mod:`mbridge_offload.config.megatron_lm.argv`), with Megatron-LM's own derivations:
+    """Megatron-LM ``pretrain_gpt.py`` flags → a raw config dict, through Megatron-LM 0.19.2's parser.
 
-    - ``--optimizer-offload-fraction`` defaults to 1.0 and ``--fp8-recipe`` to ``delayed`` on the CLI.
-    - ``--cpu-offloading-num-layers N`` with N > 0 switches ``cpu_offloading`` on (Bridge does not do this);
-      ``--recompute-activations`` means ``recompute_granularity: selective``.
-    - ``--bf16``/``--fp16`` apply to the optimizer too; ``--use-distributed-optimizer`` to ddp too.
-
-    Unknown flags are kept in ``unknown_arguments`` (validate warns about each); flags Megatron-LM knows but no
-    rule reads are kept under ``megatron_lm``.
-
-    Raises:
-        ConfigError: Megatron-LM's parser refuses a value (invalid choice, not a number).
+    Unknown flags are kept in ``unknown_arguments`` (validate warns about each); known flags no rule reads are
+    kept under ``megatron_lm``. Raises ConfigError where Megatron-LM's parser refuses a value.
     """
     try:
         return megatron_lm.parse_argv(argv)
@@ -452,16 +443,9 @@ def load(
     recipe: str | None = None,
     stdin: Any = None,
 ) -> LoadedConfig:
-    """Load a config from a file/text/stdin, a Bridge recipe, or Megatron-LM argv, then apply overrides.
+    """Load a config from a file/text/stdin (``-``), a Bridge recipe, or Megatron-LM argv, then apply overrides.
 
-    Args:
-        source: a YAML/JSON path, ``-`` for stdin, or inline YAML/JSON text. ``None`` = empty config.
-        overrides: Hydra-style overrides applied after loading.
-        argv: Megatron-LM command-line flags (instead of ``source``).
-        recipe: a Megatron Bridge recipe function name (instead of ``source``).
-
-    Raises:
-        ConfigError: any bad input, with a one-line message.
+    Raises ConfigError, with a one-line message, for any bad input.
     """
     overrides = list(overrides or [])
     tree = None
