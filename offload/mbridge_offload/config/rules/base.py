@@ -271,3 +271,8 @@ class Rule:
         if isinstance(result, Match):
             return [result]
         return list(result)
+
+
+def advisory(**kw: Any) -> Rule:
+    """Our own advice: not enforced upstream, and worded by us."""
+    return Rule(origin="advisory", upstream=False, **kw)

@@ -22,7 +22,7 @@ def set_repr(items) -> str:
     return "{" + ", ".join(repr(x) for x in sorted(items)) + "}"
 
 
-def mcore_rule(id: str, exception: str, message: str, check, summary: str, keys: tuple[str, ...], **kw) -> Rule:
+def mcore_rule(id: str, exception: str | None, message: str, check, summary: str, keys: tuple[str, ...], **kw) -> Rule:
     """An MCore TransformerConfig error rule (most fields are the same for every rule here)."""
     return Rule(
         id=id,

@@ -7,7 +7,7 @@ was checked at all, so validate says so with a warning.
 
 from __future__ import annotations
 
-from mbridge_offload.config.rules.base import Context, Rule
+from mbridge_offload.config.rules.base import Context, Rule, advisory
 from mbridge_offload.config.schema import SECTIONS
 
 
@@ -16,16 +16,14 @@ def _empty(ctx: Context) -> bool:
 
 
 INPUT_RULES: tuple[Rule, ...] = (
-    Rule(
+    advisory(
         id="CFG-EMPTY",
         severity="warning",
-        origin="advisory",
         summary="The config sets no model/optimizer/ddp/train/dataset key: nothing offload-related was checked.",
         keys=tuple(SECTIONS),
         message="the config is empty (no model, optimizer, ddp, train or dataset keys): nothing was checked; "
         "Bridge would run "
         "its recipe defaults with CPU offloading off",
-        upstream=False,
         why="An empty file, a comment-only file, or only unknown sections. Upstream accepts it (every default "
         "applies), so this is a warning, not an error; pass the config you train with (ConfigContainer.to_yaml()).",
         check=_empty,

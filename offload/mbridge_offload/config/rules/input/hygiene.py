@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from mbridge_offload.config.overrides import format_override
-from mbridge_offload.config.rules.base import Context, Match, Rule
+from mbridge_offload.config.rules.base import Context, Match, Rule, advisory
 from mbridge_offload.config.schema import SECTIONS
 
 _INTEGER_KEYS = (
@@ -52,11 +52,9 @@ VALUE_RULES: tuple[Rule, ...] = (
         "(Megatron-LM itself exits on it unless the script passes ignore_unknown_args).",
         check=_unknown_arguments,
     ),
-    Rule(
+    advisory(
         id="CFG-STRING-FLAG",
         severity="warning",
-        origin="advisory",
-        upstream=False,
         summary="A flag given as a string (`'false'`): megatron-core reads it by truthiness.",
         keys=(),
         message="{key} is the string {value!r}, which megatron-core reads as {truth}",
@@ -64,11 +62,9 @@ VALUE_RULES: tuple[Rule, ...] = (
         "validate reads it the same way. Write true/false without quotes.",
         check=_string_flags,
     ),
-    Rule(
+    advisory(
         id="CFG-NOT-INTEGER",
         severity="warning",
-        origin="advisory",
-        upstream=False,
         summary="An integer setting given a fractional number.",
         keys=(),
         message="{key} = {value} is not a whole number; megatron-core's config accepts it, building the model fails",
