@@ -1,23 +1,13 @@
-"""Activation-offloading rules enforced by MCore ``TransformerConfig.__post_init__``, in upstream code order.
-
-Source: ``transformer_config.py`` of megatron-core 0.16.1
-and 0.19.2, read and run (``tests/config/test_differential.py``). The checks that only fire later, when the model is
-built or the job is launched (Transformer Engine, Bridge, Megatron-LM) and the advisory rules are in
-:mod:`mbridge_offload.config.rules.activation.build`.
-"""
+"""Activation-offloading rules of megatron-core's ``TransformerConfig.__post_init__`` (0.16.1 and 0.19.2, read and
+run), in upstream code order; later checks (TE, Bridge, Megatron-LM) and advice are in :mod:`.build`."""
 
 from __future__ import annotations
 
 from mbridge_offload.config.overrides import format_override
 from mbridge_offload.config.rules.activation.recompute import granularity
 from mbridge_offload.config.rules.base import Context, Match, Rule
-from mbridge_offload.config.rules.mcore import mcore_rule
+from mbridge_offload.config.rules.mcore import mcore_rule, set_repr
 from mbridge_offload.upstream_layers import ALLOWED_OFFLOAD_MODULES
-
-
-def _set_repr(items) -> str:
-    """A set as Python prints it, but sorted (upstream's order depends on the hash seed)."""
-    return "{" + ", ".join(repr(x) for x in sorted(items)) + "}"
 
 
 def safe_layers(num_layers: int) -> int:
@@ -54,11 +44,8 @@ def _pp(ctx: Context):
 
 
 def activation_mode_edits(model) -> list[tuple[str, object, str]]:
-    """What layer-level activation offloading needs besides its switch: ``(dotted key, new value, why)``.
-
-    Defined once, used by ``validate``'s fixes (ACT-RECOMPUTE, ACT-CUDA-GRAPH, …) and by ``apply --mode activation``,
-    so the two never disagree (e.g. recomputation off means all three recompute keys null, not just the granularity).
-    """
+    """What layer-level activation offloading needs besides its switch: ``(dotted key, new value, why)``; one home
+    for ``validate``'s fixes and ``apply --mode activation``, so the two never disagree."""
     edits: list[tuple[str, object, str]] = []
     if not model.cpu_offloading_activations and not model.cpu_offloading_weights:
         edits.append(
@@ -128,7 +115,7 @@ def _fg_modules_invalid(ctx: Context):
         return None
     keep = [x for x in m.offload_modules if x in allowed] or ["core_attn"]
     return Match(
-        {"invalid": _set_repr(invalid), "allowed": _set_repr(allowed)},
+        {"invalid": set_repr(invalid), "allowed": set_repr(allowed)},
         fix=["model.offload_modules=[" + ",".join(keep) + "]"],
     )
 
