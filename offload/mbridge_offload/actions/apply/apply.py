@@ -25,24 +25,7 @@ from mbridge_offload.config.overrides import format_override, format_value
 from mbridge_offload.config.schema import OffloadConfig, get_value
 from mbridge_offload.config.sources import apply_overrides, build_config, parse_text, read_source
 
-# The public names of ``apply`` (its parts live in apply_plan, apply_result, apply_write and yaml_render).
-__all__ = [
-    "apply_offload",
-]
-
-# ---------------------------------------------------------------------------------------------- entry point
-
-
-def _validate(
-    config: OffloadConfig, raw: dict[str, Any]
-) -> tuple[bool, list[dict[str, Any]], dict[str, Any], dict[str, str]]:
-    """The verdict on the edited config, its findings, its one effective config (``config.effective``) and the
-    environment facts the verdict assumed (validate's ``env``: the TE version and where it came from)."""
-    from mbridge_offload.config.validate import validate
-
-    report = validate(config, raw)
-    data = report.to_dict()
-    return bool(report.ok), list(data.get("findings", [])), dict(report.effective), dict(report.env)
+__all__ = ["apply_offload"]
 
 
 def _copy(raw: dict[str, Any]) -> dict[str, Any]:
@@ -93,30 +76,26 @@ def _written(raw: dict[str, Any], key: str, value: Any) -> bool:
 
 def _result(text: str, where: str, label: str, new_text: str, env: dict[str, str], **fields: Any) -> ApplyResult:
     """Validate the edited text (in the caller's environment: ``env``) and build the result with its diff."""
+    from mbridge_offload.config.validate import validate
+
     new_raw, _ = parse_text(new_text, where)
     edited = build_config(new_raw, where)
     edited.env.update(env)
-    ok, findings, effective, facts = _validate(edited, new_raw)
-    diff = "".join(
-        difflib.unified_diff(
-            text.splitlines(keepends=True),
-            new_text.splitlines(keepends=True),
-            fromfile=f"a/{label}",
-            tofile=f"b/{label}",
-        )
-    )
-    return ApplyResult(ok=ok, findings=findings, diff=diff, text=new_text, effective=effective, env=facts, **fields)
+    report = validate(edited, new_raw)
+    lines = text.splitlines(keepends=True), new_text.splitlines(keepends=True)
+    diff = "".join(difflib.unified_diff(*lines, fromfile=f"a/{label}", tofile=f"b/{label}"))
+    findings = list(report.to_dict().get("findings", []))
+    return ApplyResult(
+        ok=bool(report.ok), findings=findings, diff=diff, text=new_text, effective=dict(report.effective),
+        env=dict(report.env), **fields,
+    )  # fmt: skip
 
 
 def _configs(
     raw: dict[str, Any], overrides: list[str] | None, where: str, tree: Any, env: dict[str, str]
 ) -> tuple[OffloadConfig, OffloadConfig, dict[str, Any]]:
-    """The config as read, the config with the caller's overrides, and the latter's raw dict; both typed configs
-    carry the caller's environment facts (``env``: the TE release the edits and the verdict follow).
-
-    Raises:
-        ConfigError: a value that does not type-check; ParallelSizeError: a parallel size of 0 or below.
-    """
+    """The config as read, the config with the caller's overrides, and the latter's raw dict; both carry the
+    caller's environment facts (``env``: the TE release the edits and the verdict follow)."""
     written = _copy(raw)
     base_cfg = build_config(written, where, tree)
     effective_raw = apply_overrides(_copy(raw), list(overrides or []))

@@ -29,18 +29,11 @@ from mbridge_offload.actions.testing.select import (
     offload_suite_files,
 )
 
-__all__ = [
-    "SUITES",
-    "missing_modules",
-    "require_modules",
-    "run_tests",
-    "setup_command",
-]
+__all__ = ["SUITES", "missing_modules", "require_modules", "run_tests", "setup_command"]
 
 SUITES = ("unit", "full", "parity")
-# What the unit suite needs in the Python that runs it; the message names the command that installs them.
-UNIT_NEEDS = ("pytest", "torch")
-BRIDGE_NEEDS = ("pytest", "torch")
+# What a run needs in the Python that runs it; the message names the command that installs them.
+NEEDS = ("pytest", "torch")
 
 
 # ---------------------------------------------------------------------------------------------- prerequisites
@@ -52,11 +45,7 @@ def setup_command() -> str:
 
 
 def missing_modules(python: str, modules: tuple[str, ...]) -> list[str]:
-    """The ``modules`` that ``python`` cannot import (found by spec, nothing is imported).
-
-    Raises:
-        TestSuiteError: ``python`` does not start (or hangs past 60 s).
-    """
+    """The ``modules`` that ``python`` cannot import (found by spec, nothing imported); TestSuiteError if it fails."""
     if python == sys.executable:
         return [m for m in modules if importlib.util.find_spec(m) is None]
     probe = "import importlib.util as u, sys; print(' '.join(m for m in sys.argv[1:] if u.find_spec(m) is None))"
@@ -70,11 +59,7 @@ def missing_modules(python: str, modules: tuple[str, ...]) -> list[str]:
 
 
 def require_modules(python: str, modules: tuple[str, ...], where: str) -> None:
-    """Refuse a run whose Python lacks pytest or torch, naming the install command (never a 0-passed "run").
-
-    Raises:
-        TestSuiteError: with the missing modules and the command that installs them.
-    """
+    """Refuse a run whose Python lacks pytest or torch, naming the install command (never a 0-passed "run")."""
     missing = missing_modules(python, modules)
     if not missing:
         return
@@ -167,7 +152,7 @@ def _bridge_run(
     root = Path(bridge_repo).expanduser().resolve()
     files = bridge_files(root)
     python = _python_for(root) if repo_python else sys.executable  # never the checkout's .venv unless allowed
-    require_modules(python, BRIDGE_NEEDS, "Megatron Bridge")
+    require_modules(python, NEEDS, "Megatron Bridge")
     _refuse_nested()
     selector = expr or BRIDGE_SELECTOR
     result = pytest_run("bridge", root, files, selector, python, timeout_s, on_progress, [])
@@ -193,7 +178,7 @@ def _unit_run(
     alias = expr if expr in OFFLOAD_SUITE_ALIASES else None
     if path is not None and alias:
         expr = None  # the alias on one file: the marked tests of that file
-    require_modules(sys.executable, UNIT_NEEDS, "unit")
+    require_modules(sys.executable, NEEDS, "unit")
     _refuse_nested()
     marker = OFFLOAD_MARKER if offload_suite or (path is not None and alias) else None
     result = pytest_run(
@@ -225,15 +210,11 @@ def _unit_run(
     return result
 
 
-# A -k selection that leaves out more than this share of the collected tests gets a note with both counts.
-FEW_SELECTED_SHARE = testselect.FEW_SELECTED_SHARE
-
-
 def _few_selected_note(result: TestRunResult, expr: str) -> str | None:
     """A note when a -k selection runs only a small part of what it selected from (say how many of how many)."""
     if result.selected is None:
         return None
     total = result.selected + result.deselected
-    if total == 0 or result.selected > FEW_SELECTED_SHARE * total:
+    if total == 0 or result.selected > testselect.FEW_SELECTED_SHARE * total:
         return None
     return f"-k {expr!r} selected {result.selected} of the {total} tests it chose from; --all runs the whole suite"
