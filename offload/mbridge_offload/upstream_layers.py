@@ -369,15 +369,7 @@ def release_of(version: tuple[int, ...]) -> str:
 
 
 def cell(setting: str, layer: str, release: str = PLANNER_RELEASE) -> Cell:
-    """The cell of ``setting`` (a :data:`SETTINGS` key) in ``layer`` (a :data:`LAYERS` key) for ``release``.
-
-    Raises:
-        KeyError: an unknown setting, layer or release.
-
-    Example:
-        >>> cell("cpu_offloading", "hybrid", "0.19.2").verdict
-        'no effect'
-    """
+    """The cell of ``setting`` in ``layer`` for ``release`` (KeyError: an unknown one)."""
     return _index()[(setting, layer, release)]
 
 
@@ -386,12 +378,7 @@ def applies(setting: str, layer: str, release: str = PLANNER_RELEASE) -> bool:
 
 
 def because(setting: str, layer: str, release: str = PLANNER_RELEASE) -> str:
-    """One clause for a message: the class, what it does (the cell's note, a predicate), and where.
-
-    Example:
-        >>> because("cpu_offloading", "hybrid", "0.16.1").split(" (")[0]
-        "megatron-core 0.16.1's MambaStack never opens the layer-level CPU-offload context"
-    """
+    """One clause for a message: the class, what it does (the cell's note, a predicate), and where."""
     c = cell(setting, layer, release)
     classes = next(lay.classes[release] for lay in LAYERS if lay.key == layer)
     return f"megatron-core {release}'s {classes} {c.note or c.evidence.what} ({c.site.where})"

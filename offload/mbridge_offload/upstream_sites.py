@@ -38,11 +38,7 @@ class Evidence:
     sites: tuple[Site, ...]
 
     def at(self, release: str) -> Site:
-        """The cited site of ``release``.
-
-        Raises:
-            KeyError: the evidence has no site in that release.
-        """
+        """The cited site of ``release`` (KeyError: none in that release)."""
         for site in self.sites:
             if site.release == release:
                 return site

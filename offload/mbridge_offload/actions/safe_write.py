@@ -50,11 +50,7 @@ def resolve_target(path: str | os.PathLike[str]) -> Path:
 
 
 def check_replaceable(target: Path, overwrite: bool, what: str = "output") -> bool:
-    """Whether ``target`` exists; refuse to replace it without consent, or at all when it is not a plain file.
-
-    Raises:
-        WriteError: exists without ``overwrite``, read-only, or not a regular file.
-    """
+    """Whether ``target`` exists; WriteError without ``overwrite``, or when it is read-only or not a regular file."""
     try:
         info = os.stat(target)
     except FileNotFoundError:
@@ -75,14 +71,7 @@ def check_replaceable(target: Path, overwrite: bool, what: str = "output") -> bo
 
 
 def make_backup(target: Path) -> Path:
-    """Copy ``target`` to a new, unique ``NAME.bak[.N]`` beside it (mode kept, fsynced).
-
-    Returns:
-        The backup's path.
-
-    Raises:
-        WriteError: the backup cannot be written (no partial backup is left).
-    """
+    """Copy ``target`` to a new, unique ``NAME.bak[.N]`` beside it (mode kept, fsynced; WriteError leaves no part)."""
     data = target.read_bytes()
     mode = stat.S_IMODE(os.stat(target).st_mode)
     for n in range(10_000):
@@ -122,13 +111,7 @@ def _alive(pid: int) -> bool:
 
 
 def sweep_stale_temps(directory: Path) -> list[Path]:
-    """Remove temp files that a killed writer left in ``directory`` (their pid, in the name, is gone).
-
-    A ``kill -9`` runs no cleanup; the next write into the same directory removes what it left.
-
-    Returns:
-        The files removed.
-    """
+    """Remove (and return) the temp files a killed writer left in ``directory``: a ``kill -9`` runs no cleanup."""
     removed = []
     with contextlib.suppress(OSError):
         for entry in directory.iterdir():

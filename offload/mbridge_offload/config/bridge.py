@@ -48,11 +48,7 @@ def _changes(config: OffloadConfig, target: Target) -> list[Change]:
 def finalize(
     config: OffloadConfig, raw: dict[str, Any], target: Target
 ) -> tuple[OffloadConfig, dict[str, Any], list[Change]]:
-    """The config as megatron-core's checks see it after Bridge's ``finalize()`` for ``target``'s Bridge release.
-
-    Returns:
-        ``(config, raw, changes)``: copies with the normalised values, and each change as ``(key, old, new)``.
-    """
+    """``(config, raw, changes)`` as megatron-core's checks see them after Bridge's ``finalize()`` for ``target``."""
     changes = _changes(config, target)
     if not changes:
         return config, raw, []

@@ -90,11 +90,7 @@ def using_roots(roots: Iterable[Path]) -> Iterator[None]:
 
 
 def check_inside(path: Path, roots: Iterable[Path], what: str) -> Path:
-    """``path`` resolved (symlinks followed); refused when it is outside every root.
-
-    Raises:
-        InputError: the resolved path is outside the roots.
-    """
+    """``path`` resolved (symlinks followed); InputError when it is outside every root."""
     resolved = path.resolve()
     roots = list(roots)
     if not any(resolved == root or resolved.is_relative_to(root) for root in roots):
@@ -187,11 +183,7 @@ def read_text_file(path: str | os.PathLike[str], what: str = "config", tail: boo
 
 
 def read_stream(stream: Any, where: str = "<stdin>") -> str:
-    """At most :func:`max_bytes` of a text or binary stream (stdin).
-
-    Raises:
-        InputError: the stream holds more than the cap, or bytes that are not UTF-8.
-    """
+    """At most :func:`max_bytes` of a text or binary stream (InputError: more, or not UTF-8)."""
     cap = max_bytes()
     buffer = getattr(stream, "buffer", None)
     data = (buffer or stream).read(cap + 1)
@@ -203,11 +195,7 @@ def read_stream(stream: Any, where: str = "<stdin>") -> str:
 
 
 def check_text(text: str, where: str) -> None:
-    """Refuse inline text over the size cap.
-
-    Raises:
-        InputError: the text is longer than :func:`max_bytes`.
-    """
+    """Refuse (InputError) inline text longer than :func:`max_bytes`."""
     cap = max_bytes()
     if len(text) > cap:
         raise InputError(f"{where}: {len(text)} characters is over the {cap}-byte limit", f"raise {MAX_BYTES_ENV}")
@@ -217,20 +205,12 @@ def check_text(text: str, where: str) -> None:
 
 
 def refuse_json_constant(name: str) -> Any:
-    """``json.loads(parse_constant=...)``: NaN and Infinity are not JSON numbers a config may hold.
-
-    Raises:
-        InputError: always.
-    """
+    """``json.loads(parse_constant=...)``: NaN and Infinity are not JSON numbers a config may hold (InputError)."""
     raise InputError(f"JSON constant {name} is not allowed in a config", "write a finite number")
 
 
 def check_number(value: Any, path: str) -> None:
-    """Refuse a non-finite float (NaN, ±inf) at ``path`` (a key that takes only finite numbers).
-
-    Raises:
-        InputError: ``value`` is a NaN or infinite float.
-    """
+    """Refuse (InputError) a NaN or infinite float at ``path``, a key that takes only finite numbers."""
     if isinstance(value, float) and not math.isfinite(value):
         raise InputError(
             f"{path or '<top>'} = {value}: not a finite number", "write a finite number, or remove the key"
@@ -247,11 +227,7 @@ class Budget:
         self.max_depth = max_depth()
 
     def visit(self, depth: int) -> None:
-        """Account for one value at ``depth``.
-
-        Raises:
-            InputError: over the value count or the depth limit.
-        """
+        """Account for one value at ``depth`` (InputError: over the value count or the depth limit)."""
         self.nodes += 1
         if self.nodes > self.max_nodes:
             raise InputError(
@@ -283,12 +259,8 @@ _NOT_BRACKET = re.compile(r"[^\[\]{}]+")
 def check_flow_depth(text: str, where: str) -> None:
     """Refuse YAML flow nesting (``[[[[...``) deeper than :func:`max_depth` before a parser recurses into it.
 
-    The YAML parser is recursive and slow on deep flow collections (seconds before its RecursionError); this
-    count is linear and conservative (brackets inside quoted strings count too, which a real config never needs
-    by the dozen).
-
-    Raises:
-        InputError: more than :func:`max_depth` open brackets at once.
+    The YAML parser is recursive and slow on deep flow collections; this count is linear and conservative (brackets
+    inside quoted strings count too, which no real config needs by the dozen).
     """
     limit, depth = max_depth(), 0
     for char in _NOT_BRACKET.sub("", text):

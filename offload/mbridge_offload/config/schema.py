@@ -43,11 +43,7 @@ def _accepts_none(annotation: Any) -> bool:
 
 
 def normalize_dtype(value: Any) -> str | None:
-    """Map the spellings of a dtype found in Bridge configs to ``fp32``/``bf16``/``fp16``/``fp8``.
-
-    Raises:
-        ValueError: for a string that names no known dtype.
-    """
+    """Map a dtype as Bridge configs spell it to ``fp32``/``bf16``/``fp16``/``fp8`` (ValueError: not a dtype)."""
     if value is None:
         return None
     if isinstance(value, dict):  # Bridge's to_yaml(): {_target_: torch.bfloat16, _call_: false}

@@ -172,11 +172,7 @@ def validate(
 
 
 def check_te_version(text: str) -> str:
-    """A Transformer Engine release as the caller states it (``2.9``, ``2.10.0``, ``2.9.0+cu12``), stripped.
-
-    Raises:
-        ValueError: not a release number; the message says what to give.
-    """
+    """A Transformer Engine release as stated (``2.9``, ``2.10.0``, ``2.9.0+cu12``), stripped; else ValueError."""
     value = str(text).strip()
     if not re.fullmatch(r"v?\d+(\.\d+){0,2}([+.\-]\w[\w.+-]*)?", value):
         raise ValueError(
@@ -296,13 +292,8 @@ def _fine_grained_errors(items: tuple[tuple[str, object], ...]) -> tuple[tuple[s
 
 
 def model_errors(model: dict[str, object]) -> list[tuple[str, str]]:
-    """``(rule id, message)`` of every catalogue error of megatron-core's ``TransformerConfig`` stage on ``model``
-    (``model.*`` values: sizes and parallelism): the planner's layout checks ask this instead of restating them.
-
-    Example:
-        >>> model_errors({"num_layers": 4, "hidden_size": 64, "num_attention_heads": 6,
-        ...               "tensor_model_parallel_size": 4})[0][1]
-        'num_attention_heads (6) must be a multiple of tensor_model_parallel_size (4).'
+    """``(rule id, message)`` of every ``TransformerConfig`` catalogue error on ``model`` (sizes and parallelism):
+    the planner's layout checks ask this instead of restating them.
     """
     return list(_model_errors(tuple(sorted(model.items(), key=lambda kv: kv[0]))))
 

@@ -57,11 +57,7 @@ def _default_modules(model: Any) -> tuple[list[str], str]:
 
 
 def fine_grained_edits(cfg: Any, modules: list[str] | None, edits: dict[str, tuple[Any, str]]) -> None:
-    """Add the edits of ``mode=fine-grained`` to ``edits`` (dotted key → (value, why)).
-
-    Raises:
-        ApplyError: an invalid module list, or a conflict only the user can resolve.
-    """
+    """Add the edits of ``mode=fine-grained`` to ``edits`` (ApplyError: a bad module list, or a conflict to resolve)."""
     from mbridge_offload.actions.apply.result import ApplyError  # apply_plan imports this module
 
     model = cfg.model

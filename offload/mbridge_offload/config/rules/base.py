@@ -58,11 +58,7 @@ DEFAULT_TARGET = "megatron-core==0.19.2"
 
 
 def parse_target(text: str | Target) -> Target:
-    """``"megatron-core==0.16.1"`` (or ``0.16``, ``0.19.2``, ``main``) → :class:`Target`.
-
-    Raises:
-        ValueError: an unparsable or unsupported target; the message lists the supported ones.
-    """
+    """``"megatron-core==0.16.1"`` (or ``0.16``, ``0.19.2``, ``main``) → :class:`Target` (else ValueError)."""
     if isinstance(text, Target):
         return text
     spec = str(text).strip()

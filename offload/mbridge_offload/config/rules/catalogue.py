@@ -25,14 +25,11 @@ TRANSFORMER_CONFIG_FILES = (parallelism, recompute, offload_extras, cuda_graphs)
 
 
 def merge_stage(backbone: tuple[Rule, ...], groups: tuple[tuple[Rule, ...], ...]) -> tuple[Rule, ...]:
-    """One stage in upstream's check order: ``backbone`` (a file already in upstream order) with each group's rules
-    placed from their declared ``follows``.
+    """One stage in upstream's check order: ``backbone`` with each group's rules placed from their ``follows``.
 
-    A rule with ``follows`` starts a run that goes right after that check; the rules after it in its group
-    continue the run; a group's leading rules without ``follows`` open the stage.
-
-    Raises:
-        RuntimeError: a ``follows`` names no rule of the stage, or two runs claim the same place.
+    A rule with ``follows`` starts a run right after that check, continued by the rules after it in its group; a
+    group's leading rules without ``follows`` open the stage. RuntimeError when a ``follows`` names no rule of the
+    stage, or two runs claim the same place.
     """
     runs: dict[str | None, list[Rule]] = {}
     for group in groups:
