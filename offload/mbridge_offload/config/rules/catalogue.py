@@ -11,8 +11,6 @@ from mbridge_offload.config.rules.activation.layer_offload import ACTIVATION_RUL
 from mbridge_offload.config.rules.base import DEFAULT_TARGET, STAGE_OPTIMIZER_CONFIG, TARGETS, Rule, spec_contains
 from mbridge_offload.config.rules.input import container, hygiene
 from mbridge_offload.config.rules.input import megatron_lm as megatron_lm_args
-from mbridge_offload.config.rules.input.bridge import BRIDGE_RULES
-from mbridge_offload.config.rules.input.empty import INPUT_RULES
 from mbridge_offload.config.rules.megatron import parallelism
 from mbridge_offload.config.rules.optimizer.offload import CONFIG_RULES, OPTIMIZER_RULES
 
@@ -74,8 +72,8 @@ def all_rules() -> tuple[Rule, ...]:
     optimizer_stage = tuple(r for r in OPTIMIZER_RULES if r.stage == STAGE_OPTIMIZER_CONFIG)
     rest = tuple(r for r in OPTIMIZER_RULES if r.stage != STAGE_OPTIMIZER_CONFIG)
     rules = (
-        *INPUT_RULES,
-        *BRIDGE_RULES,
+        *hygiene.INPUT_RULES,
+        *hygiene.BRIDGE_RULES,
         *CONFIG_RULES,
         *hygiene.RULES,
         *megatron_lm_args.RULES,
