@@ -204,8 +204,8 @@ def pytest_run(
     """Run pytest on ``files`` (``-k expr``, ``-m marker``) in ``cwd`` and read every result into a TestRunResult."""
     with tempfile.TemporaryDirectory(prefix="mbo-tests-") as tmp:
         (Path(tmp) / "mbridge_offload_progress.py").write_text(_PLUGIN % MARK, encoding="utf-8")
-        command = [python, "-m", "pytest", *files, "-q", "--color=no"]
-        command += ["-p", "mbridge_offload_progress", "-p", "no:cacheprovider"]
+        plugins = ["-p", "mbridge_offload_progress", "-p", "no:cacheprovider"]
+        command = [python, "-m", "pytest", *files, *plugins, "-q", "--color=no"]
         if marker:
             command += ["-m", marker]
         if expr:
