@@ -1,21 +1,11 @@
 """What each offload and recompute setting does in each model class of megatron-core 0.16.1 and 0.19.2.
 
-One table, read from megatron-core's source: rows are the settings (layer-level offload, each fine-grained
-``offload_modules`` entry, optimizer offload, full recompute by method, each selective ``recompute_modules`` entry),
-columns the model classes (the GPT model's ``TransformerBlock``, its dense layer, the hybrid stack, the Mamba mixer,
-MLA attention, the MoE layer, the MTP block). Each cell says **applies**, **no effect** (accepted, does nothing
-there) or **refused** (megatron-core raises), with the :class:`~mbridge_offload.upstream_sites.Evidence` that
-decides it, per release.
-
-Containers (the GPT block, the hybrid stack, the MTP block) decide the stack-level settings (layer-level offload,
-full recompute, the fine-grained chunk); for a module-level setting a container's cell says whether it lets the
-setting reach its layers, and what it does there is the layer's column. A layer's cell for a stack-level setting is
-what happens to that layer where its container applies the setting.
-
-The config rules (``config/rules/activation/layer_reach.py``), the planner (the memory model, the search) and the
-generated
-``references/upstream-layers.md`` all read this module; ``tests/test_upstream_layers.py`` checks every cell's
-evidence against the installed sources of both releases. Plain Python.
+One table read from megatron-core's source: rows are settings, columns model classes, and each cell says
+**applies**, **no effect** (accepted, does nothing there) or **refused**, with the :class:`Evidence` that decides
+it per release. Containers (GPT block, hybrid stack, MTP block) decide the stack-level settings; for a module-level
+setting a container's cell says whether the setting reaches its layers. The config rules (``layer_reach``), the
+planner and ``references/upstream-layers.md`` read it; ``tests/test_upstream_layers.py`` checks every cell's
+evidence against the installed sources of both releases.
 """
 
 from __future__ import annotations
@@ -379,15 +369,7 @@ def release_of(version: tuple[int, ...]) -> str:
 
 
 def cell(setting: str, layer: str, release: str = PLANNER_RELEASE) -> Cell:
-    """The cell of ``setting`` (a :data:`SETTINGS` key) in ``layer`` (a :data:`LAYERS` key) for ``release``.
-
-    Raises:
-        KeyError: an unknown setting, layer or release.
-
-    Example:
-        >>> cell("cpu_offloading", "hybrid", "0.19.2").verdict
-        'no effect'
-    """
+    """The cell of ``setting`` in ``layer`` for ``release`` (KeyError: an unknown one)."""
     return _index()[(setting, layer, release)]
 
 
@@ -396,12 +378,7 @@ def applies(setting: str, layer: str, release: str = PLANNER_RELEASE) -> bool:
 
 
 def because(setting: str, layer: str, release: str = PLANNER_RELEASE) -> str:
-    """One clause for a message: the class, what it does (the cell's note, a predicate), and where.
-
-    Example:
-        >>> because("cpu_offloading", "hybrid", "0.16.1").split(" (")[0]
-        "megatron-core 0.16.1's MambaStack never opens the layer-level CPU-offload context"
-    """
+    """One clause for a message: the class, what it does (the cell's note, a predicate), and where."""
     c = cell(setting, layer, release)
     classes = next(lay.classes[release] for lay in LAYERS if lay.key == layer)
     return f"megatron-core {release}'s {classes} {c.note or c.evidence.what} ({c.site.where})"

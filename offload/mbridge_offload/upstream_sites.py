@@ -1,12 +1,9 @@
 """Where megatron-core decides what each offload and recompute setting reaches: one line per release.
 
-The evidence behind :mod:`mbridge_offload.upstream_layers`. Each :class:`Site` is a line of megatron-core's source in
-one release (0.16.1 from the venv, 0.19.2 from ``.mcore/0.19.2``): the file, the class or function it lies in, the
-text on it, and, where a "no effect" rests on what a class never does, the texts its source never contains (the
-hybrid stacks never mention ``offload_context``). ``tests/test_upstream_layers.py`` re-reads every site in both
-installed releases, so a change upstream fails the table instead of leaving it stale.
-
-Plain Python, no imports from the project: the config rules, the planner and the docs read it.
+The evidence behind :mod:`mbridge_offload.upstream_layers`: a file, a symbol, the text on a line and, where a "no
+effect" rests on what a class never does, the texts its source never contains. ``tests/test_upstream_layers.py``
+re-reads every site in both installed releases, so an upstream change fails the table instead of leaving it stale.
+No imports from the project.
 """
 
 from __future__ import annotations
@@ -18,17 +15,7 @@ RELEASES: tuple[str, ...] = ("0.16.1", "0.19.2")
 
 @dataclass(frozen=True)
 class Site:
-    """One line of megatron-core in one release.
-
-    Args:
-        release: ``0.16.1`` or ``0.19.2``.
-        path: the file inside the installed package (``megatron/core/...``).
-        symbol: the class, function or method (dotted: ``TransformerBlock.forward``) or module-level name the line
-            lies in.
-        line: 1-based line number in that release.
-        needle: text on that line.
-        absent: texts the symbol's source never contains (what a "no effect" rests on).
-    """
+    """One line of megatron-core in one release; ``absent``: texts the symbol's source never contains."""
 
     release: str
     path: str
@@ -51,11 +38,7 @@ class Evidence:
     sites: tuple[Site, ...]
 
     def at(self, release: str) -> Site:
-        """The cited site of ``release``.
-
-        Raises:
-            KeyError: the evidence has no site in that release.
-        """
+        """The cited site of ``release`` (KeyError: none in that release)."""
         for site in self.sites:
             if site.release == release:
                 return site

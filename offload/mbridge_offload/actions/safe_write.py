@@ -1,19 +1,10 @@
-"""Write a user's file so that nothing is ever lost: refuse, back up, replace atomically, clean up.
+"""Write a user's file so that nothing is ever lost (docs/security.md).
 
-The rules (docs/security.md, design "Safety"):
-
-- an existing file is replaced only with the caller's explicit consent (``overwrite``), and then a backup is
-  kept under a name no other file has (``NAME.bak``, ``NAME.bak.1``, ...; created with ``O_EXCL``, so two
-  concurrent writers never share a backup name);
-- a read-only file (no owner write bit), a directory, a device or a FIFO is never replaced;
-- a symlink stays a symlink: its target is edited;
-- the new content goes to a temp file in the target's directory (its name holds the writer's pid), is
-  fsynced, gets the old file's mode (a new file: ``0666 & ~umask``), and replaces the target with one
-  ``rename``; then the directory is fsynced. Every failure removes the temp file; a ``kill -9`` cannot run
-  cleanup, so each write first removes temp files whose writer's pid is gone;
-- any failure (ENOSPC, a read-only directory, an exception) leaves the target and the directory as they were.
-
-No torch import here.
+An existing file is replaced only with ``overwrite``, and then backed up under a name no other file has (created
+with ``O_EXCL``, so concurrent writers never share one); a read-only file, directory, device or FIFO is never
+replaced; a symlink stays a symlink. The content goes to a pid-named temp file in the target's directory, is
+fsynced, takes the old mode and replaces the target with one ``rename``. Any failure leaves the target as it was;
+a ``kill -9`` cannot clean up, so each write first removes temp files whose writer is gone. No torch.
 """
 
 from __future__ import annotations
@@ -59,11 +50,7 @@ def resolve_target(path: str | os.PathLike[str]) -> Path:
 
 
 def check_replaceable(target: Path, overwrite: bool, what: str = "output") -> bool:
-    """Whether ``target`` exists; refuse to replace it without consent, or at all when it is not a plain file.
-
-    Raises:
-        WriteError: exists without ``overwrite``, read-only, or not a regular file.
-    """
+    """Whether ``target`` exists; WriteError without ``overwrite``, or when it is read-only or not a regular file."""
     try:
         info = os.stat(target)
     except FileNotFoundError:
@@ -84,14 +71,7 @@ def check_replaceable(target: Path, overwrite: bool, what: str = "output") -> bo
 
 
 def make_backup(target: Path) -> Path:
-    """Copy ``target`` to a new, unique ``NAME.bak[.N]`` beside it (mode kept, fsynced).
-
-    Returns:
-        The backup's path.
-
-    Raises:
-        WriteError: the backup cannot be written (no partial backup is left).
-    """
+    """Copy ``target`` to a new, unique ``NAME.bak[.N]`` beside it (mode kept, fsynced; WriteError leaves no part)."""
     data = target.read_bytes()
     mode = stat.S_IMODE(os.stat(target).st_mode)
     for n in range(10_000):
@@ -131,13 +111,7 @@ def _alive(pid: int) -> bool:
 
 
 def sweep_stale_temps(directory: Path) -> list[Path]:
-    """Remove temp files that a killed writer left in ``directory`` (their pid, in the name, is gone).
-
-    A ``kill -9`` runs no cleanup; the next write into the same directory removes what it left.
-
-    Returns:
-        The files removed.
-    """
+    """Remove (and return) the temp files a killed writer left in ``directory``: a ``kill -9`` runs no cleanup."""
     removed = []
     with contextlib.suppress(OSError):
         for entry in directory.iterdir():
@@ -153,17 +127,9 @@ def sweep_stale_temps(directory: Path) -> list[Path]:
 
 
 def atomic_write(path: str | os.PathLike[str], data: bytes | str) -> Path:
-    """Replace (or create) the file at ``path`` with ``data`` atomically: readers see old or new, never half.
+    """Replace (or create) ``path`` (a symlink's target) with ``data`` atomically: readers see old or new, never half.
 
-    Args:
-        path: the file; a symlink's target is written and the link kept.
-        data: the new content (``str`` is written as UTF-8).
-
-    Returns:
-        The path of the file written (the symlink's target for a link).
-
-    Raises:
-        WriteError: the directory is missing or not writable, or the disk is full; nothing was changed.
+    Returns the path written. Raises WriteError (directory missing or not writable, disk full); nothing changed then.
     """
     target = resolve_target(path)
     payload = data.encode("utf-8") if isinstance(data, str) else data

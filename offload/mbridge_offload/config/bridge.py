@@ -1,21 +1,10 @@
 """Megatron Bridge as a validation layer: what its model ``finalize()`` changes before megatron-core's checks.
 
-Bridge's model providers defer megatron-core's ``TransformerConfig.__post_init__`` to ``finalize()``, which first
-normalises a few values (``models/transformer_config.py``):
-
-- every release: ``pipeline_dtype = params_dtype`` (fp32, the dataclass default, when unset) when pipeline
-  parallel size > 1 and it is unset;
-- 0.6.x (megatron-core 0.19) and later, also: ``sequence_parallel = False`` when tensor parallel size <= 1, and
-  ``expert_tensor_parallel_size = 1`` when it is unset and expert parallel size > 1 (megatron-core's own default
-  would be the tensor parallel size).
-
-A validator that skips these reports errors Bridge never raises (``Cannot use sequence parallelism without tensor
-parallelism`` on a TP=1 run_config.yaml). They apply to Bridge configs only: a ``ConfigContainer`` YAML (a
-``_target_`` naming ``megatron.bridge``, or a ``mixed_precision`` / ``comm_overlap`` section) or a recipe; a plain
-megatron-core config is judged as megatron-core judges it.
-
-Bridge's ``comm_overlap`` section (``CommOverlapConfig``) is copied onto the model and DDP configs at start-up too
-(:func:`comm_overlap`). Plain Python: no torch, no megatron.
+Every release sets ``pipeline_dtype = params_dtype`` under pipeline parallelism; 0.6.x also sets
+``sequence_parallel = False`` at TP <= 1 and ``expert_tensor_parallel_size = 1`` when unset under EP > 1. A
+validator that skips these reports errors Bridge never raises. They apply to Bridge configs only (a
+``ConfigContainer`` YAML or a recipe). The ``comm_overlap`` section is copied onto the model and DDP configs at
+start-up too (:func:`comm_overlap`). No torch, no megatron.
 """
 
 from __future__ import annotations
@@ -59,11 +48,7 @@ def _changes(config: OffloadConfig, target: Target) -> list[Change]:
 def finalize(
     config: OffloadConfig, raw: dict[str, Any], target: Target
 ) -> tuple[OffloadConfig, dict[str, Any], list[Change]]:
-    """The config as megatron-core's checks see it after Bridge's ``finalize()`` for ``target``'s Bridge release.
-
-    Returns:
-        ``(config, raw, changes)``: copies with the normalised values, and each change as ``(key, old, new)``.
-    """
+    """``(config, raw, changes)`` as megatron-core's checks see them after Bridge's ``finalize()`` for ``target``."""
     changes = _changes(config, target)
     if not changes:
         return config, raw, []
@@ -144,15 +129,11 @@ def mixed_precision_section(raw: dict[str, Any]) -> dict[str, Any] | None:
 
 
 def mixed_precision(raw: dict[str, Any]) -> dict[str, Any]:
-    """``raw`` with its ``mixed_precision`` section applied as Bridge's ``runtime_config_update`` applies it.
+    """``raw`` (a copy) with its ``mixed_precision`` section applied as Bridge 0.6.2's ``runtime_config_update`` does.
 
-    Bridge (0.6.2 ``training/mixed_precision.py``, ``MixedPrecisionConfig.setup``) copies every field of the
-    section (:func:`mixed_precision_section`) onto the model, optimizer and DDP configs that have a field of that
-    name, before ``finalize()`` and megatron-core's checks: a field the YAML's model section does not write (e.g.
-    ``pipeline_dtype``) is still the dataclass's, so it is copied. Here each field goes into each section; the exact
-    mode child passes on only the fields of the installed release's dataclasses, which is Bridge's ``hasattr`` test.
-    A copy; ``raw`` without a usable section is returned as it is. ``config.effective`` applies it (the catalogue,
-    the planner and ``validate --exact`` all read that one resolution).
+    Bridge copies every field onto each config that has a field of that name, before ``finalize()``; here each field
+    goes into each section, and exact mode's child passes on only the installed dataclasses' fields (Bridge's
+    ``hasattr`` test).
     """
     values = mixed_precision_section(raw)
     if values is None:
@@ -171,19 +152,11 @@ _SETUP = "comm_overlap (Bridge 0.6.2 CommOverlapConfig.setup)"
 
 
 def comm_overlap(raw: dict[str, Any], config: OffloadConfig) -> list[tuple[str, Any, str]]:
-    """What Bridge's ``comm_overlap`` section decides on the model and DDP configs, as ``(key, value, source)``.
+    """What Bridge 0.6.2's ``comm_overlap`` section decides on the model and DDP configs, as ``(key, value, source)``.
 
-    Bridge 0.6.2 (``training/comm_overlap.py``; ``runtime_config_update`` runs it after ``mixed_precision`` and
-    before the model's ``finalize()``) overwrites, whatever the model section says:
-
-    - ``model.tp_comm_overlap``: the section's ``tp_comm_overlap`` when it is true and TP >= 2 with sequence
-      parallelism (and Transformer Engine, assumed here); otherwise false, with a warning in Bridge's log;
-    - with ``ddp.use_distributed_optimizer``: ``ddp.overlap_grad_reduce`` and ``ddp.overlap_param_gather``, the
-      section's own value when it sets one, else on when the data-parallel size is above 1 (off at DP 1, where
-      there is nothing to overlap; the world size is not part of a config, so that case is named in the source).
-
-    Returns:
-        The decided values (empty without a ``comm_overlap`` mapping).
+    It overwrites whatever the model section says: ``model.tp_comm_overlap`` only at TP >= 2 with sequence
+    parallelism (else false, with a warning in Bridge's log); with the distributed optimizer, the DDP overlaps take the
+    section's value, else on above DP 1 (the world size is not in a config, so that case is named in the source).
     """
     section = raw.get("comm_overlap")
     if not isinstance(section, dict):

@@ -1,35 +1,11 @@
 """The one effective config: how every tool reads a loaded config, once, with where each value came from.
 
-A config file says only part of what a run uses. The rest comes, in this order, from:
-
-1. the frontend's defaults: megatron-core's dataclass defaults (a plain or Bridge ``ConfigContainer`` YAML: Bridge's
-   config classes inherit them), a Bridge recipe (``recipe:NAME`` writes every key), or Megatron-LM's command line
-   defaults (argv, already mapped onto the same keys by ``config/megatron_lm/argv.py``);
-2. Bridge's ``mixed_precision`` block, copied onto the model, optimizer and DDP configs at start-up
-   (:func:`mbridge_offload.config.bridge.mixed_precision`);
-3. Bridge's model ``finalize()`` for the target's Bridge release (:func:`mbridge_offload.config.bridge.finalize`:
-   ``pipeline_dtype``, and from Bridge 0.6 ``sequence_parallel`` and ``expert_tensor_parallel_size``), and Bridge's
-   ``comm_overlap`` section copied onto the model and DDP configs (:func:`mbridge_offload.config.bridge.comm_overlap`:
-   ``tp_comm_overlap``, the DDP overlaps);
-4. derived facts that megatron-core or Bridge decide from other keys (the distributed optimizer either section
-   switches on, ETP = TP, the parameter dtype from ``bf16``/``fp16``, the offload amounts only under their master
-   switches, the FP8 recipe), and what every frontend fills in before it builds megatron-core's configs
-   (:attr:`Effective.filled`: ``pipeline_dtype = params_dtype`` under pipeline parallelism, which Bridge's
-   ``finalize()`` does for a partial YAML merged onto a recipe and Megatron-LM's ``core_transformer_config_from_args``
-   does for a command line, so no run reaches megatron-core's "pipeline_dtype must be specified").
-
-``validate`` runs its rule catalogue on :attr:`Effective.config`; the planner (``plan/inputs/resolve.py``) takes every
-value
-the config decides from :meth:`Effective.given`; diagnose, apply and exact mode read the same object; and every
-answer prints :meth:`Effective.to_json` under the JSON key ``effective`` (dotted key → ``{"value", "source"}``).
-Config side: no torch, and nothing from ``plan/``.
-
-Example:
-    >>> from mbridge_offload.config.sources import load
-    >>> loaded = load("examples/qwen3_30b_a3b_pretrain.yaml")
-    >>> eff = resolve(loaded.config, loaded.raw, source=loaded.source)
-    >>> eff.values["model.expert_tensor_parallel_size"].model_dump()
-    {'value': 1, 'source': 'config'}
+A config file says only part of what a run uses. The rest comes, in this order, from the frontend's defaults
+(megatron-core's dataclasses, a Bridge recipe, or Megatron-LM's argv defaults), Bridge's ``mixed_precision``
+block, Bridge's model ``finalize()`` and ``comm_overlap`` section (:mod:`.bridge`), and the facts megatron-core or
+Bridge derive from other keys (:attr:`Effective.filled`: e.g. ``pipeline_dtype = params_dtype`` under pipeline
+parallelism, which every frontend fills in before megatron-core sees it). validate, the planner, diagnose, apply
+and exact mode all read this object, and every answer prints it under ``effective``. No torch, nothing from plan/.
 """
 
 from __future__ import annotations
@@ -309,15 +285,8 @@ def resolve(
 ) -> Effective:
     """Resolve a loaded config once: frontend defaults → ``mixed_precision`` → ``finalize()`` → derived facts.
 
-    Args:
-        config: the typed config (``sources.load(...).config``).
-        raw: the dict it was built from; tells which keys the input writes. ``None``: only ``config`` is known and
-            every value counts as written (a config built in code).
-        target: the megatron-core release, whose Bridge release decides ``finalize()`` (default: the newest).
-        source: where the config came from (``recipe:NAME`` marks a Bridge recipe).
-
-    Returns:
-        The :class:`Effective` config. Never raises for a config that ``build_config`` accepted.
+    ``raw`` None: every value counts as written (a config built in code). Never raises for a config that
+    ``build_config`` accepted.
     """
     from mbridge_offload.config.sources import ConfigError, build_config
 

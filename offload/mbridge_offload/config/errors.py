@@ -1,13 +1,9 @@
 """One family of bad-input errors, and the translation of the failures a bad input can provoke into it.
 
-Every bad input anywhere in the project (an unreadable config, a wrong type, an edit that cannot be made, an
-unsafe test selection, a CLI usage mistake) raises a subclass of :class:`InputError`. It carries one-line
-``message`` (what is wrong) and ``fix`` (what to do). The CLI turns it into exit code 2 and exactly one JSON
-object; the MCP server into ``isError`` with the same text. :func:`as_input_error` does the same for what only the
-input can cause: a YAML or pydantic rejection, and the built-in exceptions a hostile input can provoke
-(RecursionError, ZeroDivisionError, OverflowError, OSError, UnicodeDecodeError, MemoryError). Anything else
-(AttributeError, TypeError, KeyError, a bare ValueError, ...) is a bug: :func:`internal_error` reports it
-distinctly (``kind: "internal"``, exit code 3), still without a traceback.
+Every bad input raises an :class:`InputError` with a one-line ``message`` and ``fix``: the CLI's exit code 2, the
+MCP server's ``isError``. :func:`as_input_error` translates what only the input can cause (a YAML or pydantic
+rejection, the built-in errors a hostile input provokes); anything else is a bug, which :func:`internal_error`
+reports as ``kind: "internal"``, exit code 3, still without a traceback.
 """
 
 from __future__ import annotations
@@ -53,16 +49,7 @@ class BoundsError(InputError):
 
 
 def as_input_error(exc: BaseException, where: str = "input") -> InputError | None:
-    """The :class:`InputError` a caller should see for ``exc``, or None when ``exc`` is a bug, not the input.
-
-    Args:
-        exc: any exception raised while handling one call.
-        where: what was being handled, for the message (``"config"``, ``"apply"``, ...).
-
-    Returns:
-        ``exc`` itself if it is an InputError; an InputError naming the cause in plain words for a YAML or
-        pydantic rejection and for the built-in failures a hostile input provokes; None for anything else.
-    """
+    """The :class:`InputError` a caller should see for ``exc``, or None when ``exc`` is a bug, not the input."""
     if isinstance(exc, InputError):
         return exc
     detail = _first_line(exc)

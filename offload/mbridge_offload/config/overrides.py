@@ -11,12 +11,7 @@ from typing import Any
 
 
 def format_value(value: Any) -> str:
-    """A value as a Hydra override writes it: ``true``, ``null``, ``0.5``, ``none``.
-
-    Example:
-        >>> format_value(True), format_value(None), format_value(0.5)
-        ('true', 'null', '0.5')
-    """
+    """A value as a Hydra override writes it: ``true``, ``null``, ``0.5``, ``none``."""
     if value is None:
         return "null"
     if isinstance(value, bool):

@@ -1,21 +1,10 @@
 """Parallel sizes of 0 or below: refused as bad input by every tool, with the key and the value.
 
-What upstream does with them (megatron-core 0.16.1 / 0.19.2, Bridge 0.6.2):
-
-- ``ModelParallelConfig`` and ``TransformerConfig`` keep the numbers as written and compare them with 1 (``pp > 1``,
-  ``cp > 1``, ``ep > 1``), so most of them pass the dataclass. Two do not: ``tensor_model_parallel_size`` 0 divides
-  by zero in ``num_attention_heads % tensor_model_parallel_size`` (rule MC-HEADS-TP), and a pipeline size below 1
-  trips the assert of MC-PP-POSITIVE.
-- The rest fail later, before any training step: Bridge's ``ConfigContainer.get_data_parallel_size`` divides the
-  world size by TP × PP × CP, megatron-core's ``initialize_model_parallel`` by TP × PP × CP and ETP × EP × PP, and
-  the pipeline schedule splits the layers by VPP. A negative size divides without an error and leads to negative
-  group sizes.
-
-So ``validate`` keeps the catalogue's finding where the dataclass itself refuses the value, and refuses the input
-otherwise (:func:`check`, ``covered`` = the error findings); the planning and writing tools (estimate, recommend,
-apply, diagnose) always refuse it, since no memory or step time exists for such a run. A boolean or a string is a
-wrong type, not a size: megatron-core's own run in validate refuses it with its TypeError, and the planner's
-bounds refuse it. Config side: no torch.
+megatron-core's dataclasses pass most of them (they compare with 1) and the run fails later (a size divides the
+world size; a negative one yields negative group sizes). ``validate`` keeps the catalogue's finding where the
+dataclass itself refuses (MC-HEADS-TP, MC-PP-POSITIVE) and refuses the input otherwise; the planning and writing
+tools always refuse it, since no memory or step time exists for such a run. A boolean or string is a wrong type,
+not a size (megatron-core's TypeError answers it). No torch.
 """
 
 from __future__ import annotations
@@ -80,22 +69,10 @@ def error(found: list[tuple[str, int | float]], where: str = "config") -> Parall
 
 
 def check(raw: dict[str, Any] | None, where: str = "config", covered: Iterable[str] = ()) -> None:
-    """Refuse a config with a parallel size of 0 or below.
+    """Refuse (ParallelSizeError) a parallel size of 0 or below in ``raw``, unless ``covered``.
 
-    Args:
-        raw: the config as read (sections → keys), e.g. ``LoadedConfig.raw`` or ``Effective.raw``.
-        where: the input's kind for the message (``config``, ``argv``, ``before``...).
-        covered: keys an error finding of the rule catalogue already names (``validate``: the dataclass refuses
-            the value in ``__post_init__``, so the finding, not an input error, is the answer).
-
-    Raises:
-        ParallelSizeError: a size of 0 or below that no finding covers.
-
-    Example:
-        >>> check({"model": {"context_parallel_size": 0}})
-        Traceback (most recent call last):
-        ...
-        mbridge_offload.config.parallel_sizes.ParallelSizeError: model.context_parallel_size = 0 (config): ...
+    ``covered``: keys an error finding already names (the dataclass refuses the value itself, so the finding, not an
+    input error, is the answer); ``where`` names the input in the message.
     """
     skip = set(covered)
     found = [(key, value) for key, value in not_positive(raw) if key not in skip]

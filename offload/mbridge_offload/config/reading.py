@@ -1,21 +1,10 @@
-"""The one bounded reader behind every config source: regular files only, a size cap, depth and alias limits.
+"""The one bounded reader behind every config source (file, stdin, inline; YAML or JSON).
 
-Every config the project reads (a file, stdin, inline text; YAML or JSON) passes through here, so a hostile or
-careless input is refused with a one-line :class:`~mbridge_offload.config.errors.InputError` instead of hanging,
-eating memory or crashing:
-
-- only regular files are read: a directory, a device (``/dev/zero``), a FIFO or a socket is refused. The file
-  is opened with ``O_NONBLOCK`` and checked with ``fstat`` *before* any read, so a FIFO never blocks;
-- at most ``MBRIDGE_OFFLOAD_MAX_CONFIG_BYTES`` bytes (default 2 MiB; Bridge configs are tens of KB);
-- at most ``MBRIDGE_OFFLOAD_MAX_DEPTH`` levels of nesting (default 32) and ``MBRIDGE_OFFLOAD_MAX_NODES`` values
-  after YAML alias expansion (default 100 000), so an alias bomb ("billion laughs") stops early;
-- JSON ``NaN``/``Infinity`` are refused (not JSON). Non-finite YAML numbers (``.nan``, ``.inf``, ``1e999``) are
-  read: upstream float fields take them (``optimizer.grad_norm_skip_threshold: .inf`` is Bridge's own default);
-  ``schema.refuses_non_finite`` names the keys that refuse them (counts, and the bounds that are ours);
-- a server can fix, at its start, the directories configs may be read from (:func:`set_read_roots`), and narrow
-  them for one MCP session to the roots its client declares (:func:`using_roots`).
-
-No torch import on this path.
+A hostile or careless input is refused with a one-line InputError instead of hanging, eating memory or crashing:
+only regular files (opened ``O_NONBLOCK`` and checked with ``fstat`` before any read, so a FIFO never blocks), a
+size cap, depth and node caps after alias expansion (a "billion laughs" stops early), JSON ``NaN`` refused
+(non-finite YAML numbers are read: Bridge's own defaults use ``.inf``), and read roots a server may fix or narrow
+per MCP session. No torch.
 """
 
 from __future__ import annotations
@@ -101,11 +90,7 @@ def using_roots(roots: Iterable[Path]) -> Iterator[None]:
 
 
 def check_inside(path: Path, roots: Iterable[Path], what: str) -> Path:
-    """``path`` resolved (symlinks followed); refused when it is outside every root.
-
-    Raises:
-        InputError: the resolved path is outside the roots.
-    """
+    """``path`` resolved (symlinks followed); InputError when it is outside every root."""
     resolved = path.resolve()
     roots = list(roots)
     if not any(resolved == root or resolved.is_relative_to(root) for root in roots):
@@ -145,17 +130,8 @@ def _decode(data: bytes, where: str) -> str:
 def read_text_file(path: str | os.PathLike[str], what: str = "config", tail: bool = False) -> str:
     """The text of a regular file, at most :func:`max_bytes` long, never blocking on a FIFO or device.
 
-    Args:
-        path: the file to read (symlinks are followed; a server's read roots apply to the target).
-        what: what the file is, for messages (``config``, ``--log``).
-        tail: a log: keep its last :func:`max_bytes` bytes instead of refusing a larger file; bytes that are
-            not UTF-8 are replaced.
-
-    Returns:
-        The file's text (UTF-8; a BOM is dropped).
-
-    Raises:
-        InputError: missing, not a regular file, too large, unreadable, not UTF-8, or outside the read roots.
+    ``tail`` (a log) keeps the last :func:`max_bytes` bytes instead of refusing a larger file and replaces bytes that
+    are not UTF-8. Raises InputError: missing, not regular, too large, unreadable, not UTF-8, outside the read roots.
     """
     where = str(path)
     p = Path(path)
@@ -207,11 +183,7 @@ def read_text_file(path: str | os.PathLike[str], what: str = "config", tail: boo
 
 
 def read_stream(stream: Any, where: str = "<stdin>") -> str:
-    """At most :func:`max_bytes` of a text or binary stream (stdin).
-
-    Raises:
-        InputError: the stream holds more than the cap, or bytes that are not UTF-8.
-    """
+    """At most :func:`max_bytes` of a text or binary stream (InputError: more, or not UTF-8)."""
     cap = max_bytes()
     buffer = getattr(stream, "buffer", None)
     data = (buffer or stream).read(cap + 1)
@@ -223,11 +195,7 @@ def read_stream(stream: Any, where: str = "<stdin>") -> str:
 
 
 def check_text(text: str, where: str) -> None:
-    """Refuse inline text over the size cap.
-
-    Raises:
-        InputError: the text is longer than :func:`max_bytes`.
-    """
+    """Refuse (InputError) inline text longer than :func:`max_bytes`."""
     cap = max_bytes()
     if len(text) > cap:
         raise InputError(f"{where}: {len(text)} characters is over the {cap}-byte limit", f"raise {MAX_BYTES_ENV}")
@@ -237,20 +205,12 @@ def check_text(text: str, where: str) -> None:
 
 
 def refuse_json_constant(name: str) -> Any:
-    """``json.loads(parse_constant=...)``: NaN and Infinity are not JSON numbers a config may hold.
-
-    Raises:
-        InputError: always.
-    """
+    """``json.loads(parse_constant=...)``: NaN and Infinity are not JSON numbers a config may hold (InputError)."""
     raise InputError(f"JSON constant {name} is not allowed in a config", "write a finite number")
 
 
 def check_number(value: Any, path: str) -> None:
-    """Refuse a non-finite float (NaN, ±inf) at ``path`` (a key that takes only finite numbers).
-
-    Raises:
-        InputError: ``value`` is a NaN or infinite float.
-    """
+    """Refuse (InputError) a NaN or infinite float at ``path``, a key that takes only finite numbers."""
     if isinstance(value, float) and not math.isfinite(value):
         raise InputError(
             f"{path or '<top>'} = {value}: not a finite number", "write a finite number, or remove the key"
@@ -267,11 +227,7 @@ class Budget:
         self.max_depth = max_depth()
 
     def visit(self, depth: int) -> None:
-        """Account for one value at ``depth``.
-
-        Raises:
-            InputError: over the value count or the depth limit.
-        """
+        """Account for one value at ``depth`` (InputError: over the value count or the depth limit)."""
         self.nodes += 1
         if self.nodes > self.max_nodes:
             raise InputError(
@@ -303,12 +259,8 @@ _NOT_BRACKET = re.compile(r"[^\[\]{}]+")
 def check_flow_depth(text: str, where: str) -> None:
     """Refuse YAML flow nesting (``[[[[...``) deeper than :func:`max_depth` before a parser recurses into it.
 
-    The YAML parser is recursive and slow on deep flow collections (seconds before its RecursionError); this
-    count is linear and conservative (brackets inside quoted strings count too, which a real config never needs
-    by the dozen).
-
-    Raises:
-        InputError: more than :func:`max_depth` open brackets at once.
+    The YAML parser is recursive and slow on deep flow collections; this count is linear and conservative (brackets
+    inside quoted strings count too, which no real config needs by the dozen).
     """
     limit, depth = max_depth(), 0
     for char in _NOT_BRACKET.sub("", text):

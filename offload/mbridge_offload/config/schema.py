@@ -1,18 +1,9 @@
-"""Pydantic models of the Megatron Bridge config namespaces that CPU offloading touches.
+"""Pydantic models of the config namespaces that CPU offloading touches.
 
-Field names and defaults mirror the upstream dataclasses (Megatron Core ``TransformerConfig`` /
-``OptimizerConfig`` / ``DistributedDataParallelConfig`` as subclassed by Megatron Bridge), so that a
-``ConfigContainer.to_yaml()`` dump, a partial YAML or a set of overrides load without surprises.
-
-Two deliberate departures, both documented in ``docs/parameters.md``:
-- Architecture sizes (``num_layers``, ``hidden_size``, ``num_attention_heads``) default to ``None`` ("not
-  given") instead of upstream's placeholder ``0``, so that a partial config does not trip rules that need
-  them; rules that need a size skip when it is unknown.
-- Dtype fields accept ``"bf16"``, ``"torch.bfloat16"`` and Bridge's serialized ``{_target_: torch.bfloat16}``
-  form and normalise to a short name (``fp32``, ``bf16``, ``fp16``, ``fp8``).
-
-Unknown keys (and ``_target_`` entries) are kept and ignored: every section allows extras. This module
-never imports torch.
+Field names and defaults mirror megatron-core's dataclasses as Bridge subclasses them, so a ``to_yaml()`` dump, a
+partial YAML or overrides load without surprises. Two departures (``docs/parameters.md``): architecture sizes
+default to None ("not given", so rules that need them skip), and dtype fields accept every spelling Bridge writes
+and normalise to ``fp32``/``bf16``/``fp16``/``fp8``. Unknown keys are kept and ignored. No torch.
 """
 
 from __future__ import annotations
@@ -52,11 +43,7 @@ def _accepts_none(annotation: Any) -> bool:
 
 
 def normalize_dtype(value: Any) -> str | None:
-    """Map the spellings of a dtype found in Bridge configs to ``fp32``/``bf16``/``fp16``/``fp8``.
-
-    Raises:
-        ValueError: for a string that names no known dtype.
-    """
+    """Map a dtype as Bridge configs spell it to ``fp32``/``bf16``/``fp16``/``fp8`` (ValueError: not a dtype)."""
     if value is None:
         return None
     if isinstance(value, dict):  # Bridge's to_yaml(): {_target_: torch.bfloat16, _call_: false}

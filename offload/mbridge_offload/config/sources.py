@@ -48,11 +48,7 @@ def _yaml():
 
 
 def to_plain(node: Any, budget: reading.Budget | None = None, depth: int = 0, path: str = "") -> Any:
-    """ruamel's round-trip containers → plain dicts, lists and scalars, within the reader's limits.
-
-    Raises:
-        InputError: too deep, or too many values after alias expansion.
-    """
+    """ruamel's round-trip containers → plain dicts, lists and scalars, within the reader's limits (InputError)."""
     budget = budget or reading.Budget("<config>")
     budget.visit(depth)
     if isinstance(node, dict):
@@ -74,48 +70,32 @@ def to_plain(node: Any, budget: reading.Budget | None = None, depth: int = 0, pa
 
 
 def parse_text(text: str, where: str = "<text>") -> tuple[dict[str, Any], Any]:
-    """Parse YAML or JSON text. Returns ``(plain dict, round-trip tree or None)``.
+    """Parse YAML or JSON text into ``(plain dict, round-trip tree or None)``; ConfigError when malformed."""
+    from ruamel.yaml.error import MarkedYAMLError, YAMLError
 
-    Raises:
-        ConfigError: malformed text, or a top level that is not a mapping.
-    """
     reading.check_text(text, where)
-    stripped = text.lstrip()
-    if stripped.startswith("{"):
-        try:
-            data = to_plain(json.loads(text, parse_constant=reading.refuse_json_constant), reading.Budget(where))
-        except json.JSONDecodeError as exc:
-            raise ConfigError(f"{where}:{exc.lineno}:{exc.colno}: malformed JSON: {exc.msg}") from None
-        except RecursionError:
-            raise ConfigError(f"{where}: nested too deeply", "a config is a few levels deep") from None
-        except InputError as exc:
-            raise _located(exc, where) from None
-        except ValueError as exc:  # e.g. an integer over Python's 4300-digit conversion limit
-            raise ConfigError(f"{where}: malformed JSON: {exc}", "write numbers of realistic size") from None
-        tree = None
-    else:
-        from ruamel.yaml.error import MarkedYAMLError, YAMLError
-
-        try:
+    kind, tree = ("JSON" if text.lstrip().startswith("{") else "YAML"), None
+    try:
+        if kind == "JSON":
+            loaded = json.loads(text, parse_constant=reading.refuse_json_constant)
+        else:
             reading.check_flow_depth(text, where)
-        except InputError as exc:
-            raise _located(exc, where) from None
-        try:
-            tree = _yaml().load(io.StringIO(text))
-        except MarkedYAMLError as exc:
-            mark = exc.problem_mark
-            loc = f"{where}:{mark.line + 1}:{mark.column + 1}" if mark else where
-            raise ConfigError(f"{loc}: malformed YAML: {exc.problem or exc.context}") from None
-        except YAMLError as exc:
-            raise ConfigError(f"{where}: malformed YAML: {str(exc).splitlines()[0]}") from None
-        except RecursionError:
-            raise ConfigError(f"{where}: nested too deeply", "a config is a few levels deep") from None
-        except ValueError as exc:  # e.g. an integer over Python's 4300-digit conversion limit
-            raise ConfigError(f"{where}: malformed YAML: {exc}", "write numbers of realistic size") from None
-        try:
-            data = to_plain(tree, reading.Budget(where)) if tree is not None else {}
-        except InputError as exc:
-            raise _located(exc, where) from None
+            loaded = tree = _yaml().load(io.StringIO(text))
+        data = to_plain(loaded, reading.Budget(where)) if loaded is not None else {}
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{where}:{exc.lineno}:{exc.colno}: malformed JSON: {exc.msg}") from None
+    except MarkedYAMLError as exc:
+        mark = exc.problem_mark
+        loc = f"{where}:{mark.line + 1}:{mark.column + 1}" if mark else where
+        raise ConfigError(f"{loc}: malformed YAML: {exc.problem or exc.context}") from None
+    except YAMLError as exc:
+        raise ConfigError(f"{where}: malformed YAML: {str(exc).splitlines()[0]}") from None
+    except RecursionError:
+        raise ConfigError(f"{where}: nested too deeply", "a config is a few levels deep") from None
+    except InputError as exc:
+        raise _located(exc, where) from None
+    except ValueError as exc:  # e.g. an integer over Python's 4300-digit conversion limit
+        raise ConfigError(f"{where}: malformed {kind}: {exc}", "write numbers of realistic size") from None
     if not isinstance(data, dict):
         raise ConfigError(
             f"{where}: the top level must be a mapping of sections (model:, optimizer:, …), got {type(data).__name__}"
@@ -157,11 +137,7 @@ def _located(exc: InputError, where: str) -> ConfigError:
 
 
 def read_source(source: str, stdin: Any = None) -> tuple[str, str]:
-    """``(text, where)`` for a file path, ``-`` (stdin) or inline YAML/JSON text.
-
-    Raises:
-        ConfigError: a path that does not exist or cannot be read.
-    """
+    """``(text, where)`` for a file path, ``-`` (stdin) or inline YAML/JSON text (ConfigError: unreadable)."""
     if source == "-":
         try:
             return reading.read_stream(stdin or sys.stdin, "<stdin>"), "<stdin>"
@@ -226,11 +202,7 @@ def override_value(override: str) -> Any:
 
 
 def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
-    """Apply Hydra-style overrides to a plain config dict (in place) and return it.
-
-    Raises:
-        ConfigError: unparsable override, ``+key`` on a key that exists, ``~key`` on one that does not.
-    """
+    """Apply Hydra-style overrides to a plain config dict (in place) and return it (ConfigError: bad override)."""
     if not overrides:
         return raw  # Hydra's parser costs ~70 ms to import; keep plain `validate FILE` fast
     from hydra.core.override_parser.types import OverrideType
@@ -267,19 +239,10 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
 
 
 def parse_megatron_argv(argv: list[str]) -> dict[str, Any]:
-    """Megatron-LM ``pretrain_gpt.py`` flags → a raw config dict, read with Megatron-LM 0.19.2's full parser
-    (:mod:`mbridge_offload.config.megatron_lm.argv`), with Megatron-LM's own derivations:
+    """Megatron-LM ``pretrain_gpt.py`` flags → a raw config dict, through Megatron-LM 0.19.2's parser.
 
-    - ``--optimizer-offload-fraction`` defaults to 1.0 and ``--fp8-recipe`` to ``delayed`` on the CLI.
-    - ``--cpu-offloading-num-layers N`` with N > 0 switches ``cpu_offloading`` on (Bridge does not do this);
-      ``--recompute-activations`` means ``recompute_granularity: selective``.
-    - ``--bf16``/``--fp16`` apply to the optimizer too; ``--use-distributed-optimizer`` to ddp too.
-
-    Unknown flags are kept in ``unknown_arguments`` (validate warns about each); flags Megatron-LM knows but no
-    rule reads are kept under ``megatron_lm``.
-
-    Raises:
-        ConfigError: Megatron-LM's parser refuses a value (invalid choice, not a number).
+    Unknown flags are kept in ``unknown_arguments`` (validate warns about each); known flags no rule reads are
+    kept under ``megatron_lm``. Raises ConfigError where Megatron-LM's parser refuses a value.
     """
     try:
         return megatron_lm.parse_argv(argv)
@@ -303,13 +266,9 @@ def _defining_files(root: Path, name: str) -> list[Path]:
 
 
 def recipe_config(name: str) -> dict[str, Any]:
-    """Build a Megatron Bridge recipe's real ``ConfigContainer`` (e.g. ``qwen3_30b_a3b_pretrain_config``, or a
-    Bridge 0.6 perf recipe such as ``llama3_70b_pretrain_64gpu_gb200_bf16_config``).
+    """A Megatron Bridge recipe's (or Bridge 0.6 perf recipe's) real ``ConfigContainer``, as its YAML dump reads.
 
-    Needs megatron-bridge importable (the user's training environment).
-
-    Raises:
-        ConfigError: megatron-bridge missing, or no recipe of that name.
+    Needs megatron-bridge importable; ConfigError when it is missing or has no recipe of that name.
     """
     with _stdout_to_stderr():
         return _recipe_config(name)
@@ -361,17 +320,11 @@ def _recipe_config(name: str) -> dict[str, Any]:
             importlib.import_module(package_name)
         factory = getattr(importlib.import_module(module_name), name)
     except Exception as exc:
-        raise ConfigError(
-            f"--recipe {name}: importing {module_name} failed ({exc.__class__.__name__}: "
-            f"{str(exc).splitlines()[0] if str(exc) else ''})"
-        ) from None
+        raise _recipe_failed(name, f"importing {module_name}", exc) from None
     try:
         container = factory()
     except Exception as exc:  # e.g. a recipe that reads its HF config from the hub, offline
-        raise ConfigError(
-            f"--recipe {name}: building the recipe failed ({exc.__class__.__name__}: "
-            f"{str(exc).splitlines()[0] if str(exc) else ''})"
-        ) from None
+        raise _recipe_failed(name, "building the recipe", exc) from None
     if not hasattr(container, "to_yaml"):
         raise ConfigError(f"--recipe {name}: the recipe returned {type(container).__name__}, not a ConfigContainer")
     import tempfile
@@ -382,6 +335,11 @@ def _recipe_config(name: str) -> dict[str, Any]:
         container.to_yaml(str(dump))
         data, _ = parse_text(dump.read_text(encoding="utf-8"), where=f"recipe:{name}")
     return data
+
+
+def _recipe_failed(name: str, step: str, exc: Exception) -> ConfigError:
+    first = str(exc).splitlines()[0] if str(exc) else ""
+    return ConfigError(f"--recipe {name}: {step} failed ({exc.__class__.__name__}: {first})")
 
 
 # ---------------------------------------------------------------------------------------------- typed model
@@ -403,8 +361,7 @@ def _line_of(tree: Any, loc: tuple[Any, ...]) -> int | None:
 
 
 def _check_finite(data: dict[str, Any], where: str, tree: Any) -> None:
-    """Refuse NaN/±inf at the keys that take only finite numbers (``schema.refuses_non_finite``); elsewhere a
-    non-finite float is kept as written, as upstream's float fields keep it."""
+    """Refuse NaN/±inf where ``schema.refuses_non_finite``; elsewhere upstream's float fields keep them."""
     for name in SECTIONS:
         section = data.get(name)
         for key, value in section.items() if isinstance(section, dict) else ():
@@ -420,12 +377,7 @@ def _check_finite(data: dict[str, Any], where: str, tree: Any) -> None:
 
 
 def build_config(raw: dict[str, Any], where: str = "<config>", tree: Any = None) -> OffloadConfig:
-    """Type-check a raw config.
-
-    Raises:
-        ConfigError: a section that is not a mapping, or a known key with a value of the wrong type; the
-            message names the key, the value, what was expected and (for files) the line.
-    """
+    """Type-check a raw config; a ConfigError names the key, the value, what was expected and the file's line."""
     for name in SECTIONS:
         if name in raw and raw[name] is not None and not isinstance(raw[name], dict):
             raise ConfigError(f"{where}: section {name!r} must be a mapping, got {raw[name]!r}")
@@ -452,16 +404,9 @@ def load(
     recipe: str | None = None,
     stdin: Any = None,
 ) -> LoadedConfig:
-    """Load a config from a file/text/stdin, a Bridge recipe, or Megatron-LM argv, then apply overrides.
+    """Load a config from a file/text/stdin (``-``), a Bridge recipe, or Megatron-LM argv, then apply overrides.
 
-    Args:
-        source: a YAML/JSON path, ``-`` for stdin, or inline YAML/JSON text. ``None`` = empty config.
-        overrides: Hydra-style overrides applied after loading.
-        argv: Megatron-LM command-line flags (instead of ``source``).
-        recipe: a Megatron Bridge recipe function name (instead of ``source``).
-
-    Raises:
-        ConfigError: any bad input, with a one-line message.
+    Raises ConfigError, with a one-line message, for any bad input.
     """
     overrides = list(overrides or [])
     tree = None

@@ -1,14 +1,7 @@
 """``validate``: run every rule of the catalogue on a config and return a :class:`Report`.
 
-Validation is lint: each finding names the rule, the keys, upstream's own message (where upstream raises)
-and the overrides that fix it. No torch, no megatron on this path.
-
-Example:
-    >>> from mbridge_offload.config.sources import load
-    >>> loaded = load("examples/qwen3_30b_a3b_pretrain.yaml")
-    >>> report = validate(loaded.config, loaded.raw)
-    >>> report.ok
-    True
+Validation is lint: each finding names the rule, the keys, upstream's own message (where upstream raises) and the
+overrides that fix it. No torch, no megatron on this path.
 """
 
 from __future__ import annotations
@@ -156,21 +149,13 @@ def _finding(rule: Rule, match: Match) -> Finding:
 def validate(
     config: OffloadConfig, raw: dict[str, Any] | None = None, target: Any = DEFAULT_TARGET, source: str | None = None
 ) -> Report:
-    """Run every rule that applies to ``target`` on ``config``.
+    """Run every rule that applies to ``target`` on ``config``; findings in catalogue order.
 
-    Args:
-        config: the typed config (``mbridge_offload.config.sources.load(...).config``).
-        raw: the raw dict it came from; enables did-you-mean warnings for misspelled offload keys.
-        target: the upstream release, e.g. ``"megatron-core==0.16.1"`` (default: newest supported).
-        source: where the config came from (``recipe:NAME`` marks a Bridge recipe; see ``config.effective``).
-
-    Returns:
-        A :class:`Report`; findings in catalogue order (upstream code order within each group).
+    ``raw`` enables the did-you-mean warnings; ``source`` ``recipe:NAME`` marks a Bridge recipe.
 
     Raises:
-        ValueError: an unsupported ``target``.
-        ParallelSizeError: a parallel size of 0 or below that megatron-core's dataclass does not refuse itself
-            (``config.parallel_sizes``: where it does, the catalogue's finding is the answer).
+        ValueError: an unsupported ``target``. ParallelSizeError: a parallel size of 0 or below that
+        megatron-core's dataclass does not refuse itself.
     """
     tgt = parse_target(target)
     eff = effective_config.resolve(config, raw if raw is not None else {}, tgt, source)
@@ -187,11 +172,7 @@ def validate(
 
 
 def check_te_version(text: str) -> str:
-    """A Transformer Engine release as the caller states it (``2.9``, ``2.10.0``, ``2.9.0+cu12``), stripped.
-
-    Raises:
-        ValueError: not a release number; the message says what to give.
-    """
+    """A Transformer Engine release as stated (``2.9``, ``2.10.0``, ``2.9.0+cu12``), stripped; else ValueError."""
     value = str(text).strip()
     if not re.fullmatch(r"v?\d+(\.\d+){0,2}([+.\-]\w[\w.+-]*)?", value):
         raise ValueError(
@@ -268,15 +249,9 @@ def first_error(report: Report, stage: str) -> Finding | None:
 
 
 def activation_offload_errors(model: dict[str, object]) -> list[tuple[str, str]]:
-    """``(rule id, message)`` of every catalogue error that layer-level activation offloading raises on ``model``.
+    """``(rule id, message)`` of every catalogue error layer-level activation offloading raises on ``model``.
 
-    The one home of its constraints (PP = 1, the layer range, no recomputation, CUDA graphs, fine-grained
-    offloading, …): the planner (``plan.inputs.resolve``), the memory model and ``apply`` ask this instead of restating
-    them. ``model`` holds ``model.*`` values; ``cpu_offloading`` is switched on here.
-
-    Example:
-        >>> activation_offload_errors({"num_layers": 8, "pipeline_model_parallel_size": 2})[0][0]
-        'ACT-PP'
+    The one home of these constraints: the planner, the memory model and ``apply`` ask this instead of restating them.
     """
     return list(_activation_offload_errors(tuple(sorted(model.items(), key=lambda kv: kv[0]))))
 
@@ -294,15 +269,9 @@ def _activation_offload_errors(items: tuple[tuple[str, object], ...]) -> tuple[t
 
 
 def fine_grained_errors(model: dict[str, object]) -> list[tuple[str, str]]:
-    """``(rule id, message)`` of every catalogue error of megatron-core's ``TransformerConfig`` stage that
-    fine-grained activation offloading raises on ``model`` (``model.*`` values; the switch is turned on here).
+    """``(rule id, message)`` of every TransformerConfig catalogue error fine-grained offloading raises on ``model``.
 
-    The one home of its constraints (the module names, attn_proj without core_attn, layer-level offload beside it,
-    the fraction and size bounds, ...): the planner (``plan.memory.fine_grained.check``) and ``apply`` ask this.
-
-    Example:
-        >>> fine_grained_errors({"offload_modules": ["attn_proj"]})[0][0]
-        'ACT-FG-ATTN-PROJ'
+    The one home of these constraints: the planner and ``apply`` ask this instead of restating them.
     """
     items = tuple(sorted((k, tuple(v) if isinstance(v, list | tuple) else v) for k, v in model.items()))
     return list(_fine_grained_errors(items))
@@ -323,13 +292,8 @@ def _fine_grained_errors(items: tuple[tuple[str, object], ...]) -> tuple[tuple[s
 
 
 def model_errors(model: dict[str, object]) -> list[tuple[str, str]]:
-    """``(rule id, message)`` of every catalogue error of megatron-core's ``TransformerConfig`` stage on ``model``
-    (``model.*`` values: sizes and parallelism): the planner's layout checks ask this instead of restating them.
-
-    Example:
-        >>> model_errors({"num_layers": 4, "hidden_size": 64, "num_attention_heads": 6,
-        ...               "tensor_model_parallel_size": 4})[0][1]
-        'num_attention_heads (6) must be a multiple of tensor_model_parallel_size (4).'
+    """``(rule id, message)`` of every ``TransformerConfig`` catalogue error on ``model`` (sizes and parallelism):
+    the planner's layout checks ask this instead of restating them.
     """
     return list(_model_errors(tuple(sorted(model.items(), key=lambda kv: kv[0]))))
 

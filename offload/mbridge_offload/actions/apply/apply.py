@@ -1,22 +1,10 @@
 """Edit a user's config to switch an offload mode on or off, the way a careful human would.
 
-``apply_offload(source, mode)`` works on the file as written, not on a re-serialised dict: ruamel.yaml's
-round-trip mode keeps comments, key order, quoting and every value it does not touch. It also resolves the
-conflicts the mode implies (activation offload needs ``recompute_granularity: null`` and
-``cuda_graph_impl: none``; optimizer offload needs an explicit ``optimizer_offload_fraction`` because Bridge's
-default 0.0 offloads nothing), says why for each change, then validates the result with the project's own
-validator and refuses to write a config that validator rejects.
-
-Writing is opt-in (``output=`` or ``in_place=True``), atomic (temp file in the target directory +
-``os.replace``), keeps a backup when in place, is idempotent (a second run finds nothing to change), and never
-leaves the input's directory or the working directory unless the caller names another allowed root.
-
-Example:
-    >>> result = apply_offload("examples/qwen3_30b_a3b_pretrain.yaml", "optimizer", fraction=0.75)
-    >>> print(result.diff)            # unified diff; nothing written
-    >>> result.overrides              # ['optimizer.optimizer_offload_fraction=0.75']
-
-This module never imports torch.
+The file is edited as written (ruamel.yaml round-trip keeps comments, order and quoting), each conflict the mode
+implies is resolved with its why (activation offload needs recompute and per-layer CUDA graphs off; optimizer
+offload needs an explicit fraction, since Bridge's default 0.0 offloads nothing), and a result the validator
+rejects is never written. Writing is opt-in, atomic, backed up in place, idempotent, and confined to allowed roots.
+No torch.
 """
 
 from __future__ import annotations
@@ -37,24 +25,7 @@ from mbridge_offload.config.overrides import format_override, format_value
 from mbridge_offload.config.schema import OffloadConfig, get_value
 from mbridge_offload.config.sources import apply_overrides, build_config, parse_text, read_source
 
-# The public names of ``apply`` (its parts live in apply_plan, apply_result, apply_write and yaml_render).
-__all__ = [
-    "apply_offload",
-]
-
-# ---------------------------------------------------------------------------------------------- entry point
-
-
-def _validate(
-    config: OffloadConfig, raw: dict[str, Any]
-) -> tuple[bool, list[dict[str, Any]], dict[str, Any], dict[str, str]]:
-    """The verdict on the edited config, its findings, its one effective config (``config.effective``) and the
-    environment facts the verdict assumed (validate's ``env``: the TE version and where it came from)."""
-    from mbridge_offload.config.validate import validate
-
-    report = validate(config, raw)
-    data = report.to_dict()
-    return bool(report.ok), list(data.get("findings", [])), dict(report.effective), dict(report.env)
+__all__ = ["apply_offload"]
 
 
 def _copy(raw: dict[str, Any]) -> dict[str, Any]:
@@ -105,30 +76,26 @@ def _written(raw: dict[str, Any], key: str, value: Any) -> bool:
 
 def _result(text: str, where: str, label: str, new_text: str, env: dict[str, str], **fields: Any) -> ApplyResult:
     """Validate the edited text (in the caller's environment: ``env``) and build the result with its diff."""
+    from mbridge_offload.config.validate import validate
+
     new_raw, _ = parse_text(new_text, where)
     edited = build_config(new_raw, where)
     edited.env.update(env)
-    ok, findings, effective, facts = _validate(edited, new_raw)
-    diff = "".join(
-        difflib.unified_diff(
-            text.splitlines(keepends=True),
-            new_text.splitlines(keepends=True),
-            fromfile=f"a/{label}",
-            tofile=f"b/{label}",
-        )
-    )
-    return ApplyResult(ok=ok, findings=findings, diff=diff, text=new_text, effective=effective, env=facts, **fields)
+    report = validate(edited, new_raw)
+    lines = text.splitlines(keepends=True), new_text.splitlines(keepends=True)
+    diff = "".join(difflib.unified_diff(*lines, fromfile=f"a/{label}", tofile=f"b/{label}"))
+    findings = list(report.to_dict().get("findings", []))
+    return ApplyResult(
+        ok=bool(report.ok), findings=findings, diff=diff, text=new_text, effective=dict(report.effective),
+        env=dict(report.env), **fields,
+    )  # fmt: skip
 
 
 def _configs(
     raw: dict[str, Any], overrides: list[str] | None, where: str, tree: Any, env: dict[str, str]
 ) -> tuple[OffloadConfig, OffloadConfig, dict[str, Any]]:
-    """The config as read, the config with the caller's overrides, and the latter's raw dict; both typed configs
-    carry the caller's environment facts (``env``: the TE release the edits and the verdict follow).
-
-    Raises:
-        ConfigError: a value that does not type-check; ParallelSizeError: a parallel size of 0 or below.
-    """
+    """The config as read, the config with the caller's overrides, and the latter's raw dict; both carry the
+    caller's environment facts (``env``: the TE release the edits and the verdict follow)."""
     written = _copy(raw)
     base_cfg = build_config(written, where, tree)
     effective_raw = apply_overrides(_copy(raw), list(overrides or []))
@@ -170,33 +137,14 @@ def apply_offload(
 ) -> ApplyResult:
     """Switch an offload mode on (or off) in a config, resolve the conflicts it implies, and optionally write it.
 
-    Args:
-        source: a YAML/JSON path or inline YAML/JSON text.
-        mode: ``optimizer``, ``activation``, ``both``, ``none``, ``fine-grained`` or ``recommended`` (the planner).
-        fraction: ``optimizer_offload_fraction`` for optimizer modes, in (0, 1].
-        num_layers: ``cpu_offloading_num_layers`` for activation modes.
-        overrides: Hydra-style ``KEY=VALUE`` overrides (``section.key``) applied before the mode and written with it.
-        output: write the result here; an existing file only with ``overwrite`` (backed up); the input's = in place.
-        in_place: overwrite ``source`` (a file), keeping a unique ``<name>.bak[.N]`` of the original.
-        output_format: ``yaml`` writes the edited config; ``overrides`` writes the override list, one per line.
-        overwrite: allow ``output`` to replace an existing file (CLI ``--force``, MCP ``overwrite=true``).
-        allowed_root: an extra directory writes may go to (besides the input's directory and the cwd).
-        write_roots: the exact directories writes may go to (an MCP server's roots); overrides the default.
-        planner: keyword arguments for the planner (``gpu``, ``num_gpus``, ...) when ``mode="recommended"``.
-        modules: ``model.offload_modules`` for ``mode="fine-grained"`` (a list or ``"expert_fc1,attn_proj"``).
-        option: ``mode="recommended"`` only: write recommend's ``options[N]`` instead of its recommendation.
-        env: the training environment's facts as ``validate`` takes them (``te_version``): edits and verdict follow it.
-
-    Returns:
-        ApplyResult with ``changes`` (each with a why), the unified ``diff``, the ``overrides`` that make the same
-        edit on a command line, the validator's ``findings`` on the result, ``written`` (None on a dry run) and
-        ``backup`` (the copy of a replaced file).
+    Writes go to ``output`` (an existing file only with ``overwrite``, backed up) or, with ``in_place``, over
+    ``source`` (keeping a ``.bak``), inside the input's directory, the cwd, ``allowed_root`` or exactly
+    ``write_roots`` (an MCP server's roots). ``planner`` and ``option`` serve ``mode="recommended"``; ``modules``
+    serves ``mode="fine-grained"``; ``env`` holds the facts ``validate`` takes (``te_version``).
 
     Raises:
-        ApplyError: the edit cannot be made as asked (PP>1 for activation offload, bad fraction, a write outside the
-            allowed roots, ``in_place`` on inline text, ...).
-        ConfigError: the input cannot be read or parsed. ParallelSizeError: a parallel size of 0 or below.
-        WriteError: the write is refused (an existing file without ``overwrite``, read-only) or failed; none made.
+        ApplyError: the edit cannot be made as asked. ConfigError: the input cannot be read. ParallelSizeError: a
+        parallel size of 0 or below. WriteError: the write is refused or failed; nothing is written then.
     """
     _check_arguments(output, in_place, planner, mode, output_format)
     text, where, source_path = _read(source, in_place)

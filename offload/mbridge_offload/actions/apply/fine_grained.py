@@ -1,14 +1,10 @@
 """``apply --mode fine-grained``: the key edits that switch fine-grained activation offloading on.
 
-Besides the switch and ``model.offload_modules`` it writes what megatron-core 0.19.2 and Bridge 0.6 check for it:
-layer-level offloading off (mutually exclusive), ``model.transformer_impl=transformer_engine`` (Bridge's
-ConfigContainer check), ``env_vars.NVTE_CPU_OFFLOAD_V1=1`` (Bridge >= 0.6 with TE >= 2.10: "to avoid offloading
-weights"; Bridge applies ``env_vars`` to the process environment at start-up, which satisfies its check; Transformer
-Engine reads the variable once, when ``transformer_engine.pytorch`` is imported, so another launcher must export it
-before Python imports TE: :data:`NVTE_EXPORT_NOTE`; megatron-core itself, 0.16.1 and 0.19.2 alike, never reads
-the variable), and the TE op fuser for
-``fused_group_mlp``. What cannot be fixed without changing the run's memory or semantics (a whole-MoE recompute, a
-local CUDA graph over attention modules) is refused with the upstream message and the way out.
+Besides the switch and the modules it writes what megatron-core 0.19.2 and Bridge 0.6 check for it: layer-level
+offloading off, TE as the transformer implementation, ``env_vars.NVTE_CPU_OFFLOAD_V1=1`` (Bridge >= 0.6 with TE >=
+2.10; TE reads it at import, so another launcher must export it: :data:`NVTE_EXPORT_NOTE`) and the TE op fuser
+for ``fused_group_mlp``. What cannot be fixed without changing the run's memory or semantics is refused with the
+upstream message and the way out.
 """
 
 from __future__ import annotations
@@ -61,11 +57,7 @@ def _default_modules(model: Any) -> tuple[list[str], str]:
 
 
 def fine_grained_edits(cfg: Any, modules: list[str] | None, edits: dict[str, tuple[Any, str]]) -> None:
-    """Add the edits of ``mode=fine-grained`` to ``edits`` (dotted key → (value, why)).
-
-    Raises:
-        ApplyError: an invalid module list, or a conflict only the user can resolve.
-    """
+    """Add the edits of ``mode=fine-grained`` to ``edits`` (ApplyError: a bad module list, or a conflict to resolve)."""
     from mbridge_offload.actions.apply.result import ApplyError  # apply_plan imports this module
 
     model = cfg.model

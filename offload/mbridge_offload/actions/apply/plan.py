@@ -25,13 +25,9 @@ APPLY_OWN_INPUTS = frozenset({"num_layers"})
 Edits = dict[str, tuple[Any, str]]
 
 
-def _want(edits: Edits, key: str, value: Any, why: str) -> None:
-    edits[key] = (value, why)
-
-
-def _optimizer_edits(cfg: OffloadConfig, fraction: float | None, edits: Edits) -> None:
+def _optimizer_mode(cfg: OffloadConfig, fraction: float | None, _layers: int | None, edits: Edits) -> None:
     opt = cfg.optimizer
-    _want(edits, "optimizer.optimizer_cpu_offload", True, "master switch for HybridDeviceOptimizer")
+    edits["optimizer.optimizer_cpu_offload"] = (True, "master switch for HybridDeviceOptimizer")
     if fraction is None:
         fraction = opt.optimizer_offload_fraction if opt.optimizer_offload_fraction > 0 else DEFAULT_FRACTION
         why = (
@@ -42,21 +38,13 @@ def _optimizer_edits(cfg: OffloadConfig, fraction: float | None, edits: Edits) -
         )
     else:
         why = "the requested share of optimizer states on the CPU"
-    _want(edits, "optimizer.optimizer_offload_fraction", float(fraction), why)
+    edits["optimizer.optimizer_offload_fraction"] = (float(fraction), why)
     if overlap_advised(fraction) and not opt.overlap_cpu_optimizer_d2h_h2d:
-        _want(
-            edits,
-            "optimizer.overlap_cpu_optimizer_d2h_h2d",
-            True,
-            f"at fraction >= {OVERLAP_FROM_FRACTION} overlapping D2H/H2D with the CPU step pays (OPT-OVERLAP)",
-        )
+        why = f"at fraction >= {OVERLAP_FROM_FRACTION} overlapping D2H/H2D with the CPU step pays (OPT-OVERLAP)"
+        edits["optimizer.overlap_cpu_optimizer_d2h_h2d"] = (True, why)
     if not opt.decoupled_weight_decay:
-        _want(
-            edits,
-            "optimizer.decoupled_weight_decay",
-            True,
-            "Megatron Core asserts 'CPU offloading only supported with decoupled_weight_decay enabled (AdamW mode)'",
-        )
+        why = "Megatron Core asserts 'CPU offloading only supported with decoupled_weight_decay enabled (AdamW mode)'"
+        edits["optimizer.decoupled_weight_decay"] = (True, why)
 
 
 def _catalogue_errors(model: Any, num_layers: int | None, rule: str) -> list[str]:
@@ -71,7 +59,7 @@ def _catalogue_errors(model: Any, num_layers: int | None, rule: str) -> list[str
     return [message for rule_id, message in activation_offload_errors(fields) if rule_id == rule]
 
 
-def _activation_edits(cfg: OffloadConfig, num_layers: int | None, edits: Edits) -> None:
+def _activation_mode(cfg: OffloadConfig, _fraction: float | None, num_layers: int | None, edits: Edits) -> None:
     model = cfg.model
     pp = model.pipeline_model_parallel_size
     if _catalogue_errors(model, 1, "ACT-PP"):
@@ -103,11 +91,10 @@ def _activation_edits(cfg: OffloadConfig, num_layers: int | None, edits: Edits) 
             f"num_layers is {layers}, but model.num_layers is {total}: Megatron Core says '{message}'; "
             f"pass at most {(total or 1) - 1}"
         )
-    _want(edits, "model.cpu_offloading", True, "master switch for layer-level activation offloading")
-    _want(edits, "model.cpu_offloading_num_layers", int(layers), why)
+    edits["model.cpu_offloading"] = (True, "master switch for layer-level activation offloading")
+    edits["model.cpu_offloading_num_layers"] = (int(layers), why)
     # The conflict edits are defined once, beside the rules they resolve (validate's fixes use the same list).
-    for key, value, reason in activation_mode_edits(model):
-        _want(edits, key, value, reason)
+    edits.update({key: (value, reason) for key, value, reason in activation_mode_edits(model)})
 
 
 def _option_mode(levers: list[str]) -> str:
@@ -125,11 +112,8 @@ def _recommended(
     option: int | None = None,
     assumptions: list[dict[str, Any]] | None = None,
 ) -> tuple[str, list[str], str | None]:
-    """Ask the planner for (mode, overrides) on this config: its recommendation, or its option ``option``; its
-    assumptions go into ``assumptions`` (apply reports what the planner's answer rested on).
-
-    ``planner`` holds any ``PlanInputs`` (evidence, levers, headroom, GPU, count, layout...): the same computation
-    as ``recommend`` with those inputs on this config, so option N here is recommend's option N."""
+    """The planner's (mode, overrides, advice) on this config: ``recommend``'s own computation with the same
+    inputs, so option N here is recommend's option N; its assumptions go into ``assumptions``."""
     try:
         from mbridge_offload.plan import service as plan
     except ImportError as exc:  # pragma: no cover - the planner ships with the package
@@ -185,11 +169,8 @@ def _recommended_edits(
 
 
 def requested_edits(overrides: list[str], effective_raw: dict[str, Any]) -> dict[str, Any]:
-    """``{section.key: value}`` for the caller's overrides, read back from the overridden config.
-
-    Raises:
-        ApplyError: a deletion (``~key``) or a key deeper than ``section.key``: apply cannot write those.
-    """
+    """``{section.key: value}`` for the caller's overrides, read back from the overridden config (ApplyError for a
+    deletion or a key deeper than ``section.key``: apply cannot write those)."""
     from hydra.core.override_parser.types import OverrideType
 
     from mbridge_offload.config.sources import parse_overrides
@@ -219,12 +200,8 @@ def plan_edits(
     option: int | None = None,
     assumptions: list[dict[str, Any]] | None = None,
 ) -> tuple[str, Edits]:
-    """The key edits a mode implies: ``(resolved mode, {dotted key: (new value, why)})``.
-
-    Raises:
-        ApplyError: an unknown mode, a fraction/layer count that does not fit the mode, or activation offload
-            on a config with PP > 1.
-    """
+    """The key edits a mode implies: ``(resolved mode, {dotted key: (new value, why)})``; ApplyError for an unknown
+    mode, a fraction or layer count the mode does not take, or activation offload with PP > 1."""
     if mode not in MODES:
         raise ApplyError(f"mode {mode!r} is not one of {', '.join(MODES)}")
     if option is not None and (mode != "recommended" or fraction is not None or num_layers is not None):
@@ -260,19 +237,11 @@ def plan_edits(
     return mode, edits
 
 
-def _optimizer_mode(cfg: OffloadConfig, fraction: float | None, _layers: int | None, edits: Edits) -> None:
-    _optimizer_edits(cfg, fraction, edits)
-
-
-def _activation_mode(cfg: OffloadConfig, _fraction: float | None, num_layers: int | None, edits: Edits) -> None:
-    _activation_edits(cfg, num_layers, edits)
-
-
 def _off_mode(cfg: OffloadConfig, _fraction: float | None, _layers: int | None, edits: Edits) -> None:
-    _want(edits, "optimizer.optimizer_cpu_offload", False, "switch optimizer offloading off")
-    _want(edits, "model.cpu_offloading", False, "switch activation offloading off")
+    edits["optimizer.optimizer_cpu_offload"] = (False, "switch optimizer offloading off")
+    edits["model.cpu_offloading"] = (False, "switch activation offloading off")
     if cfg.model.fine_grained_activation_offloading:
-        _want(edits, "model.fine_grained_activation_offloading", False, "switch fine-grained offloading off")
+        edits["model.fine_grained_activation_offloading"] = (False, "switch fine-grained offloading off")
 
 
 # The mode table: each mode's edit planners, run in order on (cfg, fraction, num_layers, edits). "recommended" is

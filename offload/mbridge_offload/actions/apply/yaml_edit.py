@@ -122,16 +122,8 @@ def _edit_one(lines: list[str], key: str, value: Any, neighbour: str | None, nl:
 
 
 def line_edit(text: str, changes: list[tuple[str, Any]], neighbours: dict[str, str], parse: Any) -> str | None:
-    """``text`` with only the changed keys' lines edited, or None when that is not safe here.
-
-    Args:
-        text: the YAML as the user wrote it.
-        changes: ``(section.key, new value)`` pairs.
-        neighbours: ``section.key`` → the key in the same section a new key goes after.
-        parse: ``text -> plain dict`` (the project's bounded reader), used to verify the result.
-
-    Returns:
-        The edited text, verified to parse to the old config plus exactly the changes; None otherwise.
+    """``text`` with only the changed keys' lines edited, verified to parse to the old config plus exactly the
+    changes; None when that is not safe. ``neighbours``: the key a new key goes after.
     """
     nl = "\r\n" if "\r\n" in text else "\n"
     lines = text.splitlines(keepends=True)

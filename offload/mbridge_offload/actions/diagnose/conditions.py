@@ -1,13 +1,5 @@
-"""What a run's config says about each failure mode of :mod:`mbridge_offload.actions.diagnose.failures.catalogue`.
-
-Two kinds of function, both of the config only:
-
-- ``rules_out_*(cfg) -> str | None``: the reason the config excludes the failure mode (it names the key and its
-  value), or None when the mode is still possible. ``diagnose`` lists an excluded mode under ``ruled_out`` with
-  that reason instead of reporting it as a match.
-- ``explain_*(cfg) -> str``: the cause, told with the config's actual values; used instead of the generic text.
-
-Plain Python: no torch.
+"""What a run's config says about each failure mode: ``rules_out_*`` gives the reason (key and value) the config
+excludes the mode, or None; ``explain_*`` tells the cause with the config's values. No torch.
 """
 
 from __future__ import annotations

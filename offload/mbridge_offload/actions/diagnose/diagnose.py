@@ -1,29 +1,10 @@
-"""Explain a failed or disappointing offload run: match upstream's messages in an error or log to the known
-failure modes, and the failures that print no message by the symptom the caller names.
+"""Explain a failed or disappointing offload run from upstream's own messages, never from prose.
 
-Three sources of knowledge, none of them English prose:
-- every upstream error message in the rule catalogue (``config/rules/``): a log line that quotes one is
-  matched back to its rule, and the rule's fix is returned as overrides;
-- the failure catalogue (:mod:`mbridge_offload.actions.diagnose.failures.catalogue`): failures recognised by
-  upstream's own output (PyTorch's out-of-memory message, Transformer Engine's and megatron-core's assertions, a
-  traceback frame, the kernel's OOM killer), each with a cause, a way to confirm it and a fix;
-- the symptom the caller names (``symptom``: a failure id, or ``oom``) for a failure that prints nothing of its
-  own: a slowdown, a loss that jumps after a resume, memory that did not go down. The client (a person or a coding
-  agent) reads the user's words; this module never does. A sentence with no upstream message matches nothing, and
-  the report says so and lists the symptoms it takes.
-
-With the config, matches are narrowed (an OOM with ``cpu_offloading`` on is the activation-offload OOM) and the
-validator's findings are added; without one, the offload settings the log states (:mod:`.stated`) decide. An OOM's,
-a slowdown's or a host OOM's fix is sized by the planner (:mod:`mbridge_offload.actions.diagnose.sizing`): one of
-``recommend``'s ranked options for the config, with the text as evidence; without a config none is guessed. With
-two configs, :func:`compare_configs` lists the offload-related keys that changed and the planner's predicted
-per-GPU memory before and after, on the GPU and GPU count given.
-
-Example:
-    >>> report = diagnose(error="Currently there is no support for Pipeline parallelism with CPU offloading")
-    >>> report.matches[0].fix
-    ['model.cpu_offloading=false', 'optimizer.optimizer_cpu_offload=true', ...]
-
+A log line that quotes a rule's upstream message (``config/rules/``) is matched back to its rule and fix; the
+failure catalogue (:mod:`.failures.catalogue`) recognises PyTorch's, TE's and megatron-core's messages; a failure
+that prints nothing (a slowdown, a loss jump after resume) is named by the caller (``symptom``), since the client
+reads the user's words and this module does not. A config (or, without one, the settings the log states,
+:mod:`.stated`) narrows the readings; OOM, slowdown and host-OOM fixes are sized by the planner (:mod:`.sizing`).
 Plain Python: no torch.
 """
 
@@ -48,11 +29,9 @@ from mbridge_offload.config.sources import LoadedConfig
 from mbridge_offload.plan.inputs.resolve import Assumption
 from mbridge_offload.plan.results import Anchor, Option
 
-# A config to diagnose: loaded (raw dict and source known: the same reading as every other tool), or only typed.
 AnyConfig = OffloadConfig | LoadedConfig
 
-# The failures a caller may name (``symptom``) when the run printed no upstream message for them: every known
-# failure mode by its id, and ``oom``, a GPU out-of-memory whose reading the config (or the log's settings) decides.
+# ``oom``: a GPU out-of-memory whose reading the config (or the log's settings) decides.
 OOM_SYMPTOM = "oom"
 SYMPTOMS: tuple[str, ...] = (OOM_SYMPTOM, *(mode.id for mode in KNOWN))
 _OOM_READINGS = sizing.GPU_OOM
@@ -130,12 +109,10 @@ def _line_around(text: str, start: int, end: int) -> str:
 
 
 def _evidence_line(hit: re.Match[str], text: str) -> str:
-    """The line of a hit as the user wrote it (a hit in the whitespace-flattened text is shown flattened)."""
     return _line_around(hit.string if hit.string is not text else text, hit.start(), hit.end())
 
 
 def _template_regex(template: str) -> str:
-    """A rule's ``str.format`` message template → a regex with one named group per field."""
     parts: list[str] = []
     seen: set[str] = set()
     for literal, name, _spec, _conv in string.Formatter().parse(template):
@@ -222,7 +199,6 @@ def _diagnosis(
 
 
 def exclusion(mode: FailureMode, config: OffloadConfig | None) -> str | None:
-    """Why ``config`` excludes ``mode`` (its key and value), or None when the mode is still possible."""
     if config is None:
         return None
     if mode.rules_out is not None and (reason := mode.rules_out(config)):
@@ -233,16 +209,13 @@ def exclusion(mode: FailureMode, config: OffloadConfig | None) -> str | None:
 
 
 def _offered(mode: FailureMode, config: OffloadConfig | None, said: Stated | None, named: bool) -> bool:
-    """Whether ``mode`` is a reading at all: with a config, or named by the caller, always (the config's conditions
-    then decide, ``exclusion``); without either, the settings the log states decide the OOM readings
-    (``stated.verdict``), and every other mode stands on its message."""
+    """Without a config or a name, the settings the log states decide the OOM readings."""
     if config is not None or named:
         return True
     return (said is not None and verdict(mode.id, said) is not None) or mode.without_config
 
 
 def _excluded(mode: FailureMode, config: OffloadConfig | None, said: Stated | None) -> str | None:
-    """Why the config, or without one the settings the text states, exclude ``mode`` (None: still possible)."""
     if config is not None:
         return exclusion(mode, config)
     found = verdict(mode.id, said) if said is not None else None
@@ -250,7 +223,6 @@ def _excluded(mode: FailureMode, config: OffloadConfig | None, said: Stated | No
 
 
 def _pattern_hit(mode: FailureMode, text: str, flat: str) -> re.Match[str] | None:
-    """The first hit of one of the mode's upstream messages (also when a message is wrapped over lines)."""
     for pattern in mode.patterns:
         if hit := re.search(pattern, text, re.IGNORECASE) or re.search(pattern, flat, re.IGNORECASE):
             return hit
@@ -262,7 +234,6 @@ def _named(mode: FailureMode, symptoms: frozenset[str]) -> bool:
 
 
 def _supersede(matches: list[Diagnosis], ruled: dict[str, RuledOut]) -> list[Diagnosis]:
-    """Drop the modes a more specific match explains better (``FailureMode.supersedes``), with its reason."""
     by_id = {mode.id: mode for mode in KNOWN}
     found = {m.failure for m in matches}
     for failure in list(found):
@@ -273,11 +244,7 @@ def _supersede(matches: list[Diagnosis], ruled: dict[str, RuledOut]) -> list[Dia
 
 
 def check_symptoms(symptoms: list[str] | tuple[str, ...]) -> frozenset[str]:
-    """The named symptoms, each a known failure id or ``oom``.
-
-    Raises:
-        ValueError: an unknown symptom (the message lists the known ones).
-    """
+    """Raises ValueError on an unknown symptom (the message lists the known ones)."""
     unknown = [s for s in symptoms if s not in SYMPTOMS]
     if unknown:
         raise ValueError(f"unknown symptom {', '.join(map(repr, unknown))}: one of {', '.join(SYMPTOMS)}")
@@ -287,12 +254,7 @@ def check_symptoms(symptoms: list[str] | tuple[str, ...]) -> frozenset[str]:
 def match_and_exclude(
     text: str, config: OffloadConfig | None = None, symptoms: list[str] | tuple[str, ...] = ()
 ) -> tuple[list[Diagnosis], list[RuledOut]]:
-    """The known failure modes the text's upstream messages show or the caller names (most specific first), and
-    those the config (or the settings the log states) rules out.
-
-    Raises:
-        ValueError: an unknown symptom.
-    """
+    """The modes the text shows or the caller names (most specific first), and those the config rules out."""
     named = check_symptoms(symptoms)
     text = text or ""
     flat = _normalise(text)
@@ -324,8 +286,7 @@ def match_and_exclude(
 def _unattributed_oom(
     text: str, flat: str, config: OffloadConfig | None, matches: list[Diagnosis], named: frozenset[str]
 ) -> list[Diagnosis]:
-    """A GPU OOM no reading could take (no config, no offload setting in the log, or the readings the log showed are
-    ruled out by the settings it states): say so, and guess no fix."""
+    """A GPU OOM no reading could take: say so, and guess no fix."""
     if config is not None or any(m.failure.startswith(("oom_", "host_oom")) for m in matches):
         return []
     hit = _pattern_hit(OOM_UNATTRIBUTED, text, flat)
@@ -338,8 +299,6 @@ def _unattributed_oom(
 def match_text(
     text: str, config: OffloadConfig | None = None, symptoms: list[str] | tuple[str, ...] = ()
 ) -> list[Diagnosis]:
-    """Every known failure mode the text shows or the caller names, most specific first (those the config rules out
-    are left out)."""
     return match_and_exclude(text, config, symptoms)[0]
 
 
@@ -353,22 +312,11 @@ def _parts(config: AnyConfig) -> tuple[OffloadConfig, dict[str, Any] | None, str
 
 
 def _memory(config: AnyConfig, planner: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The planner's per-GPU memory estimate for a config (worst pipeline stage), host memory and step time, on
-    the caller's GPU and GPU count (``planner``: diagnose's planner inputs).
-
-    Raises:
-        ValueError / KeyError: the config lacks the model sizes the estimator needs.
-    """
-    est = sizing.estimate(sizing.Failing(*_parts(config)), planner or {})  # `estimate`'s own path: the same GiB
-    return {
-        "memory_gb": est.memory_gb.model_dump(),
-        "memory_gib": est.memory_gib.model_dump(),
-        "host_gb": est.host_gb,
-        "step_time_factor": est.step_time_factor,
-        "gpu": est.gpu,
-        "num_gpus": est.num_gpus,
-        "unit": est.unit,
-        "assumptions": est.assumptions,
+    """``estimate``'s own figures for a config (ValueError / KeyError: it lacks the model sizes)."""
+    est = sizing.estimate(sizing.Failing(*_parts(config)), planner or {})
+    keys = ("host_gb", "step_time_factor", "gpu", "num_gpus", "unit", "assumptions")
+    return {"memory_gb": est.memory_gb.model_dump(), "memory_gib": est.memory_gib.model_dump()} | {
+        k: getattr(est, k) for k in keys
     }
 
 
@@ -380,9 +328,7 @@ def _effective(config: AnyConfig) -> effective_config.Effective:
 def compare_configs(before: AnyConfig, after: AnyConfig, planner: dict[str, Any] | None = None) -> dict[str, Any]:
     """The offload-related keys whose effective values differ, and the predicted per-GPU memory change.
 
-    Pass :class:`LoadedConfig` objects (``sources.load``) so that keys a file does not write take the same defaults
-    as in ``estimate``; a bare ``OffloadConfig`` counts every value as written. ``planner`` holds the GPU, the GPU
-    count and the other planner inputs both sides are sized with (as ``estimate`` takes them).
+    Pass :class:`LoadedConfig` objects so that keys a file does not write take ``estimate``'s defaults.
     """
     old, new = _effective(before).values, _effective(after).values
     changed = [
@@ -396,18 +342,12 @@ def compare_configs(before: AnyConfig, after: AnyConfig, planner: dict[str, Any]
     except (ValueError, KeyError, TypeError) as exc:  # e.g. no model sizes: say so, keep the diagnosis
         out["memory_note"] = f"memory prediction unavailable: {str(exc).strip(chr(39))}"
         return out
-    tb = mem_before.get("memory_gb", {}).get("total")
-    ta = mem_after.get("memory_gb", {}).get("total")
-    out["memory_gb"] = {"before": mem_before.get("memory_gb"), "after": mem_after.get("memory_gb")}
-    out["memory_gib"] = {"before": mem_before["memory_gib"], "after": mem_after["memory_gib"]}
-    # Which GPU and how many each side assumed (the same planner as `estimate`), and the unit of the figures.
-    out["gpu"] = {"before": mem_before["gpu"], "after": mem_after["gpu"]}
-    out["num_gpus"] = {"before": mem_before["num_gpus"], "after": mem_after["num_gpus"]}
-    out["unit"] = mem_before["unit"]
+    for key in ("memory_gb", "memory_gib", "gpu", "num_gpus", "host_gb", "step_time_factor"):
+        out[key] = {"before": mem_before[key], "after": mem_after[key]}
+    tb, ta = mem_before["memory_gb"].get("total"), mem_after["memory_gb"].get("total")
     if tb is not None and ta is not None:
         out["memory_gb"]["delta_total"] = round(ta - tb, 3)
-    out["host_gb"] = {"before": mem_before.get("host_gb"), "after": mem_after.get("host_gb")}
-    out["step_time_factor"] = {"before": mem_before.get("step_time_factor"), "after": mem_after.get("step_time_factor")}
+    out["unit"] = mem_before["unit"]
     out["assumptions"] = mem_after["assumptions"]  # the report lifts them out (``diagnose``)
     return out
 
@@ -429,28 +369,14 @@ def diagnose(
     planner: dict[str, Any] | None = None,
     symptom: str | None = None,
 ) -> DiagnoseReport:
-    """Match an error message and/or a log excerpt against the known failure modes, and the symptom named.
+    """Match an error and/or log against the known failure modes, and the symptom named (:data:`SYMPTOMS`).
 
-    Args:
-        error: the error text (one line or a traceback).
-        log: a log excerpt.
-        symptom: a failure the run printed no message for, named by its id (:data:`SYMPTOMS`: a failure mode's id,
-            or ``oom``); the client reads the user's words, diagnose does not.
-        config: the config of the failing run; narrows matches and adds the validator's findings.
-        raw: the raw dict of ``config`` (for rules that read unknown keys).
-        before, after: two configs around a change; adds ``comparison`` (offload diff, predicted memory). Pass them
-            as ``sources.load`` results so that they are read as ``estimate`` reads the files.
-        source: where ``config`` came from (``LoadedConfig.source``).
-        planner: planner inputs (``diagnose_plan.input_names``: gpu, num_gpus, measured_log, ooms, ...): the
-            sized fixes and the comparison use them, as ``estimate`` and ``recommend`` do.
-
-    Returns:
-        DiagnoseReport; ``matches`` is empty when nothing known matched (the notes say so).
+    ``config`` narrows the matches and adds the validator's findings; ``before``/``after`` (``sources.load``
+    results) add ``comparison``; ``planner`` holds the planner inputs the sized fixes use, as ``estimate`` does.
 
     Raises:
-        ParallelSizeError: a config with a parallel size of 0 or below (``config.parallel_sizes``).
-        InputError: a planner input out of its bounds, an unknown preset, an unreadable measured log.
-        ValueError: an unknown symptom.
+        ParallelSizeError: a parallel size of 0 or below. InputError: a planner input out of bounds, an unknown
+        preset, an unreadable measured log. ValueError: an unknown symptom.
     """
     named = (symptom,) if symptom else ()
     check_symptoms(named)
@@ -491,7 +417,6 @@ def diagnose(
 
 
 def _size(report: DiagnoseReport, failing: sizing.Failing | None, inputs: dict[str, Any], text: str) -> None:
-    """The sized readings' fixes from the planner (``diagnose_plan``); without a config none is guessed."""
     readings = [m.failure for m in report.matches if m.failure in sizing.SIZED]
     if not readings:
         return
@@ -522,7 +447,6 @@ _NEEDS_WHEN_UNMATCHED = (
 
 
 def _needs(matches: list[Diagnosis], config: OffloadConfig | None) -> list[str]:
-    """What the matched modes ask for to decide further: only without a config, or where no fix was found."""
     by_id = {mode.id: mode for mode in (*KNOWN, OOM_UNATTRIBUTED)}
     out: list[str] = []
     for m in matches:
@@ -540,7 +464,7 @@ _NOTHING_MATCHED = (
 
 
 def _got_smaller(before: OffloadConfig, after: OffloadConfig) -> bool:
-    """Did the change offload less than before (the usual reason a commit brings an OOM)?"""
+    """Did the change offload less (the usual reason a commit brings an OOM)?"""
     b, a = before, after
     less_opt = (b.optimizer.optimizer_cpu_offload and b.optimizer.optimizer_offload_fraction) > (
         a.optimizer.optimizer_cpu_offload and a.optimizer.optimizer_offload_fraction

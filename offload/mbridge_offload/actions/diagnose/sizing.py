@@ -1,19 +1,9 @@
-"""``diagnose`` answers with the planner: the sized fix of an OOM, a slowdown or a host OOM is one of ``recommend``'s
-ranked options for the failing run's config, sized with the user's text as evidence.
+"""The sized fix of an OOM, a slowdown or a host OOM: one of ``recommend``'s options for the failing config.
 
-The catalogue (:mod:`mbridge_offload.actions.diagnose.failures.catalogue`) says what failed and why; how much to
-offload, recompute
-or reshard is a sizing, and only the planner sizes. With a config, diagnose runs ``recommend`` on it once with the
-caller's planner inputs (:func:`input_names`: the GPU, the GPU count, the host, the time model, the decision and
-the evidence) and the text as the measured log; a GPU OOM in the text also says "these settings ran out of memory"
-(``ooms``), unless the caller said otherwise. Each sized reading then takes, as its fix, the first option that fits:
-
-- a GPU OOM: the first option that fits (ranked by step time x (1 + risk) among those that fit with the margin);
-- a slowdown: the first that fits and is faster than the config as given;
-- a host OOM: the first that fits and needs less host memory than the config as given.
-
-Without a config (or when the config cannot be sized) no fraction is guessed: the fix is empty and ``needs`` says
-what would size it. Plain Python: no torch.
+The catalogue says what failed; how much to offload, recompute or reshard is a sizing, and only the planner sizes.
+It runs once with the caller's planner inputs and the text as the measured log (a GPU OOM in it sets ``ooms``).
+A GPU OOM takes the first option that fits, a slowdown the first that is also faster, a host OOM the first that
+also needs less host memory. Without a sizable config no fraction is guessed: ``needs`` says what would size it.
 """
 
 from __future__ import annotations
@@ -67,21 +57,15 @@ def sized_fix_text(mode_id: str) -> str | None:
 
 
 def input_names() -> tuple[str, ...]:
-    """The planner inputs diagnose takes, in ``PlanInputs`` order: ``model`` (fills a partial config's sizes),
-    ``num_gpus``, and every hardware, time, decision and evidence input."""
+    """The planner inputs diagnose takes: ``model`` (fills a partial config's sizes), ``num_gpus``, and _GROUPS."""
     from mbridge_offload.plan.inputs.fields import PlanInputs, group_of
 
     return tuple(n for n in PlanInputs.model_fields if n in ("model", "num_gpus") or group_of(n) in _GROUPS)
 
 
 def check_inputs(planner: dict[str, Any] | None) -> dict[str, Any]:
-    """The given planner inputs (None values dropped), checked before any config is read: a bad input is the
-    caller's to fix (exit 2), whereas a config the planner cannot size still gets its diagnosis.
-
-    Raises:
-        InputError: an input diagnose does not take, out of its bounds, an unknown preset or lever, a log or host
-            profile that cannot be read.
-    """
+    """The given planner inputs, checked (InputError) before any config is read: a bad input is the caller's to
+    fix (exit 2), whereas a config the planner cannot size still gets its diagnosis."""
     from mbridge_offload.plan.evidence.read import read_evidence
     from mbridge_offload.plan.inputs.given import validate_inputs
     from mbridge_offload.plan.inputs.hardware import gpu_preset
@@ -134,7 +118,6 @@ class Failing:
 
 
 def _evidence(planner: dict[str, Any], text: str, oom_line: str | None) -> tuple[dict[str, Any], list[Assumption]]:
-    """The planner inputs with the text as evidence, and the assumptions that say so."""
     from mbridge_offload.plan.evidence.read import parse_log
     from mbridge_offload.plan.inputs.resolve import Assumption
 
@@ -167,7 +150,6 @@ def _evidence(planner: dict[str, Any], text: str, oom_line: str | None) -> tuple
 
 
 def _merge(planner_said: list[Assumption], ours: list[Assumption]) -> list[Assumption]:
-    """The planner's assumptions, with those diagnose derived from the text in place of the planner's 'flag'."""
     mine = {a.name for a in ours}
     return [a for a in planner_said if a.name not in mine] + ours
 
@@ -177,7 +159,6 @@ def _faster(o: Option, given: Estimate) -> bool:
 
 
 def _pick(reading: str, options: list[Option], given: Estimate | None) -> Option | None:
-    """The option a reading takes as its fix: the first that fits (allowed levers first), by the reading's aim."""
     fitting = [o for o in options if o.fits and o.changes]
     if reading == "slowdown" and given is not None:
         fitting = [o for o in fitting if _faster(o, given)]
@@ -195,15 +176,7 @@ def _why_none(reading: str, given: Estimate | None) -> str:
 
 
 def size(readings: list[str], failing: Failing, planner: dict[str, Any], text: str, oom_line: str | None) -> Sizing:
-    """Run the planner once for the failing config and give each sized reading its option (:data:`SIZED`).
-
-    Args:
-        readings: the ids of the matched readings to size.
-        failing: the failing run's config.
-        planner: the caller's planner inputs (:func:`check_inputs`).
-        text: the error and log text (the measured log unless the caller gave one).
-        oom_line: the line of a GPU OOM in the text, or None.
-    """
+    """Run the planner once for the failing config and give each sized reading its option (:data:`SIZED`)."""
     from mbridge_offload.plan.service import estimate_for_inputs, recommend_for_inputs
 
     out = Sizing()
@@ -247,11 +220,7 @@ def size(readings: list[str], failing: Failing, planner: dict[str, Any], text: s
 
 
 def estimate(failing: Failing, planner: dict[str, Any]) -> Estimate:
-    """``estimate`` of one config with the caller's inputs minus the evidence (before/after predict, not anchor).
-
-    Raises:
-        InputError / ValueError / KeyError: the config cannot be sized.
-    """
+    """``estimate`` with the caller's inputs minus the evidence (before/after predict, not anchor)."""
     from mbridge_offload.plan.service import estimate_for_inputs
 
     evidence = ("measured_log", "measured_peak_gib", "measured_step_s", "ooms")  # of the failing run, not these

@@ -55,14 +55,7 @@ class Stated:
 
 
 def stated(text: str) -> Stated:
-    """Which offloads ``text`` says were on or off (Megatron-LM: ``--cpu-offloading-num-layers`` > 0 is on).
-
-    Args:
-        text: an error, a log excerpt or a config dump.
-
-    Returns:
-        Stated: the last value stated for each setting wins (a later dump overrides an earlier one).
-    """
+    """Which offloads ``text`` says were on or off; the last value stated for each setting wins."""
     found: dict[str, bool | float | None] = {}
     lines: dict[str, str] = {}
     for line in text.splitlines():

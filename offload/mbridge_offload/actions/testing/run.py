@@ -122,9 +122,7 @@ _BUCKET = {
 }
 
 
-def _event_reader(
-    result: TestRunResult, counts: dict[str, int], on_progress: ProgressFn | None
-) -> Callable[[str], None]:
+def _event_reader(result: TestRunResult, on_progress: ProgressFn | None) -> Callable[[str], None]:
     """A line handler that reads our pytest plugin's events into ``result`` (other output is ignored)."""
 
     def on_line(line: str) -> None:
@@ -150,11 +148,22 @@ def _event_reader(
             message=event.get("message"),
         )
         result.tests.append(outcome)
-        counts[_BUCKET.get(outcome.outcome, "errors")] += 1
         if on_progress:
             on_progress(len(result.tests), result.selected, f"{outcome.outcome}: {outcome.nodeid}")
 
     return on_line
+
+
+def _count(result: TestRunResult) -> None:
+    for bucket in ("passed", "failed", "skipped", "errors"):
+        setattr(result, bucket, sum(_BUCKET.get(t.outcome, "errors") == bucket for t in result.tests))
+
+
+def _env(pythonpath: list[str]) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([*pythonpath, *filter(None, [env.get("PYTHONPATH")])])
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
 
 
 def _explain_exit(
@@ -195,42 +204,23 @@ def pytest_run(
     """Run pytest on ``files`` (``-k expr``, ``-m marker``) in ``cwd`` and read every result into a TestRunResult."""
     with tempfile.TemporaryDirectory(prefix="mbo-tests-") as tmp:
         (Path(tmp) / "mbridge_offload_progress.py").write_text(_PLUGIN % MARK, encoding="utf-8")
-        command = [
-            python,
-            "-m",
-            "pytest",
-            *files,
-            "-p",
-            "mbridge_offload_progress",
-            "-p",
-            "no:cacheprovider",
-            "-q",
-            "--color=no",
-        ]
+        plugins = ["-p", "mbridge_offload_progress", "-p", "no:cacheprovider"]
+        command = [python, "-m", "pytest", *files, *plugins, "-q", "--color=no"]
         if marker:
             command += ["-m", marker]
         if expr:
             command += ["-k", expr]
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join([tmp, *extra_pythonpath, *filter(None, [env.get("PYTHONPATH")])])
-        env["PYTHONUNBUFFERED"] = "1"
+        env = _env([tmp, *extra_pythonpath])
         env[DEPTH_ENV] = str(int(os.environ.get(DEPTH_ENV, "0") or 0) + 1)
         # One torch thread unless the caller chose: the tests' tensors are tiny, and on a busy machine OpenMP's
         # spinning worker threads made the offload suite 3-4x slower (82 s vs 24 s for test_optimizer.py, load 15).
         env.setdefault("OMP_NUM_THREADS", "1")
         result = TestRunResult(suite=suite, command=command)
-        counts = {"passed": 0, "failed": 0, "skipped": 0, "errors": 0}
-        on_line = _event_reader(result, counts, on_progress)
         start = time.monotonic()
-        code, timed_out, tail = _stream(command, cwd, env, timeout_s, on_line)
+        code, timed_out, tail = _stream(command, cwd, env, timeout_s, _event_reader(result, on_progress))
         result.duration_s = time.monotonic() - start
     result.exit_code, result.timed_out, result.output_tail = code, timed_out, "\n".join(tail[-20:])
-    result.passed, result.failed, result.skipped, result.errors = (
-        counts["passed"],
-        counts["failed"],
-        counts["skipped"],
-        counts["errors"],
-    )
+    _count(result)
     _explain_exit(result, code, timed_out, timeout_s, expr or (f"-m {marker}" if marker else None), files)
     return result
 
@@ -249,12 +239,8 @@ def parity_run(
 
 
 def _config_here(config: str, scratch: Path) -> str:
-    """The parity config as the child should read it: a file is read here, through the bounded reader and the
-    server's roots (the child runs in the project root, with no roots), and handed over as a copy in ``scratch``.
-
-    Raises:
-        ConfigError: the file is missing, not a regular file, too large or outside the read roots.
-    """
+    """A config file is read here, through the bounded reader and the server's roots (the child runs in the
+    project root, with no roots), and handed to the child as a copy in ``scratch`` (ConfigError: unreadable)."""
     from mbridge_offload.config.sources import read_source
 
     text, where = read_source(config)
@@ -266,9 +252,6 @@ def _config_here(config: str, scratch: Path) -> str:
 
 
 def _parity_subprocess(command: list[str], timeout_s: float, on_progress: ProgressFn | None) -> TestRunResult:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(PROJECT_ROOT), *filter(None, [env.get("PYTHONPATH")])])
-    env["PYTHONUNBUFFERED"] = "1"
     result = TestRunResult(suite="parity", command=command)
     final: dict[str, Any] = {}
     payload: list[str] = []
@@ -285,7 +268,7 @@ def _parity_subprocess(command: list[str], timeout_s: float, on_progress: Progre
             payload.append(line)
 
     start = time.monotonic()
-    code, timed_out, tail = _stream(command, PROJECT_ROOT, env, timeout_s, on_line)
+    code, timed_out, tail = _stream(command, PROJECT_ROOT, _env([str(PROJECT_ROOT)]), timeout_s, on_line)
     result.duration_s = time.monotonic() - start
     result.exit_code, result.timed_out, result.output_tail = code, timed_out, "\n".join(tail[-20:])
     text = "\n".join(payload)
@@ -303,16 +286,10 @@ def _parity_subprocess(command: list[str], timeout_s: float, on_progress: Progre
         return result
     result.details = final
     for check in final.get("checks", []):
+        message = None if check["ok"] else check.get("detail")
         outcome = "passed" if check["ok"] else "failed"
-        result.tests.append(
-            TestOutcome(
-                nodeid=f"parity::{check['name']}",
-                outcome=outcome,
-                message=None if check["ok"] else check.get("detail"),
-            )
-        )
-    result.passed = sum(t.outcome == "passed" for t in result.tests)
-    result.failed = sum(t.outcome == "failed" for t in result.tests)
+        result.tests.append(TestOutcome(nodeid=f"parity::{check['name']}", outcome=outcome, message=message))
+    _count(result)
     result.selected = len(result.tests)
     if final.get("error"):
         result.errors = 1

@@ -1,14 +1,13 @@
 """What a test run runs: the checked inputs (``-k``, ``path``, a Bridge checkout) and the offload suite.
 
-The offload suite is the tests marked ``cpu_offload`` (``pytestmark = pytest.mark.cpu_offload`` in a test file):
-HybridDeviceOptimizer parity and resume, checkpoints, the activation offload schedule and the rule catalogue.
-The upstream skill's ``pytest -k cpu_offload`` selects them by that marker (pytest's ``-k`` matches marker names);
-``run_tests`` finds their files by reading the test files (no import, no collection of the rest) and runs them
-with ``-m cpu_offload``. Every result says, in ``coverage``, what ran and what did not.
+The offload suite is the test files marked ``cpu_offload`` (module ``pytestmark``), which the upstream skill's
+``-k cpu_offload`` selects by marker name; their files are found by reading them (no import, no collection of the
+rest) and run with ``-m cpu_offload``.
 """
 
 from __future__ import annotations
 
+import collections
 import os
 import re
 from pathlib import Path
@@ -39,11 +38,7 @@ _K_ALLOWED = re.compile(r"^[A-Za-z0-9_ .\-\[\]()/:]+$")
 
 
 def check_expression(expr: str) -> str:
-    """Validate a pytest ``-k`` expression and return it stripped.
-
-    Raises:
-        TestSuiteError: shell metacharacters, a leading ``-``, or text pytest's own parser rejects.
-    """
+    """A pytest ``-k`` expression, stripped; TestSuiteError for shell characters, a leading ``-``, or a parse error."""
     expr = expr.strip()
     if not expr:
         raise TestSuiteError("the -k expression is empty; pass names such as 'apply or diagnose', or omit it")
@@ -69,11 +64,7 @@ def check_expression(expr: str) -> str:
 
 
 def bridge_files(repo: str | os.PathLike[str]) -> list[str]:
-    """The offload-related test files that exist in a Megatron Bridge checkout.
-
-    Raises:
-        TestSuiteError: the path is missing or holds none of them.
-    """
+    """The offload-related test files that exist in a Megatron Bridge checkout (TestSuiteError: none)."""
     root = Path(repo).expanduser()
     if not root.is_dir():
         raise TestSuiteError(
@@ -89,11 +80,7 @@ def bridge_files(repo: str | os.PathLike[str]) -> list[str]:
 
 
 def check_test_path(path: str) -> str:
-    """A test file or folder of this project, relative to its root (``tests/actions/test_apply.py``, ``tests``).
-
-    Raises:
-        TestSuiteError: a path outside ``tests/`` or one that does not exist.
-    """
+    """A test file, folder or node id under this project's ``tests/``, relative to its root (else TestSuiteError)."""
     tests_dir = (PROJECT_ROOT / "tests").resolve()
     node, sep, rest = path.partition("::")
     target = (PROJECT_ROOT / node).resolve()
@@ -117,11 +104,7 @@ def test_files(root: Path = PROJECT_ROOT) -> list[Path]:
 
 
 def offload_suite_files(root: Path = PROJECT_ROOT) -> list[str]:
-    """The test files marked ``cpu_offload`` (module-level ``pytestmark``), relative to ``root``, sorted.
-
-    Raises:
-        TestSuiteError: no file is marked (a copy without the tests, or the marks were removed).
-    """
+    """The test files marked ``cpu_offload``, relative to ``root``, sorted (TestSuiteError: none is marked)."""
     found = [
         str(f.relative_to(root))
         for f in test_files(root)
@@ -152,15 +135,9 @@ def _counts(result: TestRunResult) -> str:
 
 def _left_out(files: list[str], root: Path) -> str:
     """The test files a run did not include, counted per folder (``tests/tools: 11``)."""
-    chosen = set(files)
-    per_folder: dict[str, int] = {}
-    for f in test_files(root):
-        rel = str(f.relative_to(root))
-        if rel not in chosen:
-            folder = os.path.dirname(rel)
-            per_folder[folder] = per_folder.get(folder, 0) + 1
-    total = sum(per_folder.values())
-    return f"{total} other test files ({', '.join(f'{k}: {v}' for k, v in sorted(per_folder.items()))})"
+    rest = [os.path.dirname(r) for f in test_files(root) if (r := str(f.relative_to(root))) not in files]
+    per_folder = sorted(collections.Counter(rest).items())
+    return f"{len(rest)} other test files ({', '.join(f'{k}: {v}' for k, v in per_folder)})"
 
 
 def offload_coverage(result: TestRunResult, files: list[str], root: Path = PROJECT_ROOT) -> str:

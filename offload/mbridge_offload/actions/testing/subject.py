@@ -1,10 +1,8 @@
 """What a test run tested: the code under test, named in every ``test`` / ``run_unit_tests`` answer.
 
-A passing run says little unless it says whose code passed. The unit suite tests this project's runtime and rules
-(``mbridge_offload`` at this path and version); ``bridge_repo`` runs a Megatron Bridge checkout's own tests (its
-path, version and commit); the parity check trains with this project's ``HybridDeviceOptimizer`` on megatron-core's
-GPT on the CPU, which is not megatron-core's own optimizer: :data:`CLUSTER_RECIPE` says how to check that one on a
-GPU cluster. Versions and commits are read from files (never by running code of a checkout).
+A passing run says little unless it says whose code passed. Versions and commits are read from files, never by
+running a checkout's code. The parity check trains this project's HybridDeviceOptimizer, not megatron-core's:
+:data:`CLUSTER_RECIPE` says how to check that one on a GPU cluster.
 """
 
 from __future__ import annotations
@@ -101,14 +99,7 @@ RAN = ("passed", "failed", "error", "xfailed", "xpassed")
 
 
 def parts_tested(nodeids: list[str]) -> list[str]:
-    """The parts of this project (:data:`PARTS`) that the tests ``nodeids`` exercise, in :data:`PARTS` order.
-
-    Args:
-        nodeids: pytest node ids of the tests that ran (``tests/plan/test_x.py::test_y``).
-
-    Returns:
-        Each part once; empty when no test ran.
-    """
+    """The parts of this project that the tests ``nodeids`` exercise, each once, in :data:`PARTS` order."""
     found = set()
     for nodeid in nodeids:
         path = nodeid.split("::", 1)[0].replace("\\", "/")
@@ -117,13 +108,8 @@ def parts_tested(nodeids: list[str]) -> list[str]:
 
 
 def ours(root: Path, tests: str, ran: list[str] | None = None) -> CodeUnderTest:
-    """This project's code, as the unit suite imports it (``root``: the project's checkout).
-
-    Args:
-        root: the checkout (its commit is named).
-        tests: which tests were selected, in words.
-        ran: the node ids of the tests that ran (outcome passed, failed or error); the summary names only the parts
-            of the project those tests cover. None: not known (the summary then names no part).
+    """This project's code, as the unit suite imports it; ``ran``: the node ids that ran (None: not known, so the
+    summary names no part).
     """
     package = Path(mbridge_offload.__file__).resolve().parent
     commit = git_commit(root)

@@ -1,21 +1,10 @@
-"""Run the offload tests — ours, a Megatron Bridge checkout's, or the parity check — and report each result.
+"""Run the offload tests (ours, a Megatron Bridge checkout's, or the parity check) and report each result.
 
-``run_tests`` is the one entry point (the CLI's ``test`` and the MCP tool ``run_unit_tests`` call it). The jobs
-live beside it: :mod:`~mbridge_offload.actions.testing.select` checks the inputs and finds the offload suite,
-:mod:`~mbridge_offload.actions.testing.run` runs pytest in a subprocess and reads each result,
-:mod:`~mbridge_offload.actions.testing.result` is the result model.
-
-Three traps this module exists to avoid:
-- the upstream skill's ``pytest ... -k "cpu_offload"`` selects zero tests in Megatron Bridge (pytest exits 5,
-  "no tests ran"), and a second ``-k`` silently replaces the first. Here exit code 5 is reported as
-  ``nothing_selected`` and ``ok=False``, never as success, and the Bridge selector is one expression over the
-  files that really hold offload tests;
-- a slow answer to the upstream selector: here ``-k cpu_offload`` runs the offload suite (the tests marked
-  ``cpu_offload``, under a minute on 2 shared cores, docs/benchmarks.md), and says in ``coverage`` what ran and
-  what did not; the whole suite is ``suite="full"`` (CLI ``--all``);
-- recursion: a test of this module runs pytest, which could run that test again. A run started from inside a
-  run (``MBRIDGE_OFFLOAD_TEST_DEPTH``) is refused — but only after its inputs are checked, so a test that checks
-  how bad input is refused gets the same answer inside a run as outside one.
+Three traps this module avoids: the upstream skill's ``-k "cpu_offload"`` selects zero tests in Bridge (pytest
+exit 5 is reported as ``nothing_selected``, ``ok=False``, never as success); a slow answer to that selector (here
+it runs the offload suite and ``coverage`` says what did not run); and recursion (a run started from inside a
+run, ``MBRIDGE_OFFLOAD_TEST_DEPTH``, is refused, but only after its inputs are checked, so bad input gets the
+same answer inside a run as outside).
 """
 
 from __future__ import annotations
@@ -40,18 +29,11 @@ from mbridge_offload.actions.testing.select import (
     offload_suite_files,
 )
 
-__all__ = [
-    "SUITES",
-    "missing_modules",
-    "require_modules",
-    "run_tests",
-    "setup_command",
-]
+__all__ = ["SUITES", "missing_modules", "require_modules", "run_tests", "setup_command"]
 
 SUITES = ("unit", "full", "parity")
-# What the unit suite needs in the Python that runs it; the message names the command that installs them.
-UNIT_NEEDS = ("pytest", "torch")
-BRIDGE_NEEDS = ("pytest", "torch")
+# What a run needs in the Python that runs it; the message names the command that installs them.
+NEEDS = ("pytest", "torch")
 
 
 # ---------------------------------------------------------------------------------------------- prerequisites
@@ -63,11 +45,7 @@ def setup_command() -> str:
 
 
 def missing_modules(python: str, modules: tuple[str, ...]) -> list[str]:
-    """The ``modules`` that ``python`` cannot import (found by spec, nothing is imported).
-
-    Raises:
-        TestSuiteError: ``python`` does not start (or hangs past 60 s).
-    """
+    """The ``modules`` that ``python`` cannot import (found by spec, nothing imported); TestSuiteError if it fails."""
     if python == sys.executable:
         return [m for m in modules if importlib.util.find_spec(m) is None]
     probe = "import importlib.util as u, sys; print(' '.join(m for m in sys.argv[1:] if u.find_spec(m) is None))"
@@ -81,11 +59,7 @@ def missing_modules(python: str, modules: tuple[str, ...]) -> list[str]:
 
 
 def require_modules(python: str, modules: tuple[str, ...], where: str) -> None:
-    """Refuse a run whose Python lacks pytest or torch, naming the install command (never a 0-passed "run").
-
-    Raises:
-        TestSuiteError: with the missing modules and the command that installs them.
-    """
+    """Refuse a run whose Python lacks pytest or torch, naming the install command (never a 0-passed "run")."""
     missing = missing_modules(python, modules)
     if not missing:
         return
@@ -130,26 +104,13 @@ def run_tests(
 ) -> TestRunResult:
     """Run a test suite and report every result, with a ``coverage`` paragraph saying what ran.
 
-    Args:
-        k: a pytest ``-k`` expression (validated). ``cpu_offload`` (the upstream skill's selector) runs the offload
-            suite; any other expression selects from the whole ``tests`` folder. With ``bridge_repo`` it replaces
-            the default offload selector.
-        bridge_repo: a Megatron Bridge checkout; runs its offload-related tests with its ``.venv`` python when
-            there is one.
-        suite: ``unit`` (default: the offload suite, the tests marked ``cpu_offload``, unless ``k`` or ``path``
-            select otherwise), ``full`` (every test of ``tests/``, ``k`` optional) or ``parity`` (tiny-model
-            training with vs without offload, mbridge_offload.actions.testing.parity).
-        timeout_s: wall-clock limit; the whole process group is killed at the deadline.
-        on_progress: ``fn(done, total_or_None, message)`` after each finished test.
-        config: for ``parity``: the config whose offload settings are trained (path or text).
-        steps: for ``parity``: training steps per run.
-        path: for ``unit``: one test file, folder or node id under ``tests/`` instead of the offload suite.
-        repo_python: with ``bridge_repo``, run the checkout's own ``.venv`` Python when it has one (the CLI);
-            False runs this interpreter (an MCP server not started with ``--allow-bridge-venv``).
+    ``suite``: ``unit`` (the tests marked ``cpu_offload``, unless ``k`` or ``path`` select otherwise), ``full``
+    (every test) or ``parity`` (``config`` and ``steps`` apply). ``k`` is a validated pytest expression; with
+    ``bridge_repo`` it replaces the Bridge offload selector, and ``repo_python`` picks the checkout's ``.venv``.
+    At ``timeout_s`` the whole process group is killed.
 
     Raises:
-        TestSuiteError: bad input (unsafe expression, missing repo, unknown suite), or a run started from inside
-            a run (after the inputs are checked).
+        TestSuiteError: bad input, or a run started from inside a run (after the inputs are checked).
     """
     if suite not in SUITES:
         raise TestSuiteError(f"suite {suite!r} is not one of {', '.join(SUITES)}")
@@ -191,7 +152,7 @@ def _bridge_run(
     root = Path(bridge_repo).expanduser().resolve()
     files = bridge_files(root)
     python = _python_for(root) if repo_python else sys.executable  # never the checkout's .venv unless allowed
-    require_modules(python, BRIDGE_NEEDS, "Megatron Bridge")
+    require_modules(python, NEEDS, "Megatron Bridge")
     _refuse_nested()
     selector = expr or BRIDGE_SELECTOR
     result = pytest_run("bridge", root, files, selector, python, timeout_s, on_progress, [])
@@ -217,7 +178,7 @@ def _unit_run(
     alias = expr if expr in OFFLOAD_SUITE_ALIASES else None
     if path is not None and alias:
         expr = None  # the alias on one file: the marked tests of that file
-    require_modules(sys.executable, UNIT_NEEDS, "unit")
+    require_modules(sys.executable, NEEDS, "unit")
     _refuse_nested()
     marker = OFFLOAD_MARKER if offload_suite or (path is not None and alias) else None
     result = pytest_run(
@@ -249,15 +210,11 @@ def _unit_run(
     return result
 
 
-# A -k selection that leaves out more than this share of the collected tests gets a note with both counts.
-FEW_SELECTED_SHARE = testselect.FEW_SELECTED_SHARE
-
-
 def _few_selected_note(result: TestRunResult, expr: str) -> str | None:
     """A note when a -k selection runs only a small part of what it selected from (say how many of how many)."""
     if result.selected is None:
         return None
     total = result.selected + result.deselected
-    if total == 0 or result.selected > FEW_SELECTED_SHARE * total:
+    if total == 0 or result.selected > testselect.FEW_SELECTED_SHARE * total:
         return None
     return f"-k {expr!r} selected {result.selected} of the {total} tests it chose from; --all runs the whole suite"

@@ -138,11 +138,8 @@ def _derive_moe(model: dict[str, Any]) -> None:
 
 
 def layer_pattern(text: str) -> list[int]:
-    """A layer pattern as ``moe_freq_type`` evaluates it (``"([0]+[1]*3)*2"`` → ``[0, 1, 1, 1, 0, 1, 1, 1]``):
-    lists of integers joined by ``+`` and repeated by ``*``, read without ``eval``.
-
-    Raises:
-        ValueError: anything else.
+    """A layer pattern as ``moe_freq_type`` evaluates it (``"([0]+[1]*3)*2"`` → ``[0, 1, 1, 1, 0, 1, 1, 1]``), read
+    without ``eval`` (ValueError for anything but int lists joined by ``+`` and repeated by ``*``).
     """
     import ast
     import operator
@@ -165,13 +162,8 @@ def layer_pattern(text: str) -> list[int]:
 
 
 def parse_argv(argv: list[str]) -> dict[str, Any]:
-    """Megatron-LM flags → a raw config dict with ``frontend: megatron-lm``.
-
-    Returns:
-        ``{"model": …, "optimizer": …, "ddp": …, "megatron_lm": {other given args}, "unknown_arguments": [...]}``.
-
-    Raises:
-        ArgvError: Megatron-LM's parser refuses a value (e.g. ``--recompute-granularity none``).
+    """Megatron-LM flags → a raw config dict with ``frontend: megatron-lm``; other given args go under ``megatron_lm``,
+    unknown ones under ``unknown_arguments``. ArgvError where Megatron-LM's parser refuses a value.
     """
     namespace, unknown = parser().parse_known_args([a for a in argv if a])
     given = vars(namespace)

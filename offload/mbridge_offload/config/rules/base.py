@@ -1,21 +1,8 @@
 """The rule catalogue: every check on a CPU-offloading config, as data plus a small check function.
 
-Modelled on ruff's registry: each :class:`Rule` has a stable ``id``, a ``severity`` (``error`` = upstream
-refuses or crashes, ``warning`` = runs but silently does nothing or something surprising, ``info``), an
-``origin`` (``mcore``, ``te``, ``bridge``, ``megatron-lm``, ``advisory``), the upstream message verbatim
-where upstream raises one, the keys it reads, a ``why``, a ``fix`` (Hydra-style overrides, or none), and the
-megatron-core releases it applies to. The rules themselves live in
-:mod:`mbridge_offload.config.rules.activation.layer_offload` (MCore
-``TransformerConfig``), :mod:`mbridge_offload.config.rules.activation.build` (TE, Bridge, Megatron-LM, advisory) and
-:mod:`mbridge_offload.config.rules.optimizer.offload`, each in upstream code order;
-:mod:`mbridge_offload.config.rules.catalogue` assembles them.
-
-Versions. A rule's ``applies_to`` is a specifier on megatron-core (``">=0.19"``; empty = every target). The
-supported targets are the releases whose behaviour this catalogue was checked against by running real code
-(``tests/config/test_differential.py``): 0.16.1 and 0.19.2, plus ``main`` (HEAD d98e8a64dd, read, not run). Megatron
-Bridge versions are paired with them (0.16.x ↔ Bridge 0.3.x, 0.19.x ↔ Bridge 0.6.x, main ↔ Bridge HEAD).
-
-Plain Python: no torch, no megatron.
+Modelled on ruff's registry. A rule's ``applies_to`` is a specifier on megatron-core; the supported targets are the
+releases checked by running real code (``tests/config/test_differential.py``): 0.16.1 and 0.19.2, plus ``main``
+(read, not run), each paired with its Bridge release. No torch, no megatron.
 """
 
 from __future__ import annotations
@@ -71,11 +58,7 @@ DEFAULT_TARGET = "megatron-core==0.19.2"
 
 
 def parse_target(text: str | Target) -> Target:
-    """``"megatron-core==0.16.1"`` (or ``0.16``, ``0.19.2``, ``main``) → :class:`Target`.
-
-    Raises:
-        ValueError: an unparsable or unsupported target; the message lists the supported ones.
-    """
+    """``"megatron-core==0.16.1"`` (or ``0.16``, ``0.19.2``, ``main``) → :class:`Target` (else ValueError)."""
     if isinstance(text, Target):
         return text
     spec = str(text).strip()
@@ -247,27 +230,11 @@ CheckResult = bool | Match | Iterable[Match] | None
 class Rule:
     """A check: data plus a small function.
 
-    Attributes:
-        id: stable identifier (``ACT-PP``).
-        severity: ``error`` | ``warning`` | ``info``.
-        origin: who enforces it (``mcore``, ``te``, ``bridge``, ``megatron-lm``) or ``advisory``.
-        summary: one line for docs.
-        keys: the dotted config keys it reads.
-        why: our explanation (never in ``message``).
-        check: ``Context -> bool | Match | [Match] | None``.
-        message: the upstream message verbatim (a ``str.format`` template) where upstream raises or warns;
-            for advisory rules our own one-line message.
-        upstream: True when ``message`` is upstream's text.
-        upstream_text: the exact ``str(exception)`` upstream produces, when it differs from ``message``
-            (a bare ``assert`` has no text, so the report shows a readable line instead).
-        exception: the exception class upstream raises (``ValueError``, ``AssertionError``), if any.
-        stage: where upstream enforces it.
-        fix: override templates that resolve it (formatted with the match values), or None.
-        applies_to: specifier on megatron-core versions; empty = all.
-        shadowed_by: rules that, when they fire, make this one unreachable upstream (hidden then).
-        follows: the id of the upstream check this one comes right after, when that check is a rule of another
-            file of the same stage (the catalogue orders each stage from these; None: after the rule before it in
-            its own file, or first in the stage).
+    ``message`` is upstream's text verbatim (a ``str.format`` template; ``upstream`` False: our own, for advisory
+    rules); ``upstream_text`` is the exact ``str(exception)`` where it differs (a bare ``assert`` has none); ``why``
+    is our explanation, never in ``message``. ``shadowed_by``: rules that, when they fire, make this one unreachable
+    upstream. ``follows``: the upstream check of another file of the same stage this one comes right after (the
+    catalogue orders each stage from these).
     """
 
     id: str
@@ -300,3 +267,8 @@ class Rule:
         if isinstance(result, Match):
             return [result]
         return list(result)
+
+
+def advisory(**kw: Any) -> Rule:
+    """Our own advice: not enforced upstream, and worded by us."""
+    return Rule(origin="advisory", upstream=False, **kw)

@@ -11,8 +11,6 @@ from mbridge_offload.config.rules.activation.layer_offload import ACTIVATION_RUL
 from mbridge_offload.config.rules.base import DEFAULT_TARGET, STAGE_OPTIMIZER_CONFIG, TARGETS, Rule, spec_contains
 from mbridge_offload.config.rules.input import container, hygiene
 from mbridge_offload.config.rules.input import megatron_lm as megatron_lm_args
-from mbridge_offload.config.rules.input.bridge import BRIDGE_RULES
-from mbridge_offload.config.rules.input.empty import INPUT_RULES
 from mbridge_offload.config.rules.megatron import parallelism
 from mbridge_offload.config.rules.optimizer.offload import CONFIG_RULES, OPTIMIZER_RULES
 
@@ -25,14 +23,11 @@ TRANSFORMER_CONFIG_FILES = (parallelism, recompute, offload_extras, cuda_graphs)
 
 
 def merge_stage(backbone: tuple[Rule, ...], groups: tuple[tuple[Rule, ...], ...]) -> tuple[Rule, ...]:
-    """One stage in upstream's check order: ``backbone`` (a file already in upstream order) with each group's rules
-    placed from their declared ``follows``.
+    """One stage in upstream's check order: ``backbone`` with each group's rules placed from their ``follows``.
 
-    A rule with ``follows`` starts a run that goes right after that check; the rules after it in its group
-    continue the run; a group's leading rules without ``follows`` open the stage.
-
-    Raises:
-        RuntimeError: a ``follows`` names no rule of the stage, or two runs claim the same place.
+    A rule with ``follows`` starts a run right after that check, continued by the rules after it in its group; a
+    group's leading rules without ``follows`` open the stage. RuntimeError when a ``follows`` names no rule of the
+    stage, or two runs claim the same place.
     """
     runs: dict[str | None, list[Rule]] = {}
     for group in groups:
@@ -77,8 +72,8 @@ def all_rules() -> tuple[Rule, ...]:
     optimizer_stage = tuple(r for r in OPTIMIZER_RULES if r.stage == STAGE_OPTIMIZER_CONFIG)
     rest = tuple(r for r in OPTIMIZER_RULES if r.stage != STAGE_OPTIMIZER_CONFIG)
     rules = (
-        *INPUT_RULES,
-        *BRIDGE_RULES,
+        *hygiene.INPUT_RULES,
+        *hygiene.BRIDGE_RULES,
         *CONFIG_RULES,
         *hygiene.RULES,
         *megatron_lm_args.RULES,

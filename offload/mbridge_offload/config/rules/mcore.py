@@ -1,12 +1,8 @@
 """How a megatron-core refusal is written as a rule, and how a group of rules says where upstream checks it.
 
-The rules in ``parallelism``, ``recompute``, ``fine_grained`` and ``cuda_graphs`` (all
-``TransformerConfig.__post_init__``; ``ModelParallelConfig.__post_init__`` for the first) are megatron-core 0.16.1's and
-0.19.2's own refusals, read and run (``tests/config/test_differential.py``); each file says why it stays a rule
-beside validate's megatron-core run. Messages are upstream's, verbatim, with the values printed as
-megatron-core prints them (as the user wrote them: ``'false'`` stays a string). Each group names the upstream check
-it comes right after (:func:`following`); the catalogue merges the groups into upstream's order from that alone,
-because upstream stops at its first failing check.
+Messages are upstream's verbatim, with values printed as megatron-core prints them (as written: ``'false'`` stays a
+string). Each group names the upstream check it follows (:func:`following`), because upstream stops at its first
+failing check and the catalogue must keep that order.
 """
 
 from __future__ import annotations
@@ -26,7 +22,7 @@ def set_repr(items) -> str:
     return "{" + ", ".join(repr(x) for x in sorted(items)) + "}"
 
 
-def mcore_rule(id: str, exception: str, message: str, check, summary: str, keys: tuple[str, ...], **kw) -> Rule:
+def mcore_rule(id: str, exception: str | None, message: str, check, summary: str, keys: tuple[str, ...], **kw) -> Rule:
     """An MCore TransformerConfig error rule (most fields are the same for every rule here)."""
     return Rule(
         id=id,

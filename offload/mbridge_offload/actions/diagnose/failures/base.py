@@ -84,18 +84,13 @@ def fix_slowdown(cfg: OffloadConfig | None, _m: re.Match[str] | None) -> list[st
 _MLM_RULES = ("ACT-MLM-FG-TE-IMPL", "OPT-MLM-FP8-PARAM-GATHER", "OPT-MLM-PRECISION-AWARE")
 
 
-def _mlm_rule(rule_id: str):
-    from mbridge_offload.config.rules.catalogue import all_rules
-
-    return next(r for r in all_rules() if r.id == rule_id)
-
-
 def mlm_actions() -> tuple[str, ...]:
     from mbridge_offload.config.megatron_lm.fixes import flag_edit
+    from mbridge_offload.config.rules.catalogue import get_rule
 
     out = []
     for rule_id in reversed(_MLM_RULES):  # the check every --optimizer-cpu-offload meets first
-        rule = _mlm_rule(rule_id)
+        rule = get_rule(rule_id)
         flags = [" ".join(edit[0]) for f in rule.fix or () if (edit := flag_edit(f))]
         out.append(f"if the AssertionError reads {rule.message!r}: add {' '.join(flags)} ({rule_id})")
     return tuple(out)

@@ -1,12 +1,6 @@
-"""The catalogue of known offload failure modes that ``mbridge_offload.actions.diagnose.diagnose`` matches logs against.
-
-Each :class:`FailureMode` is data: the patterns that recognise it in an error or log, the cause, how to confirm
-it, and the fix as overrides (or a function of the config that computes them), plus other actions and the
-upstream issues that report it. Sources: the upstream skill's failure table and the user problems collected in
-``docs/cpu-offloading.md``. The upstream error *messages* are matched from the rule catalogue (``config/rules/``);
-the entries here that also explain one of those say which in :data:`EXPLAINS_RULES`.
-
-Plain Python: no torch.
+"""The known offload failure modes diagnose matches logs against, from the upstream skill's failure table and
+``docs/cpu-offloading.md``. Upstream error *messages* are matched from the rule catalogue; an entry that also
+explains one says which in :data:`EXPLAINS_RULES`.
 """
 
 from __future__ import annotations

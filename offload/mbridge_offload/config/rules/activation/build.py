@@ -9,7 +9,7 @@ These are taken from the source, not run: TE cannot be installed on a CPU machin
 from __future__ import annotations
 
 from mbridge_offload.config.rules.activation.layer_offload import safe_layers
-from mbridge_offload.config.rules.base import STAGE_BRIDGE, STAGE_MLM, STAGE_TE, Context, Match, Rule
+from mbridge_offload.config.rules.base import STAGE_BRIDGE, STAGE_MLM, STAGE_TE, Context, Match, Rule, advisory
 
 # ---------------------------------------------------------------------------------------------- TE
 
@@ -312,11 +312,9 @@ BUILD_RULES: tuple[Rule, ...] = (
         check=_fg_nvte("megatron-lm"),
     ),
     # ---- advisory
-    Rule(
+    advisory(
         id="ACT-ZERO-LAYERS",
         severity="warning",
-        origin="advisory",
-        upstream=False,
         summary="Activation offloading on with `cpu_offloading_num_layers: 0` offloads nothing.",
         keys=(_OFFLOAD, _K),
         message="model.cpu_offloading is on but model.cpu_offloading_num_layers is 0: no layer is offloaded.",
@@ -326,11 +324,9 @@ BUILD_RULES: tuple[Rule, ...] = (
         fix=None,
         check=_zero_layers,
     ),
-    Rule(
+    advisory(
         id="ACT-NUM-LAYERS-INERT",
         severity="info",
-        origin="advisory",
-        upstream=False,
         summary="`cpu_offloading_num_layers` set while `cpu_offloading` is off has no effect in Bridge.",
         keys=(_OFFLOAD, _K),
         message="model.cpu_offloading_num_layers is set but model.cpu_offloading is off: nothing is offloaded.",

@@ -1,24 +1,13 @@
-"""Activation-offloading rules enforced by MCore ``TransformerConfig.__post_init__``, in upstream code order.
-
-Source: ``transformer_config.py`` of megatron-core 0.16.1
-and 0.19.2, read and run (``tests/config/test_differential.py``). The checks that only fire later, when the model is
-built or the job is launched (Transformer Engine, Bridge, Megatron-LM) and the advisory rules are in
-:mod:`mbridge_offload.config.rules.activation.build`.
-"""
+"""Activation-offloading rules of megatron-core's ``TransformerConfig.__post_init__`` (0.16.1 and 0.19.2, read and
+run), in upstream code order; later checks (TE, Bridge, Megatron-LM) and advice are in :mod:`.build`."""
 
 from __future__ import annotations
 
 from mbridge_offload.config.overrides import format_override
 from mbridge_offload.config.rules.activation.recompute import granularity
-from mbridge_offload.config.rules.base import STAGE_TRANSFORMER_CONFIG, Context, Match, Rule
+from mbridge_offload.config.rules.base import Context, Match, Rule
+from mbridge_offload.config.rules.mcore import mcore_rule, set_repr
 from mbridge_offload.upstream_layers import ALLOWED_OFFLOAD_MODULES
-
-TC = STAGE_TRANSFORMER_CONFIG
-
-
-def _set_repr(items) -> str:
-    """A set as Python prints it, but sorted (upstream's order depends on the hash seed)."""
-    return "{" + ", ".join(repr(x) for x in sorted(items)) + "}"
 
 
 def safe_layers(num_layers: int) -> int:
@@ -55,11 +44,8 @@ def _pp(ctx: Context):
 
 
 def activation_mode_edits(model) -> list[tuple[str, object, str]]:
-    """What layer-level activation offloading needs besides its switch: ``(dotted key, new value, why)``.
-
-    Defined once, used by ``validate``'s fixes (ACT-RECOMPUTE, ACT-CUDA-GRAPH, …) and by ``apply --mode activation``,
-    so the two never disagree (e.g. recomputation off means all three recompute keys null, not just the granularity).
-    """
+    """What layer-level activation offloading needs besides its switch: ``(dotted key, new value, why)``; one home
+    for ``validate``'s fixes and ``apply --mode activation``, so the two never disagree."""
     edits: list[tuple[str, object, str]] = []
     if not model.cpu_offloading_activations and not model.cpu_offloading_weights:
         edits.append(
@@ -129,7 +115,7 @@ def _fg_modules_invalid(ctx: Context):
         return None
     keep = [x for x in m.offload_modules if x in allowed] or ["core_attn"]
     return Match(
-        {"invalid": _set_repr(invalid), "allowed": _set_repr(allowed)},
+        {"invalid": set_repr(invalid), "allowed": set_repr(allowed)},
         fix=["model.offload_modules=[" + ",".join(keep) + "]"],
     )
 
@@ -208,11 +194,8 @@ _OFFLOAD = "model.cpu_offloading"
 _K = "model.cpu_offloading_num_layers"
 
 ACTIVATION_RULES: tuple[Rule, ...] = (
-    Rule(
+    mcore_rule(
         id="ACT-NUM-LAYERS",
-        severity="error",
-        origin="mcore",
-        stage=TC,
         exception="ValueError",
         summary="`cpu_offloading_num_layers` must be in 0 … num_layers − 1 when activation offloading is on.",
         keys=(_OFFLOAD, _K, "model.num_layers"),
@@ -223,11 +206,8 @@ ACTIVATION_RULES: tuple[Rule, ...] = (
         fix=(_K + "={fix_layers}",),
         check=_num_layers,
     ),
-    Rule(
+    mcore_rule(
         id="ACT-PP",
-        severity="error",
-        origin="mcore",
-        stage=TC,
         exception="ValueError",
         summary="Layer-level activation offloading needs pipeline parallel size 1.",
         keys=(_OFFLOAD, "model.pipeline_model_parallel_size"),
@@ -240,11 +220,8 @@ ACTIVATION_RULES: tuple[Rule, ...] = (
         fix=("model.pipeline_model_parallel_size=1",),
         check=_pp,
     ),
-    Rule(
+    mcore_rule(
         id="ACT-RECOMPUTE",
-        severity="error",
-        origin="mcore",
-        stage=TC,
         exception="ValueError",
         summary="Layer-level activation offloading cannot be combined with activation recomputation.",
         keys=(_OFFLOAD, "model.recompute_granularity"),
@@ -254,11 +231,8 @@ ACTIVATION_RULES: tuple[Rule, ...] = (
         fix=("model.recompute_granularity=null",),
         check=_recompute,
     ),
-    Rule(
+    mcore_rule(
         id="ACT-FINE-GRAINED",
-        severity="error",
-        origin="mcore",
-        stage=TC,
         exception="AssertionError",
         summary="Layer-level and fine-grained activation offloading are mutually exclusive.",
         keys=(_OFFLOAD, "model.fine_grained_activation_offloading"),
@@ -268,11 +242,8 @@ ACTIVATION_RULES: tuple[Rule, ...] = (
         fix=("model.fine_grained_activation_offloading=false",),
         check=_fine_grained,
     ),
-    Rule(
+    mcore_rule(
         id="ACT-FG-MODULES-EMPTY",
-        severity="error",
-        origin="mcore",
-        stage=TC,
         exception="AssertionError",
         summary="Fine-grained offloading needs a non-empty `offload_modules`.",
         keys=("model.fine_grained_activation_offloading", "model.offload_modules"),
@@ -285,11 +256,8 @@ ACTIVATION_RULES: tuple[Rule, ...] = (
         fix=("model.offload_modules=[core_attn]",),
         check=_fg_modules_empty,
     ),
-    Rule(
+    mcore_rule(
         id="ACT-FG-MODULES-INVALID",
-        severity="error",
-        origin="mcore",
-        stage=TC,
         exception="AssertionError",
         summary="`offload_modules` entries must be from the allowed set (grows by release).",
         keys=("model.fine_grained_activation_offloading", "model.offload_modules"),
@@ -300,11 +268,8 @@ ACTIVATION_RULES: tuple[Rule, ...] = (
         fix=None,
         check=_fg_modules_invalid,
     ),
-    Rule(
+    mcore_rule(
         id="ACT-FG-ATTN-PROJ",
-        severity="error",
-        origin="mcore",
-        stage=TC,
         exception="ValueError",
         summary="Offloading `attn_proj` requires offloading `core_attn` too.",
         keys=("model.offload_modules",),
@@ -314,11 +279,8 @@ ACTIVATION_RULES: tuple[Rule, ...] = (
         fix=None,
         check=_fg_attn_proj,
     ),
-    Rule(
+    mcore_rule(
         id="ACT-FG-MIN-TENSOR-SIZE",
-        severity="error",
-        origin="mcore",
-        stage=TC,
         exception="AssertionError",
         summary="`min_offloaded_tensor_size` must be ≥ 0 (checked from 0.19).",
         keys=("model.min_offloaded_tensor_size",),
@@ -328,11 +290,8 @@ ACTIVATION_RULES: tuple[Rule, ...] = (
         applies_to=">=0.19",
         check=_fg_min_size,
     ),
-    Rule(
+    mcore_rule(
         id="ACT-FG-FRACTION-RANGE",
-        severity="error",
-        origin="mcore",
-        stage=TC,
         exception="AssertionError",
         summary="`activation_offload_fraction` must be in [0, 1] (field exists from 0.19).",
         keys=("model.activation_offload_fraction",),
@@ -342,11 +301,8 @@ ACTIVATION_RULES: tuple[Rule, ...] = (
         applies_to=">=0.19",
         check=_fg_fraction,
     ),
-    Rule(
+    mcore_rule(
         id="ACT-FG-DELTA-BYTES",
-        severity="error",
-        origin="mcore",
-        stage=TC,
         exception="AssertionError",
         summary="`delta_offload_bytes_across_pp_ranks` must be ≥ 0 (field exists from 0.19).",
         keys=("model.delta_offload_bytes_across_pp_ranks",),
@@ -356,11 +312,8 @@ ACTIVATION_RULES: tuple[Rule, ...] = (
         applies_to=">=0.19",
         check=_fg_delta,
     ),
-    Rule(
+    mcore_rule(
         id="ACT-FG-FUSED-GROUP-MLP",
-        severity="error",
-        origin="mcore",
-        stage=TC,
         exception="ValueError",
         summary="Offloading `fused_group_mlp` needs `use_transformer_engine_op_fuser`.",
         keys=("model.offload_modules", "model.use_transformer_engine_op_fuser"),
@@ -370,11 +323,8 @@ ACTIVATION_RULES: tuple[Rule, ...] = (
         applies_to=">=0.19",
         check=_fg_fused_group_mlp,
     ),
-    Rule(
+    mcore_rule(
         id="ACT-PAGED-STASH",
-        severity="error",
-        origin="mcore",
-        stage=TC,
         exception="ValueError",
         summary="`moe_paged_stash` cannot be combined with layer-level activation offloading (0.19+).",
         keys=(_OFFLOAD, "model.moe_paged_stash"),
@@ -387,11 +337,10 @@ ACTIVATION_RULES: tuple[Rule, ...] = (
     # Two megatron-core CUDA-graph checks stay rules although they concern no offload: the deprecation is a
     # warning (validate's megatron-core run reports errors only), and the implementation check decides per release
     # whether full_iteration, the one graph ACT-CUDA-GRAPH allows beside offloading, exists at all.
-    Rule(
+    mcore_rule(
         id="ACT-CUDA-GRAPH-DEPRECATED",
         severity="warning",
-        origin="mcore",
-        stage=TC,
+        exception=None,
         summary="`enable_cuda_graph` / `external_cuda_graph` are deprecated spellings of `cuda_graph_impl`.",
         keys=("model.enable_cuda_graph", "model.external_cuda_graph"),
         message="{old} is deprecated, use cuda_graph_impl={impl} instead.",
@@ -400,11 +349,8 @@ ACTIVATION_RULES: tuple[Rule, ...] = (
         fix=("model.{old}=false", "model.cuda_graph_impl={impl}"),
         check=_enable_deprecated,
     ),
-    Rule(
+    mcore_rule(
         id="ACT-CUDA-GRAPH-IMPL",
-        severity="error",
-        origin="mcore",
-        stage=TC,
         exception="AssertionError",
         summary="`cuda_graph_impl` must be one of the release's implementations (`full_iteration` only from 0.19).",
         keys=("model.cuda_graph_impl",),
@@ -414,11 +360,8 @@ ACTIVATION_RULES: tuple[Rule, ...] = (
         fix=("model.cuda_graph_impl=none",),
         check=_impl_invalid,
     ),
-    Rule(
+    mcore_rule(
         id="ACT-CUDA-GRAPH",
-        severity="error",
-        origin="mcore",
-        stage=TC,
         exception="ValueError",
         summary="Activation offloading is incompatible with CUDA graphs (except `full_iteration` on 0.19+).",
         keys=(_OFFLOAD, "model.cuda_graph_impl", "model.enable_cuda_graph"),

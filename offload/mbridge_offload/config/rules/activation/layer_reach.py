@@ -13,8 +13,8 @@ from typing import Any
 
 from mbridge_offload.config.overrides import format_override
 from mbridge_offload.config.rules.activation.recompute import granularity, recompute_modules
-from mbridge_offload.config.rules.base import Context, Match, Rule
-from mbridge_offload.config.rules.mcore import given
+from mbridge_offload.config.rules.base import Context, Match, Rule, advisory
+from mbridge_offload.config.rules.mcore import given, mcore_rule
 from mbridge_offload.upstream_layers import SETTINGS, because, cell, release_of
 
 SETTING_KEYS = frozenset(s.key for s in SETTINGS)
@@ -157,11 +157,9 @@ _PATTERN = "model.hybrid_layer_pattern"
 _TABLE = " The table of what each setting reaches per model class: references/upstream-layers.md."
 
 RULES: tuple[Rule, ...] = (
-    Rule(
+    advisory(
         id="ACT-RECOMPUTE-MODULE-NO-EFFECT",
         severity="warning",
-        origin="advisory",
-        upstream=False,
         summary="A selective `recompute_modules` entry that no layer of this model reads (e.g. `mlp` on an all-MoE "
         "model, `moe` on a dense one).",
         keys=("model.recompute_modules", "model.num_moe_experts", "model.moe_layer_freq"),
@@ -173,11 +171,9 @@ RULES: tuple[Rule, ...] = (
         fix=None,
         check=_recompute_no_effect,
     ),
-    Rule(
+    advisory(
         id="ACT-HYBRID-LAYER-OFFLOAD",
         severity="warning",
-        origin="advisory",
-        upstream=False,
         summary="Layer-level activation offloading does nothing on a hybrid (Mamba) stack.",
         keys=(_OFFLOAD, _PATTERN),
         message="model.cpu_offloading=true has no effect on a hybrid stack: {because}. Remove it; {alternative}.",
@@ -187,11 +183,9 @@ RULES: tuple[Rule, ...] = (
         fix=("model.cpu_offloading=false",),
         check=_layer_offload,
     ),
-    Rule(
+    advisory(
         id="ACT-HYBRID-FINE-GRAINED",
         severity="warning",
-        origin="advisory",
-        upstream=False,
         applies_to="<0.19",
         summary="Fine-grained activation offloading does nothing in a 0.16 hybrid (Mamba) model.",
         keys=(_FG, _MODULES, _PATTERN),
@@ -202,11 +196,9 @@ RULES: tuple[Rule, ...] = (
         fix=(f"{_FG}=false",),
         check=_fine_grained,
     ),
-    Rule(
+    advisory(
         id="ACT-HYBRID-FULL-RECOMPUTE",
         severity="warning",
-        origin="advisory",
-        upstream=False,
         applies_to="<0.19",
         summary="Full activation recompute does nothing in a 0.16 hybrid (Mamba) stack.",
         keys=(_GRANULARITY, _METHOD, _PATTERN),
@@ -217,10 +209,8 @@ RULES: tuple[Rule, ...] = (
         fix=None,
         check=_full_recompute,
     ),
-    Rule(
+    mcore_rule(
         id="MC-MTP-RECOMPUTE-LAYERS",
-        severity="error",
-        origin="mcore",
         stage=STAGE_MODEL_FORWARD,
         exception="AssertionError",
         summary="Full uniform recompute with MTP needs `recompute_num_layers: 1`.",

@@ -1,15 +1,8 @@
 """Megatron Bridge's ``ConfigContainer.validate()`` on the keys we read, with Bridge's own messages.
 
-Read from ``training/config.py`` of Megatron Bridge 0.3.1 (paired with megatron-core 0.16) and 0.6.2 (0.19), in the
-order ``validate()`` runs them, after the model's ``finalize()``: the mixed-precision consistency asserts, the
-deterministic-mode assert on cross-entropy fusion, the MXFP8 buffer-reuse assert (0.6.2), the distributed-optimizer
-and ``overlap_param_gather`` synchronisation (a warning: Bridge switches both sections on, it never refuses a
-mismatch), the NaN check under the full-iteration CUDA graph, and the sequence-length asserts. The fine-grained
-offloading checks of the same function are in ``rules/activation/build.py``.
-
-Bridge configs only (a ``ConfigContainer`` YAML or a recipe: ``Context.container``); a plain megatron-core config or a
-Megatron-LM command line never meets them. Checks on sections we do not read (dataset packing, checkpoint formats,
-the world size) are not here. Plain Python.
+Read from Bridge 0.3.1 and 0.6.2's ``training/config.py``, in the order ``validate()`` runs them, after
+``finalize()``. Bridge configs only (``Context.container``); its fine-grained checks are in
+``rules/activation/build.py``, and checks on sections we do not read are not here.
 """
 
 from __future__ import annotations

@@ -1,12 +1,7 @@
-"""Megatron-LM's own MoE checks (``validate_args``, training/arguments.py of 0.19.2), before megatron-core's.
+"""Megatron-LM 0.19.2's own MoE asserts (``validate_args``), which a command line meets before megatron-core's.
 
-A Megatron-LM command line meets these asserts before ``core_transformer_config_from_args`` builds the
-``TransformerConfig``, so their text is the one its user sees: ``--expert-model-parallel-size 2`` without
-``--num-experts`` stops on "num_experts must be non None to use expert model parallelism", not on megatron-core's
-"num_moe_experts must be non None to use expert-parallel.". The flags reach the config under their
-``TransformerConfig`` names (``--num-experts`` is ``model.num_moe_experts``;
-:mod:`mbridge_offload.config.megatron_lm.argv`).
-Megatron-LM command lines only; the parser table, and so these checks, are 0.19.2's for every target.
+Their text is the one its user sees (``num_experts must be non None ...`` rather than megatron-core's
+``num_moe_experts ...``). Megatron-LM command lines only; 0.19.2's for every target.
 """
 
 from __future__ import annotations

@@ -18,8 +18,9 @@ from mbridge_offload.config.rules.base import (
     Context,
     Match,
     Rule,
+    advisory,
 )
-from mbridge_offload.config.rules.mcore import upstream_compare
+from mbridge_offload.config.rules.mcore import mcore_rule, upstream_compare
 from mbridge_offload.config.schema import unknown_offload_keys
 
 _ON = "optimizer.optimizer_cpu_offload"
@@ -42,11 +43,9 @@ def _unknown_keys(ctx: Context):
 
 
 CONFIG_RULES: tuple[Rule, ...] = (
-    Rule(
+    advisory(
         id="CFG-UNKNOWN-KEY",
         severity="warning",
-        origin="advisory",
-        upstream=False,
         summary="An unknown key that looks like a misspelled offload key (did you mean …?).",
         keys=(),
         message="{given} is not a known key; did you mean {hint}?",
@@ -201,10 +200,8 @@ def _fraction_type(ctx: Context):
 
 OPTIMIZER_RULES: tuple[Rule, ...] = (
     # ---- MCore OptimizerConfig.__post_init__ (code order)
-    Rule(
+    mcore_rule(
         id="OPT-PRECISION-AWARE-ADAM",
-        severity="error",
-        origin="mcore",
         stage=STAGE_OPTIMIZER_CONFIG,
         exception="AssertionError",
         summary="The precision-aware optimizer (required by Megatron-LM with offload) only works with adam.",
@@ -215,10 +212,8 @@ OPTIMIZER_RULES: tuple[Rule, ...] = (
         fix=("optimizer.optimizer=adam",),
         check=_pa_adam,
     ),
-    Rule(
+    mcore_rule(
         id="OPT-PRECISION-AWARE-DO",
-        severity="error",
-        origin="mcore",
         stage=STAGE_OPTIMIZER_CONFIG,
         exception="AssertionError",
         summary="The precision-aware optimizer needs the distributed optimizer.",
@@ -230,10 +225,8 @@ OPTIMIZER_RULES: tuple[Rule, ...] = (
         check=_pa_do,
     ),
     # ---- MCore get_megatron_optimizer (_get_megatron_optimizer_based_on_param_groups, code order)
-    Rule(
+    mcore_rule(
         id="OPT-SKIP-WRAPPING-PRECISION-AWARE",
-        severity="error",
-        origin="mcore",
         stage=STAGE_OPTIMIZER_FACTORY,
         exception="ValueError",
         applies_to=">=0.19",
@@ -244,10 +237,8 @@ OPTIMIZER_RULES: tuple[Rule, ...] = (
         fix=None,
         check=_skip_wrapping_pa,
     ),
-    Rule(
+    mcore_rule(
         id="OPT-SKIP-WRAPPING",
-        severity="error",
-        origin="mcore",
         stage=STAGE_OPTIMIZER_FACTORY,
         exception="ValueError",
         applies_to=">=0.19",
@@ -259,10 +250,8 @@ OPTIMIZER_RULES: tuple[Rule, ...] = (
         fix=(_ON + "=false",),
         check=_skip_wrapping,
     ),
-    Rule(
+    mcore_rule(
         id="OPT-DECOUPLED-WD",
-        severity="error",
-        origin="mcore",
         stage=STAGE_OPTIMIZER_FACTORY,
         exception="AssertionError",
         summary="Optimizer CPU offload needs decoupled weight decay (AdamW).",
@@ -273,10 +262,8 @@ OPTIMIZER_RULES: tuple[Rule, ...] = (
         fix=("optimizer.decoupled_weight_decay=true",),
         check=_decoupled_wd,
     ),
-    Rule(
+    mcore_rule(
         id="MC-OPT-FRACTION-TYPE",
-        severity="error",
-        origin="mcore",
         stage=STAGE_OPTIMIZER_FACTORY,
         exception="TypeError",
         summary="`optimizer_offload_fraction` given as text, a list or null with optimizer offload on.",
@@ -287,10 +274,8 @@ OPTIMIZER_RULES: tuple[Rule, ...] = (
         "Python's own for the value given.",
         check=_fraction_type,
     ),
-    Rule(
+    mcore_rule(
         id="OPT-MFSDP-V2",
-        severity="error",
-        origin="mcore",
         stage="FullyShardedOptimizer (Megatron-FSDP v2)",
         exception="ValueError",
         applies_to=">=0.20",
@@ -346,11 +331,9 @@ OPTIMIZER_RULES: tuple[Rule, ...] = (
         check=_mlm_fp8_param_gather,
     ),
     # ---- advisory
-    Rule(
+    advisory(
         id="OPT-FRACTION-ZERO",
         severity="warning",
-        origin="advisory",
-        upstream=False,
         summary="Optimizer offload on with `optimizer_offload_fraction: 0.0` offloads nothing.",
         keys=(_ON, _F),
         message="optimizer.optimizer_cpu_offload is on but optimizer.optimizer_offload_fraction is 0.0: "
@@ -360,11 +343,9 @@ OPTIMIZER_RULES: tuple[Rule, ...] = (
         fix=(_F + "=0.5",),
         check=_fraction_zero,
     ),
-    Rule(
+    advisory(
         id="OPT-FRACTION-RANGE",
         severity="warning",
-        origin="advisory",
-        upstream=False,
         summary="`optimizer_offload_fraction` outside [0, 1] (the documented range; not enforced upstream).",
         keys=(_F,),
         message="optimizer.optimizer_offload_fraction is {value}, outside [0.0, 1.0]; upstream accepts it "
@@ -375,11 +356,9 @@ OPTIMIZER_RULES: tuple[Rule, ...] = (
         fix=(_F + "={clamped}",),
         check=_fraction_range,
     ),
-    Rule(
+    advisory(
         id="OPT-FRACTION-INERT",
         severity="info",
-        origin="advisory",
-        upstream=False,
         summary="`optimizer_offload_fraction` set while `optimizer_cpu_offload` is off has no effect.",
         keys=(_ON, _F),
         message="optimizer.optimizer_offload_fraction is set but optimizer.optimizer_cpu_offload is off: "
@@ -389,11 +368,9 @@ OPTIMIZER_RULES: tuple[Rule, ...] = (
         fix=None,
         check=_fraction_inert,
     ),
-    Rule(
+    advisory(
         id="OPT-TORCH-OPTIMIZER",
         severity="warning",
-        origin="advisory",
-        upstream=False,
         summary="`use_torch_optimizer_for_cpu_offload` has no effect.",
         keys=("optimizer.use_torch_optimizer_for_cpu_offload",),
         message="optimizer.use_torch_optimizer_for_cpu_offload has no effect: the optimizer factory overwrites "
@@ -404,11 +381,9 @@ OPTIMIZER_RULES: tuple[Rule, ...] = (
         fix=("optimizer.use_torch_optimizer_for_cpu_offload=false",),
         check=_torch_optimizer,
     ),
-    Rule(
+    advisory(
         id="OPT-NON-ADAM",
         severity="warning",
-        origin="advisory",
-        upstream=False,
         summary="Under optimizer offload, any optimizer name other than adam becomes SGD.",
         keys=(_ON, "optimizer.optimizer"),
         message="optimizer.optimizer is {name!r}, but with optimizer_cpu_offload every optimizer other than adam "
@@ -418,11 +393,9 @@ OPTIMIZER_RULES: tuple[Rule, ...] = (
         fix=("optimizer.optimizer=adam",),
         check=_non_adam,
     ),
-    Rule(
+    advisory(
         id="OPT-DISTRIBUTED-OPTIMIZER",
         severity="warning",
-        origin="advisory",
-        upstream=False,
         summary="The skill says optimizer offload requires the distributed optimizer; upstream does not enforce it.",
         keys=(_ON, "optimizer.use_distributed_optimizer", "ddp.use_distributed_optimizer"),
         message="optimizer.optimizer_cpu_offload without the distributed optimizer: documented as required "
@@ -434,11 +407,9 @@ OPTIMIZER_RULES: tuple[Rule, ...] = (
         fix=_DO_FIX,
         check=_no_distributed_optimizer,
     ),
-    Rule(
+    advisory(
         id="OPT-OVERLAP",
         severity="info",
-        origin="advisory",
-        upstream=False,
         summary="At high offload fractions, overlap D2H/H2D with the CPU step.",
         keys=(_F, "optimizer.overlap_cpu_optimizer_d2h_h2d"),
         message="optimizer.optimizer_offload_fraction is high and overlap_cpu_optimizer_d2h_h2d is off; turning "
