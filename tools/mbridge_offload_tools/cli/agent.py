@@ -64,10 +64,9 @@ def _add_serve(sub: Any) -> None:
         description="Run the MCP server (the same as mbridge-offload-mcp): the tools of docs/mcp.md over stdio or "
         "streamable HTTP; what it may read, write and run comes from these flags, never from a tool argument.",
     )
-    from mbridge_offload_tools.server.guard import add_policy_flags, add_transport_flags
+    from mbridge_offload_tools.server.guard import add_server_flags
 
-    add_transport_flags(p)
-    add_policy_flags(p)
+    add_server_flags(p)
     p.set_defaults(handler=cmd_serve, json=False)
 
 

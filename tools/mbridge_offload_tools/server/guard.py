@@ -128,8 +128,8 @@ def check_bridge_repo(repo: str) -> Path:
     return resolved
 
 
-def add_transport_flags(parser: argparse.ArgumentParser) -> None:
-    """How the server is reached (``mbridge-offload serve`` and ``mbridge-offload-mcp`` alike)."""
+def add_server_flags(parser: argparse.ArgumentParser) -> None:
+    """How the server is reached, and what it may touch (``mbridge-offload serve`` and ``mbridge-offload-mcp``)."""
     parser.add_argument(
         "--transport",
         choices=("stdio", "streamable-http"),
@@ -138,10 +138,6 @@ def add_transport_flags(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--host", default="127.0.0.1", help="streamable-http: address to listen on (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8765, help="streamable-http: port (default 8765)")
-
-
-def add_policy_flags(parser: argparse.ArgumentParser) -> None:
-    """The flags that fix, at start, what the server may touch (tools/py, docs/security.md)."""
     parser.add_argument(
         "--root",
         dest="roots",
