@@ -153,16 +153,7 @@ def cmd_test(args: argparse.Namespace) -> int:
                 streamed.add(nodeid)
 
     try:
-        result = run_tests(
-            k=args.k,
-            bridge_repo=args.bridge_repo,
-            suite=args.suite,
-            timeout_s=args.timeout_s,
-            on_progress=progress,
-            config=args.config,
-            steps=args.steps,
-            path=args.path,
-        )
+        result = run_tests(**values(args, "run_unit_tests"), on_progress=progress)
     except TestSuiteError as exc:
         raise UsageError(str(exc)) from None
     emit(result.to_dict(), args.json, lambda d: _human_test(d, frozenset(streamed)))

@@ -27,11 +27,7 @@ def sections(text: str) -> dict[str, str]:
 
 
 def fill(text: str, name: str, body: str, note: str = _NOTE) -> str:
-    """``text`` with the body of section ``name`` replaced by ``body``.
-
-    Raises:
-        KeyError: when ``text`` has no such section (the markers are part of the hand-written file).
-    """
+    """``text`` with the body of section ``name`` replaced by ``body`` (KeyError: no such markers in ``text``)."""
     found = False
 
     def swap(m: re.Match[str]) -> str:

@@ -75,11 +75,8 @@ def _fold_alias(args: argparse.Namespace, spec: Tool, c: CliOnly) -> None:
 
 
 def finish(args: argparse.Namespace) -> None:
-    """After argparse: older spellings folded into their parameter, every value held to its declared bounds.
-
-    Raises:
-        InputError: two spellings of one parameter disagree, or a value is out of its bounds (exit 2).
-    """
+    """After argparse: older spellings folded into their parameter, every value held to its declared bounds (an
+    InputError, exit 2, where two spellings disagree or a value is out of bounds)."""
     spec = BY_COMMAND.get(getattr(args, "command", ""))
     if spec is None:
         return

@@ -22,11 +22,7 @@ _METADATA: dict[str, dict[str, Any]] = {"svg": {"Date": None, "Creator": None}, 
 
 
 def matplotlib_or_fail() -> Any:
-    """matplotlib, ready to draw without a display.
-
-    Raises:
-        InputError: matplotlib is not installed (the message gives the install command).
-    """
+    """matplotlib, ready to draw without a display (InputError with the install command when absent)."""
     try:
         import matplotlib
     except ImportError:

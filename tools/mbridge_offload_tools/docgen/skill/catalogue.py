@@ -31,11 +31,7 @@ def _cell(text: Any) -> str:
 
 
 def render_constraints(docs: str = "docs/") -> str:
-    """Every rule of the catalogue as one table row, in catalogue order.
-
-    Args:
-        docs: the path from the rendered file to the ``docs/`` folder (links go to ``docs/rules.md``).
-    """
+    """Every rule of the catalogue as one table row, in catalogue order (``docs``: the path to ``docs/``)."""
     from mbridge_offload.config.rules.catalogue import all_rules
 
     lines = ["| rule | severity | origin | keys | constraint | fix |", "|---|---|---|---|---|---|"]
