@@ -1,8 +1,7 @@
 """The house as the code has it: modules by room, who imports whom, and the functions that grew too long.
 
-Read from the source with ``ast`` (nothing is imported), so the checks in ``tests/test_house.py`` and the generated
-part of ``docs/architecture.md`` see the same facts: every import counts, at module level, inside a function, or
-under ``TYPE_CHECKING``.
+Read with ``ast`` (nothing imported), so ``tests/test_house.py`` and ``docs/architecture.md`` see the same facts:
+every import counts, at module level, inside a function or under ``TYPE_CHECKING``.
 """
 
 from __future__ import annotations

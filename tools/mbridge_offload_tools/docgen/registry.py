@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import importlib
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -119,23 +119,6 @@ GENERATED: dict[str, dict[str, Callable[[], str]]] = {
 }
 
 
-def render_file(path: str, text: str, skipped: list[str] | None = None) -> str:
-    """``text`` (the current content of ``path``) with every generated section re-rendered.
-
-    A section whose renderer needs a module that does not exist yet is left as it is and named in ``skipped``.
-    """
-    for name, render in GENERATED[path].items():
-        try:
-            body = render()
-        except ModuleNotFoundError as exc:
-            if skipped is None:
-                raise
-            skipped.append(f"{path}#{name} ({exc})")
-            continue
-        text = fill(text, name, body)
-    return text
-
-
 def stale(root: Path = ROOT, only: set[str] | None = None) -> list[str]:
     """``path#section`` for every generated section, and ``path`` for every whole file, that differs from a fresh
     rendering. ``only`` limits the check to some section names (e.g. ``{"parameters"}``).
@@ -159,23 +142,26 @@ def stale(root: Path = ROOT, only: set[str] | None = None) -> list[str]:
     return out
 
 
-def regenerate(root: Path = ROOT, skipped: list[str] | None = None) -> list[str]:
-    """Rewrite every generated section and whole file; returns the files that changed."""
-    changed: list[str] = []
-    for path in GENERATED:
-        file = root / path
-        old = file.read_text(encoding="utf-8")
-        new = render_file(path, old, skipped)
-        if new != old:
-            file.write_text(new, encoding="utf-8")
-            changed.append(path)
+def _fresh(root: Path) -> Iterator[tuple[str, str]]:
+    """Each generated file and its fresh text, one at a time (a file may include one rendered before it)."""
+    for path, renderers in GENERATED.items():
+        text = (root / path).read_text(encoding="utf-8")
+        for name, render in renderers.items():
+            text = fill(text, name, render())
+        yield path, text
     for path, render in WHOLE.items():
+        yield path, render()
+
+
+def regenerate(root: Path = ROOT) -> list[str]:
+    """Rewrite every generated section and whole file, and redraw stale pictures; returns what changed."""
+    from mbridge_offload_tools.docgen.docs.plots import redraw
+
+    changed: list[str] = []
+    for path, new in _fresh(root):
         file = root / path
-        new = render()
         if not file.exists() or file.read_text(encoding="utf-8") != new:
             file.parent.mkdir(parents=True, exist_ok=True)
             file.write_text(new, encoding="utf-8")
             changed.append(path)
-    from mbridge_offload_tools.docgen.docs.plots import redraw
-
     return changed + redraw(root)

@@ -132,9 +132,7 @@ def _build(torch, cls, body: dict, stage: str, out: dict, te: _TEChecks | None):
     if te is not None:
         te.stage = stage
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            built = cls(**kwargs)
+        built = cls(**kwargs)
     except Exception as exc:  # every error megatron-core raises is the answer, except TE's absence
         if te is not None and (_needs_te(exc) or (_TE_MESSAGE.search(str(exc)) and not te.failed.get(stage))):
             out["skipped"].append(
@@ -333,12 +331,12 @@ def _build_model(torch, config, model: dict, out: dict) -> None:
 
 def main() -> None:
     """One config on stdin, one answer on stdout; ``--serve``: one a line until stdin closes (the warm worker)."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        import torch
-        from megatron.core.distributed import DistributedDataParallelConfig
-        from megatron.core.optimizer import OptimizerConfig
-        from megatron.core.transformer import MLATransformerConfig, TransformerConfig
+    warnings.simplefilter("ignore")  # this process answers in JSON on stdout; megatron-core's warnings are noise
+    import torch
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig
+    from megatron.core.transformer import MLATransformerConfig, TransformerConfig
+
     classes = (TransformerConfig, OptimizerConfig, DistributedDataParallelConfig, MLATransformerConfig)
     have_te = importlib.util.find_spec("transformer_engine") is not None
     te = None if have_te else _TEChecks("2.18.0")
@@ -359,11 +357,9 @@ def main() -> None:
 
 
 def _answer(torch, classes, data: dict, te, have_te: bool) -> dict:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        if isinstance(data.get("batch"), list):
-            return {"batch": [_judge(torch, classes, item, te, have_te) for item in data["batch"]]}
-        return _judge(torch, classes, data, te, have_te)
+    if isinstance(data.get("batch"), list):
+        return {"batch": [_judge(torch, classes, item, te, have_te) for item in data["batch"]]}
+    return _judge(torch, classes, data, te, have_te)
 
 
 if __name__ == "__main__":

@@ -1,9 +1,7 @@
 """Where a picture goes: its format from the file's extension, the checks made before anything is computed, the write.
 
-The write is apply's (``actions.safe_write``): an existing file is replaced only with consent (CLI ``--force``, MCP
-``overwrite``) and then backed up under a new name; a read-only file, a directory or a device never; the new bytes
-replace the old atomically. Where it may go: for the CLI the working directory, the config's directory and
-``--allowed-root`` (as apply's CLI); for the MCP server its roots.
+The write is apply's (``actions.safe_write``): a file replaced only with consent and backed up, atomically, inside
+the CLI's directories (as apply's) or the MCP server's roots.
 """
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
 """Code anchors: where upstream implements each offload check, as file:line per released version.
 
-Every anchor was read in the released package (megatron-core 0.16.1 and 0.19.2 from their wheels, Megatron Bridge
-0.3.1 from its wheel), and ``tests/tools/test_docs.py`` re-reads each line in whichever of those packages is installed
-and fails when the line no longer holds the quoted text. Line numbers move between releases, which is why each row
-names its version; the quoted text is what to search for in another release.
+Each line was read in the released package; ``tests/tools/test_docs.py`` re-reads it in whichever is installed.
 """
 
 from __future__ import annotations

@@ -1,8 +1,6 @@
 """The tables of SKILL.md that restate a catalogue: constraints (rules), failure modes (diagnose), MCP tools.
 
-Each renderer reads the live object — the rule catalogue's ``all_rules()``, the diagnosis catalogue, the tools
-the MCP server registers — so the skill cannot drift from the code; ``tests/tools/test_docs.py`` checks
-the committed text.
+Each renderer reads the live object, so the skill cannot drift from the code.
 """
 
 from __future__ import annotations
