@@ -1,7 +1,8 @@
-"""validate's upstream run: the target's megatron-core itself builds the config's ``TransformerConfig``,
-``OptimizerConfig``, ``DistributedDataParallelConfig`` and the model's layout in a warm child process (``child.py``:
-torch and megatron-core imported once), and every error it raises becomes a finding with origin ``mcore``, verbatim,
-in place of the catalogue's findings of the stages it ran.
+"""validate's upstream run: the target's megatron-core itself, in a warm child process with a deadline.
+
+The child (``child.py``: torch and megatron-core imported once) builds the config's ``TransformerConfig``,
+``OptimizerConfig``, ``DistributedDataParallelConfig`` and the model's layout; every error it raises becomes a finding
+with origin ``mcore``, verbatim, in place of the catalogue's findings of the stages it ran.
 
 The release: the target's (``--target``), from this environment or ``.mcore/<version>`` (``scripts/setup``;
 ``MBRIDGE_OFFLOAD_MCORE_DIR`` names another folder), else the installed one, and the answer says which ran. The

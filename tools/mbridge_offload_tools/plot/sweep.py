@@ -1,7 +1,9 @@
-"""``--sweep KEY=START:STOP:STEP`` (the stop included) or ``KEY=V1,V2,...``: which planner inputs may be swept, and
-the values. Every numeric input of ``PlanInputs`` but the ``measured`` (one run's figures to anchor on) and ``decision``
-(they change what recommend picks, never an estimate) groups, by name, flag or config key; each value within the
-input's bounds; Decimal arithmetic, so ``0:1:0.1`` gives 0.3.
+"""``--sweep KEY=START:STOP:STEP``: which planner inputs may be swept, and the values a range names.
+
+``START:STOP:STEP`` includes the stop; ``KEY=V1,V2,...`` lists the values. Every numeric input of ``PlanInputs`` but
+the ``measured`` (one run's figures to anchor on) and ``decision`` groups (they change what recommend picks, never an
+estimate), by name, flag or config key; each value within the input's bounds; Decimal arithmetic (0.3, not
+0.30000000000000004).
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
-"""What the MCP server may touch, fixed at its start and never by a tool argument (docs/security.md), and the guard
-every tool call runs through: a bounded thread pool, a deadline, and every failure as one ``ToolError`` in the CLI's
-words.
+"""What the MCP server may touch, fixed when it starts, and the guard every tool call runs through.
+
+Containment never comes from a tool argument (docs/security.md). The guard: a bounded thread pool, a deadline, and
+every failure as one ``ToolError`` in the CLI's words.
 
 ``roots``: the launch directory plus ``--root``/``$MBRIDGE_OFFLOAD_ROOTS`` (a client's declared MCP roots replace the
 launch directory per session: ``roots.py``); ``bridge_repos``: checkouts whose tests may run (importing their

@@ -1,6 +1,8 @@
-"""The MCP client's roots: a client that declares the ``roots`` capability is asked ``roots/list`` once per connection
-(again after ``notifications/roots/list_changed``), and each tool call runs confined to those directories plus the
-server's ``--root`` flags. A client that declares none, or cannot be asked (a 2026-07-28 connection), gets the roots
+"""The MCP client's roots: asked for when the client declares them, followed when it says they changed.
+
+A client that declares the ``roots`` capability is asked ``roots/list`` once per connection (again after
+``notifications/roots/list_changed``), and each tool call runs confined to those directories plus the server's
+``--root`` flags. A client that declares none, or cannot be asked (a 2026-07-28 connection), gets the roots
 fixed at start."""
 
 from __future__ import annotations
