@@ -64,10 +64,9 @@ def _add_serve(sub: Any) -> None:
         description="Run the MCP server (the same as mbridge-offload-mcp): the tools of docs/mcp.md over stdio or "
         "streamable HTTP; what it may read, write and run comes from these flags, never from a tool argument.",
     )
-    from mbridge_offload_tools.server.guard import add_policy_flags, add_transport_flags
+    from mbridge_offload_tools.server.guard import add_server_flags
 
-    add_transport_flags(p)
-    add_policy_flags(p)
+    add_server_flags(p)
     p.set_defaults(handler=cmd_serve, json=False)
 
 
@@ -154,16 +153,7 @@ def cmd_test(args: argparse.Namespace) -> int:
                 streamed.add(nodeid)
 
     try:
-        result = run_tests(
-            k=args.k,
-            bridge_repo=args.bridge_repo,
-            suite=args.suite,
-            timeout_s=args.timeout_s,
-            on_progress=progress,
-            config=args.config,
-            steps=args.steps,
-            path=args.path,
-        )
+        result = run_tests(**values(args, "run_unit_tests"), on_progress=progress)
     except TestSuiteError as exc:
         raise UsageError(str(exc)) from None
     emit(result.to_dict(), args.json, lambda d: _human_test(d, frozenset(streamed)))

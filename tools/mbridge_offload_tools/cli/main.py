@@ -1,7 +1,6 @@
 """``mbridge-offload`` — the command line; every subcommand also answers ``--json``.
 
-Subcommands are registered by the modules that own them (``add_parsers(subparsers)``); each handler
-returns an exit code. Heavy imports (torch, megatron, mcp) happen inside handlers, never here.
+Each module in ``SUBCOMMAND_MODULES`` adds its subcommands; heavy imports happen inside the handlers, never here.
 """
 
 from __future__ import annotations

@@ -1,17 +1,8 @@
 """``mbridge-offload mcp-config``: the project-scope MCP entry that starts this checkout's server from a user's project.
 
-A host (Claude Code, Cursor) reads ``.mcp.json`` at the root of the project it opens and starts each server there,
-so a relative command works only when the project is the skill folder itself (this repository's own ``.mcp.json``,
-for work on the skill). For any other project the entry must name this checkout's launcher by its absolute path::
-
-    {"mcpServers": {"mbridge-offload": {"command": "/abs/path/to/mbridge-offload/scripts/mcp-server", "args": []}}}
-
-Without ``--project`` the command prints that entry. With ``--project DIR`` it writes ``DIR/.mcp.json``: a new file
-is created; an existing one (other servers, or an older entry of ours) is changed only with ``--force``, keeping its
-other servers and a backup (``.mcp.json.bak``), written atomically (:mod:`mbridge_offload.actions.safe_write`); an
-entry that is already the same changes nothing. The same entry, written by Claude Code itself:
-``claude mcp add --scope project mbridge-offload -- /abs/path/to/scripts/mcp-server`` (run in the project).
-The Claude Code plugin does not need it (its ``plugin.json`` names ``${CLAUDE_PLUGIN_ROOT}/scripts/mcp-server``).
+A host starts the servers of the ``.mcp.json`` of the project it opens, so from any project but this one the entry
+must name this checkout's launcher by its absolute path. Without ``--project`` the entry is printed; with it
+``DIR/.mcp.json`` is written: created, or changed only with ``--force`` (other servers kept, a backup, atomically).
 """
 
 from __future__ import annotations
@@ -31,12 +22,8 @@ ROOT = Path(__file__).resolve().parents[3]
 
 
 def launcher() -> Path:
-    """The command a project's entry runs: this checkout's ``scripts/mcp-server`` (it sets up the config side on
-    its first start and keeps the host's working directory), else the installed ``mbridge-offload-mcp`` script.
-
-    Raises:
-        UsageError: neither exists (an installation without its launcher or console script).
-    """
+    """The command a project's entry runs: this checkout's ``scripts/mcp-server`` (it sets itself up on its first
+    start), else the installed ``mbridge-offload-mcp`` script."""
     script = ROOT / "scripts" / "mcp-server"
     if script.is_file():
         return script
@@ -72,16 +59,8 @@ def _read_existing(path: Path) -> dict[str, Any]:
 
 
 def write_project_entry(project: Path, force: bool = False) -> dict[str, Any]:
-    """Put this checkout's entry into ``project/.mcp.json``.
-
-    Returns:
-        ``{"ok", "entry", "project", "written", "backup", "changed"}`` (``written``: the file's path, ``None`` when
-        it already held the same entry).
-
-    Raises:
-        UsageError: ``project`` is not a directory, its ``.mcp.json`` is not an MCP config, or it exists and would
-            change without ``force`` (nothing is written then).
-    """
+    """Put this checkout's entry into ``project/.mcp.json``: ``{"ok", "entry", "project", "written", "backup",
+    "changed"}`` (``written`` None when it already held the same entry)."""
     if not project.is_dir():
         raise UsageError(f"--project {project}: not a directory", "pass the folder your MCP host opens as the project")
     path = project / ".mcp.json"

@@ -50,10 +50,7 @@ def add_parsers(sub: Any) -> None:
         "named host profile (CPU model, threads, torch version, date, rate). estimate and recommend use it only "
         "when named: --host-profile NAME|FILE (MCP host_profile).",
     )
-    cal.add_argument(
-        "--name",
-        help="the profile's name (letters, digits, '._-'; default: this host's name)",
-    )
+    cal.add_argument("--name", help="the profile's name (letters, digits, '._-'; default: this host's name)")
     cal.add_argument(
         "--output",
         metavar="PATH",

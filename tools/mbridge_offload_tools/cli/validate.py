@@ -1,7 +1,6 @@
 """``mbridge-offload validate``: lint a config for CPU offloading, with upstream's own messages.
 
-Exit codes: 0 no errors (warnings allowed), 1 errors found, 2 bad input (unreadable config, wrong type,
-bad ``--target``/``--env``/``--te-version``). Never imports torch or megatron (``--exact`` runs it in a subprocess).
+Exit codes: 0 no errors (warnings allowed), 1 errors found, 2 bad input.
 """
 
 from __future__ import annotations

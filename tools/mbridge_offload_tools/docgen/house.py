@@ -1,8 +1,7 @@
 """The house as the code has it: modules by room, who imports whom, and the functions that grew too long.
 
-Read from the source with ``ast`` (nothing is imported), so the checks in ``tests/test_house.py`` and the generated
-part of ``docs/architecture.md`` see the same facts: every import counts, at module level, inside a function, or
-under ``TYPE_CHECKING``.
+Read with ``ast`` (nothing imported), so ``tests/test_house.py`` and ``docs/architecture.md`` see the same facts:
+every import counts, at module level, inside a function or under ``TYPE_CHECKING``.
 """
 
 from __future__ import annotations
@@ -121,39 +120,14 @@ def _drop_parents(mods: dict[str, Module]) -> dict[str, set[str]]:
 
 
 def import_cycles(mods: dict[str, Module] | None = None) -> list[list[str]]:
-    """Every strongly connected set of more than one module (Tarjan), as sorted lists."""
-    edges = _drop_parents(mods or modules())
-    index: dict[str, int] = {}
-    low: dict[str, int] = {}
-    stack: list[str] = []
-    on: set[str] = set()
-    cycles: list[list[str]] = []
+    """A circle of imports as a sorted list (graphlib finds one at a time), or none."""
+    from graphlib import CycleError, TopologicalSorter
 
-    def visit(v: str) -> None:
-        index[v] = low[v] = len(index)
-        stack.append(v)
-        on.add(v)
-        for w in edges.get(v, ()):
-            if w not in index:
-                visit(w)
-                low[v] = min(low[v], low[w])
-            elif w in on:
-                low[v] = min(low[v], index[w])
-        if low[v] == index[v]:
-            comp = []
-            while True:
-                w = stack.pop()
-                on.discard(w)
-                comp.append(w)
-                if w == v:
-                    break
-            if len(comp) > 1:
-                cycles.append(sorted(comp))
-
-    for v in sorted(edges):
-        if v not in index:
-            visit(v)
-    return cycles
+    try:
+        TopologicalSorter(_drop_parents(mods or modules())).prepare()
+    except CycleError as exc:
+        return [sorted(set(exc.args[1]))]
+    return []
 
 
 def room_of(name: str) -> str | None:

@@ -1,29 +1,16 @@
 """The one registry of generated docs: the tables that restate code are rendered from the code.
 
-Two kinds of entry. ``WHOLE`` files are rendered entirely (``docs/rules.md``; the skill's ``references/*.md``, from
-``references.py``; ``card.yaml``'s measured block is rendered into the whole file; ``docs/img/plots.json``, the
-numbers the pictures under ``docs/img/`` plot, which ``plots.py`` redraws when they change). ``GENERATED`` files
-keep their hand-written text; only marked sections are rendered.
-
-A generated section sits between two marker comments; everything outside them is hand-written and left alone::
-
-    <!-- BEGIN GENERATED: parameters -->
-    ...rendered table...
-    <!-- END GENERATED: parameters -->
-
-``GENERATED`` maps each file to its sections and the function that renders each. ``regenerate()`` rewrites
-both kinds (``python -m mbridge_offload_tools.docgen``); ``stale()`` says which are out of date, and the tests fail
-on any. The renderers import the domain modules lazily, so a missing module shows as a clear error in
-the one section that needs it.
+``WHOLE`` files are rendered entirely; ``GENERATED`` files keep their hand-written text around marked sections
+(``<!-- BEGIN GENERATED: name -->`` … ``<!-- END GENERATED: name -->``). ``regenerate()`` rewrites both
+(``python -m mbridge_offload_tools.docgen``); ``stale()`` names what is out of date, and the tests fail on any.
 """
 
 from __future__ import annotations
 
+import importlib
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
-
-from mbridge_offload_tools.docgen.skill.params import render_parameters_doc
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -40,11 +27,7 @@ def sections(text: str) -> dict[str, str]:
 
 
 def fill(text: str, name: str, body: str, note: str = _NOTE) -> str:
-    """``text`` with the body of section ``name`` replaced by ``body``.
-
-    Raises:
-        KeyError: when ``text`` has no such section (the markers are part of the hand-written file).
-    """
+    """``text`` with the body of section ``name`` replaced by ``body`` (KeyError: no such markers in ``text``)."""
     found = False
 
     def swap(m: re.Match[str]) -> str:
@@ -63,147 +46,33 @@ def fill(text: str, name: str, body: str, note: str = _NOTE) -> str:
 # ---------------------------------------------------------------------------------------------- renderers
 
 
-def render_constraint_summary() -> str:
-    from mbridge_offload_tools.docgen.skill.catalogue import render_constraint_summary as render
+def _lazy(module: str, name: str) -> Callable[[], str]:
+    """The renderer ``module.name``, imported when called: a missing module fails only the section that needs it."""
 
-    return render()
+    def render() -> str:
+        return str(getattr(importlib.import_module(module), name)())
+
+    render.__name__ = name
+    return render
 
 
-def render_diagnosis_summary() -> str:
-    from mbridge_offload_tools.docgen.skill.catalogue import render_diagnosis_summary as render
+def _card() -> str:
+    from mbridge_offload_tools.docgen.skill.card import render_card
 
-    return render()
+    return render_card((ROOT / "card.yaml").read_text(encoding="utf-8"))
 
 
 def _reference(path: str) -> Callable[[], str]:
-    """The renderer of one whole file under references/ (imported when called)."""
-
     def render() -> str:
         from mbridge_offload_tools.docgen.skill.references import FILES
 
         return FILES[path]()
 
-    render.__name__ = f"render_{Path(path).stem.replace('-', '_')}"
     return render
 
 
-def render_tools() -> str:
-    from mbridge_offload_tools.docgen.skill.catalogue import render_tools as render
-
-    return render()
-
-
-def render_interface() -> str:
-    from mbridge_offload_tools.docgen.skill.references import render_interface as render
-
-    return render()
-
-
-def render_schedule() -> str:
-    from mbridge_offload_tools.docgen.docs.guide import render_schedule as render
-
-    return render()
-
-
-def render_benchmarks() -> str:
-    from mbridge_offload_tools.docgen.docs.benchmarks import render_index
-
-    return render_index()
-
-
-def render_test_counts() -> str:
-    from mbridge_offload_tools.docgen.docs.benchmarks import render_test_counts as render
-
-    return render()
-
-
-def render_test_summary() -> str:
-    from mbridge_offload_tools.docgen.docs.benchmarks import render_test_summary as render
-
-    return render()
-
-
-def render_rooms() -> str:
-    from mbridge_offload_tools.docgen.house import render_rooms as render
-
-    return render()
-
-
-def render_arrows() -> str:
-    from mbridge_offload_tools.docgen.house import render_arrows as render
-
-    return render()
-
-
-def render_rules() -> str:
-    from mbridge_offload.config.rules.catalogue import render_rules_markdown
-
-    return render_rules_markdown()
-
-
-def render_card() -> str:
-    from mbridge_offload_tools.docgen.skill.card import render_card as render
-
-    return render((ROOT / "card.yaml").read_text(encoding="utf-8"))
-
-
-def render_fine_grained() -> str:
-    from mbridge_offload_tools.evidence.published_fine_grained import render_section
-
-    return render_section()
-
-
-def render_accuracy() -> str:
-    from mbridge_offload_tools.evidence.published import render_accuracy_table
-
-    return render_accuracy_table()
-
-
-def render_recipe_peaks() -> str:
-    from mbridge_offload_tools.evidence.published_recipes import render_table
-
-    return render_table()
-
-
-def render_nvidia_runs() -> str:
-    from mbridge_offload_tools.evidence.nvidia_runs import render_table
-
-    return render_table()
-
-
-def render_gpu_presets() -> str:
-    from mbridge_offload.plan.inputs.hardware import render_gpu_table
-
-    return render_gpu_table()
-
-
-def render_levers() -> str:
-    from mbridge_offload.plan.search.risks import render_table
-
-    return render_table()
-
-
-def render_step_time() -> str:
-    from mbridge_offload_tools.evidence.step_fit import render_table
-
-    return render_table()
-
-
-def render_plot_values() -> str:
-    from mbridge_offload_tools.docgen.docs.plots import render_values
-
-    return render_values()
-
-
-def render_perf_recipes() -> str:
-    from mbridge_offload_tools.docgen.docs.perf import render_perf_recipes as render
-
-    return render()
-
-
-# The skill's references/ folder: the full tables SKILL.md points to (mbridge_offload_tools.docgen.skill.references
-# renders
-# them).
+_SKILL, _DOCS, _EVIDENCE = (f"mbridge_offload_tools.{p}" for p in ("docgen.skill", "docgen.docs", "evidence"))
+# The skill's references/ folder: the full tables SKILL.md points to (rendered by ``skill/references.py``).
 REFERENCES = (
     "references/parameters.md",
     "references/constraints.md",
@@ -214,54 +83,40 @@ REFERENCES = (
 )
 
 WHOLE: dict[str, Callable[[], str]] = {
-    "docs/rules.md": render_rules,
-    "card.yaml": render_card,
-    "docs/img/plots.json": render_plot_values,
+    "docs/rules.md": _lazy("mbridge_offload.config.rules.catalogue", "render_rules_markdown"),
+    "card.yaml": _card,
+    "docs/img/plots.json": _lazy(f"{_DOCS}.plots", "render_values"),
     **{path: _reference(path) for path in REFERENCES},
 }
 
 GENERATED: dict[str, dict[str, Callable[[], str]]] = {
     "SKILL.md": {
-        "constraints": render_constraint_summary,
-        "diagnosis": render_diagnosis_summary,
-        "tools": render_tools,
+        "constraints": _lazy(f"{_SKILL}.catalogue", "render_constraint_summary"),
+        "diagnosis": _lazy(f"{_SKILL}.catalogue", "render_diagnosis_summary"),
+        "tools": _lazy(f"{_SKILL}.catalogue", "render_tools"),
     },
-    "docs/parameters.md": {"parameters": render_parameters_doc},
-    "docs/mcp.md": {"interface": render_interface},
+    "docs/parameters.md": {"parameters": _lazy(f"{_SKILL}.params", "render_parameters_doc")},
+    "docs/mcp.md": {"interface": _lazy(f"{_SKILL}.references", "render_interface")},
     # Before docs/benchmarks.md, which includes the fragment.
-    "docs/benchmarks-testtool.md": {"test-counts": render_test_counts},
-    "README.md": {"test-counts": render_test_summary},
-    "docs/benchmarks.md": {"benchmarks": render_benchmarks},
-    "docs/cpu-offloading.md": {"activation-schedule": render_schedule},
-    "docs/architecture.md": {"rooms": render_rooms, "arrows": render_arrows},
+    "docs/benchmarks-testtool.md": {"test-counts": _lazy(f"{_DOCS}.benchmarks", "render_test_counts")},
+    "README.md": {"test-counts": _lazy(f"{_DOCS}.benchmarks", "render_test_summary")},
+    "docs/benchmarks.md": {"benchmarks": _lazy(f"{_DOCS}.benchmarks", "render_index")},
+    "docs/cpu-offloading.md": {"activation-schedule": _lazy(f"{_DOCS}.guide", "render_schedule")},
+    "docs/architecture.md": {
+        "rooms": _lazy("mbridge_offload_tools.docgen.house", "render_rooms"),
+        "arrows": _lazy("mbridge_offload_tools.docgen.house", "render_arrows"),
+    },
     "docs/planner.md": {
-        "accuracy": render_accuracy,
-        "recipe-peaks": render_recipe_peaks,
-        "nvidia-runs": render_nvidia_runs,
-        "perf-recipes": render_perf_recipes,
-        "gpu-presets": render_gpu_presets,
-        "fine-grained": render_fine_grained,
-        "step-time": render_step_time,
-        "levers": render_levers,
+        "accuracy": _lazy(f"{_EVIDENCE}.published", "render_accuracy_table"),
+        "recipe-peaks": _lazy(f"{_EVIDENCE}.published_recipes", "render_table"),
+        "nvidia-runs": _lazy(f"{_EVIDENCE}.nvidia_runs", "render_table"),
+        "perf-recipes": _lazy(f"{_DOCS}.perf", "render_perf_recipes"),
+        "gpu-presets": _lazy("mbridge_offload.plan.inputs.hardware", "render_gpu_table"),
+        "fine-grained": _lazy(f"{_EVIDENCE}.published_fine_grained", "render_section"),
+        "step-time": _lazy(f"{_EVIDENCE}.step_fit", "render_table"),
+        "levers": _lazy("mbridge_offload.plan.search.risks", "render_table"),
     },
 }
-
-
-def render_file(path: str, text: str, skipped: list[str] | None = None) -> str:
-    """``text`` (the current content of ``path``) with every generated section re-rendered.
-
-    A section whose renderer needs a module that does not exist yet is left as it is and named in ``skipped``.
-    """
-    for name, render in GENERATED[path].items():
-        try:
-            body = render()
-        except ModuleNotFoundError as exc:
-            if skipped is None:
-                raise
-            skipped.append(f"{path}#{name} ({exc})")
-            continue
-        text = fill(text, name, body)
-    return text
 
 
 def stale(root: Path = ROOT, only: set[str] | None = None) -> list[str]:
@@ -287,23 +142,26 @@ def stale(root: Path = ROOT, only: set[str] | None = None) -> list[str]:
     return out
 
 
-def regenerate(root: Path = ROOT, skipped: list[str] | None = None) -> list[str]:
-    """Rewrite every generated section and whole file; returns the files that changed."""
-    changed: list[str] = []
-    for path in GENERATED:
-        file = root / path
-        old = file.read_text(encoding="utf-8")
-        new = render_file(path, old, skipped)
-        if new != old:
-            file.write_text(new, encoding="utf-8")
-            changed.append(path)
+def _fresh(root: Path) -> Iterator[tuple[str, str]]:
+    """Each generated file and its fresh text, one at a time (a file may include one rendered before it)."""
+    for path, renderers in GENERATED.items():
+        text = (root / path).read_text(encoding="utf-8")
+        for name, render in renderers.items():
+            text = fill(text, name, render())
+        yield path, text
     for path, render in WHOLE.items():
+        yield path, render()
+
+
+def regenerate(root: Path = ROOT) -> list[str]:
+    """Rewrite every generated section and whole file, and redraw stale pictures; returns what changed."""
+    from mbridge_offload_tools.docgen.docs.plots import redraw
+
+    changed: list[str] = []
+    for path, new in _fresh(root):
         file = root / path
-        new = render()
         if not file.exists() or file.read_text(encoding="utf-8") != new:
             file.parent.mkdir(parents=True, exist_ok=True)
             file.write_text(new, encoding="utf-8")
             changed.append(path)
-    from mbridge_offload_tools.docgen.docs.plots import redraw
-
     return changed + redraw(root)

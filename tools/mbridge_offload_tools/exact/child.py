@@ -1,18 +1,10 @@
-"""Child process of ``validate --exact``: build the real megatron-core configs and print what they raise.
+"""Child process of validate's upstream run: build the real megatron-core configs and print what they raise.
 
-Run as a script (never imported by the server or the CLI, which stay torch-free), with the target's megatron-core
-first on its path: ``python child.py < {"model": {...}, "optimizer": {...}, "ddp": {...}, "te_version":
-"2.18.0"}``. Prints one JSON object: ``{"version": "0.19.2", "te": null, "errors": [{"stage", "type", "message"}],
-"skipped": [...], "dropped": [...]}`` (``{"batch": [config, ...]}`` in: ``{"batch": [answer, ...]}`` out, one import
-of megatron-core for many configs). Keys that are not fields of the installed release's dataclasses are not passed
-(listed in ``dropped``).
-
-Without Transformer Engine (it cannot be installed on a CPU machine) megatron-core's TE checks cannot answer: its
-TE version comparisons (``is_te_min_version``, ``get_te_version``; 0.16.1 raises ``TypeError: '>=' not supported
-between instances of 'NoneType' and 'Version'``, 0.19.2 compares with 0.0.0) are answered for ``te_version`` (the
-release the verdict assumes, as in the report's ``env``) so that the checks after them still run, and a check that
-needs TE itself (an import from ``transformer_engine``) is skipped. Each is listed in ``skipped`` with the reason,
-never reported as an error.
+Run as a script with the target's megatron-core first on its path (never imported: the server and the CLI stay
+torch-free): one JSON config in (``{"model", "optimizer", "ddp", "te_version"}``, or ``{"batch": [...]}``), one
+answer out (``{"version", "te", "errors", "skipped", "dropped", "built", "ran"}``). Keys the release's dataclasses lack
+are dropped. Without Transformer Engine, megatron-core's TE version checks are answered for ``te_version`` so that the
+checks after them run, and a check that needs TE itself is skipped; each is listed in ``skipped``, never an error.
 """
 
 from __future__ import annotations
@@ -41,16 +33,13 @@ class _TEChecks:
     """The TE version checks megatron-core asked while TE is absent, answered for the assumed release."""
 
     def __init__(self, assumed: str) -> None:
-        from packaging.version import Version
-
-        self.version = Version(assumed)
-        self.assumed = assumed
         self.stage = ""
         self.asked: dict[str, list[str]] = {}
         self.failed: dict[str, list[str]] = {}
+        self.reset(assumed)
 
     def reset(self, assumed: str) -> None:
-        """Answer for ``assumed`` from now on, with nothing asked yet (one config of a batch)."""
+        """Answer for ``assumed`` from now on, nothing asked yet (one config of a batch)."""
         from packaging.version import Version
 
         self.version, self.assumed = Version(assumed), assumed
@@ -143,9 +132,7 @@ def _build(torch, cls, body: dict, stage: str, out: dict, te: _TEChecks | None):
     if te is not None:
         te.stage = stage
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            built = cls(**kwargs)
+        built = cls(**kwargs)
     except Exception as exc:  # every error megatron-core raises is the answer, except TE's absence
         if te is not None and (_needs_te(exc) or (_TE_MESSAGE.search(str(exc)) and not te.failed.get(stage))):
             out["skipped"].append(
@@ -343,15 +330,13 @@ def _build_model(torch, config, model: dict, out: dict) -> None:
 
 
 def main() -> None:
-    """One config on stdin, one answer on stdout; ``{"batch": [config, ...]}`` answers ``{"batch": [...]}`` with
-    one import of megatron-core (the generated-case tests judge many configs this way); ``--serve``: one config a
-    line, one answer a line, until stdin closes (the warm worker of validate and the MCP server)."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        import torch
-        from megatron.core.distributed import DistributedDataParallelConfig
-        from megatron.core.optimizer import OptimizerConfig
-        from megatron.core.transformer import MLATransformerConfig, TransformerConfig
+    """One config on stdin, one answer on stdout; ``--serve``: one a line until stdin closes (the warm worker)."""
+    warnings.simplefilter("ignore")  # this process answers in JSON on stdout; megatron-core's warnings are noise
+    import torch
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig
+    from megatron.core.transformer import MLATransformerConfig, TransformerConfig
+
     classes = (TransformerConfig, OptimizerConfig, DistributedDataParallelConfig, MLATransformerConfig)
     have_te = importlib.util.find_spec("transformer_engine") is not None
     te = None if have_te else _TEChecks("2.18.0")
@@ -372,11 +357,9 @@ def main() -> None:
 
 
 def _answer(torch, classes, data: dict, te, have_te: bool) -> dict:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        if isinstance(data.get("batch"), list):
-            return {"batch": [_judge(torch, classes, item, te, have_te) for item in data["batch"]]}
-        return _judge(torch, classes, data, te, have_te)
+    if isinstance(data.get("batch"), list):
+        return {"batch": [_judge(torch, classes, item, te, have_te) for item in data["batch"]]}
+    return _judge(torch, classes, data, te, have_te)
 
 
 if __name__ == "__main__":

@@ -1,24 +1,14 @@
-"""``validate --exact`` / MCP ``exact=true``: ask the target's megatron-core itself, in a subprocess with a deadline.
+"""validate's upstream run: the target's megatron-core itself, in a warm child process with a deadline.
 
-The fast path (the rule catalogue) stays torch-free; exact mode builds the real ``TransformerConfig``,
-``OptimizerConfig`` and ``DistributedDataParallelConfig`` from the config's sections in a child process
-(``mbridge_offload_tools.exact.child``: importing megatron-core takes ~10 s and torch), and reports every error it
-raises as a finding with origin ``mcore`` and the message verbatim. Those findings replace the catalogue's findings of
-the same stages (megatron-core's own answer wins); the other findings (Transformer Engine, Bridge, advisory) stay.
+The child (``child.py``: torch and megatron-core imported once) builds the config's ``TransformerConfig``,
+``OptimizerConfig``, ``DistributedDataParallelConfig`` and the model's layout; every error it raises becomes a finding
+with origin ``mcore``, verbatim, in place of the catalogue's findings of the stages it ran.
 
-- The release: the target's megatron-core (``--target``, default 0.19.2): this Python environment's when it is that
-  release, else ``.mcore/<version>`` of the skill folder (``scripts/setup`` installs 0.19.2 there; env
-  ``MBRIDGE_OFFLOAD_MCORE_DIR`` names another folder of such trees). When the target is not installed, the installed
-  release runs and the answer says so. Every answer names the release that ran (finding ``MCORE-EXACT-VERSION``,
-  ``env.exact_megatron_core``).
-- Bridge configs (a ``ConfigContainer`` YAML, a run_config.yaml, a recipe) are built as the one effective config
-  reads them (:func:`mbridge_offload.config.effective.resolve`, what the catalogue judges): their ``mixed_precision``
-  section, then Bridge's model ``finalize()`` normalisations for the target's Bridge release (rule
-  ``CFG-BRIDGE-FINALIZE``). Every config also gets what its frontend fills in before megatron-core's checks
-  (:attr:`mbridge_offload.config.effective.Effective.filled`: ``pipeline_dtype`` under pipeline parallelism, which
-  the catalogue never reports because no frontend leaves it unset); otherwise the sections are built as written.
-- Without Transformer Engine, megatron-core's TE checks are skipped or answered for the assumed TE release, each
-  named in a ``MCORE-EXACT-SKIPPED`` finding with the reason, never a false error.
+The release: the target's (``--target``), from this environment or ``.mcore/<version>`` (``scripts/setup``;
+``MBRIDGE_OFFLOAD_MCORE_DIR`` names another folder), else the installed one, and the answer says which ran. The
+sections are the ones the effective config holds (``config.effective``: Bridge's ``mixed_precision`` and
+``finalize()``, what a frontend fills in); without Transformer Engine its checks are answered for the assumed release
+or skipped, each named in ``MCORE-EXACT-SKIPPED``, never a false error.
 """
 
 from __future__ import annotations
@@ -111,11 +101,7 @@ def installs() -> list[Install]:
 
 
 def choose(target_label: str) -> Install:
-    """The target's release when installed here, else the first one found (the answer then says so).
-
-    Raises:
-        ExactUnavailable: no megatron-core at all.
-    """
+    """The target's release when installed here, else the first one found (the answer then says so)."""
     found = installs()
     for install in found:
         if install.version == target_label:
@@ -131,11 +117,8 @@ def choose(target_label: str) -> Install:
 
 
 def payload(raw: dict[str, Any], config: OffloadConfig | None, target: str, source: str | None) -> dict[str, Any]:
-    """The sections the child builds, read as the one effective config reads them
-    (:mod:`mbridge_offload.config.effective`, what the rule catalogue judges): a Bridge config after its
-    ``mixed_precision`` section and model ``finalize()``, in Bridge's order; any config with what its frontend fills
-    in before megatron-core's checks (``pipeline_dtype`` under pipeline parallelism: Bridge's ``finalize()`` for a
-    partial YAML, Megatron-LM's argument translation for a command line). Otherwise the sections as written."""
+    """The sections the child builds, as the effective config (what the catalogue judges) holds them: Bridge's
+    normalisations and what a frontend fills in before megatron-core's checks set; otherwise as written."""
     sections = ("model", "optimizer", "ddp")
     if config is None:
         try:
@@ -152,9 +135,7 @@ def payload(raw: dict[str, Any], config: OffloadConfig | None, target: str, sour
 
 
 class Worker:
-    """One warm megatron-core: ``child.py --serve`` started once, asked one config a line (megatron-core and torch
-    are imported once; the child keeps its answers to configs it has seen). The MCP server starts one at launch
-    (:func:`start`); the CLI starts one for its one call."""
+    """One warm megatron-core: ``child.py --serve``, asked one config a line (the MCP server starts one at launch)."""
 
     def __init__(self, install: Install) -> None:
         env = dict(os.environ)
@@ -204,11 +185,7 @@ class Worker:
         return answer
 
     def ask(self, body: dict[str, Any], deadline_s: float) -> dict[str, Any]:
-        """The child's answer for ``body``.
-
-        Raises:
-            ExactUnavailable: the child died or passed ``deadline_s`` (it is then stopped).
-        """
+        """The child's answer for ``body`` (ExactUnavailable when it died or passed ``deadline_s``: then stopped)."""
         deadline = time.monotonic() + deadline_s
         with self.lock:
             if not self.ready:
@@ -258,9 +235,10 @@ def _stop_workers() -> None:
         w.close()
 
 
-def _spawn(install: Install, body: dict[str, Any], deadline_s: float) -> dict[str, Any]:
+def _ask(target: str, body: dict[str, Any], deadline_s: float) -> tuple[Install, dict[str, Any]]:
+    install = choose(parse_target(target).label)
     try:
-        return worker(install).ask(body, deadline_s)
+        return install, worker(install).ask(body, deadline_s)
     except ExactUnavailable as exc:
         raise ExactUnavailable(f"--exact: {exc}") from None
 
@@ -274,28 +252,18 @@ def run_child(
     source: str | None = None,
     te_version: str | None = None,
 ) -> dict[str, Any]:
-    """The child's answer for the config sections of ``raw``, from the target's megatron-core where installed.
-
-    Raises:
-        ExactUnavailable: megatron-core is not importable, or the child failed or passed the deadline.
-    """
-    install = choose(parse_target(target).label)
-    body = payload(raw, config, target, source)
-    body["te_version"] = te_version
-    answer = _spawn(install, body, deadline_s)
+    """The child's answer for the config sections of ``raw``, from the target's megatron-core where installed
+    (ExactUnavailable: none is, or the child failed or passed the deadline)."""
+    install, answer = _ask(target, {**payload(raw, config, target, source), "te_version": te_version}, deadline_s)
     answer["where"] = install.where
     return answer
 
 
 def run_children(bodies: list[dict[str, Any]], target: str, deadline_s: float = 600) -> list[dict[str, Any]]:
-    """The child's answer for each of ``bodies`` (each :func:`payload`'s sections), from one megatron-core import:
-    what exact mode would answer for many configs (the generated-case tests).
-
-    Raises:
-        ExactUnavailable: as :func:`run_child`.
-    """
-    install = choose(parse_target(target).label)
-    answers: list[dict[str, Any]] = _spawn(install, {"batch": bodies}, deadline_s)["batch"]
+    """The child's answer for each of ``bodies`` (:func:`payload`'s sections) from one megatron-core import (the
+    generated-case tests)."""
+    install, answer = _ask(target, {"batch": bodies}, deadline_s)
+    answers: list[dict[str, Any]] = answer["batch"]
     for answer in answers:
         answer["where"] = install.where
     return answers
@@ -308,11 +276,7 @@ def exact_report(
     config: OffloadConfig | None = None,
     notes: bool = True,
 ) -> Report:
-    """``report`` with its megatron-core config findings replaced by what the target's megatron-core raises
-    (``notes``: as :func:`merge`).
-
-    ``config`` (the typed config ``raw`` built) lets a Bridge config get Bridge's ``finalize()`` first.
-    """
+    """``report`` with its megatron-core findings replaced by what the target's megatron-core raises (:func:`merge`)."""
     answer = run_child(
         raw,
         deadline_s,
@@ -325,41 +289,32 @@ def exact_report(
 
 
 def merge(report: Report, answer: dict[str, Any], notes: bool = True) -> Report:
-    """``report`` (the catalogue's) with the child's ``answer`` for the same config: megatron-core's errors
-    verbatim in place of the catalogue's findings of the stages it ran, and ``coverage``; ``notes``: also the
-    release that ran and what it skipped as info findings (``MCORE-EXACT-VERSION``, ``MCORE-EXACT-SKIPPED``: what
+    """``report`` (the catalogue's) with megatron-core's errors verbatim in place of its findings of the stages the
+    child ran, and ``coverage``; ``notes``: also the release that ran and what it skipped as info findings (what
     ``exact`` answers; by default ``coverage`` says the same)."""
     target = parse_target(report.target)
     version = answer["version"]
     ran = f"megatron-core {version} ({answer['where']})"
     kept = _kept(report.findings, answer)
+
+    def mcore(rule: str, severity: Any, message: str, why: str, **more: Any) -> Finding:
+        return Finding(
+            rule=rule, severity=severity, origin="mcore", keys=[], message=message, fix=None, why=why, **more
+        )
+
     exact = [
-        Finding(
-            rule="MCORE-BUILD" if e["stage"] == BUILD_STAGE else "MCORE-EXACT",
-            severity="error",
-            origin="mcore",
-            keys=[],
-            message=e["message"] or f"{e['type']} (no message)",
-            fix=None,
-            why=f"raised by {ran}, building {e['stage']}" + (f" ({e['where']})" if e.get("where") else ""),
+        mcore(
+            "MCORE-BUILD" if e["stage"] == BUILD_STAGE else "MCORE-EXACT",
+            "error",
+            e["message"] or f"{e['type']} (no message)",
+            f"raised by {ran}, building {e['stage']}" + (f" ({e['where']})" if e.get("where") else ""),
             stage=_STAGES.get(e["stage"], e["stage"]),
             upstream_message=e["message"],
             exception=e["type"],
         )
         for e in answer["errors"]
     ]
-    infos = [
-        Finding(
-            rule="MCORE-EXACT-SKIPPED",
-            severity="info",
-            origin="mcore",
-            keys=[],
-            message=text,
-            fix=None,
-            why=f"the upstream run with {ran}",
-        )
-        for text in answer["skipped"]
-    ]
+    infos = [mcore("MCORE-EXACT-SKIPPED", "info", text, f"the upstream run with {ran}") for text in answer["skipped"]]
     if version == target.label:
         message = f"the upstream run ran megatron-core {version}, the target, from {answer['where']}"
         why = "megatron-core's own checks of the target release"
@@ -370,11 +325,7 @@ def merge(report: Report, answer: dict[str, Any], notes: bool = True) -> Report:
             f"{target.label} is not installed here ({hint})"
         )
         why = "the upstream run can only ask a release that is installed; the other findings follow the target"
-    infos.append(
-        Finding(
-            rule="MCORE-EXACT-VERSION", severity="info", origin="mcore", keys=[], message=message, fix=None, why=why
-        )
-    )
+    infos.append(mcore("MCORE-EXACT-VERSION", "info", message, why))
     env = {**report.env, "exact_megatron_core": version, "exact_megatron_core_from": answer["where"]}
     env["exact_transformer_engine"] = answer.get("te") or "not installed (TE checks skipped, see MCORE-EXACT-SKIPPED)"
     coverage = {**_coverage(answer, ran), "upstream": message}

@@ -1,10 +1,4 @@
-"""Both sides of one declaration: a subcommand's argparse flags and an MCP tool's signature, from ``TOOLS``.
-
-- :func:`add_arguments` adds a tool's parameters (and its CLI-only flags) to its subcommand's parser;
-  :func:`finish` then folds the older spellings into their parameter and holds each value to the declared bounds
-  (``cli.main`` calls it for every subcommand), so a value the MCP schema refuses exits 2 on the CLI too.
-- :func:`declared` gives an MCP tool function the declared signature (types, bounds, defaults, descriptions): the
-  function names the parameters, the declaration owns everything else.
+"""Both sides of one declaration (``TOOLS``): a subcommand's argparse flags and an MCP tool's signature.
 
 Imports neither the MCP SDK nor the library's heavy parts: the CLI builds its parser from here.
 """
@@ -81,11 +75,8 @@ def _fold_alias(args: argparse.Namespace, spec: Tool, c: CliOnly) -> None:
 
 
 def finish(args: argparse.Namespace) -> None:
-    """After argparse: older spellings folded into their parameter, every value held to its declared bounds.
-
-    Raises:
-        InputError: two spellings of one parameter disagree, or a value is out of its bounds (exit 2).
-    """
+    """After argparse: older spellings folded into their parameter, every value held to its declared bounds (an
+    InputError, exit 2, where two spellings disagree or a value is out of bounds)."""
     spec = BY_COMMAND.get(getattr(args, "command", ""))
     if spec is None:
         return
@@ -114,34 +105,14 @@ def mcp_parameters(tool: str) -> list[inspect.Parameter]:
     ]
 
 
-def _check_function(fn: Callable[..., Any], spec: Tool) -> list[inspect.Parameter]:
-    """The function's parameters that are not declared (only ``ctx``, the MCP context, may be); its declared ones
-    must match the declaration by name and carry no default (the declaration's is the one)."""
-    params = inspect.signature(fn, eval_str=True).parameters.values()
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
-        return [p for p in params if p.kind is not inspect.Parameter.VAR_KEYWORD]
-    names = {p.name for p in spec.params}
-    own = {p.name for p in params}
-    extra = [p for p in params if p.name not in names]
-    problems = [f"missing {sorted(names - own)}"] if names - own else []
-    problems += [f"undeclared {p.name}" for p in extra if p.name != "ctx"]
-    problems += [f"{p.name} has a default" for p in params if p.name in names and p.default is not p.empty]
-    if problems:
-        raise TypeError(f"{fn.__name__} does not match the declaration of {spec.name}: {'; '.join(problems)}")
-    return extra
-
-
 def declared(tool: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """Decorator: the MCP tool function ``tool`` with the declared signature.
-
-    The function lists the declared parameters by name (no defaults) or takes ``**kwargs``; a call that leaves one
-    out (a direct Python call) gets its declared default. ``ctx`` (the MCP context) may come first.
-    """
+    """Decorator: ``fn(**v)`` (or ``fn(ctx, **v)``, ``ctx`` the MCP context) with the declared signature of the MCP
+    tool ``tool``; a call that leaves a parameter out (a direct Python call) gets its declared default."""
     spec = TOOLS[tool]
 
     def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
-        extra = _check_function(fn, spec)
-        returns = inspect.signature(fn, eval_str=True).return_annotation
+        own = inspect.signature(fn, eval_str=True)
+        front = [p.replace(kind=p.KEYWORD_ONLY) for p in own.parameters.values() if p.kind is not p.VAR_KEYWORD]
 
         @functools.wraps(fn)
         def call(*args: Any, **kwargs: Any) -> Any:
@@ -150,8 +121,8 @@ def declared(tool: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
                     kwargs[p.name] = copy.copy(p.default)
             return fn(*args, **kwargs)
 
-        front = [p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in extra]
-        call.__signature__ = inspect.Signature([*front, *mcp_parameters(tool)], return_annotation=returns)  # type: ignore[attr-defined]
+        signature = inspect.Signature([*front, *mcp_parameters(tool)], return_annotation=own.return_annotation)
+        call.__signature__ = signature  # type: ignore[attr-defined]
         return call
 
     return wrap

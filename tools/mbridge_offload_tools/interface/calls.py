@@ -1,32 +1,33 @@
-"""What the CLI and the MCP server both do with a tool's arguments: one body per tool where the two were twins.
-
-Each function takes the tool's arguments by their declared names (``interface.tools``) and raises
-:class:`~mbridge_offload.config.errors.InputError` on bad input: the CLI turns it into exit 2 and one JSON error,
-the MCP guard into ``isError`` with the same text. ``validate``, the planner (``estimate``, ``recommend``), ``apply``
-and ``diagnose`` run here entirely (the CLI adds only where a write may go and how a human reads the answer);
-``plan_source`` reads a planner tool's config, overrides or command line (``plot`` too: ``plot.run``);
-``environment`` and ``log_text`` read two inputs that ``validate`` and ``diagnose`` take on both sides.
-"""
+"""The body of each tool, one for the CLI and the MCP server: the tool's arguments by their declared names in,
+:class:`~mbridge_offload.config.errors.InputError` on bad input (the CLI's exit 2, the MCP guard's ``isError``)."""
 
 from __future__ import annotations
 
+import contextlib
 import re
 import shlex
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from mbridge_offload.config.errors import InputError
 
 
+@contextlib.contextmanager
+def _library_errors() -> Iterator[None]:
+    """A ValueError or KeyError the library raises outside its own checks (an unknown preset, a setup Megatron
+    rejects) is bad input; an InputError keeps its message and fix."""
+    try:
+        yield
+    except InputError:
+        raise
+    except (ValueError, KeyError) as exc:
+        raise InputError(str(exc).strip("'\"")) from None
+
+
 def environment(env: list[str] | None, te_version: str | None) -> dict[str, str]:
-    """The training environment's facts from ``env`` (``KEY=VALUE`` items) and ``te_version``.
-
-    ``te_version=X.Y`` inside ``env`` is the older spelling of ``te_version``; both given must agree.
-
-    Raises:
-        InputError: an item without ``=``, a Transformer Engine version that is no release number, or two
-            different versions.
-    """
+    """The training environment's facts from ``env`` (``KEY=VALUE`` items) and ``te_version`` (``te_version=X.Y``
+    in ``env`` is its older spelling; both given must agree)."""
     from mbridge_offload.config.validate import check_te_version
 
     facts: dict[str, str] = {}
@@ -55,15 +56,8 @@ _PATH_SHAPE = re.compile(r"\S*[/\\]\S*|\S+\.\w{1,8}")
 
 
 def log_text(log: str) -> str:
-    """A log argument's text: ``log`` is a file path (read through the bounded reader, its end kept) or the text.
-
-    Several lines are the text. One line is a path when it is an existing file or has a path's shape (no spaces,
-    and a folder or a file suffix: ``train.log``, ``logs/rank0``); any other line is the text itself (an error
-    message). A path outside the server's roots, missing, or not a regular file is refused.
-
-    Raises:
-        InputError: a path that cannot be read.
-    """
+    """A log argument's text: one line that is a file or has a path's shape (``train.log``, ``logs/rank0``) is read
+    through the bounded reader (inside the roots, its end kept); anything else is the text itself."""
     from mbridge_offload.config.reading import max_bytes, read_text_file
 
     if "\n" not in log and len(log) <= 4096 and (_PATH_SHAPE.fullmatch(log.strip()) or _is_file(log)):
@@ -76,22 +70,6 @@ def _is_file(text: str) -> bool:
         return Path(text).expanduser().is_file()
     except (OSError, ValueError):  # a name too long, a NUL byte
         return False
-
-
-def check_diagnose(v: dict[str, Any]) -> None:
-    """``diagnose`` needs something to read, and before/after come as a pair.
-
-    Raises:
-        InputError: nothing given, or one of before/after alone.
-    """
-    if not any(v.get(k) for k in ("error", "log", "symptom", "config", "before", "after")):
-        raise InputError(
-            "nothing to diagnose: pass error (the message), log (a file or an excerpt), symptom (a failure that "
-            "printed no message), and/or config, or before and after configs (CLI: --error, --log, --symptom, "
-            "--config, --before/--after)"
-        )
-    if (v.get("before") is None) != (v.get("after") is None):
-        raise InputError("pass both before and after (two configs around the change; CLI --before/--after), or neither")
 
 
 # ---------------------------------------------------------------------------------------------- validate
@@ -195,12 +173,7 @@ def _with_upstream(report: Any, loaded: Any, v: dict[str, Any]) -> Any:
 
 def plan_source(v: dict[str, Any]) -> tuple[Any, Any, Any]:
     """Take ``config``, ``overrides`` and ``megatron_args`` out of a planner tool's arguments ``v`` (left holding the
-    planner inputs) and read them: ``(config, raw, source)``, or Nones when only planner inputs were given.
-
-    Raises:
-        InputError: no model at all, a config and a command line both, overrides without a config, a config that
-            cannot be read, a command line with an unbalanced quote.
-    """
+    planner inputs) and read them: ``(config, raw, source)``, or Nones when only planner inputs were given."""
     from mbridge_offload.config.sources import load
 
     config, overrides, argv = v.pop("config"), v.pop("overrides") or [], v.pop("megatron_args")
@@ -219,31 +192,21 @@ def plan_source(v: dict[str, Any]) -> tuple[Any, Any, Any]:
         words = shlex.split(argv) if argv is not None else None
     except ValueError as exc:  # an unbalanced quote
         raise InputError(f"megatron_args: cannot read the command line: {exc}") from None
-    try:
+    with _library_errors():
         loaded = load(argv=words, overrides=overrides) if words is not None else load(config, overrides)
-    except InputError:  # a config that cannot be read: its message and fix as they are
-        raise
-    except (ValueError, KeyError) as exc:  # a value the reader rejects outside its own checks
-        raise InputError(str(exc).strip("'\"")) from None
     return loaded.config, loaded.raw, loaded.source
 
 
 def plan_answer(kind: str, v: dict[str, Any]) -> Any:
-    """``estimate`` / ``recommend`` (``estimate_memory`` / ``recommend_mode``): one path through the planner.
-
-    A config, its overrides or a Megatron-LM command line, then every planner input given (``plan.service.plan``).
-    """
+    """``estimate`` / ``recommend``: the config, its overrides or a Megatron-LM command line, and every planner input
+    given, through ``plan.service.plan``."""
     from mbridge_offload.plan.service import plan
 
     args = dict(v)
     confirming = bool(args.pop("confirm", False))
     cfg, raw, source = plan_source(args)
-    try:
+    with _library_errors():
         answer = plan(kind, args, cfg, raw, source)  # type: ignore[arg-type]
-    except InputError:  # an input out of bounds: its message and fix as they are
-        raise
-    except (ValueError, KeyError) as exc:  # an unknown preset, a setup Megatron rejects
-        raise InputError(str(exc).strip("'\"")) from None
     if confirming and kind == "recommend":  # the trace runs in trace.confirm.recommend_answer, which calls this
         raise InputError("confirm is recommend's re-check by the trace: call trace.confirm.recommend_answer")
     return answer
@@ -253,17 +216,13 @@ def plan_answer(kind: str, v: dict[str, Any]) -> Any:
 
 
 def apply_answer(v: dict[str, Any], **where: Any) -> Any:
-    """``apply`` / ``apply_offload``: the mode (or the planner's option) on one config, written only when asked.
-
-    ``where`` says where writes may go: ``allowed_root`` (the CLI's extra directory) or ``write_roots`` (the MCP
-    server's roots). Every planner input given goes to the planner (mode recommended / option); apply refuses them
-    with another mode.
-    """
+    """``apply``: the mode (or the planner's option) on one config, written only when asked, where ``where`` allows
+    (``allowed_root``: the CLI's extra directory; ``write_roots``: the MCP server's roots)."""
     from mbridge_offload.actions.apply.apply import apply_offload
     from mbridge_offload_tools.interface.tools import APPLY_PLANNER
 
     planner = {name: v[name] for name in APPLY_PLANNER if v[name] is not None}
-    try:
+    with _library_errors():
         return apply_offload(
             v["config"],
             v["mode"],
@@ -280,29 +239,26 @@ def apply_answer(v: dict[str, Any], **where: Any) -> Any:
             planner=planner or None,
             **where,
         )
-    except InputError:
-        raise
-    except (KeyError, ValueError) as exc:  # the planner: an unknown GPU preset, a setup Megatron rejects
-        raise InputError(str(exc).strip("'\"")) from None
 
 
 # ---------------------------------------------------------------------------------------------- diagnose
 
 
 def diagnose_answer(v: dict[str, Any]) -> Any:
-    """``diagnose`` / ``diagnose_failure``: the failure catalogue on the text, the configs read as estimate reads
-    them, and the planner's inputs (``actions.diagnose.sizing.input_names``) to size a fix with.
-
-    Raises:
-        InputError: nothing to read, before or after alone, a log or config that cannot be read, a planner input
-            diagnose does not take or out of its bounds.
-    """
+    """``diagnose``: the failure catalogue on the text, the configs, and the planner's inputs to size a fix with."""
     from mbridge_offload.actions.diagnose.diagnose import diagnose
     from mbridge_offload.actions.diagnose.sizing import input_names
     from mbridge_offload.config.reading import max_bytes
     from mbridge_offload.config.sources import ConfigError, load
 
-    check_diagnose(v)
+    if not any(v.get(k) for k in ("error", "log", "symptom", "config", "before", "after")):
+        raise InputError(
+            "nothing to diagnose: pass error (the message), log (a file or an excerpt), symptom (a failure that "
+            "printed no message), and/or config, or before and after configs (CLI: --error, --log, --symptom, "
+            "--config, --before/--after)"
+        )
+    if (v["before"] is None) != (v["after"] is None):
+        raise InputError("pass both before and after (two configs around the change; CLI --before/--after), or neither")
     log = log_text(v["log"]) if v["log"] else None  # a file (inside the roots) or the text
     loaded: dict[str, Any] = {}
     for what in ("config", "before", "after"):  # loaded: raw dict and source kept

@@ -1,10 +1,7 @@
 """One input of a tool, declared once: the MCP parameter and the CLI flag of the same name are built from it.
 
-A :class:`Param` holds what both sides need: the name, the value's type, its bounds, its default and its help. The
-CLI flag follows from the name by one rule, ``snake_case`` → ``--kebab-case``, with the exceptions of
-:data:`SPELLINGS` (and ``config``, the positional ``CONFIG`` where a tool's main input is a config). Older CLI
-spellings stay accepted as ``aliases``; flags only the CLI has (``--json``) are :class:`CliOnly`, each with the
-reason the MCP tool has no such parameter.
+The flag follows from the name, ``snake_case`` → ``--kebab-case``, except :data:`SPELLINGS` and the positional
+``CONFIG``; flags only the CLI has are :class:`CliOnly`, each with the reason the MCP tool has no such parameter.
 """
 
 from __future__ import annotations
@@ -27,35 +24,19 @@ _SIGNS = {"gt": ">", "ge": ">=", "lt": "<", "le": "<=", "min_length": "length >=
 
 @dataclass(frozen=True)
 class Param:
-    """One parameter of an MCP tool, which is also the flag of the same name on the matching subcommand.
+    """One parameter of an MCP tool, which is also the flag of the same name on the matching subcommand."""
 
-    Attributes:
-        name: the MCP parameter and the argparse ``dest``.
-        kind: the value's type without ``None``: ``str``, ``int``, ``float``, ``bool``, ``list[str]`` or a
-            ``Literal`` of choices.
-        help: what it means, in the user's words (the bounds are added to it).
-        default: the value when not given, on both sides (``None`` = not given).
-        required: no default: the MCP call must pass it; on the CLI a required positional.
-        bounds: ``(name, value)`` pairs of pydantic's ``gt``/``ge``/``lt``/``le``/``min_length``/``max_length``.
-        positional: the CLI takes it as the positional ``CONFIG`` (only ``config`` may).
-        aliases: older CLI spellings, still accepted (the help names them beside the new flag).
-        metavar: how the CLI help shows the value.
-        per_flag: a list the CLI takes one value per flag (``--modules a,b --modules c``) instead of several after
-            one flag (``--levers a b``); either way the values reach the tool as the MCP list would.
-        group: the ``--help`` section (the planner's input groups, or a tool's own, e.g. plot's picture).
-    """
-
-    name: str
-    kind: Any
-    help: str
-    default: Any = None
+    name: str  # the MCP parameter and the argparse dest
+    kind: Any  # str, int, float, bool, list[str] or a Literal of choices (without None)
+    help: str  # the bounds are added to it
+    default: Any = None  # None: not given
     required: bool = False
-    bounds: tuple[tuple[str, Any], ...] = ()
-    positional: bool = False
-    aliases: tuple[str, ...] = ()
+    bounds: tuple[tuple[str, Any], ...] = ()  # pydantic's gt/ge/lt/le/min_length/max_length
+    positional: bool = False  # the CLI's positional CONFIG (only config may)
+    aliases: tuple[str, ...] = ()  # older CLI spellings, still accepted
     metavar: str | None = None
-    per_flag: bool = False
-    group: str | None = None
+    per_flag: bool = False  # a list the CLI takes one value per flag (--modules a --modules b), not --levers a b
+    group: str | None = None  # the --help section
 
     def __post_init__(self) -> None:
         if self.positional and self.name != "config":
@@ -63,8 +44,6 @@ class Param:
         unknown = [b for b, _ in self.bounds if b not in BOUND_NAMES]
         if unknown:
             raise ValueError(f"{self.name}: unknown bounds {unknown}")
-
-    # ------------------------------------------------------------------------------------------ names
 
     @property
     def flag(self) -> str:
@@ -83,10 +62,8 @@ class Param:
 
     @property
     def optional(self) -> bool:
-        """``None`` is a value of it (not given): the MCP type is ``X | None``."""
+        """The MCP type is ``X | None``."""
         return self.default is None and not self.required
-
-    # ------------------------------------------------------------------------------------------ texts
 
     def bounds_text(self) -> str:
         """``>= 1, <= 65536`` (empty without bounds), as the planner's inputs write theirs."""
@@ -100,14 +77,9 @@ class Param:
         bounds = self.bounds_text()
         return self.help + (f" [{bounds}]" if bounds else "")
 
-    # ------------------------------------------------------------------------------------------ types
-
     @property
     def annotation(self) -> Any:
-        """The MCP parameter's type: the value type with its bounds, ``| None`` when optional, the description.
-
-        Floats refuse NaN and infinity (as the planner's inputs do).
-        """
+        """The MCP parameter's type: the value type with its bounds (floats finite), ``| None``, the description."""
         constraints: dict[str, Any] = dict(self.bounds)
         if self.kind is float:
             constraints["allow_inf_nan"] = False
@@ -116,11 +88,7 @@ class Param:
         return Annotated[outer, Field(description=self.description)]
 
     def check(self, value: Any) -> Any:
-        """A value the CLI parsed, held to the bounds the MCP schema enforces (``None``, not given, passes).
-
-        Raises:
-            InputError: ``--flag = value (flag): what is wrong`` (the planner's own wording for its inputs).
-        """
+        """A value the CLI parsed, held to the bounds the MCP schema enforces (InputError in the planner's words)."""
         if value is None or not (self.bounds or self.kind is float):
             return value
         if isinstance(value, float) and not math.isfinite(value):
@@ -144,21 +112,13 @@ def bounds(**given: Any) -> tuple[tuple[str, Any], ...]:
 
 @dataclass(frozen=True)
 class CliOnly:
-    """A flag only the CLI has, and why the MCP tool has no such parameter.
-
-    Attributes:
-        flags: its spellings.
-        why: the reason (an output format, a containment the server sets at its start, an older spelling).
-        options: the argparse keywords (``action``, ``metavar``, ``help``...).
-        alias_of: the parameter it spells another way (``--model-config`` = ``config``), if any.
-        value: the value it gives that parameter (``--all`` = ``suite="full"``); ``None``: the flag's own value.
-    """
+    """A flag only the CLI has, and why the MCP tool has no such parameter."""
 
     flags: tuple[str, ...]
     why: str
-    options: tuple[tuple[str, Any], ...] = ()
-    alias_of: str | None = None
-    value: Any = None
+    options: tuple[tuple[str, Any], ...] = ()  # argparse keywords
+    alias_of: str | None = None  # the parameter it spells another way (--model-config: config)
+    value: Any = None  # the value it gives that parameter (--all: suite="full"); None: the flag's own
 
     @property
     def dest(self) -> str:

@@ -1,9 +1,7 @@
 """The parameters of every MCP tool, which are the flags of its subcommand: one declaration per tool.
 
-``TOOLS`` maps each MCP tool to its :class:`~mbridge_offload_tools.interface.param.Tool`. The planner's inputs are
-declared once in ``PlanInputs`` (``plan/inputs/fields.py``); :func:`plan_params` turns them into parameters here, so
-a tool that takes planner inputs lists them by name. To add a parameter to a tool and its subcommand, add one
-``Param`` to its tuple below; the CLI flag, the MCP schema, ``docs/mcp.md`` and ``references/tools.md`` follow.
+To add a parameter to a tool and its subcommand, add one ``Param`` below: the CLI flag, the MCP schema and the docs
+follow. The planner's inputs come from ``PlanInputs`` (:func:`plan_params`).
 """
 
 from __future__ import annotations
@@ -281,15 +279,7 @@ _APPLY_OWN = (
 # cpu_offloading_num_layers (the model's layer count comes from the config; actions.apply.plan.APPLY_OWN_INPUTS).
 APPLY_PLANNER = tuple(n for n in PlanInputs.model_fields if n not in {p.name for p in _APPLY_OWN})
 
-APPLY = Tool(
-    "apply_offload",
-    "apply",
-    (*_APPLY_OWN, *plan_params(APPLY_PLANNER)),
-    (
-        ALLOWED_ROOT,
-        JSON_FLAG,
-    ),
-)
+APPLY = Tool("apply_offload", "apply", (*_APPLY_OWN, *plan_params(APPLY_PLANNER)), (ALLOWED_ROOT, JSON_FLAG))
 
 TEST = Tool(
     "run_unit_tests",
@@ -414,11 +404,7 @@ PLOT = Tool(
         ),
         *plan_params(),
     ),
-    (
-        MODEL_CONFIG,
-        ALLOWED_ROOT,
-        JSON_FLAG,
-    ),
+    (MODEL_CONFIG, ALLOWED_ROOT, JSON_FLAG),
 )
 
 TOOLS: dict[str, Tool] = {t.name: t for t in (VALIDATE, ESTIMATE, RECOMMEND, TRACE, APPLY, TEST, DIAGNOSE, PLOT)}

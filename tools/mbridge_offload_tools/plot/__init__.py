@@ -1,7 +1,5 @@
 """``mbridge-offload plot`` and the MCP tool ``plot_offload``: the planner's answers as a picture.
 
-Three kinds: a sweep of one planner input (peak memory per stage and step time, each point an ``estimate``), the
-phases of one step per pipeline stage (``estimate``'s ``phases``), and ``recommend``'s ranked options side by side.
-The points come from ``plan.service.plan`` (``points``, ``sweep``); matplotlib draws them (``figures``, imported
-only when a picture is drawn); the file is written under apply's rules (``output``).
+A sweep of one input, the phases of a step, or recommend's options: the points from the planner (``points``),
+drawn by matplotlib (``figures``, imported only to draw), written under apply's rules (``output``).
 """

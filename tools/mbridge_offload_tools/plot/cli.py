@@ -1,8 +1,4 @@
-"""``mbridge-offload plot``: the planner's answers as an SVG or PNG (matplotlib is imported only when it draws).
-
-Its flags are the parameters of the MCP tool ``plot_offload`` (``interface.tools.PLOT``: every input of ``estimate``,
-config, ``--set`` and ``--megatron-args`` included); the body is the tool's (``plot.run.plot_answer``).
-"""
+"""``mbridge-offload plot``: the planner's answers as an SVG or PNG (matplotlib is imported only when it draws)."""
 
 from __future__ import annotations
 

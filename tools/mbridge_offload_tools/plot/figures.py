@@ -1,8 +1,7 @@
 """Draw a ``Picture`` (a plot's points) with matplotlib: imported here only, when a picture is drawn, never at start-up.
 
-matplotlib's object API (``Figure`` on the Agg canvas; SVG through its own backend), never ``pyplot``: no display,
-no global figure registry, so two MCP calls drawing at once do not share state. The output carries no date and no
-matplotlib version, and SVG ids are salted with a fixed string: the same points give the same bytes.
+matplotlib's object API, never ``pyplot``: two MCP calls drawing at once share no state. No date, no version and
+salted SVG ids: the same points give the same bytes.
 """
 
 from __future__ import annotations
@@ -22,11 +21,7 @@ _METADATA: dict[str, dict[str, Any]] = {"svg": {"Date": None, "Creator": None}, 
 
 
 def matplotlib_or_fail() -> Any:
-    """matplotlib, ready to draw without a display.
-
-    Raises:
-        InputError: matplotlib is not installed (the message gives the install command).
-    """
+    """matplotlib, ready to draw without a display (InputError with the install command when absent)."""
     try:
         import matplotlib
     except ImportError:

@@ -1,9 +1,7 @@
 """Where a picture goes: its format from the file's extension, the checks made before anything is computed, the write.
 
-The write is apply's (``actions.safe_write``): an existing file is replaced only with consent (CLI ``--force``, MCP
-``overwrite``) and then backed up under a new name; a read-only file, a directory or a device never; the new bytes
-replace the old atomically. Where it may go: for the CLI the working directory, the config's directory and
-``--allowed-root`` (as apply's CLI); for the MCP server its roots.
+The write is apply's (``actions.safe_write``): a file replaced only with consent and backed up, atomically, inside
+the CLI's directories (as apply's) or the MCP server's roots.
 """
 
 from __future__ import annotations
@@ -18,11 +16,7 @@ EXTENSIONS = {".svg": "svg", ".png": "png"}
 
 
 def choose_format(output: str | None, fmt: str | None, default: str) -> str:
-    """``svg`` or ``png``: the output's extension decides; ``fmt`` must agree with it; else ``fmt`` or ``default``.
-
-    Raises:
-        InputError: an extension other than .svg/.png, or a format the extension contradicts.
-    """
+    """``svg`` or ``png``: the output's extension decides; ``fmt`` must agree with it; else ``fmt`` or ``default``."""
     if output is None:
         return fmt or default
     ext = Path(output).suffix.lower()
@@ -44,12 +38,7 @@ def default_name(kind: str, sweep_key: str | None, fmt: str) -> str:
 
 
 def check_target(output: str, roots: list[Path], consent: bool) -> Path:
-    """``output`` as a path a picture may be written to, checked before any point is computed.
-
-    Raises:
-        InputError: outside the roots, no such directory, an existing file without consent, a read-only file, a
-            directory or a device.
-    """
+    """``output`` as a path a picture may be written to, checked before any point is computed."""
     target = Path(output).expanduser()
     real = safe_write.resolve_target(target)  # a symlink is judged by where the write lands
     if not any(real == root or real.is_relative_to(root) for root in (r.resolve() for r in roots)):
@@ -70,10 +59,8 @@ def check_target(output: str, roots: list[Path], consent: bool) -> Path:
 
 
 def write(target: Path, data: bytes, consent: bool) -> tuple[str, str | None, bool]:
-    """Write ``data`` to ``target`` under the safety rules; returns (written, backup, rewritten).
-
-    The same bytes already there are left alone (no write, no backup).
-    """
+    """Write ``data`` to ``target`` under the safety rules (the same bytes already there: left alone); returns
+    (written, backup, rewritten)."""
     real = safe_write.resolve_target(target)
     if consent and real.is_file() and real.read_bytes() == data:
         return str(target), None, False

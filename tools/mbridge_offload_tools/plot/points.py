@@ -1,8 +1,4 @@
-"""The points of a picture, from the planner's one entry point (``plan.service.plan``): nothing is modelled here.
-
-A sweep point is ``estimate`` at one value of the swept input, the other inputs as given; the phases are
-``estimate``'s ``phases``; the options are ``recommend``'s ``options``. Imports no matplotlib.
-"""
+"""The points of a picture, from the planner's one entry point (``plan.service.plan``): nothing is modelled here."""
 
 from __future__ import annotations
 
@@ -54,23 +50,12 @@ def _setting(est: Estimate) -> str:
     return f"{est.model} on {est.num_gpus} x {est.gpu} ({layout}, DP{p['dp']})"
 
 
-def _stages(est: Estimate) -> list[StageGib]:
-    return [StageGib(stage=s.stage, total_gib=s.total_gib, peak_phase=s.peak_phase) for s in est.stages]
-
-
 def _sweep_point(value: int | float, est: Estimate) -> SweepPoint:
-    return SweepPoint(
-        value=value,
-        memory_gib=est.memory_gib,
-        memory_gb=est.memory_gb,
-        stages_gib=_stages(est),
-        worst_stage=est.worst_stage,
-        step_time_s=est.time_s.step,
-        step_time_factor=est.step_time_factor,
-        fits=est.fits,
-        budget_gib=est.budget_gib,
-        host_gb=est.host_gb,
-    )
+    """``estimate``'s answer at ``value``: the same numbers."""
+    same = est.model_dump(include={"memory_gib", "memory_gb", "worst_stage", "step_time_factor", "fits"})
+    same |= est.model_dump(include={"budget_gib", "host_gb"})
+    stages = [StageGib.model_validate(s, from_attributes=True) for s in est.stages]
+    return SweepPoint(value=value, stages_gib=stages, step_time_s=est.time_s.step, **same)
 
 
 def _base(est: Estimate | Recommendation, model: str, kind: str, title: str, fmt: str, **fields: Any) -> PlotResult:
@@ -89,12 +74,7 @@ def _base(est: Estimate | Recommendation, model: str, kind: str, title: str, fmt
 
 
 def sweep_result(src: Source, spec: str, fmt: str) -> PlotResult:
-    """Peak memory per stage and step time at each value of one input: ``estimate`` at every point.
-
-    Raises:
-        InputError: a bad sweep (``sweep.parse``), the swept input also given as a flag, or a value the planner
-            refuses (named with the value).
-    """
+    """Peak memory per stage and step time at each value of one input: ``estimate`` at every point."""
     key, values = sweeps.parse(spec)
     if src.flags.get(key) is not None:
         raise InputError(
@@ -119,21 +99,8 @@ def sweep_result(src: Source, spec: str, fmt: str) -> PlotResult:
     return result
 
 
-def phases_result(src: Source, fmt: str) -> PlotResult:
-    """The phases of one step on every pipeline stage (``estimate``'s ``phases``).
-
-    Raises:
-        InputError: the planner's refusal, or an estimate without phases.
-    """
-    return phases_picture(src.plan("estimate"), fmt)
-
-
 def phases_picture(est: Estimate, fmt: str) -> PlotResult:
-    """The picture of ``est``'s phases: one point per phase and stage, the stage's peak phase marked.
-
-    Raises:
-        InputError: ``est`` carries no phases.
-    """
+    """The picture of ``est``'s phases: one point per phase and stage, the stage's peak phase marked."""
     points = [
         PhasePoint(
             stage=sp.stage,
@@ -158,21 +125,8 @@ def phases_picture(est: Estimate, fmt: str) -> PlotResult:
 
 
 def option_point(o: Any) -> OptionPoint:
-    """One of ``recommend``'s options as a point (the same numbers)."""
-    return OptionPoint(
-        rank=o.rank,
-        overrides=list(o.overrides),
-        levers=list(o.levers),
-        memory_gib=o.memory_gib.total,
-        stages_gib=list(o.stages_gib),
-        step_time_s=o.step_time_s,
-        step_time_factor=o.step_time_factor,
-        fits=o.fits,
-        comfortable=o.comfortable,
-        alternative=o.alternative,
-        margin_gib=o.margin_gib,
-        why=o.why,
-    )
+    """One of ``recommend``'s options as a point (the same numbers; ``memory_gib`` its total)."""
+    return OptionPoint(**{**o.model_dump(include=set(OptionPoint.model_fields)), "memory_gib": o.memory_gib.total})
 
 
 def options_result(src: Source, fmt: str) -> PlotResult:
@@ -196,11 +150,7 @@ def options_result(src: Source, fmt: str) -> PlotResult:
 
 
 def compute(kind: str, src: Source, sweep: str | None, fmt: str) -> PlotResult:
-    """The points of picture ``kind`` (no image yet).
-
-    Raises:
-        InputError: a kind that needs a sweep without one (or the reverse), and what the kinds raise.
-    """
+    """The points of picture ``kind`` (no image yet)."""
     if kind not in KINDS:
         raise InputError(f"kind {kind!r} is not one of {', '.join(KINDS)}", "draw a sweep, the phases or the options")
     if kind == "sweep":
@@ -209,4 +159,4 @@ def compute(kind: str, src: Source, sweep: str | None, fmt: str) -> PlotResult:
         return sweep_result(src, sweep, fmt)
     if sweep:
         raise InputError(f"a sweep is for kind sweep, not {kind}", "drop the sweep, or ask for kind sweep")
-    return phases_result(src, fmt) if kind == "phases" else options_result(src, fmt)
+    return phases_picture(src.plan("estimate"), fmt) if kind == "phases" else options_result(src, fmt)

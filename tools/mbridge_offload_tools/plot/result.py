@@ -1,7 +1,4 @@
-"""The answer of ``plot``: the points it drew and where the picture went (CLI ``--json`` and MCP structured output).
-
-One schema for both: the MCP tool returns it as structured content beside the image. Imports no matplotlib.
-"""
+"""The answer of ``plot``: the points it drew and where the picture went (CLI ``--json`` and MCP structured output)."""
 
 from __future__ import annotations
 

@@ -17,14 +17,8 @@ from mbridge_offload_tools.plot.result import PlotResult
 def plot_answer(
     v: dict[str, Any], roots: list[Path], *, default_format: str, default_file: bool
 ) -> tuple[PlotResult, bytes]:
-    """``plot`` / ``plot_offload``: one body for both, on the tool's declared arguments ``v`` (``interface.tools``).
-
-    The two differ only where a picture goes when no output is named: the CLI writes ``default_file``
-    (``./mbridge-offload-KIND[-KEY].svg``), the MCP tool returns the image only (PNG, what agent hosts show).
-
-    Raises:
-        InputError: nothing to draw, a bad sweep, format or target, a config or planner input refused.
-    """
+    """``plot``: one body for the CLI and the MCP tool, which differ only where a picture goes when no output is named
+    (``default_file``: the CLI's ``./mbridge-offload-KIND[-KEY].svg``; the MCP tool returns the image only)."""
     from mbridge_offload_tools.interface.calls import plan_source
     from mbridge_offload_tools.plot import sweep
 
@@ -54,20 +48,8 @@ def make_plot(
     consent: bool,
     roots: list[Path],
 ) -> tuple[PlotResult, bytes]:
-    """Picture ``kind`` of the planner's answers for ``src``, and its bytes; written to ``target`` when given.
-
-    Args:
-        kind: ``sweep``, ``phases`` or ``options``.
-        src: the config and planner inputs.
-        sweep: ``KEY=START:STOP:STEP`` (kind sweep).
-        fmt: ``svg`` or ``png`` (``output.choose_format``).
-        target: the file to write, or None (MCP without output).
-        consent: replace an existing file (a backup is kept).
-        roots: the directories the file may be written into.
-
-    Raises:
-        InputError: a bad target, no matplotlib, a bad sweep or kind, a refused planner input; nothing written.
-    """
+    """Picture ``kind`` of the planner's answers for ``src``, and its bytes; written to ``target`` (inside ``roots``;
+    an existing file only with ``consent``) when given. A bad input leaves no file behind."""
     path = output.check_target(target, roots, consent) if target is not None else None
     figures.matplotlib_or_fail()
     result = points.compute(kind, src, sweep, fmt)

@@ -1,14 +1,9 @@
 """``--sweep KEY=START:STOP:STEP``: which planner inputs may be swept, and the values a range names.
 
-The keys come from the planner's one declaration of its inputs (``plan.inputs.fields.PlanInputs``): every input
-whose type is a whole or a real number, except the ``measured`` group (the user's own run at one setting: a figure
-to anchor on, not a setting to vary) and the ``decision`` group (margin and headroom: they change what recommend
-picks, never an estimate). A key may be written as the input's name (``optimizer_offload_fraction``), its CLI flag
-(``optimizer-offload-fraction``) or the config key it stands for (``optimizer.optimizer_offload_fraction``).
-
-Values: ``START:STOP:STEP`` (the stop included when the steps reach it) or a list ``V1,V2,...``; whole numbers for a
-whole-number input; every value within the input's declared bounds. Decimal arithmetic, so ``0:1:0.1`` gives 0.3,
-not 0.30000000000000004.
+``START:STOP:STEP`` includes the stop; ``KEY=V1,V2,...`` lists the values. Every numeric input of ``PlanInputs`` but
+the ``measured`` (one run's figures to anchor on) and ``decision`` groups (they change what recommend picks, never an
+estimate), by name, flag or config key; each value within the input's bounds; Decimal arithmetic (0.3, not
+0.30000000000000004).
 """
 
 from __future__ import annotations
@@ -47,11 +42,7 @@ def _accepted() -> str:
 
 
 def key_of(text: str) -> str:
-    """The input a sweep key names (its name, flag or config key).
-
-    Raises:
-        InputError: not a planner input, or one that is not swept (not a number, or an anchor/decision input).
-    """
+    """The input a sweep key names (its name, flag or config key)."""
     given = text.strip()
     by_config = {key: name for name, key in CONFIG_KEYS.items()}
     by_flag = {flag_name(name).removeprefix("--"): name for name in FIELDS}
@@ -108,15 +99,7 @@ def _list(text: str, key: str, kind: type) -> list[Decimal]:
 
 
 def parse(spec: str) -> tuple[str, list[int | float]]:
-    """The input and the values of a ``--sweep`` argument, each checked against the input's bounds.
-
-    Raises:
-        InputError: a key that is not swept, a malformed or empty range, a value out of the input's bounds.
-
-    Example:
-        >>> parse("optimizer_offload_fraction=0:1:0.25")
-        ('optimizer_offload_fraction', [0.0, 0.25, 0.5, 0.75, 1.0])
-    """
+    """The input and the values of a ``--sweep`` argument, each checked against the input's bounds."""
     key_text, sep, values_text = spec.partition("=")
     if not sep or not key_text.strip() or not values_text.strip():
         raise InputError(f"sweep {spec!r}: expected KEY=VALUES", f"write {SYNTAX}")

@@ -1,29 +1,24 @@
-"""The ``mbridge-offload`` MCP server: its tools (references/tools.md) over the offload library, for coding agents.
+"""The ``mbridge-offload`` MCP server: the tools of references/tools.md, each a thin call into the library.
 
-Each tool is a thin call into ``offload/`` with a pydantic output model (structured output) and annotations.
-Bad input raises ``ToolError`` with a message that names the key, the value and the fix, so the model can
-correct itself. Any other exception is a bug: the guard answers ``isError`` with one line,
-``input: internal error (<Type>: <first line>); please report it`` (the CLI's ``kind: "internal"``, exit 3), and
-logs the traceback to the server log, never to the client.
-
-Start-up stays fast: this module imports only the MCP SDK and pydantic; the library (and torch, for the
-parity suite only, in a subprocess) is imported inside the tools.
-
-Run: ``mbridge-offload-mcp`` (stdio), ``mbridge-offload-mcp --transport streamable-http --port 8765``, or
-``mbridge-offload serve``.
+Each tool's parameters are its declaration's (``interface.tools``) and its body the CLI's (``interface.calls``); the
+library's result models are the structured output. Start-up imports only the MCP SDK and pydantic: the library (and
+torch, in subprocesses) load inside the tools. Run: ``mbridge-offload-mcp`` or ``mbridge-offload serve``.
 """
 
 from __future__ import annotations
 
 import argparse
+import base64
+import json
 import logging
 import sys
-from typing import Any
+from collections.abc import Callable
+from typing import Annotated, Any
 
 from mcp.server import MCPServer
 from mcp.server.mcpserver import Context
 from mcp.server.mcpserver.exceptions import ToolError
-from mcp.types import ToolAnnotations
+from mcp.types import CallToolResult, ImageContent, TextContent, ToolAnnotations
 
 from mbridge_offload import __version__
 from mbridge_offload.actions.apply.result import ApplyResult
@@ -41,7 +36,7 @@ from mbridge_offload_tools.interface.calls import (
     validate_answer,
     validate_seconds,
 )
-from mbridge_offload_tools.plot import tool as plot_tool
+from mbridge_offload_tools.plot.result import PlotResult
 from mbridge_offload_tools.server import guard, roots
 from mbridge_offload_tools.trace.result import TraceAnswer
 
@@ -63,42 +58,23 @@ optimizer.optimizer_offload_fraction=0.5. Fixes come back as override lists you 
 mcp = MCPServer("mbridge-offload", version=__version__, instructions=INSTRUCTIONS)
 roots.install(mcp)  # a client that declares MCP roots confines each call to them (roots.py)
 
-# ---------------------------------------------------------------------------------------------- helpers
+READ_ONLY = ToolAnnotations(read_only_hint=True, destructive_hint=False, idempotent_hint=True, open_world_hint=False)
+# Writes a file only when asked, inside the server's roots; may replace one (a backup is kept): destructive.
+WRITES = ToolAnnotations(read_only_hint=False, destructive_hint=True, idempotent_hint=False, open_world_hint=False)
 
 
-def _plan_tool(kind: str, output: type, doc: str, title: str) -> None:
-    """Register a planner tool: its parameters are the declared ones (``PlanInputs`` and the config's)."""
-    name = {"estimate": "estimate_memory", "recommend": "recommend_mode"}[kind]
+def _tool(
+    name: str, title: str, annotations: ToolAnnotations = READ_ONLY, deadline: Callable[..., float] | None = None
+) -> Callable[[Callable[..., Any]], Any]:
+    """Register ``fn`` as the MCP tool ``name``: its declared parameters, run in the guard (pool, deadline, errors)."""
 
-    def tool(**kwargs: Any) -> Any:
-        if kind == "recommend":  # its confirm re-checks options[0] with the trace (trace.confirm)
-            from mbridge_offload_tools.trace.confirm import recommend_answer
+    def wrap(fn: Callable[..., Any]) -> Any:
+        return mcp.tool(title=title, annotations=annotations)(guard.guarded(deadline)(declared(name)(fn)))
 
-            return recommend_answer(kwargs)
-        return plan_answer(kind, kwargs)
-
-    tool.__name__ = name
-    tool.__doc__ = doc
-    tool.__annotations__ = {"return": output}
-    mcp.tool(
-        title=title,
-        annotations=ToolAnnotations(
-            read_only_hint=True, destructive_hint=False, idempotent_hint=True, open_world_hint=False
-        ),
-    )(guard.guarded()(declared(name)(tool)))
+    return wrap
 
 
-# ---------------------------------------------------------------------------------------------- tools
-
-
-@mcp.tool(
-    title="Validate a CPU-offloading config",
-    annotations=ToolAnnotations(
-        read_only_hint=True, destructive_hint=False, idempotent_hint=True, open_world_hint=False
-    ),
-)
-@guard.guarded(validate_seconds)
-@declared("validate_config")
+@_tool("validate_config", "Validate a CPU-offloading config", deadline=validate_seconds)
 def validate_config(**v: Any) -> ValidateOutput:
     """Check a Megatron Bridge config's offload settings (or a Megatron-LM command line) against every upstream rule.
 
@@ -108,9 +84,8 @@ def validate_config(**v: Any) -> ValidateOutput:
     return validate_answer(v)
 
 
-_plan_tool(
-    "recommend",
-    Recommendation,
+@_tool("recommend_mode", "Recommend an offload mode")
+def recommend_mode(**v: Any) -> Recommendation:
     """Pick the smallest offload that makes the run fit: none, optimizer (with a fraction), activation, both,
     fine-grained (offload_modules; works with PP > 1) or fine-grained+optimizer.
 
@@ -120,29 +95,23 @@ _plan_tool(
     advice in words when it removes the config's offload, a fallback (the cheapest offload for a headroom) when
     none is needed, and every assumption with its source. Pass measured_peak_gib / measured_step_s /
     measured_log / ooms to anchor the predictions on the user's own run.
-    """,
-    "Recommend an offload mode",
-)
-_plan_tool(
-    "estimate",
-    Estimate,
+    """
+    from mbridge_offload_tools.trace.confirm import recommend_answer  # its confirm re-checks options[0] with trace
+
+    return recommend_answer(v)
+
+
+@_tool("estimate_memory", "Estimate memory and step time")
+def estimate_memory(**v: Any) -> Estimate:
     """Predict per-GPU peak memory (worst pipeline stage, GB and GiB), host memory and step-time factor of a
     setting as given (its offload fraction / layers included), with every assumption and its source.
-    """,
-    "Estimate memory and step time",
-)
+    """
+    return plan_answer("estimate", v)
 
 
-@mcp.tool(
-    title="Trace megatron-core's own step",
-    # Runs megatron-core in a subprocess on fake tensors; reads the config, writes nothing.
-    annotations=ToolAnnotations(
-        read_only_hint=True, destructive_hint=False, idempotent_hint=True, open_world_hint=False
-    ),
-)
-@guard.guarded(lambda kwargs: float(kwargs.get("deadline") or 300.0) + 30)
-@declared("trace_memory")
-def trace_memory(**v: Any) -> TraceAnswer:  # the parameters: interface.tools.TRACE
+# Runs megatron-core in a subprocess on fake tensors; reads the config, writes nothing.
+@_tool("trace_memory", "Trace megatron-core's own step", deadline=lambda v: float(v.get("deadline") or 300.0) + 30)
+def trace_memory(**v: Any) -> TraceAnswer:
     """Trace megatron-core's own GPTModel, DDP buffers, optimizer and schedule for the worst pipeline stage of the
     layout on fake tensors (a fake process group; nothing is computed, every allocation counted) and answer like
     estimate_memory: memory_gib by category (total = the peak), phases, peak_phase, assumptions, plus by_module
@@ -153,17 +122,9 @@ def trace_memory(**v: Any) -> TraceAnswer:  # the parameters: interface.tools.TR
     return TraceAnswer.model_validate(trace_answer(v))
 
 
-@mcp.tool(
-    title="Apply an offload mode to a config",
-    # Writes files (only with output/in_place, inside the server's roots); may replace an existing file when
-    # overwrite=true or in_place=true (a backup is kept): destructive. A second identical write is refused.
-    annotations=ToolAnnotations(
-        read_only_hint=False, destructive_hint=True, idempotent_hint=False, open_world_hint=False
-    ),
-)
-@guard.guarded()
-@declared("apply_offload")
-def apply_offload(**v: Any) -> ApplyResult:  # the types, bounds, defaults and descriptions: interface.tools.APPLY
+# A second identical write is refused: not idempotent.
+@_tool("apply_offload", "Apply an offload mode to a config", WRITES)
+def apply_offload(**v: Any) -> ApplyResult:
     """Edit a config to enable (or disable) CPU offloading, resolving the conflicts the mode implies.
 
     Always returns the unified diff, the override list and each change with its reason; writes only with output
@@ -175,27 +136,15 @@ def apply_offload(**v: Any) -> ApplyResult:  # the types, bounds, defaults and d
     return apply_answer(v, write_roots=guard.policy().write_roots())
 
 
-@mcp.tool(
-    title="Run the offload unit tests",
-    # Runs code (pytest in a subprocess; with bridge_repo, a checkout's tests that the server was started to
-    # allow): not read-only, and open-world because that code is not this server's.
-    annotations=ToolAnnotations(
-        read_only_hint=False, destructive_hint=False, idempotent_hint=True, open_world_hint=True
-    ),
+# Runs code (pytest in a subprocess; with bridge_repo, a checkout's tests the server was started to allow): not
+# read-only, and open-world because that code is not this server's.
+@_tool(
+    "run_unit_tests",
+    "Run the offload unit tests",
+    ToolAnnotations(read_only_hint=False, destructive_hint=False, idempotent_hint=True, open_world_hint=True),
+    deadline=lambda v: float(v.get("timeout_s") or 600) + 30,
 )
-@guard.guarded(lambda kwargs: float(kwargs.get("timeout_s") or 600) + 30)
-@declared("run_unit_tests")
-def run_unit_tests(  # the types, bounds, defaults and descriptions: interface.tools.TEST
-    ctx: Context,
-    *,
-    k,
-    bridge_repo,
-    suite,
-    config,
-    steps,
-    timeout_s,
-    path,
-) -> TestRunResult:
+def run_unit_tests(ctx: Context, **v: Any) -> TestRunResult:
     """Run tests in a subprocess and report counts, durations, failing node ids with the failure text, and a
     coverage paragraph (what ran, what did not). By default (or k='cpu_offload') the offload suite runs: HDO
     parity and resume, checkpoints, activation schedule, rules; suite='full' runs everything.
@@ -218,33 +167,16 @@ def run_unit_tests(  # the types, bounds, defaults and descriptions: interface.t
         except Exception:  # progress is best effort; never fail the run for it
             logger.debug("progress report failed", exc_info=True)
 
-    repo = guard.check_bridge_repo(bridge_repo) if bridge_repo is not None else None
+    repo = v.pop("bridge_repo")
+    repo = guard.check_bridge_repo(repo) if repo is not None else None
     try:
-        result = run_tests(
-            k=k,
-            bridge_repo=repo,
-            repo_python=guard.policy().bridge_venv,
-            suite=suite,
-            timeout_s=timeout_s,
-            on_progress=progress,
-            config=config,
-            steps=steps,
-            path=path,
-        )
+        return run_tests(**v, bridge_repo=repo, repo_python=guard.policy().bridge_venv, on_progress=progress)
     except (TestSuiteError, ConfigError) as exc:
         raise ToolError(str(exc)) from None
-    return result
 
 
-@mcp.tool(
-    title="Diagnose an offload failure",
-    annotations=ToolAnnotations(
-        read_only_hint=True, destructive_hint=False, idempotent_hint=True, open_world_hint=False
-    ),
-)
-@guard.guarded()
-@declared("diagnose_failure")
-def diagnose_failure(**v: Any) -> DiagnoseReport:  # the parameters: interface.tools.DIAGNOSE
+@_tool("diagnose_failure", "Diagnose an offload failure")
+def diagnose_failure(**v: Any) -> DiagnoseReport:
     """Match an error or log against the known offload failure modes: cause, how to confirm, fix as overrides.
 
     A confirming experiment (e.g. resuming without the optimizer state) is in confirm / confirm_overrides, never in
@@ -257,8 +189,26 @@ def diagnose_failure(**v: Any) -> DiagnoseReport:  # the parameters: interface.t
     return diagnose_answer(v)
 
 
-# The picture tool lives in its own module (mbridge_offload_tools.plot.tool), its parameters declared as plot's.
-plot_tool.register(mcp)
+@_tool("plot_offload", "Plot memory and step time", WRITES)
+def plot_offload(**v: Any) -> Annotated[CallToolResult, PlotResult]:
+    """Draw the planner's answers and return the picture (image content, PNG unless format='svg') with its points
+    (structured content).
+
+    kind='sweep' with sweep='KEY=START:STOP:STEP' (the stop included; or 'KEY=V1,V2,...'), KEY any numeric planner
+    input (optimizer_offload_fraction, activation_offload_layers, recompute_num_layers, micro_batch_size, ...): peak
+    memory per pipeline stage and step time at each value, with the budget line; each point is estimate_memory at that
+    value. kind='phases': the phases of one step per stage and the one that sets the peak. kind='options':
+    recommend_mode's ranked options beside the config as given. Takes every input of estimate_memory. Writes a file
+    only with output (.svg or .png, inside the server's roots); an existing one only with overwrite=true (backed up).
+    """
+    from mbridge_offload_tools.plot.run import plot_answer
+
+    # PNG by default: agent hosts show PNG image content to the model.
+    result, data = plot_answer(v, guard.policy().write_roots(), default_format="png", default_file=False)
+    structured = result.model_dump(mode="json")
+    image = ImageContent(type="image", data=base64.b64encode(data).decode("ascii"), mime_type=result.mime_type)
+    text = TextContent(type="text", text=json.dumps(structured))  # for clients that read text content only
+    return CallToolResult(content=[image, text], structured_content=structured)
 
 
 # ---------------------------------------------------------------------------------------------- entry points
@@ -272,19 +222,8 @@ def run(
     bridge_repos: list[str] | None = None,
     bridge_venv: bool = False,
 ) -> None:
-    """Serve over ``stdio`` or ``streamable-http`` (on ``host:port``, path ``/mcp``).
-
-    Args:
-        transport: ``stdio`` or ``streamable-http``.
-        host: streamable-http host.
-        port: streamable-http port.
-        roots: directories tools may read and write, added to the working directory.
-        bridge_repos: Bridge checkouts whose tests may run.
-        bridge_venv: allow those checkouts' own ``.venv`` Python.
-
-    Raises:
-        ValueError: an unknown transport.
-    """
+    """Serve over ``stdio`` or ``streamable-http`` (on ``host:port``, path ``/mcp``), contained as ``guard.configure``
+    says (``roots``, ``bridge_repos``, ``bridge_venv``)."""
     if transport not in ("stdio", "streamable-http"):
         raise ValueError(f"transport {transport!r} is not one of stdio, streamable-http")
     guard.configure(roots or [], bridge_repos or [], bridge_venv)
@@ -310,8 +249,7 @@ def run(
 def build_parser() -> argparse.ArgumentParser:
     """The ``mbridge-offload-mcp`` command line (the same flags as ``mbridge-offload serve``)."""
     parser = argparse.ArgumentParser(prog="mbridge-offload-mcp", description="MCP server for mbridge-offload")
-    guard.add_transport_flags(parser)
-    guard.add_policy_flags(parser)
+    guard.add_server_flags(parser)
     parser.add_argument("--version", action="version", version=f"mbridge-offload-mcp {__version__}")
     return parser
 

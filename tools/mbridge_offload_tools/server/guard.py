@@ -1,20 +1,11 @@
-"""What the MCP server may do, fixed when it starts, and the guard every tool call runs through.
+"""What the MCP server may touch, fixed when it starts, and the guard every tool call runs through.
 
-Containment comes from the server's start, never from a tool argument (docs/security.md):
+Containment never comes from a tool argument (docs/security.md). The guard: a bounded thread pool, a deadline, and
+every failure as one ``ToolError`` in the CLI's words.
 
-- ``roots``: the directories tools may read configs from and write configs to: the launch directory (the
-  working directory at start: the shipped launchers keep the host's, which is the user's project) plus
-  ``serve --root DIR`` (repeatable) and ``MBRIDGE_OFFLOAD_ROOTS`` (``os.pathsep``-separated). A client that
-  declares MCP roots replaces the launch directory, per session, by its roots (``roots.py``).
-- ``bridge_repos``: Megatron Bridge checkouts whose tests ``run_unit_tests(bridge_repo=...)`` may run (that
-  imports the checkout's ``conftest.py``: code execution). ``serve --allow-bridge-repo DIR`` or
-  ``MBRIDGE_OFFLOAD_BRIDGE_REPOS``; default: none.
-- ``bridge_venv``: also run such a checkout's own ``.venv/bin/python`` (``serve --allow-bridge-venv`` or
-  ``MBRIDGE_OFFLOAD_ALLOW_BRIDGE_VENV=1``); default: no, this server's Python runs them.
-
-:func:`guarded` runs a tool's blocking work in a bounded thread pool under a deadline, so one slow call never
-stops the server from answering others, and turns every failure into one ``ToolError`` with the same text the
-CLI prints (the project's one error shape).
+``roots``: the launch directory plus ``--root``/``$MBRIDGE_OFFLOAD_ROOTS`` (a client's declared MCP roots replace the
+launch directory per session: ``roots.py``); ``bridge_repos``: checkouts whose tests may run (importing their
+``conftest.py`` runs code); ``bridge_venv``: run those with the checkout's own ``.venv`` Python.
 """
 
 from __future__ import annotations
@@ -72,20 +63,7 @@ def _paths(items: Iterable[str]) -> tuple[Path, ...]:
 
 
 def configure(roots: Iterable[str] = (), bridge_repos: Iterable[str] = (), bridge_venv: bool = False) -> Policy:
-    """Fix the policy at server start from flags, then the environment. Reading is contained to the roots.
-
-    Args:
-        roots: directories tools may read and write (flags), plus ``MBRIDGE_OFFLOAD_ROOTS``, plus the launch
-            directory (cwd).
-        bridge_repos: Bridge checkouts whose tests may run; plus ``MBRIDGE_OFFLOAD_BRIDGE_REPOS``.
-        bridge_venv: allow those checkouts' ``.venv`` Python; or ``MBRIDGE_OFFLOAD_ALLOW_BRIDGE_VENV=1``.
-
-    Returns:
-        The policy now in force.
-
-    Raises:
-        InputError: a root or checkout that is not a directory.
-    """
+    """Fix the policy at server start from the flags and the environment; reading is contained to the roots."""
     from mbridge_offload.config.reading import set_read_roots
 
     global _policy
@@ -109,11 +87,7 @@ def policy() -> Policy:
 
 
 def check_bridge_repo(repo: str) -> Path:
-    """``repo`` resolved, if the server was started allowing it.
-
-    Raises:
-        InputError: not one of the checkouts the server allows.
-    """
+    """``repo`` resolved, if the server was started allowing it (else InputError)."""
     from mbridge_offload.config.errors import InputError
 
     resolved = Path(repo).expanduser().resolve()
@@ -128,8 +102,8 @@ def check_bridge_repo(repo: str) -> Path:
     return resolved
 
 
-def add_transport_flags(parser: argparse.ArgumentParser) -> None:
-    """How the server is reached (``mbridge-offload serve`` and ``mbridge-offload-mcp`` alike)."""
+def add_server_flags(parser: argparse.ArgumentParser) -> None:
+    """How the server is reached, and what it may touch (``mbridge-offload serve`` and ``mbridge-offload-mcp``)."""
     parser.add_argument(
         "--transport",
         choices=("stdio", "streamable-http"),
@@ -138,10 +112,6 @@ def add_transport_flags(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--host", default="127.0.0.1", help="streamable-http: address to listen on (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8765, help="streamable-http: port (default 8765)")
-
-
-def add_policy_flags(parser: argparse.ArgumentParser) -> None:
-    """The flags that fix, at start, what the server may touch (tools/py, docs/security.md)."""
     parser.add_argument(
         "--root",
         dest="roots",
@@ -182,11 +152,8 @@ def _pool():
 
 
 def guarded(deadline: Callable[[dict[str, Any]], float] | None = None):
-    """Decorator: run a sync tool in the bounded pool under a deadline; every failure becomes one ToolError.
-
-    Args:
-        deadline: seconds allowed for a call, from its keyword arguments; default ``MBRIDGE_OFFLOAD_DEADLINE_S``.
-    """
+    """Decorator: run a sync tool in the bounded pool under ``deadline(kwargs)`` seconds (default
+    ``MBRIDGE_OFFLOAD_DEADLINE_S``); every failure becomes one ToolError."""
 
     def wrap(fn):
         @functools.wraps(fn)

@@ -1,15 +1,9 @@
 """The MCP client's roots: asked for when the client declares them, followed when it says they changed.
 
-A client of the 2025 protocol revisions that declares the ``roots`` capability (Claude Code, VS Code and others
-still send it) tells the server which directories the user opened. :class:`RootsMiddleware` wraps every tool
-call: for such a client it asks ``roots/list`` once per connection (again after
-``notifications/roots/list_changed``), and runs the call with reads and writes confined to those directories plus
-the server's explicit ``--root`` flags (:func:`mbridge_offload.config.reading.using_roots`). A client that declares
-no roots, or a 2026-07-28 connection (no server-to-client requests; directories come from the server's
-configuration), gets the roots fixed at start: the launch directory, or the ``--root`` flags.
-
-Containment comes from the client and the server's start, never from a tool argument.
-"""
+A client that declares the ``roots`` capability is asked ``roots/list`` once per connection (again after
+``notifications/roots/list_changed``), and each tool call runs confined to those directories plus the server's
+``--root`` flags. A client that declares none, or cannot be asked (a 2026-07-28 connection), gets the roots
+fixed at start."""
 
 from __future__ import annotations
 
@@ -30,12 +24,7 @@ ASK_TIMEOUT_S = 10.0  # a client that declares roots but never answers must not 
 
 
 def paths_of(uris: Iterable[str]) -> tuple[Path, ...]:
-    """The local directories behind ``file://`` root URIs (symlinks resolved); other schemes are skipped.
-
-    Example:
-        >>> paths_of(["file:///tmp", "https://example.com"])  # doctest: +SKIP
-        (PosixPath('/tmp'),)
-    """
+    """The local directories behind ``file://`` root URIs (symlinks resolved); other schemes are skipped."""
     out: list[Path] = []
     for uri in uris:
         parsed = urlparse(str(uri))
@@ -46,24 +35,8 @@ def paths_of(uris: Iterable[str]) -> tuple[Path, ...]:
     return tuple(dict.fromkeys(out))
 
 
-class _Cache:
-    """Per connection: the roots its client declared, or None until asked (and again after list_changed)."""
-
-    def __init__(self) -> None:
-        # Keyed by the connection object (one per client) so a closed connection's entry goes with it.
-        self._by_connection: weakref.WeakKeyDictionary[Any, tuple[Path, ...]] = weakref.WeakKeyDictionary()
-
-    def get(self, connection: Any) -> tuple[Path, ...] | None:
-        return self._by_connection.get(connection)
-
-    def put(self, connection: Any, roots: tuple[Path, ...]) -> None:
-        self._by_connection[connection] = roots
-
-    def forget(self, connection: Any) -> None:
-        self._by_connection.pop(connection, None)
-
-
-_cache = _Cache()
+# Per connection (one per client, so a closed connection's entry goes with it): the roots its client declared.
+_cache: weakref.WeakKeyDictionary[Any, tuple[Path, ...]] = weakref.WeakKeyDictionary()
 
 
 def _connection(session: Any) -> Any:
@@ -91,11 +64,8 @@ async def _ask(session: Any) -> tuple[Path, ...] | None:
 
 
 async def session_roots(session: Any) -> tuple[Path, ...] | None:
-    """The roots a tool call of ``session`` is confined to, or None for the server's own (fixed at start).
-
-    The client's declared roots plus the explicit ``--root`` directories. A client that declares roots but lists
-    none gets the server's roots, as one that declares none.
-    """
+    """The roots a tool call of ``session`` is confined to (the client's plus ``--root``), or None for the server's
+    own: a client that declares no roots, or lists none."""
     if not _declares_roots(session):
         return None
     connection = _connection(session)
@@ -104,7 +74,7 @@ async def session_roots(session: Any) -> tuple[Path, ...] | None:
         declared = await _ask(session)
         if declared is None:
             return None
-        _cache.put(connection, declared)
+        _cache[connection] = declared
     if not declared:
         return None
     return tuple(dict.fromkeys((*declared, *guard.policy().explicit_roots)))
@@ -115,7 +85,7 @@ class RootsMiddleware:
 
     async def __call__(self, ctx: Any, call_next: Any) -> Any:
         if ctx.method == LIST_CHANGED:
-            _cache.forget(_connection(ctx.session))  # asked again at the next tool call
+            _cache.pop(_connection(ctx.session), None)  # asked again at the next tool call
             return await call_next(ctx)
         if ctx.method != "tools/call":
             return await call_next(ctx)

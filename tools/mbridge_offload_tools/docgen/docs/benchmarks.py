@@ -1,8 +1,7 @@
 """docs/benchmarks.md: one page that gathers the benchmark fragments the other parts write.
 
-Each part of the project keeps its own measurements in ``docs/benchmarks-<part>.md`` (written by its benchmark
-script or by hand from its output). The index includes every fragment verbatim, headings shifted two levels down,
-and shows every plot under ``docs/img/``. Nothing here computes or rounds a number.
+Each fragment (``docs/benchmarks-<part>.md``) verbatim, headings shifted two levels down, and every plot under
+``docs/img/``; nothing here computes or rounds a number.
 """
 
 from __future__ import annotations

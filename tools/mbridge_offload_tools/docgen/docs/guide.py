@@ -1,8 +1,7 @@
 """The activation-offload schedule diagram of docs/cpu-offloading.md, drawn from the runtime's schedule.
 
-The diagram is not typed in: every cell comes from :class:`~mbridge_offload_runtime.activation.schedule.Schedule`
-(where each offloaded layer is released and reloaded), so it changes when the schedule does. The resident-layer row is
-computed from the same schedule and must stay within ``L − k``.
+Every cell comes from :class:`~mbridge_offload_runtime.activation.schedule.Schedule`, and the resident-layer row must
+stay within ``L − k``.
 """
 
 from __future__ import annotations

@@ -1,8 +1,6 @@
 """The table of Megatron Bridge's offload perf recipes against the planner (docs/planner.md, section perf-recipes).
 
-Rows come from ``mbridge_offload_tools.evidence.perf_check`` over the committed ``bridge`` fixtures; the fine-grained
-column
-is whatever ``perf_check.FINE_GRAINED_SAVING`` returns (the fine-grained module fills it in).
+Rows come from ``mbridge_offload_tools.evidence.perf_check`` over the committed ``bridge`` fixtures.
 """
 
 from __future__ import annotations

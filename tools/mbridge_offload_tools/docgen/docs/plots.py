@@ -1,23 +1,11 @@
 """The pictures under ``docs/img/``: drawn from the current model, with the numbers they show committed beside them.
 
-Two steps, so that a stale picture is caught without comparing pixels (font rendering differs between machines):
-
-1. :func:`plot_values` computes every number the pictures plot (the planner's estimates, the published measurements
-   and their predictions), rounded to 3 decimals; ``docs/img/plots.json`` is that, rendered by the doc generators
-   like any generated file, so a model change that moves a bar makes it stale.
-2. :func:`draw` draws each picture from those values only, and writes the SHA-256 of its values into the PNG
-   (``Description``, matplotlib's ``Software`` stamp removed): :func:`drawn_from` reads it back, so a PNG not redrawn
-   after its values changed is stale too.
-
-``docs/img/memory_vs_offload.png``: left, Qwen3-30B-A3B as the upstream card ran it (the preset's recipe) against
-``optimizer_offload_fraction``, with the card's measured peaks; right, Llama-3-8B (8 x H100, seq 8192, micro-batch 2)
-against ``cpu_offloading_num_layers`` (no measurement published: predictions only).
-``docs/img/predicted_vs_measured.png``: every published point, predicted against measured, for peak memory (GiB,
-the unit of Megatron's memory report; savings for runs whose absolute settings are unpublished) and for the step
-factor; the diagonal and the ±5 % / ±10 % bands of the targets.
-``docs/img/plot_sweep.png``, ``plot_phases.png``, ``plot_options.png``: one picture of each kind ``mbridge-offload
-plot`` draws (``mbridge_offload_tools.plot``: the same points and the same drawing), on the commands
-``docs/planner.md`` shows (``PLOT_EXAMPLES``).
+A stale picture is caught without comparing pixels (font rendering differs between machines): ``docs/img/plots.json``
+holds every number the pictures plot (:func:`plot_values`, generated like any doc), and each PNG carries the SHA-256
+of the values it was drawn from (:func:`drawn_from`). ``memory_vs_offload``: Qwen3-30B-A3B as the upstream card ran it
+against ``optimizer_offload_fraction`` with the card's peaks, and Llama-3-8B against ``cpu_offloading_num_layers``;
+``predicted_vs_measured``: every published point with the targets' bands; ``plot_*``: one picture of each kind
+``mbridge-offload plot`` draws, on the commands ``docs/planner.md`` shows (``PLOT_EXAMPLES``).
 """
 
 from __future__ import annotations

@@ -1,11 +1,8 @@
 """``python -m mbridge_offload_tools.docgen.docs.walkthrough``: capture the real CLI output shown in
 docs/walkthrough.md.
 
-The walkthrough's prose is hand-written; every block of tool output in it sits in a generated section and is
-produced here by running the command (``mbridge-offload …``, as ``python -m mbridge_offload_tools …``) in a scratch
-folder that holds a copy of the bundled example config. Nothing is typed in by hand. The output of ``test`` contains
-durations, so this is run on purpose (not by ``make docs``); ``tests/tools/test_docs.py`` reruns every command and
-compares its output with the committed block after :func:`normalise` (durations and the suite's size blanked).
+Each block is the output of its command, run in a scratch folder with the bundled example; ``test``'s durations make
+this a step run on purpose (not ``make docs``), and ``tests/tools/test_docs.py`` compares after :func:`normalise`.
 """
 
 from __future__ import annotations

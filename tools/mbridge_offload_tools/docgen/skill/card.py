@@ -1,9 +1,6 @@
 """card.yaml ``measured_results``: this project's own numbers, copied by code from the benchmark fragments.
 
-Each entry names a fragment (``docs/benchmarks-*.md``, written from a benchmark run), and each value names the
-table row and column it comes from. Nothing is typed in, rounded or computed: when a benchmark is rerun and its
-fragment changes, ``make docs`` copies the new figures, and ``tests/tools/test_docs.py`` fails until it
-has. The block sits between ``# BEGIN GENERATED: measured_results`` and ``# END GENERATED: measured_results``.
+Each value names the fragment's table row and column it comes from: nothing is typed in, rounded or computed.
 """
 
 from __future__ import annotations

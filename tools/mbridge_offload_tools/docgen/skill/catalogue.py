@@ -1,8 +1,6 @@
 """The tables of SKILL.md that restate a catalogue: constraints (rules), failure modes (diagnose), MCP tools.
 
-Each renderer reads the live object — the rule catalogue's ``all_rules()``, the diagnosis catalogue, the tools
-the MCP server registers — so the skill cannot drift from the code; ``tests/tools/test_docs.py`` checks
-the committed text.
+Each renderer reads the live object, so the skill cannot drift from the code.
 """
 
 from __future__ import annotations
@@ -31,11 +29,7 @@ def _cell(text: Any) -> str:
 
 
 def render_constraints(docs: str = "docs/") -> str:
-    """Every rule of the catalogue as one table row, in catalogue order.
-
-    Args:
-        docs: the path from the rendered file to the ``docs/`` folder (links go to ``docs/rules.md``).
-    """
+    """Every rule of the catalogue as one table row, in catalogue order (``docs``: the path to ``docs/``)."""
     from mbridge_offload.config.rules.catalogue import all_rules
 
     lines = ["| rule | severity | origin | keys | constraint | fix |", "|---|---|---|---|---|---|"]

@@ -1,8 +1,6 @@
 """The parameter reference: every ``model.*``, ``optimizer.*`` and ``ddp.*`` field with its default and meaning.
 
-Defaults are never written here: they are read from ``mbridge_offload.config.schema`` (``field_default``), the single
-source of truth. This module only adds the words (what a field means, where upstream defines it) and the grouping,
-and renders the tables that ``SKILL.md`` and ``docs/parameters.md`` carry between generated-section markers.
+The defaults are read from ``mbridge_offload.config.schema``; this module adds only the words and the grouping.
 """
 
 from __future__ import annotations

@@ -1,8 +1,6 @@
 """The skill's ``references/`` folder: the long tables SKILL.md points to, each file rendered whole from the code.
 
-SKILL.md keeps the short forms (the rules upstream enforces, the failure ids and fixes, the MCP tools); these files
-hold the full catalogues, loaded by an agent only when it needs them (the Agent Skills spec's progressive disclosure).
-Registered as whole files in ``registry.py``; ``tests/tools/test_docs.py`` fails when one is stale.
+SKILL.md keeps the short forms; an agent loads these only when it needs them (progressive disclosure).
 """
 
 from __future__ import annotations
@@ -175,7 +173,7 @@ after `make bridge-env`).
 
 def _layers_matrix(release: str) -> tuple[list[str], list[str]]:
     """One release's table (verdict and reference per cell) and the references' list."""
-    from mbridge_offload.upstream_layers import LAYERS, SETTINGS, cell
+    from mbridge_offload.upstream_layers import CELLS, LAYERS, SETTINGS, cell
 
     refs: dict[str, int] = {}
     head = " | ".join(f"{lay.title} (`{lay.classes[release].split(' ')[0]}`)" for lay in LAYERS)
@@ -188,7 +186,7 @@ def _layers_matrix(release: str) -> tuple[list[str], list[str]]:
             word = c.verdict if c.verdict == "applies" else f"**{c.verdict}**"
             cells.append(f"{word} [{n}]")
         rows.append(f"| `{setting.key}` | " + " | ".join(cells) + " |")
-    evidence = {c.evidence.key: c.evidence for c in _cells()}
+    evidence = {c.evidence.key: c.evidence for c in CELLS}
     listed = []
     for key, n in refs.items():
         sites = [s for s in evidence[key].sites if s.release == release]
@@ -199,21 +197,15 @@ def _layers_matrix(release: str) -> tuple[list[str], list[str]]:
     return rows, listed
 
 
-def _cells():
-    from mbridge_offload.upstream_layers import CELLS
-
-    return CELLS
-
-
 def _layer_notes() -> list[str]:
     """The cells' notes: a note most rows share once (with its columns and the rows' groups), the others per row,
     each with its columns (and the release, where only one has it)."""
-    from mbridge_offload.upstream_layers import LAYERS, SETTINGS
+    from mbridge_offload.upstream_layers import CELLS, LAYERS, SETTINGS
 
     titles = {lay.key: lay.title for lay in LAYERS}
     groups = {s.key: s.group for s in SETTINGS}
     rows_of: dict[str, set[str]] = {}
-    for c in _cells():
+    for c in CELLS:
         if c.note:
             rows_of.setdefault(c.note, set()).add(c.setting)
     shared = {note for note, rows in rows_of.items() if len(rows) > 3}
@@ -224,14 +216,14 @@ def _layer_notes() -> list[str]:
         return ", ".join(layers) + (f", {releases.pop()} only" if len(releases) == 1 else "")
 
     out = ["Across rows:", ""]
-    for note in (n for n in dict.fromkeys(c.note for c in _cells()) if n in shared):  # first seen first
-        cells = [c for c in _cells() if c.note == note]
+    for note in (n for n in dict.fromkeys(c.note for c in CELLS) if n in shared):  # first seen first
+        cells = [c for c in CELLS if c.note == note]
         kinds = ", ".join(dict.fromkeys(groups[c.setting] for c in cells))
         out.append(f"- {where(cells)} ({kinds}): {note}.")
     out += ["", "Per row:", ""]
     for setting in SETTINGS:
         notes: dict[str, list[Any]] = {}
-        for c in _cells():
+        for c in CELLS:
             if c.setting == setting.key and c.note and c.note not in shared:
                 notes.setdefault(c.note, []).append(c)
         if notes:
