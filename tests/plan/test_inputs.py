@@ -13,8 +13,7 @@ import pytest
 from mbridge_offload.config import sources
 from mbridge_offload.config.errors import BoundsError as InputError
 from mbridge_offload.plan.inputs.fields import FIELDS, PlanInputs, flag_name
-from mbridge_offload.plan.inputs.given import validate_inputs
-from mbridge_offload.plan.inputs.resolve import resolve
+from mbridge_offload.plan.inputs.resolve import resolve, validate_inputs
 from mbridge_offload.plan.search import planner as plan
 from mbridge_offload_tools.cli import main as cli
 from mbridge_offload_tools.cli import plan as cli_plan
@@ -351,3 +350,57 @@ def test_setups_defaults_are_the_declared_fallbacks():
     for name in set(SETUP_INPUTS) & set(declared):
         value = declared[name][0]
         assert getattr(Setup(), name) == (None if value == "none" and name != "cuda_graph_impl" else value), name
+
+
+# --tp on its way from the command line to the planner's Setup, module by module (each one a function of which
+# receives it: in the parsed flags, a dict of inputs or a PlanInputs): the parser's bounds, the command's deadline,
+# the CLI command, the body the MCP tool shares, the planner's one entry point, the one resolution (which builds
+# Setup, declared in plan/model/run.py). A module added on the way fails here.
+TP_PATH = [
+    "tools/mbridge_offload_tools/interface/build.py",
+    "tools/mbridge_offload_tools/cli/main.py",
+    "tools/mbridge_offload_tools/cli/plan.py",
+    "tools/mbridge_offload_tools/interface/calls.py",
+    "offload/mbridge_offload/plan/service.py",
+    "offload/mbridge_offload/plan/inputs/resolve.py",
+]
+
+
+def test_tp_reaches_setup_through_the_modules_listed(capsys):
+    import sys
+    from argparse import Namespace
+
+    from mbridge_offload.plan.inputs import resolve as resolve_module
+
+    def holds(value: object) -> bool:
+        if isinstance(value, dict):
+            return value.get("tp") == 4
+        return isinstance(value, Namespace | PlanInputs) and getattr(value, "tp", None) == 4
+
+    path: list[str] = []
+    built: list[object] = []
+
+    def watch(frame, event, arg):
+        if built:
+            return
+        if event == "return" and frame.f_code is resolve_module._setup.__code__:
+            built.append(arg)
+            return
+        where = Path(frame.f_code.co_filename)
+        if event != "call" or ROOT not in where.parents or where.relative_to(ROOT).parts[0] not in ("offload", "tools"):
+            return
+        args = [frame.f_locals.get(n) for n in frame.f_code.co_varnames[: frame.f_code.co_argcount]]
+        if any(holds(a) for a in args) or frame.f_locals.get("tp") == 4:
+            name = where.relative_to(ROOT).as_posix()
+            if name not in path:
+                path.append(name)
+
+    sys.setprofile(watch)
+    try:
+        with pytest.raises(SystemExit):
+            cli.main(["estimate", "--model", "llama3-8b", "--tp", "4", "--num-gpus", "16", "--json"])
+    finally:
+        sys.setprofile(None)
+    assert getattr(built[0], "tp", None) == 4 and type(built[0]).__module__ == "mbridge_offload.plan.model.run"
+    assert path == TP_PATH
+    assert json.loads(capsys.readouterr().out)["parallel"]["tp"] == 4

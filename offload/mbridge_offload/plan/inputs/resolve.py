@@ -14,7 +14,8 @@ from collections.abc import Collection
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
+from pydantic_core import ErrorDetails
 
 from mbridge_offload import upstream_layers as reach
 from mbridge_offload.config import errors, parallel_sizes
@@ -32,8 +33,7 @@ from mbridge_offload.plan.inputs.config_facts import (
     raw_section,
     with_layout,
 )
-from mbridge_offload.plan.inputs.fields import FIELDS, PlanInputs
-from mbridge_offload.plan.inputs.given import validate_inputs
+from mbridge_offload.plan.inputs.fields import FIELDS, PlanInputs, flag_name, group_of
 from mbridge_offload.plan.inputs.hardware import GpuPreset, gpu_preset, with_overrides
 from mbridge_offload.plan.inputs.vocab import tokenizer_vocab
 from mbridge_offload.plan.model.architecture import ModelSpec
@@ -177,6 +177,82 @@ class Resolved:
         if self.inputs.cpu_adam_params_per_s is None and self.host_profile is not None:
             return self.host_profile.rate_per_core, "host-profile"
         return cpu_adam_rate_source(self.inputs.cpu_adam_params_per_s, self.gpu.cpu_adam_params_per_s_per_core)
+
+
+# ------------------------------------------------------------------------------------------- given
+
+
+# Inputs that describe the job, the machine and the evidence, not the run's settings: the same in the run a user's
+# evidence measured and the run asked about (``plan/evidence/runs.py``).
+_SHARED_GROUPS = {"model", "hardware", "time", "decision", "measured"}
+# In those groups but settings of the run (config keys the caller may change).
+_RUN_SETTINGS_THERE = {"overlap_grad_reduce", "overlap_param_gather", "tp_comm_overlap"}
+
+
+def shared(name: str) -> bool:
+    """``name`` describes the job and the machine (both runs), not a setting the caller may change. The GPU count is
+    the job's: a flag gives it to both runs (``measured_settings`` or a log's world size may say otherwise)."""
+    return name == "num_gpus" or (group_of(name) in _SHARED_GROUPS and name not in _RUN_SETTINGS_THERE)
+
+
+def measured_settings(items: list[str] | None) -> dict[str, Any]:
+    """``measured_settings`` (``NAME=VALUE`` items) as planner input values, checked like the inputs themselves.
+
+    Raises:
+        InputError: an item without ``=``, a name that is no planner input or not a setting of the run, a value the
+            input refuses.
+    """
+    out: dict[str, Any] = {}
+    for item in items or []:
+        name, sep, text = (part.strip() for part in item.partition("="))
+        if not sep or name not in PlanInputs.model_fields:
+            raise InputError(
+                f"measured_settings {item!r}: expected NAME=VALUE with NAME a planner input, e.g. micro_batch_size=1 "
+                "or seq_length=4096 (CLI: --measured-settings micro_batch_size=1)"
+            )
+        if shared(name) and name != "num_gpus":
+            raise InputError(
+                f"measured_settings {item!r}: {name} is the same in the measured and the asked run (the model, the "
+                f"hardware, the evidence); pass it as {flag_name(name)}"
+            )
+        value: Any = [v for v in text.split(",") if v] if name in ("recompute_modules", "offload_modules") else text
+        out[name] = getattr(validate_inputs({name: value}, {name: "measured_settings"}), name)
+    return out
+
+
+def _message(err: ErrorDetails, where: dict[str, str], keys: dict[str, str]) -> str:
+    name = str(err["loc"][0]) if err["loc"] else "input"
+    value = err.get("input")
+    source = where.get(name, "flag")
+    shown = flag_name(name) if name in PlanInputs.model_fields and source == "flag" else name
+    if source in ("config", "argv") and name in keys:
+        shown = keys[name]  # the config's own key: model.tensor_model_parallel_size, not tp
+    text = err["msg"]
+    if isinstance(value, float) and not math.isfinite(value):
+        text = "must be a finite number"
+    return f"{shown} = {value!r} ({source}): {text[0].lower() + text[1:]}"
+
+
+def validate_inputs(
+    values: dict[str, Any], where: dict[str, str] | None = None, keys: dict[str, str] | None = None
+) -> PlanInputs:
+    """``PlanInputs`` from a dict of values; one readable line per violated bound.
+
+    Args:
+        values: input name → value (unknown names are refused).
+        where: input name → source (``flag``, ``config``, ``preset``...), named in the message.
+        keys: input name → the dotted config key, named instead of the input where the config gave the value.
+
+    Raises:
+        InputError: the first three problems, each with the input, its value and the bound.
+    """
+    try:
+        return PlanInputs.model_validate(values)
+    except ValidationError as exc:
+        errors = exc.errors()
+        lines = [_message(e, where or {}, keys or {}) for e in errors[:3]]
+        more = f" (and {len(errors) - 3} more)" if len(errors) > 3 else ""
+        raise InputError("; ".join(lines) + more) from None
 
 
 # ------------------------------------------------------------------------------------------- layers
@@ -427,8 +503,6 @@ def _check_measured_settings(flags: dict[str, Any]) -> None:
     Raises:
         InputError: an item that is not NAME=VALUE of a run setting, or no evidence to go with them.
     """
-    from mbridge_offload.plan.inputs.given import measured_settings
-
     if not measured_settings(flags.get("measured_settings")):
         return
     evidence = ("measured_log", "measured_peak_gib", "measured_step_s", "ooms")
@@ -489,7 +563,7 @@ def _tying(
         return worth
     frontend = None if config is None else str(config.env.get("frontend", "bridge"))
     names = raw if raw is not None else (config.model_dump(mode="json") if config is not None else None)
-    values[key], where[key], note = family.tying(values, names, frontend)
+    values[key], where[key], note = family.tying({k: values[k] for k in family.SIZES}, names, frontend)
     return f"{note}; {worth}"
 
 
