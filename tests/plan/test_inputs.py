@@ -13,8 +13,7 @@ import pytest
 from mbridge_offload.config import sources
 from mbridge_offload.config.errors import BoundsError as InputError
 from mbridge_offload.plan.inputs.fields import FIELDS, PlanInputs, flag_name
-from mbridge_offload.plan.inputs.given import validate_inputs
-from mbridge_offload.plan.inputs.resolve import resolve
+from mbridge_offload.plan.inputs.resolve import resolve, validate_inputs
 from mbridge_offload.plan.search import planner as plan
 from mbridge_offload_tools.cli import main as cli
 from mbridge_offload_tools.cli import plan as cli_plan
@@ -258,3 +257,150 @@ def test_each_input_declares_its_config_key_and_fallback_once_and_every_tool_sho
     for name, (value, why) in {**fallbacks(), **fallbacks("fine_grained"), **fallbacks("loss_fusion")}.items():
         PlanInputs.model_validate({name: value})  # a fallback is a value the input itself accepts
         assert why, name
+
+
+# Every input Setup carries, with a non-default value (and what it needs beside it) and what Setup then holds.
+_CARRIED = {
+    "num_gpus": ({"num_gpus": 16}, 16),
+    "tp": ({"tp": 2}, 2),
+    "pp": ({"pp": 2}, 2),
+    "vpp": ({"pp": 2, "vpp": 2, "global_batch_size": 256}, 2),
+    "cp": ({"cp": 2}, 2),
+    "ep": ({"ep": 2}, 2),
+    "etp": ({"etp": 2}, 2),
+    "sequence_parallel": ({"tp": 2, "sequence_parallel": False}, False),
+    "seq_length": ({"seq_length": 2048}, 2048),
+    "micro_batch_size": ({"micro_batch_size": 2}, 2),
+    "global_batch_size": ({"global_batch_size": 64}, 64),
+    "params_dtype": ({"params_dtype": "fp16"}, "fp16"),
+    "grad_reduce_in_fp32": ({"grad_reduce_in_fp32": False}, False),
+    "distributed_optimizer": ({"distributed_optimizer": False}, False),
+    "precision_aware_optimizer": ({"precision_aware_optimizer": True}, True),
+    "main_params_dtype": ({"main_params_dtype": "bf16"}, "bf16"),
+    "exp_avg_dtype": ({"exp_avg_dtype": "bf16"}, "bf16"),
+    "exp_avg_sq_dtype": ({"exp_avg_sq_dtype": "bf16"}, "bf16"),
+    "recompute_granularity": ({"recompute_granularity": "selective"}, "selective"),
+    "recompute_method": (
+        {"recompute_granularity": "full", "recompute_method": "block", "recompute_num_layers": 2},
+        "block",
+    ),
+    "recompute_num_layers": (
+        {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 2},
+        2,
+    ),
+    "recompute_modules": ({"recompute_granularity": "selective", "recompute_modules": ["mlp"]}, ("mlp",)),
+    "optimizer_offload_fraction": ({"optimizer_offload_fraction": 0.5}, 0.5),
+    "activation_offload_layers": ({"activation_offload_layers": 2}, 2),
+    "hybrid_optimizer": ({"hybrid_optimizer": "ours"}, "ours"),
+    "offload_modules": ({"offload_modules": ["core_attn"]}, ("core_attn",)),
+    "min_offloaded_tensor_size": ({"offload_modules": ["core_attn"], "min_offloaded_tensor_size": 4096}, 4096),
+    "activation_offload_fraction": ({"offload_modules": ["core_attn"], "activation_offload_fraction": 0.5}, 0.5),
+    "use_megatron_fsdp": ({"use_megatron_fsdp": True}, True),
+    "fsdp_sharding_strategy": (
+        {"use_megatron_fsdp": True, "fsdp_sharding_strategy": "optim_grads_params"},
+        "optim_grads_params",
+    ),
+    "fsdp_main_grads_dtype": ({"use_megatron_fsdp": True, "fsdp_main_grads_dtype": "fp32"}, "fp32"),
+    "fp8_recipe": ({"fp8_recipe": "tensorwise"}, "tensorwise"),
+    "fp8_param": ({"fp8_recipe": "tensorwise", "fp8_param": True}, True),
+    "num_layers_in_first_pipeline_stage": ({"pp": 2, "num_layers_in_first_pipeline_stage": 20}, 20),
+    "num_layers_in_last_pipeline_stage": ({"pp": 2, "num_layers_in_last_pipeline_stage": 20}, 20),
+    "pipeline_layout": ({"pp": 2, "pipeline_layout": "Et*24|t*24L"}, (24, 24)),
+    "cross_entropy_loss_fusion": ({"cross_entropy_loss_fusion": True}, True),
+    "cross_entropy_fusion_impl": ({"cross_entropy_loss_fusion": True, "cross_entropy_fusion_impl": "te"}, "te"),
+    "overlap_grad_reduce": ({"overlap_grad_reduce": False}, False),
+    "overlap_param_gather": ({"overlap_param_gather": False}, False),
+    "tp_comm_overlap": ({"tp_comm_overlap": True}, True),
+    "cuda_graph_impl": ({"cuda_graph_impl": "local"}, "local"),
+}
+# The inputs that build something else than Setup: the model, the GPU, the constraints, the time model's rates, the
+# decision, the evidence. A new input lands here or in _CARRIED (and on Setup), never nowhere.
+_ELSEWHERE = {
+    "model", "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
+    "vocab_size", "num_moe_experts", "moe_ffn_hidden_size", "moe_router_topk", "share_embeddings_and_output_weights",
+    "fine_grained_activation_offloading", "moe_paged_stash", "overlap", "gpu", "gpu_memory_gb", "host_ram_gb",
+    "gpus_per_node", "link_gbps", "host_bw_gbps", "cpu_cores", "cpu_threads", "cpu_adam_params_per_s",
+    "baseline_step_s", "mfu", "host_profile", "calibration", "margin", "headroom_gib", "levers", "measured_peak_gib",
+    "measured_step_s", "measured_log", "ooms", "measured_settings",
+}  # fmt: skip
+
+
+def test_every_input_reaches_setup_or_is_read_elsewhere():
+    from mbridge_offload.plan.inputs.resolve import SETUP_INPUTS
+
+    assert set(SETUP_INPUTS) == set(_CARRIED)
+    assert set(FIELDS) - set(SETUP_INPUTS) == _ELSEWHERE
+
+
+@pytest.mark.parametrize("name", sorted(_CARRIED))
+def test_each_input_setup_carries_arrives_there_with_its_value(name):
+    from mbridge_offload.plan.model.run import Setup
+
+    flags, expected = _CARRIED[name]
+    assert getattr(Setup(), name) != expected  # a value Setup's default could not pass off as carried
+    assert getattr(resolve({"model": "qwen3-30b-a3b", **flags}).setup, name) == expected
+
+
+def test_setups_defaults_are_the_declared_fallbacks():
+    from mbridge_offload.plan.inputs.fields import fallbacks
+    from mbridge_offload.plan.inputs.resolve import SETUP_INPUTS
+    from mbridge_offload.plan.model.run import Setup
+
+    declared = {**fallbacks(), **fallbacks("fine_grained"), **fallbacks("loss_fusion")}
+    for name in set(SETUP_INPUTS) & set(declared):
+        value = declared[name][0]
+        assert getattr(Setup(), name) == (None if value == "none" and name != "cuda_graph_impl" else value), name
+
+
+# --tp on its way from the command line to the planner's Setup, module by module (each one a function of which
+# receives it: in the parsed flags, a dict of inputs or a PlanInputs): the parser's bounds, the command's deadline,
+# the CLI command, the body the MCP tool shares, the planner's one entry point, the one resolution (which builds
+# Setup, declared in plan/model/run.py). A module added on the way fails here.
+TP_PATH = [
+    "tools/mbridge_offload_tools/interface/build.py",
+    "tools/mbridge_offload_tools/cli/main.py",
+    "tools/mbridge_offload_tools/cli/plan.py",
+    "tools/mbridge_offload_tools/interface/calls.py",
+    "offload/mbridge_offload/plan/service.py",
+    "offload/mbridge_offload/plan/inputs/resolve.py",
+]
+
+
+def test_tp_reaches_setup_through_the_modules_listed(capsys):
+    import sys
+    from argparse import Namespace
+
+    from mbridge_offload.plan.inputs import resolve as resolve_module
+
+    def holds(value: object) -> bool:
+        if isinstance(value, dict):
+            return value.get("tp") == 4
+        return isinstance(value, Namespace | PlanInputs) and getattr(value, "tp", None) == 4
+
+    path: list[str] = []
+    built: list[object] = []
+
+    def watch(frame, event, arg):
+        if built:
+            return
+        if event == "return" and frame.f_code is resolve_module._setup.__code__:
+            built.append(arg)
+            return
+        where = Path(frame.f_code.co_filename)
+        if event != "call" or ROOT not in where.parents or where.relative_to(ROOT).parts[0] not in ("offload", "tools"):
+            return
+        args = [frame.f_locals.get(n) for n in frame.f_code.co_varnames[: frame.f_code.co_argcount]]
+        if any(holds(a) for a in args) or frame.f_locals.get("tp") == 4:
+            name = where.relative_to(ROOT).as_posix()
+            if name not in path:
+                path.append(name)
+
+    sys.setprofile(watch)
+    try:
+        with pytest.raises(SystemExit):
+            cli.main(["estimate", "--model", "llama3-8b", "--tp", "4", "--num-gpus", "16", "--json"])
+    finally:
+        sys.setprofile(None)
+    assert getattr(built[0], "tp", None) == 4 and type(built[0]).__module__ == "mbridge_offload.plan.model.run"
+    assert path == TP_PATH
+    assert json.loads(capsys.readouterr().out)["parallel"]["tp"] == 4

@@ -43,7 +43,7 @@ def test_qwen3_0_6b_tied_tp2_weights_and_no_distributed_optimizer():
     assert padded_vocab(m, 2) == 152064
     layer = 2 * h + 2 * d + (h * (q + 2 * kv) + q * h + h * 2 * ffn + ffn * h) // 2
     n = 28 * layer + 152064 * h // 2 + h  # tied: one embedding on the single stage
-    est = estimate_memory(m, Setup(num_gpus=2, tp=2, use_distributed_optimizer=False))
+    est = estimate_memory(m, Setup(num_gpus=2, tp=2, distributed_optimizer=False))
     assert est.worst.params == n
     assert est.worst.optimizer == 12 * n  # Float16Optimizer: unsharded fp32 masters + moments
     assert total_params(m) == 28 * (2 * h + 2 * d + h * (q + 2 * kv) + q * h + 3 * h * ffn) + vocab * h + h
@@ -98,7 +98,7 @@ def megatron_theoretical(m: ModelSpec, s: Setup) -> tuple[float, float]:
     shard = (layers / s.pp + emb) / s.tp
     if not m.tied_embeddings and s.pp == 1:
         shard += emb / s.tp
-    per_param = 6 + 12 / s.dp if s.use_distributed_optimizer else 18
+    per_param = 6 + 12 / s.dp if s.distributed_optimizer else 18
     seq, b = m.seq_length, s.micro_batch_size
     act = seq * b * h * (18 + 4 * ffn / h) * L
     act += 8 * seq * b * s.pp + seq * b * h * s.pp
@@ -124,7 +124,7 @@ GPT = ModelSpec(
 
 @pytest.mark.parametrize("tp,pp,dist", [(1, 1, True), (4, 1, True), (2, 4, True), (4, 2, False)])
 def test_estimator_matches_megatron_theoretical_formula(tp, pp, dist):
-    setup = Setup(num_gpus=32, tp=tp, pp=pp, sequence_parallel=True, use_distributed_optimizer=dist)
+    setup = Setup(num_gpus=32, tp=tp, pp=pp, sequence_parallel=True, distributed_optimizer=dist)
     want_static, want_act = megatron_theoretical(GPT, setup)
     est = estimate_memory(GPT, setup)
     # Megatron reports the first stage (embedding + most in-flight micro-batches); its formula counts saved
@@ -165,10 +165,10 @@ def test_non_precision_aware_offload_moves_only_the_moments():
 
 
 def test_precision_aware_offload_moves_masters_too():
-    s = Setup(num_gpus=8, use_precision_aware_optimizer=True, optimizer_offload_fraction=1.0)
+    s = Setup(num_gpus=8, precision_aware_optimizer=True, optimizer_offload_fraction=1.0)
     w = estimate_memory(model_preset("llama3-8b"), s).worst
     assert w.optimizer == 0  # HDO owns the fp32 masters: everything is on the CPU
-    plain = estimate_memory(model_preset("llama3-8b"), Setup(num_gpus=8, use_precision_aware_optimizer=True)).worst
+    plain = estimate_memory(model_preset("llama3-8b"), Setup(num_gpus=8, precision_aware_optimizer=True)).worst
     assert plain.optimizer == (2 + 8) * plain.shard_numel  # bf16 remainders + fp32 moments (TE FusedAdam)
 
 

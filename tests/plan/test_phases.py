@@ -115,9 +115,9 @@ SETUPS = [
     ("llama3-8b", Setup(num_gpus=8)),
     ("llama3-8b", Setup(num_gpus=8, grad_reduce_in_fp32=False, seq_length=16384)),
     ("llama3-8b", Setup(num_gpus=8, tp=2, recompute_granularity="full", recompute_method="uniform")),
-    ("llama3-8b", Setup(num_gpus=8, cross_entropy_fusion=True, cross_entropy_fusion_impl="te")),
+    ("llama3-8b", Setup(num_gpus=8, cross_entropy_loss_fusion=True, cross_entropy_fusion_impl="te")),
     ("llama3-70b", Setup(num_gpus=32, tp=4, pp=4, vpp=5, global_batch_size=64, grad_reduce_in_fp32=False)),
-    ("llama3-70b", Setup(num_gpus=64, tp=4, pp=8, grad_reduce_in_fp32=False, use_precision_aware_optimizer=True)),
+    ("llama3-70b", Setup(num_gpus=64, tp=4, pp=8, grad_reduce_in_fp32=False, precision_aware_optimizer=True)),
     (
         "llama3-70b",
         Setup(
@@ -125,7 +125,7 @@ SETUPS = [
             tp=4,
             pp=2,
             grad_reduce_in_fp32=False,
-            use_precision_aware_optimizer=True,
+            precision_aware_optimizer=True,
             optimizer_offload_fraction=0.5,
         ),
     ),
@@ -201,12 +201,12 @@ def test_the_optimizer_steps_transient_is_the_fp32_copy_of_bf16_gradients_only()
     assert copy == 4 * shard  # offloaded shards are copied too: DistributedOptimizer casts before HDO steps
     copy, shard, off = _step_other(
         grad_reduce_in_fp32=False,
-        use_precision_aware_optimizer=True,
+        precision_aware_optimizer=True,
         optimizer_offload_fraction=0.5,
         hybrid_optimizer="ours",
     )
     assert 0 < off < shard and copy == 4 * (shard - off)  # our HDO's fp32_param.grad for the GPU-side bf16 params
-    assert _step_other(grad_reduce_in_fp32=False, use_precision_aware_optimizer=True)[0] == 0  # decoupled_grad
+    assert _step_other(grad_reduce_in_fp32=False, precision_aware_optimizer=True)[0] == 0  # decoupled_grad
     fsdp = Setup(num_gpus=8, use_megatron_fsdp=True, fsdp_sharding_strategy="optim_grads_params")
     st = estimate_memory(model_preset("llama3-8b"), fsdp).worst
     assert _phases(st)["optimizer_step"].other - int(fsdp.overhead_gb * GB) == 4 * st.shard_numel
@@ -217,7 +217,7 @@ def test_the_loss_holds_six_bytes_per_logit_with_megatron_cores_cross_entropy_an
     seq, h, logits = 8192, 4096, 8192 * padded_vocab(m, 1)
     layers = 32 * sum(t.nbytes for t in layer_activations(m, Setup(num_gpus=8), 0)) + 8 * seq + 4 * seq * h
     for fusion, impl, kept, peak in ((False, "native", 4, 6), (True, "native", 4, 6), (True, "te", 2, 2)):
-        s = Setup(num_gpus=8, cross_entropy_fusion=fusion, cross_entropy_fusion_impl=impl)
+        s = Setup(num_gpus=8, cross_entropy_loss_fusion=fusion, cross_entropy_fusion_impl=impl)
         loss = _phases(estimate_memory(m, s).worst)["loss"]
         assert loss.activations == layers + kept * logits
         assert loss.other - int(s.overhead_gb * GB) == (peak - kept) * logits
@@ -294,7 +294,7 @@ def test_held_out_published_recipe_peaks_within_5_percent(row):
 
 
 def test_megatron_core_hdo_keeps_its_fp32_gradient_copies_so_its_step_adds_one_tensors_copy():
-    changes = {"grad_reduce_in_fp32": False, "use_precision_aware_optimizer": True, "optimizer_offload_fraction": 0.5}
+    changes = {"grad_reduce_in_fp32": False, "precision_aware_optimizer": True, "optimizer_offload_fraction": 0.5}
     ours = estimate_memory(model_preset("llama3-8b"), replace(Setup(num_gpus=8), hybrid_optimizer="ours", **changes))
     theirs = estimate_memory(model_preset("llama3-8b"), replace(Setup(num_gpus=8), **changes))
     gpu_stepped = theirs.worst.shard_numel - theirs.worst.offloaded_numel

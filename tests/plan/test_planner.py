@@ -130,7 +130,7 @@ def test_partial_yaml_without_optimizer_keys_gets_bridge_defaults_and_says_so(tm
     cfg.write_text("model:\n  num_layers: 4\n  hidden_size: 256\n  num_attention_heads: 4\n  vocab_size: 1000\n")
     loaded = sources.load(str(cfg))
     r = resolve({}, loaded.config, loaded.raw)
-    assert r.setup.use_distributed_optimizer and r.setup.grad_reduce_in_fp32
+    assert r.setup.distributed_optimizer and r.setup.grad_reduce_in_fp32
     assert r.model.ffn_hidden_size == 1024 and r.model.tied_embeddings
     sources_of = {a.name: a.source for a in r.assumptions}
     assert sources_of["num_layers"] == "config" and sources_of["grad_reduce_in_fp32"] == "default"

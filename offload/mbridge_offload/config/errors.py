@@ -45,7 +45,7 @@ def _first_line(exc: BaseException) -> str:
 
 
 class BoundsError(InputError):
-    """A planning input out of its declared bounds or of the wrong type (``plan.inputs.given.validate_inputs``)."""
+    """A planning input out of its declared bounds or of the wrong type (``plan.inputs.resolve.validate_inputs``)."""
 
 
 def as_input_error(exc: BaseException, where: str = "input") -> InputError | None:

@@ -13,8 +13,7 @@ from decimal import ROUND_FLOOR, Decimal, InvalidOperation
 
 from mbridge_offload.config.errors import InputError
 from mbridge_offload.plan.inputs.fields import FIELDS, PlanInputs, flag_name, group_of
-from mbridge_offload.plan.inputs.given import validate_inputs
-from mbridge_offload.plan.inputs.resolve import CONFIG_KEYS
+from mbridge_offload.plan.inputs.resolve import CONFIG_KEYS, validate_inputs
 
 MAX_POINTS = 101  # 0:1:0.01; each point is one estimate (milliseconds) and one marker
 NOT_SWEPT_GROUPS = ("measured", "decision")

@@ -91,7 +91,7 @@ def _gib(n: float) -> float:
 
 
 def _optimizer_words(s: Any) -> str:
-    base = "DistributedOptimizer" if s.use_distributed_optimizer else "Float16OptimizerWithFloat16Params"
+    base = "DistributedOptimizer" if s.distributed_optimizer else "Float16OptimizerWithFloat16Params"
     adam = "TE FusedAdam (stand-in: its state, no temporaries)"
     if s.optimizer_offload_fraction > 0:
         return (

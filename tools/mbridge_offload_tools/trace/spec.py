@@ -37,7 +37,7 @@ _NOT_YET = (
     (lambda m, s: s.activation_offload_layers > 0, "layer-level activation offload"),
     (lambda m, s: bool(s.offload_modules), "fine-grained activation offloading"),
     (lambda m, s: s.pipeline_layout is not None, "pipeline layouts"),
-    (lambda m, s: s.use_precision_aware_optimizer, "the precision-aware optimizer (TE FusedAdam's master weights)"),
+    (lambda m, s: s.precision_aware_optimizer, "the precision-aware optimizer (TE FusedAdam's master weights)"),
 )
 
 
@@ -78,7 +78,7 @@ def _transformer(m: ModelSpec, s: Setup) -> dict[str, Any]:
         "pipeline_model_parallel_size": s.pp,
         "virtual_pipeline_model_parallel_size": s.vpp,
         "sequence_parallel": s.sp and s.tp > 1,
-        "cross_entropy_loss_fusion": s.cross_entropy_fusion,
+        "cross_entropy_loss_fusion": s.cross_entropy_loss_fusion,
         # Bridge's GPTModelProvider sets it (megatron-core's default is False): after sending a stage's output,
         # schedules.py's deallocate_output_tensor frees its data, so a non-last stage does not keep one output per
         # in-flight micro-batch
@@ -153,10 +153,10 @@ def build(r: Resolved, stage: int) -> dict[str, Any]:
         "params_dtype": s.params_dtype,
         "transformer": _transformer(m, s),
         "ddp": {
-            "use_distributed_optimizer": s.use_distributed_optimizer,
+            "use_distributed_optimizer": s.distributed_optimizer,
             "grad_reduce_in_fp32": s.grad_reduce_in_fp32,
             "overlap_grad_reduce": s.overlap_grad_reduce,
-            "overlap_param_gather": s.overlap_param_gather and s.use_distributed_optimizer,
+            "overlap_param_gather": s.overlap_param_gather and s.distributed_optimizer,
         },
         "optimizer": {
             "optimizer": "adam",
@@ -164,8 +164,8 @@ def build(r: Resolved, stage: int) -> dict[str, Any]:
             "bf16": s.params_dtype == "bf16",
             "fp16": s.params_dtype == "fp16",
             "params_dtype": s.params_dtype,
-            "use_distributed_optimizer": s.use_distributed_optimizer,
-            "use_precision_aware_optimizer": s.use_precision_aware_optimizer,
+            "use_distributed_optimizer": s.distributed_optimizer,
+            "use_precision_aware_optimizer": s.precision_aware_optimizer,
             "main_params_dtype": s.main_params_dtype,
             "exp_avg_dtype": s.exp_avg_dtype,
             "exp_avg_sq_dtype": s.exp_avg_sq_dtype,

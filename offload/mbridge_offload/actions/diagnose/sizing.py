@@ -67,9 +67,9 @@ def check_inputs(planner: dict[str, Any] | None) -> dict[str, Any]:
     """The given planner inputs, checked (InputError) before any config is read: a bad input is the caller's to
     fix (exit 2), whereas a config the planner cannot size still gets its diagnosis."""
     from mbridge_offload.plan.evidence.read import read_evidence
-    from mbridge_offload.plan.inputs.given import validate_inputs
     from mbridge_offload.plan.inputs.hardware import gpu_preset
     from mbridge_offload.plan.inputs.presets import model_preset
+    from mbridge_offload.plan.inputs.resolve import validate_inputs
     from mbridge_offload.plan.search.levers import parse
     from mbridge_offload.plan.time import host_profile
 

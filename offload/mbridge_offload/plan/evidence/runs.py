@@ -19,8 +19,7 @@ from typing import Any
 
 from mbridge_offload.config.errors import InputError
 from mbridge_offload.plan.evidence.settings import LogSettings
-from mbridge_offload.plan.inputs.given import measured_settings, shared
-from mbridge_offload.plan.inputs.resolve import Resolved, resolve
+from mbridge_offload.plan.inputs.resolve import Resolved, measured_settings, resolve, shared
 from mbridge_offload.plan.model.run import Setup
 
 # A setting the user stated (a changed value there is a disagreement, not a value filled in).

@@ -129,10 +129,10 @@ _MOE_STEP_KEYS = {
 def moe_step_settings(
     config: OffloadConfig | None, raw: dict[str, Any] | None, values: dict[str, Any]
 ) -> dict[str, Any]:
-    """The MoE step-time settings a config writes (else megatron-core's defaults stay), and its CUDA-graph scope."""
+    """The MoE step-time settings a config writes (else megatron-core's defaults stay)."""
     model = dict(config.model_dump(mode="json").get("model", {})) if config is not None else {}
     model.update(raw_section(raw, "model"))
-    out: dict[str, Any] = {"cuda_graph_impl": values.get("cuda_graph_impl") or "none"}
+    out: dict[str, Any] = {}
     for key, kind in _MOE_STEP_KEYS.items():
         if key in raw_section(raw, "model") and isinstance(model.get(key), kind):
             out[key] = model[key]

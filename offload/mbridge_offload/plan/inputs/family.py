@@ -45,7 +45,7 @@ _TYING = tuple((re.compile(p, re.I), tied, why) for p, tied, why in TYING)
 # Where a Bridge config names its model.
 NAME_KEYS = ("model.hf_model_id", "model._target_", "tokenizer.tokenizer_model", "checkpoint.pretrained_checkpoint")
 # The sizes that identify a preset (all must match, each where the input has it).
-_SIZES = ("num_layers", "hidden_size", "num_attention_heads", "vocab_size", "ffn_hidden_size", "num_query_groups")
+SIZES = ("num_layers", "hidden_size", "num_attention_heads", "vocab_size", "ffn_hidden_size", "num_query_groups")
 
 KEY = "model.share_embeddings_and_output_weights"
 BRIDGE_DEFAULT = (
@@ -84,7 +84,7 @@ def by_sizes(values: dict[str, Any]) -> tuple[bool, str] | None:
     from mbridge_offload.plan.inputs.presets import MODEL_PRESETS
 
     for name, m in MODEL_PRESETS.items():
-        given = {k: values.get(k) for k in _SIZES if values.get(k) is not None}
+        given = {k: values.get(k) for k in SIZES if values.get(k) is not None}
         if {"num_layers", "hidden_size", "num_attention_heads", "vocab_size"} <= set(given) and all(
             getattr(m, k) == v for k, v in given.items()
         ):

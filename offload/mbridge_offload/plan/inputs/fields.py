@@ -11,6 +11,7 @@ source of each value so that every answer can list its assumptions. Never import
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -56,7 +57,7 @@ def _field(
     key: str | None = None,
     effective: bool = False,
     fallback: Any = _UNSET,
-    why: str = "",
+    why: str = "megatron-core default",
     when: str | None = None,
     aliases: tuple[str, ...] = (),
     **bounds: Any,
@@ -69,7 +70,7 @@ def _field(
         effective: read from the effective config only (decided by several keys, e.g. the mixed_precision block),
             not swept or named as one key.
         fallback, why: the value used when neither flag, log, config nor preset gives one, and its source (listed
-            as an assumption).
+            as an assumption; megatron-core's default unless said).
         when: the fallback applies only when that feature is on (``fine_grained``, ``loss_fusion``).
         aliases: older CLI spellings still accepted.
     """
@@ -81,6 +82,12 @@ def _field(
     if aliases:
         extra["aliases"] = list(aliases)
     return Field(default, description=help, json_schema_extra=extra, **bounds)
+
+
+# One declarer per --help section (``GROUPS``): each field's group is the one it is declared with.
+_model, _parallel, _precision, _recompute, _offload, _hardware, _time, _decision, _measured = (
+    partial(_field, group=g) for g in GROUPS
+)
 
 
 _MARGIN_WHY = (
@@ -102,422 +109,351 @@ class PlanInputs(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False, protected_namespaces=())
 
     # --- what is trained
-    model: str | None = _field(group="model", help="model preset (its recipe's settings fill what is not given)")
-    num_layers: int | None = _field(
-        key="model.num_layers", group="model", help="transformer layers", ge=1, le=MAX_LAYERS
+    model: str | None = _model(help="model preset (its recipe's settings fill what is not given)")
+    num_layers: int | None = _model(key="model.num_layers", help="transformer layers", ge=1, le=MAX_LAYERS)
+    hidden_size: int | None = _model(key="model.hidden_size", help="hidden size", ge=1, le=MAX_WIDTH)
+    ffn_hidden_size: int | None = _model(key="model.ffn_hidden_size", help="dense MLP width", ge=1, le=MAX_WIDTH)
+    num_attention_heads: int | None = _model(
+        key="model.num_attention_heads", help="attention heads", ge=1, le=MAX_WIDTH
     )
-    hidden_size: int | None = _field(key="model.hidden_size", group="model", help="hidden size", ge=1, le=MAX_WIDTH)
-    ffn_hidden_size: int | None = _field(
-        key="model.ffn_hidden_size", group="model", help="dense MLP width", ge=1, le=MAX_WIDTH
+    num_query_groups: int | None = _model(
+        key="model.num_query_groups", help="KV heads (GQA groups)", ge=1, le=MAX_WIDTH
     )
-    num_attention_heads: int | None = _field(
-        key="model.num_attention_heads", group="model", help="attention heads", ge=1, le=MAX_WIDTH
+    kv_channels: int | None = _model(key="model.kv_channels", help="head dimension", ge=1, le=MAX_WIDTH)
+    vocab_size: int | None = _model(key="model.vocab_size", help="vocabulary size", ge=1, le=MAX_SEQ)
+    num_moe_experts: int | None = _model(key="model.num_moe_experts", help="routed experts (MoE)", ge=1, le=MAX_EXPERTS)
+    moe_ffn_hidden_size: int | None = _model(
+        key="model.moe_ffn_hidden_size", help="expert MLP width", ge=1, le=MAX_WIDTH
     )
-    num_query_groups: int | None = _field(
-        key="model.num_query_groups", group="model", help="KV heads (GQA groups)", ge=1, le=MAX_WIDTH
-    )
-    kv_channels: int | None = _field(key="model.kv_channels", group="model", help="head dimension", ge=1, le=MAX_WIDTH)
-    vocab_size: int | None = _field(key="model.vocab_size", group="model", help="vocabulary size", ge=1, le=MAX_SEQ)
-    num_moe_experts: int | None = _field(
-        key="model.num_moe_experts", group="model", help="routed experts (MoE)", ge=1, le=MAX_EXPERTS
-    )
-    moe_ffn_hidden_size: int | None = _field(
-        key="model.moe_ffn_hidden_size", group="model", help="expert MLP width", ge=1, le=MAX_WIDTH
-    )
-    moe_router_topk: int | None = _field(
-        key="model.moe_router_topk", group="model", help="experts per token", ge=1, le=MAX_EXPERTS
-    )
-    share_embeddings_and_output_weights: bool | None = _field(
+    moe_router_topk: int | None = _model(key="model.moe_router_topk", help="experts per token", ge=1, le=MAX_EXPERTS)
+    share_embeddings_and_output_weights: bool | None = _model(
         key="model.share_embeddings_and_output_weights",
-        group="model",
         help="model.share_embeddings_and_output_weights: one matrix for the input embedding and the output layer "
         "(default: the config's, the preset's or the model family's; else the frontend's, listed as assumed)",
     )
     # --- parallelism and batch
-    num_gpus: int | None = _field(group="parallel", help="GPUs in the job", ge=1, le=MAX_GPUS)
-    tp: int | None = _field(
+    num_gpus: int | None = _parallel(help="GPUs in the job", ge=1, le=MAX_GPUS)
+    tp: int | None = _parallel(
         fallback=1,
-        why="megatron-core default",
         key="model.tensor_model_parallel_size",
-        group="parallel",
         help="tensor parallel size",
         ge=1,
         le=MAX_PARALLEL,
     )
-    pp: int | None = _field(
+    pp: int | None = _parallel(
         fallback=1,
-        why="megatron-core default",
         key="model.pipeline_model_parallel_size",
-        group="parallel",
         help="pipeline parallel size",
         ge=1,
         le=MAX_PARALLEL,
     )
-    vpp: int | None = _field(
+    vpp: int | None = _parallel(
         key="model.virtual_pipeline_model_parallel_size",
-        group="parallel",
         help="virtual pipeline stages per rank",
         ge=1,
         le=MAX_PARALLEL,
     )
-    cp: int | None = _field(
+    cp: int | None = _parallel(
         fallback=1,
-        why="megatron-core default",
         key="model.context_parallel_size",
-        group="parallel",
         help="context parallel size",
         ge=1,
         le=MAX_PARALLEL,
     )
-    ep: int | None = _field(
+    ep: int | None = _parallel(
         fallback=1,
-        why="megatron-core default",
         key="model.expert_model_parallel_size",
-        group="parallel",
         help="expert parallel size",
         ge=1,
         le=MAX_PARALLEL,
     )
-    etp: int | None = _field(
+    etp: int | None = _parallel(
         key="model.expert_tensor_parallel_size",
-        group="parallel",
         help="expert tensor parallel size (megatron-core default: TP)",
         ge=1,
         le=MAX_PARALLEL,
     )
-    sequence_parallel: bool | None = _field(
-        key="model.sequence_parallel", group="parallel", help="sequence parallelism (default: on when TP > 1)"
+    sequence_parallel: bool | None = _parallel(
+        key="model.sequence_parallel", help="sequence parallelism (default: on when TP > 1)"
     )
-    seq_length: int | None = _field(key="model.seq_length", group="parallel", help="sequence length", ge=1, le=MAX_SEQ)
-    micro_batch_size: int | None = _field(
+    seq_length: int | None = _parallel(key="model.seq_length", help="sequence length", ge=1, le=MAX_SEQ)
+    micro_batch_size: int | None = _parallel(
         fallback=1,
         why="Bridge recipe default",
         key="train.micro_batch_size",
-        group="parallel",
         help="micro-batch size",
         ge=1,
         le=MAX_BATCH,
     )
-    global_batch_size: int | None = _field(
-        key="train.global_batch_size", group="parallel", help="global batch size", ge=1, le=MAX_BATCH
+    global_batch_size: int | None = _parallel(
+        key="train.global_batch_size", help="global batch size", ge=1, le=MAX_BATCH
     )
-    num_layers_in_first_pipeline_stage: int | None = _field(
+    num_layers_in_first_pipeline_stage: int | None = _parallel(
         key="model.num_layers_in_first_pipeline_stage",
-        group="parallel",
         help="model.num_layers_in_first_pipeline_stage (uneven PP)",
         ge=1,
         le=MAX_LAYERS,
     )
-    num_layers_in_last_pipeline_stage: int | None = _field(
+    num_layers_in_last_pipeline_stage: int | None = _parallel(
         key="model.num_layers_in_last_pipeline_stage",
-        group="parallel",
         help="model.num_layers_in_last_pipeline_stage (uneven PP)",
         ge=1,
         le=MAX_LAYERS,
     )
-    pipeline_layout: str | None = _field(
+    pipeline_layout: str | None = _parallel(
         key="model.pipeline_model_parallel_layout",
-        group="parallel",
         help="model.pipeline_model_parallel_layout, e.g. 'Et*4|(tttt|)*14tmL' (decides the layers of each stage)",
         max_length=4096,
     )
-    use_megatron_fsdp: bool | None = _field(
+    use_megatron_fsdp: bool | None = _parallel(
         fallback=False,
         why="megatron-core default: DDP with the distributed optimizer",
         key="ddp.use_megatron_fsdp",
-        group="parallel",
         help="ddp.use_megatron_fsdp (Megatron-FSDP)",
     )
-    fsdp_sharding_strategy: FsdpStrategy | None = _field(
+    fsdp_sharding_strategy: FsdpStrategy | None = _parallel(
         fallback="no_shard",
         why="megatron-core default ddp.data_parallel_sharding_strategy",
         key="ddp.data_parallel_sharding_strategy",
-        group="parallel",
         help="ddp.data_parallel_sharding_strategy under Megatron-FSDP",
     )
     # --- precision
-    params_dtype: Dtype | None = _field(
+    params_dtype: Dtype | None = _precision(
         fallback="bf16",
         why="Bridge recipes train in bf16",
         key="model.params_dtype",
-        group="precision",
         help="parameter dtype",
     )
-    grad_reduce_in_fp32: bool | None = _field(
+    grad_reduce_in_fp32: bool | None = _precision(
         fallback=True,
         why="Bridge recipes set ddp.grad_reduce_in_fp32=True (megatron-core's default is False)",
         key="ddp.grad_reduce_in_fp32",
-        group="precision",
         help="ddp.grad_reduce_in_fp32 (fp32 grad buffers)",
     )
-    distributed_optimizer: bool | None = _field(
+    distributed_optimizer: bool | None = _precision(
         fallback=True,
         why="Bridge recipes use the distributed optimizer",
         key="optimizer.use_distributed_optimizer",
-        group="precision",
         help="use_distributed_optimizer",
     )
-    precision_aware_optimizer: bool | None = _field(
+    precision_aware_optimizer: bool | None = _precision(
         fallback=False,
-        why="megatron-core default",
         key="optimizer.use_precision_aware_optimizer",
-        group="precision",
         help="use_precision_aware_optimizer",
     )
-    main_params_dtype: StateDtype | None = _field(
+    main_params_dtype: StateDtype | None = _precision(
         fallback="fp32",
-        why="megatron-core default",
         key="optimizer.main_params_dtype",
-        group="precision",
         help="precision-aware: master param dtype",
     )
-    exp_avg_dtype: StateDtype | None = _field(
+    exp_avg_dtype: StateDtype | None = _precision(
         fallback="fp32",
-        why="megatron-core default",
         key="optimizer.exp_avg_dtype",
-        group="precision",
         help="precision-aware: exp_avg dtype",
     )
-    exp_avg_sq_dtype: StateDtype | None = _field(
+    exp_avg_sq_dtype: StateDtype | None = _precision(
         fallback="fp32",
-        why="megatron-core default",
         key="optimizer.exp_avg_sq_dtype",
-        group="precision",
         help="precision-aware: exp_avg_sq dtype",
     )
-    fp8_recipe: Fp8Recipe | None = _field(
+    fp8_recipe: Fp8Recipe | None = _precision(
         fallback="none",
         why="bf16 compute: no FP8 recipe given",
         key="model.fp8_recipe",
         effective=True,
-        group="precision",
         help="FP8 compute recipe (none = bf16; GEMM inputs saved in 1 byte otherwise)",
     )
-    fp8_param: bool | None = _field(
+    fp8_param: bool | None = _precision(
         fallback=False,
         why="megatron-core default fp8_param_gather=False",
         key="model.fp8_param",
         effective=True,
-        group="precision",
         help="fp8_param_gather: FP8 weights (1 byte per element)",
     )
-    cross_entropy_loss_fusion: bool | None = _field(
+    cross_entropy_loss_fusion: bool | None = _precision(
         fallback=False,
         why="megatron-core default: fp32 logits kept for the loss",
         key="model.cross_entropy_loss_fusion",
-        group="precision",
         help="model.cross_entropy_loss_fusion (fused cross-entropy kernel)",
     )
-    cross_entropy_fusion_impl: Literal["native", "te"] | None = _field(
+    cross_entropy_fusion_impl: Literal["native", "te"] | None = _precision(
         fallback="native",
         why="megatron-core default: its fused kernel still casts the logits to fp32",
         when="loss_fusion",
         key="model.cross_entropy_fusion_impl",
-        group="precision",
         help="model.cross_entropy_fusion_impl with the fusion on: native (still an fp32 copy of the logits) or te "
         "(Transformer Engine's kernel, in place on the bf16 logits)",
     )
-    fsdp_main_grads_dtype: Dtype | None = _field(
+    fsdp_main_grads_dtype: Dtype | None = _precision(
         key="ddp.megatron_fsdp_main_grads_dtype",
-        group="precision",
         help="ddp.megatron_fsdp_main_grads_dtype (default: the parameter dtype)",
     )
     # --- activation recompute
-    recompute_granularity: Literal["none", "selective", "full"] | None = _field(
+    recompute_granularity: Literal["none", "selective", "full"] | None = _recompute(
         fallback="none",
         why="megatron-core default: no activation recompute",
         key="model.recompute_granularity",
-        group="recompute",
         help="model.recompute_granularity",
         aliases=("--recompute",),
     )
-    recompute_method: Literal["uniform", "block"] | None = _field(
-        key="model.recompute_method", group="recompute", help="full recompute method"
+    recompute_method: Literal["uniform", "block"] | None = _recompute(
+        key="model.recompute_method", help="full recompute method"
     )
-    recompute_num_layers: int | None = _field(
+    recompute_num_layers: int | None = _recompute(
         key="model.recompute_num_layers",
-        group="recompute",
         help="layers per recompute group (uniform) or recomputed layers (block)",
         ge=1,
         le=MAX_LAYERS,
     )
-    recompute_modules: list[str] | None = _field(
-        key="model.recompute_modules", group="recompute", help="selective recompute modules"
-    )
+    recompute_modules: list[str] | None = _recompute(key="model.recompute_modules", help="selective recompute modules")
     # --- offload and upstream constraints
-    optimizer_offload_fraction: float | None = _field(
+    optimizer_offload_fraction: float | None = _offload(
         fallback=0.0,
         why="no optimizer offload",
         key="optimizer.optimizer_offload_fraction",
-        group="offload",
         help="optimizer states on the CPU (0..1)",
         ge=0.0,
         le=1.0,
     )
-    activation_offload_layers: int | None = _field(
+    activation_offload_layers: int | None = _offload(
         fallback=0,
         why="no activation offload",
         key="model.cpu_offloading_num_layers",
-        group="offload",
         help="model.cpu_offloading_num_layers",
         ge=0,
         le=MAX_LAYERS,
     )
-    overlap: bool | None = _field(
+    overlap: bool | None = _offload(
         fallback=False,
         why="megatron-core default overlap_cpu_optimizer_d2h_h2d=False",
         key="optimizer.overlap_cpu_optimizer_d2h_h2d",
-        group="offload",
         help="optimizer.overlap_cpu_optimizer_d2h_h2d",
     )
-    hybrid_optimizer: Literal["megatron-core", "ours"] | None = _field(
+    hybrid_optimizer: Literal["megatron-core", "ours"] | None = _offload(
         fallback="megatron-core",
         why="what Bridge builds with optimizer.optimizer_cpu_offload=True",
-        group="offload",
         help="which HybridDeviceOptimizer runs with optimizer.optimizer_cpu_offload: megatron-core (what Bridge "
         "builds; it keeps fp32 gradient copies on the GPU) or ours (after "
         "mbridge_offload_runtime.optimizer.install_optimizer_offload())",
     )
-    cuda_graph_impl: Literal["none", "local", "transformer_engine", "full_iteration"] | None = _field(
+    cuda_graph_impl: Literal["none", "local", "transformer_engine", "full_iteration"] | None = _offload(
         fallback="none",
-        why="megatron-core default",
         key="model.cuda_graph_impl",
-        group="offload",
         help="model.cuda_graph_impl (blocks activation offload unless none/full_iteration)",
     )
-    fine_grained_activation_offloading: bool | None = _field(
+    fine_grained_activation_offloading: bool | None = _offload(
         fallback=False,
-        why="megatron-core default",
         key="model.fine_grained_activation_offloading",
-        group="offload",
         help="model.fine_grained_activation_offloading (blocks layer-level offload)",
     )
-    offload_modules: list[str] | None = _field(
+    offload_modules: list[str] | None = _offload(
         key="model.offload_modules",
-        group="offload",
         help="model.offload_modules: fine-grained offload points (0.19.2: attn_norm qkv_linear core_attn attn_proj "
         "mlp_norm expert_fc1 moe_act fused_group_mlp); switches fine-grained offloading on unless it is set off",
     )
-    min_offloaded_tensor_size: int | None = _field(
+    min_offloaded_tensor_size: int | None = _offload(
         fallback=1048576,
         why="megatron-core default (elements)",
         when="fine_grained",
         key="model.min_offloaded_tensor_size",
-        group="offload",
         help="model.min_offloaded_tensor_size: smaller saved tensors stay (elements)",
         ge=0,
         le=2**40,
     )
-    activation_offload_fraction: float | None = _field(
+    activation_offload_fraction: float | None = _offload(
         fallback=1.0,
-        why="megatron-core default",
         when="fine_grained",
         key="model.activation_offload_fraction",
-        group="offload",
         help="model.activation_offload_fraction: share of each chunk's offload groups (0..1)",
         ge=0.0,
         le=1.0,
     )
-    moe_paged_stash: bool | None = _field(
+    moe_paged_stash: bool | None = _offload(
         fallback=False,
-        why="megatron-core default",
         key="model.moe_paged_stash",
-        group="offload",
         help="blocks layer-level offload",
     )
     # --- hardware
-    gpu: str | None = _field(
+    gpu: str | None = _hardware(
         fallback="h100-80gb",
         why="the GPU of the upstream card",
-        group="hardware",
         help="GPU preset (h100-80gb, h200-141gb, gh200, gb200, gb300, a100-80gb, b200, b300)",
     )
-    gpu_memory_gb: float | None = _field(
-        group="hardware", help="GPU memory the device exposes, decimal GB (instead of the preset's)", gt=0, le=1e5
+    gpu_memory_gb: float | None = _hardware(
+        help="GPU memory the device exposes, decimal GB (instead of the preset's)", gt=0, le=1e5
     )
-    host_ram_gb: float | None = _field(
-        group="hardware",
+    host_ram_gb: float | None = _hardware(
         help="host RAM per GPU, GB: the node's RAM over its GPUs (default: the preset's)",
         gt=0,
         le=1e7,
     )
-    gpus_per_node: int | None = _field(
-        group="hardware", help="GPUs sharing one node's host RAM (default: the preset's)", ge=1, le=1024
+    gpus_per_node: int | None = _hardware(
+        help="GPUs sharing one node's host RAM (default: the preset's)", ge=1, le=1024
     )
-    link_gbps: float | None = _field(group="hardware", help="GPU<->host GB/s per direction (theoretical)", gt=0, le=1e5)
-    host_bw_gbps: float | None = _field(group="hardware", help="host memory GB/s per GPU (theoretical)", gt=0, le=1e5)
-    cpu_cores: int | None = _field(group="hardware", help="CPU cores per GPU", ge=1, le=MAX_GPUS)
+    link_gbps: float | None = _hardware(help="GPU<->host GB/s per direction (theoretical)", gt=0, le=1e5)
+    host_bw_gbps: float | None = _hardware(help="host memory GB/s per GPU (theoretical)", gt=0, le=1e5)
+    cpu_cores: int | None = _hardware(help="CPU cores per GPU", ge=1, le=MAX_GPUS)
     # --- step time
-    cpu_threads: int | None = _field(
+    cpu_threads: int | None = _time(
         fallback=1,
         why="torchrun sets OMP_NUM_THREADS=1 per rank when it starts several per node",
-        group="time",
         help="CPU threads per rank (OMP_NUM_THREADS; torchrun sets 1)",
         ge=1,
         le=MAX_GPUS,
     )
-    cpu_adam_params_per_s: float | None = _field(
-        group="time",
+    cpu_adam_params_per_s: float | None = _time(
         help="CPU AdamW params/s per core (else the named host profile's, else the preset's)",
         gt=0,
         le=1e13,
     )
-    baseline_step_s: float | None = _field(group="time", help="measured step time without offload, s", gt=0, le=1e6)
-    mfu: float | None = _field(
-        group="time",
+    baseline_step_s: float | None = _time(help="measured step time without offload, s", gt=0, le=1e6)
+    mfu: float | None = _time(
         help="compute efficiency (fraction of peak on the compute terms) instead of the fitted one",
         gt=0,
         le=1,
     )
-    host_profile: str | None = _field(
-        group="time",
+    host_profile: str | None = _time(
         help="a host profile from `calibrate` (its measured CPU AdamW rate): a NAME in .mbridge-offload/"
         "host-profiles/ of the project (the server's roots), or a FILE; used only when given",
         max_length=4096,
     )
-    calibration: str | None = _field(
-        group="time", help="the older name of host_profile: a host profile FILE (from `calibrate`)", max_length=4096
+    calibration: str | None = _time(
+        help="the older name of host_profile: a host profile FILE (from `calibrate`)", max_length=4096
     )
-    overlap_grad_reduce: bool | None = _field(
+    overlap_grad_reduce: bool | None = _time(
         fallback=True,
         why="Bridge recipes set ddp.overlap_grad_reduce=True (megatron-core's default is False)",
         key="ddp.overlap_grad_reduce",
-        group="time",
         help="ddp.overlap_grad_reduce (gradient reduce-scatter behind the backward)",
     )
-    overlap_param_gather: bool | None = _field(
+    overlap_param_gather: bool | None = _time(
         fallback=True,
         why="Bridge recipes set ddp.overlap_param_gather=True (megatron-core's default is False)",
         key="ddp.overlap_param_gather",
-        group="time",
         help="ddp.overlap_param_gather (parameter all-gather behind the forward)",
     )
-    tp_comm_overlap: bool | None = _field(
+    tp_comm_overlap: bool | None = _time(
         fallback=False,
         why="Bridge's CommOverlapConfig default (its performance recipes switch it on for TP > 1)",
         key="model.tp_comm_overlap",
-        group="time",
         help="comm_overlap.tp_comm_overlap (TE userbuffers hide most TP traffic)",
     )
     # --- decision
-    margin: float | None = _field(
+    margin: float | None = _decision(
         fallback=DEFAULT_MARGIN,
         why=_MARGIN_WHY,
-        group="decision",
         help=f"fraction of usable GPU memory a recommendation keeps free (default {DEFAULT_MARGIN:g}: what NVIDIA's "
         "tightest published offload recipe keeps, rounded down)",
         ge=0.0,
         lt=1.0,
     )
-    headroom_gib: float | None = _field(
-        group="decision",
+    headroom_gib: float | None = _decision(
         help="free memory, GiB, that a 'comfortable' option keeps and that the fallback of a run that already fits "
         "must free (default: a tenth of the allocatable budget)",
         gt=0,
         le=1e4,
     )
-    levers: list[str] | None = _field(
-        group="decision",
+    levers: list[str] | None = _decision(
         help="what recommend may change, comma-separated: "
         + ", ".join(LEVERS)
         + " (default: "
@@ -529,8 +465,7 @@ class PlanInputs(BaseModel):
     )
     # --- the user's own run: the measured run is the config as written (before overrides) with the hardware
     # inputs, or without a config the flags; measured_settings and what the log prints about its run override it
-    measured_peak_gib: float | None = _field(
-        group="measured",
+    measured_peak_gib: float | None = _measured(
         help="measured peak allocated of the measured run, GiB (Megatron's 'max allocated' / 1024): a point, "
         "compared with the worst stage; the measured run is the config as written (before overrides) with the "
         "hardware inputs, or without a config the flags; another run asked about is predicted as measured + "
@@ -538,21 +473,19 @@ class PlanInputs(BaseModel):
         gt=0,
         le=1e5,
     )
-    measured_step_s: float | None = _field(
-        group="measured", help="measured step time of the measured run (see measured_peak_gib), s", gt=0, le=1e6
+    measured_step_s: float | None = _measured(
+        help="measured step time of the measured run (see measured_peak_gib), s", gt=0, le=1e6
     )
-    measured_log: str | None = _field(
-        group="measured",
+    measured_log: str | None = _measured(
         help="the measured run's log, a path or the text: PyTorch's CUDA OOM message (a lower bound: allocated + "
         "requested), Megatron/Bridge memory reports and max_memory_allocated prints (points), step-time lines; each "
         "compared with its rank's pipeline stage (calibration lists them); the settings it prints about its run "
         "(micro_batch_size, seq_length, global batch, world size, TP/PP/CP/EP) describe the measured run",
     )
-    ooms: bool | None = _field(
-        group="measured", help="the measured run ran out of GPU memory (an OOM message in measured_log says so too)"
+    ooms: bool | None = _measured(
+        help="the measured run ran out of GPU memory (an OOM message in measured_log says so too)"
     )
-    measured_settings: list[str] | None = _field(
-        group="measured",
+    measured_settings: list[str] | None = _measured(
         help="NAME=VALUE planner inputs of the measured run where it differs from the run asked about, e.g. "
         "micro_batch_size=1 (without a config the flags describe the asked run; with one, these override the config "
         "as written for the measured run)",

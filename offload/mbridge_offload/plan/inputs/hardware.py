@@ -71,7 +71,8 @@ class GpuPreset:
     # ``fp8_tflops`` the dense FP8 tensor-core peak (0 = no FP8,
     # FP8 runs at the bf16 peak); ``nvlink_gbps`` the GPU-GPU NVLink bandwidth per direction; ``nvlink_domain`` how
     # many GPUs share one NVLink domain (8 in an HGX/DGX node, 72 in an NVL72 rack); ``network_gbps`` the scale-out
-    # NIC bandwidth per GPU per direction (what a collective that leaves the NVLink domain is limited by).
+    # NIC bandwidth per GPU per direction (what a collective that leaves the NVLink domain is limited by). The
+    # defaults are an 8-GPU HGX/DGX node with one 400 Gb/s NIC per GPU; the presets state only what differs.
     fp8_tflops: float = 0.0
     nvlink_gbps: float = 450.0
     nvlink_domain: int = 8
@@ -166,11 +167,7 @@ GPU_PRESETS: dict[str, GpuPreset] = {
         cpu_adam_params_per_s_per_core=SAPPHIRE_RAPIDS_ADAM,
         source=f"capacity 79.11 GiB: PyTorch OOM messages on H100 80 GB; {_PCIE5}; DGX H100 datasheet (host)",
         fp8_tflops=1979.0,
-        nvlink_gbps=450.0,
-        nvlink_domain=8,
-        network_gbps=50.0,
         link_source=_H100_LINKS,
-        gpus_per_node=8,
         host_source="DGX H100 datasheet: 2 TB system memory for 8 GPUs",
     ),
     # HGX H200: same host platform as H100 (Emerald Rapids DDR5-5600 nodes are also common).
@@ -187,11 +184,7 @@ GPU_PRESETS: dict[str, GpuPreset] = {
         cpu_adam_params_per_s_per_core=SAPPHIRE_RAPIDS_ADAM,
         source=f"capacity 139.80 GiB: PyTorch OOM messages on H200; {_PCIE5}",
         fp8_tflops=1979.0,
-        nvlink_gbps=450.0,
-        nvlink_domain=8,
-        network_gbps=50.0,
         link_source=_H100_LINKS,
-        gpus_per_node=8,
         host_source="DGX H200 datasheet: 2 TB system memory for 8 GPUs",
     ),
     # GH200: one Grace (72 cores, ~500 GB/s LPDDR5X, 480 GB) per Hopper, NVLink-C2C. The link is asymmetric in
@@ -210,9 +203,7 @@ GPU_PRESETS: dict[str, GpuPreset] = {
         source=f"{_C2C}; measured D2H 169.9-170.1 GB/s, H2D 411-421 GB/s: {_MCORE_6491}; capacity: marketed 96 GB "
         "(no exposed figure known)",
         fp8_tflops=1979.0,
-        nvlink_gbps=450.0,
         nvlink_domain=1,
-        network_gbps=50.0,
         link_source=_GH200_LINKS,
         gpus_per_node=1,
         host_source="GH200 Grace Hopper superchip: up to 480 GB LPDDR5X for its one GPU",
@@ -235,7 +226,6 @@ GPU_PRESETS: dict[str, GpuPreset] = {
         fp8_tflops=5000.0,
         nvlink_gbps=900.0,
         nvlink_domain=72,
-        network_gbps=50.0,
         link_source=_GB200_LINKS,
         gpus_per_node=4,
         host_source="GB200 NVL72: up to 17 TB LPDDR5X over 36 Grace CPUs (about 480 GB each), two GPUs per "
@@ -277,12 +267,9 @@ GPU_PRESETS: dict[str, GpuPreset] = {
         "A100 SXM 80 GB, PCIe Gen4 host link, 2-socket EPYC Rome node",
         capacity_gib=79.15,
         source="capacity 79.15 GiB: PyTorch OOM messages on A100 80 GB; PCIe Gen4 x16 (31.5 GB/s per direction)",
-        fp8_tflops=0.0,
         nvlink_gbps=300.0,
-        nvlink_domain=8,
         network_gbps=25.0,
         link_source=_A100_LINKS,
-        gpus_per_node=8,
         host_source="DGX A100 (640 GB) datasheet: 2 TB system memory for 8 GPUs",
     ),
     # DGX B200: 2 x Xeon 8570 (56 cores, 8 x DDR5-5600 = 358 GB/s each), Gen5 x16 per GPU, 180 GB HBM3e.
@@ -299,10 +286,7 @@ GPU_PRESETS: dict[str, GpuPreset] = {
         source=f"capacity 178.35 GiB: PyTorch OOM messages on B200; {_PCIE5}; DGX B200 datasheet (host)",
         fp8_tflops=4500.0,
         nvlink_gbps=900.0,
-        nvlink_domain=8,
-        network_gbps=50.0,
         link_source=_B200_LINKS,
-        gpus_per_node=8,
         host_source="DGX B200 user guide: 2 TB system memory (32 DIMMs, upgradable to 4 TB) for 8 GPUs",
     ),
     # DGX B300: 2 x Xeon 6776P (64 cores, 8 x DDR5-6400 = 410 GB/s each), 2 TB RAM; the CPUs are PCIe Gen5.
@@ -320,10 +304,8 @@ GPU_PRESETS: dict[str, GpuPreset] = {
         "(the host CPUs are Gen5 even where the GPU side is Gen6); DGX B300 datasheet (host)",
         fp8_tflops=4500.0,
         nvlink_gbps=900.0,
-        nvlink_domain=8,
         network_gbps=100.0,
         link_source=_B300_LINKS,
-        gpus_per_node=8,
         host_source="DGX B300: 2 TB system memory for 8 GPUs assumed, as DGX B200 (configurations up to 4 TB "
         "exist: pass --host-ram-gb)",
     ),

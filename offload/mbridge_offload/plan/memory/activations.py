@@ -218,7 +218,7 @@ def output_bytes(m: ModelSpec, s: Setup, tokens: int, t_sp: int) -> int:
     """Final norm input and output-layer input (bf16) plus the logits the loss keeps: the fp32 softmax (4·sb·V/t) of
     megatron-core's cross entropy (unfused, or fused ``native``), or the bf16 logits that Transformer Engine's fused
     kernel (``cross_entropy_fusion_impl: te``) overwrites with their gradient (2·sb·V/t)."""
-    logits = 2 if s.cross_entropy_fusion and s.cross_entropy_fusion_impl == "te" else 4
+    logits = 2 if s.cross_entropy_loss_fusion and s.cross_entropy_fusion_impl == "te" else 4
     return 2 * t_sp * m.hidden_size + 2 * t_sp * m.hidden_size + logits * tokens * padded_vocab(m, s.tp) // s.tp
 
 
@@ -432,7 +432,7 @@ def loss_transient_bytes(m: ModelSpec, s: Setup) -> int:
     to bf16 (backward): 2 bytes per logit beside the 4 saved. With MTP, ``GPTModel._postprocess`` still holds the
     last depth's bf16 logits (``mtp_logits``) when the main loss runs: 2 more. Transformer Engine's fused kernel
     works in place."""
-    if s.cross_entropy_fusion and s.cross_entropy_fusion_impl == "te":
+    if s.cross_entropy_loss_fusion and s.cross_entropy_fusion_impl == "te":
         return 0
     seq = s.seq_length or m.seq_length
     tokens = seq * s.micro_batch_size // s.cp

@@ -79,7 +79,7 @@ def _grad_bytes(t: Tensor, s: Setup) -> int:
 
 
 def _moment_bytes(s: Setup) -> int:
-    if s.use_precision_aware_optimizer:
+    if s.precision_aware_optimizer:
         return _BYTES[s.exp_avg_dtype] + _BYTES[s.exp_avg_sq_dtype]
     return 8
 

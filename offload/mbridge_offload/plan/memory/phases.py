@@ -63,12 +63,12 @@ def optimizer_step_transient(
     the largest it steps on the GPU."""
     if s.use_megatron_fsdp:
         grads = s.fsdp_main_grads_dtype or s.params_dtype
-        if s.use_precision_aware_optimizer or s.fsdp_main_params_dtype != "fp32" or grads == "fp32":
+        if s.precision_aware_optimizer or s.fsdp_main_params_dtype != "fp32" or grads == "fp32":
             return 0, ""
         return 4 * shard_numel, f"fp32 copies of the {grads} gradient shards (Megatron-FSDP update_main_grads)"
     if s.grad_reduce_in_fp32 or DTYPE_BYTES[s.params_dtype] == 4:
         return 0, ""
-    if not s.use_precision_aware_optimizer:
+    if not s.precision_aware_optimizer:
         return 4 * shard_numel, "fp32 copies of the bf16 gradient shards (main_param.grad = shard_grad.float())"
     if s.optimizer_offload_fraction > 0 and s.hybrid_optimizer == "megatron-core":
         return (

@@ -64,7 +64,7 @@ def greedy_offload(numels: list[int], fraction: float) -> int:
 
 def _shards(params: list[Tensor], m: ModelSpec, s: Setup, expert: bool) -> list[int]:
     """Numel of each optimizer-owned shard: DP·CP for dense params, expert DP for experts (DistOpt only)."""
-    d = (s.expert_dp(m) if expert else s.dp * s.cp) if s.use_distributed_optimizer else 1
+    d = (s.expert_dp(m) if expert else s.dp * s.cp) if s.distributed_optimizer else 1
     return [math.ceil(t.numel / d) for t in optimizer_param_order(params) if t.expert == expert]
 
 
@@ -86,7 +86,7 @@ def _moment_bytes(s: Setup) -> tuple[int, int]:
     """Bytes per element of the fp32 master (or what stands for it) and of the two Adam moments."""
     param_bytes = DTYPE_BYTES[s.params_dtype]
     moments = DTYPE_BYTES[s.exp_avg_dtype] + DTYPE_BYTES[s.exp_avg_sq_dtype]
-    if s.use_precision_aware_optimizer and s.use_distributed_optimizer:
+    if s.precision_aware_optimizer and s.distributed_optimizer:
         if s.main_params_dtype == "fp32" and s.store_param_remainders and param_bytes == 2:
             return 2, moments  # only the 16 low bits the bf16 param lacks (TE FusedAdam store_param_remainders)
         return DTYPE_BYTES[s.main_params_dtype], moments
@@ -111,7 +111,7 @@ def optimizer_memory(m: ModelSpec, s: Setup, params: list[Tensor]) -> OptimizerM
         offloaded = greedy_offload(shards, f)
         out.offloaded_numel += offloaded
         # HDO always runs with param_update_in_fp32=True under the MCore factory: fp32 CPU params and fp32 states.
-        if s.use_precision_aware_optimizer:
+        if s.precision_aware_optimizer:
             out.gpu_bytes += (total - offloaded) * (4 + 8)  # HDO owns fp32 masters and states of the GPU part
         else:
             out.gpu_bytes += total * 4 + (total - offloaded) * 8  # DistOpt keeps every fp32 main-param shard on the GPU
@@ -152,11 +152,11 @@ def _megatron_core_kept(
     local, first_host, first_host_bytes = first
     gpu_side = [n for n, h in zip(shards, hdo_offload_mask(shards, s.optimizer_offload_fraction), strict=True) if not h]
     words = []
-    if s.use_precision_aware_optimizer and gpu_side:
+    if s.precision_aware_optimizer and gpu_side:
         out.kept_bytes += 4 * (sum(shards) - offloaded)
         out.largest_gpu_numel = max(out.largest_gpu_numel, max(gpu_side))
         words.append("the fp32 gradient copies megatron-core's HDO never frees (fp32_param.grad)")
-    if s.use_distributed_optimizer and not s.manual_gc:
+    if s.distributed_optimizer and not s.manual_gc:
         out.kept_bytes += 4 * (sum(local) - sum(first_host))
         out.host_bytes += first_host_bytes  # the first build's pinned clones stay with it
         out.host_transient_bytes -= first_host_bytes

@@ -27,8 +27,8 @@ class Setup:
     global_batch_size: int | None = None
     params_dtype: str = "bf16"
     grad_reduce_in_fp32: bool = True  # Bridge recipes set ddp.grad_reduce_in_fp32=True
-    use_distributed_optimizer: bool = True
-    use_precision_aware_optimizer: bool = False
+    distributed_optimizer: bool = True
+    precision_aware_optimizer: bool = False
     main_params_dtype: str = "fp32"
     exp_avg_dtype: str = "fp32"
     exp_avg_sq_dtype: str = "fp32"
@@ -66,7 +66,7 @@ class Setup:
     num_layers_in_first_pipeline_stage: int | None = None
     num_layers_in_last_pipeline_stage: int | None = None
     pipeline_layout: tuple[int, ...] | None = None
-    cross_entropy_fusion: bool = False  # model.cross_entropy_loss_fusion
+    cross_entropy_loss_fusion: bool = False  # model.cross_entropy_loss_fusion
     cross_entropy_fusion_impl: str = "native"  # model.cross_entropy_fusion_impl: native | te
     # Communication overlap (step-time model only): ddp.overlap_grad_reduce / ddp.overlap_param_gather, which
     # Bridge recipes switch on, and comm_overlap.tp_comm_overlap (TE userbuffers), which its performance recipes do.

@@ -106,7 +106,7 @@ def _synthesized(s: Setup, num_layers: int, extra: dict[str, Any]) -> dict[str, 
     }
     if s.pp > 1:
         model["pipeline_dtype"] = "bf16"  # Bridge fills it in
-    dist = s.use_distributed_optimizer
+    dist = s.distributed_optimizer
     return {
         "model": model,
         "optimizer": {"use_distributed_optimizer": dist},

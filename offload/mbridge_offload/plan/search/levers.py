@@ -172,8 +172,8 @@ def switch_variants(lever: str, m: ModelSpec, s: Setup) -> list[Setup]:
         ok = s.grad_reduce_in_fp32 and s.params_dtype in ("bf16", "fp16") and not s.use_megatron_fsdp
         return [replace(s, grad_reduce_in_fp32=False)] if ok else []
     if lever == "ce-fusion":
-        fused = s.cross_entropy_fusion and s.cross_entropy_fusion_impl == "te"
-        return [] if fused else [replace(s, cross_entropy_fusion=True, cross_entropy_fusion_impl="te")]
+        fused = s.cross_entropy_loss_fusion and s.cross_entropy_fusion_impl == "te"
+        return [] if fused else [replace(s, cross_entropy_loss_fusion=True, cross_entropy_fusion_impl="te")]
     if lever == "vpp":
         if s.pp == 1 or s.pipeline_layout is not None or s.num_layers_in_first_pipeline_stage is not None:
             return []
@@ -301,11 +301,11 @@ def lever_overrides(base: Setup, s: Setup) -> list[str]:
         out.append(format_override("model.virtual_pipeline_model_parallel_size", s.vpp))
     if s.grad_reduce_in_fp32 != base.grad_reduce_in_fp32:
         out.append(format_override("ddp.grad_reduce_in_fp32", s.grad_reduce_in_fp32))
-    if (s.cross_entropy_fusion, s.cross_entropy_fusion_impl) != (
-        base.cross_entropy_fusion,
+    if (s.cross_entropy_loss_fusion, s.cross_entropy_fusion_impl) != (
+        base.cross_entropy_loss_fusion,
         base.cross_entropy_fusion_impl,
     ):
-        out.append(format_override("model.cross_entropy_loss_fusion", s.cross_entropy_fusion))
+        out.append(format_override("model.cross_entropy_loss_fusion", s.cross_entropy_loss_fusion))
         out.append(format_override("model.cross_entropy_fusion_impl", s.cross_entropy_fusion_impl))
     if s.expandable_segments and not base.expandable_segments:
         out.append(format_override("env_vars.PYTORCH_CUDA_ALLOC_CONF", EXPANDABLE))

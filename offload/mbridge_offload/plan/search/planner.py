@@ -66,8 +66,8 @@ def _parallel(r: Resolved) -> dict[str, Any]:
         "dp": s.dp,
         "expert_dp": s.expert_dp(m) if m.is_moe else None,
         "sequence_parallel": s.sp,
-        "distributed_optimizer": s.use_distributed_optimizer,
-        "precision_aware_optimizer": s.use_precision_aware_optimizer,
+        "distributed_optimizer": s.distributed_optimizer,
+        "precision_aware_optimizer": s.precision_aware_optimizer,
     }
 
 

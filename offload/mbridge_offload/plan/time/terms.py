@@ -302,7 +302,7 @@ def _dp_seconds(m: ModelSpec, s: Setup, gpu: GpuPreset) -> tuple[float, str]:
             continue
         bw, link = _bandwidth(gpu, span)
         ring = (ranks - 1) / ranks * numel / bw
-        if s.use_distributed_optimizer or s.use_megatron_fsdp:
+        if s.distributed_optimizer or s.use_megatron_fsdp:
             seconds += ring * (grad + gathers * param)
         else:
             seconds += 2 * ring * grad
