@@ -14,6 +14,11 @@ ROWS = {(r.id, r.kind): r for r in nvidia_runs.accuracy()}
 # its natural-routing GB200 run (-29 %: early-training imbalance beyond the assumed CV), GPT-OSS-120B on GB200 (-43 %,
 # as its performance-summary rows), Qwen3-235B-A22B on GB200 at 256 micro-batches (+46 %: the fixed cost again),
 # DeepSeek-V3 on GB300 (+23 %) and the dense Qwen3-8B on 16 H100 (+22 %).
+# The held-out memory misses today (peak allocated): the MoE runs with the precision-aware optimizer are
+# under-predicted — Qwen3-30B-A3B with HybridEP on 16 H100 (-11.5 %) and Moonlight-16B on 8 H100 (-10.4 % to -13.3 %,
+# MLA, alltoall); the dense Llama 3 70B FP8-CS SFT with interleaving and only core_attn recomputed is over-predicted
+# (+18.8 % at VPP5, +14.0 % at VPP10, +19.5 % at PP8), while its mlp-recompute and TP8 rows are within 2 %. None of
+# these runs can be traced (flex dispatcher, MLA, FP8, precision-aware optimizer): see docs/planner.md.
 MISSES = {
     ("qwen3-30b-a3b pretrain H100", "step"),
     ("qwen3-30b-a3b resume H100", "step"),
@@ -24,6 +29,16 @@ MISSES = {
     ("gpt-oss-120b perf GB200", "step"),
     ("qwen3-235b-a22b perf GB200 MXFP8", "step"),
     ("deepseek-v3 perf GB300 MXFP8", "step"),
+    ("qwen3-30b-a3b perf H100 HybridEP memory", "memory"),
+    ("moonlight-16b empty-list control memory", "memory"),
+    ("moonlight-16b core_attn memory", "memory"),
+    ("moonlight-16b mla_up_proj memory", "memory"),
+    ("moonlight-16b mla_up_proj+mlp memory", "memory"),
+    ("moonlight-16b moe_act memory", "memory"),
+    ("moonlight-16b layernorm+moe_act memory", "memory"),
+    ("llama3-70b sft H100 FP8-CS core_attn memory", "memory"),
+    ("llama3-70b sft H100 FP8-CS VPP10 memory", "memory"),
+    ("llama3-70b sft H100 FP8-CS PP8 memory", "memory"),
 }
 HELD_OUT = [key for key, r in ROWS.items() if not r.fitted]
 
@@ -65,3 +80,40 @@ def test_the_headline_counts_only_held_out_rows():
     counts = nvidia_runs.headline()
     assert counts["step"][1] + counts["memory"][1] == len(HELD_OUT)
     assert counts["step"][0] + counts["memory"][0] == len(HELD_OUT) - len(MISSES)
+
+
+def test_every_memory_row_gives_its_unit_as_published_and_a_trace_figure_or_why_not():
+    memory = [r for r in ROWS.values() if r.kind == "memory"]
+    assert len([r for r in memory if not r.fitted]) >= 10
+    assert {r.unit for r in memory} == {"GiB", "GB"}
+    for r in memory:
+        assert (r.traced is not None) != r.trace_note.startswith("not traced"), r.id
+
+
+def test_a_gb_row_is_compared_in_decimal_gigabytes():
+    from mbridge_offload.plan.memory.stage import estimate_memory
+    from mbridge_offload.plan.model.architecture import GB
+
+    (row,) = (r for r in nvidia_runs.load()["memory_rows"] if r["id"] == "llama3-70b sft H100 FP8-CS TP8 memory")
+    total = estimate_memory(nvidia_runs.memory_model(row["model"]), nvidia_runs.memory_setup(row)).worst.total
+    assert ROWS[(row["id"], "memory")].predicted == pytest.approx(total / GB)
+
+
+def test_the_stored_trace_figures_name_their_megatron_core_and_date():
+    from mbridge_offload_tools.evidence import traced_rows
+
+    stored = traced_rows.stored()
+    assert stored["rows"] and stored["megatron_core"] and stored["date"]
+    for row_id in stored["rows"]:
+        assert ROWS[(row_id, "memory")].traced is not None
+
+
+@pytest.mark.long
+@pytest.mark.megatron
+def test_a_stored_trace_figure_is_what_the_trace_answers_today():
+    from mbridge_offload_tools.evidence import traced_rows
+
+    stored = traced_rows.stored()
+    row_id = "qwen3-30b-a3b-card: no offload"
+    got = traced_rows.trace_peaks({row_id: traced_rows.traceable()[row_id]}, stored["megatron_core"])
+    assert got[row_id] == pytest.approx(stored["rows"][row_id]["peak_gib"], rel=0.002)

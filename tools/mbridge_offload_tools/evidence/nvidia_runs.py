@@ -33,7 +33,8 @@ class RunRow:
     fitted: bool
     moe: bool
     settings: str
-    traced: float | None = None  # the trace's figure, where `mbridge-offload trace` answers (not on main yet)
+    traced: float | None = None  # the trace's figure (stored: data/nvidia_runs_traced.yaml), in the row's unit
+    trace_note: str = "not traced"  # why there is no trace figure, where there is none
 
     @property
     def error(self) -> float:
@@ -144,13 +145,94 @@ def _summary_rows() -> list[RunRow]:
     return out
 
 
+def memory_model(name: str) -> Any:
+    """A model the memory rows give inline (``memory_models``), else a preset or a performance-summary model."""
+    from mbridge_offload.plan.model.architecture import MLASpec, ModelSpec
+    from mbridge_offload_tools.evidence.step_fit import model_spec
+
+    inline = load().get("memory_models", {}).get(name)
+    if inline is None:
+        return model_spec(name)
+    mla = inline.get("mla")
+    return ModelSpec(name=name, **{**inline, "mla": MLASpec(**mla) if mla else None})
+
+
+def memory_setup(row: dict[str, Any]) -> Any:
+    """The planner's ``Setup`` for one memory row: its defaults, with the row's ``setup`` fields."""
+    from mbridge_offload.plan.model.run import Setup
+
+    fields = dict(row["setup"])
+    if "recompute_modules" in fields:
+        fields["recompute_modules"] = tuple(fields["recompute_modules"])
+    return Setup(**fields)
+
+
+def _in_unit(nbytes: float, unit: str) -> float:
+    from mbridge_offload.plan.model.architecture import GB, GiB
+
+    return nbytes / {"GiB": GiB, "GB": GB}[unit]
+
+
+def _trace_cell(m: Any, s: Any, row_id: str, unit: str) -> tuple[float | None, str]:
+    """The stored trace figure for a row (the trace's peak plus ``Setup.overhead_gb``, the allocator workspaces the
+    trace cannot see, as the differential adds them), or why the row cannot be traced."""
+    from mbridge_offload.plan.model.architecture import GB, GiB
+    from mbridge_offload_tools.trace.spec import unsupported
+
+    missing = unsupported(m, s)
+    if missing:
+        return None, f"not traced: {missing[0]}"
+    stored = data_files.load("nvidia_runs_traced")["rows"].get(row_id)
+    if stored is None:
+        return None, "not traced yet"
+    return _in_unit(stored["peak_gib"] * GiB + s.overhead_gb * GB, unit), ""
+
+
+def _memory_rows() -> list[RunRow]:
+    from mbridge_offload.plan.memory.stage import estimate_memory
+
+    out = []
+    for row in load().get("memory_rows", []):
+        m, s = memory_model(row["model"]), memory_setup(row)
+        predicted = _in_unit(estimate_memory(m, s).worst.total, row["unit"])
+        traced, note = _trace_cell(m, s, row["id"], row["unit"])
+        out.append(
+            RunRow(
+                row["id"],
+                "memory",
+                row["unit"],
+                row["published"],
+                predicted,
+                row["source"].split(" (")[0],
+                row["revision"],
+                False,
+                m.is_moe,
+                row["settings"],
+                traced,
+                note,
+            )
+        )
+    return out
+
+
+def _resolved_trace(inputs: dict[str, Any], row_id: str, unit: str) -> tuple[float | None, str]:
+    """The trace cell of a row given as planner inputs (the recipe docstrings', the CPU-offloading card's)."""
+    from mbridge_offload.plan.inputs.resolve import resolve
+
+    r = resolve(inputs)
+    return _trace_cell(r.model, r.setup, row_id, unit)
+
+
 def _recipe_rows() -> list[RunRow]:
     from mbridge_offload_tools.evidence.published_recipes import accuracy
+    from mbridge_offload_tools.evidence.published_recipes import load as recipes
 
+    inputs = {row["id"]: row["inputs"] for row in recipes()["rows"]}
     out = []
     for r in accuracy():
         common = ("Bridge recipe docstring (nightly API docs)", "NeMo 26.10.rc10", False, False, r.id)
-        out.append(RunRow(r.id, "memory", "GiB", r.measured_gib, r.predicted_gib, *common))
+        traced, note = _resolved_trace(inputs[r.id], r.id, "GiB")
+        out.append(RunRow(r.id, "memory", "GiB", r.measured_gib, r.predicted_gib, *common, traced, note))
         if r.measured_step_s is not None:
             out.append(RunRow(r.id, "step", "s", r.measured_step_s, r.predicted_step_s, *common))
     return out
@@ -158,14 +240,19 @@ def _recipe_rows() -> list[RunRow]:
 
 def _offload_card_rows() -> list[RunRow]:
     from mbridge_offload_tools.evidence.published import accuracy
+    from mbridge_offload_tools.evidence.published import load as offload_runs
 
+    (card,) = (run for run in offload_runs()["runs"] if run["id"] == "qwen3-30b-a3b-card")
+    sets = {p["label"]: {**card["inputs"], **p.get("set", {})} for p in card["points"]}
     out = []
     for p in accuracy():
-        if p.run != "qwen3-30b-a3b-card" or p.memory_error is None:
+        if p.run != card["id"] or p.memory_error is None:
             continue
+        row_id = f"{p.run}: {p.label}"
+        traced, note = _resolved_trace(sets[p.label], row_id, "GiB")
         out.append(
             RunRow(
-                f"{p.run}: {p.label}",
+                row_id,
                 "memory",
                 "GiB",
                 float(p.measured_memory or 0.0),
@@ -175,6 +262,8 @@ def _offload_card_rows() -> list[RunRow]:
                 True,  # the allocator overhead and the CPU AdamW rate are fitted on this card
                 True,
                 "16x h100-80gb TP2 PP2 EP4 full recompute seq4096",
+                traced,
+                note,
             )
         )
     return out
@@ -183,7 +272,7 @@ def _offload_card_rows() -> list[RunRow]:
 @cache
 def accuracy() -> tuple[RunRow, ...]:
     """Every row with the planner's prediction: the cards', the performance summary's, the recipes', the card's."""
-    return tuple(_card_rows() + _recipe_rows() + _offload_card_rows() + _summary_rows())
+    return tuple(_card_rows() + _memory_rows() + _recipe_rows() + _offload_card_rows() + _summary_rows())
 
 
 def headline() -> dict[str, tuple[int, int]]:
@@ -209,11 +298,14 @@ def render_table() -> str:
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in accuracy():
-        trace = "not traced" if r.traced is None else f"{r.traced / r.published - 1:+.1%}"
+        if r.kind == "step":
+            trace = "— (memory only)"
+        else:
+            trace = r.trace_note if r.traced is None else f"{r.traced / r.published - 1:+.1%}"
         lines.append(
             f"| {r.id} | {r.settings} | {r.kind} ({r.unit}) | {r.published:g} | {r.predicted:.4g} | {r.error:+.1%} | "
             f"{trace} | {'fitted' if r.fitted else ''} | {r.source} ({r.revision[:12]}) |"
         )
-    unchecked = ", ".join(c["id"] for c in load().get("context", []))
+    unchecked = ", ".join(c["id"] for c in load().get("context", []) + load().get("memory_context", []))
     lines += ["", f"Recorded, not checked (a bound, or a model without a preset): {unchecked}."]
     return "\n".join(lines) + "\n"

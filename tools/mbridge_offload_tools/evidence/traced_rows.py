@@ -1,0 +1,83 @@
+"""The trace's figure for the NVIDIA-measured memory rows it can build, stored in ``data/nvidia_runs_traced.yaml``.
+
+A trace of one row takes 10-120 s, too slow for the docs table, so the figures are computed once by
+``python -m mbridge_offload_tools.evidence.traced_rows`` (with the megatron-core release and the date written beside
+them) and ``tests/tools/test_nvidia_runs.py`` re-traces one row against its stored figure. The rows are those of
+``evidence/nvidia_runs.py`` whose run the trace accepts (``trace.spec.unsupported``); the others say why in the table.
+"""
+
+from __future__ import annotations
+
+import datetime
+import sys
+from pathlib import Path
+from typing import Any
+
+from mbridge_offload_tools.evidence import data_files
+
+DATA = Path(__file__).with_name("data") / "nvidia_runs_traced.yaml"
+_GIB = 2**30
+
+
+def traceable() -> dict[str, Any]:
+    """``{row id: Resolved}`` for every memory row the trace can build (the CPU-offloading card's points today)."""
+    from mbridge_offload.plan.inputs.resolve import resolve
+    from mbridge_offload_tools.evidence.published import load as offload_runs
+    from mbridge_offload_tools.evidence.published_recipes import load as recipes
+    from mbridge_offload_tools.trace.spec import unsupported
+
+    runs: dict[str, dict[str, Any]] = {row["id"]: row["inputs"] for row in recipes()["rows"]}
+    for run in offload_runs()["runs"]:
+        if run["id"] == "qwen3-30b-a3b-card":
+            for p in run["points"]:
+                if not p.get("oom"):
+                    runs[f"{run['id']}: {p['label']}"] = {**run["inputs"], **p.get("set", {})}
+    out = {}
+    for row_id, inputs in runs.items():
+        r = resolve(inputs)
+        if not unsupported(r.model, r.setup):
+            out[row_id] = r
+    return out
+
+
+def trace_peaks(resolved: dict[str, Any], release: str) -> dict[str, float]:
+    """The trace's peak (GiB, allocated by tensors, no workspaces) of the planner's worst stage of each run."""
+    from mbridge_offload.plan.memory.stage import estimate_memory
+    from mbridge_offload_tools.trace import spec as specs
+    from mbridge_offload_tools.trace.run import spawn_batch
+
+    ids = list(resolved)
+    batch = [specs.build(r, estimate_memory(r.model, r.setup).worst.stage) for r in resolved.values()]
+    out = {}
+    for row_id, got in zip(ids, spawn_batch(release, batch), strict=True):
+        if "error" in got:
+            raise RuntimeError(f"{row_id}: {got['error']}")
+        out[row_id] = round(max(p["total"] for p in got["phases"].values()) / _GIB, 4)
+    return out
+
+
+def stored() -> dict[str, Any]:
+    """The data file, parsed."""
+    return data_files.load("nvidia_runs_traced")
+
+
+def main() -> int:
+    """Trace every traceable row and rewrite the data file (its header kept)."""
+    from mbridge_offload_tools.trace.run import DEFAULT_RELEASE
+
+    peaks = trace_peaks(traceable(), DEFAULT_RELEASE)
+    header = [ln for ln in DATA.read_text().splitlines() if ln.startswith("#")]
+    lines = [
+        *header,
+        f"megatron_core: {DEFAULT_RELEASE}",
+        f"date: {datetime.date.today().isoformat()}",
+        "rows:",
+        *(f'  "{k}": {{peak_gib: {v}}}' for k, v in peaks.items()),
+    ]
+    DATA.write_text("\n".join(lines) + "\n")
+    print(f"wrote {len(peaks)} rows to {DATA}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
