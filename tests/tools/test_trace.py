@@ -247,3 +247,30 @@ def test_the_planners_full_recompute_peak_on_a_moe_run_is_within_5_percent_of_th
     planned = estimate_memory(r.model, r.setup).worst.total - int(r.setup.overhead_gb * GB)
     traced = trace("0.19.2" if "0.19.2" in RELEASES else "0.16.1", **flags)["memory_gib"]["total"] * 2**30
     assert abs(planned - traced) / traced < 0.05, (planned / 2**30, traced / 2**30)
+
+
+@pytest.mark.parametrize("release", RELEASES)
+def test_grouped_gemm_builds_te_grouped_experts_with_sequential_mlps_state_in_fewer_ops(release: str) -> None:
+    """``moe_grouped_gemm`` (Bridge's MoE recipes) builds TE's ``TEGroupedMLP`` (grouped-linear stand-in: one op per
+    GEMM group): the same parameters, DDP buffers and optimizer state as megatron-core's ``SequentialMLP`` (one
+    weight per expert either way), the same saved activations, in fewer ops."""
+    from mbridge_offload.plan.inputs.resolve import resolve
+    from mbridge_offload_tools.trace import spec as specs
+    from mbridge_offload_tools.trace.run import spawn_batch
+
+    flags = {**SMALL, **MOE, "num_moe_experts": 16, "ep": 2, "tp": 2, "sequence_parallel": True, "etp": 2}
+    batch = []
+    for grouped in (True, False):
+        one = specs.build(resolve(dict(flags)), 0)
+        one["transformer"]["moe_grouped_gemm"] = grouped
+        batch.append(one)
+    grouped_run, sequential = spawn_batch(release, batch)
+    assert grouped_run["params"] == sequential["params"] == _planned_params(flags)
+    for phase, got in grouped_run["phases"].items():
+        want = sequential["phases"][phase]["by_category"]
+        for what in ("weights", "gradients", "optimizer"):
+            # equal but for DDP's bucket padding: the buffers order TE's weight0..n before SequentialMLP's per-expert
+            assert got["by_category"][what] == pytest.approx(want[what], rel=1e-4), (phase, what)
+    saved = [max(p["by_category"]["activations"] for p in run["phases"].values()) for run in (grouped_run, sequential)]
+    assert saved[0] == pytest.approx(saved[1], rel=0.02), saved
+    assert grouped_run["ops"] < sequential["ops"], (grouped_run["ops"], sequential["ops"])

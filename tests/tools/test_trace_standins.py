@@ -87,3 +87,68 @@ def test_norm_keeps_its_input_and_fp32_statistics_per_token() -> None:
     norm = standins.NormStandIn(Config(), 32)
     got = _saved_bytes(lambda: norm(x))
     assert got == 2 * x.numel() + 2 * 32 + 4 * 64 * 2
+
+
+class _ExpertConfig:
+    params_dtype = None  # set per test (torch imported lazily)
+    gradient_accumulation_fusion = True
+    expert_model_parallel_size = 4
+    expert_tensor_parallel_size = 2
+    tensor_model_parallel_size = 2
+
+
+class _Group:
+    def __init__(self, size: int) -> None:
+        self._size = size
+
+    def size(self) -> int:
+        return self._size
+
+
+class _Groups:
+    expt_tp = _Group(2)
+
+
+def _grouped(row: bool = False, gemms: int = 4, bias: bool = False):
+    import torch
+
+    config = _ExpertConfig()
+    config.params_dtype = torch.bfloat16
+    cls = standins.RowGroupedLinearStandIn if row else standins.GroupedLinearStandIn
+    return cls(gemms, 64, 96, config=config, bias=bias, skip_bias_add=False, pg_collection=_Groups())
+
+
+def test_grouped_linear_has_one_weight_per_expert_split_over_expert_tp_as_megatron_core_lays_them_out() -> None:
+    column, row = _grouped(), _grouped(row=True)
+    assert [n for n, _ in column.named_parameters()] == ["weight0", "weight1", "weight2", "weight3"]
+    assert column.weight0.shape == (48, 64) and row.weight0.shape == (96, 32)  # output / input split over ETP 2
+    assert all(p.allreduce is False for p in [*column.parameters(), *row.parameters()])  # DDP's expert buffers
+
+
+def test_grouped_linear_keeps_its_input_once_and_makes_one_output_for_every_expert() -> None:
+    import torch
+
+    linear = _grouped()
+    x = torch.randn(40, 64, dtype=torch.bfloat16, requires_grad=True)
+    weights = sum(p.numel() * 2 for p in linear.parameters())
+    got = _saved_bytes(lambda: linear(x, [10, 10, 10, 10]))
+    assert got == 2 * x.numel() + weights  # the input once (TE's splits are views of it), the weights uncopied
+    out, bias = linear(x, torch.tensor([10, 12, 8, 10]))
+    assert out.shape == (40, 48) and bias is None
+
+
+def test_grouped_linear_backward_writes_main_grad_and_hands_autograd_one_cached_dummy_per_shape() -> None:
+    import torch
+
+    standins.reset()
+    linear = _grouped()
+    for p in linear.parameters():
+        p.main_grad = torch.zeros(p.shape, dtype=torch.float32)
+        p.grad_added_to_main_grad = False
+    x = torch.randn(40, 64, dtype=torch.bfloat16, requires_grad=True)
+    out, _ = linear(x, [10, 10, 10, 10])
+    out.sum().backward()
+    assert x.grad is not None and x.grad.shape == x.shape
+    assert all(p.grad_added_to_main_grad for p in linear.parameters())
+    # one dummy per (shape, dtype) for the whole run (TE v2.18's get_dummy_wgrad), not one per expert
+    assert len(standins._DUMMY_WGRADS) == 1

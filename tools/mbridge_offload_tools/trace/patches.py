@@ -347,8 +347,44 @@ def apply_moe() -> None:
     if not hasattr(moe_utils, "te_general_gemm"):
         _patch(moe_utils, "te_general_gemm", None)
     _patch(token_dispatcher, "permute", _counted_permute(moe_utils.permute))
+    _grouped_experts()
     cls = token_dispatcher.MoEAlltoAllTokenDispatcher
     _patch(cls, "preprocess", _balanced_preprocess(cls.preprocess))
     _patch(cls, "_maybe_dtoh_and_synchronize", lambda self, point, tokens_per_expert=None: tokens_per_expert)
     # The host copies above are recorded on a stream in megatron-core (record_stream): streams are null here.
     _patch(torch.Tensor, "record_stream", lambda self, *a, **k: None)
+
+
+def _grouped_experts() -> None:
+    """``moe_grouped_gemm`` builds what megatron-core's TE backend builds for it (``TESpecProvider``:
+    ``TEGroupedMLP`` over ``TEColumnParallelGroupedLinear`` / ``TERowParallelGroupedLinear``), with the grouped
+    linears stood in (``standins.GroupedLinearStandIn``); without it, the local ``SequentialMLP``. The local backend
+    would build the legacy ``GroupedMLP`` (0.16.1, which needs the grouped_gemm package) or ``SequentialMLP`` (0.19.2)
+    whatever the flag says: no Bridge recipe runs either of them for ``moe_grouped_gemm``."""
+    import inspect
+    from functools import partial
+
+    import standins
+    from megatron.core.models.backends import LocalSpecProvider
+    from megatron.core.transformer.moe import experts
+
+    original = LocalSpecProvider.grouped_mlp_modules
+    fc1, fc2 = standins.GroupedLinearStandIn, standins.RowGroupedLinearStandIn
+    if len(inspect.signature(original).parameters) > 2:  # 0.16.1: (module, submodules)
+
+        def legacy(self: Any, grouped: bool, legacy_grouped: bool) -> Any:
+            if not grouped:
+                return original(self, grouped, legacy_grouped)
+            from megatron.core.transformer.mlp import MLPSubmodules
+
+            return experts.TEGroupedMLP, MLPSubmodules(linear_fc1=fc1, linear_fc2=fc2)
+
+        _patch(LocalSpecProvider, "grouped_mlp_modules", legacy)
+        return
+
+    def builder(self: Any, grouped: bool) -> Any:  # 0.19.2: a builder
+        if not grouped:
+            return original(self, grouped)
+        return partial(experts.TEGroupedMLP, submodules=experts.GroupedMLPSubmodules(linear_fc1=fc1, linear_fc2=fc2))
+
+    _patch(LocalSpecProvider, "grouped_mlp_modules", builder)

@@ -102,6 +102,15 @@ def _optimizer_words(s: Any) -> str:
     return f"{base} over {adam}"
 
 
+def _experts_words(spec: dict[str, Any]) -> str:
+    moe = spec["transformer"]
+    if not moe.get("num_moe_experts"):
+        return ""
+    if moe.get("moe_grouped_gemm"):
+        return "; experts: megatron-core's TEGroupedMLP over TE GroupedLinear stand-ins (moe_grouped_gemm)"
+    return "; experts: megatron-core's SequentialMLP (moe_grouped_gemm off)"
+
+
 def answer(child: dict[str, Any], spec: dict[str, Any], r: Any, install: Install, stage: int) -> dict[str, Any]:
     """The JSON answer (module docstring) from the child's bytes."""
     phases: list[dict[str, Any]] = []
@@ -141,7 +150,7 @@ def answer(child: dict[str, Any], spec: dict[str, Any], r: Any, install: Install
             "megatron_core": child["megatron_core"],
             "megatron_core_from": install.where,
             "spec": "megatron-core's local spec (get_gpt_layer_local_spec) with Transformer Engine stand-ins for "
-            "attention, norms and FusedAdam (trace/standins.py: what TE saves, per TE's source)",
+            "attention, norms and FusedAdam (trace/standins.py: what TE saves, per TE's source)" + _experts_words(spec),
             "schedule": "interleaved 1F1B" if r.setup.vpp else ("1F1B" if r.setup.pp > 1 else "no pipelining"),
             "optimizer": _optimizer_words(r.setup),
             "transformer_engine": None,

@@ -106,8 +106,9 @@ def _transformer(m: ModelSpec, s: Setup) -> dict[str, Any]:
 def _moe(m: ModelSpec, s: Setup) -> dict[str, Any]:
     """The MoE fields: the planner's experts, top-k, shared experts, leading dense layers and dispatcher; the
     router's load-balancing loss as the planner counts it (``aux_loss``: the fp32 softmax over all experts is saved).
-    ``moe_grouped_gemm`` stays off: megatron-core's local spec builds ``SequentialMLP`` experts either way (0.19.2;
-    0.16.1 would build the legacy ``GroupedMLP``, which needs the grouped_gemm package)."""
+    ``moe_grouped_gemm`` as the run sets it (Bridge's MoE recipes: on): the child builds TE's ``TEGroupedMLP`` for
+    it with the grouped-linear stand-in (``trace.patches._grouped_experts``), megatron-core's ``SequentialMLP``
+    without it."""
     return {
         "num_moe_experts": m.experts,
         "moe_ffn_hidden_size": m.expert_ffn_hidden_size,
@@ -117,7 +118,7 @@ def _moe(m: ModelSpec, s: Setup) -> dict[str, Any]:
         "moe_token_dispatcher_type": s.moe_token_dispatcher_type,
         "moe_router_load_balancing_type": "aux_loss",
         "moe_aux_loss_coeff": 1e-3,
-        "moe_grouped_gemm": False,
+        "moe_grouped_gemm": s.moe_grouped_gemm,
         "expert_model_parallel_size": s.ep,
         "expert_tensor_parallel_size": s.resolved_etp(m),
     }

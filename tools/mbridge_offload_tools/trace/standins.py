@@ -42,6 +42,19 @@ FACTS: dict[str, dict[str, Any]] = {
         "meaning": "the norm's input, the normalized output the GEMM reads (ln_out: the linear's saved input in "
         "megatron-core's local spec) and the statistics: the norm stand-in plus the local linear save the same",
     },
+    "grouped_linear": {
+        "file": "transformer_engine/pytorch/module/grouped_linear.py",
+        "function": "_GroupedLinear",
+        # v2.9 keeps the weights twice (weights_fp8 are the weights themselves outside FP8); v2.18 keeps
+        # saved_weights only for its high-precision backward override (None otherwise)
+        "saves": {
+            "v2.9": ("*inputmats", "*weights_fp8", "*weights", "*biases"),
+            "v2.18": ("*inputmats", "*weights_fp8", "*saved_weights", "*biases"),
+        },
+        "meaning": "the input split per GEMM (views of one tensor: one storage), the weights (no copy outside FP8) "
+        "and biases; backward makes the input gradient, writes each weight's gradient into main_grad and hands "
+        "autograd a dummy weight gradient (v2.18: get_dummy_wgrad, one cached tensor per shape and dtype)",
+    },
 }
 
 
@@ -150,3 +163,129 @@ class FusedAdamStandIn(torch.optim.Optimizer):
                 if not state:
                     state["exp_avg"] = torch.zeros_like(p, dtype=self.state_dtypes[0])
                     state["exp_avg_sq"] = torch.zeros_like(p, dtype=self.state_dtypes[1])
+
+
+# TE's get_dummy_wgrad cache (module/base.py, v2.18): one tensor per (shape, dtype), kept for the whole run. Emptied
+# by reset() for each traced spec (a batch traces many models, each under its own fake mode).
+_DUMMY_WGRADS: dict[tuple[Any, ...], torch.Tensor] = {}
+
+
+def reset() -> None:
+    """Forget what a previous trace left in the stand-ins' caches."""
+    _DUMMY_WGRADS.clear()
+
+
+def _dummy_wgrad(like: torch.Tensor, shape: list[int], dtype: torch.dtype) -> torch.Tensor:
+    key = (*shape, dtype)
+    if key not in _DUMMY_WGRADS:
+        _DUMMY_WGRADS[key] = like.new_empty(shape, dtype=dtype)
+    return _DUMMY_WGRADS[key].detach()
+
+
+class _GroupedLinear(torch.autograd.Function):
+    """What TE's _GroupedLinear keeps and makes (FACTS["grouped_linear"], the per-GEMM path outside FP8): one
+    output ``[tokens, out]``; saved: the input (TE's per-GEMM splits are views of it) and the weights; backward:
+    the input gradient, the weight gradients into ``main_grad`` (no allocation) and a cached dummy per shape
+    handed to autograd, the input's data cleared (``clear_tensor_data``) once the weight gradients are done."""
+
+    @staticmethod
+    def forward(ctx: Any, inp: torch.Tensor, m_splits: list[int], module: Any, *params: torch.Tensor) -> Any:
+        weights = params[: module.num_gemms]
+        inp_view = inp.reshape(-1, inp.shape[-1])
+        out = inp.new_empty(sum(m_splits), weights[0].shape[0])  # the biases are added inside the GEMM
+        ctx.save_for_backward(inp_view, *params)
+        ctx.inp_shape, ctx.module, ctx.biases = inp.shape, module, len(params) - len(weights)
+        return out.view(-1, *inp.shape[1:-1], out.shape[-1])
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        inp_view, *_ = ctx.saved_tensors
+        weights = ctx.module.weights()
+        grad = grad.contiguous()
+        dgrad = grad.new_empty(inp_view.shape[0], weights[0].shape[1]) if ctx.needs_input_grad[0] else None
+        wgrads: list[Any] = [None] * len(weights)
+        if weights[0].requires_grad:
+            if ctx.module.fuse_wgrad_accumulation:
+                for i, w in enumerate(weights):  # TE's handle_custom_ddp_from_mcore
+                    if hasattr(w, "grad_added_to_main_grad"):
+                        w.grad_added_to_main_grad = True
+                        wgrads[i] = _dummy_wgrad(grad, list(w.main_grad.shape), w.dtype)
+            else:  # one packed buffer, a view per GEMM
+                packed = grad.new_empty(len(weights), *weights[0].shape)
+                wgrads = [packed[i] for i in range(len(weights))]
+            inp_view.data = inp_view.new_empty(0)  # clear_tensor_data(*inputmats)
+        out = dgrad.view(ctx.inp_shape) if dgrad is not None else None
+        bgrads = [grad.new_empty(weights[0].shape[0]) for _ in range(ctx.biases)]  # from the wgrad GEMM
+        return (out, None, None, *wgrads, *bgrads)
+
+
+class GroupedLinearStandIn(torch.nn.Module):
+    """In place of megatron-core's ``TEColumnParallelGroupedLinear`` / ``TERowParallelGroupedLinear`` (TE's
+    ``GroupedLinear``, what ``TEGroupedMLP`` builds for ``moe_grouped_gemm``): one parameter per expert
+    (``weight0..weight{n-1}``, ``[out, in]`` split over expert-TP as megatron-core's wrapper splits it, with its
+    expert attributes), one autograd node per GEMM group instead of one linear per expert."""
+
+    parallel_mode = "column"
+
+    def __init__(
+        self,
+        num_gemms: int,
+        input_size: int,
+        output_size: int,
+        *,
+        config: Any,
+        bias: bool,
+        skip_bias_add: bool,
+        is_expert: bool = True,
+        pg_collection: Any = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__()
+        from megatron.core import parallel_state
+
+        self.config, self.num_gemms = config, num_gemms
+        tp = pg_collection.expt_tp.size() if pg_collection is not None else None
+        tp = tp or parallel_state.get_expert_tensor_parallel_world_size()
+        if self.parallel_mode == "column":
+            output_size //= tp
+        else:
+            input_size //= tp
+        self.fuse_wgrad_accumulation = config.gradient_accumulation_fusion
+        self.te_return_bias = skip_bias_add and bias
+        self.use_bias = bias
+        for i in range(num_gemms):
+            w = torch.empty(output_size, input_size, dtype=config.params_dtype)
+            self.register_parameter(f"weight{i}", torch.nn.Parameter(w))
+        for i in range(num_gemms if bias else 0):
+            b = torch.empty(output_size, dtype=config.params_dtype)
+            self.register_parameter(f"bias{i}", torch.nn.Parameter(b))
+        _expert_attributes(self, self.parallel_mode, is_expert, config)
+
+    def weights(self) -> list[torch.Tensor]:
+        return [getattr(self, f"weight{i}") for i in range(self.num_gemms)]
+
+    def forward(self, x: torch.Tensor, m_splits: Any) -> tuple[torch.Tensor, Any]:
+        splits = [int(n) for n in (m_splits.tolist() if hasattr(m_splits, "tolist") else m_splits)]
+        biases = [getattr(self, f"bias{i}") for i in range(self.num_gemms)] if self.use_bias else []
+        if self.te_return_bias:  # TE hands the biases back unapplied (megatron-core adds them, scaled by probs)
+            return _GroupedLinear.apply(x, splits, self, *self.weights()), biases
+        return _GroupedLinear.apply(x, splits, self, *self.weights(), *biases), None
+
+
+class RowGroupedLinearStandIn(GroupedLinearStandIn):
+    parallel_mode = "row"
+
+
+def _expert_attributes(module: torch.nn.Module, parallel_mode: str, is_expert: bool, config: Any) -> None:
+    """The expert attributes megatron-core's TE wrapper sets (``allreduce`` picks DDP's expert buffers): its own
+    ``_set_expert_parameter_attributes`` where the release has one (0.19.2), else 0.16.1's rule."""
+    expert_parallel = config.expert_model_parallel_size > 1
+    try:
+        from megatron.core.extensions.transformer_engine import _set_expert_parameter_attributes
+    except ImportError:
+        for p in module.parameters():
+            p.__dict__["allreduce"] = not (is_expert and expert_parallel)
+        return
+    etp = config.expert_tensor_parallel_size
+    use_expert_pgs = is_expert and (expert_parallel or etp != config.tensor_model_parallel_size)
+    _set_expert_parameter_attributes(module, parallel_mode, use_expert_pgs)

@@ -115,10 +115,12 @@ def _module_hooks(tracker: Tracker, chunks: list[Any]) -> None:
 def trace(torch: Any, spec: dict[str, Any]) -> dict[str, Any]:
     """Trace one rank's step (module docstring); the answer's JSON."""
     import patches
+    import standins
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     tracker = Tracker()
     patches.MODE_TRACKER[:] = [tracker]
+    standins.reset()
     with FakeTensorMode(allow_non_fake_inputs=True), patches.CpuForCuda(tracker), tracker:
         built = _build(torch, spec, tracker)
         _warm_up(torch, tracker, built)
@@ -248,4 +250,5 @@ def _answer(spec: dict[str, Any], tracker: Tracker, built: dict[str, Any]) -> di
         "params": built["params"],
         "param_bytes": built["param_bytes"],
         "allocations": tracker.allocations,
+        "ops": tracker.ops,
     }

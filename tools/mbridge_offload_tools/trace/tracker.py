@@ -22,6 +22,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 CATEGORIES = ("weights", "gradients", "optimizer", "activations", "other")
+_DEVICE = torch.ops.prim.device.default
 
 
 class Tracker(TorchDispatchMode):
@@ -38,6 +39,7 @@ class Tracker(TorchDispatchMode):
         self.phase = "build"
         self.peaks: dict[str, dict[str, Any]] = {}
         self.allocations = 0
+        self.ops = 0  # ops dispatched: what the trace's time grows with (docs/trace.md, "Speed")
         # Host memory (the CPU side of optimizer offload): storages made by .cpu(), pin_memory, device="cpu", and
         # whatever an op makes from them. Not in the GPU's total.
         self.force: str | None = None  # "host" / "device": what the device mode says the next outputs are
@@ -48,6 +50,9 @@ class Tracker(TorchDispatchMode):
         self.selected: int | None = None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += 1
+        if func is _DEVICE:  # autograd asks every tensor's device (2/3 of the ops): it allocates nothing
+            return func(*args, **(kwargs or {}))
         if func is torch.ops.aten.masked_select.default and self.selected is not None:
             out = args[0].new_empty((self.selected,))
         else:
