@@ -45,8 +45,8 @@ modelled well; Qwen3-235B on GB200 and GB300, 15-18 % too slow: their PP 8 x VP 
 layers are uneven, and the fitted per-MoE-layer fixed cost weighs most on their 256 and 64 micro-batches. The GB300
 row crossed 15 % when DP rings across NVLink domains stopped being charged the whole ring at one NIC's bandwidth: its
 group's DeepSeek-V3 row lost 0.9 s of exposed gradient reduction, and the refitted efficiency dropped with it); those
-are marked xfail(strict) below so that an improvement shows. The settings Bridge does not publish (recompute, TP overlap,
-ETP) are assumed as the data file says.
+are marked xfail(strict) below so that an improvement shows. The settings Bridge does not publish (recompute, TP
+overlap, ETP) are assumed as the data file says.
 """
 
 from __future__ import annotations

@@ -16,10 +16,10 @@ Per GPU and per optimizer step, for ``m`` micro-batches per DP rank:
   under natural routing; the fixed cost per MoE layer and micro-batch.
 - **tp / cp / ep / dp communication**: ring collectives over NVLink when the group fits in one NVLink domain; a ring
   that crosses domains sends ``1/r`` of its bytes through each of the NICs of its ``r`` ranks in a domain, so it runs
-  at ``min(NVLink, r x NIC)``; both at ``COMM_EFFICIENCY`` of the datasheet bandwidth (``hardware.py``). TP: 4 all-gathers
-  and 4 reduce-scatters (SP) or 4 all-reduces of ``s·b·h`` per layer, forward and backward; CP: the K/V ring,
-  hidden behind attention except its first hop and what the attention cannot cover; EP: 4 all-to-alls of the routed
-  tokens per MoE layer; DP: gradient reduce-scatter and parameter all-gather (distributed optimizer; all-reduce
+  at ``min(NVLink, r x NIC)``; both at ``COMM_EFFICIENCY`` of the datasheet bandwidth (``hardware.py``). TP: 4
+  all-gathers and 4 reduce-scatters (SP) or 4 all-reduces of ``s·b·h`` per layer, forward and backward; CP: the K/V
+  ring, hidden behind attention except its first hop and what the attention cannot cover; EP: 4 all-to-alls of the
+  routed tokens per MoE layer; DP: gradient reduce-scatter and parameter all-gather (distributed optimizer; all-reduce
   without it; Megatron-FSDP gathers parameters again for the backward), overlapped with the last micro-batch's
   backward / the first one's forward when ``overlap_grad_reduce`` / ``overlap_param_gather``.
 - **bubble**: ``(PP-1)/VPP`` micro-batch times of the 1F1B schedule.
