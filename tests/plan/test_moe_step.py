@@ -13,7 +13,7 @@ from mbridge_offload.plan.inputs.presets import model_preset
 from mbridge_offload.plan.inputs.resolve import resolve
 from mbridge_offload.plan.model.run import Setup
 from mbridge_offload.plan.time import moe
-from mbridge_offload.plan.time.terms import MOE_EXPERT_OVERHEAD_S, step_terms
+from mbridge_offload.plan.time.terms import MOE_LAYER_OVERHEAD_S, step_terms
 
 QWEN = model_preset("qwen3-30b-a3b")  # 128 experts, top-8, hidden 2048
 H100, GB200 = gpu_preset("h100-80gb"), gpu_preset("gb200")
@@ -70,14 +70,10 @@ def test_natural_routing_pays_the_hottest_ranks_share_and_forced_balancing_does_
 
 
 def test_full_iteration_cuda_graphs_remove_the_per_layer_fixed_cost_and_ungrouped_gemms_add_launches():
-    # EP16 of 128 experts: 8 local experts, each with its own GEMM launches (TE's per-expert cuBLAS loop).
-    assert moe.fixed_seconds(QWEN, _setup(), MOE_EXPERT_OVERHEAD_S) == pytest.approx(8 * MOE_EXPERT_OVERHEAD_S)
-    assert moe.fixed_seconds(QWEN, _setup(ep=4, num_gpus=4), MOE_EXPERT_OVERHEAD_S) == pytest.approx(
-        32 * MOE_EXPERT_OVERHEAD_S
-    )
-    assert moe.fixed_seconds(QWEN, _setup(cuda_graph_impl="full_iteration"), MOE_EXPERT_OVERHEAD_S) == 0.0
-    ungrouped = moe.fixed_seconds(QWEN, _setup(moe_grouped_gemm=False), MOE_EXPERT_OVERHEAD_S)
-    assert ungrouped == pytest.approx(8 * (MOE_EXPERT_OVERHEAD_S + 9 * moe.LAUNCH_S))
+    assert moe.fixed_seconds(QWEN, _setup(), MOE_LAYER_OVERHEAD_S) == MOE_LAYER_OVERHEAD_S
+    assert moe.fixed_seconds(QWEN, _setup(cuda_graph_impl="full_iteration"), MOE_LAYER_OVERHEAD_S) == 0.0
+    ungrouped = moe.fixed_seconds(QWEN, _setup(moe_grouped_gemm=False), MOE_LAYER_OVERHEAD_S)
+    assert ungrouped == pytest.approx(MOE_LAYER_OVERHEAD_S + 9 * 8 * moe.LAUNCH_S)
 
 
 def test_the_configs_moe_settings_reach_the_step_model():

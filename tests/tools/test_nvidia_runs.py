@@ -9,18 +9,19 @@ import pytest
 from mbridge_offload_tools.evidence import nvidia_runs
 
 ROWS = {(r.id, r.kind): r for r in nvidia_runs.accuracy()}
-# The held-out misses today (step-time error): Qwen3-30B-A3B at EP16 on 16 H100, the natural-routing pretrain (+23 %)
-# and the forced-balance perf run (+40 %): the efficiency of the H100 bf16 MoE group comes from one NeMo 25.11 row
-# (GPT-OSS-120B, PP4) and the per-expert fixed cost from 25.11's software, both slower than these newer runs; its
-# natural-routing GB200 run (-26 %: early-training imbalance beyond the assumed CV); GPT-OSS-120B on GB200 (-35 %, as
-# its performance-summary rows). Came in: Qwen3-235B-A22B GB200 (+46 -> +1 %) and the H100 resume run (+49 -> +19 %)
-# when the fixed cost became per local expert; Qwen3-8B H100 (+22 -> +19 %) and DeepSeek-V3 GB300 (+23 -> +9 %) when DP
-# rings across NVLink domains were charged r x NIC.
+# The held-out misses today (step-time error, after the EP physics of plan/time/moe.py): Qwen3-30B-A3B at EP16
+# on 16 H100 (+49 % to +83 %: the per-MoE-layer fixed cost fitted on the 25.11 performance summary, 4 ms x 64
+# micro-batches x 48 layers, is more than these newer runs leave room for), its natural-routing GB200 run (-29 %:
+# early-training imbalance beyond the assumed CV), GPT-OSS-120B on GB200 (-43 %, as its performance-summary rows) and
+# Qwen3-235B-A22B on GB200 at 256 micro-batches (+46 %: the fixed cost again). The dense Qwen3-8B on 16 H100 (+19 %) and
+# DeepSeek-V3 on GB300 (+19 %) came in when DP rings across NVLink domains were charged r x NIC, not one NIC.
 MISSES = {
     ("qwen3-30b-a3b pretrain H100", "step"),
+    ("qwen3-30b-a3b resume H100", "step"),
     ("qwen3-30b-a3b pretrain GB200 MXFP8", "step"),
     ("qwen3-30b-a3b perf H100", "step"),
     ("gpt-oss-120b perf GB200", "step"),
+    ("qwen3-235b-a22b perf GB200 MXFP8", "step"),
 }
 HELD_OUT = [key for key, r in ROWS.items() if not r.fitted]
 

@@ -20,18 +20,11 @@ MoE layer pays per micro-batch.
   layer's time: its expert GEMMs and the tokens it receives. The load of one rank is the sum of its ``E/EP`` experts'
   loads; with a per-expert coefficient of variation ``EXPERT_LOAD_CV`` the expected maximum over ``EP`` ranks is about
   ``1 + CV/sqrt(E/EP)·sqrt(2·ln EP)`` (the maximum of ``EP`` near-normal variables).
-- **Fixed cost** per MoE layer and micro-batch, per local expert: the dropless path waits on the host for the token
-  counts (``tokens_per_expert`` copied to the CPU) before it can size the permutation, so the GPU drains once per
-  dispatch, and then TE's grouped GEMM (``multi_stream_cublas_gemm``) launches one cuBLAS GEMM per local expert
-  (2 forward, 4 backward): those launches are exposed. ``terms.MOE_EXPERT_OVERHEAD_S`` (FITTED on the performance
-  summary with ``GEMM_HALF_DIM``) is that cost per expert; it replaced a per-layer constant (4 ms) that the summary's
-  B200 rows favoured but that left the cards' most micro-batched runs (Qwen3-235B at 256 micro-batches, Qwen3-30B at
-  64) 46-83 % slow. Full-iteration CUDA graphs (``cuda_graph_impl=full_iteration``, no host sync) remove it; without
-  grouped GEMM each local expert launches its other kernels too (``LAUNCH_S`` each).
-
-What is derived: the bytes and links of every all-to-all, the overlap window, the imbalance formula, the per-expert
-structure of the fixed cost. Assumed: ``COMM_EFFICIENCY``, ``EXPERT_LOAD_CV``, ``OVERLAP_RESIDUAL``, ``LAUNCH_S``.
-Fitted: ``terms.MOE_EXPERT_OVERHEAD_S`` (and the compute efficiency per GPU x precision x dense/MoE).
+- **Fixed cost** per MoE layer and micro-batch: the dropless path waits on the host for the token counts
+  (``tokens_per_expert`` copied to the CPU) before it can size the permutation and launch the expert GEMMs, so the
+  GPU drains once per dispatch; ``terms.MOE_LAYER_OVERHEAD_S`` (fitted) is that cost. Full-iteration CUDA graphs
+  (``cuda_graph_impl=full_iteration``, which needs no host sync) remove it; without grouped GEMM each local expert
+  launches its own GEMMs (``LAUNCH_S`` each).
 
 Never imports torch.
 """
@@ -98,7 +91,7 @@ def imbalance(m: ModelSpec, s: Setup) -> float:
     """The slowest EP rank's load over the mean (1.0 under forced balancing or EP 1)."""
     if s.moe_router_force_load_balancing or s.ep <= 1 or not m.is_moe:
         return 1.0
-    per_rank = local_experts(m, s)
+    per_rank = max(1, m.experts // s.ep)
     return 1 + EXPERT_LOAD_CV / math.sqrt(per_rank) * math.sqrt(2 * math.log(s.ep))
 
 
@@ -110,15 +103,9 @@ def exposed(a2a_s: float, window_s: float, overlap: bool) -> float:
     return max(a2a_s - window_s, OVERLAP_RESIDUAL * a2a_s)
 
 
-def local_experts(m: ModelSpec, s: Setup) -> int:
-    """Experts one EP rank holds."""
-    return max(1, m.experts // max(1, s.ep))
-
-
-def fixed_seconds(m: ModelSpec, s: Setup, expert_overhead_s: float) -> float:
-    """Fixed time per MoE layer and micro-batch (forward + backward) beyond FLOPs and all-to-alls: each local expert's
-    exposed GEMM launches, and without grouped GEMM its other kernels too."""
+def fixed_seconds(m: ModelSpec, s: Setup, layer_overhead_s: float) -> float:
+    """Fixed time per MoE layer and micro-batch (forward + backward) beyond FLOPs and all-to-alls."""
     if s.cuda_graph_impl == "full_iteration":
         return 0.0
-    launches = 0.0 if s.moe_grouped_gemm else 9 * LAUNCH_S
-    return local_experts(m, s) * (expert_overhead_s + launches)
+    launches = 0.0 if s.moe_grouped_gemm else 9 * max(1, m.experts // s.ep) * LAUNCH_S
+    return layer_overhead_s + launches

@@ -13,7 +13,7 @@ Per GPU and per optimizer step, for ``m`` micro-batches per DP rank:
   the recomputed layers' forward (all layers: about 1/3 more compute); selective re-runs only its modules' share.
 - **EP and the MoE layers** (``plan/time/moe.py``): the all-to-alls within and across NVLink domains for the
   dispatcher in use, hidden behind compute under ``overlap_moe_expert_parallel_comm``; the hottest EP rank's share
-  under natural routing; the fixed cost of each local expert's GEMM launches per MoE layer and micro-batch.
+  under natural routing; the fixed cost per MoE layer and micro-batch.
 - **tp / cp / ep / dp communication**: ring collectives over NVLink when the group fits in one NVLink domain; a ring
   that crosses domains sends ``1/r`` of its bytes through each of the NICs of its ``r`` ranks in a domain, so it runs
   at ``min(NVLink, r x NIC)``; both at ``COMM_EFFICIENCY`` of the datasheet bandwidth (``hardware.py``). TP: 4
@@ -41,18 +41,18 @@ from mbridge_offload.plan.time import moe as moe_physics
 # DGX H100 reaches ~340-370 GB/s of the 450 GB/s NVLink per direction): assumed, the same for the network.
 COMM_EFFICIENCY = 0.75
 # The per-GPU GEMM dimension at which a GEMM runs at half its large-size efficiency (wave quantisation, tails,
-# launch overhead): FITTED with MOE_EXPERT_OVERHEAD_S on a grid (128, 256, 512, 1024) x (0.20-0.40 ms in 0.01 ms
-# steps) by the smallest RMS error over the performance summary's rows (tests/plan/test_step_time.py states the result).
-GEMM_HALF_DIM = 128
+# launch overhead): chosen with MOE_LAYER_OVERHEAD_S on a grid (128, 512, 1024) x (0, 2, 4 ms) by the smallest RMS
+# error over the published rows (tests/plan/test_step_time.py states the result).
+GEMM_HALF_DIM = 512
 # Fraction of TP traffic left exposed with comm_overlap.tp_comm_overlap (TE userbuffers overlap the all-gather and
 # reduce-scatter with the neighbouring GEMMs; the first and last of each chain stay exposed): assumed.
 TP_OVERLAP_EXPOSED = 0.25
-# Fixed time each local expert costs per MoE layer and micro-batch (forward + backward) beyond its FLOPs: TE's
-# grouped GEMM (``multi_stream_cublas_gemm``) launches one cuBLAS GEMM per local expert (2 forward, 4 backward), right
-# after dropless dispatch has drained the GPU to read the token counts on the host, so those launches are exposed
-# (plan/time/moe.py). FITTED with GEMM_HALF_DIM (see there): RMS 0.116 over the 31 rows, against 0.109 for the former
-# 4 ms per MoE layer; that per-layer constant left the model's most micro-batched card rows 46-83 % slow.
-MOE_EXPERT_OVERHEAD_S = 0.00029
+# Fixed time each MoE layer costs per micro-batch (forward + backward) beyond its FLOPs and all-to-alls: dropless
+# dispatch waits for the token counts on the host (a device-to-host sync per layer), then permutes and launches
+# per-expert work. FITTED (grid, see GEMM_HALF_DIM; 6 ms and more leave rows no efficiency can match): it is what
+# makes a small-expert MoE at MBS 1 (Qwen3-30B-A3B on B200, 64 micro-batches) 2.5x slower per token than at MBS 4
+# (GB200, 16 micro-batches).
+MOE_LAYER_OVERHEAD_S = 0.004
 # Recompute modules that cost memory traffic but no matmul FLOPs (elementwise kernels): counted as free.
 ELEMENTWISE_MODULES = ("layernorm", "moe_act")
 
@@ -200,7 +200,7 @@ class StepTerms:
     microbatches: int
     bubble_stages: float  # (PP-1)/VPP
     moe_passes: float = 0.0  # MoE layer forward+backward passes per GPU per step (each pays moe_fixed_s)
-    moe_fixed_s: float = 0.0  # moe.fixed_seconds
+    moe_fixed_s: float = MOE_LAYER_OVERHEAD_S  # moe.fixed_seconds
     ep_overlap: bool = False  # overlap_moe_expert_parallel_comm: the all-to-alls hide behind compute
     notes: list[str] = field(default_factory=list)
 
@@ -363,7 +363,7 @@ def step_terms(m: ModelSpec, s: Setup, gpu: GpuPreset) -> StepTerms:
         microbatches=mb,
         bubble_stages=(s.pp - 1) / (s.vpp or 1),
         moe_passes=moe_layers * mb * (1 + full_fraction / 2),  # a recomputed forward: half a pass
-        moe_fixed_s=moe_physics.fixed_seconds(m, s, MOE_EXPERT_OVERHEAD_S),
+        moe_fixed_s=moe_physics.fixed_seconds(m, s, MOE_LAYER_OVERHEAD_S),
         ep_overlap=s.overlap_moe_expert_parallel_comm,
         notes=notes,
     )
@@ -376,18 +376,18 @@ def step_terms(m: ModelSpec, s: Setup, gpu: GpuPreset) -> StepTerms:
 # the same Llama3 8B run is 19 % faster per GPU on GB300. A group with no published row borrows the other
 # precision of the same preset, then the preset named in EFFICIENCY_LIKE (see ``efficiency``).
 EFFICIENCY: dict[tuple[str, str, str], float] = {
-    ("gb300", "fp8", "dense"): 0.481,
-    ("gb300", "bf16", "moe"): 0.488,
-    ("gb300", "fp8", "moe"): 0.45,
-    ("gb200", "fp8", "dense"): 0.412,
-    ("gb200", "bf16", "moe"): 0.376,
-    ("gb200", "fp8", "moe"): 0.337,
-    ("b200", "fp8", "dense"): 0.436,
-    ("b200", "fp8", "moe"): 0.228,
-    ("b200", "bf16", "moe"): 0.178,
-    ("h100-80gb", "fp8", "dense"): 0.451,
-    ("h100-80gb", "bf16", "moe"): 0.328,
-    ("h100-80gb", "fp8", "moe"): 0.112,
+    ("gb300", "fp8", "dense"): 0.518,
+    ("gb300", "bf16", "moe"): 0.662,
+    ("gb300", "fp8", "moe"): 0.54,
+    ("gb200", "fp8", "dense"): 0.441,
+    ("gb200", "bf16", "moe"): 0.622,
+    ("gb200", "fp8", "moe"): 0.41,
+    ("b200", "fp8", "dense"): 0.474,
+    ("b200", "fp8", "moe"): 0.231,
+    ("b200", "bf16", "moe"): 0.192,
+    ("h100-80gb", "fp8", "dense"): 0.491,
+    ("h100-80gb", "bf16", "moe"): 0.36,
+    ("h100-80gb", "fp8", "moe"): 0.135,
 }
 # Presets without published rows: the nearest published system (same GPU die or generation). A100 has no row
 # and no FP8; it borrows H100's efficiencies (an assumption: pass --baseline-step-s to calibrate).
