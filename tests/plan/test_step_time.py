@@ -11,11 +11,11 @@ the row is alone in its group, so nothing is left to predict it from). Printed b
 | gb300 llama3-8b fp8-mx TP1 | +5.3% | +7.2% |
 | gb300 llama3-70b fp8-cs FSDP | +9.8% | +13.3% |
 | gb300 llama3.1-405b fp8-cs TP2 PP8 CP2 | -14.5% | -18.8% |
-| gb300 deepseek-v3 bf16 PP2 EP32 | -10.5% | -15.6% |
-| gb300 deepseek-v3 fp8-mx PP2 EP32 | -2.8% | -5.5% |
-| gb300 gpt-oss-120b bf16 EP64 | +38.5% | +60.1% |
-| gb300 qwen3-30b-a3b fp8-mx EP8 | +2.3% | +4.7% |
-| gb300 qwen3-235b-a22b bf16 PP4 EP16 | -13.7% | -20.3% |
+| gb300 deepseek-v3 bf16 PP2 EP32 | -7.8% | -11.7% |
+| gb300 deepseek-v3 fp8-mx PP2 EP32 | +0.1% | +0.2% |
+| gb300 gpt-oss-120b bf16 EP64 | +35.8% | +55.8% |
+| gb300 qwen3-30b-a3b fp8-mx EP8 | -0.1% | -0.2% |
+| gb300 qwen3-235b-a22b bf16 PP4 EP16 | -15.2% | -22.5% |
 | gb200 llama3-8b fp8-cs TP1 | +2.7% | +3.6% |
 | gb200 llama3-8b fp8-mx TP1 | +8.6% | +11.6% |
 | gb200 llama3-70b fp8-cs FSDP | -2.1% | -2.8% |
@@ -25,25 +25,28 @@ the row is alone in its group, so nothing is left to predict it from). Printed b
 | gb200 gpt-oss-120b bf16 EP64 | +24.1% | +36.7% |
 | gb200 qwen3-30b-a3b fp8-mx EP8 | +7.2% | +14.3% |
 | gb200 qwen3-235b-a22b bf16 PP8 EP32 | -18.1% | -27.3% |
-| b200 llama3-8b fp8-cs TP1 | +10.2% | +13.9% |
-| b200 llama3-8b fp8-mx TP1 | +14.4% | +19.6% |
-| b200 llama3.1-405b fp8-cs TP4 PP8 CP2 | -10.9% | -14.3% |
-| b200 llama3.1-405b fp8-mx TP4 PP8 CP2 | -5.6% | -7.4% |
-| b200 deepseek-v3 fp8-mx PP16 EP8 | -11.6% | -17.0% |
+| b200 llama3-8b fp8-cs TP1 | +2.2% | +3.0% |
+| b200 llama3-8b fp8-mx TP1 | +6.1% | +8.2% |
+| b200 llama3.1-405b fp8-cs TP4 PP8 CP2 | -6.2% | -8.1% |
+| b200 llama3.1-405b fp8-mx TP4 PP8 CP2 | -0.6% | -0.8% |
+| b200 deepseek-v3 fp8-mx PP16 EP8 | -11.1% | -16.4% |
 | b200 gpt-oss-120b bf16 EP8 | +0.0% | — |
-| b200 qwen3-30b-a3b fp8-mx EP8 MBS1 | +15.0% | +22.2% |
-| b200 qwen3-235b-a22b fp8-mx PP8 EP8 | -8.5% | -12.7% |
+| b200 qwen3-30b-a3b fp8-mx EP8 MBS1 | +14.8% | +21.9% |
+| b200 qwen3-235b-a22b fp8-mx PP8 EP8 | -8.8% | -13.0% |
 | h100 llama3-8b fp8-cs FSDP | -1.6% | -2.4% |
 | h100 llama3-70b fp8-cs TP4 PP8 | +5.7% | +8.7% |
 | h100 llama3.1-405b fp8-cs TP8 PP8 CP2 | -3.6% | -5.3% |
 | h100 gpt-oss-120b bf16 PP4 EP8 | -0.0% | — |
 | h100 qwen3-30b-a3b fp8-cs PP2 EP8 | +0.0% | — |
 
-Every dense row is within 15 % (leave-one-out: within 20 %); three MoE rows are not (GPT-OSS-120B at EP 64 on
-GB300/GB200, predicted 24-39 % too fast: the 64-way all-to-all and the 2-experts-per-GPU grouped GEMM are not
-modelled well; Qwen3-235B on GB200, 18 % too slow, its PP 8 x VP 3 layout of 94 layers is uneven); those are marked
-xfail(strict) below so that an improvement shows. The settings Bridge does not publish (recompute, TP overlap,
-ETP) are assumed as the data file says.
+Every dense row is within 15 % (leave-one-out: within 20 %); four MoE rows are not (GPT-OSS-120B at EP 64 on
+GB300/GB200, predicted 24-36 % too fast: the 64-way all-to-all and the 2-experts-per-GPU grouped GEMM are not
+modelled well; Qwen3-235B on GB200 and GB300, 15-18 % too slow: their PP 8 x VP 3 and PP 4 x VP 12 layouts of 94
+layers are uneven, and the fitted per-MoE-layer fixed cost weighs most on their 256 and 64 micro-batches. The GB300
+row crossed 15 % when DP rings across NVLink domains stopped being charged the whole ring at one NIC's bandwidth: its
+group's DeepSeek-V3 row lost 0.9 s of exposed gradient reduction, and the refitted efficiency dropped with it); those
+are marked xfail(strict) below so that an improvement shows. The settings Bridge does not publish (recompute, TP
+overlap, ETP) are assumed as the data file says.
 """
 
 from __future__ import annotations
@@ -67,6 +70,7 @@ MISSES = {
     "gb300 gpt-oss-120b bf16 TP1 PP1 CP1 EP64 x64",
     "gb200 gpt-oss-120b bf16 TP1 PP1 CP1 EP64 x64",
     "gb200 qwen3-235b-a22b bf16 TP1 PP8 CP1 EP32 x256",
+    "gb300 qwen3-235b-a22b bf16 TP1 PP4 CP1 EP16 x256",
 }
 ROWS = list(enumerate(step_fit.rows()))
 
@@ -141,7 +145,8 @@ def test_cp2_is_not_faster_than_cp1_at_8k_for_a_dense_8b():
 def test_tp_leaving_the_nvlink_domain_pays_the_network():
     s = replace(DENSE_8K, tp=8)
     inside, across = _time(s), _time(s, gpu=replace(H100, nvlink_domain=4))  # 4-GPU NVLink islands
-    assert across.tp_comm_s > 3 * inside.tp_comm_s
+    # Two 4-GPU islands: each island's 4 NICs carry a quarter of the ring's bytes, min(450, 4 x 50) = 200 GB/s.
+    assert across.tp_comm_s == pytest.approx(450 / 200 * inside.tp_comm_s, rel=0.01)
     assert any("TP over network" in a for a in across.assumptions)
 
 

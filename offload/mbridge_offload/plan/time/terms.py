@@ -14,11 +14,12 @@ Per GPU and per optimizer step, for ``m`` micro-batches per DP rank:
 - **EP and the MoE layers** (``plan/time/moe.py``): the all-to-alls within and across NVLink domains for the
   dispatcher in use, hidden behind compute under ``overlap_moe_expert_parallel_comm``; the hottest EP rank's share
   under natural routing; the fixed cost per MoE layer and micro-batch.
-- **tp / cp / ep / dp communication**: ring collectives over NVLink when the group fits in one NVLink domain, else
-  over the scale-out network, at ``COMM_EFFICIENCY`` of the datasheet bandwidth (``hardware.py``). TP: 4 all-gathers
-  and 4 reduce-scatters (SP) or 4 all-reduces of ``s·b·h`` per layer, forward and backward; CP: the K/V ring,
-  hidden behind attention except its first hop and what the attention cannot cover; EP: 4 all-to-alls of the routed
-  tokens per MoE layer; DP: gradient reduce-scatter and parameter all-gather (distributed optimizer; all-reduce
+- **tp / cp / ep / dp communication**: ring collectives over NVLink when the group fits in one NVLink domain; a ring
+  that crosses domains sends ``1/r`` of its bytes through each of the NICs of its ``r`` ranks in a domain, so it runs
+  at ``min(NVLink, r x NIC)``; both at ``COMM_EFFICIENCY`` of the datasheet bandwidth (``hardware.py``). TP: 4
+  all-gathers and 4 reduce-scatters (SP) or 4 all-reduces of ``s·b·h`` per layer, forward and backward; CP: the K/V
+  ring, hidden behind attention except its first hop and what the attention cannot cover; EP: 4 all-to-alls of the
+  routed tokens per MoE layer; DP: gradient reduce-scatter and parameter all-gather (distributed optimizer; all-reduce
   without it; Megatron-FSDP gathers parameters again for the backward), overlapped with the last micro-batch's
   backward / the first one's forward when ``overlap_grad_reduce`` / ``overlap_param_gather``.
 - **bubble**: ``(PP-1)/VPP`` micro-batch times of the 1F1B schedule.
@@ -236,11 +237,17 @@ class StepTerms:
         return (lo + hi) / 2
 
 
-def _bandwidth(gpu: GpuPreset, span: int) -> tuple[float, str]:
-    """Bytes/s of a ring collective whose ranks span ``span`` consecutive GPUs, and the link it runs over."""
-    if span <= gpu.nvlink_domain:
+def _bandwidth(gpu: GpuPreset, ranks: int, stride: int = 1) -> tuple[float, str]:
+    """Bytes/s of a ring collective over ``ranks`` ranks ``stride`` GPUs apart, and the link it runs over.
+
+    Inside one NVLink domain: NVLink. Across domains NCCL's rings enter and leave each domain once per channel and
+    spread the channels over the NICs of the group's GPUs there, so each of a domain's ``r`` group ranks sends only
+    ``1/r`` of the ring's bytes over its own NIC: the ring runs at ``min(NVLink, r x NIC)`` (nccl-tests on DGX H100
+    clusters: ~350-400 GB/s all-reduce bus bandwidth over 8 x 400 Gb/s, not 50 GB/s)."""
+    if ranks * stride <= gpu.nvlink_domain:
         return gpu.nvlink_gbps * 1e9 * COMM_EFFICIENCY, "NVLink"
-    return gpu.network_gbps * 1e9 * COMM_EFFICIENCY, "network"
+    per_domain = max(1, min(ranks, gpu.nvlink_domain // stride))
+    return min(gpu.nvlink_gbps, per_domain * gpu.network_gbps) * 1e9 * COMM_EFFICIENCY, "network"
 
 
 def _tp_seconds(m: ModelSpec, s: Setup, gpu: GpuPreset, layers: float, recomputed: float) -> tuple[float, float, str]:
@@ -267,7 +274,7 @@ def _cp_seconds(m: ModelSpec, s: Setup, gpu: GpuPreset, layers: float) -> tuple[
     else:
         kv = 2 * m.num_query_groups * m.kv_channels
     chunk = s.micro_batch_size * seq / s.cp * kv * 2 / (s.tp if s.tp > 1 else 1)
-    bw, link = _bandwidth(gpu, s.tp * s.cp)
+    bw, link = _bandwidth(gpu, s.cp, s.tp)
     hop = chunk / bw
     mb = _microbatches(s)
     return 3 * (s.cp - 1) * hop * layers * mb, 3 * hop * layers * mb, link
@@ -297,10 +304,12 @@ def _dp_seconds(m: ModelSpec, s: Setup, gpu: GpuPreset) -> tuple[float, str]:
     param = 1 if s.fp8_param else DTYPE_BYTES.get(s.params_dtype, 2)
     gathers = 2 if s.use_megatron_fsdp else 1  # Megatron-FSDP gathers again for the backward
     seconds, link = 0.0, ""
-    for numel, ranks, span in ((dense, s.dp * s.cp, s.num_gpus // s.pp), (expert, s.expert_dp(m), s.num_gpus // s.pp)):
+    # Megatron's rank order puts TP (ETP and EP for the expert group) inside DP: its ranks are that many GPUs apart.
+    etp = s.resolved_etp(m)
+    for numel, ranks, stride in ((dense, s.dp * s.cp, s.tp), (expert, s.expert_dp(m), etp * s.ep)):
         if ranks <= 1 or not numel:
             continue
-        bw, link = _bandwidth(gpu, span)
+        bw, link = _bandwidth(gpu, ranks, stride)
         ring = (ranks - 1) / ranks * numel / bw
         if s.distributed_optimizer or s.use_megatron_fsdp:
             seconds += ring * (grad + gathers * param)
@@ -368,14 +377,14 @@ def step_terms(m: ModelSpec, s: Setup, gpu: GpuPreset) -> StepTerms:
 # precision of the same preset, then the preset named in EFFICIENCY_LIKE (see ``efficiency``).
 EFFICIENCY: dict[tuple[str, str, str], float] = {
     ("gb300", "fp8", "dense"): 0.518,
-    ("gb300", "bf16", "moe"): 0.683,
-    ("gb300", "fp8", "moe"): 0.572,
+    ("gb300", "bf16", "moe"): 0.662,
+    ("gb300", "fp8", "moe"): 0.54,
     ("gb200", "fp8", "dense"): 0.441,
     ("gb200", "bf16", "moe"): 0.622,
     ("gb200", "fp8", "moe"): 0.41,
-    ("b200", "fp8", "dense"): 0.511,
+    ("b200", "fp8", "dense"): 0.474,
     ("b200", "fp8", "moe"): 0.231,
-    ("b200", "bf16", "moe"): 0.238,
+    ("b200", "bf16", "moe"): 0.192,
     ("h100-80gb", "fp8", "dense"): 0.491,
     ("h100-80gb", "bf16", "moe"): 0.36,
     ("h100-80gb", "fp8", "moe"): 0.135,
