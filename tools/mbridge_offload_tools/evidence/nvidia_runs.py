@@ -215,23 +215,39 @@ def _memory_rows() -> list[RunRow]:
     return out
 
 
-def _resolved_trace(inputs: dict[str, Any], row_id: str, unit: str) -> tuple[float | None, str]:
-    """The trace cell of a row given as planner inputs (the recipe docstrings', the CPU-offloading card's)."""
+CARD = "qwen3-30b-a3b-card"
+
+
+@cache
+def planner_inputs() -> dict[str, dict[str, Any]]:
+    """Row id → planner inputs, for the memory rows given as planner inputs: the recipe docstrings' and the
+    CPU-offloading card's points (its OOM point is a bound, not a row). ``traced_rows`` traces the same runs."""
+    from mbridge_offload_tools.evidence.published import load as offload_runs
+    from mbridge_offload_tools.evidence.published_recipes import load as recipes
+
+    out = {row["id"]: row["inputs"] for row in recipes()["rows"]}
+    (card,) = (run for run in offload_runs()["runs"] if run["id"] == CARD)
+    for p in card["points"]:
+        if not p.get("oom"):
+            out[f"{CARD}: {p['label']}"] = {**card["inputs"], **p.get("set", {})}
+    return out
+
+
+def _resolved_trace(row_id: str, unit: str) -> tuple[float | None, str]:
+    """The trace cell of a row given as planner inputs (``planner_inputs``)."""
     from mbridge_offload.plan.inputs.resolve import resolve
 
-    r = resolve(inputs)
+    r = resolve(planner_inputs()[row_id])
     return _trace_cell(r.model, r.setup, row_id, unit)
 
 
 def _recipe_rows() -> list[RunRow]:
     from mbridge_offload_tools.evidence.published_recipes import accuracy
-    from mbridge_offload_tools.evidence.published_recipes import load as recipes
 
-    inputs = {row["id"]: row["inputs"] for row in recipes()["rows"]}
     out = []
     for r in accuracy():
         common = ("Bridge recipe docstring (nightly API docs)", "NeMo 26.10.rc10", False, False, r.id)
-        traced, note = _resolved_trace(inputs[r.id], r.id, "GiB")
+        traced, note = _resolved_trace(r.id, "GiB")
         out.append(RunRow(r.id, "memory", "GiB", r.measured_gib, r.predicted_gib, *common, traced, note))
         if r.measured_step_s is not None:
             out.append(RunRow(r.id, "step", "s", r.measured_step_s, r.predicted_step_s, *common))
@@ -240,16 +256,13 @@ def _recipe_rows() -> list[RunRow]:
 
 def _offload_card_rows() -> list[RunRow]:
     from mbridge_offload_tools.evidence.published import accuracy
-    from mbridge_offload_tools.evidence.published import load as offload_runs
 
-    (card,) = (run for run in offload_runs()["runs"] if run["id"] == "qwen3-30b-a3b-card")
-    sets = {p["label"]: {**card["inputs"], **p.get("set", {})} for p in card["points"]}
     out = []
     for p in accuracy():
-        if p.run != card["id"] or p.memory_error is None:
+        if p.run != CARD or p.memory_error is None:
             continue
         row_id = f"{p.run}: {p.label}"
-        traced, note = _resolved_trace(sets[p.label], row_id, "GiB")
+        traced, note = _resolved_trace(row_id, "GiB")
         out.append(
             RunRow(
                 row_id,

@@ -16,33 +16,22 @@ from typing import Any
 from mbridge_offload_tools.evidence import data_files
 
 DATA = Path(__file__).with_name("data") / "nvidia_runs_traced.yaml"
-_GIB = 2**30
 
 
 def traceable() -> dict[str, Any]:
     """``{row id: Resolved}`` for every memory row the trace can build (the CPU-offloading card's points today)."""
     from mbridge_offload.plan.inputs.resolve import resolve
-    from mbridge_offload_tools.evidence.published import load as offload_runs
-    from mbridge_offload_tools.evidence.published_recipes import load as recipes
+    from mbridge_offload_tools.evidence.nvidia_runs import planner_inputs
     from mbridge_offload_tools.trace.spec import unsupported
 
-    runs: dict[str, dict[str, Any]] = {row["id"]: row["inputs"] for row in recipes()["rows"]}
-    for run in offload_runs()["runs"]:
-        if run["id"] == "qwen3-30b-a3b-card":
-            for p in run["points"]:
-                if not p.get("oom"):
-                    runs[f"{run['id']}: {p['label']}"] = {**run["inputs"], **p.get("set", {})}
-    out = {}
-    for row_id, inputs in runs.items():
-        r = resolve(inputs)
-        if not unsupported(r.model, r.setup):
-            out[row_id] = r
-    return out
+    resolved = {row_id: resolve(inputs) for row_id, inputs in planner_inputs().items()}
+    return {row_id: r for row_id, r in resolved.items() if not unsupported(r.model, r.setup)}
 
 
 def trace_peaks(resolved: dict[str, Any], release: str) -> dict[str, float]:
     """The trace's peak (GiB, allocated by tensors, no workspaces) of the planner's worst stage of each run."""
     from mbridge_offload.plan.memory.stage import estimate_memory
+    from mbridge_offload.plan.model.architecture import GiB
     from mbridge_offload_tools.trace import spec as specs
     from mbridge_offload_tools.trace.run import spawn_batch
 
@@ -52,7 +41,7 @@ def trace_peaks(resolved: dict[str, Any], release: str) -> dict[str, float]:
     for row_id, got in zip(ids, spawn_batch(release, batch), strict=True):
         if "error" in got:
             raise RuntimeError(f"{row_id}: {got['error']}")
-        out[row_id] = round(max(p["total"] for p in got["phases"].values()) / _GIB, 4)
+        out[row_id] = round(max(p["total"] for p in got["phases"].values()) / GiB, 4)
     return out
 
 
