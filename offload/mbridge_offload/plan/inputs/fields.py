@@ -533,3 +533,10 @@ def cli_aliases(field: str) -> tuple[str, ...]:
 def group_of(field: str) -> str:
     """The input's group (one of ``GROUPS``): its section of ``--help``."""
     return str(_extra(field)["group"])
+
+
+# The model's sizes (the "model" inputs that read a config key, tying aside): they build ``ModelSpec``, and a model
+# preset gives each of them (``presets.recipe_values``).
+ARCHITECTURE = tuple(
+    n for n in FIELDS if group_of(n) == "model" and config_key(n) and n != "share_embeddings_and_output_weights"
+)

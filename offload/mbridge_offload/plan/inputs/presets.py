@@ -175,23 +175,11 @@ def recipe_values(name: str) -> dict[str, Any]:
     Raises:
         KeyError: unknown preset (with the known names).
     """
+    from mbridge_offload.plan.inputs.fields import ARCHITECTURE
+
     m = model_preset(name)
-    out: dict[str, Any] = {
-        "num_layers": m.num_layers,
-        "hidden_size": m.hidden_size,
-        "ffn_hidden_size": m.ffn_hidden_size,
-        "num_attention_heads": m.num_attention_heads,
-        "num_query_groups": m.num_query_groups,
-        "kv_channels": m.kv_channels,
-        "vocab_size": m.vocab_size,
-        "seq_length": m.seq_length,
-    }
-    if m.is_moe:
-        out.update(
-            num_moe_experts=m.num_moe_experts,
-            moe_ffn_hidden_size=m.moe_ffn_hidden_size,
-            moe_router_topk=m.moe_router_topk,
-        )
+    sizes = [k for k in (*ARCHITECTURE, "seq_length") if m.is_moe or not k.startswith(("num_moe", "moe_"))]
+    out: dict[str, Any] = {k: getattr(m, k) for k in sizes}
     out["share_embeddings_and_output_weights"] = m.tied_embeddings
     out.update(RECIPES.get(m.name, {}))
     return out

@@ -33,7 +33,7 @@ from mbridge_offload.plan.inputs.config_facts import (
     raw_section,
     with_layout,
 )
-from mbridge_offload.plan.inputs.fields import FIELDS, PlanInputs, flag_name, group_of
+from mbridge_offload.plan.inputs.fields import ARCHITECTURE, FIELDS, PlanInputs, flag_name, group_of
 from mbridge_offload.plan.inputs.hardware import GpuPreset, gpu_preset, with_overrides
 from mbridge_offload.plan.inputs.vocab import tokenizer_vocab
 from mbridge_offload.plan.model.architecture import ModelSpec
@@ -48,18 +48,6 @@ CONFIG_KEYS = fields.CONFIG_KEYS
 DEFAULTS = fields.fallbacks()
 FINE_GRAINED_DEFAULTS = fields.fallbacks("fine_grained")  # listed (and used) only when fine-grained offloading is on
 LOSS_FUSION_DEFAULTS = fields.fallbacks("loss_fusion")  # listed (and used) only when the fused cross entropy is on
-ARCHITECTURE = (
-    "num_layers",
-    "hidden_size",
-    "ffn_hidden_size",
-    "num_attention_heads",
-    "num_query_groups",
-    "kv_channels",
-    "vocab_size",
-    "num_moe_experts",
-    "moe_ffn_hidden_size",
-    "moe_router_topk",
-)
 REQUIRED = ("num_layers", "hidden_size", "num_attention_heads", "vocab_size")
 # The estimator lists every local expert of every layer (HDO splits whole tensors): keep that list to a size it
 # walks in well under a second. Published MoEs: DeepSeek-V3 61 x 256, Kimi K2 61 x 384 (at EP 1).
@@ -373,18 +361,17 @@ def _default_gpus(s: Setup, m: ModelSpec) -> int:
     return unit * max(1, math.ceil(8 / unit))
 
 
+# The hardware inputs that replace the GPU preset's figure of the same name.
+_GPU_FIGURES = tuple(n for n in FIELDS if group_of(n) == "hardware" and n in GpuPreset.__dataclass_fields__)
+
+
 def _gpu(values: dict[str, Any]) -> GpuPreset:
-    preset = gpu_preset(values["gpu"])
     capacity = values.get("gpu_memory_gb")
     return with_overrides(
-        preset,
+        gpu_preset(values["gpu"]),
         hbm_gb=capacity,
         capacity_gib=capacity * 1e9 / 2**30 if capacity is not None else None,
-        host_ram_gb=values.get("host_ram_gb"),
-        gpus_per_node=values.get("gpus_per_node"),
-        link_gbps=values.get("link_gbps"),
-        host_bw_gbps=values.get("host_bw_gbps"),
-        cpu_cores=values.get("cpu_cores"),
+        **{n: values.get(n) for n in _GPU_FIGURES},
     )
 
 

@@ -71,12 +71,14 @@ def _parallel(r: Resolved) -> dict[str, Any]:
     }
 
 
-def time_terms(t: TimeEstimate) -> dict[str, Any]:
-    """The step-time model's terms of ``TimeBreakdown`` (seconds, rounded)."""
-    names = ("compute", "recompute", "tp_comm", "cp_comm", "ep_comm", "moe_overhead", "dp_comm", "bubble")
-    out: dict[str, Any] = {k: round(getattr(t, f"{k}_s"), 4) for k in names}
-    out.update(step=round(t.step_s, 4), without_offload=round(t.without_offload_s, 4))
-    return {**out, "efficiency": round(t.efficiency, 4), "assumptions": list(t.assumptions)}
+def _time_breakdown(t: TimeEstimate) -> TimeBreakdown:
+    """``TimeBreakdown`` from the step-time model: each of its seconds is the estimate's ``<name>_s`` (rounded)."""
+    seconds = [k for k in TimeBreakdown.model_fields if k not in ("efficiency", "assumptions")]
+    return TimeBreakdown(
+        **{k: round(getattr(t, f"{k}_s"), 4) for k in seconds},
+        efficiency=round(t.efficiency, 4),
+        assumptions=list(t.assumptions),
+    )
 
 
 def stage_phases(est: MemoryEstimate, shift: Callable[[StageMemory], float] | float = 0.0) -> list[StagePhases]:
@@ -129,15 +131,7 @@ def estimate_result(p: Plan, est: MemoryEstimate, t: TimeEstimate) -> Estimate:
             for st in est.stages
         ],
         host_peak_gb=round(est.host_peak_gb, 3),
-        time_s=TimeBreakdown(
-            baseline=round(t.baseline_s, 4),
-            d2h=round(t.d2h_s, 4),
-            cpu_adam=round(t.cpu_adam_s, 4),
-            h2d=round(t.h2d_s, 4),
-            optimizer_extra=round(t.optimizer_extra_s, 4),
-            activation_extra=round(t.activation_extra_s, 4),
-            **time_terms(t),
-        ),
+        time_s=_time_breakdown(t),
         model=r.model.name,
         gpu=r.gpu.name,
         num_gpus=s.num_gpus,
@@ -370,7 +364,7 @@ def _before_after(
     )
 
 
-_OFFLOADS = {"activation", "optimizer", "fine-grained"}
+_OFFLOADS = frozenset(levers.OFFLOAD_LEVERS)
 
 
 def _verdict(ranked: list[Option], allowed: tuple[str, ...]) -> list[str]:
