@@ -305,7 +305,7 @@ def stacks(p: Plan, s: Setup, ok: Fit) -> list[MemoryEstimate]:
 def _reachable(p: Plan, est: MemoryEstimate) -> bool:
     """Whether anything but a layout change could make ``est`` fit: offload, recompute and the switches never move
     the weights, so where the worst stage's weights alone exceed the budget, no stack of them is tried."""
-    return est.worst.weights + p.shift(est.worst) <= p.budget_bytes
+    return est.worst.weights + p.shift(est.worst) <= p.budget_bytes()
 
 
 def _layout_stacks(p: Plan, s: Setup, ok: Fit) -> list[MemoryEstimate]:
