@@ -65,6 +65,13 @@ class Assumption(BaseModel):
     note: str | None = None
 
 
+def catalogue_keys(s: Setup, num_layers: int) -> dict[str, Any]:
+    """The ``model.*`` keys of ``s`` that the rule catalogue's offload rules read: the section of a config built to
+    ask it about a setup (no config given, or one setting probed)."""
+    names = ("recompute_granularity", "recompute_method", "recompute_num_layers")
+    return {"num_layers": num_layers, "pipeline_model_parallel_size": s.pp, **{n: getattr(s, n) for n in names}}
+
+
 @dataclass
 class Constraints:
     """Config facts outside ``Setup`` that decide whether layer-level activation offload is allowed."""
@@ -95,14 +102,7 @@ class Constraints:
         """
         from mbridge_offload.config.validate import activation_offload_errors
 
-        model = {
-            "num_layers": max(num_layers, 2),
-            "pipeline_model_parallel_size": s.pp,
-            "recompute_granularity": s.recompute_granularity,
-            "recompute_method": s.recompute_method,
-            "recompute_num_layers": s.recompute_num_layers,
-            **self.model_keys(),
-        }
+        model = {**catalogue_keys(s, max(num_layers, 2)), **self.model_keys()}
         out = [f"activation offloading: {message} ({rule})" for rule, message in activation_offload_errors(model)]
         if self.hybrid_stack and not reach.applies("cpu_offloading", "hybrid"):
             out.append(
@@ -279,13 +279,6 @@ def config_values(eff: Effective) -> dict[str, Any]:
     return {k: v for k, v in out.items() if v is not None}
 
 
-def _config_model_spec(config: OffloadConfig, raw: dict[str, Any] | None, base: ModelSpec | None) -> dict[str, Any]:
-    """Non-input architecture facts (norms, bias, MLA, dense layers) a config states."""
-    from mbridge_offload.plan.inputs.presets import model_extras
-
-    return model_extras(config, raw if raw is not None else config.model_dump(), base)
-
-
 # ------------------------------------------------------------------------------------------- resolve
 
 
@@ -428,7 +421,7 @@ def resolve(
         KeyError: an unknown model or GPU preset.
         ValueError: a setup Megatron rejects.
     """
-    from mbridge_offload.plan.inputs.presets import model_preset, recipe_values
+    from mbridge_offload.plan.inputs.presets import model_extras, model_preset, recipe_values
 
     flags = {k: v for k, v in (flags or {}).items() if v is not None}
     validate_inputs(flags)  # bounds of what was given directly, named as flags
@@ -447,7 +440,8 @@ def resolve(
     values, where = _merge(layers)
     inputs = validate_inputs(values, where, CONFIG_KEYS)
     values = inputs.model_dump()
-    extras = _config_model_spec(config, raw, base) if config is not None else {}
+    # Non-input architecture facts (norms, bias, MLA, dense layers) a config states.
+    extras = model_extras(config, raw if raw is not None else config.model_dump(), base) if config is not None else {}
     tying_note = _tying(values, where, config, raw, name)
     m = replace(_model_spec(values, base, extras), tied_embeddings=bool(values["share_embeddings_and_output_weights"]))
     if values.get("pipeline_layout") and not m.mtp_num_layers:

@@ -106,9 +106,3 @@ def useful_sets(m: ModelSpec, s: Setup, model_config: dict[str, Any]) -> list[tu
             acc, last = trial, saving
             out.append(acc)
     return out
-
-
-def largest(m: ModelSpec, s: Setup, model_config: dict[str, Any]) -> Setup | None:
-    """``s`` with the most fine-grained offload the catalogue allows (None when none helps)."""
-    sets = useful_sets(m, s, model_config)
-    return replace(s, offload_modules=sets[-1]) if sets else None
