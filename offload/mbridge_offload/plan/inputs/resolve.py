@@ -72,27 +72,26 @@ def catalogue_keys(s: Setup, num_layers: int) -> dict[str, Any]:
     return {"num_layers": num_layers, "pipeline_model_parallel_size": s.pp, **{n: getattr(s, n) for n in names}}
 
 
+# The inputs outside ``Setup`` that decide whether layer-level activation offload is allowed (model.* keys of the
+# same name): Constraints carries their values.
+CONSTRAINT_INPUTS = ("cuda_graph_impl", "fine_grained_activation_offloading", "moe_paged_stash")
+
+
 @dataclass
 class Constraints:
     """Config facts outside ``Setup`` that decide whether layer-level activation offload is allowed."""
 
-    cuda_graph_impl: str = "none"
-    fine_grained_activation_offloading: bool = False
-    moe_paged_stash: bool = False
+    keys: dict[str, object] = field(default_factory=dict)  # CONSTRAINT_INPUTS' values
     # A hybrid (Mamba) stack: megatron-core accepts layer-level offload there and offloads nothing (not a config key).
     hybrid_stack: bool = False
 
     def model_keys(self) -> dict[str, object]:
         """These facts as ``model.*`` config values."""
-        return {
-            "cuda_graph_impl": self.cuda_graph_impl,
-            "fine_grained_activation_offloading": self.fine_grained_activation_offloading,
-            "moe_paged_stash": self.moe_paged_stash,
-        }
+        return dict(self.keys)
 
     def model_config(self) -> dict[str, Any]:
         """:meth:`model_keys` for the fine-grained rules, which switch fine-grained offloading on themselves."""
-        return {k: v for k, v in self.model_keys().items() if k != "fine_grained_activation_offloading"}
+        return {k: v for k, v in self.keys.items() if k != "fine_grained_activation_offloading"}
 
     def activation_blockers(self, s: Setup, num_layers: int) -> list[str]:
         """Why upstream would refuse layer-level activation offload for this setup, empty when it allows it.
@@ -463,12 +462,7 @@ def resolve(
         notes["num_gpus"] = "smallest multiple of TP·PP·CP and PP·EP·ETP that is at least 8"
     s = replace(s, num_gpus=values["num_gpus"])
     check_setup(m, replace(s, optimizer_offload_fraction=0.0, activation_offload_layers=0))
-    constraints = Constraints(
-        values["cuda_graph_impl"],
-        values["fine_grained_activation_offloading"],
-        values["moe_paged_stash"],
-        hybrid_stack=m.layer_pattern is not None,
-    )
+    constraints = Constraints({k: values[k] for k in CONSTRAINT_INPUTS}, hybrid_stack=m.layer_pattern is not None)
     final = PlanInputs.model_validate({k: values.get(k) for k in FIELDS})
     assumptions = _assumptions(values, where, notes) + _batch_assumptions(s, where)
     raw_config = raw if raw is not None else (config.model_dump(mode="json") if config is not None else None)

@@ -221,15 +221,6 @@ def rank(
 # ------------------------------------------------------------------------------------------- fallback
 
 
-@dataclass
-class FallbackChoice:
-    """The cheapest offload that frees ``headroom`` bytes: its estimate and step-time factor."""
-
-    mode: str
-    est: MemoryEstimate
-    factor: float
-
-
 def fallback(
     p: Any,
     before: MemoryEstimate,
@@ -263,19 +254,19 @@ def fallback(
             continue  # the fallback names one knob (a fraction or a layer count), as apply --mode takes it
         est = sweeps.first_fit(p, sw.setups, lambda e: p.total(before) - p.total(e) >= need)
         if est is not None:
-            found.append(FallbackChoice(sw.name, est, factor(est)))
+            found.append((factor(est), sw.name, est))
     if not found:
         return None
-    choice = min(found, key=lambda c: c.factor)
-    freed = p.total(before) - p.total(choice.est)
+    fastest, mode, est = min(found, key=lambda c: c[0])
+    freed = p.total(before) - p.total(est)
     return Fallback(
-        mode=choice.mode,
-        overrides=advice.overrides_for(choice.est.setup, overlap(r, choice.est.setup)),
+        mode=mode,
+        overrides=advice.overrides_for(est.setup, overlap(r, est.setup)),
         headroom_gib=round(need / GiB, 3),
         headroom_source=source,
         freed_gib=round(freed / GiB, 3),
         freed_gb=round(freed / GB, 3),
-        memory_gib=round(p.total_gib(choice.est), 3),
-        step_time_factor=round(choice.factor, 3),
-        step_time_factor_vs_no_levers=round(timed(choice.est).step_time_factor_vs_no_levers, 3),
+        memory_gib=round(p.total_gib(est), 3),
+        step_time_factor=round(fastest, 3),
+        step_time_factor_vs_no_levers=round(timed(est).step_time_factor_vs_no_levers, 3),
     )

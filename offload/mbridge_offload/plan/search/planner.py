@@ -56,12 +56,7 @@ __all__ = [
 def _parallel(r: Resolved) -> dict[str, Any]:
     m, s = r.model, r.setup
     return {
-        "num_gpus": s.num_gpus,
-        "tp": s.tp,
-        "pp": s.pp,
-        "vpp": s.vpp,
-        "cp": s.cp,
-        "ep": s.ep,
+        **{k: getattr(s, k) for k in ("num_gpus", "tp", "pp", "vpp", "cp", "ep")},
         "etp": s.resolved_etp(m),
         "dp": s.dp,
         "expert_dp": s.expert_dp(m) if m.is_moe else None,
