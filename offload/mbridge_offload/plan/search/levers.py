@@ -187,18 +187,13 @@ def switch_variants(lever: str, m: ModelSpec, s: Setup) -> list[Setup]:
     return []
 
 
-def why_not_switch(lever: str, s: Setup) -> str:
-    """In words, why switch lever ``lever`` changes nothing for this run."""
-    if lever == "grad-reduce":
-        return "gradients are already reduced in the parameters' dtype (ddp.grad_reduce_in_fp32 is false), or fp32"
-    if lever == "ce-fusion":
-        return "Transformer Engine's fused cross entropy is already on"
-    if lever == "vpp":
-        return f"PP is {s.pp}: interleaving needs PP > 1, an even split and no explicit pipeline layout"
-    return (
-        "no out-of-memory message with memory reserved but unallocated (fragmentation) in the evidence, or "
-        "PYTORCH_CUDA_ALLOC_CONF already sets expandable_segments"
-    )
+# Why a switch lever changes nothing for a run (vpp's reason names the run's PP: ``usable`` says it).
+_NOTHING_TO_SWITCH = {
+    "grad-reduce": "gradients are already reduced in the parameters' dtype (ddp.grad_reduce_in_fp32 is false), or fp32",
+    "ce-fusion": "Transformer Engine's fused cross entropy is already on",
+    "expandable-segments": "no out-of-memory message with memory reserved but unallocated (fragmentation) in the "
+    "evidence, or PYTORCH_CUDA_ALLOC_CONF already sets expandable_segments",
+}
 
 
 def usable(lever: str, r: Resolved, base: Setup, frag_gib: float | None = None) -> str | None:
@@ -217,10 +212,12 @@ def usable(lever: str, r: Resolved, base: Setup, frag_gib: float | None = None) 
         return "fine-grained offloading frees nothing here, or the rule catalogue refuses every module set"
     if lever == "optimizer":
         return "Megatron-FSDP: upstream refuses optimizer CPU offload" if base.use_megatron_fsdp else None
-    if lever == "expandable-segments":
-        return None if expandable_evidence(frag_gib, base) else why_not_switch(lever, base)
     if lever in SWITCH_LEVERS:
-        return None if switch_variants(lever, m, base) else why_not_switch(lever, base)
+        expandable = lever == "expandable-segments"
+        if expandable_evidence(frag_gib, base) if expandable else switch_variants(lever, m, base):
+            return None
+        vpp = f"PP is {base.pp}: interleaving needs PP > 1, an even split and no explicit pipeline layout"
+        return _NOTHING_TO_SWITCH.get(lever, vpp)
     return None if layout_variants(lever, m, base) else why_not_layout(lever, m, base)
 
 
