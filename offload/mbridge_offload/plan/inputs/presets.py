@@ -253,6 +253,7 @@ def hybrid_extras(extras: dict[str, Any], hidden: int | None) -> dict[str, Any]:
         InputError: a pattern symbol megatron-core does not know.
     """
     from mbridge_offload.config.errors import BoundsError as InputError
+    from mbridge_offload.plan.inputs.config_facts import LAYER_KINDS
     from mbridge_offload.plan.model.architecture import HYBRID_SYMBOLS, MambaSpec
 
     out: dict[str, Any] = {}
@@ -266,7 +267,7 @@ def hybrid_extras(extras: dict[str, Any], hidden: int | None) -> dict[str, Any]:
         if bad:
             raise InputError(
                 f"hybrid_layer_pattern {pattern[:60]!r}: unknown layer symbol(s) {''.join(bad)} "
-                "(M Mamba, G gated delta net, * attention, D DSA, + MLA, - MLP, E MoE, | stage, / MTP)"
+                f"({', '.join(f'{c} {kind}' for c, kind in LAYER_KINDS.items())}, | stage, / MTP)"
             )
         out["layer_pattern"] = main
         if depths:
