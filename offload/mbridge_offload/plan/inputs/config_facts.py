@@ -16,15 +16,8 @@ from mbridge_offload.plan.inputs.vocab import tokenizer_vocab
 from mbridge_offload.plan.model.run import Setup
 from mbridge_offload.upstream_layers import PLANNER_RELEASE
 
-_KINDS = (
-    ("M", "Mamba"),
-    ("G", "gated delta net"),
-    ("*", "attention"),
-    ("D", "DSA"),
-    ("+", "MLA"),
-    ("-", "MLP"),
-    ("E", "MoE"),
-)
+# The layer symbols of a hybrid pattern (megatron-core: HYBRID_SYMBOLS) and what each builds.
+LAYER_KINDS = {"M": "Mamba", "G": "gated delta net", "*": "attention", "D": "DSA", "+": "MLA", "-": "MLP", "E": "MoE"}
 
 
 def raw_section(raw: dict[str, Any] | None, name: str) -> dict[str, Any]:
@@ -52,7 +45,7 @@ def model_notes(values: dict[str, Any], s: Setup, raw: dict[str, Any] | None) ->
     pattern = model.get("hybrid_layer_pattern") or model.get("hybrid_override_pattern")
     if pattern:
         main = str(pattern).split("/")[0]
-        counts = ", ".join(f"{main.count(c)} {name}" for c, name in _KINDS if main.count(c))
+        counts = ", ".join(f"{main.count(c)} {name}" for c, name in LAYER_KINDS.items() if main.count(c))
         notes["num_layers"] = (
             f"hybrid model (pattern {str(pattern)[:40]}…): {counts}, each a layer of its own; '|' stage marks are "
             f"not followed (stages split evenly); settings act as in megatron-core {PLANNER_RELEASE}'s HybridStack "

@@ -90,6 +90,10 @@ _model, _parallel, _precision, _recompute, _offload, _hardware, _time, _decision
 )
 
 
+# The parallel sizes: each at least 1, at most MAX_PARALLEL.
+_size = partial(_parallel, ge=1, le=MAX_PARALLEL)
+
+
 _MARGIN_WHY = (
     f"{DEFAULT_MARGIN:.0%} of the usable GPU memory a recommendation keeps free (an estimate's fits has no "
     "margin): what the tightest published NVIDIA layer-offload recipe keeps free by this model (Bridge 0.6.2 "
@@ -133,45 +137,13 @@ class PlanInputs(BaseModel):
     )
     # --- parallelism and batch
     num_gpus: int | None = _parallel(help="GPUs in the job", ge=1, le=MAX_GPUS)
-    tp: int | None = _parallel(
-        fallback=1,
-        key="model.tensor_model_parallel_size",
-        help="tensor parallel size",
-        ge=1,
-        le=MAX_PARALLEL,
-    )
-    pp: int | None = _parallel(
-        fallback=1,
-        key="model.pipeline_model_parallel_size",
-        help="pipeline parallel size",
-        ge=1,
-        le=MAX_PARALLEL,
-    )
-    vpp: int | None = _parallel(
-        key="model.virtual_pipeline_model_parallel_size",
-        help="virtual pipeline stages per rank",
-        ge=1,
-        le=MAX_PARALLEL,
-    )
-    cp: int | None = _parallel(
-        fallback=1,
-        key="model.context_parallel_size",
-        help="context parallel size",
-        ge=1,
-        le=MAX_PARALLEL,
-    )
-    ep: int | None = _parallel(
-        fallback=1,
-        key="model.expert_model_parallel_size",
-        help="expert parallel size",
-        ge=1,
-        le=MAX_PARALLEL,
-    )
-    etp: int | None = _parallel(
-        key="model.expert_tensor_parallel_size",
-        help="expert tensor parallel size (megatron-core default: TP)",
-        ge=1,
-        le=MAX_PARALLEL,
+    tp: int | None = _size(fallback=1, key="model.tensor_model_parallel_size", help="tensor parallel size")
+    pp: int | None = _size(fallback=1, key="model.pipeline_model_parallel_size", help="pipeline parallel size")
+    vpp: int | None = _size(key="model.virtual_pipeline_model_parallel_size", help="virtual pipeline stages per rank")
+    cp: int | None = _size(fallback=1, key="model.context_parallel_size", help="context parallel size")
+    ep: int | None = _size(fallback=1, key="model.expert_model_parallel_size", help="expert parallel size")
+    etp: int | None = _size(
+        key="model.expert_tensor_parallel_size", help="expert tensor parallel size (megatron-core default: TP)"
     )
     sequence_parallel: bool | None = _parallel(
         key="model.sequence_parallel", help="sequence parallelism (default: on when TP > 1)"
@@ -219,10 +191,7 @@ class PlanInputs(BaseModel):
     )
     # --- precision
     params_dtype: Dtype | None = _precision(
-        fallback="bf16",
-        why="Bridge recipes train in bf16",
-        key="model.params_dtype",
-        help="parameter dtype",
+        fallback="bf16", why="Bridge recipes train in bf16", key="model.params_dtype", help="parameter dtype"
     )
     grad_reduce_in_fp32: bool | None = _precision(
         fallback=True,
@@ -237,24 +206,16 @@ class PlanInputs(BaseModel):
         help="use_distributed_optimizer",
     )
     precision_aware_optimizer: bool | None = _precision(
-        fallback=False,
-        key="optimizer.use_precision_aware_optimizer",
-        help="use_precision_aware_optimizer",
+        fallback=False, key="optimizer.use_precision_aware_optimizer", help="use_precision_aware_optimizer"
     )
     main_params_dtype: StateDtype | None = _precision(
-        fallback="fp32",
-        key="optimizer.main_params_dtype",
-        help="precision-aware: master param dtype",
+        fallback="fp32", key="optimizer.main_params_dtype", help="precision-aware: master param dtype"
     )
     exp_avg_dtype: StateDtype | None = _precision(
-        fallback="fp32",
-        key="optimizer.exp_avg_dtype",
-        help="precision-aware: exp_avg dtype",
+        fallback="fp32", key="optimizer.exp_avg_dtype", help="precision-aware: exp_avg dtype"
     )
     exp_avg_sq_dtype: StateDtype | None = _precision(
-        fallback="fp32",
-        key="optimizer.exp_avg_sq_dtype",
-        help="precision-aware: exp_avg_sq dtype",
+        fallback="fp32", key="optimizer.exp_avg_sq_dtype", help="precision-aware: exp_avg_sq dtype"
     )
     fp8_recipe: Fp8Recipe | None = _precision(
         fallback="none",
@@ -369,9 +330,7 @@ class PlanInputs(BaseModel):
         le=1.0,
     )
     moe_paged_stash: bool | None = _offload(
-        fallback=False,
-        key="model.moe_paged_stash",
-        help="blocks layer-level offload",
+        fallback=False, key="model.moe_paged_stash", help="blocks layer-level offload"
     )
     # --- hardware
     gpu: str | None = _hardware(
@@ -383,9 +342,7 @@ class PlanInputs(BaseModel):
         help="GPU memory the device exposes, decimal GB (instead of the preset's)", gt=0, le=1e5
     )
     host_ram_gb: float | None = _hardware(
-        help="host RAM per GPU, GB: the node's RAM over its GPUs (default: the preset's)",
-        gt=0,
-        le=1e7,
+        help="host RAM per GPU, GB: the node's RAM over its GPUs (default: the preset's)", gt=0, le=1e7
     )
     gpus_per_node: int | None = _hardware(
         help="GPUs sharing one node's host RAM (default: the preset's)", ge=1, le=1024
@@ -402,15 +359,11 @@ class PlanInputs(BaseModel):
         le=MAX_GPUS,
     )
     cpu_adam_params_per_s: float | None = _time(
-        help="CPU AdamW params/s per core (else the named host profile's, else the preset's)",
-        gt=0,
-        le=1e13,
+        help="CPU AdamW params/s per core (else the named host profile's, else the preset's)", gt=0, le=1e13
     )
     baseline_step_s: float | None = _time(help="measured step time without offload, s", gt=0, le=1e6)
     mfu: float | None = _time(
-        help="compute efficiency (fraction of peak on the compute terms) instead of the fitted one",
-        gt=0,
-        le=1,
+        help="compute efficiency (fraction of peak on the compute terms) instead of the fitted one", gt=0, le=1
     )
     host_profile: str | None = _time(
         help="a host profile from `calibrate` (its measured CPU AdamW rate): a NAME in .mbridge-offload/"
@@ -461,7 +414,7 @@ class PlanInputs(BaseModel):
         + ": recompute, selective by module or full, and the three offloads; the others "
         "are then shown as alternatives: cp, tp, mbs and vpp change the layout, grad-reduce reduces gradients in bf16, "
         "ce-fusion switches on Transformer Engine's fused cross entropy, expandable-segments sets "
-        "PYTORCH_CUDA_ALLOC_CONF where an OOM message shows fragmentation)",
+        "PYTORCH_CUDA_ALLOC_CONF where an OOM message shows fragmentation)"
     )
     # --- the user's own run: the measured run is the config as written (before overrides) with the hardware
     # inputs, or without a config the flags; measured_settings and what the log prints about its run override it
@@ -480,7 +433,7 @@ class PlanInputs(BaseModel):
         help="the measured run's log, a path or the text: PyTorch's CUDA OOM message (a lower bound: allocated + "
         "requested), Megatron/Bridge memory reports and max_memory_allocated prints (points), step-time lines; each "
         "compared with its rank's pipeline stage (calibration lists them); the settings it prints about its run "
-        "(micro_batch_size, seq_length, global batch, world size, TP/PP/CP/EP) describe the measured run",
+        "(micro_batch_size, seq_length, global batch, world size, TP/PP/CP/EP) describe the measured run"
     )
     ooms: bool | None = _measured(
         help="the measured run ran out of GPU memory (an OOM message in measured_log says so too)"
@@ -488,7 +441,7 @@ class PlanInputs(BaseModel):
     measured_settings: list[str] | None = _measured(
         help="NAME=VALUE planner inputs of the measured run where it differs from the run asked about, e.g. "
         "micro_batch_size=1 (without a config the flags describe the asked run; with one, these override the config "
-        "as written for the measured run)",
+        "as written for the measured run)"
     )
 
 
@@ -533,3 +486,10 @@ def cli_aliases(field: str) -> tuple[str, ...]:
 def group_of(field: str) -> str:
     """The input's group (one of ``GROUPS``): its section of ``--help``."""
     return str(_extra(field)["group"])
+
+
+# The model's sizes (the "model" inputs that read a config key, tying aside): they build ``ModelSpec``, and a model
+# preset gives each of them (``presets.recipe_values``).
+ARCHITECTURE = tuple(
+    n for n in FIELDS if group_of(n) == "model" and config_key(n) and n != "share_embeddings_and_output_weights"
+)

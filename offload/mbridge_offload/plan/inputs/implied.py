@@ -21,13 +21,6 @@ from mbridge_offload.plan.model.run import Setup
 Row = tuple[str, Any, str, str | None]
 
 
-def microbatches(s: Setup) -> int:
-    """Micro-batches per DP rank per step: from the global batch, else 4·PP (what the time model uses)."""
-    from mbridge_offload.plan.time.step import default_microbatches
-
-    return default_microbatches(s)
-
-
 def batch(s: Setup, gbs_source: str | None) -> list[Row]:
     """The global batch and the micro-batches per step behind every step time, each with its source.
 
@@ -35,9 +28,9 @@ def batch(s: Setup, gbs_source: str | None) -> list[Row]:
         s: the resolved setup (its DP decides the split).
         gbs_source: where ``global_batch_size`` came from (``config``, ``flag``, ``preset``...), None when not given.
     """
-    from mbridge_offload.plan.time.step import samples_per_step
+    from mbridge_offload.plan.time.step import default_microbatches, samples_per_step
 
-    n, per_rank = microbatches(s), s.micro_batch_size * s.dp
+    n, per_rank = default_microbatches(s), s.micro_batch_size * s.dp  # what the time model uses
     if s.global_batch_size is None:
         implied = samples_per_step(s)
         return [

@@ -175,23 +175,11 @@ def recipe_values(name: str) -> dict[str, Any]:
     Raises:
         KeyError: unknown preset (with the known names).
     """
+    from mbridge_offload.plan.inputs.fields import ARCHITECTURE
+
     m = model_preset(name)
-    out: dict[str, Any] = {
-        "num_layers": m.num_layers,
-        "hidden_size": m.hidden_size,
-        "ffn_hidden_size": m.ffn_hidden_size,
-        "num_attention_heads": m.num_attention_heads,
-        "num_query_groups": m.num_query_groups,
-        "kv_channels": m.kv_channels,
-        "vocab_size": m.vocab_size,
-        "seq_length": m.seq_length,
-    }
-    if m.is_moe:
-        out.update(
-            num_moe_experts=m.num_moe_experts,
-            moe_ffn_hidden_size=m.moe_ffn_hidden_size,
-            moe_router_topk=m.moe_router_topk,
-        )
+    sizes = [k for k in (*ARCHITECTURE, "seq_length") if m.is_moe or not k.startswith(("num_moe", "moe_"))]
+    out: dict[str, Any] = {k: getattr(m, k) for k in sizes}
     out["share_embeddings_and_output_weights"] = m.tied_embeddings
     out.update(RECIPES.get(m.name, {}))
     return out
@@ -265,6 +253,7 @@ def hybrid_extras(extras: dict[str, Any], hidden: int | None) -> dict[str, Any]:
         InputError: a pattern symbol megatron-core does not know.
     """
     from mbridge_offload.config.errors import BoundsError as InputError
+    from mbridge_offload.plan.inputs.config_facts import LAYER_KINDS
     from mbridge_offload.plan.model.architecture import HYBRID_SYMBOLS, MambaSpec
 
     out: dict[str, Any] = {}
@@ -278,7 +267,7 @@ def hybrid_extras(extras: dict[str, Any], hidden: int | None) -> dict[str, Any]:
         if bad:
             raise InputError(
                 f"hybrid_layer_pattern {pattern[:60]!r}: unknown layer symbol(s) {''.join(bad)} "
-                "(M Mamba, G gated delta net, * attention, D DSA, + MLA, - MLP, E MoE, | stage, / MTP)"
+                f"({', '.join(f'{c} {kind}' for c, kind in LAYER_KINDS.items())}, | stage, / MTP)"
             )
         out["layer_pattern"] = main
         if depths:

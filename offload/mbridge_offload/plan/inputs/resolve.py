@@ -33,7 +33,7 @@ from mbridge_offload.plan.inputs.config_facts import (
     raw_section,
     with_layout,
 )
-from mbridge_offload.plan.inputs.fields import FIELDS, PlanInputs, flag_name, group_of
+from mbridge_offload.plan.inputs.fields import ARCHITECTURE, FIELDS, PlanInputs, flag_name, group_of
 from mbridge_offload.plan.inputs.hardware import GpuPreset, gpu_preset, with_overrides
 from mbridge_offload.plan.inputs.vocab import tokenizer_vocab
 from mbridge_offload.plan.model.architecture import ModelSpec
@@ -48,18 +48,6 @@ CONFIG_KEYS = fields.CONFIG_KEYS
 DEFAULTS = fields.fallbacks()
 FINE_GRAINED_DEFAULTS = fields.fallbacks("fine_grained")  # listed (and used) only when fine-grained offloading is on
 LOSS_FUSION_DEFAULTS = fields.fallbacks("loss_fusion")  # listed (and used) only when the fused cross entropy is on
-ARCHITECTURE = (
-    "num_layers",
-    "hidden_size",
-    "ffn_hidden_size",
-    "num_attention_heads",
-    "num_query_groups",
-    "kv_channels",
-    "vocab_size",
-    "num_moe_experts",
-    "moe_ffn_hidden_size",
-    "moe_router_topk",
-)
 REQUIRED = ("num_layers", "hidden_size", "num_attention_heads", "vocab_size")
 # The estimator lists every local expert of every layer (HDO splits whole tensors): keep that list to a size it
 # walks in well under a second. Published MoEs: DeepSeek-V3 61 x 256, Kimi K2 61 x 384 (at EP 1).
@@ -77,27 +65,33 @@ class Assumption(BaseModel):
     note: str | None = None
 
 
+def catalogue_keys(s: Setup, num_layers: int) -> dict[str, Any]:
+    """The ``model.*`` keys of ``s`` that the rule catalogue's offload rules read: the section of a config built to
+    ask it about a setup (no config given, or one setting probed)."""
+    names = ("recompute_granularity", "recompute_method", "recompute_num_layers")
+    return {"num_layers": num_layers, "pipeline_model_parallel_size": s.pp, **{n: getattr(s, n) for n in names}}
+
+
+# The inputs outside ``Setup`` that decide whether layer-level activation offload is allowed (model.* keys of the
+# same name): Constraints carries their values.
+CONSTRAINT_INPUTS = ("cuda_graph_impl", "fine_grained_activation_offloading", "moe_paged_stash")
+
+
 @dataclass
 class Constraints:
     """Config facts outside ``Setup`` that decide whether layer-level activation offload is allowed."""
 
-    cuda_graph_impl: str = "none"
-    fine_grained_activation_offloading: bool = False
-    moe_paged_stash: bool = False
+    keys: dict[str, object] = field(default_factory=dict)  # CONSTRAINT_INPUTS' values
     # A hybrid (Mamba) stack: megatron-core accepts layer-level offload there and offloads nothing (not a config key).
     hybrid_stack: bool = False
 
     def model_keys(self) -> dict[str, object]:
         """These facts as ``model.*`` config values."""
-        return {
-            "cuda_graph_impl": self.cuda_graph_impl,
-            "fine_grained_activation_offloading": self.fine_grained_activation_offloading,
-            "moe_paged_stash": self.moe_paged_stash,
-        }
+        return dict(self.keys)
 
     def model_config(self) -> dict[str, Any]:
         """:meth:`model_keys` for the fine-grained rules, which switch fine-grained offloading on themselves."""
-        return {k: v for k, v in self.model_keys().items() if k != "fine_grained_activation_offloading"}
+        return {k: v for k, v in self.keys.items() if k != "fine_grained_activation_offloading"}
 
     def activation_blockers(self, s: Setup, num_layers: int) -> list[str]:
         """Why upstream would refuse layer-level activation offload for this setup, empty when it allows it.
@@ -107,14 +101,7 @@ class Constraints:
         """
         from mbridge_offload.config.validate import activation_offload_errors
 
-        model = {
-            "num_layers": max(num_layers, 2),
-            "pipeline_model_parallel_size": s.pp,
-            "recompute_granularity": s.recompute_granularity,
-            "recompute_method": s.recompute_method,
-            "recompute_num_layers": s.recompute_num_layers,
-            **self.model_keys(),
-        }
+        model = {**catalogue_keys(s, max(num_layers, 2)), **self.model_keys()}
         out = [f"activation offloading: {message} ({rule})" for rule, message in activation_offload_errors(model)]
         if self.hybrid_stack and not reach.applies("cpu_offloading", "hybrid"):
             out.append(
@@ -291,13 +278,6 @@ def config_values(eff: Effective) -> dict[str, Any]:
     return {k: v for k, v in out.items() if v is not None}
 
 
-def _config_model_spec(config: OffloadConfig, raw: dict[str, Any] | None, base: ModelSpec | None) -> dict[str, Any]:
-    """Non-input architecture facts (norms, bias, MLA, dense layers) a config states."""
-    from mbridge_offload.plan.inputs.presets import model_extras
-
-    return model_extras(config, raw if raw is not None else config.model_dump(), base)
-
-
 # ------------------------------------------------------------------------------------------- resolve
 
 
@@ -373,18 +353,17 @@ def _default_gpus(s: Setup, m: ModelSpec) -> int:
     return unit * max(1, math.ceil(8 / unit))
 
 
+# The hardware inputs that replace the GPU preset's figure of the same name.
+_GPU_FIGURES = tuple(n for n in FIELDS if group_of(n) == "hardware" and n in GpuPreset.__dataclass_fields__)
+
+
 def _gpu(values: dict[str, Any]) -> GpuPreset:
-    preset = gpu_preset(values["gpu"])
     capacity = values.get("gpu_memory_gb")
     return with_overrides(
-        preset,
+        gpu_preset(values["gpu"]),
         hbm_gb=capacity,
         capacity_gib=capacity * 1e9 / 2**30 if capacity is not None else None,
-        host_ram_gb=values.get("host_ram_gb"),
-        gpus_per_node=values.get("gpus_per_node"),
-        link_gbps=values.get("link_gbps"),
-        host_bw_gbps=values.get("host_bw_gbps"),
-        cpu_cores=values.get("cpu_cores"),
+        **{n: values.get(n) for n in _GPU_FIGURES},
     )
 
 
@@ -441,7 +420,7 @@ def resolve(
         KeyError: an unknown model or GPU preset.
         ValueError: a setup Megatron rejects.
     """
-    from mbridge_offload.plan.inputs.presets import model_preset, recipe_values
+    from mbridge_offload.plan.inputs.presets import model_extras, model_preset, recipe_values
 
     flags = {k: v for k, v in (flags or {}).items() if v is not None}
     validate_inputs(flags)  # bounds of what was given directly, named as flags
@@ -460,7 +439,8 @@ def resolve(
     values, where = _merge(layers)
     inputs = validate_inputs(values, where, CONFIG_KEYS)
     values = inputs.model_dump()
-    extras = _config_model_spec(config, raw, base) if config is not None else {}
+    # Non-input architecture facts (norms, bias, MLA, dense layers) a config states.
+    extras = model_extras(config, raw if raw is not None else config.model_dump(), base) if config is not None else {}
     tying_note = _tying(values, where, config, raw, name)
     m = replace(_model_spec(values, base, extras), tied_embeddings=bool(values["share_embeddings_and_output_weights"]))
     if values.get("pipeline_layout") and not m.mtp_num_layers:
@@ -482,12 +462,7 @@ def resolve(
         notes["num_gpus"] = "smallest multiple of TP·PP·CP and PP·EP·ETP that is at least 8"
     s = replace(s, num_gpus=values["num_gpus"])
     check_setup(m, replace(s, optimizer_offload_fraction=0.0, activation_offload_layers=0))
-    constraints = Constraints(
-        values["cuda_graph_impl"],
-        values["fine_grained_activation_offloading"],
-        values["moe_paged_stash"],
-        hybrid_stack=m.layer_pattern is not None,
-    )
+    constraints = Constraints({k: values[k] for k in CONSTRAINT_INPUTS}, hybrid_stack=m.layer_pattern is not None)
     final = PlanInputs.model_validate({k: values.get(k) for k in FIELDS})
     assumptions = _assumptions(values, where, notes) + _batch_assumptions(s, where)
     raw_config = raw if raw is not None else (config.model_dump(mode="json") if config is not None else None)

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from mbridge_offload.config.overrides import format_override
+from mbridge_offload.plan.inputs.resolve import catalogue_keys
 from mbridge_offload.plan.model.architecture import GiB
 from mbridge_offload.plan.model.run import Setup
 from mbridge_offload.plan.search import fine_grained_plan
@@ -96,14 +97,7 @@ def advice_sentence(
 
 def _synthesized(s: Setup, num_layers: int, extra: dict[str, Any]) -> dict[str, Any]:
     """A config with the setup's keys the catalogue reads, when the user gave no config (presets and flags)."""
-    model = {
-        "num_layers": num_layers,
-        "pipeline_model_parallel_size": s.pp,
-        "recompute_granularity": s.recompute_granularity,
-        "recompute_method": s.recompute_method,
-        "recompute_num_layers": s.recompute_num_layers,
-        **extra,
-    }
+    model = {**catalogue_keys(s, num_layers), **extra}
     if s.pp > 1:
         model["pipeline_dtype"] = "bf16"  # Bridge fills it in
     dist = s.distributed_optimizer

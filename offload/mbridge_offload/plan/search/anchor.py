@@ -38,6 +38,7 @@ from mbridge_offload.plan.inputs.hardware import DEFAULT_MARGIN, PINNED_HOST_SHA
 from mbridge_offload.plan.inputs.resolve import Assumption, Resolved
 from mbridge_offload.plan.memory.stage import MemoryEstimate, StageMemory, estimate_memory
 from mbridge_offload.plan.model.architecture import GB, GiB
+from mbridge_offload.plan.model.run import Setup
 from mbridge_offload.plan.results import Anchor, EvidenceRun, LogMismatch, MemoryBreakdown, SettingChange
 from mbridge_offload.plan.search import measured
 from mbridge_offload.plan.time.step import baseline_step_s, compute_efficiency, estimate_time, offload_off
@@ -87,14 +88,17 @@ class Plan:
     def overhead(self) -> float:
         return allocator_overhead(self.r.model.is_moe)
 
-    @property
-    def usable_bytes(self) -> float:
-        """Peak allocated bytes at which the device is full (no margin)."""
-        return (self.r.gpu.capacity_bytes - CUDA_CONTEXT_GIB * GiB) / (1 + self.overhead)
+    def usable_bytes(self, s: Setup | None = None) -> float:
+        """Peak allocated bytes at which the device is full (no margin). With ``s``'s expandable segments the caching
+        allocator maps a growing segment in pages instead of new blocks, so buffers whose size changes every
+        micro-batch (dropless MoE) reuse one range: the reserved-beyond-allocated falls to the static-shape figure
+        (``DENSE_ALLOCATOR_OVERHEAD``; an assumption, no published run measures it)."""
+        overhead = DENSE_ALLOCATOR_OVERHEAD if s is not None and s.expandable_segments else self.overhead
+        return (self.r.gpu.capacity_bytes - CUDA_CONTEXT_GIB * GiB) / (1 + overhead)
 
-    @property
-    def budget_bytes(self) -> float:
-        return self.usable_bytes * (1 - self.margin)
+    def budget_bytes(self, s: Setup | None = None) -> float:
+        """What a recommendation may allocate (for ``s``): the usable bytes less the margin."""
+        return self.usable_bytes(s) * (1 - self.margin)
 
     @property
     def measured_run(self) -> Resolved:
@@ -129,11 +133,15 @@ class Plan:
         """The verdict on this config: its peak, after the allocator overhead, within the device (no margin)."""
         if (self.ooms or self.r.inputs.ooms) and est.setup == self.measured_run.setup:
             return False  # the user saw the measured run fail: never contradict a measurement
-        return self.total(est) <= self.usable_bytes
+        return self.total(est) <= self.usable_bytes(est.setup)
 
     def keeps_margin(self, est: MemoryEstimate) -> bool:
         """What a recommendation asks of the settings it picks: it fits with the margin still free."""
-        return self.fits(est) and self.total(est) <= self.budget_bytes
+        return self.fits(est) and self.total(est) <= self.budget_bytes(est.setup)
+
+    def free_gib(self, est: MemoryEstimate) -> float:
+        """Allocatable memory left free at ``est``'s peak, GiB."""
+        return (self.usable_bytes(est.setup) - self.total(est)) / GiB
 
     @property
     def host_budget_gb(self) -> float:
@@ -164,7 +172,7 @@ class Plan:
         return (
             f"without offload the worst stage (stage {w.stage}) peaks at {self.total_gib(before):.1f} GiB "
             f"({self.total(before) / GB:.1f} GB) allocated; the {gpu.name} exposes {gpu.capacity_bytes / GiB:.2f} "
-            f"GiB, of which {self.budget_bytes / GiB:.1f} GiB can be allocated ({CUDA_CONTEXT_GIB} GiB CUDA "
+            f"GiB, of which {self.budget_bytes() / GiB:.1f} GiB can be allocated ({CUDA_CONTEXT_GIB} GiB CUDA "
             f"context, {self.overhead:.1%} allocator overhead, {self.margin:.0%} kept free by a recommendation)"
         )
 
@@ -220,11 +228,11 @@ def _anchor_step(p: Plan, est: MemoryEstimate, step: float, a: Anchor) -> None:
 
 
 def _anchor_oom(p: Plan, predicted: float, a: Anchor) -> None:
-    needed = p.usable_bytes - predicted + 0.01 * GiB
+    needed = p.usable_bytes() - predicted + 0.01 * GiB
     if needed > p.offset:
         p.offset = needed
     a.notes.append(
-        f"the measured run ran out of memory: that needs a peak above {p.usable_bytes / GiB:.1f} GiB allocated, but "
+        f"the measured run ran out of memory: that needs a peak above {p.usable_bytes() / GiB:.1f} GiB allocated, but "
         f"the model predicts {predicted / GiB:.1f} GiB, so at least {p.offset / GiB:.1f} GiB more is in use than "
         "modelled (uneven MoE routing, fragmentation, another process); every prediction here includes it"
     )

@@ -15,6 +15,7 @@ from dataclasses import replace
 from typing import Any
 
 from mbridge_offload.config.overrides import format_override
+from mbridge_offload.plan.inputs.resolve import catalogue_keys
 from mbridge_offload.plan.memory import activations, fine_grained
 from mbridge_offload.plan.model.architecture import ModelSpec
 from mbridge_offload.plan.model.run import Setup
@@ -49,29 +50,23 @@ def blockers(s: Setup, modules: tuple[str, ...], model_config: dict[str, Any]) -
         modules: the candidate ``offload_modules``.
         model_config: other ``model.*`` facts that decide (``cuda_graph_impl``, ``moe_paged_stash``, ...).
     """
-    recompute = (s.recompute_granularity, s.recompute_method, s.recompute_num_layers, tuple(s.recompute_modules))
-    return list(_blockers(s.pp, recompute, tuple(modules), tuple(sorted(model_config.items()))))
+    section = {**catalogue_keys(s, 8), "recompute_modules": tuple(s.recompute_modules), **model_config}
+    return list(_blockers(tuple(section.items()), tuple(modules)))
 
 
 @functools.lru_cache(maxsize=512)
-def _blockers(
-    pp: int, recompute: tuple[Any, ...], modules: tuple[str, ...], model_config: tuple[tuple[str, Any], ...]
-) -> tuple[str, ...]:
+def _blockers(section: tuple[tuple[str, Any], ...], modules: tuple[str, ...]) -> tuple[str, ...]:
     from mbridge_offload.config.schema import OffloadConfig
     from mbridge_offload.config.validate import validate
 
-    model = {
-        "num_layers": 8,
-        "pipeline_model_parallel_size": pp,
-        "recompute_granularity": recompute[0],
-        "recompute_method": recompute[1],
-        "recompute_num_layers": recompute[2],
-        "recompute_modules": list(recompute[3]),
-        **dict(model_config),
-        "fine_grained_activation_offloading": True,
-        "offload_modules": list(modules),
-        "transformer_impl": "transformer_engine",
-    }
+    model = dict(section)
+    pp = model["pipeline_model_parallel_size"]
+    model.update(
+        recompute_modules=list(model["recompute_modules"]),
+        fine_grained_activation_offloading=True,
+        offload_modules=list(modules),
+        transformer_impl="transformer_engine",
+    )
     if "fused_group_mlp" in modules:
         model["use_transformer_engine_op_fuser"] = True
     if pp > 1:
@@ -106,9 +101,3 @@ def useful_sets(m: ModelSpec, s: Setup, model_config: dict[str, Any]) -> list[tu
             acc, last = trial, saving
             out.append(acc)
     return out
-
-
-def largest(m: ModelSpec, s: Setup, model_config: dict[str, Any]) -> Setup | None:
-    """``s`` with the most fine-grained offload the catalogue allows (None when none helps)."""
-    sets = useful_sets(m, s, model_config)
-    return replace(s, offload_modules=sets[-1]) if sets else None

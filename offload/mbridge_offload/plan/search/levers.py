@@ -25,6 +25,7 @@ accepts is the rule catalogue's word (``resolve.Constraints.activation_blockers`
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Any
 
 from mbridge_offload.config.errors import InputError
 from mbridge_offload.config.overrides import format_override
@@ -110,16 +111,12 @@ def layout_variants(lever: str, m: ModelSpec, s: Setup) -> list[Setup]:
         from mbridge_offload.plan.time.step import samples_per_step
 
         s = replace(s, global_batch_size=samples_per_step(s))
-    if lever == "tp":
-        tp = s.tp * 2
-        while tp <= MAX_TP:
-            out.append(replace(s, tp=tp, sequence_parallel=True))
-            tp *= 2
-    elif lever == "cp":
-        cp = s.cp * 2
-        while cp <= MAX_CP:
-            out.append(replace(s, cp=cp))
-            cp *= 2
+    if lever in ("tp", "cp"):
+        step, cap = getattr(s, lever) * 2, MAX_TP if lever == "tp" else MAX_CP
+        sp: dict[str, Any] = {"sequence_parallel": True} if lever == "tp" else {}
+        while step <= cap:
+            out.append(replace(s, **{lever: step, **sp}))
+            step *= 2
     elif lever == "mbs":
         mbs = s.micro_batch_size // 2
         while mbs >= 1:
@@ -190,18 +187,13 @@ def switch_variants(lever: str, m: ModelSpec, s: Setup) -> list[Setup]:
     return []
 
 
-def why_not_switch(lever: str, s: Setup) -> str:
-    """In words, why switch lever ``lever`` changes nothing for this run."""
-    if lever == "grad-reduce":
-        return "gradients are already reduced in the parameters' dtype (ddp.grad_reduce_in_fp32 is false), or fp32"
-    if lever == "ce-fusion":
-        return "Transformer Engine's fused cross entropy is already on"
-    if lever == "vpp":
-        return f"PP is {s.pp}: interleaving needs PP > 1, an even split and no explicit pipeline layout"
-    return (
-        "no out-of-memory message with memory reserved but unallocated (fragmentation) in the evidence, or "
-        "PYTORCH_CUDA_ALLOC_CONF already sets expandable_segments"
-    )
+# Why a switch lever changes nothing for a run (vpp's reason names the run's PP: ``usable`` says it).
+_NOTHING_TO_SWITCH = {
+    "grad-reduce": "gradients are already reduced in the parameters' dtype (ddp.grad_reduce_in_fp32 is false), or fp32",
+    "ce-fusion": "Transformer Engine's fused cross entropy is already on",
+    "expandable-segments": "no out-of-memory message with memory reserved but unallocated (fragmentation) in the "
+    "evidence, or PYTORCH_CUDA_ALLOC_CONF already sets expandable_segments",
+}
 
 
 def usable(lever: str, r: Resolved, base: Setup, frag_gib: float | None = None) -> str | None:
@@ -220,10 +212,12 @@ def usable(lever: str, r: Resolved, base: Setup, frag_gib: float | None = None) 
         return "fine-grained offloading frees nothing here, or the rule catalogue refuses every module set"
     if lever == "optimizer":
         return "Megatron-FSDP: upstream refuses optimizer CPU offload" if base.use_megatron_fsdp else None
-    if lever == "expandable-segments":
-        return None if expandable_evidence(frag_gib, base) else why_not_switch(lever, base)
     if lever in SWITCH_LEVERS:
-        return None if switch_variants(lever, m, base) else why_not_switch(lever, base)
+        expandable = lever == "expandable-segments"
+        if expandable_evidence(frag_gib, base) if expandable else switch_variants(lever, m, base):
+            return None
+        vpp = f"PP is {base.pp}: interleaving needs PP > 1, an even split and no explicit pipeline layout"
+        return _NOTHING_TO_SWITCH.get(lever, vpp)
     return None if layout_variants(lever, m, base) else why_not_layout(lever, m, base)
 
 
@@ -256,60 +250,43 @@ def check_usable(levers: tuple[str, ...], r: Resolved, base: Setup, frag_gib: fl
 # ------------------------------------------------------------------------------------------- edits
 
 
+# The recompute settings (``used`` reports any change of them as the recompute lever).
+RECOMPUTE_FIELDS = ("recompute_granularity", "recompute_method", "recompute_num_layers", "recompute_modules")
+# What each layout and switch lever changes, in LEVERS order: (config key, the Setup attribute that holds its value).
+# ``used`` reports a lever when any of its attributes differs; ``lever_overrides`` writes each of its keys.
+EDITS: dict[str, tuple[tuple[str, str], ...]] = {
+    "cp": (("model.context_parallel_size", "cp"),),
+    "tp": (("model.tensor_model_parallel_size", "tp"), ("model.sequence_parallel", "sp")),
+    "mbs": (("train.micro_batch_size", "micro_batch_size"),),
+    "grad-reduce": (("ddp.grad_reduce_in_fp32", "grad_reduce_in_fp32"),),
+    "ce-fusion": (
+        ("model.cross_entropy_loss_fusion", "cross_entropy_loss_fusion"),
+        ("model.cross_entropy_fusion_impl", "cross_entropy_fusion_impl"),
+    ),
+    "vpp": (("model.virtual_pipeline_model_parallel_size", "vpp"),),
+    # The lever only switches it on; the env var's value is EXPANDABLE.
+    "expandable-segments": (("env_vars.PYTORCH_CUDA_ALLOC_CONF", "expandable_segments"),),
+}
+
+
 def used(base: Setup, s: Setup) -> list[str]:
-    """The levers ``s`` pulls relative to ``base``."""
-    out = []
-    recompute = ("recompute_granularity", "recompute_method", "recompute_num_layers", "recompute_modules")
-    if any(getattr(base, k) != getattr(s, k) for k in recompute):
-        out.append("recompute")
-    if s.activation_offload_layers:
-        out.append("activation")
-    if s.offload_modules:
-        out.append("fine-grained")
-    if s.optimizer_offload_fraction:
-        out.append("optimizer")
-    out += [
-        lever
-        for lever, key in (
-            ("cp", "cp"),
-            ("tp", "tp"),
-            ("mbs", "micro_batch_size"),
-            ("grad-reduce", "grad_reduce_in_fp32"),
-            ("ce-fusion", "cross_entropy_fusion_impl"),
-            ("vpp", "vpp"),
-            ("expandable-segments", "expandable_segments"),
-        )
-        if getattr(base, key) != getattr(s, key)
-    ]
-    return out
+    """The levers ``s`` pulls relative to ``base``, in LEVERS order."""
+    out = ["recompute"] if any(getattr(base, k) != getattr(s, k) for k in RECOMPUTE_FIELDS) else []
+    offloads = (s.activation_offload_layers, s.offload_modules, s.optimizer_offload_fraction)
+    out += [lever for lever, on in zip(OFFLOAD_LEVERS, offloads, strict=True) if on]
+    return out + [lever for lever, edits in EDITS.items() if any(getattr(base, a) != getattr(s, a) for _, a in edits)]
 
 
 def lever_overrides(base: Setup, s: Setup) -> list[str]:
-    """Hydra-style overrides (Bridge keys) of the recompute and layout changes from ``base`` to ``s``; the offload
-    keys are ``advice.overrides_for``'s."""
-    out = []
-    if s.tp != base.tp:
-        out += [
-            format_override("model.tensor_model_parallel_size", s.tp),
-            format_override("model.sequence_parallel", s.sp),
-        ]
-    if s.cp != base.cp:
-        out.append(format_override("model.context_parallel_size", s.cp))
-    if s.micro_batch_size != base.micro_batch_size:
-        out.append(format_override("train.micro_batch_size", s.micro_batch_size))
-    if s.vpp != base.vpp:
-        out.append(format_override("model.virtual_pipeline_model_parallel_size", s.vpp))
-    if s.grad_reduce_in_fp32 != base.grad_reduce_in_fp32:
-        out.append(format_override("ddp.grad_reduce_in_fp32", s.grad_reduce_in_fp32))
-    if (s.cross_entropy_loss_fusion, s.cross_entropy_fusion_impl) != (
-        base.cross_entropy_loss_fusion,
-        base.cross_entropy_fusion_impl,
-    ):
-        out.append(format_override("model.cross_entropy_loss_fusion", s.cross_entropy_loss_fusion))
-        out.append(format_override("model.cross_entropy_fusion_impl", s.cross_entropy_fusion_impl))
-    if s.expandable_segments and not base.expandable_segments:
-        out.append(format_override("env_vars.PYTORCH_CUDA_ALLOC_CONF", EXPANDABLE))
-    if "recompute" in used(base, s):
+    """Hydra-style overrides (Bridge keys) of the layout, switch and recompute changes from ``base`` to ``s``; the
+    offload keys are ``advice.overrides_for``'s."""
+    pulled = used(base, s)
+    out = [
+        format_override(key, EXPANDABLE if attr == "expandable_segments" else getattr(s, attr))
+        for lever in pulled
+        for key, attr in EDITS.get(lever, ())
+    ]
+    if "recompute" in pulled:
         out.append(format_override("model.recompute_granularity", s.recompute_granularity))
         if s.recompute_granularity == "selective":
             out.append(format_override("model.recompute_modules", list(s.recompute_modules)))

@@ -27,7 +27,7 @@ from mbridge_offload.plan.model.architecture import GB, GiB
 from mbridge_offload.plan.model.run import Setup
 from mbridge_offload.plan.results import Change, Fallback, Option, StageGib
 from mbridge_offload.plan.search import advice, levers, risks, sweeps
-from mbridge_offload.plan.search.anchor import CUDA_CONTEXT_GIB, DENSE_ALLOCATOR_OVERHEAD, Plan
+from mbridge_offload.plan.search.anchor import Plan
 from mbridge_offload.plan.time.step import estimate_time, no_lever_setup
 
 FRACTION_STEP = sweeps.FRACTION_STEP
@@ -44,45 +44,7 @@ class Candidate:
 def headroom_gib(p: Plan) -> float:
     """The free memory a comfortable option keeps: the fallback's headroom (``advice.headroom_bytes``: asked for
     with ``--headroom-gib``, else a tenth of the allocatable budget), one figure for both."""
-    return advice.headroom_bytes(p.r.inputs.headroom_gib, p.budget_bytes)[0] / GiB
-
-
-# ------------------------------------------------------------------------------------------- the yardstick
-
-
-def usable_bytes(p: Plan, s: Setup) -> float:
-    """Peak allocated bytes at which the device is full for ``s``: the plan's, except with expandable segments,
-    where the caching allocator maps a growing segment in pages instead of new blocks, so buffers whose size changes
-    every micro-batch (dropless MoE) reuse one range: the reserved-beyond-allocated falls to the static-shape figure
-    (``anchor.DENSE_ALLOCATOR_OVERHEAD``; an assumption, no published run measures it)."""
-    if not s.expandable_segments:
-        return p.usable_bytes
-    return (p.r.gpu.capacity_bytes - CUDA_CONTEXT_GIB * GiB) / (1 + DENSE_ALLOCATOR_OVERHEAD)
-
-
-def budget_bytes(p: Plan, s: Setup) -> float:
-    """What a recommendation may allocate for ``s``: its usable bytes less the margin."""
-    return usable_bytes(p, s) * (1 - p.margin)
-
-
-def fits(p: Plan, est: MemoryEstimate) -> bool:
-    """``Plan.fits`` with ``s``'s own yardstick (``usable_bytes``): no margin, the verdict on that config."""
-    if not est.setup.expandable_segments:
-        return p.fits(est)
-    if (p.ooms or p.r.inputs.ooms) and est.setup == p.r.setup:
-        return False  # the user saw it fail: never contradict a measurement
-    return p.total(est) <= usable_bytes(p, est.setup)
-
-
-def keeps_margin(p: Plan, est: MemoryEstimate) -> bool:
-    """``Plan.keeps_margin`` with ``s``'s own yardstick (``usable_bytes``)."""
-    if not est.setup.expandable_segments:
-        return p.keeps_margin(est)
-    return fits(p, est) and p.total(est) <= budget_bytes(p, est.setup)
-
-
-def free_gib(p: Plan, est: MemoryEstimate) -> float:
-    return (usable_bytes(p, est.setup) - p.total(est)) / GiB
+    return advice.headroom_bytes(p.r.inputs.headroom_gib, p.budget_bytes())[0] / GiB
 
 
 # ------------------------------------------------------------------------------------------- candidates
@@ -93,14 +55,14 @@ def candidates(p: Plan, base: Setup, before: MemoryEstimate, allowed: tuple[str,
     allowed one fits, each allowed sweep's most within host RAM and the catalogue (the closest it gets)."""
     out: list[Candidate] = []
     room = headroom_gib(p)
-    tight: Fit = lambda est: keeps_margin(p, est)  # noqa: E731
-    comfortable: Fit = lambda est: keeps_margin(p, est) and free_gib(p, est) >= room  # noqa: E731
-    if keeps_margin(p, before):
+    tight: Fit = lambda est: p.keeps_margin(est)  # noqa: E731
+    comfortable: Fit = lambda est: p.keeps_margin(est) and p.free_gib(est) >= room  # noqa: E731
+    if p.keeps_margin(before):
         out.append(Candidate(before, "no change"))
         if comfortable(before):
             return out  # nothing to gain: every lever costs step time (the fallback covers more headroom)
     all_sweeps = sweeps.sweeps(p, base)
-    for ok in (comfortable,) if keeps_margin(p, before) else (tight, comfortable):
+    for ok in (comfortable,) if p.keeps_margin(before) else (tight, comfortable):
         fitting = len(out)
         for sw in all_sweeps:
             found = sweeps.first_fit(p, sw.setups, ok)
@@ -174,7 +136,7 @@ def _option(p: Plan, c: Candidate, ctx: dict[str, Any], overlap: Callable[[Any, 
     t = estimate_time(est, r.gpu, overlap=overlap(r, s), **p.time_kwargs)
     used = levers.used(base, s)
     overrides = overrides_for(r.setup, base, s, overlap(r, s))
-    free = free_gib(p, est)
+    free = p.free_gib(est)
     # Rounded once: the option's fields, its why and the rationale quote the same figure.
     factor = round(t.step_s / ctx["reference_s"] if ctx["reference_s"] > 0 else 1.0, 3)
     no_levers = round(t.step_s / ctx["no_lever_s"] if ctx["no_lever_s"] > 0 else 1.0, 3)
@@ -198,9 +160,9 @@ def _option(p: Plan, c: Candidate, ctx: dict[str, Any], overlap: Callable[[Any, 
         step_time_s=round(t.step_s, 4),
         step_time_factor=factor,
         step_time_factor_vs_no_levers=no_levers,
-        fits=keeps_margin(p, est),
+        fits=p.keeps_margin(est),
         margin_gib=round(free, 3),
-        budget_gib=round(budget_bytes(p, s) / GiB, 3),
+        budget_gib=round(p.budget_bytes(s) / GiB, 3),
         comfortable=comfortable,
         alternative=any(lever not in ctx["allowed"] for lever in used),
         changes_layout=any(lever in levers.LAYOUT_LEVERS or lever == "vpp" for lever in used),
@@ -259,15 +221,6 @@ def rank(
 # ------------------------------------------------------------------------------------------- fallback
 
 
-@dataclass
-class FallbackChoice:
-    """The cheapest offload that frees ``headroom`` bytes: its estimate and step-time factor."""
-
-    mode: str
-    est: MemoryEstimate
-    factor: float
-
-
 def fallback(
     p: Any,
     before: MemoryEstimate,
@@ -286,7 +239,7 @@ def fallback(
             None: the step without offload.
     """
     r, base = p.r, before.setup
-    need, source = advice.headroom_bytes(r.inputs.headroom_gib, p.budget_bytes)
+    need, source = advice.headroom_bytes(r.inputs.headroom_gib, p.budget_bytes())
 
     def timed(est: MemoryEstimate) -> Any:
         return estimate_time(est, r.gpu, overlap=overlap(r, est.setup), **p.time_kwargs)
@@ -301,19 +254,19 @@ def fallback(
             continue  # the fallback names one knob (a fraction or a layer count), as apply --mode takes it
         est = sweeps.first_fit(p, sw.setups, lambda e: p.total(before) - p.total(e) >= need)
         if est is not None:
-            found.append(FallbackChoice(sw.name, est, factor(est)))
+            found.append((factor(est), sw.name, est))
     if not found:
         return None
-    choice = min(found, key=lambda c: c.factor)
-    freed = p.total(before) - p.total(choice.est)
+    fastest, mode, est = min(found, key=lambda c: c[0])
+    freed = p.total(before) - p.total(est)
     return Fallback(
-        mode=choice.mode,
-        overrides=advice.overrides_for(choice.est.setup, overlap(r, choice.est.setup)),
+        mode=mode,
+        overrides=advice.overrides_for(est.setup, overlap(r, est.setup)),
         headroom_gib=round(need / GiB, 3),
         headroom_source=source,
         freed_gib=round(freed / GiB, 3),
         freed_gb=round(freed / GB, 3),
-        memory_gib=round(p.total_gib(choice.est), 3),
-        step_time_factor=round(choice.factor, 3),
-        step_time_factor_vs_no_levers=round(timed(choice.est).step_time_factor_vs_no_levers, 3),
+        memory_gib=round(p.total_gib(est), 3),
+        step_time_factor=round(fastest, 3),
+        step_time_factor_vs_no_levers=round(timed(est).step_time_factor_vs_no_levers, 3),
     )

@@ -56,12 +56,7 @@ __all__ = [
 def _parallel(r: Resolved) -> dict[str, Any]:
     m, s = r.model, r.setup
     return {
-        "num_gpus": s.num_gpus,
-        "tp": s.tp,
-        "pp": s.pp,
-        "vpp": s.vpp,
-        "cp": s.cp,
-        "ep": s.ep,
+        **{k: getattr(s, k) for k in ("num_gpus", "tp", "pp", "vpp", "cp", "ep")},
         "etp": s.resolved_etp(m),
         "dp": s.dp,
         "expert_dp": s.expert_dp(m) if m.is_moe else None,
@@ -71,12 +66,14 @@ def _parallel(r: Resolved) -> dict[str, Any]:
     }
 
 
-def time_terms(t: TimeEstimate) -> dict[str, Any]:
-    """The step-time model's terms of ``TimeBreakdown`` (seconds, rounded)."""
-    names = ("compute", "recompute", "tp_comm", "cp_comm", "ep_comm", "moe_overhead", "dp_comm", "bubble")
-    out: dict[str, Any] = {k: round(getattr(t, f"{k}_s"), 4) for k in names}
-    out.update(step=round(t.step_s, 4), without_offload=round(t.without_offload_s, 4))
-    return {**out, "efficiency": round(t.efficiency, 4), "assumptions": list(t.assumptions)}
+def _time_breakdown(t: TimeEstimate) -> TimeBreakdown:
+    """``TimeBreakdown`` from the step-time model: each of its seconds is the estimate's ``<name>_s`` (rounded)."""
+    seconds = [k for k in TimeBreakdown.model_fields if k not in ("efficiency", "assumptions")]
+    return TimeBreakdown(
+        **{k: round(getattr(t, f"{k}_s"), 4) for k in seconds},
+        efficiency=round(t.efficiency, 4),
+        assumptions=list(t.assumptions),
+    )
 
 
 def stage_phases(est: MemoryEstimate, shift: Callable[[StageMemory], float] | float = 0.0) -> list[StagePhases]:
@@ -112,9 +109,9 @@ def estimate_result(p: Plan, est: MemoryEstimate, t: TimeEstimate) -> Estimate:
         offloaded_fraction=round(est.offloaded_fraction, 4),
         step_time_factor=round(t.step_time_factor, 3),
         step_time_factor_vs_no_levers=round(t.step_time_factor_vs_no_levers, 3),
-        fits=options.fits(p, est),  # the verdict on this config: no margin, so its budget is the allocatable peak
-        budget_gb=round(options.usable_bytes(p, s) / GB, 3),
-        budget_gib=round(options.usable_bytes(p, s) / GiB, 3),
+        fits=p.fits(est),  # the verdict on this config: no margin, so its budget is the allocatable peak
+        budget_gb=round(p.usable_bytes(s) / GB, 3),
+        budget_gib=round(p.usable_bytes(s) / GiB, 3),
         gpu_memory_gb=round(r.gpu.capacity_bytes / GB, 3),
         gpu_memory_gib=round(r.gpu.capacity_bytes / GiB, 3),
         worst_stage=est.worst.stage,
@@ -129,15 +126,7 @@ def estimate_result(p: Plan, est: MemoryEstimate, t: TimeEstimate) -> Estimate:
             for st in est.stages
         ],
         host_peak_gb=round(est.host_peak_gb, 3),
-        time_s=TimeBreakdown(
-            baseline=round(t.baseline_s, 4),
-            d2h=round(t.d2h_s, 4),
-            cpu_adam=round(t.cpu_adam_s, 4),
-            h2d=round(t.h2d_s, 4),
-            optimizer_extra=round(t.optimizer_extra_s, 4),
-            activation_extra=round(t.activation_extra_s, 4),
-            **time_terms(t),
-        ),
+        time_s=_time_breakdown(t),
         model=r.model.name,
         gpu=r.gpu.name,
         num_gpus=s.num_gpus,
@@ -172,13 +161,13 @@ def estimate(r: Resolved) -> Estimate:
 def _what_would_fit(p: Plan) -> str:
     """After a reported OOM: the smallest optimizer offload fraction that fits with the anchored memory."""
     start = replace(p.r.setup, optimizer_offload_fraction=0.0)
-    ok = lambda e: options.keeps_margin(p, e)  # noqa: E731
+    ok = lambda e: p.keeps_margin(e)  # noqa: E731
     found = None if start.use_megatron_fsdp else sweeps.first_fit(p, sweeps.fractions(start), ok)
     if found is None:
         return "no optimizer offload fraction fits with that; `recommend` says what would (more PP, recompute, GPUs)"
     return (
         f"with that, optimizer_offload_fraction={found.setup.optimizer_offload_fraction:g} would fit "
-        f"({p.total_gib(found):.1f} GiB of {p.budget_bytes / GiB:.1f} GiB allocatable)"
+        f"({p.total_gib(found):.1f} GiB of {p.budget_bytes() / GiB:.1f} GiB allocatable)"
     )
 
 
@@ -192,10 +181,10 @@ def _facts(p: Plan, before: MemoryEstimate, rationale: list[str]) -> None:
     rationale.extend(p.r.constraints.activation_blockers(s, p.r.model.num_layers))
     if s.use_megatron_fsdp:  # upstream refuses optimizer offload under Megatron-FSDP: never proposed
         rationale.append(MFSDP_OPTIMIZER_OFFLOAD.replace("; the numbers here ignore the requested fraction", ""))
-    if options.keeps_margin(p, before):
+    if p.keeps_margin(before):
         rationale.append("it fits: offloading only adds step time, so none is recommended")
         return
-    if options.fits(p, before):
+    if p.fits(before):
         rationale.append(f"it fits the device, but with less than the {p.margin:.0%} margin free")
     big, small = (
         ("activations", "optimizer state") if w.activations > w.optimizer else ("optimizer state", "activations")
@@ -219,14 +208,14 @@ def _suggest(p: Plan, s: Setup) -> list[str]:
             est = estimate_memory(m, replace(full, pp=pp, vpp=None))
         except ValueError:
             break
-        if options.keeps_margin(p, est):
+        if p.keeps_margin(est):
             out.append(f"PP={pp}{with_opt}: {p.total_gib(est):.1f} GiB per GPU")
             break
         pp *= 2
     if s.recompute_granularity != "full":
         recompute = replace(full, recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
         est = estimate_memory(m, recompute)
-        verdict = "fits" if options.keeps_margin(p, est) else "still does not fit"
+        verdict = "fits" if p.keeps_margin(est) else "still does not fit"
         out.append(
             f"model.recompute_granularity=full (uniform, 1 layer){with_opt}: "
             f"{p.total_gib(est):.1f} GiB per GPU, {verdict}"
@@ -236,7 +225,7 @@ def _suggest(p: Plan, s: Setup) -> list[str]:
             est = estimate_memory(m, replace(s, num_gpus=s.num_gpus * mult))
         except ValueError:
             continue
-        if options.keeps_margin(p, est):
+        if p.keeps_margin(est):
             out.append(f"{s.num_gpus * mult} GPUs (DP ×{mult}) without offload: {p.total_gib(est):.1f} GiB per GPU")
             break
     else:
@@ -333,7 +322,7 @@ def recommend(r: Resolved) -> Recommendation:
         step_time_factor=first.step_time_factor,
         step_time_factor_vs_no_levers=first.step_time_factor_vs_no_levers,
         rationale=rationale + ([sentence] if sentence else []),
-        budget_gb=round(options.budget_bytes(p, after.setup) / GB, 3),
+        budget_gb=round(p.budget_bytes(after.setup) / GB, 3),
         budget_gib=first.budget_gib,
         optimizer_offload_fraction=after.setup.optimizer_offload_fraction,
         offloaded_fraction=round(after.offloaded_fraction, 4),
@@ -370,7 +359,7 @@ def _before_after(
     )
 
 
-_OFFLOADS = {"activation", "optimizer", "fine-grained"}
+_OFFLOADS = frozenset(levers.OFFLOAD_LEVERS)
 
 
 def _verdict(ranked: list[Option], allowed: tuple[str, ...]) -> list[str]:

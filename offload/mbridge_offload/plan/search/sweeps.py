@@ -95,18 +95,11 @@ def allowed_est(p: Plan, s: Setup) -> MemoryEstimate | None:
 def first_fit(p: Plan, setups: list[Setup], ok: Fit) -> MemoryEstimate | None:
     """The first of ``setups`` (least first) that is ``ok``, that host RAM holds and that the catalogue accepts.
     More of a lever needs more host memory: past a host refusal nothing later is tried."""
-    m = p.r.model
-    start = bisect(setups, lambda s: ok(estimate(m, s)))
-    if start is None:
-        return None
-    for s in setups[start:]:  # more still fits; the catalogue only objects at the far end (k = L − 1)
-        est = estimate(m, s)
-        if not p.host_ok(est):
-            p.host_refused.setdefault(what(p, s), p.host_sentence(est))
-            return None
-        if p.vet is None or p.vet.clean(s):
+    start = bisect(setups, lambda s: ok(estimate(p.r.model, s)))
+    for s in setups[start:] if start is not None else []:  # the catalogue only objects at the far end (k = L − 1)
+        est = allowed_est(p, s)
+        if est is not None or not p.host_ok(estimate(p.r.model, s)):
             return est
-        p.vet.rejected.setdefault(what(p, s), p.vet.problems(s))
     return None
 
 
@@ -117,8 +110,7 @@ def most(p: Plan, setups: list[Setup]) -> MemoryEstimate | None:
     m = p.r.model
     over = bisect(setups, lambda s: not p.host_ok(estimate(m, s)))
     if over is not None:
-        s = setups[over]
-        p.host_refused.setdefault(what(p, s), p.host_sentence(estimate(m, s)))
+        allowed_est(p, setups[over])  # keeps the host's refusal for the rationale
     end = len(setups) if over is None else over
     for s in reversed(setups[max(0, end - MOST_WALK) : end]):
         est = allowed_est(p, s)
@@ -294,18 +286,20 @@ def stacks(p: Plan, s: Setup, ok: Fit) -> list[MemoryEstimate]:
     # switch frees a little (the gradients, the loss phase's logits) that the lever on top then need not.
     for sw in switch_sweeps(p, s):
         if sw.name in ("grad-reduce", "ce-fusion"):
-            on = sw.setups[0]
-            for lever_sweep in [*offload_sweeps(p, on), *recompute_sweeps(m, on, refuses(p))]:
-                found = first_fit(p, lever_sweep.setups, ok)
-                if found is not None:
-                    out.append(found)
+            out += _on_top(p, sw.setups[0], ok)
     return out + _layout_stacks(p, s, ok)
+
+
+def _on_top(p: Plan, s: Setup, ok: Fit) -> list[MemoryEstimate]:
+    """The least setting of each offload and recompute sweep on ``s`` that is ``ok``."""
+    found = [first_fit(p, sw.setups, ok) for sw in [*offload_sweeps(p, s), *recompute_sweeps(p.r.model, s, refuses(p))]]
+    return [est for est in found if est is not None]
 
 
 def _reachable(p: Plan, est: MemoryEstimate) -> bool:
     """Whether anything but a layout change could make ``est`` fit: offload, recompute and the switches never move
     the weights, so where the worst stage's weights alone exceed the budget, no stack of them is tried."""
-    return est.worst.weights + p.shift(est.worst) <= p.budget_bytes
+    return est.worst.weights + p.shift(est.worst) <= p.budget_bytes()
 
 
 def _layout_stacks(p: Plan, s: Setup, ok: Fit) -> list[MemoryEstimate]:
@@ -315,8 +309,5 @@ def _layout_stacks(p: Plan, s: Setup, ok: Fit) -> list[MemoryEstimate]:
     for lever in levers.LAYOUT_LEVERS:
         variants = levers.layout_variants(lever, m, s)
         if variants and not ok(estimate(m, variants[0])) and _reachable(p, estimate(m, variants[0])):
-            for sw in [*offload_sweeps(p, variants[0]), *recompute_sweeps(m, variants[0], refuses(p))]:
-                found = first_fit(p, sw.setups, ok)
-                if found is not None:
-                    out.append(found)
+            out += _on_top(p, variants[0], ok)
     return out
