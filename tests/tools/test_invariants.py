@@ -5,7 +5,7 @@ Each example is a Bridge YAML (layout, sequence, micro-batch, recompute, an offl
 (estimate, recommend, apply's dry run, diagnose with an OOM message, plot --json) and the real MCP server through its
 in-memory client. What must hold, whatever the input:
 
-- no memory category is negative, in any answer;
+- no number is negative, in any answer (memory, margins, host, time, factors);
 - ``fits`` holds exactly when the peak is within the budget the same answer states;
 - no option needs more host RAM than the share the answer states, more activation-offload layers than upstream
   allows, or another GPU count;
@@ -112,12 +112,24 @@ def _categories(node: Any) -> list[float]:
     return out
 
 
+def _negatives(node: Any, path: str = "") -> list[tuple[str, float]]:
+    """Every negative number anywhere in an answer, with where it is."""
+    if isinstance(node, dict):
+        return [n for key, value in node.items() for n in _negatives(value, f"{path}.{key}")]
+    if isinstance(node, list):
+        return [n for i, item in enumerate(node) for n in _negatives(item, f"{path}[{i}]")]
+    if isinstance(node, int | float) and not isinstance(node, bool) and node < 0:
+        return [(path, node)]
+    return []
+
+
 def _within(total: float, budget: float) -> bool | None:
     """total <= budget, or None where the two rounded figures are too close to tell."""
     return None if abs(total - budget) <= 0.002 else total <= budget
 
 
 def check_estimate(est: dict[str, Any]) -> None:
+    assert not _negatives(est), _negatives(est)[:5]
     assert min(_categories(est)) >= 0, est["memory_gib"]
     assert all(ph["memory_gib"] >= 0 for st_ in est["phases"] for ph in st_["phases"])
     verdict = _within(est["memory_gib"]["total"], est["budget_gib"])
@@ -132,6 +144,7 @@ def _host_cap_gb(rec: dict[str, Any]) -> float:
 
 
 def check_recommendation(rec: dict[str, Any], num_gpus: int, num_layers: int) -> None:
+    assert not _negatives(rec), _negatives(rec)[:5]
     assert min(_categories(rec)) >= 0
     options = rec["options"]
     assert options, rec["rationale"]

@@ -282,7 +282,11 @@ class Option(BaseModel):
     step_time_factor: float = Field(description="step_time_s over the config as given (" + FACTOR_DOC + ")")
     step_time_factor_vs_no_levers: float = Field(description=NO_LEVERS_DOC)
     fits: bool = Field(description="fits the device with the recommendation margin kept free")
-    margin_gib: float = Field(description="allocatable GPU memory left free at the predicted peak, GiB")
+    margin_gib: float = Field(
+        description="allocatable GPU memory left free at the predicted peak, GiB (0 for an option over its budget: "
+        "memory_gib.total - budget_gib is how far over)",
+        ge=0,
+    )
     comfortable: bool = Field(description="margin_gib is at least the headroom asked for (headroom_gib)")
     alternative: bool = Field(description="pulls a lever the caller did not allow: shown, not ranked first")
     changes_layout: bool = Field(description="changes TP, CP, VPP or the micro-batch size (checkpoints, throughput)")

@@ -141,6 +141,8 @@ def _option(p: Plan, c: Candidate, ctx: dict[str, Any], overlap: Callable[[Any, 
     factor = round(t.step_s / ctx["reference_s"] if ctx["reference_s"] > 0 else 1.0, 3)
     no_levers = round(t.step_s / ctx["no_lever_s"] if ctx["no_lever_s"] > 0 else 1.0, 3)
     free = round(free, 3)
+    # No negative figure in an answer: an option over its budget has nothing free; its why says by how much it is over.
+    room = f"{free:.1f} GiB free" if free >= 0 else f"{-free:.1f} GiB over the budget"
     comfortable = free >= ctx["headroom"]
     score, why_risky = risks.risk(used, len(overrides), est.host_peak_gb / p.host_budget_gb, comfortable)
     return Option(
@@ -161,14 +163,14 @@ def _option(p: Plan, c: Candidate, ctx: dict[str, Any], overlap: Callable[[Any, 
         step_time_factor=factor,
         step_time_factor_vs_no_levers=no_levers,
         fits=p.keeps_margin(est),
-        margin_gib=round(free, 3),
+        margin_gib=max(0.0, free),
         budget_gib=round(p.budget_bytes(s) / GiB, 3),
         comfortable=comfortable,
         alternative=any(lever not in ctx["allowed"] for lever in used),
         changes_layout=any(lever in levers.LAYOUT_LEVERS or lever == "vpp" for lever in used),
         risk=round(score, 4),
         risks=why_risky,
-        why=f"{c.label}: {p.total_gib(est):.1f} GiB peak per GPU, {free:.1f} GiB free, "
+        why=f"{c.label}: {p.total_gib(est):.1f} GiB peak per GPU, {room}, "
         f"{est.host_peak_gb:.0f} GB host per GPU, step ×{factor:.2f}",
     )
 
