@@ -274,3 +274,31 @@ def test_grouped_gemm_builds_te_grouped_experts_with_sequential_mlps_state_in_fe
     saved = [max(p["by_category"]["activations"] for p in run["phases"].values()) for run in (grouped_run, sequential)]
     assert saved[0] == pytest.approx(saved[1], rel=0.02), saved
     assert grouped_run["ops"] < sequential["ops"], (grouped_run["ops"], sequential["ops"])
+
+
+@pytest.mark.parametrize("release", RELEASES)
+def test_the_trackers_fast_paths_answer_as_the_fake_modes_full_dispatch_for_a_fraction_of_its_ops(release: str) -> None:
+    """The tracker answers device queries, views and copies itself (``trace.tracker``: what makes an 80-layer MoE
+    stage fit its time, docs/trace.md "Speed"). The same specs with those paths off (every op through the fake
+    mode's full dispatch) give the same bytes in every phase, category and module, the same op and allocation
+    counts; with them on, most ops never reach the full dispatch: the speed-up, pinned by count, not by seconds."""
+    from mbridge_offload.plan.inputs.resolve import resolve
+    from mbridge_offload_tools.trace import spec as specs
+    from mbridge_offload_tools.trace.run import spawn_batch
+
+    moe = {**SMALL, **MOE, "num_moe_experts": 16, "ep": 2, "tp": 2, "sequence_parallel": True, "etp": 2}
+    offload = {**SMALL, "optimizer_offload_fraction": 0.5}  # host tensors: the device mode's host/GPU split
+    batch = []
+    for flags in (moe, offload):
+        for fast in (True, False):
+            one = specs.build(resolve(dict(flags)), 0)
+            one["fast"] = fast
+            batch.append(one)
+    got = spawn_batch(release, batch)
+    for fast, full in (got[0:2], got[2:4]):
+        assert "error" not in fast and "error" not in full, (fast, full)
+        assert full["slow_ops"] >= 0.95 * full["ops"]  # the full path: every op but the sized masked_select
+        assert fast["slow_ops"] < 0.25 * fast["ops"], (fast["slow_ops"], fast["ops"])
+        for key in ("seconds", "slow_ops"):
+            del fast[key], full[key]
+        assert fast == full

@@ -30,6 +30,7 @@ def _cpu(device: Any) -> Any:
 
 MODE_TRACKER: list[Any] = []  # the tracker the device mode reports to (set by step.trace)
 _IS_CUDA = torch._C.TensorBase.__dict__["is_cuda"]
+_NAMED = frozenset(("type", "cuda", "cpu", "pin_memory", "is_pinned", "to"))  # what the device mode answers by name
 
 
 class _CurrentDevice(str):
@@ -74,11 +75,13 @@ class CpuForCuda(TorchFunctionMode):
             tracker.force = None
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        if not kwargs and name not in _NAMED and getattr(func, "__self__", None) is not _IS_CUDA:
+            return func(*args)  # no device to move, no host copy to make: most calls, at once
         kwargs = dict(kwargs or {})
         tracker = self.tracker
         if getattr(func, "__self__", None) is _IS_CUDA:
             return tracker is None or not tracker.is_host(args[0])
-        name = getattr(func, "__name__", "")
         if name == "type" and len(args) == 1 and not kwargs:
             # megatron-core's optimizers sort parameters by Tensor.type() == "torch.cuda.BFloat16Tensor".
             return func(*args).replace("torch.", "torch.cuda.", 1)
@@ -189,6 +192,12 @@ class _InPlaceWgrad:
 
 def apply() -> None:
     """Patch torch.cuda and megatron-core for the trace (module docstring); call once, in the child only."""
+    import torch._dynamo
+
+    # megatron-core's fusions are torch.compile'd (jit_fuser); compiled code runs real kernels, which a fake tensor
+    # cannot feed (a segfault). Dynamo skipped them while the tracker was a user dispatch mode; it is the fake mode
+    # itself now (trace.tracker), so they run eagerly, as before, by switching Dynamo off.
+    torch._dynamo.config.disable = True
     cuda = torch.cuda
     # megatron-core asks for the current device by index to place buffers (utils.get_tensor, DDP buffers,
     # VocabParallelEmbedding); an int index fails on a CPU build ("Cannot access accelerator device"). A "cpu"
