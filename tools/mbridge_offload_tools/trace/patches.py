@@ -346,6 +346,43 @@ def _counted_permute(original: Any) -> Any:
     return permute
 
 
+class _SortedChunks(torch.autograd.Function):
+    """What ``moe_utils.sort_chunks_by_idxs`` allocates, in one node: its ``torch.cat`` of the input's chunks in
+    another order is one new tensor of the input's shape (the chunks are views); autograd keeps sizes only (cat's and
+    split's backward save no tensor), and backward's ``split_with_sizes_backward`` concatenates the gradient's views
+    into one new tensor of the input's shape."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        ctx.shape = x.shape
+        return x.new_empty(x.shape)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad.new_empty(ctx.shape)
+
+
+def _sorted_chunks(original: Any) -> Any:
+    """``sort_chunks_by_idxs`` with its allocations only (:class:`_SortedChunks`): it splits the tokens into one chunk
+    per expert and rank (``experts x TP``: 256 for Qwen3-30B-A3B at TP 2) and concatenates them again, in forward,
+    in recompute and in backward; each of those is a fake tensor made and dispatched, per MoE layer and micro-batch.
+    The full path when the tracker's fast paths are off (held to it by tests/tools/test_trace.py)."""
+
+    def sort_chunks_by_idxs(
+        input: Any, split_sizes: Any, sorted_idxs: Any, probs: Any = None, fused: bool = False
+    ) -> Any:
+        tracker = MODE_TRACKER[0] if MODE_TRACKER else None
+        sizes = [int(n) for n in split_sizes.tolist()]
+        order = sorted(int(i) for i in sorted_idxs.tolist())
+        if fused or tracker is None or not tracker.fast or order != list(range(len(sizes))):
+            return original(input, split_sizes, sorted_idxs, probs=probs, fused=fused)
+        if sum(sizes) != input.shape[0] or (probs is not None and sum(sizes) != probs.shape[0]):
+            return original(input, split_sizes, sorted_idxs, probs=probs, fused=fused)
+        return _SortedChunks.apply(input), (None if probs is None else _SortedChunks.apply(probs))
+
+    return sort_chunks_by_idxs
+
+
 def apply_moe() -> None:
     """Balanced routing for megatron-core's alltoall token dispatcher (:func:`_balanced_preprocess`): its counts are
     host values from the start, so its device-to-host copy point hands them on as they are."""
@@ -356,6 +393,7 @@ def apply_moe() -> None:
     if not hasattr(moe_utils, "te_general_gemm"):
         _patch(moe_utils, "te_general_gemm", None)
     _patch(token_dispatcher, "permute", _counted_permute(moe_utils.permute))
+    _patch(token_dispatcher, "sort_chunks_by_idxs", _sorted_chunks(moe_utils.sort_chunks_by_idxs))
     _grouped_experts()
     cls = token_dispatcher.MoEAlltoAllTokenDispatcher
     _patch(cls, "preprocess", _balanced_preprocess(cls.preprocess))
