@@ -30,6 +30,7 @@ def _cpu(device: Any) -> Any:
 
 MODE_TRACKER: list[Any] = []  # the tracker the device mode reports to (set by step.trace)
 _IS_CUDA = torch._C.TensorBase.__dict__["is_cuda"]
+_NAMED = frozenset(("type", "cuda", "cpu", "pin_memory", "is_pinned", "to"))  # what the device mode answers by name
 
 
 class _CurrentDevice(str):
@@ -74,11 +75,13 @@ class CpuForCuda(TorchFunctionMode):
             tracker.force = None
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        if not kwargs and name not in _NAMED and getattr(func, "__self__", None) is not _IS_CUDA:
+            return func(*args)  # no device to move, no host copy to make: most calls, at once
         kwargs = dict(kwargs or {})
         tracker = self.tracker
         if getattr(func, "__self__", None) is _IS_CUDA:
             return tracker is None or not tracker.is_host(args[0])
-        name = getattr(func, "__name__", "")
         if name == "type" and len(args) == 1 and not kwargs:
             # megatron-core's optimizers sort parameters by Tensor.type() == "torch.cuda.BFloat16Tensor".
             return func(*args).replace("torch.", "torch.cuda.", 1)
@@ -189,6 +192,12 @@ class _InPlaceWgrad:
 
 def apply() -> None:
     """Patch torch.cuda and megatron-core for the trace (module docstring); call once, in the child only."""
+    import torch._dynamo
+
+    # megatron-core's fusions are torch.compile'd (jit_fuser); compiled code runs real kernels, which a fake tensor
+    # cannot feed (a segfault). Dynamo skipped them while the tracker was a user dispatch mode; it is the fake mode
+    # itself now (trace.tracker), so they run eagerly, as before, by switching Dynamo off.
+    torch._dynamo.config.disable = True
     cuda = torch.cuda
     # megatron-core asks for the current device by index to place buffers (utils.get_tensor, DDP buffers,
     # VocabParallelEmbedding); an int index fails on a CPU build ("Cannot access accelerator device"). A "cpu"
@@ -337,6 +346,43 @@ def _counted_permute(original: Any) -> Any:
     return permute
 
 
+class _SortedChunks(torch.autograd.Function):
+    """What ``moe_utils.sort_chunks_by_idxs`` allocates, in one node: its ``torch.cat`` of the input's chunks in
+    another order is one new tensor of the input's shape (the chunks are views); autograd keeps sizes only (cat's and
+    split's backward save no tensor), and backward's ``split_with_sizes_backward`` concatenates the gradient's views
+    into one new tensor of the input's shape."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        ctx.shape = x.shape
+        return x.new_empty(x.shape)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad.new_empty(ctx.shape)
+
+
+def _sorted_chunks(original: Any) -> Any:
+    """``sort_chunks_by_idxs`` with its allocations only (:class:`_SortedChunks`): it splits the tokens into one chunk
+    per expert and rank (``experts x TP``: 256 for Qwen3-30B-A3B at TP 2) and concatenates them again, in forward,
+    in recompute and in backward; each of those is a fake tensor made and dispatched, per MoE layer and micro-batch.
+    The full path when the tracker's fast paths are off (held to it by tests/tools/test_trace.py)."""
+
+    def sort_chunks_by_idxs(
+        input: Any, split_sizes: Any, sorted_idxs: Any, probs: Any = None, fused: bool = False
+    ) -> Any:
+        tracker = MODE_TRACKER[0] if MODE_TRACKER else None
+        sizes = [int(n) for n in split_sizes.tolist()]
+        order = sorted(int(i) for i in sorted_idxs.tolist())
+        if fused or tracker is None or not tracker.fast or order != list(range(len(sizes))):
+            return original(input, split_sizes, sorted_idxs, probs=probs, fused=fused)
+        if sum(sizes) != input.shape[0] or (probs is not None and sum(sizes) != probs.shape[0]):
+            return original(input, split_sizes, sorted_idxs, probs=probs, fused=fused)
+        return _SortedChunks.apply(input), (None if probs is None else _SortedChunks.apply(probs))
+
+    return sort_chunks_by_idxs
+
+
 def apply_moe() -> None:
     """Balanced routing for megatron-core's alltoall token dispatcher (:func:`_balanced_preprocess`): its counts are
     host values from the start, so its device-to-host copy point hands them on as they are."""
@@ -347,6 +393,7 @@ def apply_moe() -> None:
     if not hasattr(moe_utils, "te_general_gemm"):
         _patch(moe_utils, "te_general_gemm", None)
     _patch(token_dispatcher, "permute", _counted_permute(moe_utils.permute))
+    _patch(token_dispatcher, "sort_chunks_by_idxs", _sorted_chunks(moe_utils.sort_chunks_by_idxs))
     _grouped_experts()
     cls = token_dispatcher.MoEAlltoAllTokenDispatcher
     _patch(cls, "preprocess", _balanced_preprocess(cls.preprocess))
