@@ -8,10 +8,13 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mbridge_offload_tools.cli.common import EXIT_OK, UsageError, emit
 from mbridge_offload_tools.interface.build import add_arguments, values
+
+if TYPE_CHECKING:  # the planner loads inside the handlers
+    from mbridge_offload.plan.service import Kind
 
 
 def add_parsers(sub: Any) -> None:
@@ -66,9 +69,9 @@ def add_parsers(sub: Any) -> None:
 # ---------------------------------------------------------------------------------------------- inputs
 
 
-def _plan(kind: str, args: argparse.Namespace) -> Any:
+def _plan(kind: Kind, args: argparse.Namespace) -> Any:
     """The planner on this command's config and flags: the body the MCP tools run too (``interface.calls``)."""
-    from mbridge_offload_tools.interface.calls import plan_answer
+    from mbridge_offload.plan.service import plan_answer
     from mbridge_offload_tools.trace.confirm import recommend_answer
 
     if kind == "recommend":  # its --confirm re-checks options[0] with the trace

@@ -28,14 +28,9 @@ from mbridge_offload.actions.testing.result import TestRunResult
 # The library's own result models are the tools' structured output (one schema for library, CLI --json and MCP).
 from mbridge_offload.config.validate import Report as ValidateOutput
 from mbridge_offload.plan.results import Estimate, Recommendation
+from mbridge_offload.plan.service import plan_answer
 from mbridge_offload_tools.interface.build import declared
-from mbridge_offload_tools.interface.calls import (
-    apply_answer,
-    diagnose_answer,
-    plan_answer,
-    validate_answer,
-    validate_seconds,
-)
+from mbridge_offload_tools.interface.calls import apply_answer, diagnose_answer, validate_answer, validate_seconds
 from mbridge_offload_tools.plot.result import PlotResult
 from mbridge_offload_tools.server import guard, roots
 from mbridge_offload_tools.trace.result import TraceAnswer
