@@ -11,41 +11,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from mbridge_offload_tools.cli.common import EXIT_OK, UsageError, emit
-from mbridge_offload_tools.interface.build import add_arguments, values
+from mbridge_offload_tools.interface.build import add_command, values
 
 if TYPE_CHECKING:  # the planner loads inside the handlers
     from mbridge_offload.plan.service import Kind
 
 
 def add_parsers(sub: Any) -> None:
-    est = sub.add_parser(
-        "estimate",
-        help="per-GPU memory (worst pipeline stage), host memory and step-time factor",
-        description="Predict per-GPU peak memory (worst pipeline stage, GB and GiB), host memory and the step time "
-        "of a setting as given (its offload fraction and layers included), with every assumption and its source. "
-        "step_time_factor is the step over the same setting with its offload off, recompute as given (the upstream "
-        "card's factor: x2.5 at 50 %% optimizer offload on its Qwen3-30B-A3B setup); "
-        "step_time_factor_vs_no_levers is over the run with recompute off too. The model comes from --model, a "
-        "config, or --megatron-args.",
-    )
-    add_arguments(est, "estimate_memory")
-    est.set_defaults(handler=run_estimate)
-    rec = sub.add_parser(
-        "recommend",
-        help="the cheapest way to fit: ranked options over recompute, offload, CP, TP and MBS",
-        description="Pick the smallest offload that makes the run fit (none, optimizer with a fraction, activation, "
-        "or both) and print the overrides, memory before and after, the step-time factor and the reasons. Also "
-        "ranks options[]: each lever allowed by --levers (default recompute,activation,fine-grained,optimizer; "
-        "cp, tp, mbs, vpp, grad-reduce, ce-fusion and expandable-segments are then shown as alternatives), ordered "
-        "by step time grown by risk (the answer's ranking says how), at the least setting that fits with the "
-        "margin and at one that keeps --headroom-gib free (default a tenth of the allocatable budget), with memory "
-        "per stage, host memory per GPU and per node, step time and step_time_factor, its ratio to the config as "
-        "given (1.0 = no change; step_time_factor_vs_no_levers: to the run with no lever pulled); the first is the "
-        "recommendation (mode/overrides). Offload whose pinned buffers exceed 72%% of the node's host RAM "
-        "(--host-ram-gb per GPU, --gpus-per-node) is never offered. apply --option N writes option N.",
-    )
-    add_arguments(rec, "recommend_mode")
-    rec.set_defaults(handler=run_recommend)
+    add_command(sub, "estimate_memory", run_estimate)
+    add_command(sub, "recommend_mode", run_recommend)
     cal = sub.add_parser(
         "calibrate",
         help="time torch's fused CPU AdamW here and store it as a named host profile",

@@ -43,6 +43,16 @@ def _argparse_options(p: Param) -> dict[str, Any]:
     return options
 
 
+def add_command(sub: Any, tool: str, handler: Callable[[argparse.Namespace], int]) -> argparse.ArgumentParser:
+    """The subcommand of the MCP tool ``tool``: its line in the command list, the tool's description and flags."""
+    spec = TOOLS[tool]
+    description = inspect.cleandoc(spec.description).replace("%", "%%")  # argparse formats help with %
+    parser: argparse.ArgumentParser = sub.add_parser(spec.command, help=spec.help, description=description)
+    add_arguments(parser, tool)
+    parser.set_defaults(handler=handler)
+    return parser
+
+
 def add_arguments(parser: argparse.ArgumentParser, tool: str) -> None:
     """Add the declared parameters of ``tool`` (an MCP tool name) and its CLI-only flags to ``parser``."""
     spec = TOOLS[tool]
