@@ -8,13 +8,10 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from mbridge_offload_tools.cli.common import EXIT_OK, UsageError, emit
 from mbridge_offload_tools.interface.build import add_command, values
-
-if TYPE_CHECKING:  # the planner loads inside the handlers
-    from mbridge_offload.plan.service import Kind
 
 
 def add_parsers(sub: Any) -> None:
@@ -38,19 +35,6 @@ def add_parsers(sub: Any) -> None:
     cal.add_argument("--steps", type=int, default=5, help="timed steps (default 5)")
     cal.add_argument("--json", action="store_true", help="print exactly one JSON object")
     cal.set_defaults(handler=run_calibrate)
-
-
-# ---------------------------------------------------------------------------------------------- inputs
-
-
-def _plan(kind: Kind, args: argparse.Namespace) -> Any:
-    """The planner on this command's config and flags: the body the MCP tools run too (``interface.calls``)."""
-    from mbridge_offload.plan.service import plan_answer
-    from mbridge_offload_tools.trace.confirm import recommend_answer
-
-    if kind == "recommend":  # its --confirm re-checks options[0] with the trace
-        return recommend_answer(values(args, "recommend_mode"))
-    return plan_answer(kind, values(args, "estimate_memory"))
 
 
 # ---------------------------------------------------------------------------------------------- human output
@@ -128,7 +112,9 @@ def _step_time_text(factor: float, no_levers: float, t: dict[str, Any]) -> str:
 
 
 def run_estimate(args: argparse.Namespace) -> int:
-    result = _plan("estimate", args)
+    from mbridge_offload.plan.service import plan_answer  # the MCP tool's body
+
+    result = plan_answer("estimate", values(args, "estimate_memory"))
     emit(result.model_dump(mode="json"), args.json, _human_estimate)
     return EXIT_OK
 
@@ -187,7 +173,9 @@ def option_lines(options: list[dict[str, Any]]) -> list[str]:
 
 
 def run_recommend(args: argparse.Namespace) -> int:
-    rec = _plan("recommend", args)
+    from mbridge_offload_tools.trace.confirm import recommend_answer  # the MCP tool's body: --confirm traces too
+
+    rec = recommend_answer(values(args, "recommend_mode"))
     emit(rec.model_dump(mode="json"), args.json, _human_recommend)
     return EXIT_OK
 

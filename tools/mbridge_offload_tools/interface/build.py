@@ -1,4 +1,4 @@
-"""Both sides of one declaration (``TOOLS``): a subcommand's argparse flags and an MCP tool's signature.
+"""Both sides of one declaration (``TOOLS``): a subcommand (its flags, help, description) and an MCP tool's signature.
 
 Imports neither the MCP SDK nor the library's heavy parts: the CLI builds its parser from here.
 """

@@ -1,4 +1,5 @@
-"""The parameters of every MCP tool, which are the flags of its subcommand: one declaration per tool.
+"""The parameters of every MCP tool, which are the flags of its subcommand: one declaration per tool, with the
+title, the command-list line and the one description both show.
 
 To add a parameter to a tool and its subcommand, add one ``Param`` below: the CLI flag, the MCP schema and the docs
 follow. The planner's inputs come from ``PlanInputs`` (:func:`plan_params`).
