@@ -236,7 +236,7 @@ def _trace(model: dict[str, Any], lever: dict[str, Any], release: str) -> dict[s
 
 def _estimate(model: dict[str, Any], lever: dict[str, Any]) -> dict[str, Any]:
     from mbridge_offload.plan.inputs.resolve import resolve
-    from mbridge_offload_tools.interface.calls import plan_answer
+    from mbridge_offload.plan.service import plan_answer
 
     d = plan_answer("estimate", _planner_inputs(model, lever)).model_dump(mode="json")
     overhead = resolve({**model, **lever}).setup.overhead_gb * 1e9 / GIB

@@ -354,13 +354,12 @@ def test_setups_defaults_are_the_declared_fallbacks():
 
 # --tp on its way from the command line to the planner's Setup, module by module (each one a function of which
 # receives it: in the parsed flags, a dict of inputs or a PlanInputs): the parser's bounds, the command's deadline,
-# the CLI command, the body the MCP tool shares, the planner's one entry point, the one resolution (which builds
-# Setup, declared in plan/model/run.py). A module added on the way fails here.
+# the CLI command, the planner's service (the body the MCP tool shares, then the one entry point), the one
+# resolution (which builds Setup, declared in plan/model/run.py). A module added on the way fails here.
 TP_PATH = [
     "tools/mbridge_offload_tools/interface/build.py",
     "tools/mbridge_offload_tools/cli/main.py",
     "tools/mbridge_offload_tools/cli/plan.py",
-    "tools/mbridge_offload_tools/interface/calls.py",
     "offload/mbridge_offload/plan/service.py",
     "offload/mbridge_offload/plan/inputs/resolve.py",
 ]

@@ -239,13 +239,13 @@ def test_recommend_compares_against_the_config_as_given_and_says_it_removes_its_
 def test_cli_and_mcp_share_one_planner_entry_point():
     import inspect
 
+    from mbridge_offload.plan import service
     from mbridge_offload_tools.cli import plan as cli_plan
-    from mbridge_offload_tools.interface import calls
     from mbridge_offload_tools.server import app as server
 
-    # One body for both surfaces (interface.calls.plan_answer), and it calls the planner's one entry point.
-    body = inspect.getsource(calls.plan_answer)
-    assert "plan.service import plan" in body and "revalidate" not in body and "resolve(" not in body
+    # One body for both surfaces (plan.service.plan_answer), and it calls the planner's one entry point.
+    body = inspect.getsource(service.plan_answer)
+    assert "plan(kind, " in body and "revalidate" not in body and "resolve(" not in body
     for module in (cli_plan, server):
         text = inspect.getsource(module)
         assert "plan_answer" in text and "revalidate" not in text and "resolve(" not in text

@@ -26,8 +26,8 @@ import pytest
 from mbridge_offload.plan.inputs.resolve import resolve
 from mbridge_offload.plan.memory.stage import estimate_memory
 from mbridge_offload.plan.model.architecture import GB
+from mbridge_offload.plan.service import plan_source
 from mbridge_offload_tools.exact.run import installs
-from mbridge_offload_tools.interface.calls import plan_source
 from mbridge_offload_tools.trace import spec as specs
 from mbridge_offload_tools.trace.run import DEFAULT_RELEASE, spawn_batch
 from tests.support.trace_cases import generate, generate_moe

@@ -318,7 +318,7 @@ BASES: dict[str, dict[str, Any]] = {
 }
 # Writes are compared apart (two targets): test_writes_agree, test_plot_writes_agree
 SKIP = {"apply_offload": {"output", "in_place", "overwrite"}, "plot_offload": {"output", "overwrite"}}
-# recommend and plot take estimate's inputs (the test below) into the same reading (interface.calls.plan_source);
+# recommend and plot take estimate's inputs (the test below) into the same reading (plan.service.plan_source);
 # apply and diagnose take recommend's: estimate's cases cover each planner input, the others' cover their own and the
 # inputs they read differently.
 SAMPLED = {

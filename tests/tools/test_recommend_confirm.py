@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from mbridge_offload_tools.interface.calls import plan_answer
+from mbridge_offload.plan.service import plan_answer
 from mbridge_offload_tools.trace.confirm import option_inputs, recommend_answer
 
 SMALL = {

@@ -185,7 +185,7 @@ MOE_YAML = """model:
 def _planned_params(flags: dict[str, Any], config: str | None = None, stage: int = 0) -> int:
     from mbridge_offload.plan.inputs.resolve import resolve
     from mbridge_offload.plan.model.params import stage_params
-    from mbridge_offload_tools.interface.calls import plan_source
+    from mbridge_offload.plan.service import plan_source
 
     cfg, raw, source = plan_source({"config": config, "overrides": [], "megatron_args": None, **flags})
     r = resolve(dict(flags), cfg, raw, source)

@@ -1,15 +1,20 @@
 """The planner's one entry point: load → resolve → estimate or recommend → re-validate.
 
-The CLI (``mbridge-offload estimate | recommend``), the MCP tools (``estimate_memory``, ``recommend_mode``),
-``apply --mode recommended`` and ``diagnose --before/--after`` all call :func:`plan`, so every memory number comes
-from the same model with the same inputs, and each states its GPU, GPU count and unit. Never imports torch.
+The CLI (``mbridge-offload estimate | recommend``) and the MCP tools (``estimate_memory``, ``recommend_mode``) pass
+their arguments to :func:`plan_answer`; ``apply --mode recommended`` and ``diagnose --before/--after`` call
+:func:`plan`, so every memory number comes from the same model with the same inputs, and each states its GPU, GPU
+count and unit. Never imports torch.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import shlex
+from collections.abc import Iterator
 from typing import Any, Literal
 
+from mbridge_offload.config.errors import InputError
 from mbridge_offload.config.schema import OffloadConfig
 from mbridge_offload.plan.inputs.resolve import resolve
 from mbridge_offload.plan.results import Estimate, Recommendation
@@ -112,3 +117,55 @@ def estimate_for_inputs(
     est = plan("estimate", flags, config, raw, source)
     assert isinstance(est, Estimate)
     return est
+
+
+# ---------------------------------------------------------------------------------------------- a tool's arguments
+
+
+@contextlib.contextmanager
+def library_errors() -> Iterator[None]:
+    """A ValueError or KeyError the library raises outside its own checks (an unknown preset, a setup Megatron
+    rejects) is bad input; an InputError keeps its message and fix."""
+    try:
+        yield
+    except InputError:
+        raise
+    except (ValueError, KeyError) as exc:
+        raise InputError(str(exc).strip("'\"")) from None
+
+
+def plan_source(v: dict[str, Any]) -> tuple[Any, Any, Any]:
+    """Take ``config``, ``overrides`` and ``megatron_args`` out of a planner tool's arguments ``v`` (left holding the
+    planner inputs) and read them: ``(config, raw, source)``, or Nones when only planner inputs were given."""
+    from mbridge_offload.config.sources import load
+
+    config, overrides, argv = v.pop("config"), v.pop("overrides") or [], v.pop("megatron_args")
+    if config is None and argv is None and v.get("model") is None and v.get("num_layers") is None:
+        raise InputError(
+            "no model: pass model (a preset such as qwen3-30b-a3b or llama3-8b), config (a Bridge YAML path or "
+            "text with the model section), or megatron_args"
+        )
+    if config is not None and argv is not None:
+        raise InputError("pass either config or megatron_args, not both")
+    if overrides and config is None and argv is None:
+        raise InputError("overrides need a config to apply to; pass config (a path or YAML text) too")
+    if config is None and argv is None:
+        return None, None, None
+    try:
+        words = shlex.split(argv) if argv is not None else None
+    except ValueError as exc:  # an unbalanced quote
+        raise InputError(f"megatron_args: cannot read the command line: {exc}") from None
+    with library_errors():
+        loaded = load(argv=words, overrides=overrides) if words is not None else load(config, overrides)
+    return loaded.config, loaded.raw, loaded.source
+
+
+def plan_answer(kind: Kind, v: dict[str, Any]) -> Any:
+    """``estimate`` / ``recommend`` as the CLI and the MCP tools take them: the config, its overrides or a
+    Megatron-LM command line, and every planner input given (``v``, by the tools' parameter names)."""
+    args = dict(v)
+    if args.pop("confirm", False) and kind == "recommend":  # the trace is the tools' (trace.confirm)
+        raise InputError("confirm is recommend's re-check by the trace: call trace.confirm.recommend_answer")
+    cfg, raw, source = plan_source(args)
+    with library_errors():
+        return plan(kind, args, cfg, raw, source)

@@ -7,57 +7,13 @@ import sys
 from typing import Any
 
 from mbridge_offload_tools.cli.common import EXIT_BAD_INPUT, EXIT_FINDINGS, EXIT_OK, UsageError, emit
-from mbridge_offload_tools.interface.build import add_arguments, values
+from mbridge_offload_tools.interface.build import add_command, values
 
 
 def add_parsers(sub: Any) -> None:
-    for add in (_add_apply, _add_test, _add_diagnose, _add_serve):
-        add(sub)
-
-
-def _add_apply(sub: Any) -> None:
-    p = sub.add_parser(
-        "apply",
-        help="switch an offload mode on/off in a config (dry run unless --output/--in-place)",
-        description="Edit a config to switch an offload mode on or off, resolving the conflicts it implies; prints "
-        "the diff and each change with its reason. Writes only with --output or --in-place, atomically, and never a "
-        "config its own validator rejects. Without --mode (or --option) the planner picks (--mode recommended). The "
-        "flags are the parameters of the MCP tool apply_offload (docs/mcp.md).",
-    )
-    add_arguments(p, "apply_offload")
-    p.set_defaults(handler=cmd_apply)
-
-
-def _add_test(sub: Any) -> None:
-    p = sub.add_parser(
-        "test",
-        help="run the offload tests (ours, a Bridge checkout's, or the parity suite)",
-        description="Run tests in a subprocess and report counts, durations, failures and a coverage paragraph. "
-        "Without -k (or with the upstream skill's -k cpu_offload) it runs the offload suite: the tests marked "
-        "cpu_offload (HybridDeviceOptimizer parity and resume, checkpoints, activation schedule, rules), "
-        "under a minute on 2 shared cores. --all runs every test.",
-    )
-    add_arguments(p, "run_unit_tests")
-    p.set_defaults(handler=cmd_test)
-
-
-def _add_diagnose(sub: Any) -> None:
-    p = sub.add_parser(
-        "diagnose",
-        help="explain an offload failure from an error message or log",
-        description="Match an error message or log against the known offload failure modes: the cause, how to "
-        "confirm it (a check, kept apart from the fix), and the fix as overrides; when the text cannot decide, what "
-        "to pass. With --config, the fix of an OOM, a slowdown or a host OOM is one of the planner's ranked options "
-        "for that config (as recommend gives them, on --gpu/--num-gpus, with the text as the measured log); never a "
-        "guessed fraction; the error/log text is the measured log unless --measured-log is given, and an OOM in it "
-        "sets --ooms. With --before/--after it lists the offload keys that changed and the predicted memory change "
-        "on that GPU and count. The flags are the parameters of the MCP tool diagnose_failure (docs/mcp.md).",
-    )
-    add_arguments(p, "diagnose_failure")
-    p.set_defaults(handler=cmd_diagnose)
-
-
-def _add_serve(sub: Any) -> None:
+    add_command(sub, "apply_offload", cmd_apply)
+    add_command(sub, "run_unit_tests", cmd_test)
+    add_command(sub, "diagnose_failure", cmd_diagnose)
     p = sub.add_parser(
         "serve",
         help="run the MCP server",

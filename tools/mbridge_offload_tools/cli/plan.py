@@ -11,38 +11,12 @@ from pathlib import Path
 from typing import Any
 
 from mbridge_offload_tools.cli.common import EXIT_OK, UsageError, emit
-from mbridge_offload_tools.interface.build import add_arguments, values
+from mbridge_offload_tools.interface.build import add_command, values
 
 
 def add_parsers(sub: Any) -> None:
-    est = sub.add_parser(
-        "estimate",
-        help="per-GPU memory (worst pipeline stage), host memory and step-time factor",
-        description="Predict per-GPU peak memory (worst pipeline stage, GB and GiB), host memory and the step time "
-        "of a setting as given (its offload fraction and layers included), with every assumption and its source. "
-        "step_time_factor is the step over the same setting with its offload off, recompute as given (the upstream "
-        "card's factor: x2.5 at 50 %% optimizer offload on its Qwen3-30B-A3B setup); "
-        "step_time_factor_vs_no_levers is over the run with recompute off too. The model comes from --model, a "
-        "config, or --megatron-args.",
-    )
-    add_arguments(est, "estimate_memory")
-    est.set_defaults(handler=run_estimate)
-    rec = sub.add_parser(
-        "recommend",
-        help="the cheapest way to fit: ranked options over recompute, offload, CP, TP and MBS",
-        description="Pick the smallest offload that makes the run fit (none, optimizer with a fraction, activation, "
-        "or both) and print the overrides, memory before and after, the step-time factor and the reasons. Also "
-        "ranks options[]: each lever allowed by --levers (default recompute,activation,fine-grained,optimizer; "
-        "cp, tp, mbs, vpp, grad-reduce, ce-fusion and expandable-segments are then shown as alternatives), ordered "
-        "by step time grown by risk (the answer's ranking says how), at the least setting that fits with the "
-        "margin and at one that keeps --headroom-gib free (default a tenth of the allocatable budget), with memory "
-        "per stage, host memory per GPU and per node, step time and step_time_factor, its ratio to the config as "
-        "given (1.0 = no change; step_time_factor_vs_no_levers: to the run with no lever pulled); the first is the "
-        "recommendation (mode/overrides). Offload whose pinned buffers exceed 72%% of the node's host RAM "
-        "(--host-ram-gb per GPU, --gpus-per-node) is never offered. apply --option N writes option N.",
-    )
-    add_arguments(rec, "recommend_mode")
-    rec.set_defaults(handler=run_recommend)
+    add_command(sub, "estimate_memory", run_estimate)
+    add_command(sub, "recommend_mode", run_recommend)
     cal = sub.add_parser(
         "calibrate",
         help="time torch's fused CPU AdamW here and store it as a named host profile",
@@ -61,19 +35,6 @@ def add_parsers(sub: Any) -> None:
     cal.add_argument("--steps", type=int, default=5, help="timed steps (default 5)")
     cal.add_argument("--json", action="store_true", help="print exactly one JSON object")
     cal.set_defaults(handler=run_calibrate)
-
-
-# ---------------------------------------------------------------------------------------------- inputs
-
-
-def _plan(kind: str, args: argparse.Namespace) -> Any:
-    """The planner on this command's config and flags: the body the MCP tools run too (``interface.calls``)."""
-    from mbridge_offload_tools.interface.calls import plan_answer
-    from mbridge_offload_tools.trace.confirm import recommend_answer
-
-    if kind == "recommend":  # its --confirm re-checks options[0] with the trace
-        return recommend_answer(values(args, "recommend_mode"))
-    return plan_answer(kind, values(args, "estimate_memory"))
 
 
 # ---------------------------------------------------------------------------------------------- human output
@@ -151,7 +112,9 @@ def _step_time_text(factor: float, no_levers: float, t: dict[str, Any]) -> str:
 
 
 def run_estimate(args: argparse.Namespace) -> int:
-    result = _plan("estimate", args)
+    from mbridge_offload.plan.service import plan_answer  # the MCP tool's body
+
+    result = plan_answer("estimate", values(args, "estimate_memory"))
     emit(result.model_dump(mode="json"), args.json, _human_estimate)
     return EXIT_OK
 
@@ -210,7 +173,9 @@ def option_lines(options: list[dict[str, Any]]) -> list[str]:
 
 
 def run_recommend(args: argparse.Namespace) -> int:
-    rec = _plan("recommend", args)
+    from mbridge_offload_tools.trace.confirm import recommend_answer  # the MCP tool's body: --confirm traces too
+
+    rec = recommend_answer(values(args, "recommend_mode"))
     emit(rec.model_dump(mode="json"), args.json, _human_recommend)
     return EXIT_OK
 

@@ -9,19 +9,11 @@ import argparse
 from typing import Any
 
 from mbridge_offload_tools.cli.common import EXIT_FINDINGS, EXIT_OK, emit
-from mbridge_offload_tools.interface.build import add_arguments, values
+from mbridge_offload_tools.interface.build import add_command, values
 
 
 def add_parsers(sub: Any) -> None:
-    p = sub.add_parser(
-        "validate",
-        help="check a config's CPU-offloading settings (upstream messages, fixes)",
-        description="Check a Megatron Bridge config (YAML/JSON file, '-' for stdin), a Bridge recipe or a "
-        "Megatron-LM command line against the rule catalogue (docs/rules.md). The flags are the parameters of the "
-        "MCP tool validate_config (docs/mcp.md).",
-    )
-    add_arguments(p, "validate_config")
-    p.set_defaults(handler=run)
+    add_command(sub, "validate_config", run)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -1,2 +1,2 @@
-"""One interface for the CLI and the MCP server: each tool's parameters declared once (``tools.py``), the
-``mbridge-offload`` subcommand's flags and the MCP tool's signature built from them (``build.py``)."""
+"""One interface for the CLI and the MCP server: each tool declared once (``tools.py``: its parameters, title and
+description), the ``mbridge-offload`` subcommand and the MCP tool's signature built from it (``build.py``)."""

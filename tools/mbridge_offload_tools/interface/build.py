@@ -1,4 +1,4 @@
-"""Both sides of one declaration (``TOOLS``): a subcommand's argparse flags and an MCP tool's signature.
+"""Both sides of one declaration (``TOOLS``): a subcommand (its flags, help, description) and an MCP tool's signature.
 
 Imports neither the MCP SDK nor the library's heavy parts: the CLI builds its parser from here.
 """
@@ -41,6 +41,16 @@ def _argparse_options(p: Param) -> dict[str, Any]:
     if p.metavar is not None:
         options["metavar"] = p.metavar
     return options
+
+
+def add_command(sub: Any, tool: str, handler: Callable[[argparse.Namespace], int]) -> argparse.ArgumentParser:
+    """The subcommand of the MCP tool ``tool``: its line in the command list, the tool's description and flags."""
+    spec = TOOLS[tool]
+    description = inspect.cleandoc(spec.description).replace("%", "%%")  # argparse formats help with %
+    parser: argparse.ArgumentParser = sub.add_parser(spec.command, help=spec.help, description=description)
+    add_arguments(parser, tool)
+    parser.set_defaults(handler=handler)
+    return parser
 
 
 def add_arguments(parser: argparse.ArgumentParser, tool: str) -> None:

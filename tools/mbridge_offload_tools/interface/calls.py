@@ -3,26 +3,12 @@
 
 from __future__ import annotations
 
-import contextlib
 import re
 import shlex
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from mbridge_offload.config.errors import InputError
-
-
-@contextlib.contextmanager
-def _library_errors() -> Iterator[None]:
-    """A ValueError or KeyError the library raises outside its own checks (an unknown preset, a setup Megatron
-    rejects) is bad input; an InputError keeps its message and fix."""
-    try:
-        yield
-    except InputError:
-        raise
-    except (ValueError, KeyError) as exc:
-        raise InputError(str(exc).strip("'\"")) from None
 
 
 def environment(env: list[str] | None, te_version: str | None) -> dict[str, str]:
@@ -168,50 +154,6 @@ def _with_upstream(report: Any, loaded: Any, v: dict[str, Any]) -> Any:
         return report.model_copy(update={"coverage": rules_only_coverage(f"not run: {exc}")})
 
 
-# ---------------------------------------------------------------------------------------------- the planner
-
-
-def plan_source(v: dict[str, Any]) -> tuple[Any, Any, Any]:
-    """Take ``config``, ``overrides`` and ``megatron_args`` out of a planner tool's arguments ``v`` (left holding the
-    planner inputs) and read them: ``(config, raw, source)``, or Nones when only planner inputs were given."""
-    from mbridge_offload.config.sources import load
-
-    config, overrides, argv = v.pop("config"), v.pop("overrides") or [], v.pop("megatron_args")
-    if config is None and argv is None and v.get("model") is None and v.get("num_layers") is None:
-        raise InputError(
-            "no model: pass model (a preset such as qwen3-30b-a3b or llama3-8b), config (a Bridge YAML path or "
-            "text with the model section), or megatron_args"
-        )
-    if config is not None and argv is not None:
-        raise InputError("pass either config or megatron_args, not both")
-    if overrides and config is None and argv is None:
-        raise InputError("overrides need a config to apply to; pass config (a path or YAML text) too")
-    if config is None and argv is None:
-        return None, None, None
-    try:
-        words = shlex.split(argv) if argv is not None else None
-    except ValueError as exc:  # an unbalanced quote
-        raise InputError(f"megatron_args: cannot read the command line: {exc}") from None
-    with _library_errors():
-        loaded = load(argv=words, overrides=overrides) if words is not None else load(config, overrides)
-    return loaded.config, loaded.raw, loaded.source
-
-
-def plan_answer(kind: str, v: dict[str, Any]) -> Any:
-    """``estimate`` / ``recommend``: the config, its overrides or a Megatron-LM command line, and every planner input
-    given, through ``plan.service.plan``."""
-    from mbridge_offload.plan.service import plan
-
-    args = dict(v)
-    confirming = bool(args.pop("confirm", False))
-    cfg, raw, source = plan_source(args)
-    with _library_errors():
-        answer = plan(kind, args, cfg, raw, source)  # type: ignore[arg-type]
-    if confirming and kind == "recommend":  # the trace runs in trace.confirm.recommend_answer, which calls this
-        raise InputError("confirm is recommend's re-check by the trace: call trace.confirm.recommend_answer")
-    return answer
-
-
 # ---------------------------------------------------------------------------------------------- apply
 
 
@@ -219,10 +161,11 @@ def apply_answer(v: dict[str, Any], **where: Any) -> Any:
     """``apply``: the mode (or the planner's option) on one config, written only when asked, where ``where`` allows
     (``allowed_root``: the CLI's extra directory; ``write_roots``: the MCP server's roots)."""
     from mbridge_offload.actions.apply.apply import apply_offload
+    from mbridge_offload.plan.service import library_errors
     from mbridge_offload_tools.interface.tools import APPLY_PLANNER
 
     planner = {name: v[name] for name in APPLY_PLANNER if v[name] is not None}
-    with _library_errors():
+    with library_errors():
         return apply_offload(
             v["config"],
             v["mode"],

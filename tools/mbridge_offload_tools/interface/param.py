@@ -140,6 +140,11 @@ class Tool:
     command: str
     params: tuple[Param, ...]
     cli_only: tuple[CliOnly, ...] = (JSON_FLAG,)
+    title: str = ""  # the MCP tool's title
+    help: str = ""  # the subcommand's line in ``mbridge-offload --help``
+    # The MCP tool's description, written as its docstring was (the indented lines are the bytes an agent reads),
+    # and the subcommand's --help text: one description for both.
+    description: str = ""
 
     def __post_init__(self) -> None:
         names = [p.name for p in self.params]

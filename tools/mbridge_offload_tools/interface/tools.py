@@ -1,4 +1,5 @@
-"""The parameters of every MCP tool, which are the flags of its subcommand: one declaration per tool.
+"""The parameters of every MCP tool, which are the flags of its subcommand: one declaration per tool, with the
+title, the command-list line and the one description both show.
 
 To add a parameter to a tool and its subcommand, add one ``Param`` below: the CLI flag, the MCP schema and the docs
 follow. The planner's inputs come from ``PlanInputs`` (:func:`plan_params`).
@@ -152,6 +153,14 @@ VALIDATE = Tool(
             metavar="KEY=VALUE",
         ),
     ),
+    title="Validate a CPU-offloading config",
+    help="check a config's CPU-offloading settings (upstream messages, fixes)",
+    description="""\
+Check a Megatron Bridge config's offload settings (or a Megatron-LM command line) against every upstream rule.
+
+    Returns findings with the upstream message, the keys involved and the fix: Bridge overrides, or Megatron-LM
+    flags (fix_notation='megatron-lm') when megatron_args was given.
+    """,
 )
 
 ALLOWED_ROOT = CliOnly(
@@ -169,7 +178,16 @@ _CONFIG_OPTIONAL = Param(
 _PLAN_CLI_ONLY = (MODEL_CONFIG, JSON_FLAG)
 
 ESTIMATE = Tool(
-    "estimate_memory", "estimate", (_CONFIG_OPTIONAL, OVERRIDES, MEGATRON_ARGS, *plan_params()), _PLAN_CLI_ONLY
+    "estimate_memory",
+    "estimate",
+    (_CONFIG_OPTIONAL, OVERRIDES, MEGATRON_ARGS, *plan_params()),
+    _PLAN_CLI_ONLY,
+    title="Estimate memory and step time",
+    help="per-GPU memory (worst pipeline stage), host memory and step-time factor",
+    description="""\
+Predict per-GPU peak memory (worst pipeline stage, GB and GiB), host memory and step-time factor of a
+    setting as given (its offload fraction / layers included), with every assumption and its source.
+    """,
 )
 CONFIRM = Param(
     "confirm",
@@ -183,6 +201,19 @@ RECOMMEND = Tool(
     "recommend",
     (_CONFIG_OPTIONAL, OVERRIDES, MEGATRON_ARGS, CONFIRM, *plan_params()),
     _PLAN_CLI_ONLY,
+    title="Recommend an offload mode",
+    help="the cheapest way to fit: ranked options over recompute, offload, CP, TP and MBS",
+    description="""\
+Pick the smallest offload that makes the run fit: none, optimizer (with a fraction), activation, both,
+    fine-grained (offload_modules; works with PP > 1) or fine-grained+optimizer.
+
+    Takes a preset, a (partial) config, Megatron-LM argv and/or any planner input; what is missing comes from the
+    preset (or the error names it). Returns the overrides, per-GPU memory before (the config as given, its offload
+    included) / after (GB and GiB) on the stated GPU and count, whether it fits, the step-time factor, why, the
+    advice in words when it removes the config's offload, a fallback (the cheapest offload for a headroom) when
+    none is needed, and every assumption with its source. Pass measured_peak_gib / measured_step_s /
+    measured_log / ooms to anchor the predictions on the user's own run.
+    """,
 )
 
 TRACE = Tool(
@@ -219,6 +250,14 @@ TRACE = Tool(
         *plan_params(),
     ),
     _PLAN_CLI_ONLY,
+    title="Trace megatron-core's own step",
+    help="peak memory of megatron-core's own step for the worst rank, traced on fake tensors",
+    description="""\
+Trace megatron-core's own GPTModel, DDP buffers, optimizer and schedule for the worst pipeline stage of the
+    layout on fake tensors (a fake process group; nothing is computed, every allocation counted) and answer like
+    estimate_memory: memory_gib by category (total = the peak), phases, peak_phase, assumptions, plus by_module
+    and under_test (the megatron-core release and layer spec). Takes the inputs estimate_memory takes; ~10-120 s.
+    """,
 )
 
 APPLY_MODES = ("optimizer", "activation", "both", "none", "recommended", "fine-grained")
@@ -279,7 +318,23 @@ _APPLY_OWN = (
 # cpu_offloading_num_layers (the model's layer count comes from the config; actions.apply.plan.APPLY_OWN_INPUTS).
 APPLY_PLANNER = tuple(n for n in PlanInputs.model_fields if n not in {p.name for p in _APPLY_OWN})
 
-APPLY = Tool("apply_offload", "apply", (*_APPLY_OWN, *plan_params(APPLY_PLANNER)), (ALLOWED_ROOT, JSON_FLAG))
+APPLY = Tool(
+    "apply_offload",
+    "apply",
+    (*_APPLY_OWN, *plan_params(APPLY_PLANNER)),
+    (ALLOWED_ROOT, JSON_FLAG),
+    title="Apply an offload mode to a config",
+    help="switch an offload mode on/off in a config (dry run unless --output/--in-place)",
+    description="""\
+Edit a config to enable (or disable) CPU offloading, resolving the conflicts the mode implies.
+
+    Always returns the unified diff, the override list and each change with its reason; writes only with output
+    or in_place, atomically, and never a config that fails validation. Comments, key order and every untouched
+    byte are preserved. An existing output is replaced only with overwrite=true, and then backed up. With
+    mode='recommended' or option=N it takes every input recommend_mode takes (measured_log, ooms, levers,
+    headroom_gib, gpu, num_gpus, ...), so option N is recommend_mode's options[N] for the same inputs, written exactly.
+    """,
+)
 
 TEST = Tool(
     "run_unit_tests",
@@ -328,6 +383,19 @@ TEST = Tool(
         ),
         JSON_FLAG,
     ),
+    title="Run the offload unit tests",
+    help="run the offload tests (ours, a Bridge checkout's, or the parity suite)",
+    description="""\
+Run tests in a subprocess and report counts, durations, failing node ids with the failure text, and a
+    coverage paragraph (what ran, what did not). By default (or k='cpu_offload') the offload suite runs: HDO
+    parity and resume, checkpoints, activation schedule, rules; suite='full' runs everything.
+
+    bridge_repo runs a Megatron Bridge checkout's offload tests only when the server was started with
+    --allow-bridge-repo for it (running them imports the checkout's conftest.py).
+
+    Progress is reported as each test finishes. A selection that matches nothing is reported as
+    nothing_selected (ok=false), never as success.
+    """,
 )
 
 DIAGNOSE = Tool(
@@ -355,6 +423,18 @@ DIAGNOSE = Tool(
         # Size the fix of an OOM, a slowdown or a host OOM with the config, as estimate and recommend take them.
         *plan_params(input_names()),
     ),
+    title="Diagnose an offload failure",
+    help="explain an offload failure from an error message or log",
+    description="""\
+Match an error or log against the known offload failure modes: cause, how to confirm, fix as overrides.
+
+    A confirming experiment (e.g. resuming without the optimizer state) is in confirm / confirm_overrides, never in
+    fix. When the text cannot decide (a bare CUDA OOM and no config), needs says what to pass. With a config, an OOM,
+    slowdown or host-OOM fix is one of the planner's ranked options (options[], sized on gpu / num_gpus with the
+    text as measured_log and an OOM in it as ooms; assumptions lists every input with its source), never a guessed
+    fraction. With before/after configs it also lists the offload keys that changed and the predicted memory change
+    on that GPU and count. log is a file path or the log text itself.
+    """,
 )
 
 PLOT = Tool(
@@ -405,6 +485,19 @@ PLOT = Tool(
         *plan_params(),
     ),
     (MODEL_CONFIG, ALLOWED_ROOT, JSON_FLAG),
+    title="Plot memory and step time",
+    help="draw a sweep of one input, the phases of a step, or recommend's options",
+    description="""\
+Draw the planner's answers and return the picture (image content, PNG unless format='svg') with its points
+    (structured content).
+
+    kind='sweep' with sweep='KEY=START:STOP:STEP' (the stop included; or 'KEY=V1,V2,...'), KEY any numeric planner
+    input (optimizer_offload_fraction, activation_offload_layers, recompute_num_layers, micro_batch_size, ...): peak
+    memory per pipeline stage and step time at each value, with the budget line; each point is estimate_memory at that
+    value. kind='phases': the phases of one step per stage and the one that sets the peak. kind='options':
+    recommend_mode's ranked options beside the config as given. Takes every input of estimate_memory. Writes a file
+    only with output (.svg or .png, inside the server's roots); an existing one only with overwrite=true (backed up).
+    """,
 )
 
 TOOLS: dict[str, Tool] = {t.name: t for t in (VALIDATE, ESTIMATE, RECOMMEND, TRACE, APPLY, TEST, DIAGNOSE, PLOT)}

@@ -7,25 +7,11 @@ from pathlib import Path
 from typing import Any
 
 from mbridge_offload_tools.cli.common import EXIT_OK, emit
-from mbridge_offload_tools.interface.build import add_arguments, values
-
-DESCRIPTION = (
-    "Draw the planner's answers. --sweep KEY=START:STOP:STEP (the stop included; or KEY=V1,V2,...): peak memory per "
-    "pipeline stage and step time at each value of one planner input (each point is estimate at that value), with "
-    "the GPU budget line; --kind phases: the phases of one step per stage (estimate's phases) and the one that sets "
-    "the peak; --kind options: recommend's ranked options side by side (memory, step time, which fit). Every input "
-    "of estimate is accepted. Writes --output (.svg or .png by its extension; default "
-    "./mbridge-offload-KIND[-KEY].svg); an existing file only with --force (a backup is kept). --json prints the "
-    "points and where the picture was written. Needs matplotlib: pip install 'mbridge-offload[plot]'."
-)
+from mbridge_offload_tools.interface.build import add_command, values
 
 
 def add_parsers(sub: Any) -> None:
-    p = sub.add_parser(
-        "plot", help="draw a sweep of one input, the phases of a step, or recommend's options", description=DESCRIPTION
-    )
-    add_arguments(p, "plot_offload")  # the flags are the parameters of the MCP tool plot_offload (one declaration)
-    p.set_defaults(handler=run_plot)
+    add_command(sub, "plot_offload", run_plot)
 
 
 def run_plot(args: argparse.Namespace) -> int:

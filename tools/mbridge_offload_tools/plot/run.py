@@ -19,7 +19,7 @@ def plot_answer(
 ) -> tuple[PlotResult, bytes]:
     """``plot``: one body for the CLI and the MCP tool, which differ only where a picture goes when no output is named
     (``default_file``: the CLI's ``./mbridge-offload-KIND[-KEY].svg``; the MCP tool returns the image only)."""
-    from mbridge_offload_tools.interface.calls import plan_source
+    from mbridge_offload.plan.service import plan_source
     from mbridge_offload_tools.plot import sweep
 
     args = dict(v)

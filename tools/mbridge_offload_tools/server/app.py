@@ -1,8 +1,9 @@
 """The ``mbridge-offload`` MCP server: the tools of references/tools.md, each a thin call into the library.
 
-Each tool's parameters are its declaration's (``interface.tools``) and its body the CLI's (``interface.calls``); the
-library's result models are the structured output. Start-up imports only the MCP SDK and pydantic: the library (and
-torch, in subprocesses) load inside the tools. Run: ``mbridge-offload-mcp`` or ``mbridge-offload serve``.
+Each tool's parameters, title and description are its declaration's (``interface.tools``) and its body the CLI's
+(``interface.calls``); the library's result models are the structured output. Start-up imports only the MCP SDK and
+pydantic: the library (and torch, in subprocesses) load inside the tools. Run: ``mbridge-offload-mcp`` or
+``mbridge-offload serve``.
 """
 
 from __future__ import annotations
@@ -28,14 +29,10 @@ from mbridge_offload.actions.testing.result import TestRunResult
 # The library's own result models are the tools' structured output (one schema for library, CLI --json and MCP).
 from mbridge_offload.config.validate import Report as ValidateOutput
 from mbridge_offload.plan.results import Estimate, Recommendation
+from mbridge_offload.plan.service import plan_answer
 from mbridge_offload_tools.interface.build import declared
-from mbridge_offload_tools.interface.calls import (
-    apply_answer,
-    diagnose_answer,
-    plan_answer,
-    validate_answer,
-    validate_seconds,
-)
+from mbridge_offload_tools.interface.calls import apply_answer, diagnose_answer, validate_answer, validate_seconds
+from mbridge_offload_tools.interface.tools import TOOLS
 from mbridge_offload_tools.plot.result import PlotResult
 from mbridge_offload_tools.server import guard, roots
 from mbridge_offload_tools.trace.result import TraceAnswer
@@ -64,75 +61,47 @@ WRITES = ToolAnnotations(read_only_hint=False, destructive_hint=True, idempotent
 
 
 def _tool(
-    name: str, title: str, annotations: ToolAnnotations = READ_ONLY, deadline: Callable[..., float] | None = None
+    name: str, annotations: ToolAnnotations = READ_ONLY, deadline: Callable[..., float] | None = None
 ) -> Callable[[Callable[..., Any]], Any]:
-    """Register ``fn`` as the MCP tool ``name``: its declared parameters, run in the guard (pool, deadline, errors)."""
+    """Register ``fn`` as the MCP tool ``name``: its declared parameters, title and description (its subcommand's
+    too), run in the guard (pool, deadline, errors)."""
+    spec = TOOLS[name]
 
     def wrap(fn: Callable[..., Any]) -> Any:
-        return mcp.tool(title=title, annotations=annotations)(guard.guarded(deadline)(declared(name)(fn)))
+        register = mcp.tool(title=spec.title, description=spec.description, annotations=annotations)
+        return register(guard.guarded(deadline)(declared(name)(fn)))
 
     return wrap
 
 
-@_tool("validate_config", "Validate a CPU-offloading config", deadline=validate_seconds)
+@_tool("validate_config", deadline=validate_seconds)
 def validate_config(**v: Any) -> ValidateOutput:
-    """Check a Megatron Bridge config's offload settings (or a Megatron-LM command line) against every upstream rule.
-
-    Returns findings with the upstream message, the keys involved and the fix: Bridge overrides, or Megatron-LM
-    flags (fix_notation='megatron-lm') when megatron_args was given.
-    """
     return validate_answer(v)
 
 
-@_tool("recommend_mode", "Recommend an offload mode")
+@_tool("recommend_mode")
 def recommend_mode(**v: Any) -> Recommendation:
-    """Pick the smallest offload that makes the run fit: none, optimizer (with a fraction), activation, both,
-    fine-grained (offload_modules; works with PP > 1) or fine-grained+optimizer.
-
-    Takes a preset, a (partial) config, Megatron-LM argv and/or any planner input; what is missing comes from the
-    preset (or the error names it). Returns the overrides, per-GPU memory before (the config as given, its offload
-    included) / after (GB and GiB) on the stated GPU and count, whether it fits, the step-time factor, why, the
-    advice in words when it removes the config's offload, a fallback (the cheapest offload for a headroom) when
-    none is needed, and every assumption with its source. Pass measured_peak_gib / measured_step_s /
-    measured_log / ooms to anchor the predictions on the user's own run.
-    """
     from mbridge_offload_tools.trace.confirm import recommend_answer  # its confirm re-checks options[0] with trace
 
     return recommend_answer(v)
 
 
-@_tool("estimate_memory", "Estimate memory and step time")
+@_tool("estimate_memory")
 def estimate_memory(**v: Any) -> Estimate:
-    """Predict per-GPU peak memory (worst pipeline stage, GB and GiB), host memory and step-time factor of a
-    setting as given (its offload fraction / layers included), with every assumption and its source.
-    """
     return plan_answer("estimate", v)
 
 
 # Runs megatron-core in a subprocess on fake tensors; reads the config, writes nothing.
-@_tool("trace_memory", "Trace megatron-core's own step", deadline=lambda v: float(v.get("deadline") or 300.0) + 30)
+@_tool("trace_memory", deadline=lambda v: float(v.get("deadline") or 300.0) + 30)
 def trace_memory(**v: Any) -> TraceAnswer:
-    """Trace megatron-core's own GPTModel, DDP buffers, optimizer and schedule for the worst pipeline stage of the
-    layout on fake tensors (a fake process group; nothing is computed, every allocation counted) and answer like
-    estimate_memory: memory_gib by category (total = the peak), phases, peak_phase, assumptions, plus by_module
-    and under_test (the megatron-core release and layer spec). Takes the inputs estimate_memory takes; ~10-120 s.
-    """
     from mbridge_offload_tools.trace.run import trace_answer
 
     return TraceAnswer.model_validate(trace_answer(v))
 
 
 # A second identical write is refused: not idempotent.
-@_tool("apply_offload", "Apply an offload mode to a config", WRITES)
+@_tool("apply_offload", WRITES)
 def apply_offload(**v: Any) -> ApplyResult:
-    """Edit a config to enable (or disable) CPU offloading, resolving the conflicts the mode implies.
-
-    Always returns the unified diff, the override list and each change with its reason; writes only with output
-    or in_place, atomically, and never a config that fails validation. Comments, key order and every untouched
-    byte are preserved. An existing output is replaced only with overwrite=true, and then backed up. With
-    mode='recommended' or option=N it takes every input recommend_mode takes (measured_log, ooms, levers,
-    headroom_gib, gpu, num_gpus, ...), so option N is recommend_mode's options[N] for the same inputs, written exactly.
-    """
     return apply_answer(v, write_roots=guard.policy().write_roots())
 
 
@@ -140,21 +109,10 @@ def apply_offload(**v: Any) -> ApplyResult:
 # read-only, and open-world because that code is not this server's.
 @_tool(
     "run_unit_tests",
-    "Run the offload unit tests",
     ToolAnnotations(read_only_hint=False, destructive_hint=False, idempotent_hint=True, open_world_hint=True),
     deadline=lambda v: float(v.get("timeout_s") or 600) + 30,
 )
 def run_unit_tests(ctx: Context, **v: Any) -> TestRunResult:
-    """Run tests in a subprocess and report counts, durations, failing node ids with the failure text, and a
-    coverage paragraph (what ran, what did not). By default (or k='cpu_offload') the offload suite runs: HDO
-    parity and resume, checkpoints, activation schedule, rules; suite='full' runs everything.
-
-    bridge_repo runs a Megatron Bridge checkout's offload tests only when the server was started with
-    --allow-bridge-repo for it (running them imports the checkout's conftest.py).
-
-    Progress is reported as each test finishes. A selection that matches nothing is reported as
-    nothing_selected (ok=false), never as success.
-    """
     import anyio.from_thread
 
     from mbridge_offload.actions.testing.result import TestSuiteError
@@ -175,32 +133,13 @@ def run_unit_tests(ctx: Context, **v: Any) -> TestRunResult:
         raise ToolError(str(exc)) from None
 
 
-@_tool("diagnose_failure", "Diagnose an offload failure")
+@_tool("diagnose_failure")
 def diagnose_failure(**v: Any) -> DiagnoseReport:
-    """Match an error or log against the known offload failure modes: cause, how to confirm, fix as overrides.
-
-    A confirming experiment (e.g. resuming without the optimizer state) is in confirm / confirm_overrides, never in
-    fix. When the text cannot decide (a bare CUDA OOM and no config), needs says what to pass. With a config, an OOM,
-    slowdown or host-OOM fix is one of the planner's ranked options (options[], sized on gpu / num_gpus with the
-    text as measured_log and an OOM in it as ooms; assumptions lists every input with its source), never a guessed
-    fraction. With before/after configs it also lists the offload keys that changed and the predicted memory change
-    on that GPU and count. log is a file path or the log text itself.
-    """
     return diagnose_answer(v)
 
 
-@_tool("plot_offload", "Plot memory and step time", WRITES)
+@_tool("plot_offload", WRITES)
 def plot_offload(**v: Any) -> Annotated[CallToolResult, PlotResult]:
-    """Draw the planner's answers and return the picture (image content, PNG unless format='svg') with its points
-    (structured content).
-
-    kind='sweep' with sweep='KEY=START:STOP:STEP' (the stop included; or 'KEY=V1,V2,...'), KEY any numeric planner
-    input (optimizer_offload_fraction, activation_offload_layers, recompute_num_layers, micro_batch_size, ...): peak
-    memory per pipeline stage and step time at each value, with the budget line; each point is estimate_memory at that
-    value. kind='phases': the phases of one step per stage and the one that sets the peak. kind='options':
-    recommend_mode's ranked options beside the config as given. Takes every input of estimate_memory. Writes a file
-    only with output (.svg or .png, inside the server's roots); an existing one only with overwrite=true (backed up).
-    """
     from mbridge_offload_tools.plot.run import plot_answer
 
     # PNG by default: agent hosts show PNG image content to the model.

@@ -6,22 +6,11 @@ import argparse
 from typing import Any
 
 from mbridge_offload_tools.cli.common import EXIT_OK, emit
-from mbridge_offload_tools.interface.build import add_arguments, values
+from mbridge_offload_tools.interface.build import add_command, values
 
 
 def add_parsers(sub: Any) -> None:
-    parser = sub.add_parser(
-        "trace",
-        help="peak memory of megatron-core's own step for the worst rank, traced on fake tensors",
-        description="Build megatron-core's own GPTModel, DDP buffers and optimizer for the worst rank role of the "
-        "layout (the pipeline stage estimate finds worst), under a fake process group and fake tensors, run "
-        "megatron-core's schedule with the micro-batches it keeps in flight, then one optimizer step, counting "
-        "every allocation. Answers like estimate (memory_gib by category, total = the peak; phases; peak_phase; "
-        "assumptions) plus by_module and under_test. Takes the config and planner inputs estimate takes. "
-        "Simulated on CPU (docs/trace.md); ~10-120 s.",
-    )
-    add_arguments(parser, "trace_memory")
-    parser.set_defaults(handler=run_trace)
+    add_command(sub, "trace_memory", run_trace)
 
 
 def _human(d: dict[str, Any]) -> str:

@@ -63,7 +63,7 @@ def option_inputs(changes: list[dict[str, Any]]) -> tuple[dict[str, Any], str | 
 def _overhead_gib(v: dict[str, Any], inputs: dict[str, Any]) -> float:
     """The planner's fitted workspace constant (``Setup.overhead_gb``) for the option, GiB."""
     from mbridge_offload.plan.inputs.resolve import resolve
-    from mbridge_offload_tools.interface.calls import plan_source
+    from mbridge_offload.plan.service import plan_source
 
     args = {k: val for k, val in {**v, **inputs}.items() if k not in ("megatron_core", "stage", "deadline")}
     cfg, raw, source = plan_source(args)
@@ -114,12 +114,12 @@ def confirm(v: dict[str, Any], rec: Any) -> dict[str, Any]:
 
 def recommend_answer(v: dict[str, Any]) -> Any:
     """``recommend`` / ``recommend_mode`` with its ``confirm`` flag: the planner's answer
-    (:func:`mbridge_offload_tools.interface.calls.plan_answer`), with ``confirm`` filled when it was asked for.
+    (:func:`mbridge_offload.plan.service.plan_answer`), with ``confirm`` filled when it was asked for.
 
     Raises:
         InputError: as ``plan_answer`` (a trace that cannot run is an answer, not an error).
     """
-    from mbridge_offload_tools.interface.calls import plan_answer
+    from mbridge_offload.plan.service import plan_answer
 
     args = {k: val for k, val in v.items() if k != "confirm"}
     rec = plan_answer("recommend", args)

@@ -1,7 +1,7 @@
 """``mbridge-offload trace`` / MCP ``trace_memory``: megatron-core's own step for the worst rank, on fake tensors.
 
 The parent side (torch-free, like the CLI and the server): read the config and planner inputs as ``estimate`` does
-(``interface.calls.plan_source`` and ``plan.inputs.resolve``), ask the planner which pipeline stage is worst, build
+(``plan.service.plan_source`` and ``plan.inputs.resolve``), ask the planner which pipeline stage is worst, build
 the child's spec (``trace.spec``), run ``trace/child.py`` under the chosen megatron-core release (the releases and
 their paths are exact mode's: ``exact.run.installs``), with a deadline, and answer like ``estimate``: ``memory_gib``
 by category with ``total`` = the peak, ``phases`` and ``peak_phase``, ``assumptions``, plus ``by_module`` and
@@ -178,7 +178,7 @@ def trace_answer(v: dict[str, Any]) -> dict[str, Any]:
     """
     from mbridge_offload.plan.inputs.resolve import resolve
     from mbridge_offload.plan.search.planner import estimate
-    from mbridge_offload_tools.interface.calls import plan_source
+    from mbridge_offload.plan.service import plan_source
     from mbridge_offload_tools.trace import spec as specs
 
     args = dict(v)

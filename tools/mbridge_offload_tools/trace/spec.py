@@ -1,7 +1,7 @@
 """What the trace's child builds, from the planner's resolved inputs: one reading of the config for every tool.
 
 ``trace`` reads its config, overrides, command line and flags exactly as ``estimate`` does
-(:func:`mbridge_offload_tools.interface.calls.plan_source`, then :func:`mbridge_offload.plan.inputs.resolve.resolve`,
+(:func:`mbridge_offload.plan.service.plan_source`, then :func:`mbridge_offload.plan.inputs.resolve.resolve`,
 which applies the one effective config of :mod:`mbridge_offload.config.effective`), so the same file gives the same
 ``ModelSpec`` and ``Setup``. This module turns those into the megatron-core fields the child passes to
 ``TransformerConfig``, ``DistributedDataParallelConfig`` and ``OptimizerConfig``, and picks the rank to trace: the
