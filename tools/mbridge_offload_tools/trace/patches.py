@@ -10,6 +10,8 @@ bytes the GPU would hold. Each patch says why it is needed.
 from __future__ import annotations
 
 import contextlib
+import sys
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -266,6 +268,10 @@ def apply_standins() -> None:
     from megatron.core.optimizer import distrib_optimizer
 
     _patch(distrib_optimizer, "Adam", standins.FusedAdamStandIn)  # its isinstance check
+    from megatron.core.optimizer import optimizer_config
+
+    for module in (optimizers, optimizer_config):
+        _patch(module, "is_te_min_version", te_min_version)
     from megatron.core.transformer import torch_norm
 
     def norm_new(cls: Any, config: Any, hidden_size: int, *args: Any, **kwargs: Any) -> Any:
@@ -274,6 +280,40 @@ def apply_standins() -> None:
         return standins.NormStandIn(config, hidden_size)
 
     _patch(torch_norm.WrappedTorchNorm, "__new__", norm_new)
+
+
+def te_min_version(version: str, check_equality: bool = True) -> bool:
+    """megatron-core's ``is_te_min_version`` for the optimizer's modules, answered for the TE release the stand-ins
+    follow (``standins.TE_VERSION``) rather than 0.0.0 (no TE here): megatron-core passes ``store_param_remainders``
+    to FusedAdam from TE 2.1 on."""
+    import standins
+
+    wanted = tuple(int(part) for part in version.split(".")[:2])
+    have = tuple(standins.TE_VERSION)
+    return have >= wanted if check_equality else have > wanted
+
+
+@contextlib.contextmanager
+def te_fused_adam_importable() -> Iterator[None]:
+    """While megatron-core's ``OptimizerConfig`` is built: ``transformer_engine.pytorch.optimizers.FusedAdam`` is the
+    stand-in, for the precision-aware optimizer's check that TE's FusedAdam takes its dtype arguments. Only then:
+    a ``transformer_engine`` module left in ``sys.modules`` would make other megatron-core code believe TE is here."""
+    import types
+
+    import standins
+
+    names = ("transformer_engine", "transformer_engine.pytorch", "transformer_engine.pytorch.optimizers")
+    if any(n in sys.modules for n in names):
+        yield
+        return
+    for n in names:
+        sys.modules[n] = types.ModuleType(n)
+    sys.modules[names[-1]].FusedAdam = standins.FusedAdamStandIn  # type: ignore[attr-defined]
+    try:
+        yield
+    finally:
+        for n in names:
+            sys.modules.pop(n, None)
 
 
 def balanced_counts(tokens: int, topk: int, experts: int) -> list[int]:

@@ -37,7 +37,6 @@ _NOT_YET = (
     (lambda m, s: s.activation_offload_layers > 0, "layer-level activation offload"),
     (lambda m, s: bool(s.offload_modules), "fine-grained activation offloading"),
     (lambda m, s: s.pipeline_layout is not None, "pipeline layouts"),
-    (lambda m, s: s.precision_aware_optimizer, "the precision-aware optimizer (TE FusedAdam's master weights)"),
 )
 
 

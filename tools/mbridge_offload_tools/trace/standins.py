@@ -58,6 +58,23 @@ FACTS: dict[str, dict[str, Any]] = {
 }
 
 
+# TE's FusedAdam (transformer_engine/pytorch/optimizers/fused_adam.py), the lines FusedAdamStandIn follows, per
+# release: checked against TE's git tags by tests/tools/test_trace_standins.py where a checkout is given.
+FUSED_ADAM_FACTS: dict[str, tuple[str, ...]] = {
+    # the int16 remainders (store_param_remainders) and the fp32 copies of low-precision states held per group
+    "v2.9": ("dtype=torch.int16", "unscaled_lists[name].append(unscaled)", "unscaled = state[state_name].float()"),
+    # from v2.13: two bf16 moments are unscaled inside the kernel
+    "v2.13": ("dtype=torch.int16", "unscaled_lists[name].append(unscaled)",
+              "self.fuse_unscale = self.exp_avg_dtype == self.exp_avg_sq_dtype == torch.bfloat16"),
+    "v2.18": ("dtype=torch.int16", "unscaled_lists[name].append(unscaled)",
+              "self.fuse_unscale = self.exp_avg_dtype == self.exp_avg_sq_dtype == torch.bfloat16"),
+}
+
+# The Transformer Engine release the stand-ins follow where TE's behaviour changed between releases (the release
+# Megatron Bridge 0.6.2 pins, as validate and the planner assume: the planner takes no TE version yet).
+TE_VERSION = (2, 18)
+
+
 class _Norm(torch.autograd.Function):
     """What TE's _LayerNorm / RMSNorm keeps for backward: its input, weight and the fp32 statistics per token."""
 
@@ -139,30 +156,79 @@ def use_te_attention(layer_spec: Any) -> None:
 
 
 class FusedAdamStandIn(torch.optim.Optimizer):
-    """In place of TE's FusedAdam (what megatron-core builds when TE is installed, as in every Bridge run): its state
-    is ``exp_avg`` and ``exp_avg_sq`` per parameter, made at the first step, and its multi-tensor kernel updates
-    them in place with no temporaries. torch's AdamW, megatron-core's fallback without TE or apex, would add
-    per-parameter temporaries on CPU (and a whole fp32 copy per foreach op on a GPU) that no Bridge run has."""
+    """In place of TE's FusedAdam (what megatron-core builds when TE is installed, as in every Bridge run), with the
+    state TE makes (FUSED_ADAM_FACTS): ``exp_avg`` and ``exp_avg_sq`` per parameter in their configured dtypes
+    (a one-element fp32 scale beside each that is not fp32), made at the first step, and with ``master_weights``
+    (megatron-core's precision-aware optimizer) the master copy: only the 16 low bits as int16 where TE stores
+    remainders (bf16 parameter, fp32 master, ``store_param_remainders``), else in the master dtype. Its multi-tensor
+    kernel updates them in place; what it allocates during a step is the fp32 "unscaled" copy of every state that
+    is not fp32, held for the whole parameter group (``unscaled_lists``), except bf16 moments from v2.13 on
+    (``fuse_unscale``) and int16 remainders. torch's AdamW, megatron-core's fallback without TE or apex, would add
+    per-parameter temporaries no Bridge run has."""
 
-    def __init__(self, params: Any, lr: float = 1e-3, **kwargs: Any) -> None:
-        self.state_dtypes = (
-            kwargs.pop("exp_avg_dtype", torch.float32) or torch.float32,
-            kwargs.pop("exp_avg_sq_dtype", torch.float32) or torch.float32,
+    # TE releases from which bf16 moments are unscaled inside the kernel (fused_adam.py ``fuse_unscale``: v2.13).
+    FUSE_UNSCALE_FROM = (2, 13)
+
+    def __init__(
+        self,
+        params: Any,
+        lr: float = 1e-3,
+        *,
+        exp_avg_dtype: Any = None,
+        exp_avg_sq_dtype: Any = None,
+        master_weights: bool = False,
+        master_weight_dtype: Any = None,
+        use_decoupled_grad: bool = False,
+        store_param_remainders: bool = False,
+        **kwargs: Any,
+    ) -> None:
+        # megatron-core's OptimizerConfig checks that TE's FusedAdam takes these four by name (precision-aware path)
+        self.state_dtypes = {"exp_avg": exp_avg_dtype or torch.float32, "exp_avg_sq": exp_avg_sq_dtype or torch.float32}
+        self.master_weights = bool(master_weights)
+        master = master_weight_dtype or torch.float32
+        if self.master_weights:
+            self.state_dtypes["master_param"] = master
+        self.use_decoupled_grad = bool(use_decoupled_grad)
+        # TE: "Works only when master params is in FP32"; megatron-core passes the flag from TE 2.1 on.
+        self.store_param_remainders = bool(store_param_remainders) and self.master_weights and master == torch.float32
+        self.fuse_unscale = (
+            TE_VERSION >= self.FUSE_UNSCALE_FROM
+            and self.state_dtypes["exp_avg"] == self.state_dtypes["exp_avg_sq"] == torch.bfloat16
         )
         super().__init__(
             params, {"lr": lr, **{k: v for k, v in kwargs.items() if k in ("weight_decay", "betas", "eps")}}
         )
 
+    def _remainders(self, p: torch.Tensor) -> bool:
+        return self.store_param_remainders and p.dtype == torch.bfloat16
+
+    def initialize_state(self, p: torch.Tensor, store_param_remainders: bool = False) -> None:
+        """TE's ``initialize_state``: the moments (zeros), the master copy, a scale per low-precision state."""
+        state = self.state[p]
+        for name, dtype in self.state_dtypes.items():
+            if name == "master_param" and store_param_remainders:
+                state[name] = torch.zeros_like(p, dtype=torch.int16)
+                continue
+            state[name] = torch.zeros_like(p, dtype=dtype)
+            if dtype != torch.float32:
+                state[f"{name}_scale"] = p.new_ones(1, dtype=torch.float32)
+
     @torch.no_grad()
     def step(self, closure: Any = None) -> None:  # type: ignore[override]
         for group in self.param_groups:
+            unscaled: list[torch.Tensor] = []  # TE's unscaled_lists: alive until the group's kernels have run
             for p in group["params"]:
-                if p.grad is None:
-                    continue
                 state = self.state[p]
                 if not state:
-                    state["exp_avg"] = torch.zeros_like(p, dtype=self.state_dtypes[0])
-                    state["exp_avg_sq"] = torch.zeros_like(p, dtype=self.state_dtypes[1])
+                    self.initialize_state(p, self._remainders(p))
+                grad = getattr(p, "decoupled_grad", None) if self.use_decoupled_grad else p.grad
+                if grad is None:
+                    continue
+                for name, dtype in self.state_dtypes.items():
+                    if dtype == torch.float32 or (dtype == torch.bfloat16 and self.fuse_unscale):
+                        continue
+                    unscaled.append(state[name].float())
+            del unscaled
 
 
 # TE's get_dummy_wgrad cache (module/base.py, v2.18): one tensor per (shape, dtype), kept for the whole run. Emptied

@@ -129,6 +129,7 @@ def trace(torch: Any, spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def _build(torch: Any, spec: dict[str, Any], tracker: Tracker) -> dict[str, Any]:
+    import patches
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
@@ -151,7 +152,9 @@ def _build(torch: Any, spec: dict[str, Any], tracker: Tracker) -> dict[str, Any]
             tracker.retag(p, "weights")
     tracker.category = "optimizer"
     opt_kw = dict(spec["optimizer"])
-    optimizer = get_megatron_optimizer(OptimizerConfig(**_dtypes(torch, opt_kw)), model, use_gloo_process_groups=False)
+    with patches.te_fused_adam_importable():
+        opt_config = OptimizerConfig(**_dtypes(torch, opt_kw))
+    optimizer = get_megatron_optimizer(opt_config, model, use_gloo_process_groups=False)
     # megatron-core 0.16 builds a HybridDeviceOptimizer over the model's parameters, then the distributed optimizer
     # builds its own over its shards; the first, with its fp32 copies, is cyclic garbage that Python's collector
     # frees at its next pass (long before the first step on a real run): collect it now.
