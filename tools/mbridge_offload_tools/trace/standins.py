@@ -64,10 +64,16 @@ FUSED_ADAM_FACTS: dict[str, tuple[str, ...]] = {
     # the int16 remainders (store_param_remainders) and the fp32 copies of low-precision states held per group
     "v2.9": ("dtype=torch.int16", "unscaled_lists[name].append(unscaled)", "unscaled = state[state_name].float()"),
     # from v2.13: two bf16 moments are unscaled inside the kernel
-    "v2.13": ("dtype=torch.int16", "unscaled_lists[name].append(unscaled)",
-              "self.fuse_unscale = self.exp_avg_dtype == self.exp_avg_sq_dtype == torch.bfloat16"),
-    "v2.18": ("dtype=torch.int16", "unscaled_lists[name].append(unscaled)",
-              "self.fuse_unscale = self.exp_avg_dtype == self.exp_avg_sq_dtype == torch.bfloat16"),
+    "v2.13": (
+        "dtype=torch.int16",
+        "unscaled_lists[name].append(unscaled)",
+        "self.fuse_unscale = self.exp_avg_dtype == self.exp_avg_sq_dtype == torch.bfloat16",
+    ),
+    "v2.18": (
+        "dtype=torch.int16",
+        "unscaled_lists[name].append(unscaled)",
+        "self.fuse_unscale = self.exp_avg_dtype == self.exp_avg_sq_dtype == torch.bfloat16",
+    ),
 }
 
 # The Transformer Engine release the stand-ins follow where TE's behaviour changed between releases (the release
