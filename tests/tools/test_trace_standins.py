@@ -225,3 +225,28 @@ def test_fused_adam_copies_low_precision_states_to_fp32_in_its_step_unless_two_b
     # a bf16 master is not a remainder: fused with the moments on 2.18, copied on 2.9
     assert _adam_step_bytes((2, 18), master_weight_dtype=torch.bfloat16, **bf16)[1] == 0
     assert _adam_step_bytes((2, 9), master_weight_dtype=torch.bfloat16, **bf16)[1] == 3 * 4000
+
+
+@pytest.mark.skipif(TE_SRC is None, reason="set MBRIDGE_OFFLOAD_TE_SRC to a TransformerEngine checkout with tags")
+@pytest.mark.parametrize("tag", sorted(standins.CROSS_ENTROPY_FACTS))
+def test_te_cross_entropy_keeps_what_the_stand_in_keeps(tag: str) -> None:
+    for path, lines in standins.CROSS_ENTROPY_FACTS[tag].items():
+        text = _source(tag, path)
+        for line in lines:
+            assert line in text, (tag, path, line)
+
+
+def test_te_cross_entropy_keeps_the_bf16_logits_before_2_18_and_an_fp32_gradient_from_2_18() -> None:
+    import torch
+
+    logits = torch.randn(64, 2, 100, dtype=torch.bfloat16, requires_grad=True)
+    labels = torch.zeros(64, 2, dtype=torch.long)
+    old = standins.TE_VERSION
+    try:
+        standins.TE_VERSION = (2, 17)
+        in_place = _saved_bytes(lambda: standins.te_parallel_cross_entropy(logits * 1, labels))
+        standins.TE_VERSION = (2, 18)
+        fp32 = _saved_bytes(lambda: standins.te_parallel_cross_entropy(logits * 1, labels))
+    finally:
+        standins.TE_VERSION = old
+    assert (in_place, fp32) == (2 * logits.numel(), 4 * logits.numel())

@@ -160,6 +160,18 @@ def _null_context(*args: Any, **kwargs: Any) -> Any:
     yield
 
 
+class _NoFp8:
+    """TE's FP8GlobalStateManager outside an FP8 autocast (the traced runs compute in bf16: FP8 is refused)."""
+
+    @staticmethod
+    def is_fp8_enabled() -> bool:
+        return False
+
+    @staticmethod
+    def get_fp8_recipe() -> None:
+        return None
+
+
 def _patch(owner: Any, name: str, value: Any) -> None:
     """Replace ``owner.name`` (typed attributes of torch and megatron-core included) with ``value``."""
     setattr(owner, name, value)
@@ -280,6 +292,19 @@ def apply_standins() -> None:
         return standins.NormStandIn(config, hidden_size)
 
     _patch(torch_norm.WrappedTorchNorm, "__new__", norm_new)
+    # megatron-core's CheckpointWithoutOutput (moe_act, mla_up_proj, layernorm recompute) sets ``self.fp8 = fp8 is
+    # not None``, so its default fp8=False asks TE's FP8GlobalStateManager whether FP8 is on: with TE it answers no
+    # (bf16 runs), without TE the name is undefined. The answer TE gives, and TE's no-op context for it.
+    from megatron.core.tensor_parallel import random as tp_random
+
+    if not getattr(tp_random, "HAVE_TE", True):
+        _patch(tp_random, "FP8GlobalStateManager", _NoFp8)
+        _patch(tp_random, "activation_recompute_forward", _null_context)
+        _patch(tp_random, "fp8_autocast", _null_context)
+    # cross_entropy_fusion_impl: te (Bridge's recipes): TE's fused cross entropy, as TE keeps it (trace.standins)
+    from megatron.core.models.common.language_module import language_module
+
+    _patch(language_module, "te_parallel_cross_entropy", standins.te_parallel_cross_entropy)
 
 
 def te_min_version(version: str, check_equality: bool = True) -> bool:

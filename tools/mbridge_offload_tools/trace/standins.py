@@ -76,9 +76,10 @@ FUSED_ADAM_FACTS: dict[str, tuple[str, ...]] = {
     ),
 }
 
-# The Transformer Engine release the stand-ins follow where TE's behaviour changed between releases (the release
-# Megatron Bridge 0.6.2 pins, as validate and the planner assume: the planner takes no TE version yet).
-TE_VERSION = (2, 18)
+# The Transformer Engine release the stand-ins follow where TE's allocations changed between releases: set for each
+# traced spec from the run's ``te_version`` (trace/step.py; the planner's input, by default the release Megatron
+# Bridge 0.6.2 pins).
+TE_VERSION: tuple[int, ...] = (2, 18)
 
 
 class _Norm(torch.autograd.Function):
@@ -122,8 +123,8 @@ class _FusedAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        sq, b, heads, dim = q.shape
-        out = q.new_empty(sq, b, heads, dim)
+        sq, b, heads, _ = q.shape
+        out = q.new_empty(sq, b, heads, v.shape[-1])  # MLA: the value's head dimension, not the query's
         stats = q.new_empty(b, heads, sq, 1, dtype=torch.float32)
         rng_state = q.new_empty(2, dtype=torch.int64)
         ctx.save_for_backward(q, k, v, out, stats, rng_state)
@@ -156,9 +157,139 @@ class FusedAttentionStandIn(torch.nn.Module):
         return out.view(sq, b, heads * dim)
 
 
-def use_te_attention(layer_spec: Any) -> None:
-    """Swap the local spec's core attention for the fused-attention stand-in (in place)."""
-    layer_spec.submodules.self_attention.submodules.core_attention = FusedAttentionStandIn
+class _Linear(torch.autograd.Function):
+    """What TE's _Linear keeps and makes outside FP8: saves its input and weight; backward makes the input gradient
+    and, with ``fuse_wgrad_accumulation``, writes the weight gradient into ``main_grad`` and hands autograd the cached
+    dummy (as ``_GroupedLinear``)."""
+
+    @staticmethod
+    def forward(ctx: Any, inp: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(inp, weight)
+        return inp.new_empty(*inp.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        inp, weight = ctx.saved_tensors
+        if hasattr(weight, "grad_added_to_main_grad"):
+            weight.grad_added_to_main_grad = True
+            wgrad = _dummy_wgrad(grad, list(weight.main_grad.shape), weight.dtype)
+        else:
+            wgrad = torch.empty_like(weight)
+        return torch.empty_like(inp), wgrad
+
+
+class DuplicatedLinearStandIn(torch.nn.Module):
+    """In place of megatron-core's ``TELinear`` with ``parallel_mode="duplicated"``: MLA's down projections under TE
+    (``multi_latent_attention.py`` builds them duplicated when the spec names TELinear), the whole weight on every TP
+    rank, the sequence-parallel shard in, no communication. megatron-core's local spec splits them over TP instead
+    (``ColumnParallelLinear``, then a gather and a scatter), which no TE run does."""
+
+    def __init__(self, input_size: int, output_size: int, *, config: Any, parallel_mode: Any = None, **kw: Any) -> None:
+        super().__init__()
+        self.config = config
+        self.weight = torch.nn.Parameter(torch.empty(output_size, input_size, dtype=config.params_dtype))
+        # megatron-core's TELinear marks a duplicated weight under SP: its gradient is all-reduced over TP
+        self.weight.__dict__["sequence_parallel"] = config.sequence_parallel
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return _Linear.apply(x, self.weight), None
+
+
+class LayerNormColumnParallelLinearStandIn(torch.nn.Module):
+    """In place of ``TELayerNormColumnParallelLinear`` where megatron-core asks the backend for a fused norm+linear
+    (0.19.2's MLA resolver: the query projection without a query latent, under ``qk_layernorm``): the norm stand-in
+    then megatron-core's own ``ColumnParallelLinear``, which keep what TE's ``_LayerNormLinear`` keeps
+    (``FACTS["layernorm_linear"]``)."""
+
+    def __init__(self, input_size: int, output_size: int, *, config: Any, **kw: Any) -> None:
+        super().__init__()
+        from megatron.core.tensor_parallel.layers import ColumnParallelLinear
+
+        self.norm = NormStandIn(config, input_size)
+        known = (
+            "init_method",
+            "bias",
+            "gather_output",
+            "skip_bias_add",
+            "is_expert",
+            "tp_comm_buffer_name",
+            "tp_group",
+        )
+        self.linear = ColumnParallelLinear(
+            input_size, output_size, config=config, **{k: v for k, v in kw.items() if k in known}
+        )
+
+    def forward(self, x: torch.Tensor) -> Any:
+        return self.linear(self.norm(x))
+
+
+def use_te_mla_projections() -> None:
+    """Make megatron-core's MLA build its projections as TE does: ``DuplicatedLinearStandIn`` is its TELinear (the
+    down projections) and, where the release asks the backend for one (0.19.2), the local backend's fused
+    norm+linear is ``LayerNormColumnParallelLinearStandIn``."""
+    from megatron.core.models import backends
+    from megatron.core.transformer import multi_latent_attention
+
+    multi_latent_attention.TELinear = DuplicatedLinearStandIn  # type: ignore[attr-defined]
+    backends.LocalSpecProvider.column_parallel_layer_norm_linear = (  # type: ignore[method-assign]
+        lambda self: LayerNormColumnParallelLinearStandIn
+    )
+
+
+# The release from which TE's fused cross entropy keeps an fp32 gradient, and the lines that say so per release
+# (checked against TE's git tags by tests/tools/test_trace_standins.py where a checkout is given).
+CE_FP32_GRAD_FROM = (2, 18)
+CROSS_ENTROPY_FACTS: dict[str, dict[str, tuple[str, ...]]] = {
+    "v2.17": {
+        "transformer_engine/pytorch/cross_entropy.py": ("ctx.save_for_backward(inp.detach())",),
+        "transformer_engine/pytorch/triton/cross_entropy.py": ("return loss, _input",),
+    },
+    "v2.18": {
+        "transformer_engine/pytorch/cross_entropy.py": ("ctx.save_for_backward(grad_input.detach())",),
+        "transformer_engine/pytorch/triton/cross_entropy.py": (
+            "grad_input = torch.empty_like(_input, dtype=torch.float32)",
+        ),
+    },
+}
+
+
+class _CrossEntropy(torch.autograd.Function):
+    """What TE's CrossEntropyFunction keeps and makes: the per-token loss (fp32) and the logits' gradient, saved —
+    written over the logits before 2.18, a new fp32 tensor from 2.18 (autograd casts it to the logits' dtype when
+    backward hands it on)."""
+
+    @staticmethod
+    def forward(ctx: Any, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        logits = logits if logits.is_contiguous() else logits.contiguous()
+        grad = torch.empty_like(logits, dtype=torch.float32) if TE_VERSION >= CE_FP32_GRAD_FROM else logits
+        ctx.save_for_backward(grad.detach())
+        return logits.new_empty(logits.shape[:-1], dtype=torch.float32)
+
+    @staticmethod
+    def backward(ctx: Any, grad_loss: torch.Tensor) -> tuple[Any, ...]:
+        (grad,) = ctx.saved_tensors
+        return grad, None
+
+
+def te_parallel_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    """In place of megatron-core's ``te_parallel_cross_entropy`` (TE's ``parallel_cross_entropy``): ``[s, b]`` fp32
+    losses of ``[s, b, V/TP]`` logits."""
+    return _CrossEntropy.apply(logits, labels)
+
+
+def use_te_attention(layer_spec: Any, config: Any) -> None:
+    """Swap the local spec's core attention for the fused-attention stand-in (in place); under MLA, its down
+    projections for TE's duplicated linear, and no query norm without a query latent (TE's spec has none there: the
+    local spec sets both norms from ``qk_layernorm``, which megatron-core refuses without ``q_lora_rank``)."""
+    from megatron.core.transformer.identity_op import IdentityOp
+
+    attention = layer_spec.submodules.self_attention.submodules
+    attention.core_attention = FusedAttentionStandIn
+    if getattr(config, "multi_latent_attention", False):
+        use_te_mla_projections()
+        attention.linear_kv_down_proj = attention.linear_q_down_proj = DuplicatedLinearStandIn
+        if config.q_lora_rank is None:
+            attention.q_layernorm = IdentityOp
 
 
 class FusedAdamStandIn(torch.optim.Optimizer):

@@ -16,6 +16,7 @@ _LAYER = re.compile(r"\.(\d+)(?=\.|$)")
 
 def _config(torch: Any, spec: dict[str, Any]) -> Any:
     from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
 
     dtype = (
         torch.bfloat16
@@ -27,7 +28,8 @@ def _config(torch: Any, spec: dict[str, Any]) -> Any:
     kw = dict(spec["transformer"])
     if kw.pop("swiglu", False):
         kw["activation_func"] = torch.nn.functional.silu
-    return TransformerConfig(
+    cls = MLATransformerConfig if kw.get("multi_latent_attention") else TransformerConfig
+    return cls(
         **kw,
         params_dtype=dtype,
         pipeline_dtype=dtype,
@@ -57,11 +59,15 @@ def _chunks(torch: Any, spec: dict[str, Any], config: Any) -> list[Any]:
             )
             layers = list(layer_spec.layer_specs)
         else:
-            layer_spec = get_gpt_layer_local_spec(qk_layernorm=config.qk_layernorm, normalization=config.normalization)
+            layer_spec = get_gpt_layer_local_spec(
+                qk_layernorm=config.qk_layernorm,
+                multi_latent_attention=config.multi_latent_attention,
+                normalization=config.normalization,
+            )
             layers = [layer_spec]
         if spec.get("attention", "fused") == "fused":
             for one in layers:
-                standins.use_te_attention(one)
+                standins.use_te_attention(one, config)
         first = parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
         last = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
         kwargs: dict[str, Any] = {"vp_stage": vp_stage} if vpp else {}
@@ -121,6 +127,7 @@ def trace(torch: Any, spec: dict[str, Any]) -> dict[str, Any]:
     tracker = Tracker()
     patches.MODE_TRACKER[:] = [tracker]
     standins.reset()
+    standins.TE_VERSION = tuple(int(part) for part in spec.get("te_version", "2.18").split(".")[:2])
     with FakeTensorMode(allow_non_fake_inputs=True), patches.CpuForCuda(tracker), tracker:
         built = _build(torch, spec, tracker)
         _warm_up(torch, tracker, built)

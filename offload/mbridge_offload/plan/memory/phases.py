@@ -21,7 +21,7 @@ Phases never coexist, so a stage's peak is the largest of them, not the sum of e
   bf16 gradients in place (``decoupled_grad``), but TE's FusedAdam step makes an fp32 copy of every state that is not
   fp32 (``get_unscaled_state``: fp16 or fp8 moments, an fp16 or bf16 master) and holds them for the whole parameter
   group until its kernels have run; two bf16 moments are unscaled inside the kernel instead (``fuse_unscale``, TE
-  2.13 on: the planner assumes the TE release validate assumes), and int16 remainders are used as they are.
+  2.13 on: ``Setup.te_version``), and int16 remainders are used as they are.
 
 Every phase carries the ``other`` workspaces the allocator hands out throughout (``Setup.overhead_gb``). Never
 imports torch.
@@ -59,7 +59,7 @@ class PhaseMemory:
 
 def te_unscaled_states(s: Setup) -> list[str]:
     """The optimizer states TE FusedAdam copies to fp32 in each step (module docstring), by name."""
-    fused = s.exp_avg_dtype == s.exp_avg_sq_dtype == "bf16"
+    fused = s.exp_avg_dtype == s.exp_avg_sq_dtype == "bf16" and s.te_at_least(2, 13)
     states = {"exp_avg": s.exp_avg_dtype, "exp_avg_sq": s.exp_avg_sq_dtype}
     remainders = s.main_params_dtype == "fp32" and s.store_param_remainders and DTYPE_BYTES[s.params_dtype] == 2
     if not remainders:
