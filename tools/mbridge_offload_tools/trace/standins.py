@@ -230,8 +230,8 @@ def use_te_mla_projections() -> None:
     from megatron.core.models import backends
     from megatron.core.transformer import multi_latent_attention
 
-    multi_latent_attention.TELinear = DuplicatedLinearStandIn  # type: ignore[attr-defined]
-    backends.LocalSpecProvider.column_parallel_layer_norm_linear = (  # type: ignore[method-assign]
+    multi_latent_attention.TELinear = DuplicatedLinearStandIn
+    backends.LocalSpecProvider.column_parallel_layer_norm_linear = (
         lambda self: LayerNormColumnParallelLinearStandIn
     )
 
