@@ -231,9 +231,7 @@ def use_te_mla_projections() -> None:
     from megatron.core.transformer import multi_latent_attention
 
     multi_latent_attention.TELinear = DuplicatedLinearStandIn
-    backends.LocalSpecProvider.column_parallel_layer_norm_linear = (
-        lambda self: LayerNormColumnParallelLinearStandIn
-    )
+    backends.LocalSpecProvider.column_parallel_layer_norm_linear = lambda self: LayerNormColumnParallelLinearStandIn
 
 
 # The release from which TE's fused cross entropy keeps an fp32 gradient, and the lines that say so per release
