@@ -250,3 +250,30 @@ def test_te_cross_entropy_keeps_the_bf16_logits_before_2_18_and_an_fp32_gradient
     finally:
         standins.TE_VERSION = old
     assert (in_place, fp32) == (2 * logits.numel(), 4 * logits.numel())
+
+
+@pytest.mark.skipif(TE_SRC is None, reason="set MBRIDGE_OFFLOAD_TE_SRC to a TransformerEngine checkout with tags")
+@pytest.mark.parametrize("tag", ["v2.9", "v2.18"])
+def test_te_rmsnorm_saves_a_contiguous_copy_of_a_view(tag: str) -> None:
+    assert "input_.contiguous()" in _source(tag, standins.FACTS["rmsnorm"]["file"])
+
+
+def test_a_norm_over_a_view_keeps_its_own_copy_not_the_whole_storage() -> None:
+    import torch
+
+    class Config:
+        params_dtype = torch.bfloat16
+        normalization = "RMSNorm"
+        sequence_parallel = False
+
+    qkv = torch.randn(64, 2, 3, 32, dtype=torch.bfloat16, requires_grad=True)
+    key = qkv[:, :, 1]  # a view, as the key heads split out of the QKV projection's output
+    kept: list[int] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        kept.append(t.untyped_storage().nbytes())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        standins.NormStandIn(Config(), 32)(key)
+    assert max(kept) == 2 * key.numel() < qkv.untyped_storage().nbytes()

@@ -30,7 +30,8 @@ FACTS: dict[str, dict[str, Any]] = {
         "file": "transformer_engine/pytorch/ops/basic/rmsnorm.py",
         "function": "RMSNorm",
         "saves": {"v2.9": ("x", "rstdevs"), "v2.18": ("x", "rstdevs")},
-        "meaning": "the norm's input and its fp32 reciprocal standard deviation per token",
+        "meaning": "the norm's input, made contiguous (x = ... input_.contiguous() ...), and its fp32 reciprocal "
+        "standard deviation per token",
     },
     "layernorm_linear": {
         "file": "transformer_engine/pytorch/module/layernorm_linear.py",
@@ -87,6 +88,9 @@ class _Norm(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        # TE's RMSNorm op reads ``input_.contiguous()`` and saves that: a norm over a view (the key heads split out of
+        # the QKV projection's output, under qk_layernorm) keeps its own copy, not the whole projection output
+        x = x.contiguous()
         tokens = x.numel() // x.shape[-1]
         rsigma = x.new_empty(tokens, dtype=torch.float32)
         ctx.save_for_backward(x, weight, rsigma)
