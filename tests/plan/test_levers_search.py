@@ -102,7 +102,7 @@ def test_te_cross_entropy_is_not_offered_from_te_2_18_where_it_keeps_an_fp32_gra
     from mbridge_offload.config.errors import InputError
 
     loaded = _loaded(tmp_path)
-    with pytest.raises(InputError, match="ce-fusion: from Transformer Engine 2.18"):
+    with pytest.raises(InputError, match=r"ce-fusion: from Transformer Engine 2\.18"):
         _recommend(loaded, **SFT, te_version="2.18", levers=["ce-fusion"])
     assert _recommend(loaded, **SFT, te_version="2.17.1", levers=["ce-fusion"]).options
 
