@@ -3,7 +3,9 @@
 For each generated dense run (``tests/support/trace_cases.py``: TP, SP, PP, VPP, uneven stages, full and selective
 recompute, distributed optimizer or not, fp32 or bf16 gradient reduction, tied embeddings) and each generated MoE run
 (``generate_moe``: EP, expert-TP, expert DP, shared experts, a leading dense layer, top-k; balanced routing on both
-sides, ``docs/trace.md``), the planner's worst stage is traced with megatron-core (one child process for all of
+sides, ``docs/trace.md``) and each generated feature run (``generate_features``: multi-latent attention with and
+without a query latent, query/key norms, the precision-aware optimizer's dtypes, the fused cross entropy at TE 2.17
+and 2.18), the planner's worst stage is traced with megatron-core (one child process for all of
 them) and compared:
 
 - resident state (weights + gradients + optimizer state): the issue's bar, 1 %, on every run;
