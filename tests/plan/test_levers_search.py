@@ -88,13 +88,23 @@ def _option(levers_: list[str], step: float, overrides: int, risk: float, fits: 
 )
 def test_a_switch_lever_writes_its_keys_and_its_memory_is_estimate_with_them(tmp_path, lever, written):
     loaded = _loaded(tmp_path)
-    rec = _recommend(loaded, **SFT, levers=["recompute,activation,fine-grained,optimizer,grad-reduce,ce-fusion"])
+    run = {**SFT, "te_version": "2.17"}  # TE's fused cross entropy saves memory before 2.18 only
+    rec = _recommend(loaded, **run, levers=["recompute,activation,fine-grained,optimizer,grad-reduce,ce-fusion"])
     pulled = [o for o in rec.options if lever in o.levers]
     assert pulled, [o.levers for o in rec.options]
     for option in pulled:
         assert written <= set(option.overrides), option.overrides
-        est = _estimate_with(loaded, option.overrides, **SFT)
+        est = _estimate_with(loaded, option.overrides, **run)
         assert est.memory_gib.total == pytest.approx(option.memory_gib.total, abs=0.01), option.why
+
+
+def test_te_cross_entropy_is_not_offered_from_te_2_18_where_it_keeps_an_fp32_gradient_too(tmp_path):
+    from mbridge_offload.config.errors import InputError
+
+    loaded = _loaded(tmp_path)
+    with pytest.raises(InputError, match=r"ce-fusion: from Transformer Engine 2\.18"):
+        _recommend(loaded, **SFT, te_version="2.18", levers=["ce-fusion"])
+    assert _recommend(loaded, **SFT, te_version="2.17.1", levers=["ce-fusion"]).options
 
 
 def test_bf16_gradient_reduction_halves_the_gradient_buffers(tmp_path):

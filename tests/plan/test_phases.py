@@ -116,6 +116,7 @@ SETUPS = [
     ("llama3-8b", Setup(num_gpus=8, grad_reduce_in_fp32=False, seq_length=16384)),
     ("llama3-8b", Setup(num_gpus=8, tp=2, recompute_granularity="full", recompute_method="uniform")),
     ("llama3-8b", Setup(num_gpus=8, cross_entropy_loss_fusion=True, cross_entropy_fusion_impl="te")),
+    ("llama3-8b", Setup(num_gpus=8, cross_entropy_loss_fusion=True, cross_entropy_fusion_impl="te", te_version="2.17")),
     ("llama3-70b", Setup(num_gpus=32, tp=4, pp=4, vpp=5, global_batch_size=64, grad_reduce_in_fp32=False)),
     ("llama3-70b", Setup(num_gpus=64, tp=4, pp=8, grad_reduce_in_fp32=False, precision_aware_optimizer=True)),
     (
@@ -212,12 +213,18 @@ def test_the_optimizer_steps_transient_is_the_fp32_copy_of_bf16_gradients_only()
     assert _phases(st)["optimizer_step"].other - int(fsdp.overhead_gb * GB) == 4 * st.shard_numel
 
 
-def test_the_loss_holds_six_bytes_per_logit_with_megatron_cores_cross_entropy_and_two_with_te():
+def test_the_loss_holds_six_bytes_per_logit_with_megatron_cores_cross_entropy_and_two_with_te_before_2_18():
     m = model_preset("llama3-8b")
     seq, h, logits = 8192, 4096, 8192 * padded_vocab(m, 1)
     layers = 32 * sum(t.nbytes for t in layer_activations(m, Setup(num_gpus=8), 0)) + 8 * seq + 4 * seq * h
-    for fusion, impl, kept, peak in ((False, "native", 4, 6), (True, "native", 4, 6), (True, "te", 2, 2)):
-        s = Setup(num_gpus=8, cross_entropy_loss_fusion=fusion, cross_entropy_fusion_impl=impl)
+    runs = (
+        (False, "native", "2.18", 4, 6),
+        (True, "native", "2.18", 4, 6),
+        (True, "te", "2.17", 2, 2),  # the kernel writes the gradient over the bf16 logits
+        (True, "te", "2.18", 4, 6),  # an fp32 gradient, saved; autograd casts it to bf16 in backward
+    )
+    for fusion, impl, te, kept, peak in runs:
+        s = Setup(num_gpus=8, cross_entropy_loss_fusion=fusion, cross_entropy_fusion_impl=impl, te_version=te)
         loss = _phases(estimate_memory(m, s).worst)["loss"]
         assert loss.activations == layers + kept * logits
         assert loss.other - int(s.overhead_gb * GB) == (peak - kept) * logits
@@ -233,7 +240,7 @@ def test_only_the_last_stage_runs_the_loss_and_its_logits_never_meet_the_backwar
 
 def test_the_config_reads_the_cross_entropy_kernel(tmp_path):
     base = {"model": "llama3-8b", "gpu": "h100-80gb", "num_gpus": 8, "cross_entropy_loss_fusion": True}
-    te = estimate_for_inputs(**base, cross_entropy_fusion_impl="te")
+    te = estimate_for_inputs(**base, cross_entropy_fusion_impl="te", te_version="2.17")
     native = estimate_for_inputs(**base)
     assumed = {a.name: a for a in native.assumptions}
     assert assumed["cross_entropy_fusion_impl"].value == "native" and assumed["cross_entropy_fusion_impl"].source
@@ -242,6 +249,9 @@ def test_the_config_reads_the_cross_entropy_kernel(tmp_path):
     # kernel the output layer's backward (its weight-sized gradient) may set the stage's peak instead.
     te_loss, native_loss = (next(p for p in r.phases[0].phases if p.name == "loss").memory_gib for r in (te, native))
     assert native_loss - te_loss == pytest.approx(4 * 8192 * 128256 / GiB, abs=0.01)
+    # from TE 2.18 the kernel keeps an fp32 gradient as megatron-core's does: the same loss phase
+    te18 = estimate_for_inputs(**base, cross_entropy_fusion_impl="te", te_version="2.18")
+    assert next(p for p in te18.phases[0].phases if p.name == "loss").memory_gib == native_loss
 
 
 # ------------------------------------------------------------------------------------------- the answers

@@ -149,3 +149,88 @@ def generate_moe(seed: int, n: int) -> list[dict[str, Any]]:
         case["config"] = _moe_config(shared, layers > 1 and rng.random() < 0.3, layers)
         out.append(case)
     return out
+
+
+def _feature_config(
+    mla: dict[str, Any] | None, qk_layernorm: bool, shared: int | None, dense_first: bool, layers: int, moe: bool
+) -> str:
+    """The model section a feature case states: multi-latent attention (its ranks and head dimensions), the query/key
+    norms, and for MoE the fields of :func:`_moe_config`."""
+    lines = [
+        "model:",
+        "  gated_linear_unit: true",
+        "  add_bias_linear: false",
+        f"  qk_layernorm: {str(qk_layernorm).lower()}",
+    ]
+    if mla is not None:
+        lines.append("  multi_latent_attention: true")
+        lines += [f"  {k}: {'null' if v is None else v}" for k, v in mla.items()]
+    if moe:
+        lines += _moe_config(shared, dense_first, layers).splitlines()[3:]
+    return "\n".join(lines) + "\n"
+
+
+# Multi-latent attention shapes (q latent or none, kv latent, qk / rope / v head dims): DeepSeek-V3, DeepSeek-V2-Lite
+# and Moonlight (no query latent), and a small one.
+MLA_SHAPES = (
+    {"q_lora_rank": 1536, "kv_lora_rank": 512, "qk_head_dim": 128, "qk_pos_emb_head_dim": 64, "v_head_dim": 128},
+    {"q_lora_rank": None, "kv_lora_rank": 512, "qk_head_dim": 128, "qk_pos_emb_head_dim": 64, "v_head_dim": 128},
+    {"q_lora_rank": 256, "kv_lora_rank": 128, "qk_head_dim": 64, "qk_pos_emb_head_dim": 32, "v_head_dim": 64},
+)
+STATE_DTYPES = (("fp32", "fp32", "fp32"), ("bf16", "bf16", "fp32"), ("fp16", "fp16", "fp32"), ("bf16", "fp32", "fp32"))
+
+
+def generate_features(seed: int, n: int) -> list[dict[str, Any]]:
+    """``n`` cases of the features the dense and MoE generators leave out: multi-latent attention with and without a
+    query latent, query/key norms, the precision-aware optimizer's state dtypes, and the fused cross entropy
+    (megatron-core's ``native`` or Transformer Engine's, before and from TE 2.18), on dense and MoE layers."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        moe = rng.random() < 0.5
+        mla = rng.choice((None, *MLA_SHAPES))
+        hidden, heads, groups, kv, ffn, moe_ffn, experts, topk, shared = rng.choice(MOE_WIDTHS)
+        if mla is not None:
+            groups = heads  # MLA has no query groups
+        case: dict[str, Any] = {
+            "hidden_size": hidden,
+            "num_attention_heads": heads,
+            "num_query_groups": groups,
+            "kv_channels": kv,
+            "ffn_hidden_size": ffn,
+            "vocab_size": rng.choice(VOCABS),
+            "seq_length": rng.choice((1024, 2048, 4096)),
+            "micro_batch_size": 1,
+        }
+        tp = rng.choice([t for t in (1, 1, 2, 4) if groups % t == 0 and heads % t == 0])
+        pp = rng.choice((1, 1, 2))
+        layers = pp * rng.choice((1, 2))
+        case.update(tp=tp, pp=pp, num_layers=layers)
+        if tp > 1:
+            case["sequence_parallel"] = True
+        ep = 1
+        if moe:
+            case.update(moe_ffn_hidden_size=moe_ffn, num_moe_experts=experts, moe_router_topk=max(2, topk))
+            ep = rng.choice([e for e in (1, 2, 4, 8) if experts % e == 0 and experts // e <= 32])
+            case.update(ep=ep, etp=1)
+        case["num_gpus"] = math.lcm(tp * pp, pp * ep) * rng.choice((1, 2))
+        dp = case["num_gpus"] // (tp * pp)
+        case["global_batch_size"] = dp * rng.choice((1, 2))
+        case["distributed_optimizer"] = True
+        case["grad_reduce_in_fp32"] = rng.random() < 0.5
+        if rng.random() < 0.6:
+            exp_avg, exp_avg_sq, main = rng.choice(STATE_DTYPES)
+            case.update(
+                precision_aware_optimizer=True,
+                exp_avg_dtype=exp_avg,
+                exp_avg_sq_dtype=exp_avg_sq,
+                main_params_dtype=main,
+            )
+        if rng.random() < 0.7:
+            case.update(cross_entropy_loss_fusion=True, cross_entropy_fusion_impl=rng.choice(("native", "te")))
+        case["te_version"] = rng.choice(("2.17", "2.18"))
+        _levers(rng, case)
+        qk_norm = mla is not None or rng.random() < 0.5
+        case["config"] = _feature_config(mla, qk_norm, shared, moe and layers > 1 and rng.random() < 0.3, layers, moe)
+        out.append(case)
+    return out

@@ -13,6 +13,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -152,3 +153,127 @@ def test_grouped_linear_backward_writes_main_grad_and_hands_autograd_one_cached_
     assert all(p.grad_added_to_main_grad for p in linear.parameters())
     # one dummy per (shape, dtype) for the whole run (TE v2.18's get_dummy_wgrad), not one per expert
     assert len(standins._DUMMY_WGRADS) == 1
+
+
+@pytest.mark.skipif(TE_SRC is None, reason="set MBRIDGE_OFFLOAD_TE_SRC to a TransformerEngine checkout with tags")
+@pytest.mark.parametrize("tag", sorted(standins.FUSED_ADAM_FACTS))
+def test_te_fused_adam_has_the_lines_the_stand_in_follows(tag: str) -> None:
+    text = _source(tag, "transformer_engine/pytorch/optimizers/fused_adam.py")
+    for line in standins.FUSED_ADAM_FACTS[tag]:
+        assert line in text, (tag, line)
+
+
+@pytest.mark.skipif(TE_SRC is None, reason="set MBRIDGE_OFFLOAD_TE_SRC to a TransformerEngine checkout with tags")
+def test_bf16_moments_are_fused_from_the_release_the_stand_in_names() -> None:
+    major, minor = standins.FusedAdamStandIn.FUSE_UNSCALE_FROM
+    fused = "self.fuse_unscale = self.exp_avg_dtype == self.exp_avg_sq_dtype == torch.bfloat16"
+    path = "transformer_engine/pytorch/optimizers/fused_adam.py"
+    assert fused in _source(f"v{major}.{minor}", path)
+    assert fused not in _source(f"v{major}.{minor - 1}", path)
+
+
+def _adam_step_bytes(te: tuple[int, int], **kwargs) -> tuple[dict[str, Any], int]:
+    """The stand-in's state (dtype and bytes per name) after one step over one bf16 parameter, and the most bytes
+    its step held beyond that state (through a dispatch mode that sees every allocation)."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Peak(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.live, self.peak = 0, 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if isinstance(out, torch.Tensor) and func.__name__.split(".")[0] in ("_to_copy", "zeros_like", "ones"):
+                self.live += out.numel() * out.element_size()
+                self.peak = max(self.peak, self.live)
+            return out
+
+    old, standins.TE_VERSION = standins.TE_VERSION, te
+    try:
+        p = torch.nn.Parameter(torch.zeros(1000, dtype=torch.bfloat16))
+        p.decoupled_grad = torch.zeros(1000, dtype=torch.bfloat16)
+        opt = standins.FusedAdamStandIn([p], use_decoupled_grad=True, **kwargs)
+        opt.initialize_state(p, opt._remainders(p))
+        with Peak() as peak:
+            opt.step()
+    finally:
+        standins.TE_VERSION = old
+    state = {k: (v.dtype, v.numel() * v.element_size()) for k, v in opt.state[p].items() if v.numel() > 1}
+    return state, peak.peak
+
+
+def test_fused_adam_keeps_int16_remainders_for_a_bf16_parameter_with_an_fp32_master() -> None:
+    import torch
+
+    state, _ = _adam_step_bytes(
+        (2, 18), master_weights=True, master_weight_dtype=torch.float32, store_param_remainders=True
+    )
+    assert state["master_param"] == (torch.int16, 2000)
+    assert state["exp_avg"] == state["exp_avg_sq"] == (torch.float32, 4000)
+
+
+def test_fused_adam_copies_low_precision_states_to_fp32_in_its_step_unless_two_bf16_moments_are_fused() -> None:
+    import torch
+
+    bf16 = {"exp_avg_dtype": torch.bfloat16, "exp_avg_sq_dtype": torch.bfloat16, "master_weights": True}
+    fp16 = {"exp_avg_dtype": torch.float16, "exp_avg_sq_dtype": torch.float16, "master_weights": True}
+    assert _adam_step_bytes((2, 18), store_param_remainders=True, **bf16)[1] == 0  # fuse_unscale
+    assert _adam_step_bytes((2, 9), store_param_remainders=True, **bf16)[1] == 2 * 4000  # before v2.13
+    assert _adam_step_bytes((2, 18), store_param_remainders=True, **fp16)[1] == 2 * 4000
+    # a bf16 master is not a remainder: fused with the moments on 2.18, copied on 2.9
+    assert _adam_step_bytes((2, 18), master_weight_dtype=torch.bfloat16, **bf16)[1] == 0
+    assert _adam_step_bytes((2, 9), master_weight_dtype=torch.bfloat16, **bf16)[1] == 3 * 4000
+
+
+@pytest.mark.skipif(TE_SRC is None, reason="set MBRIDGE_OFFLOAD_TE_SRC to a TransformerEngine checkout with tags")
+@pytest.mark.parametrize("tag", sorted(standins.CROSS_ENTROPY_FACTS))
+def test_te_cross_entropy_keeps_what_the_stand_in_keeps(tag: str) -> None:
+    for path, lines in standins.CROSS_ENTROPY_FACTS[tag].items():
+        text = _source(tag, path)
+        for line in lines:
+            assert line in text, (tag, path, line)
+
+
+def test_te_cross_entropy_keeps_the_bf16_logits_before_2_18_and_an_fp32_gradient_from_2_18() -> None:
+    import torch
+
+    logits = torch.randn(64, 2, 100, dtype=torch.bfloat16, requires_grad=True)
+    labels = torch.zeros(64, 2, dtype=torch.long)
+    old = standins.TE_VERSION
+    try:
+        standins.TE_VERSION = (2, 17)
+        in_place = _saved_bytes(lambda: standins.te_parallel_cross_entropy(logits * 1, labels))
+        standins.TE_VERSION = (2, 18)
+        fp32 = _saved_bytes(lambda: standins.te_parallel_cross_entropy(logits * 1, labels))
+    finally:
+        standins.TE_VERSION = old
+    assert (in_place, fp32) == (2 * logits.numel(), 4 * logits.numel())
+
+
+@pytest.mark.skipif(TE_SRC is None, reason="set MBRIDGE_OFFLOAD_TE_SRC to a TransformerEngine checkout with tags")
+@pytest.mark.parametrize("tag", ["v2.9", "v2.18"])
+def test_te_rmsnorm_saves_a_contiguous_copy_of_a_view(tag: str) -> None:
+    assert "input_.contiguous()" in _source(tag, standins.FACTS["rmsnorm"]["file"])
+
+
+def test_a_norm_over_a_view_keeps_its_own_copy_not_the_whole_storage() -> None:
+    import torch
+
+    class Config:
+        params_dtype = torch.bfloat16
+        normalization = "RMSNorm"
+        sequence_parallel = False
+
+    qkv = torch.randn(64, 2, 3, 32, dtype=torch.bfloat16, requires_grad=True)
+    key = qkv[:, :, 1]  # a view, as the key heads split out of the QKV projection's output
+    kept: list[int] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        kept.append(t.untyped_storage().nbytes())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        standins.NormStandIn(Config(), 32)(key)
+    assert max(kept) == 2 * key.numel() < qkv.untyped_storage().nbytes()

@@ -18,25 +18,29 @@ from mbridge_offload_tools.evidence import data_files
 DATA = Path(__file__).with_name("data") / "nvidia_runs_traced.yaml"
 
 
-def traceable() -> dict[str, Any]:
-    """``{row id: Resolved}`` for every memory row the trace can build (the CPU-offloading card's points today)."""
+def traceable() -> dict[str, tuple[Any, Any]]:
+    """``{row id: (model, setup)}`` for every memory row the trace can build: the rows given as planner inputs (the
+    recipe docstrings', the CPU-offloading card's points) and the memory rows given as the planner's model and
+    settings (``nvidia_runs.yaml``)."""
     from mbridge_offload.plan.inputs.resolve import resolve
-    from mbridge_offload_tools.evidence.nvidia_runs import planner_inputs
+    from mbridge_offload_tools.evidence.nvidia_runs import load, memory_model, memory_setup, planner_inputs
     from mbridge_offload_tools.trace.spec import unsupported
 
-    resolved = {row_id: resolve(inputs) for row_id, inputs in planner_inputs().items()}
-    return {row_id: r for row_id, r in resolved.items() if not unsupported(r.model, r.setup)}
+    runs = {row_id: (r.model, r.setup) for row_id, r in ((i, resolve(v)) for i, v in planner_inputs().items())}
+    for row in load().get("memory_rows", []):
+        runs[row["id"]] = (memory_model(row["model"]), memory_setup(row))
+    return {row_id: run for row_id, run in runs.items() if not unsupported(*run)}
 
 
-def trace_peaks(resolved: dict[str, Any], release: str) -> dict[str, float]:
+def trace_peaks(runs: dict[str, tuple[Any, Any]], release: str) -> dict[str, float]:
     """The trace's peak (GiB, allocated by tensors, no workspaces) of the planner's worst stage of each run."""
     from mbridge_offload.plan.memory.stage import estimate_memory
     from mbridge_offload.plan.model.architecture import GiB
     from mbridge_offload_tools.trace import spec as specs
     from mbridge_offload_tools.trace.run import spawn_batch
 
-    ids = list(resolved)
-    batch = [specs.build(r, estimate_memory(r.model, r.setup).worst.stage) for r in resolved.values()]
+    ids = list(runs)
+    batch = [specs.build_run(m, s, estimate_memory(m, s).worst.stage) for m, s in runs.values()]
     out = {}
     for row_id, got in zip(ids, spawn_batch(release, batch), strict=True):
         if "error" in got:

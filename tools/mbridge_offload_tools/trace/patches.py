@@ -10,6 +10,8 @@ bytes the GPU would hold. Each patch says why it is needed.
 from __future__ import annotations
 
 import contextlib
+import sys
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -161,6 +163,18 @@ def _null_context(*args: Any, **kwargs: Any) -> Any:
     yield
 
 
+class _NoFp8:
+    """TE's FP8GlobalStateManager outside an FP8 autocast (the traced runs compute in bf16: FP8 is refused)."""
+
+    @staticmethod
+    def is_fp8_enabled() -> bool:
+        return False
+
+    @staticmethod
+    def get_fp8_recipe() -> None:
+        return None
+
+
 def _patch(owner: Any, name: str, value: Any) -> None:
     """Replace ``owner.name`` (typed attributes of torch and megatron-core included) with ``value``."""
     setattr(owner, name, value)
@@ -212,6 +226,25 @@ def apply() -> None:
     _patch(cuda, "synchronize", lambda *a, **k: None)
     # Nothing to free or measure on a device that is not there.
     _patch(cuda, "empty_cache", lambda: None)
+    # megatron-core's CheckpointWithoutOutput (moe_act, mla_up_proj, layernorm recompute) frees a checkpointed output
+    # with ``untyped_storage().resize_(0)`` and grows it back in backward: the storage object lives on, so the
+    # tracker hears of the new size here rather than when the storage dies.
+    resize = torch.UntypedStorage.resize_
+
+    def resize_(self: Any, size: int) -> Any:
+        out = resize(self, size)
+        for tracker in MODE_TRACKER:
+            tracker.resized(self)
+        return out
+
+    _patch(torch.UntypedStorage, "resize_", resize_)
+    from megatron.core.tensor_parallel import random as tp_random
+
+    if hasattr(tp_random, "_get_share_storage"):
+        # 0.19.2 points the freed output's storage at the recomputed output's with a C++ extension it compiles at
+        # the first recompute (load_inline: a compiler, minutes, a build cache in the user's home). The bytes are
+        # the recomputed output's, already counted; the freed storage stays at 0 bytes.
+        _patch(tp_random, "_get_share_storage", lambda: lambda output, recomputed: None)
     import torch.distributed as dist
 
     def all_gather_object(out: list[Any], obj: Any, group: Any = None) -> None:
@@ -275,6 +308,10 @@ def apply_standins() -> None:
     from megatron.core.optimizer import distrib_optimizer
 
     _patch(distrib_optimizer, "Adam", standins.FusedAdamStandIn)  # its isinstance check
+    from megatron.core.optimizer import optimizer_config
+
+    for module in (optimizers, optimizer_config):
+        _patch(module, "is_te_min_version", te_min_version)
     from megatron.core.transformer import torch_norm
 
     def norm_new(cls: Any, config: Any, hidden_size: int, *args: Any, **kwargs: Any) -> Any:
@@ -283,6 +320,53 @@ def apply_standins() -> None:
         return standins.NormStandIn(config, hidden_size)
 
     _patch(torch_norm.WrappedTorchNorm, "__new__", norm_new)
+    # megatron-core's CheckpointWithoutOutput (moe_act, mla_up_proj, layernorm recompute) sets ``self.fp8 = fp8 is
+    # not None``, so its default fp8=False asks TE's FP8GlobalStateManager whether FP8 is on: with TE it answers no
+    # (bf16 runs), without TE the name is undefined. The answer TE gives, and TE's no-op context for it.
+    from megatron.core.tensor_parallel import random as tp_random
+
+    if not getattr(tp_random, "HAVE_TE", True):
+        _patch(tp_random, "FP8GlobalStateManager", _NoFp8)
+        _patch(tp_random, "activation_recompute_forward", _null_context)
+        _patch(tp_random, "fp8_autocast", _null_context)
+    # cross_entropy_fusion_impl: te (Bridge's recipes): TE's fused cross entropy, as TE keeps it (trace.standins)
+    from megatron.core.models.common.language_module import language_module
+
+    _patch(language_module, "te_parallel_cross_entropy", standins.te_parallel_cross_entropy)
+
+
+def te_min_version(version: str, check_equality: bool = True) -> bool:
+    """megatron-core's ``is_te_min_version`` for the optimizer's modules, answered for the TE release the stand-ins
+    follow (``standins.TE_VERSION``) rather than 0.0.0 (no TE here): megatron-core passes ``store_param_remainders``
+    to FusedAdam from TE 2.1 on."""
+    import standins
+
+    wanted = tuple(int(part) for part in version.split(".")[:2])
+    have = tuple(standins.TE_VERSION)
+    return have >= wanted if check_equality else have > wanted
+
+
+@contextlib.contextmanager
+def te_fused_adam_importable() -> Iterator[None]:
+    """While megatron-core's ``OptimizerConfig`` is built: ``transformer_engine.pytorch.optimizers.FusedAdam`` is the
+    stand-in, for the precision-aware optimizer's check that TE's FusedAdam takes its dtype arguments. Only then:
+    a ``transformer_engine`` module left in ``sys.modules`` would make other megatron-core code believe TE is here."""
+    import types
+
+    import standins
+
+    names = ("transformer_engine", "transformer_engine.pytorch", "transformer_engine.pytorch.optimizers")
+    if any(n in sys.modules for n in names):
+        yield
+        return
+    for n in names:
+        sys.modules[n] = types.ModuleType(n)
+    sys.modules[names[-1]].FusedAdam = standins.FusedAdamStandIn  # type: ignore[attr-defined]
+    try:
+        yield
+    finally:
+        for n in names:
+            sys.modules.pop(n, None)
 
 
 def balanced_counts(tokens: int, topk: int, experts: int) -> list[int]:

@@ -92,7 +92,7 @@ def _gib(n: float) -> float:
 
 def _optimizer_words(s: Any) -> str:
     base = "DistributedOptimizer" if s.distributed_optimizer else "Float16OptimizerWithFloat16Params"
-    adam = "TE FusedAdam (stand-in: its state, no temporaries)"
+    adam = "TE FusedAdam (stand-in: its state, and the fp32 copies its step makes of low-precision states)"
     if s.optimizer_offload_fraction > 0:
         return (
             f"{base} over megatron-core's HybridDeviceOptimizer (offload fraction {s.optimizer_offload_fraction:g}: "

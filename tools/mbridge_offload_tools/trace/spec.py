@@ -28,7 +28,6 @@ _NOT_YET = (
         lambda m, s: m.is_moe and s.moe_token_dispatcher_type not in ("alltoall", "allgather"),
         "MoE with the flex token dispatcher (DeepEP / HybridEP kernels)",
     ),
-    (lambda m, s: m.mla is not None, "multi-latent attention"),
     (lambda m, s: bool(m.layer_pattern), "hybrid Mamba stacks"),
     (lambda m, s: m.mtp_num_layers > 0, "multi-token prediction"),
     (lambda m, s: s.cp > 1, "context parallelism (megatron-core's local attention refuses CP > 1; TE's is needed)"),
@@ -37,7 +36,6 @@ _NOT_YET = (
     (lambda m, s: s.activation_offload_layers > 0, "layer-level activation offload"),
     (lambda m, s: bool(s.offload_modules), "fine-grained activation offloading"),
     (lambda m, s: s.pipeline_layout is not None, "pipeline layouts"),
-    (lambda m, s: s.precision_aware_optimizer, "the precision-aware optimizer (TE FusedAdam's master weights)"),
 )
 
 
@@ -79,6 +77,7 @@ def _transformer(m: ModelSpec, s: Setup) -> dict[str, Any]:
         "virtual_pipeline_model_parallel_size": s.vpp,
         "sequence_parallel": s.sp and s.tp > 1,
         "cross_entropy_loss_fusion": s.cross_entropy_loss_fusion,
+        "cross_entropy_fusion_impl": s.cross_entropy_fusion_impl,
         # Bridge's GPTModelProvider sets it (megatron-core's default is False): after sending a stage's output,
         # schedules.py's deallocate_output_tensor frees its data, so a non-last stage does not keep one output per
         # in-flight micro-batch
@@ -89,6 +88,8 @@ def _transformer(m: ModelSpec, s: Setup) -> dict[str, Any]:
     }
     if m.is_moe:
         kw.update(_moe(m, s))
+    if m.mla is not None:
+        kw.update(_mla(m))
     if s.num_layers_in_first_pipeline_stage is not None:
         kw["num_layers_in_first_pipeline_stage"] = s.num_layers_in_first_pipeline_stage
     if s.num_layers_in_last_pipeline_stage is not None:
@@ -101,6 +102,29 @@ def _transformer(m: ModelSpec, s: Setup) -> dict[str, Any]:
         else:
             kw["recompute_modules"] = list(s.recompute_modules)
     return kw
+
+
+def _mla(m: ModelSpec) -> dict[str, Any]:
+    """Multi-latent attention (the child builds ``MLATransformerConfig`` and megatron-core's ``MLASelfAttention``):
+    the planner's latent ranks and head dimensions. The query and latent norms are on (``qk_layernorm``), as in every
+    DeepSeek-style model Bridge builds; TE fuses each into its up projection (``TELayerNormColumnParallelLinear``), the
+    local spec runs a norm then a linear, which keep the same tensors (``standins.FACTS["layernorm_linear"]``).
+    Plain RoPE: YaRN's scaling changes values, not what is saved."""
+    mla = m.mla
+    assert mla is not None
+    return {
+        "multi_latent_attention": True,
+        "q_lora_rank": mla.q_lora_rank,
+        "kv_lora_rank": mla.kv_lora_rank,
+        "qk_head_dim": mla.qk_head_dim,
+        "qk_pos_emb_head_dim": mla.qk_pos_emb_head_dim,
+        "v_head_dim": mla.v_head_dim,
+        "qk_layernorm": True,
+        "rope_type": "rope",
+        # megatron-core 0.19.2 resolves MLA's norms and projections from the config's backend (mla_qk_norm_config.py):
+        # the local one, whose modules the trace builds (the stand-ins stand for TE's)
+        "transformer_impl": "local",
+    }
 
 
 def _moe(m: ModelSpec, s: Setup) -> dict[str, Any]:
@@ -125,12 +149,17 @@ def _moe(m: ModelSpec, s: Setup) -> dict[str, Any]:
 
 
 def build(r: Resolved, stage: int) -> dict[str, Any]:
-    """The child's spec for pipeline rank ``stage`` of the resolved run.
+    """The child's spec for pipeline rank ``stage`` of the resolved run (:func:`build_run`)."""
+    return build_run(r.model, r.setup, stage, overlap=bool(r.inputs.overlap))
+
+
+def build_run(m: ModelSpec, s: Setup, stage: int, overlap: bool = False) -> dict[str, Any]:
+    """The child's spec for pipeline rank ``stage`` of a run given as the planner's model and settings (``overlap``:
+    the HybridDeviceOptimizer's overlapped copies).
 
     Raises:
         InputError: what the trace cannot build yet (:func:`unsupported`), or a stage outside the pipeline.
     """
-    m, s = r.model, r.setup
     missing = unsupported(m, s)
     if missing:
         raise InputError(
@@ -173,7 +202,7 @@ def build(r: Resolved, stage: int) -> dict[str, Any]:
             # megatron-core's HybridDeviceOptimizer (Bridge builds it for optimizer_cpu_offload)
             "optimizer_cpu_offload": s.optimizer_offload_fraction > 0,
             "optimizer_offload_fraction": s.optimizer_offload_fraction,
-            "overlap_cpu_optimizer_d2h_h2d": s.optimizer_offload_fraction > 0 and bool(r.inputs.overlap),
+            "overlap_cpu_optimizer_d2h_h2d": s.optimizer_offload_fraction > 0 and overlap,
             # The gradient norm is not clipped: its value needs data (trace/patches.py), its memory is a scalar.
             "clip_grad": 0.0,
         },
@@ -182,4 +211,6 @@ def build(r: Resolved, stage: int) -> dict[str, Any]:
         "micro_batch_size": s.micro_batch_size,
         "num_microbatches": microbatches(s),
         "tied": m.tied_embeddings,
+        # the TE release the stand-ins follow where TE's allocations changed (trace.standins.TE_VERSION)
+        "te_version": s.te_version,
     }

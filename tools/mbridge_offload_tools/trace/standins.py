@@ -30,7 +30,8 @@ FACTS: dict[str, dict[str, Any]] = {
         "file": "transformer_engine/pytorch/ops/basic/rmsnorm.py",
         "function": "RMSNorm",
         "saves": {"v2.9": ("x", "rstdevs"), "v2.18": ("x", "rstdevs")},
-        "meaning": "the norm's input and its fp32 reciprocal standard deviation per token",
+        "meaning": "the norm's input, made contiguous (x = ... input_.contiguous() ...), and its fp32 reciprocal "
+        "standard deviation per token",
     },
     "layernorm_linear": {
         "file": "transformer_engine/pytorch/module/layernorm_linear.py",
@@ -58,11 +59,38 @@ FACTS: dict[str, dict[str, Any]] = {
 }
 
 
+# TE's FusedAdam (transformer_engine/pytorch/optimizers/fused_adam.py), the lines FusedAdamStandIn follows, per
+# release: checked against TE's git tags by tests/tools/test_trace_standins.py where a checkout is given.
+FUSED_ADAM_FACTS: dict[str, tuple[str, ...]] = {
+    # the int16 remainders (store_param_remainders) and the fp32 copies of low-precision states held per group
+    "v2.9": ("dtype=torch.int16", "unscaled_lists[name].append(unscaled)", "unscaled = state[state_name].float()"),
+    # from v2.13: two bf16 moments are unscaled inside the kernel
+    "v2.13": (
+        "dtype=torch.int16",
+        "unscaled_lists[name].append(unscaled)",
+        "self.fuse_unscale = self.exp_avg_dtype == self.exp_avg_sq_dtype == torch.bfloat16",
+    ),
+    "v2.18": (
+        "dtype=torch.int16",
+        "unscaled_lists[name].append(unscaled)",
+        "self.fuse_unscale = self.exp_avg_dtype == self.exp_avg_sq_dtype == torch.bfloat16",
+    ),
+}
+
+# The Transformer Engine release the stand-ins follow where TE's allocations changed between releases: set for each
+# traced spec from the run's ``te_version`` (trace/step.py; the planner's input, by default the release Megatron
+# Bridge 0.6.2 pins).
+TE_VERSION: tuple[int, ...] = (2, 18)
+
+
 class _Norm(torch.autograd.Function):
     """What TE's _LayerNorm / RMSNorm keeps for backward: its input, weight and the fp32 statistics per token."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        # TE's RMSNorm op reads ``input_.contiguous()`` and saves that: a norm over a view (the key heads split out of
+        # the QKV projection's output, under qk_layernorm) keeps its own copy, not the whole projection output
+        x = x.contiguous()
         tokens = x.numel() // x.shape[-1]
         rsigma = x.new_empty(tokens, dtype=torch.float32)
         ctx.save_for_backward(x, weight, rsigma)
@@ -99,8 +127,8 @@ class _FusedAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        sq, b, heads, dim = q.shape
-        out = q.new_empty(sq, b, heads, dim)
+        sq, b, heads, _ = q.shape
+        out = q.new_empty(sq, b, heads, v.shape[-1])  # MLA: the value's head dimension, not the query's
         stats = q.new_empty(b, heads, sq, 1, dtype=torch.float32)
         rng_state = q.new_empty(2, dtype=torch.int64)
         ctx.save_for_backward(q, k, v, out, stats, rng_state)
@@ -133,36 +161,213 @@ class FusedAttentionStandIn(torch.nn.Module):
         return out.view(sq, b, heads * dim)
 
 
-def use_te_attention(layer_spec: Any) -> None:
-    """Swap the local spec's core attention for the fused-attention stand-in (in place)."""
-    layer_spec.submodules.self_attention.submodules.core_attention = FusedAttentionStandIn
+class _Linear(torch.autograd.Function):
+    """What TE's _Linear keeps and makes outside FP8: saves its input and weight; backward makes the input gradient
+    and, with ``fuse_wgrad_accumulation``, writes the weight gradient into ``main_grad`` and hands autograd the cached
+    dummy (as ``_GroupedLinear``)."""
+
+    @staticmethod
+    def forward(ctx: Any, inp: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(inp, weight)
+        return inp.new_empty(*inp.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        inp, weight = ctx.saved_tensors
+        if hasattr(weight, "grad_added_to_main_grad"):
+            weight.grad_added_to_main_grad = True
+            wgrad = _dummy_wgrad(grad, list(weight.main_grad.shape), weight.dtype)
+        else:
+            wgrad = torch.empty_like(weight)
+        return torch.empty_like(inp), wgrad
+
+
+class DuplicatedLinearStandIn(torch.nn.Module):
+    """In place of megatron-core's ``TELinear`` with ``parallel_mode="duplicated"``: MLA's down projections under TE
+    (``multi_latent_attention.py`` builds them duplicated when the spec names TELinear), the whole weight on every TP
+    rank, the sequence-parallel shard in, no communication. megatron-core's local spec splits them over TP instead
+    (``ColumnParallelLinear``, then a gather and a scatter), which no TE run does."""
+
+    def __init__(self, input_size: int, output_size: int, *, config: Any, parallel_mode: Any = None, **kw: Any) -> None:
+        super().__init__()
+        self.config = config
+        self.weight = torch.nn.Parameter(torch.empty(output_size, input_size, dtype=config.params_dtype))
+        # megatron-core's TELinear marks a duplicated weight under SP: its gradient is all-reduced over TP
+        self.weight.__dict__["sequence_parallel"] = config.sequence_parallel
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return _Linear.apply(x, self.weight), None
+
+
+class LayerNormColumnParallelLinearStandIn(torch.nn.Module):
+    """In place of ``TELayerNormColumnParallelLinear`` where megatron-core asks the backend for a fused norm+linear
+    (0.19.2's MLA resolver: the query projection without a query latent, under ``qk_layernorm``): the norm stand-in
+    then megatron-core's own ``ColumnParallelLinear``, which keep what TE's ``_LayerNormLinear`` keeps
+    (``FACTS["layernorm_linear"]``)."""
+
+    def __init__(self, input_size: int, output_size: int, *, config: Any, **kw: Any) -> None:
+        super().__init__()
+        from megatron.core.tensor_parallel.layers import ColumnParallelLinear
+
+        self.norm = NormStandIn(config, input_size)
+        known = (
+            "init_method",
+            "bias",
+            "gather_output",
+            "skip_bias_add",
+            "is_expert",
+            "tp_comm_buffer_name",
+            "tp_group",
+        )
+        self.linear = ColumnParallelLinear(
+            input_size, output_size, config=config, **{k: v for k, v in kw.items() if k in known}
+        )
+
+    def forward(self, x: torch.Tensor) -> Any:
+        return self.linear(self.norm(x))
+
+
+def use_te_mla_projections() -> None:
+    """Make megatron-core's MLA build its projections as TE does: ``DuplicatedLinearStandIn`` is its TELinear (the
+    down projections) and, where the release asks the backend for one (0.19.2), the local backend's fused
+    norm+linear is ``LayerNormColumnParallelLinearStandIn``."""
+    from megatron.core.models import backends
+    from megatron.core.transformer import multi_latent_attention
+
+    multi_latent_attention.TELinear = DuplicatedLinearStandIn
+    backends.LocalSpecProvider.column_parallel_layer_norm_linear = lambda self: LayerNormColumnParallelLinearStandIn
+
+
+# The release from which TE's fused cross entropy keeps an fp32 gradient, and the lines that say so per release
+# (checked against TE's git tags by tests/tools/test_trace_standins.py where a checkout is given).
+CE_FP32_GRAD_FROM = (2, 18)
+CROSS_ENTROPY_FACTS: dict[str, dict[str, tuple[str, ...]]] = {
+    "v2.17": {
+        "transformer_engine/pytorch/cross_entropy.py": ("ctx.save_for_backward(inp.detach())",),
+        "transformer_engine/pytorch/triton/cross_entropy.py": ("return loss, _input",),
+    },
+    "v2.18": {
+        "transformer_engine/pytorch/cross_entropy.py": ("ctx.save_for_backward(grad_input.detach())",),
+        "transformer_engine/pytorch/triton/cross_entropy.py": (
+            "grad_input = torch.empty_like(_input, dtype=torch.float32)",
+        ),
+    },
+}
+
+
+class _CrossEntropy(torch.autograd.Function):
+    """What TE's CrossEntropyFunction keeps and makes: the per-token loss (fp32) and the logits' gradient, saved —
+    written over the logits before 2.18, a new fp32 tensor from 2.18 (autograd casts it to the logits' dtype when
+    backward hands it on)."""
+
+    @staticmethod
+    def forward(ctx: Any, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        logits = logits if logits.is_contiguous() else logits.contiguous()
+        grad = torch.empty_like(logits, dtype=torch.float32) if TE_VERSION >= CE_FP32_GRAD_FROM else logits
+        ctx.save_for_backward(grad.detach())
+        return logits.new_empty(logits.shape[:-1], dtype=torch.float32)
+
+    @staticmethod
+    def backward(ctx: Any, grad_loss: torch.Tensor) -> tuple[Any, ...]:
+        (grad,) = ctx.saved_tensors
+        return grad, None
+
+
+def te_parallel_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    """In place of megatron-core's ``te_parallel_cross_entropy`` (TE's ``parallel_cross_entropy``): ``[s, b]`` fp32
+    losses of ``[s, b, V/TP]`` logits."""
+    return _CrossEntropy.apply(logits, labels)
+
+
+def use_te_attention(layer_spec: Any, config: Any) -> None:
+    """Swap the local spec's core attention for the fused-attention stand-in (in place); under MLA, its down
+    projections for TE's duplicated linear, and no query norm without a query latent (TE's spec has none there: the
+    local spec sets both norms from ``qk_layernorm``, which megatron-core refuses without ``q_lora_rank``)."""
+    from megatron.core.transformer.identity_op import IdentityOp
+
+    attention = layer_spec.submodules.self_attention.submodules
+    attention.core_attention = FusedAttentionStandIn
+    if getattr(config, "multi_latent_attention", False):
+        use_te_mla_projections()
+        attention.linear_kv_down_proj = attention.linear_q_down_proj = DuplicatedLinearStandIn
+        if config.q_lora_rank is None:
+            attention.q_layernorm = IdentityOp
 
 
 class FusedAdamStandIn(torch.optim.Optimizer):
-    """In place of TE's FusedAdam (what megatron-core builds when TE is installed, as in every Bridge run): its state
-    is ``exp_avg`` and ``exp_avg_sq`` per parameter, made at the first step, and its multi-tensor kernel updates
-    them in place with no temporaries. torch's AdamW, megatron-core's fallback without TE or apex, would add
-    per-parameter temporaries on CPU (and a whole fp32 copy per foreach op on a GPU) that no Bridge run has."""
+    """In place of TE's FusedAdam (what megatron-core builds when TE is installed, as in every Bridge run), with the
+    state TE makes (FUSED_ADAM_FACTS): ``exp_avg`` and ``exp_avg_sq`` per parameter in their configured dtypes
+    (a one-element fp32 scale beside each that is not fp32), made at the first step, and with ``master_weights``
+    (megatron-core's precision-aware optimizer) the master copy: only the 16 low bits as int16 where TE stores
+    remainders (bf16 parameter, fp32 master, ``store_param_remainders``), else in the master dtype. Its multi-tensor
+    kernel updates them in place; what it allocates during a step is the fp32 "unscaled" copy of every state that
+    is not fp32, held for the whole parameter group (``unscaled_lists``), except bf16 moments from v2.13 on
+    (``fuse_unscale``) and int16 remainders. torch's AdamW, megatron-core's fallback without TE or apex, would add
+    per-parameter temporaries no Bridge run has."""
 
-    def __init__(self, params: Any, lr: float = 1e-3, **kwargs: Any) -> None:
-        self.state_dtypes = (
-            kwargs.pop("exp_avg_dtype", torch.float32) or torch.float32,
-            kwargs.pop("exp_avg_sq_dtype", torch.float32) or torch.float32,
+    # TE releases from which bf16 moments are unscaled inside the kernel (fused_adam.py ``fuse_unscale``: v2.13).
+    FUSE_UNSCALE_FROM = (2, 13)
+
+    def __init__(
+        self,
+        params: Any,
+        lr: float = 1e-3,
+        *,
+        exp_avg_dtype: Any = None,
+        exp_avg_sq_dtype: Any = None,
+        master_weights: bool = False,
+        master_weight_dtype: Any = None,
+        use_decoupled_grad: bool = False,
+        store_param_remainders: bool = False,
+        **kwargs: Any,
+    ) -> None:
+        # megatron-core's OptimizerConfig checks that TE's FusedAdam takes these four by name (precision-aware path)
+        self.state_dtypes = {"exp_avg": exp_avg_dtype or torch.float32, "exp_avg_sq": exp_avg_sq_dtype or torch.float32}
+        self.master_weights = bool(master_weights)
+        master = master_weight_dtype or torch.float32
+        if self.master_weights:
+            self.state_dtypes["master_param"] = master
+        self.use_decoupled_grad = bool(use_decoupled_grad)
+        # TE: "Works only when master params is in FP32"; megatron-core passes the flag from TE 2.1 on.
+        self.store_param_remainders = bool(store_param_remainders) and self.master_weights and master == torch.float32
+        self.fuse_unscale = (
+            TE_VERSION >= self.FUSE_UNSCALE_FROM
+            and self.state_dtypes["exp_avg"] == self.state_dtypes["exp_avg_sq"] == torch.bfloat16
         )
         super().__init__(
             params, {"lr": lr, **{k: v for k, v in kwargs.items() if k in ("weight_decay", "betas", "eps")}}
         )
 
+    def _remainders(self, p: torch.Tensor) -> bool:
+        return self.store_param_remainders and p.dtype == torch.bfloat16
+
+    def initialize_state(self, p: torch.Tensor, store_param_remainders: bool = False) -> None:
+        """TE's ``initialize_state``: the moments (zeros), the master copy, a scale per low-precision state."""
+        state = self.state[p]
+        for name, dtype in self.state_dtypes.items():
+            if name == "master_param" and store_param_remainders:
+                state[name] = torch.zeros_like(p, dtype=torch.int16)
+                continue
+            state[name] = torch.zeros_like(p, dtype=dtype)
+            if dtype != torch.float32:
+                state[f"{name}_scale"] = p.new_ones(1, dtype=torch.float32)
+
     @torch.no_grad()
     def step(self, closure: Any = None) -> None:  # type: ignore[override]
         for group in self.param_groups:
+            unscaled: list[torch.Tensor] = []  # TE's unscaled_lists: alive until the group's kernels have run
             for p in group["params"]:
-                if p.grad is None:
-                    continue
                 state = self.state[p]
                 if not state:
-                    state["exp_avg"] = torch.zeros_like(p, dtype=self.state_dtypes[0])
-                    state["exp_avg_sq"] = torch.zeros_like(p, dtype=self.state_dtypes[1])
+                    self.initialize_state(p, self._remainders(p))
+                grad = getattr(p, "decoupled_grad", None) if self.use_decoupled_grad else p.grad
+                if grad is None:
+                    continue
+                for name, dtype in self.state_dtypes.items():
+                    if dtype == torch.float32 or (dtype == torch.bfloat16 and self.fuse_unscale):
+                        continue
+                    unscaled.append(state[name].float())
+            del unscaled
 
 
 # TE's get_dummy_wgrad cache (module/base.py, v2.18): one tensor per (shape, dtype), kept for the whole run. Emptied

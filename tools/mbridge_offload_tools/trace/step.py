@@ -16,6 +16,7 @@ _LAYER = re.compile(r"\.(\d+)(?=\.|$)")
 
 def _config(torch: Any, spec: dict[str, Any]) -> Any:
     from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
 
     dtype = (
         torch.bfloat16
@@ -27,7 +28,8 @@ def _config(torch: Any, spec: dict[str, Any]) -> Any:
     kw = dict(spec["transformer"])
     if kw.pop("swiglu", False):
         kw["activation_func"] = torch.nn.functional.silu
-    return TransformerConfig(
+    cls = MLATransformerConfig if kw.get("multi_latent_attention") else TransformerConfig
+    return cls(
         **kw,
         params_dtype=dtype,
         pipeline_dtype=dtype,
@@ -57,11 +59,15 @@ def _chunks(torch: Any, spec: dict[str, Any], config: Any) -> list[Any]:
             )
             layers = list(layer_spec.layer_specs)
         else:
-            layer_spec = get_gpt_layer_local_spec(qk_layernorm=config.qk_layernorm, normalization=config.normalization)
+            layer_spec = get_gpt_layer_local_spec(
+                qk_layernorm=config.qk_layernorm,
+                multi_latent_attention=config.multi_latent_attention,
+                normalization=config.normalization,
+            )
             layers = [layer_spec]
         if spec.get("attention", "fused") == "fused":
             for one in layers:
-                standins.use_te_attention(one)
+                standins.use_te_attention(one, config)
         first = parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
         last = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
         kwargs: dict[str, Any] = {"vp_stage": vp_stage} if vpp else {}
@@ -120,6 +126,7 @@ def trace(torch: Any, spec: dict[str, Any]) -> dict[str, Any]:
     tracker = Tracker(fast=spec.get("fast", True))
     patches.MODE_TRACKER[:] = [tracker]
     standins.reset()
+    standins.TE_VERSION = tuple(int(part) for part in spec.get("te_version", "2.18").split(".")[:2])
     with tracker, patches.CpuForCuda(tracker):
         built = _build(torch, spec, tracker)
         _warm_up(torch, tracker, built)
@@ -128,6 +135,7 @@ def trace(torch: Any, spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def _build(torch: Any, spec: dict[str, Any], tracker: Tracker) -> dict[str, Any]:
+    import patches
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
@@ -150,7 +158,9 @@ def _build(torch: Any, spec: dict[str, Any], tracker: Tracker) -> dict[str, Any]
             tracker.retag(p, "weights")
     tracker.category = "optimizer"
     opt_kw = dict(spec["optimizer"])
-    optimizer = get_megatron_optimizer(OptimizerConfig(**_dtypes(torch, opt_kw)), model, use_gloo_process_groups=False)
+    with patches.te_fused_adam_importable():
+        opt_config = OptimizerConfig(**_dtypes(torch, opt_kw))
+    optimizer = get_megatron_optimizer(opt_config, model, use_gloo_process_groups=False)
     # megatron-core 0.16 builds a HybridDeviceOptimizer over the model's parameters, then the distributed optimizer
     # builds its own over its shards; the first, with its fp32 copies, is cyclic garbage that Python's collector
     # frees at its next pass (long before the first step on a real run): collect it now.

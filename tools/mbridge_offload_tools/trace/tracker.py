@@ -211,6 +211,19 @@ class Tracker(FakeTensorMode):
         if category == "activations" and module:
             self.by_module[module] -= nbytes
 
+    def resized(self, storage: Any) -> None:
+        """A storage resized in place (``trace.patches``: recompute's freed outputs): its live bytes follow."""
+        entry = self.live.get(storage._cdata)
+        if entry is None or entry[1] == "host":
+            return
+        nbytes = int(storage.nbytes())
+        delta, entry[0] = nbytes - entry[0], nbytes
+        self.total += delta
+        self.by_category[entry[1]] += delta
+        if entry[1] == "activations" and entry[2]:
+            self.by_module[entry[2]] += delta
+        self._update_peak()
+
     def retag(self, t: torch.Tensor, category: str) -> None:
         """Say that ``t``'s storage belongs to ``category`` (weights, gradients, optimizer state), whatever was
         current when it was made."""

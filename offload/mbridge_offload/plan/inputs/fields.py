@@ -16,6 +16,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from mbridge_offload.config.rules.base import TE_VERSION_ASSUMED
 from mbridge_offload.plan.inputs.hardware import DEFAULT_MARGIN
 
 # Upper bounds: far above any real run, low enough that the arithmetic stays exact and fast.
@@ -243,7 +244,15 @@ class PlanInputs(BaseModel):
         when="loss_fusion",
         key="model.cross_entropy_fusion_impl",
         help="model.cross_entropy_fusion_impl with the fusion on: native (still an fp32 copy of the logits) or te "
-        "(Transformer Engine's kernel, in place on the bf16 logits)",
+        "(Transformer Engine's kernel: in place on the bf16 logits before TE 2.18, an fp32 gradient from 2.18)",
+    )
+    te_version: str | None = _precision(
+        fallback=TE_VERSION_ASSUMED,
+        why="the Transformer Engine release Megatron Bridge 0.6.2 pins (what validate assumes)",
+        help="Transformer Engine release of the run, X.Y or X.Y.Z (validate's te_version): its fused cross entropy "
+        "keeps an fp32 gradient of the logits from 2.18, and FusedAdam unscales two bf16 moments in its kernel from "
+        "2.13",
+        pattern=r"^\d{1,3}\.\d{1,3}(\.\d{1,4})?$",
     )
     fsdp_main_grads_dtype: Dtype | None = _precision(
         key="ddp.megatron_fsdp_main_grads_dtype",

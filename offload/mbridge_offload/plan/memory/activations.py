@@ -214,11 +214,19 @@ def _mtp_depth(m: ModelSpec, s: Setup) -> list[list[Tensor]]:
     ]
 
 
+def te_cross_entropy_in_place(s: Setup) -> bool:
+    """Whether the loss is Transformer Engine's fused cross entropy of a release that writes the logits' gradient over
+    the bf16 logits (``triton/cross_entropy.py`` before 2.18). From 2.18 it stores the gradient in a new fp32 tensor
+    ("so it is not quantized before backward"), which it saves, as megatron-core's own cross entropy saves its fp32
+    softmax."""
+    return s.cross_entropy_loss_fusion and s.cross_entropy_fusion_impl == "te" and not s.te_at_least(2, 18)
+
+
 def output_bytes(m: ModelSpec, s: Setup, tokens: int, t_sp: int) -> int:
     """Final norm input and output-layer input (bf16) plus the logits the loss keeps: the fp32 softmax (4·sb·V/t) of
-    megatron-core's cross entropy (unfused, or fused ``native``), or the bf16 logits that Transformer Engine's fused
-    kernel (``cross_entropy_fusion_impl: te``) overwrites with their gradient (2·sb·V/t)."""
-    logits = 2 if s.cross_entropy_loss_fusion and s.cross_entropy_fusion_impl == "te" else 4
+    megatron-core's cross entropy (unfused, or fused ``native``) and the fp32 gradient of TE's fused kernel from 2.18,
+    or the bf16 logits that TE's fused kernel before 2.18 overwrites with their gradient (2·sb·V/t)."""
+    logits = 2 if te_cross_entropy_in_place(s) else 4
     return 2 * t_sp * m.hidden_size + 2 * t_sp * m.hidden_size + logits * tokens * padded_vocab(m, s.tp) // s.tp
 
 
@@ -429,10 +437,11 @@ def p2p_gradient_bytes(m: ModelSpec, s: Setup, stage: int) -> int:
 def loss_transient_bytes(m: ModelSpec, s: Setup) -> int:
     """The logits' second copy while the loss runs: megatron-core's cross entropy (unfused, or fused ``native``)
     casts the bf16 logits to fp32 while the bf16 ones are still referenced (forward) and casts the fp32 gradient back
-    to bf16 (backward): 2 bytes per logit beside the 4 saved. With MTP, ``GPTModel._postprocess`` still holds the
-    last depth's bf16 logits (``mtp_logits``) when the main loss runs: 2 more. Transformer Engine's fused kernel
-    works in place."""
-    if s.cross_entropy_loss_fusion and s.cross_entropy_fusion_impl == "te":
+    to bf16 (backward): 2 bytes per logit beside the 4 saved. Transformer Engine's fused kernel from 2.18 does the
+    same: its fp32 gradient is made while the bf16 logits are referenced, and autograd casts the fp32 gradient it
+    returns to the logits' bf16. With MTP, ``GPTModel._postprocess`` still holds the last depth's bf16 logits
+    (``mtp_logits``) when the main loss runs: 2 more. TE's kernel before 2.18 works in place."""
+    if te_cross_entropy_in_place(s):
         return 0
     seq = s.seq_length or m.seq_length
     tokens = seq * s.micro_batch_size // s.cp

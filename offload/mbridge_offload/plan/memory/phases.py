@@ -17,7 +17,11 @@ Phases never coexist, so a stage's peak is the largest of them, not the sum of e
   parameters are copied back in place. Every copy is freed by the end of the step (measured on an H200 phase by
   phase: ``tests/plan/test_gpu_measured.py``). megatron-core's own HybridDeviceOptimizer never frees those copies:
   they are resident (``plan/memory/stage.py``), and its step adds only the new copy of one tensor.
-  fp32 gradients (``grad_reduce_in_fp32``) are used as they are: no copy.
+  fp32 gradients (``grad_reduce_in_fp32``) are used as they are: no copy. The precision-aware optimizer reads the
+  bf16 gradients in place (``decoupled_grad``), but TE's FusedAdam step makes an fp32 copy of every state that is not
+  fp32 (``get_unscaled_state``: fp16 or fp8 moments, an fp16 or bf16 master) and holds them for the whole parameter
+  group until its kernels have run; two bf16 moments are unscaled inside the kernel instead (``fuse_unscale``, TE
+  2.13 on: ``Setup.te_version``), and int16 remainders are used as they are.
 
 Every phase carries the ``other`` workspaces the allocator hands out throughout (``Setup.overhead_gb``). Never
 imports torch.
@@ -53,19 +57,39 @@ class PhaseMemory:
         return self.weights + self.gradients + self.optimizer + self.activations + self.other
 
 
+def te_unscaled_states(s: Setup) -> list[str]:
+    """The optimizer states TE FusedAdam copies to fp32 in each step (module docstring), by name."""
+    fused = s.exp_avg_dtype == s.exp_avg_sq_dtype == "bf16" and s.te_at_least(2, 13)
+    states = {"exp_avg": s.exp_avg_dtype, "exp_avg_sq": s.exp_avg_sq_dtype}
+    remainders = s.main_params_dtype == "fp32" and s.store_param_remainders and DTYPE_BYTES[s.params_dtype] == 2
+    if not remainders:
+        states["master_param"] = s.main_params_dtype
+    return [name for name, dtype in states.items() if dtype != "fp32" and not (dtype == "bf16" and fused)]
+
+
 def optimizer_step_transient(
-    s: Setup, shard_numel: int, offloaded_numel: int, largest_gpu_numel: int = 0
+    s: Setup, shard_numel: int, offloaded_numel: int, largest_gpu_numel: int = 0, largest_group_numel: int = 0
 ) -> tuple[int, str]:
     """GPU bytes the optimizer step allocates beyond the resident state, and what they are (module docstring).
 
     ``largest_gpu_numel``: megatron-core's HDO keeps its fp32 gradient copies resident (``plan/memory/stage.py``
     ``_megatron_core_kept``), so its step only ever adds the new copy of one tensor before the old one is dropped:
-    the largest it steps on the GPU."""
+    the largest it steps on the GPU. ``largest_group_numel``: the largest parameter group's shard, over which TE's
+    FusedAdam holds its fp32 copies (precision-aware path)."""
     if s.use_megatron_fsdp:
         grads = s.fsdp_main_grads_dtype or s.params_dtype
         if s.precision_aware_optimizer or s.fsdp_main_params_dtype != "fp32" or grads == "fp32":
             return 0, ""
         return 4 * shard_numel, f"fp32 copies of the {grads} gradient shards (Megatron-FSDP update_main_grads)"
+    if s.precision_aware_optimizer and s.distributed_optimizer and s.optimizer_offload_fraction <= 0:
+        unscaled = te_unscaled_states(s)
+        if unscaled and largest_group_numel:
+            return (
+                4 * len(unscaled) * largest_group_numel,
+                f"TE FusedAdam's fp32 copies of {', '.join(unscaled)} for its largest parameter group "
+                "(get_unscaled_state)",
+            )
+        return 0, ""
     if s.grad_reduce_in_fp32 or DTYPE_BYTES[s.params_dtype] == 4:
         return 0, ""
     if not s.precision_aware_optimizer:

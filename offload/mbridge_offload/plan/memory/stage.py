@@ -80,6 +80,9 @@ class OptimizerMemory:
     kept_bytes: int = 0
     kept_what: str = ""
     largest_gpu_numel: int = 0
+    # The largest parameter group's shard (dense or expert optimizer, weight decay or not): TE FusedAdam's step
+    # holds its per-group temporaries for one group at a time.
+    largest_group_numel: int = 0
 
 
 def _moment_bytes(s: Setup) -> tuple[int, int]:
@@ -105,6 +108,10 @@ def optimizer_memory(m: ModelSpec, s: Setup, params: list[Tensor]) -> OptimizerM
             continue
         total = sum(shards)
         out.shard_numel += total
+        d = (s.expert_dp(m) if expert else s.dp * s.cp) if s.distributed_optimizer else 1
+        for decay in (False, True):
+            group = sum(math.ceil(t.numel / d) for t in params if t.expert == expert and t.decay == decay)
+            out.largest_group_numel = max(out.largest_group_numel, group)
         if f <= 0.0:
             out.gpu_bytes += total * (master + moments)
             continue
@@ -256,7 +263,7 @@ def _stage_memory(m: ModelSpec, s: Setup, stage: int) -> StageMemory:
         # Optimizer offload is not applied under Megatron-FSDP (see _setup_warnings): nothing moves to the host.
         resident = (f.weights, f.gradients, f.optimizer)
         host, host_transient, shard, offloaded = act.host_bytes, 0, f.shard_numel, 0
-        largest, kept = 0, ""
+        largest, kept, group = 0, "", 0
     else:
         param_bytes = DTYPE_BYTES[s.params_dtype]
         grad_bytes = 4 if s.grad_reduce_in_fp32 else param_bytes
@@ -264,8 +271,8 @@ def _stage_memory(m: ModelSpec, s: Setup, stage: int) -> StageMemory:
         resident = (numel * param_bytes, numel * grad_bytes, opt.gpu_bytes)
         host, host_transient = opt.host_bytes + act.host_bytes, opt.host_transient_bytes
         shard, offloaded = opt.shard_numel, opt.offloaded_numel
-        largest, kept = opt.largest_gpu_numel, opt.kept_what
-    step = optimizer_step_transient(s, shard, offloaded, largest)
+        largest, kept, group = opt.largest_gpu_numel, opt.kept_what, opt.largest_group_numel
+    step = optimizer_step_transient(s, shard, offloaded, largest, group)
     phases = stage_phases(s, stage, resident, overhead, act, step, kept)
     top = peak(phases)
     return StageMemory(

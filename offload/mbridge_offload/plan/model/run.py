@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from mbridge_offload.config.rules.base import TE_VERSION_ASSUMED
 from mbridge_offload.plan.memory import fine_grained
 from mbridge_offload.plan.model.architecture import MAMBA, ModelSpec
 
@@ -68,6 +69,10 @@ class Setup:
     pipeline_layout: tuple[int, ...] | None = None
     cross_entropy_loss_fusion: bool = False  # model.cross_entropy_loss_fusion
     cross_entropy_fusion_impl: str = "native"  # model.cross_entropy_fusion_impl: native | te
+    # The Transformer Engine release of the run, where what TE allocates changed between releases (its fused cross
+    # entropy, FusedAdam's step): the one validate assumes (the release Megatron Bridge 0.6.2 pins) unless a
+    # caller knows the run's (the published rows give the release their Bridge revision locks).
+    te_version: str = TE_VERSION_ASSUMED
     # Communication overlap (step-time model only): ddp.overlap_grad_reduce / ddp.overlap_param_gather, which
     # Bridge recipes switch on, and comm_overlap.tp_comm_overlap (TE userbuffers), which its performance recipes do.
     overlap_grad_reduce: bool = True
@@ -85,6 +90,11 @@ class Setup:
     # PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (env_vars): changes no tensor, only how the caching allocator
     # maps them; the planner's yardstick reads it (search/options.py), the memory model does not.
     expandable_segments: bool = False
+
+    def te_at_least(self, major: int, minor: int) -> bool:
+        """Whether the run's Transformer Engine is release ``major.minor`` or later."""
+        have = tuple(int(part) for part in self.te_version.split(".")[:2])
+        return have >= (major, minor)
 
     def resolved_etp(self, model: ModelSpec) -> int:
         if self.etp is not None:

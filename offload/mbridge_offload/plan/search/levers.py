@@ -158,9 +158,10 @@ def switch_variants(lever: str, m: ModelSpec, s: Setup) -> list[Setup]:
     - ``grad-reduce``: ``ddp.grad_reduce_in_fp32=false``: the gradient buffers (and their reduce-scatter) in the
       parameters' bf16, half of fp32's bytes (``plan/memory/stage.py``); the optimizer step then casts each shard to
       fp32 (``plan/memory/phases.py``). Only where the config reduces in fp32 and trains in 16 bits.
-    - ``ce-fusion``: Transformer Engine's fused cross entropy keeps the bf16 logits and overwrites them with their
-      gradient, where megatron-core's unfused and ``native`` paths keep an fp32 copy (``activations.output_bytes``,
-      ``loss_transient_bytes``).
+    - ``ce-fusion``: Transformer Engine's fused cross entropy before 2.18 keeps the bf16 logits and overwrites them
+      with their gradient, where megatron-core's unfused and ``native`` paths keep an fp32 copy
+      (``activations.output_bytes``, ``loss_transient_bytes``). From TE 2.18 it keeps an fp32 gradient too: no
+      saving, not offered (``Setup.te_version``).
     - ``vpp``: interleaving off, or one step up or down among the values that divide a stage's layers: interleaving
       adds in-flight micro-batches on the first stage and shrinks the bubble (``plan/memory/schedule.py``,
       ``plan/time``).
@@ -170,7 +171,9 @@ def switch_variants(lever: str, m: ModelSpec, s: Setup) -> list[Setup]:
         return [replace(s, grad_reduce_in_fp32=False)] if ok else []
     if lever == "ce-fusion":
         fused = s.cross_entropy_loss_fusion and s.cross_entropy_fusion_impl == "te"
-        return [] if fused else [replace(s, cross_entropy_loss_fusion=True, cross_entropy_fusion_impl="te")]
+        if fused or s.te_at_least(2, 18):
+            return []
+        return [replace(s, cross_entropy_loss_fusion=True, cross_entropy_fusion_impl="te")]
     if lever == "vpp":
         if s.pp == 1 or s.pipeline_layout is not None or s.num_layers_in_first_pipeline_stage is not None:
             return []
@@ -187,13 +190,24 @@ def switch_variants(lever: str, m: ModelSpec, s: Setup) -> list[Setup]:
     return []
 
 
-# Why a switch lever changes nothing for a run (vpp's reason names the run's PP: ``usable`` says it).
+# Why a switch lever changes nothing for a run (vpp's reason names the run's PP, ce-fusion's the TE release: ``usable``
+# says them).
 _NOTHING_TO_SWITCH = {
     "grad-reduce": "gradients are already reduced in the parameters' dtype (ddp.grad_reduce_in_fp32 is false), or fp32",
     "ce-fusion": "Transformer Engine's fused cross entropy is already on",
     "expandable-segments": "no out-of-memory message with memory reserved but unallocated (fragmentation) in the "
     "evidence, or PYTORCH_CUDA_ALLOC_CONF already sets expandable_segments",
 }
+
+
+def _te_cross_entropy_saves_nothing(s: Setup) -> str | None:
+    """Why TE's fused cross entropy is not offered from TE 2.18, where it keeps an fp32 gradient too."""
+    if s.te_at_least(2, 18) and not (s.cross_entropy_loss_fusion and s.cross_entropy_fusion_impl == "te"):
+        return (
+            f"from Transformer Engine 2.18 (this answer assumes {s.te_version}) the fused cross entropy keeps an fp32 "
+            "gradient of the logits, as megatron-core's own does: switching it on saves no memory"
+        )
+    return None
 
 
 def usable(lever: str, r: Resolved, base: Setup, frag_gib: float | None = None) -> str | None:
@@ -217,6 +231,8 @@ def usable(lever: str, r: Resolved, base: Setup, frag_gib: float | None = None) 
         if expandable_evidence(frag_gib, base) if expandable else switch_variants(lever, m, base):
             return None
         vpp = f"PP is {base.pp}: interleaving needs PP > 1, an even split and no explicit pipeline layout"
+        if lever == "ce-fusion":
+            return _te_cross_entropy_saves_nothing(base) or _NOTHING_TO_SWITCH[lever]
         return _NOTHING_TO_SWITCH.get(lever, vpp)
     return None if layout_variants(lever, m, base) else why_not_layout(lever, m, base)
 
