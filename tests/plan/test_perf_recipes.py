@@ -162,7 +162,8 @@ def test_the_margin_and_the_host_share_are_derived_from_what_nvidia_runs(publish
     for row in published_rows:
         entry = INDEX["recipes"][row.recipe]
         loaded = sources.load(perf_check._fixture_text(perf_check.FIXTURES / entry["fixture"]))
-        est = estimate_for_inputs(loaded.config, loaded.raw, gpu=row.gpu, num_gpus=row.num_gpus)
+        te = perf_check.RECIPES_TE_VERSION  # the recipes' TE release (Bridge's release-branch lock)
+        est = estimate_for_inputs(loaded.config, loaded.raw, gpu=row.gpu, num_gpus=row.num_gpus, te_version=te)
         free.append(1 - est.memory_gib.total / est.budget_gib)
         host.append(est.host_peak_gb / gpu_preset(row.gpu).host_ram_gb)
     assert len(free) >= 8

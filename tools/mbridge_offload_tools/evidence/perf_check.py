@@ -99,6 +99,13 @@ def _offload_lever_sets(kind: str) -> list[tuple[str, ...]]:
     return ([own] if own else []) + [c for k in range(n, 0, -1) for c in combinations(OFFLOAD_LEVERS, k)]
 
 
+# The Transformer Engine release the recipes run on: Bridge's release branch locks TE's release branch (v0.6.0's
+# uv.lock: transformer-engine 2.17.1+4329ff84, from release_v2.17, without the fp32 cross-entropy gradient TE's main
+# gained on 2026-07-09); the 2.18.0 that the planner assumes by default is what Bridge's main branch locks. With TE's
+# fused cross entropy the difference is 4 bytes per logit at the loss (plan/memory/activations.py).
+RECIPES_TE_VERSION = "2.17.1"
+
+
 def check_recipe(name: str, entry: dict[str, Any], directory: Path) -> RecipeCheck:
     """Estimate with and without the recipe's offloading and recommend from the switched-off config."""
     from mbridge_offload.config import sources
@@ -108,7 +115,7 @@ def check_recipe(name: str, entry: dict[str, Any], directory: Path) -> RecipeChe
     kind, nvidia, layers = _nvidia(entry)
     gpu = GPU_NAMES.get(entry["gpu"], entry["gpu"])
     row = RecipeCheck(name, gpu, int(entry["num_gpus"]), kind, nvidia, layers)
-    flags = {"gpu": gpu, "num_gpus": row.num_gpus}
+    flags = {"gpu": gpu, "num_gpus": row.num_gpus, "te_version": RECIPES_TE_VERSION}
     try:
         loaded = sources.load(_fixture_text(directory / entry["fixture"]))
         shipped = estimate_for_inputs(loaded.config, loaded.raw, **flags)

@@ -204,6 +204,28 @@ class _InPlaceWgrad:
         return None
 
 
+def _recompute_storages() -> None:
+    """megatron-core's CheckpointWithoutOutput (moe_act, mla_up_proj, layernorm recompute) frees a checkpointed output
+    with ``untyped_storage().resize_(0)`` and grows it back in backward: the storage object lives on, so the tracker
+    hears of the new size when it is resized, not when the storage dies."""
+    resize = torch.UntypedStorage.resize_
+
+    def resize_(self: Any, size: int) -> Any:
+        out = resize(self, size)
+        for tracker in MODE_TRACKER:
+            tracker.resized(self)
+        return out
+
+    _patch(torch.UntypedStorage, "resize_", resize_)
+    from megatron.core.tensor_parallel import random as tp_random
+
+    if hasattr(tp_random, "_get_share_storage"):
+        # 0.19.2 points the freed output's storage at the recomputed output's with a C++ extension it compiles at
+        # the first recompute (load_inline: a compiler, minutes, a build cache in the user's home). The bytes are
+        # the recomputed output's, already counted; the freed storage stays at 0 bytes.
+        _patch(tp_random, "_get_share_storage", lambda: lambda output, recomputed: None)
+
+
 def apply() -> None:
     """Patch torch.cuda and megatron-core for the trace (module docstring); call once, in the child only."""
     import torch._dynamo
@@ -226,25 +248,7 @@ def apply() -> None:
     _patch(cuda, "synchronize", lambda *a, **k: None)
     # Nothing to free or measure on a device that is not there.
     _patch(cuda, "empty_cache", lambda: None)
-    # megatron-core's CheckpointWithoutOutput (moe_act, mla_up_proj, layernorm recompute) frees a checkpointed output
-    # with ``untyped_storage().resize_(0)`` and grows it back in backward: the storage object lives on, so the
-    # tracker hears of the new size here rather than when the storage dies.
-    resize = torch.UntypedStorage.resize_
-
-    def resize_(self: Any, size: int) -> Any:
-        out = resize(self, size)
-        for tracker in MODE_TRACKER:
-            tracker.resized(self)
-        return out
-
-    _patch(torch.UntypedStorage, "resize_", resize_)
-    from megatron.core.tensor_parallel import random as tp_random
-
-    if hasattr(tp_random, "_get_share_storage"):
-        # 0.19.2 points the freed output's storage at the recomputed output's with a C++ extension it compiles at
-        # the first recompute (load_inline: a compiler, minutes, a build cache in the user's home). The bytes are
-        # the recomputed output's, already counted; the freed storage stays at 0 bytes.
-        _patch(tp_random, "_get_share_storage", lambda: lambda output, recomputed: None)
+    _recompute_storages()
     import torch.distributed as dist
 
     def all_gather_object(out: list[Any], obj: Any, group: Any = None) -> None:

@@ -21,7 +21,8 @@ DEFAULT_FRACTION = 0.5  # the card's "0.5 for balanced"
 # Planner inputs (``PlanInputs``) that apply's CLI flags and MCP parameters spell otherwise: apply's ``num_layers`` is
 # ``cpu_offloading_num_layers``; the model's own layer count comes from the config (``model.num_layers``). Every
 # other planner input is an apply input of the same name (mode=recommended / option).
-APPLY_OWN_INPUTS = frozenset({"num_layers"})
+# ``te_version`` is apply's environment fact as validate describes it; the same value reaches the planner.
+APPLY_OWN_INPUTS = frozenset({"num_layers", "te_version"})
 Edits = dict[str, tuple[Any, str]]
 
 
