@@ -165,7 +165,7 @@ def apply_answer(v: dict[str, Any], **where: Any) -> Any:
     from mbridge_offload_tools.interface.tools import APPLY_PLANNER
 
     planner = {name: v[name] for name in APPLY_PLANNER if v[name] is not None}
-    if v["te_version"] is not None:  # one release for apply's rules and for the planner that sizes its option
+    if v["te_version"] is not None and v["mode"] == "recommended":  # one release for its rules and its sizing
         planner["te_version"] = v["te_version"]
     with library_errors():
         return apply_offload(
