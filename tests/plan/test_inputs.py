@@ -404,3 +404,16 @@ def test_tp_reaches_setup_through_the_modules_listed(capsys):
     assert getattr(built[0], "tp", None) == 4 and type(built[0]).__module__ == "mbridge_offload.plan.model.run"
     assert path == TP_PATH
     assert json.loads(capsys.readouterr().out)["parallel"]["tp"] == 4
+
+
+@pytest.mark.parametrize(
+    ("given", "release"),
+    [("2.17", (2, 17)), ("2.18.0", (2, 18)), ("2.9.0+cu12", (2, 9)), ("v2.13", (2, 13)), ("3", (3, 0))],
+)
+def test_te_version_takes_validates_spellings_and_reads_the_release(given, release):
+    assert resolve({"model": "qwen3-8b", "te_version": given}).setup.te_release() == release
+
+
+def test_te_version_refuses_what_validate_refuses_with_its_message():
+    with pytest.raises(InputError, match="not a Transformer Engine release"):
+        resolve({"model": "qwen3-8b", "te_version": "latest"})

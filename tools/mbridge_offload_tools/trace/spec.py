@@ -212,5 +212,5 @@ def build_run(m: ModelSpec, s: Setup, stage: int, overlap: bool = False) -> dict
         "num_microbatches": microbatches(s),
         "tied": m.tied_embeddings,
         # the TE release the stand-ins follow where TE's allocations changed (trace.standins.TE_VERSION)
-        "te_version": s.te_version,
+        "te_version": ".".join(map(str, s.te_release())),
     }

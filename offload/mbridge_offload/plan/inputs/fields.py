@@ -14,7 +14,7 @@ from __future__ import annotations
 from functools import partial
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from mbridge_offload.config.rules.base import TE_VERSION_ASSUMED
 from mbridge_offload.plan.inputs.hardware import DEFAULT_MARGIN
@@ -249,10 +249,10 @@ class PlanInputs(BaseModel):
     te_version: str | None = _precision(
         fallback=TE_VERSION_ASSUMED,
         why="the Transformer Engine release Megatron Bridge 0.6.2 pins (what validate assumes)",
-        help="Transformer Engine release of the run, X.Y or X.Y.Z (validate's te_version): its fused cross entropy "
-        "keeps an fp32 gradient of the logits from 2.18, and FusedAdam unscales two bf16 moments in its kernel from "
-        "2.13",
-        pattern=r"^\d{1,3}\.\d{1,3}(\.\d{1,4})?$",
+        help="Transformer Engine release of the run, e.g. 2.9 or 2.10.0 (validate's te_version): its fused cross "
+        "entropy keeps an fp32 gradient of the logits from 2.18, and FusedAdam unscales two bf16 moments in its "
+        "kernel from 2.13",
+        max_length=64,
     )
     fsdp_main_grads_dtype: Dtype | None = _precision(
         key="ddp.megatron_fsdp_main_grads_dtype",
@@ -452,6 +452,14 @@ class PlanInputs(BaseModel):
         "micro_batch_size=1 (without a config the flags describe the asked run; with one, these override the config "
         "as written for the measured run)"
     )
+
+    @field_validator("te_version")
+    @classmethod
+    def _te_release(cls, value: str | None) -> str | None:
+        """The spellings validate accepts for the same input, with its message for the others."""
+        from mbridge_offload.config.validate import check_te_version
+
+        return None if value is None else check_te_version(value)
 
 
 FIELDS = tuple(PlanInputs.model_fields)

@@ -4,6 +4,7 @@ the checks megatron-core would make on them (``check_setup``). Never imports tor
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from mbridge_offload.config.rules.base import TE_VERSION_ASSUMED
@@ -91,10 +92,16 @@ class Setup:
     # maps them; the planner's yardstick reads it (search/options.py), the memory model does not.
     expandable_segments: bool = False
 
+    def te_release(self) -> tuple[int, int]:
+        """The run's Transformer Engine release as (major, minor), from any spelling validate accepts (``2.9``,
+        ``v2.10.0``, ``2.9.0+cu12``, ``2``)."""
+        numbers = [int(n) for n in re.findall(r"\d+", re.split(r"[+\-]", self.te_version.strip().lstrip("v"))[0])]
+        major, minor = [*numbers, 0, 0][:2]
+        return major, minor
+
     def te_at_least(self, major: int, minor: int) -> bool:
         """Whether the run's Transformer Engine is release ``major.minor`` or later."""
-        have = tuple(int(part) for part in self.te_version.split(".")[:2])
-        return have >= (major, minor)
+        return self.te_release() >= (major, minor)
 
     def resolved_etp(self, model: ModelSpec) -> int:
         if self.etp is not None:
