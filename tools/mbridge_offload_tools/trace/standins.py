@@ -262,7 +262,7 @@ class _CrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        logits = logits if logits.is_contiguous() else logits.contiguous()
+        logits = logits.contiguous()
         grad = torch.empty_like(logits, dtype=torch.float32) if TE_VERSION >= CE_FP32_GRAD_FROM else logits
         ctx.save_for_backward(grad.detach())
         return logits.new_empty(logits.shape[:-1], dtype=torch.float32)

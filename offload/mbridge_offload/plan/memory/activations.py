@@ -219,7 +219,7 @@ def te_cross_entropy_in_place(s: Setup) -> bool:
     the bf16 logits (``triton/cross_entropy.py`` before 2.18). From 2.18 it stores the gradient in a new fp32 tensor
     ("so it is not quantized before backward"), which it saves, as megatron-core's own cross entropy saves its fp32
     softmax."""
-    return s.cross_entropy_loss_fusion and s.cross_entropy_fusion_impl == "te" and not s.te_at_least(2, 18)
+    return s.te_cross_entropy() and not s.te_at_least(2, 18)
 
 
 def output_bytes(m: ModelSpec, s: Setup, tokens: int, t_sp: int) -> int:

@@ -35,7 +35,7 @@ from mbridge_offload.plan.memory.activations import ActivationMemory, in_flight
 from mbridge_offload.plan.model.architecture import DTYPE_BYTES
 from mbridge_offload.plan.model.run import Setup
 
-__all__ = ["PHASES", "PhaseMemory", "optimizer_step_transient", "stage_phases"]
+__all__ = ["PHASES", "PhaseMemory", "keeps_param_remainders", "optimizer_step_transient", "stage_phases"]
 
 PHASES = ("forward_backward", "loss", "optimizer_step")
 
@@ -57,12 +57,17 @@ class PhaseMemory:
         return self.weights + self.gradients + self.optimizer + self.activations + self.other
 
 
+def keeps_param_remainders(s: Setup) -> bool:
+    """Whether TE's FusedAdam keeps only the 16 low bits of an fp32 master a bf16 parameter lacks (int16,
+    ``store_param_remainders``) rather than the master itself."""
+    return s.main_params_dtype == "fp32" and s.store_param_remainders and DTYPE_BYTES[s.params_dtype] == 2
+
+
 def te_unscaled_states(s: Setup) -> list[str]:
     """The optimizer states TE FusedAdam copies to fp32 in each step (module docstring), by name."""
     fused = s.exp_avg_dtype == s.exp_avg_sq_dtype == "bf16" and s.te_at_least(2, 13)
     states = {"exp_avg": s.exp_avg_dtype, "exp_avg_sq": s.exp_avg_sq_dtype}
-    remainders = s.main_params_dtype == "fp32" and s.store_param_remainders and DTYPE_BYTES[s.params_dtype] == 2
-    if not remainders:
+    if not keeps_param_remainders(s):
         states["master_param"] = s.main_params_dtype
     return [name for name, dtype in states.items() if dtype != "fp32" and not (dtype == "bf16" and fused)]
 

@@ -30,7 +30,13 @@ import math
 from dataclasses import dataclass, field
 
 from mbridge_offload.plan.memory.activations import stage_activations
-from mbridge_offload.plan.memory.phases import PhaseMemory, optimizer_step_transient, peak, stage_phases
+from mbridge_offload.plan.memory.phases import (
+    PhaseMemory,
+    keeps_param_remainders,
+    optimizer_step_transient,
+    peak,
+    stage_phases,
+)
 from mbridge_offload.plan.model.architecture import DTYPE_BYTES, GB, GiB, ModelSpec
 from mbridge_offload.plan.model.params import Tensor, next_pow2, stage_layers, stage_params
 from mbridge_offload.plan.model.run import Setup, check_setup
@@ -62,9 +68,14 @@ def greedy_offload(numels: list[int], fraction: float) -> int:
     return sum(n for n, host in zip(numels, hdo_offload_mask(numels, fraction), strict=True) if host)
 
 
+def _sharded_over(m: ModelSpec, s: Setup, expert: bool) -> int:
+    """Ranks the distributed optimizer shards a parameter over: DP·CP for dense params, expert DP for experts."""
+    return (s.expert_dp(m) if expert else s.dp * s.cp) if s.distributed_optimizer else 1
+
+
 def _shards(params: list[Tensor], m: ModelSpec, s: Setup, expert: bool) -> list[int]:
-    """Numel of each optimizer-owned shard: DP·CP for dense params, expert DP for experts (DistOpt only)."""
-    d = (s.expert_dp(m) if expert else s.dp * s.cp) if s.distributed_optimizer else 1
+    """Numel of each optimizer-owned shard (DistOpt only: ``_sharded_over``)."""
+    d = _sharded_over(m, s, expert)
     return [math.ceil(t.numel / d) for t in optimizer_param_order(params) if t.expert == expert]
 
 
@@ -87,10 +98,9 @@ class OptimizerMemory:
 
 def _moment_bytes(s: Setup) -> tuple[int, int]:
     """Bytes per element of the fp32 master (or what stands for it) and of the two Adam moments."""
-    param_bytes = DTYPE_BYTES[s.params_dtype]
     moments = DTYPE_BYTES[s.exp_avg_dtype] + DTYPE_BYTES[s.exp_avg_sq_dtype]
     if s.precision_aware_optimizer and s.distributed_optimizer:
-        if s.main_params_dtype == "fp32" and s.store_param_remainders and param_bytes == 2:
+        if keeps_param_remainders(s):
             return 2, moments  # only the 16 low bits the bf16 param lacks (TE FusedAdam store_param_remainders)
         return DTYPE_BYTES[s.main_params_dtype], moments
     return 4, 8  # fp32 main params; exp_avg dtypes only apply to the precision-aware path
@@ -108,7 +118,7 @@ def optimizer_memory(m: ModelSpec, s: Setup, params: list[Tensor]) -> OptimizerM
             continue
         total = sum(shards)
         out.shard_numel += total
-        d = (s.expert_dp(m) if expert else s.dp * s.cp) if s.distributed_optimizer else 1
+        d = _sharded_over(m, s, expert)
         for decay in (False, True):
             group = sum(math.ceil(t.numel / d) for t in params if t.expert == expert and t.decay == decay)
             out.largest_group_numel = max(out.largest_group_numel, group)

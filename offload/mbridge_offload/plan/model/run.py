@@ -103,6 +103,10 @@ class Setup:
         """Whether the run's Transformer Engine is release ``major.minor`` or later."""
         return self.te_release() >= (major, minor)
 
+    def te_cross_entropy(self) -> bool:
+        """Whether the loss is Transformer Engine's fused cross entropy (``cross_entropy_fusion_impl: te``)."""
+        return self.cross_entropy_loss_fusion and self.cross_entropy_fusion_impl == "te"
+
     def resolved_etp(self, model: ModelSpec) -> int:
         if self.etp is not None:
             return self.etp

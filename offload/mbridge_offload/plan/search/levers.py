@@ -170,8 +170,7 @@ def switch_variants(lever: str, m: ModelSpec, s: Setup) -> list[Setup]:
         ok = s.grad_reduce_in_fp32 and s.params_dtype in ("bf16", "fp16") and not s.use_megatron_fsdp
         return [replace(s, grad_reduce_in_fp32=False)] if ok else []
     if lever == "ce-fusion":
-        fused = s.cross_entropy_loss_fusion and s.cross_entropy_fusion_impl == "te"
-        if fused or s.te_at_least(2, 18):
+        if s.te_cross_entropy() or s.te_at_least(2, 18):
             return []
         return [replace(s, cross_entropy_loss_fusion=True, cross_entropy_fusion_impl="te")]
     if lever == "vpp":
@@ -202,7 +201,7 @@ _NOTHING_TO_SWITCH = {
 
 def _te_cross_entropy_saves_nothing(s: Setup) -> str | None:
     """Why TE's fused cross entropy is not offered from TE 2.18, where it keeps an fp32 gradient too."""
-    if s.te_at_least(2, 18) and not (s.cross_entropy_loss_fusion and s.cross_entropy_fusion_impl == "te"):
+    if s.te_at_least(2, 18) and not s.te_cross_entropy():
         return (
             f"from Transformer Engine 2.18 (this answer assumes {s.te_version}) the fused cross entropy keeps an fp32 "
             "gradient of the logits, as megatron-core's own does: switching it on saves no memory"
