@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import os
 import re
 import tempfile
 from pathlib import Path
@@ -29,7 +30,7 @@ from typing import Any
 
 import anyio
 import pytest
-from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import strategies as st
 from mcp import Client
 
@@ -51,7 +52,10 @@ FAST = settings(
     derandomize=True,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
 )
-LONG = settings(FAST, max_examples=60, derandomize=False)
+# CI runs the same generated cases every time (a red CI blocks a landing, so it must not depend on the draw);
+# MBRIDGE_OFFLOAD_EXPLORE=1 draws fresh ones, as a session does before it lands: each case that found a defect
+# stays below as an @example.
+LONG = settings(FAST, max_examples=60, derandomize=not os.environ.get("MBRIDGE_OFFLOAD_EXPLORE"))
 REFUSALS = ("not proposed", "not offered")
 
 
@@ -303,9 +307,19 @@ def test_a_measured_peak_never_makes_a_memory_category_negative(run: tuple[str, 
             assert min(_categories(got[1]) + _categories(got[2])) >= 0
 
 
+# The rationale once quoted 104.9 GiB for an option whose memory_gib said 104.85 (104.8504 rounded twice).
+FOUND_IN_CI = (
+    "model:\n  seq_length: 8192\n  tensor_model_parallel_size: 1\n  pipeline_model_parallel_size: 4\n"
+    "  sequence_parallel: false\n  recompute_granularity: selective\ntrain:\n  micro_batch_size: 2\n"
+    "  global_batch_size: 32\noptimizer:\n  use_distributed_optimizer: true\n",
+    ["--model", "qwen3-8b", "--gpu", "h200-141gb", "--num-gpus", "8"],
+)
+
+
 @pytest.mark.long
 @LONG
 @given(runs())
+@example(FOUND_IN_CI)
 def test_every_answer_keeps_its_word_long(run: tuple[str, list[str]]) -> None:
     _every_answer_keeps_its_word(run)
 

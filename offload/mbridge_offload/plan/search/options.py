@@ -170,8 +170,9 @@ def _option(p: Plan, c: Candidate, ctx: dict[str, Any], overlap: Callable[[Any, 
         changes_layout=any(lever in levers.LAYOUT_LEVERS or lever == "vpp" for lever in used),
         risk=round(score, 4),
         risks=why_risky,
-        why=f"{c.label}: {p.total_gib(est):.1f} GiB peak per GPU, {room}, "
-        f"{est.host_peak_gb:.0f} GB host per GPU, step ×{factor:.2f}",
+        # The text quotes the figure the answer shows (rounded as memory_gib is), so 104.8504 reads 104.8 in both.
+        why=f"{c.label}: {round(p.total_gib(est), 3):.1f} GiB peak per GPU, {room}, "
+        f"{round(est.host_peak_gb, 3):.0f} GB host per GPU, step ×{factor:.2f}",
     )
 
 
