@@ -17,7 +17,8 @@ import subprocess
 import pytest
 
 from mbridge_offload.config.rules.base import TE_VERSION_ASSUMED
-from mbridge_offload.plan.memory.activations import TE_OFFLOAD_MIN_NUMEL
+from mbridge_offload.plan.memory.activations import te_offload_min_numel
+from mbridge_offload.plan.model.run import Setup
 from mbridge_offload_runtime.activation.schedule import DEFAULT_MIN_TENSOR_SIZE
 from mbridge_offload_runtime.upstream import (
     TE_MIN_OFFLOAD_NUMEL,
@@ -139,4 +140,9 @@ def test_no_offload_or_no_version_is_refused(bad: str) -> None:
 
 def test_planner_and_runtime_use_the_assumed_releases_threshold() -> None:
     assumed = te_min_offload_numel(TE_VERSION_ASSUMED)
-    assert TE_OFFLOAD_MIN_NUMEL == DEFAULT_MIN_TENSOR_SIZE == TE_MIN_OFFLOAD_NUMEL == assumed
+    assert te_offload_min_numel(Setup()) == DEFAULT_MIN_TENSOR_SIZE == TE_MIN_OFFLOAD_NUMEL == assumed
+
+
+@pytest.mark.parametrize(("te", "floor"), [("2.11", 0), ("v2.12.0", 256 * 1024), ("2.9.0+cu12", 0), ("3", 256 * 1024)])
+def test_the_planner_reads_the_floor_of_the_runs_release(te: str, floor: int) -> None:
+    assert te_offload_min_numel(Setup(te_version=te)) == floor

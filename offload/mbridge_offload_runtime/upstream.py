@@ -84,7 +84,7 @@ def te_min_offload_numel(te_version: str, v1: bool = False) -> int:
 
 # The release Megatron Bridge 0.6.2 pins (the config side's TE_VERSION_ASSUMED; a test holds the two together), v2
 # path: what the runtime's default and the planner use when nobody names another release.
-TE_MIN_OFFLOAD_NUMEL = te_min_offload_numel("2.18")
+TE_MIN_OFFLOAD_NUMEL = te_min_offload_numel("2.17")
 
 
 def hdo_offload_mask(numels: Sequence[int], offload_fraction: float) -> list[bool]:

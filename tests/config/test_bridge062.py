@@ -2,7 +2,7 @@
 ``ConfigContainer.validate()`` (run for real, megatron-core 0.19.2 underneath), and `validate --recipe` builds them.
 
 Runs under `make test-bridge` (Bridge 0.6.2 in .bridge/0.6.2), offline, under the LABELLED SHIMS of
-tests/support/bridge062.py (typing.override; a TE import stub at 2.18.0, Bridge 0.6.2's pin, with TE's FusedAdam
+tests/support/bridge062.py (typing.override; a TE import stub at 2.17.1, Bridge 0.6.2's pin, with TE's FusedAdam
 signature). One more difference from a training node, also labelled: Transformer Engine's kernels are absent here, so
 the fusions whose check imports them (``_NEEDS_TE_KERNELS``) are switched off in the container Bridge validates;
 on a node with TE they pass.
@@ -111,7 +111,7 @@ def test_verdict_on_every_offload_perf_recipe_matches_container_validate():
     problems = []
     needs_gpu = []
     for name, r in results.items():
-        assert r["target"] == "megatron-core==0.19.2" and r["env"]["te_version"] == "2.18.0"
+        assert r["target"] == "megatron-core==0.19.2" and r["env"]["te_version"] == "2.17.1"
         if r["theirs"] is not None and _NEEDS_A_GPU in r["theirs"][1]:
             needs_gpu.append(name)  # Bridge's own check asks CUDA (a device query): not decidable on this machine
             assert not r["ours"], f"{name}: we report {r['ours']}"

@@ -308,7 +308,7 @@ _CARRIED = {
     "pipeline_layout": ({"pp": 2, "pipeline_layout": "Et*24|t*24L"}, (24, 24)),
     "cross_entropy_loss_fusion": ({"cross_entropy_loss_fusion": True}, True),
     "cross_entropy_fusion_impl": ({"cross_entropy_loss_fusion": True, "cross_entropy_fusion_impl": "te"}, "te"),
-    "te_version": ({"te_version": "2.17.1"}, "2.17.1"),
+    "te_version": ({"te_version": "2.14.0"}, "2.14.0"),
     "overlap_grad_reduce": ({"overlap_grad_reduce": False}, False),
     "overlap_param_gather": ({"overlap_param_gather": False}, False),
     "tp_comm_overlap": ({"tp_comm_overlap": True}, True),

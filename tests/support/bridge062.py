@@ -8,10 +8,10 @@ megatron-core 0.19.2 (Bridge 0.6.2's release) is in ``.mcore/0.19.2`` (``scripts
 
 - SHIM 1: ``typing.override = typing_extensions.override`` (Python 3.12's ``typing.override``, used by Bridge's
   source at import time).
-- SHIM 2: the Transformer Engine import stub of ``tests/support/te_stub.py`` with ``__version__`` "2.18.0", the TE
+- SHIM 2: the Transformer Engine import stub of ``tests/support/te_stub.py`` with ``__version__`` "2.17.1", the TE
   release Bridge 0.6.2 pins (TE cannot be installed on a CPU machine). megatron-core is imported first, so it keeps
   ``HAVE_TE = False``; Bridge's TE-version checks follow the stubbed version.
-- SHIM 3: the stub's ``transformer_engine.pytorch.optimizers.FusedAdam`` has TE 2.18's constructor signature
+- SHIM 3: the stub's ``transformer_engine.pytorch.optimizers.FusedAdam`` has TE 2.17's constructor signature
   (megatron-core's precision-aware-optimizer check reads only the parameter names), so that check judges the
   TE Bridge pins, not the stub.
 
@@ -30,7 +30,7 @@ MCORE = ROOT / ".mcore" / "0.19.2"
 BRIDGE = ROOT / ".bridge" / "0.6.2"
 DEPS = ROOT / ".bridge" / "deps-0.6.2"
 HF_CONFIGS = ROOT / "tests" / "data" / "hf-configs"
-TE_VERSION = "2.18.0"  # the Transformer Engine release Bridge 0.6.2 pins
+TE_VERSION = "2.17.1"  # the Transformer Engine release Bridge 0.6.2 pins (its release branch's uv.lock)
 # A fixed snapshot name: the cache's layout only needs one, and a fixed one keeps generated files reproducible.
 _SNAPSHOT = "0" * 40
 
@@ -76,7 +76,7 @@ def offline_env(cache: Path) -> dict[str, str]:
 
 
 class _FusedAdam:
-    """SHIM 3: Transformer Engine 2.18's ``FusedAdam`` constructor signature (parameter names only; no optimizer)."""
+    """SHIM 3: Transformer Engine 2.17's ``FusedAdam`` constructor signature (parameter names only; no optimizer)."""
 
     def __init__(
         self,

@@ -381,3 +381,10 @@ def test_a_pipeline_size_written_as_a_float_skips_the_layer_count_not_the_whole_
     body = {"model": {**model, "pipeline_dtype": "bf16"}, "optimizer": {}, "ddp": {}, "te_version": "2.18.0"}
     (answer,) = run_children([body], "megatron-core==0.16.1")
     assert any("the pipeline sizes are no integers" in s for s in answer["skipped"]), answer
+
+
+def test_the_exact_childs_assumed_te_release_is_the_config_sides() -> None:
+    from mbridge_offload.config.rules.base import TE_VERSION_ASSUMED
+    from mbridge_offload_tools.exact import child
+
+    assert child.ASSUMED_TE == TE_VERSION_ASSUMED

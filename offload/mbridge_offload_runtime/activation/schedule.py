@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from mbridge_offload_runtime.upstream import TE_MIN_OFFLOAD_NUMEL
 
 # Why TE's: the planner counts what TE's v2 offload would move, and this runtime reproduces it; the runtime does not
-# know the job's TE release, so it takes the one Megatron Bridge 0.6.2 pins (2.18). Per release, and per path, see
+# know the job's TE release, so it takes the one Megatron Bridge 0.6.2 pins (2.17). Per release, and per path, see
 # mbridge_offload_runtime.upstream.TE_OFFLOAD_THRESHOLDS (2.10 and 2.11 had no floor; callers pass min_tensor_size).
 DEFAULT_MIN_TENSOR_SIZE = TE_MIN_OFFLOAD_NUMEL
 """Elements; TE 2.12-2.18's v2 threshold (about 1 MB in fp32). Smaller saved tensors stay on the device."""

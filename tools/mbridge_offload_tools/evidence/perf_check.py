@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from mbridge_offload.config.rules.base import TE_VERSION_ASSUMED
+
 # Recipe GPU names (``…_<gpu>_…_config``) → planner presets.
 GPU_NAMES = {"h100": "h100-80gb", "h200": "h200-141gb"}
 
@@ -99,11 +101,9 @@ def _offload_lever_sets(kind: str) -> list[tuple[str, ...]]:
     return ([own] if own else []) + [c for k in range(n, 0, -1) for c in combinations(OFFLOAD_LEVERS, k)]
 
 
-# The Transformer Engine release the recipes run on: Bridge's release branch locks TE's release branch (v0.6.0's
-# uv.lock: transformer-engine 2.17.1+4329ff84, from release_v2.17, without the fp32 cross-entropy gradient TE's main
-# gained on 2026-07-09); the 2.18.0 that the planner assumes by default is what Bridge's main branch locks. With TE's
-# fused cross entropy the difference is 4 bytes per logit at the loss (plan/memory/activations.py).
-RECIPES_TE_VERSION = "2.17.1"
+# The Transformer Engine release the recipes run on: the one the planner assumes by default, Bridge's release-branch
+# lock (v0.6.0's uv.lock: transformer-engine 2.17.1+4329ff84, without the fp32 cross-entropy gradient of TE 2.18).
+RECIPES_TE_VERSION = TE_VERSION_ASSUMED
 
 
 def check_recipe(name: str, entry: dict[str, Any], directory: Path) -> RecipeCheck:

@@ -21,6 +21,9 @@ _DTYPE_FIELDS = {"pipeline_dtype", "params_dtype", "main_grads_dtype", "main_par
 _DTYPE_FIELDS |= {"exp_avg_sq_dtype", "autocast_dtype", "grad_reduce_in_fp32_dtype"}
 _SHORT = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "float": "float32", "half": "float16"}
 _TE_VERSION_FUNCS = ("get_te_version", "is_te_min_version")
+# The config side's TE_VERSION_ASSUMED, written out: this child imports nothing of ours (it may run in another
+# release's environment); tests/tools/test_validate_exact.py holds the two together.
+ASSUMED_TE = "2.17.1"
 # A check that asks for TE by name (e.g. "apply_rope_fusion is not available. Please install TE >= 1.4.", raised
 # because TE's fused kernels are absent) when no TE version check of that stage answered "too old".
 # Not a message that names TE as a setting ("transformer_engine CUDA graph implementation", "use_transformer_engine_op_
@@ -174,7 +177,7 @@ def _judge(torch, classes, data: dict, te: _TEChecks | None, have_te: bool) -> d
         except PackageNotFoundError:
             out["te"] = "unknown"
     if te is not None:
-        te.reset(str(data.get("te_version") or "2.18.0"))
+        te.reset(str(data.get("te_version") or ASSUMED_TE))
     model = data.get("model") or {}
     # A size written as null is built as written (megatron-core's own TypeError answers it); only a size the config
     # leaves out (a partial YAML) skips the TransformerConfig.
@@ -339,7 +342,7 @@ def main() -> None:
 
     classes = (TransformerConfig, OptimizerConfig, DistributedDataParallelConfig, MLATransformerConfig)
     have_te = importlib.util.find_spec("transformer_engine") is not None
-    te = None if have_te else _TEChecks("2.18.0")
+    te = None if have_te else _TEChecks(ASSUMED_TE)
     if te is not None:
         te.install()
     if "--serve" in sys.argv:

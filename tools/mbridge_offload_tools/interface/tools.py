@@ -73,7 +73,7 @@ TE_VERSION = Param(
     "te_version",
     str,
     "the Transformer Engine release the training cluster runs, e.g. 2.9 or 2.10.0; the TE-dependent rules "
-    "(activation offload v1/v2, fine-grained NVTE_CPU_OFFLOAD_V1) read it. Default: 2.18 assumed, the release "
+    "(activation offload v1/v2, fine-grained NVTE_CPU_OFFLOAD_V1) read it. Default: 2.17.1 assumed, the release "
     "Megatron Bridge 0.6.2 pins (env.te_version_source says so)",
     metavar="X.Y",
 )

@@ -80,7 +80,7 @@ FUSED_ADAM_FACTS: dict[str, tuple[str, ...]] = {
 # The Transformer Engine release the stand-ins follow where TE's allocations changed between releases: set for each
 # traced spec from the run's ``te_version`` (trace/step.py; the planner's input, by default the release Megatron
 # Bridge 0.6.2 pins).
-TE_VERSION: tuple[int, ...] = (2, 18)
+TE_VERSION: tuple[int, ...] = (2, 17)
 
 
 class _Norm(torch.autograd.Function):

@@ -100,7 +100,9 @@ def spec_contains(spec: str, version: Version) -> bool:
 # ---------------------------------------------------------------------------------------------- context
 
 
-TE_VERSION_ASSUMED = "2.18.0"  # the Transformer Engine release Megatron Bridge 0.6.2 pins
+# The Transformer Engine release Megatron Bridge 0.6.2 pins: its release branch (r0.6.0, which 0.6.0-0.6.2 are cut
+# from) locks transformer-engine 2.17.1+4329ff84 in uv.lock; Bridge's main branch locks 2.18.0, not released as 0.6.x.
+TE_VERSION_ASSUMED = "2.17.1"
 
 
 def nvte_cpu_offload_v1(config: OffloadConfig, raw: dict[str, Any]) -> str:
@@ -151,7 +153,6 @@ class Context:
 
     @property
     def te_version(self) -> Version:
-        # Megatron Bridge HEAD pins transformer-engine 2.18.0 (uv.lock).
         return _version(str(self.config.env.get("te_version", TE_VERSION_ASSUMED)))
 
     @property

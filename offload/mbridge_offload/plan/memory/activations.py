@@ -19,7 +19,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from mbridge_offload.config.rules.base import TE_VERSION_ASSUMED
 from mbridge_offload.plan.memory import fine_grained, schedule
 from mbridge_offload.plan.model.architecture import ATTENTION_SYMBOLS, MAMBA, MOE, ModelSpec
 from mbridge_offload.plan.model.params import Tensor, chunk_layers, next_pow2, padded_vocab, stage_layers
@@ -27,11 +26,16 @@ from mbridge_offload.plan.model.run import Setup
 from mbridge_offload.upstream_layers import applies, because
 from mbridge_offload_runtime.upstream import te_min_offload_numel
 
-# The smallest saved tensor TE's v2 layer offload moves (numel >= this), for the release the answer assumes. The
-# planner takes no te_version input yet (estimate has no --te-version), so it assumes what validate assumes without
-# one: the release Megatron Bridge 0.6.2 pins (2.18: 256 Ki elements; 2.10 and 2.11 had no floor, see
-# mbridge_offload_runtime.upstream.TE_OFFLOAD_THRESHOLDS). v2 path: the planner models v2's layer offload.
-TE_OFFLOAD_MIN_NUMEL = te_min_offload_numel(TE_VERSION_ASSUMED)
+
+
+def te_offload_min_numel(s: Setup) -> int:
+    """The smallest saved tensor TE's layer offload moves (numel >= this) in the run's TE release (``te_version``:
+    256 Ki elements from 2.12, none before; see mbridge_offload_runtime.upstream.TE_OFFLOAD_THRESHOLDS)."""
+    major, minor = s.te_release()  # any spelling validate takes (v2.13, 2.9.0+cu12, 3)
+    try:
+        return te_min_offload_numel(f"{major}.{minor}")
+    except ValueError:  # a release before TE had layer offload (1.3): validate refuses the offload; nothing moves
+        return 0
 
 
 def layer_activations(m: ModelSpec, s: Setup, index: int) -> list[Tensor]:
@@ -484,13 +488,14 @@ def stage_activations(m: ModelSpec, s: Setup, stage: int) -> ActivationMemory:
     stored = {i: _stored(layer_activations(m, s, i), s) for i in layers}
     full = [[sum(t.nbytes for t in stored[i]) for i in chunk] for chunk in chunks]
     per_chunk = [_chunk_saved(f, 2 * t_sp * h, s) for f in full]
-    eligible = [sum(t.nbytes for t in stored[i] if t.numel >= TE_OFFLOAD_MIN_NUMEL) for i in layers]
+    floor = te_offload_min_numel(s)
+    eligible = [sum(t.nbytes for t in stored[i] if t.numel >= floor) for i in layers]
     host = 0
     k = s.activation_offload_layers if layer_offload_reaches(m) else 0
     if k:
         # TE v2 keeps at most model_layers − k layers of eligible tensors resident; small ones stay (PP 1: one chunk).
         per_chunk[0] -= sum(sorted(eligible, reverse=True)[: min(k, len(layers))])
-        host = sum(next_pow2(t.nbytes) for i in layers[:k] for t in stored[i] if t.numel >= TE_OFFLOAD_MIN_NUMEL)
+        host = sum(next_pow2(t.nbytes) for i in layers[:k] for t in stored[i] if t.numel >= floor)
     if stage == 0:
         per_chunk[0] += 8 * tokens + (t_sp * h if m.dropout > 0 else 0)  # int64 token ids, embedding dropout mask
     vectors = schedule.inflight_vectors(s.pp, s.vpp, s.num_microbatches(), stage)

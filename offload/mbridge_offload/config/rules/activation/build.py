@@ -9,7 +9,16 @@ These are taken from the source, not run: TE cannot be installed on a CPU machin
 from __future__ import annotations
 
 from mbridge_offload.config.rules.activation.layer_offload import safe_layers
-from mbridge_offload.config.rules.base import STAGE_BRIDGE, STAGE_MLM, STAGE_TE, Context, Match, Rule, advisory
+from mbridge_offload.config.rules.base import (
+    STAGE_BRIDGE,
+    STAGE_MLM,
+    STAGE_TE,
+    TE_VERSION_ASSUMED,
+    Context,
+    Match,
+    Rule,
+    advisory,
+)
 
 # ---------------------------------------------------------------------------------------------- TE
 
@@ -158,7 +167,7 @@ BUILD_RULES: tuple[Rule, ...] = (
         why="MCore does not check this; TE raises deep inside model construction (Megatron-Bridge#2684). On the "
         "legacy v1 path (TE < 2.10 or NVTE_CPU_OFFLOAD_V1=1) it fires even with cpu_offloading off, because "
         "MCore's TransformerBlock always calls TE's factory. The TE version and path come from "
-        "--te-version … / --env NVTE_CPU_OFFLOAD_V1=… (default TE 2.18, v2).",
+        f"--te-version … / --env NVTE_CPU_OFFLOAD_V1=… (default TE {TE_VERSION_ASSUMED}, v2).",
         fix=("model.cpu_offloading_activations=true",),
         check=_nothing_to_offload,
     ),
@@ -280,7 +289,8 @@ BUILD_RULES: tuple[Rule, ...] = (
         "start-up when the process environment lacks NVTE_CPU_OFFLOAD_V1=1. Bridge first copies the config's "
         "`env_vars` into the environment (os.environ.setdefault), so either one sets it: the config's env_vars (as "
         "NVIDIA's fine-grained perf recipes do) or the job's environment (--env NVTE_CPU_OFFLOAD_V1=1 tells "
-        "validate). The TE version is an assumption (--te-version X.Y; default 2.18, pinned by Bridge 0.6.2).",
+        "validate). The TE version is an assumption (--te-version X.Y; default "
+        f"{TE_VERSION_ASSUMED}, pinned by Bridge 0.6.2).",
         fix=("++env_vars.NVTE_CPU_OFFLOAD_V1=1",),
         check=_fg_nvte("bridge"),
     ),
