@@ -27,7 +27,6 @@ from mbridge_offload.upstream_layers import applies, because
 from mbridge_offload_runtime.upstream import te_min_offload_numel
 
 
-
 def te_offload_min_numel(s: Setup) -> int:
     """The smallest saved tensor TE's layer offload moves (numel >= this) in the run's TE release (``te_version``:
     256 Ki elements from 2.12, none before; see mbridge_offload_runtime.upstream.TE_OFFLOAD_THRESHOLDS)."""
