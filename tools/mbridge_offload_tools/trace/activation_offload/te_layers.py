@@ -1,5 +1,7 @@
-"""Transformer Engine's layer-level activation offload (``model.cpu_offloading``), stood in: ``get_cpu_offload_context``
-with TE's call shape, whose behaviour follows TE's v2 code path (``transformer_engine/pytorch/cpu_offload.py``, 2.10+).
+"""Transformer Engine's layer-level activation offload (``model.cpu_offloading``), stood in with TE's call shape.
+
+``get_cpu_offload_context`` as TE takes it; its behaviour follows TE's v2 code path
+(``transformer_engine/pytorch/cpu_offload.py``, TE 2.10 on).
 
 megatron-core's ``TransformerBlock`` asks its TE wrapper (``extensions/transformer_engine.py``, defined only where TE
 imports) for ``(context, sync_function)`` and runs every layer inside the context, then passes the layer's output
