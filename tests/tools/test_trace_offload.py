@@ -196,3 +196,22 @@ def test_offload_frees_the_gpu_bytes_it_moves(release: str) -> None:
     # TE's layout: the norms of a dense layer are fused into the next linear, so upstream offloads nothing for them
     # (the same bytes up to the DDP buckets' alignment padding: the norm weight sits elsewhere in the parameter order)
     assert fused["host_peak_bytes"] == 0 and _peak(fused) == pytest.approx(_peak(plain), abs=1024)
+
+
+@pytest.mark.megatron
+@pytest.mark.slow
+@pytest.mark.skipif("0.19.2" not in RELEASES, reason="activation_offload_fraction is a megatron-core 0.19 field")
+def test_the_offload_fraction_saves_what_the_planner_says() -> None:
+    from mbridge_offload.plan.memory.stage import estimate_memory
+
+    runs = [{"num_layers": 8}] + [
+        {"num_layers": 8, "offload_modules": ["qkv_linear"], "min_offloaded_tensor_size": 1024, **f}
+        for f in ({}, {"activation_offload_fraction": 0.5})
+    ]
+    traced = _traced("0.19.2", runs)
+    planned = [estimate_memory(r.model, r.setup).worst.total for r in (resolve({**SMALL, **c}) for c in runs)]
+    # 8 groups: the margin keeps one on the GPU, then upstream disables int(7 * 0.5) = 3 of the 7 left, not 4 of 8
+    for i in (1, 2):
+        saved, plan = _peak(traced[0]) - _peak(traced[i]), planned[0] - planned[i]
+        assert saved > 0 and plan == pytest.approx(saved, rel=0.02)
+    assert (_peak(traced[0]) - _peak(traced[2])) / (_peak(traced[0]) - _peak(traced[1])) == pytest.approx(4 / 7)
