@@ -15,8 +15,9 @@ counter reset between phases:
 It compares the GPU's forward/backward peak (the higher of the two) with the trace's (``forward_backward`` and
 ``loss``), and the optimizer step with the trace's, target within 3 %; and with ``estimate``'s phases (its fitted
 workspace constant ``Setup.overhead_gb`` taken out, as the differential test does: the allocator counter does not
-see it), target within 5 %. Where the trace refuses a setting (it does not trace layer-level or fine-grained
-activation offload yet) the row says so.
+see it), target within 5 %. Where the trace refuses a setting the row says so. The trace runs layer-level offload
+through its stand-in for Transformer Engine's offload context (``trace/activation_offload/te_layers.py``, TE's v2
+path), which the GPU row's runtime follows too.
 
     .venv/bin/python benchmarks/gpu_trace_check.py                       # on a GPU: writes the doc and the JSON
     .venv/bin/python benchmarks/gpu_trace_check.py --dry-run             # CPU: same code path, tiny shapes

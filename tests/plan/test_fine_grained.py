@@ -147,7 +147,9 @@ def test_activation_offload_fraction_keeps_the_latest_groups():
     s = replace(Setup(num_gpus=1), offload_modules=("expert_fc1",))
     full = _acts(MOE, Setup(num_gpus=1)) - _acts(MOE, s)
     half = _acts(MOE, Setup(num_gpus=1)) - _acts(MOE, replace(s, activation_offload_fraction=0.5))
-    assert full == 7 * _bytes(MOE, s, "expert_fc1_in") and half == 3 * _bytes(MOE, s, "expert_fc1_in")
+    # upstream takes the margin group out first, then disables int(7 * 0.5) = 3 of the 7 left: 4 stay offloaded
+    # (held to megatron-core's manager by the trace: tests/tools/test_trace_offload.py)
+    assert full == 7 * _bytes(MOE, s, "expert_fc1_in") and half == 4 * _bytes(MOE, s, "expert_fc1_in")
 
 
 def test_full_recompute_leaves_nothing_inside_the_scopes():

@@ -234,3 +234,88 @@ def generate_features(seed: int, n: int) -> list[dict[str, Any]]:
         case["config"] = _feature_config(mla, qk_norm, shared, moe and layers > 1 and rng.random() < 0.3, layers, moe)
         out.append(case)
     return out
+
+
+# Fine-grained offload module sets (megatron-core's allowed modules, each alone and a few together; attn_proj only
+# beside core_attn, as upstream requires). attn_norm and mlp_norm are no-ops where TE fuses the norm into the next
+# linear (standard attention; dense MLP): the trace builds TE's layout, the planner knows it.
+DENSE_MODULES = (
+    ("attn_norm",),
+    ("qkv_linear",),
+    ("core_attn",),
+    ("core_attn", "attn_proj"),
+    ("mlp_norm",),
+    ("qkv_linear", "core_attn", "attn_proj"),
+)
+MOE_MODULES = (
+    ("expert_fc1",),
+    ("moe_act",),
+    ("mlp_norm",),
+    ("expert_fc1", "moe_act"),
+    ("core_attn", "attn_proj", "expert_fc1"),
+    ("attn_norm", "qkv_linear", "core_attn", "attn_proj", "mlp_norm", "expert_fc1", "moe_act"),
+)
+
+
+def _offload_moe(rng: random.Random, case: dict[str, Any]) -> int:
+    """One MoE width (Qwen3-30B-A3B's layer, or a small one) on the case; returns EP."""
+    hidden, heads, groups, kv, ffn, moe_ffn, experts, topk, _shared = rng.choice((MOE_WIDTHS[1], MOE_WIDTHS[5]))
+    case.update(
+        hidden_size=hidden,
+        num_attention_heads=heads,
+        num_query_groups=groups,
+        kv_channels=kv,
+        ffn_hidden_size=ffn,
+        moe_ffn_hidden_size=moe_ffn,
+        num_moe_experts=experts,
+        moe_router_topk=topk,
+    )
+    ep = rng.choice([e for e in (2, 4, 8) if experts // e <= 32])
+    case.update(ep=ep, etp=1)
+    case["config"] = _moe_config(None, False, 1)
+    return ep
+
+
+def generate_offload(seed: int, n: int) -> list[dict[str, Any]]:
+    """``n`` cases of the activation offload mechanisms: megatron-core's fine-grained offloading (every allowed module
+    alone, a few sets) with and without selective recompute (core_attn; moe_act on MoE), PP 1 or 2, TP with SP; and
+    Transformer Engine's layer-level offload of ``k`` layers (upstream allows it at PP 1 without recompute only),
+    dense and MoE."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        hidden, heads, groups, ffn = rng.choice(WIDTHS[:4])
+        case: dict[str, Any] = {
+            "hidden_size": hidden,
+            "num_attention_heads": heads,
+            "num_query_groups": groups,
+            "kv_channels": hidden // heads,
+            "ffn_hidden_size": ffn,
+            "vocab_size": rng.choice(VOCABS),
+            "seq_length": rng.choice((2048, 4096)),
+            "micro_batch_size": 1,
+        }
+        moe = rng.random() < 0.4
+        ep = _offload_moe(rng, case) if moe else 1
+        groups = case["num_query_groups"]
+        tp = rng.choice([t for t in (1, 2, 4) if groups % t == 0])
+        layer_level = i % 3 == 2
+        pp = 1 if layer_level else rng.choice((1, 1, 2))
+        layers = rng.choice((2, 3, 4)) * pp
+        case.update(tp=tp, pp=pp, num_layers=layers)
+        if tp > 1:
+            case["sequence_parallel"] = True
+        case["num_gpus"] = math.lcm(tp * pp, pp * ep) * rng.choice((1, 2))
+        dp = case["num_gpus"] // (tp * pp)
+        case["global_batch_size"] = dp * (pp if pp > 1 else 1) * rng.choice((1, 2))
+        case["distributed_optimizer"] = True
+        case["grad_reduce_in_fp32"] = True
+        if layer_level:
+            case["activation_offload_layers"] = rng.randint(1, layers - 1)
+        else:
+            case["offload_modules"] = list(rng.choice(MOE_MODULES if moe else DENSE_MODULES))
+            recompute = rng.choice(("none", "none", "core_attn", "moe_act" if moe else "core_attn"))
+            if recompute != "none":
+                case.update(recompute_granularity="selective", recompute_modules=[recompute])
+        out.append(case)
+    return out

@@ -41,7 +41,7 @@ def test_the_dry_run_traces_and_estimates_each_setting_the_trace_builds(dry_run)
         assert float(cells[2]) > 0 and float(cells[4]) > 0, cells  # the trace's and the estimate's fwd/bwd
 
 
-def test_the_dry_run_says_where_the_trace_refuses_a_lever(dry_run) -> None:
+def test_the_dry_run_traces_layer_offload_through_tes_offload_stand_in(dry_run) -> None:
     done, _ = dry_run
     cells = _row(done.stdout, "layer offload")
-    assert cells[2] == "-" and "trace refused" in cells[-1] and float(cells[4]) > 0
+    assert float(cells[2]) > 0 and float(cells[4]) > 0 and "trace refused" not in cells[-1], cells

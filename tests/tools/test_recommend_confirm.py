@@ -87,17 +87,38 @@ def test_full_recompute_in_option_0_is_what_the_trace_ran() -> None:
 
 
 def test_confirm_says_why_when_the_trace_refuses_option_0() -> None:
-    d = recommend(gpu_memory_gb=13, levers=["activation"])
+    d = recommend(gpu_memory_gb=13, levers=["activation"], fp8_recipe="delayed")
     option, c = d["options"][0], d["confirm"]
     assert "activation" in option["levers"], option["levers"]
-    assert c["traced"] is False and "layer-level activation offload" in c["why"]
+    assert c["traced"] is False and "FP8 recipes" in c["why"]
     assert "verdict" not in c
+
+
+@pytest.mark.megatron
+@pytest.mark.slow
+def test_option_0s_layer_offload_is_what_the_trace_ran() -> None:
+    """Layer-level activation offload in option 0 reaches the trace (TE's offload stand-in) and lowers its peak."""
+    plain = recommend(gpu_memory_gb=40)["confirm"]
+    d = recommend(gpu_memory_gb=13, levers=["activation"])
+    option, c = d["options"][0], d["confirm"]
+    assert "activation" in option["levers"] and c["traced"], c
+    assert c["trace_gib"]["total"] < plain["trace_gib"]["total"]
 
 
 def test_the_cli_flag_adds_confirm(capsys: pytest.CaptureFixture[str]) -> None:
     from mbridge_offload_tools.cli import main
 
-    argv = ["recommend", "--json", "--confirm", "--levers", "activation", "--gpu-memory-gb", "13"]
+    argv = [
+        "recommend",
+        "--json",
+        "--confirm",
+        "--levers",
+        "activation",
+        "--gpu-memory-gb",
+        "13",
+        "--fp8-recipe",
+        "delayed",
+    ]
     argv += [a for k, v in SMALL.items() for a in (f"--{k.replace('_', '-')}", str(v))]
     with contextlib.suppress(SystemExit):
         main.main(argv)

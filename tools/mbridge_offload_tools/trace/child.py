@@ -97,8 +97,11 @@ def main() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         import patches
+        from activation_offload import fine_grained, te_layers
 
         patches.apply()
+        te_layers.apply()
+        fine_grained.apply()
         if "batch" not in data:
             json.dump(_one(data, started), sys.stdout)
             return

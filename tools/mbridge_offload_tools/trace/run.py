@@ -111,6 +111,22 @@ def _experts_words(spec: dict[str, Any]) -> str:
     return "; experts: megatron-core's SequentialMLP (moe_grouped_gemm off)"
 
 
+def _offload_words(spec: dict[str, Any]) -> str:
+    layer = spec["transformer"]
+    words = ""
+    if layer.get("cpu_offloading"):
+        words += (
+            f"; layer-level activation offload of {layer['cpu_offloading_num_layers']} layer(s) through a stand-in "
+            f"for Transformer Engine's get_cpu_offload_context (its v2 path at TE {spec['te_version']})"
+        )
+    if layer.get("fine_grained_activation_offloading"):
+        words += (
+            f"; megatron-core's own fine-grained offload manager ({', '.join(layer['offload_modules'])}) in its "
+            "steady state (one untraced iteration first), the norms fused into the next linear as TE builds them"
+        )
+    return words
+
+
 def answer(child: dict[str, Any], spec: dict[str, Any], r: Any, install: Install, stage: int) -> dict[str, Any]:
     """The JSON answer (module docstring) from the child's bytes."""
     phases: list[dict[str, Any]] = []
@@ -150,7 +166,9 @@ def answer(child: dict[str, Any], spec: dict[str, Any], r: Any, install: Install
             "megatron_core": child["megatron_core"],
             "megatron_core_from": install.where,
             "spec": "megatron-core's local spec (get_gpt_layer_local_spec) with Transformer Engine stand-ins for "
-            "attention, norms and FusedAdam (trace/standins.py: what TE saves, per TE's source)" + _experts_words(spec),
+            "attention, norms and FusedAdam (trace/standins.py: what TE saves, per TE's source)"
+            + _experts_words(spec)
+            + _offload_words(spec),
             "schedule": "interleaved 1F1B" if r.setup.vpp else ("1F1B" if r.setup.pp > 1 else "no pipelining"),
             "optimizer": _optimizer_words(r.setup),
             "transformer_engine": None,

@@ -33,8 +33,14 @@ _NOT_YET = (
     (lambda m, s: s.cp > 1, "context parallelism (megatron-core's local attention refuses CP > 1; TE's is needed)"),
     (lambda m, s: s.use_megatron_fsdp, "Megatron-FSDP"),
     (lambda m, s: bool(s.fp8_recipe and s.fp8_recipe != "none"), "FP8 recipes (Transformer Engine)"),
-    (lambda m, s: s.activation_offload_layers > 0, "layer-level activation offload"),
-    (lambda m, s: bool(s.offload_modules), "fine-grained activation offloading"),
+    (
+        lambda m, s: s.activation_offload_layers > 0 and s.te_release() < (2, 10),
+        "layer-level activation offload before Transformer Engine 2.10 (TE's v1 offload path)",
+    ),
+    (
+        lambda m, s: "fused_group_mlp" in s.offload_modules,
+        "fine-grained offload of fused_group_mlp (Transformer Engine's op fuser)",
+    ),
     (lambda m, s: s.pipeline_layout is not None, "pipeline layouts"),
 )
 
@@ -94,6 +100,7 @@ def _transformer(m: ModelSpec, s: Setup) -> dict[str, Any]:
         kw["num_layers_in_first_pipeline_stage"] = s.num_layers_in_first_pipeline_stage
     if s.num_layers_in_last_pipeline_stage is not None:
         kw["num_layers_in_last_pipeline_stage"] = s.num_layers_in_last_pipeline_stage
+    kw.update(_activation_offload(s))
     if s.recompute_granularity in ("full", "selective"):
         kw["recompute_granularity"] = s.recompute_granularity
         if s.recompute_granularity == "full":
@@ -101,6 +108,29 @@ def _transformer(m: ModelSpec, s: Setup) -> dict[str, Any]:
             kw["recompute_num_layers"] = s.recompute_num_layers or 1
         else:
             kw["recompute_modules"] = list(s.recompute_modules)
+    return kw
+
+
+def _activation_offload(s: Setup) -> dict[str, Any]:
+    """Layer-level offload as ``TransformerBlock`` hands it to TE (activations: TE ignores weights from 2.10; the
+    child's TE stand-in, ``trace/activation_offload/te_layers.py``) and megatron-core's fine-grained offloading with
+    the planner's modules, size floor and fraction (a 0.19 field: passed only where it is not its default)."""
+    kw: dict[str, Any] = {}
+    if s.activation_offload_layers:
+        kw.update(
+            cpu_offloading=True,
+            cpu_offloading_num_layers=s.activation_offload_layers,
+            cpu_offloading_activations=True,
+            cpu_offloading_weights=False,
+        )
+    if s.offload_modules:
+        kw.update(
+            fine_grained_activation_offloading=True,
+            offload_modules=list(s.offload_modules),
+            min_offloaded_tensor_size=s.min_offloaded_tensor_size,
+        )
+        if s.activation_offload_fraction != 1.0:
+            kw["activation_offload_fraction"] = s.activation_offload_fraction
     return kw
 
 
@@ -165,7 +195,8 @@ def build_run(m: ModelSpec, s: Setup, stage: int, overlap: bool = False) -> dict
         raise InputError(
             "trace cannot build this run yet: " + "; ".join(missing),
             "estimate answers for it with the planner's formulas; trace builds GPT models (local spec), dense or MoE "
-            "with the alltoall dispatcher, with TP, PP, VPP, SP, EP, ETP, recompute and the distributed optimizer",
+            "with the alltoall dispatcher, with TP, PP, VPP, SP, EP, ETP, recompute, the distributed optimizer and the "
+            "activation offloads (TE's layer-level, megatron-core's fine-grained)",
         )
     if not 0 <= stage < s.pp:
         raise InputError(f"stage {stage} is outside the pipeline (PP {s.pp}: 0..{s.pp - 1})")

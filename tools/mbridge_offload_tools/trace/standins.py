@@ -169,11 +169,15 @@ class _Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, inp: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(inp, weight)
+        # TE keeps the weight's Python object (linear.py ``origin_weight_ref``): under saved-tensor hooks (activation
+        # offload) the saved one comes back as a new tensor, without main_grad
+        ctx.origin_weight = weight
         return inp.new_empty(*inp.shape[:-1], weight.shape[0])
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        inp, weight = ctx.saved_tensors
+        inp, _ = ctx.saved_tensors
+        weight = ctx.origin_weight
         if hasattr(weight, "grad_added_to_main_grad"):
             weight.grad_added_to_main_grad = True
             wgrad = _dummy_wgrad(grad, list(weight.main_grad.shape), weight.dtype)

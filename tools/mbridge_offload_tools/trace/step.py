@@ -42,6 +42,7 @@ def _config(torch: Any, spec: dict[str, Any]) -> Any:
 
 def _chunks(torch: Any, spec: dict[str, Any], config: Any) -> list[Any]:
     import standins
+    from activation_offload import fine_grained
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
@@ -68,6 +69,7 @@ def _chunks(torch: Any, spec: dict[str, Any], config: Any) -> list[Any]:
         if spec.get("attention", "fused") == "fused":
             for one in layers:
                 standins.use_te_attention(one, config)
+        fine_grained.te_layout(layers, config)
         first = parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
         last = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
         kwargs: dict[str, Any] = {"vp_stage": vp_stage} if vpp else {}
@@ -122,26 +124,31 @@ def trace(torch: Any, spec: dict[str, Any]) -> dict[str, Any]:
     """Trace one rank's step (module docstring); the answer's JSON."""
     import patches
     import standins
+    from activation_offload import fine_grained
 
     tracker = Tracker(fast=spec.get("fast", True))
     patches.MODE_TRACKER[:] = [tracker]
     standins.reset()
     standins.TE_VERSION = tuple(int(part) for part in spec.get("te_version", "2.18").split(".")[:2])
+    fine_grained.reset(spec)
     with tracker, patches.CpuForCuda(tracker):
         built = _build(torch, spec, tracker)
         _warm_up(torch, tracker, built)
+        fine_grained.warm_iteration(spec, tracker, lambda: _run(torch, spec, tracker, built), built)
         _run(torch, spec, tracker, built)
     return _answer(spec, tracker, built)
 
 
 def _build(torch: Any, spec: dict[str, Any], tracker: Tracker) -> dict[str, Any]:
     import patches
+    from activation_offload import te_layers
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     tracker.category = "weights"
     config = _config(torch, spec)
     chunks = _chunks(torch, spec, config)
+    te_layers.after_build(config)
     params = sum(p.numel() for c in chunks for p in c.parameters())
     param_bytes = sum(p.numel() * p.element_size() for c in chunks for p in c.parameters())
     tracker.category = "other"

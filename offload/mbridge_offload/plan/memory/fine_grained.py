@@ -11,7 +11,8 @@ What stays on the GPU (``PipelineOffloadManager.post_warmup_callback`` and ``Chu
 
 - the offload margin: one group per module name (the last layer of the chunk that runs backward first) is never
   offloaded, so the first reload does not stall the compute stream;
-- ``activation_offload_fraction`` f: in every chunk the *last* ``int(n·(1−f))`` of its n eligible groups stay;
+- ``activation_offload_fraction`` f: in every chunk the *last* ``int(n·(1−f))`` of its n eligible groups stay (in the
+  chunk holding the margin group, of its n − 1 others);
 - ``delta_offload_bytes_across_pp_ranks`` d: pipeline rank r keeps its first ``r·d`` bytes of groups (default 0);
 - during backward one reloaded group per module name is resident again (prefetched one layer ahead).
 
@@ -241,8 +242,11 @@ def stage_saving(
             continue
         freed = sum(f for f, _ in offloaded) / len(offloaded)
         copied = sum(c for _, c in offloaded)
-        # One group per module name stays (margin) / is back on the GPU (prefetch) at any time.
-        resident_groups = max(0.0, in_flight * len(offloaded) - 1)
+        # One group per module name stays (margin) / is back on the GPU (prefetch) at any time. Upstream takes the
+        # margin group out first (post_warmup_callback), then the fraction of each chunk's groups still eligible: the
+        # micro-batch holding the margin keeps the fraction of n - 1 groups offloaded, the others of n.
+        first = (n - 1) - int((n - 1) * (1 - fraction))
+        resident_groups = max(0.0, first + (in_flight - 1) * len(offloaded))
         saving = int(resident_groups * freed)
         out.by_module[module] = saving  # type: ignore[index]
         out.gpu_saving_bytes += saving
