@@ -5,8 +5,9 @@ recompute, distributed optimizer or not, fp32 or bf16 gradient reduction, tied e
 (``generate_moe``: EP, expert-TP, expert DP, shared experts, a leading dense layer, top-k; balanced routing on both
 sides, ``docs/trace.md``) and each generated feature run (``generate_features``: multi-latent attention with and
 without a query latent, query/key norms, the precision-aware optimizer's dtypes, the fused cross entropy at TE 2.17
-and 2.18), the planner's worst stage is traced with megatron-core (one child process for all of
-them) and compared:
+and 2.18) and each generated pipeline run (``tests/support/trace_layouts.py``: pipeline layouts with VPP and
+standalone embedding or loss stages, uneven first/last stages with and without VPP), the planner's worst stage is
+traced with megatron-core (one child process for all of them) and compared:
 
 - resident state (weights + gradients + optimizer state): the issue's bar, 1 %, on every run;
 - peak: the issue's bar, 5 %, is not met on every run yet (``docs/trace.md`` has the tables: 195 of 200 dense runs and
@@ -33,11 +34,13 @@ from mbridge_offload_tools.exact.run import installs
 from mbridge_offload_tools.trace import spec as specs
 from mbridge_offload_tools.trace.run import DEFAULT_RELEASE, spawn_batch
 from tests.support.trace_cases import generate, generate_features, generate_moe
+from tests.support.trace_layouts import generate_layouts
 
 pytestmark = [pytest.mark.long, pytest.mark.megatron]
 CASES = int(os.environ.get("MBRIDGE_OFFLOAD_TRACE_CASES", "200"))
 MOE_CASES = int(os.environ.get("MBRIDGE_OFFLOAD_TRACE_MOE_CASES", "64"))
 FEATURE_CASES = int(os.environ.get("MBRIDGE_OFFLOAD_TRACE_FEATURE_CASES", "32"))
+LAYOUT_CASES = int(os.environ.get("MBRIDGE_OFFLOAD_TRACE_LAYOUT_CASES", "32"))
 RELEASE = DEFAULT_RELEASE if DEFAULT_RELEASE in {i.version for i in installs()} else "0.16.1"
 
 
@@ -53,6 +56,7 @@ def _resolved(case: dict[str, Any]) -> Any:
 def _rows() -> list[dict[str, Any]]:
     rows, batch = [], []
     cases = generate(20261206, CASES) + generate_moe(20261207, MOE_CASES) + generate_features(20261208, FEATURE_CASES)
+    cases += generate_layouts(20261209, LAYOUT_CASES)
     for case in cases:
         try:
             r = _resolved(case)
@@ -94,7 +98,8 @@ def _gaps(rows: list[dict[str, Any]]) -> list[tuple[float, float, dict[str, Any]
 
 
 def test_megatron_core_traces_every_run_the_planner_accepts(rows) -> None:
-    assert len(rows) >= 0.9 * (CASES + MOE_CASES + FEATURE_CASES)  # the generator draws runs the planner accepts
+    # the generators draw runs the planner accepts
+    assert len(rows) >= 0.9 * (CASES + MOE_CASES + FEATURE_CASES + LAYOUT_CASES)
     failed = [(row["case"], row["trace"]["error"]) for row in rows if "error" in row["trace"]]
     assert not failed, failed[:5]
 

@@ -35,7 +35,6 @@ _NOT_YET = (
     (lambda m, s: bool(s.fp8_recipe and s.fp8_recipe != "none"), "FP8 recipes (Transformer Engine)"),
     (lambda m, s: s.activation_offload_layers > 0, "layer-level activation offload"),
     (lambda m, s: bool(s.offload_modules), "fine-grained activation offloading"),
-    (lambda m, s: s.pipeline_layout is not None, "pipeline layouts"),
 )
 
 
@@ -90,6 +89,8 @@ def _transformer(m: ModelSpec, s: Setup) -> dict[str, Any]:
         kw.update(_moe(m, s))
     if m.mla is not None:
         kw.update(_mla(m))
+    if s.pipeline_layout is not None:
+        kw["pipeline_model_parallel_layout"] = layout(m, s)
     if s.num_layers_in_first_pipeline_stage is not None:
         kw["num_layers_in_first_pipeline_stage"] = s.num_layers_in_first_pipeline_stage
     if s.num_layers_in_last_pipeline_stage is not None:
@@ -102,6 +103,17 @@ def _transformer(m: ModelSpec, s: Setup) -> dict[str, Any]:
         else:
             kw["recompute_modules"] = list(s.recompute_modules)
     return kw
+
+
+def layout(m: ModelSpec, s: Setup) -> str:
+    """megatron-core's layout string for the planner's decoder layers per virtual stage (``Setup.pipeline_layout``):
+    megatron-core asserts the embedding first and the loss last (``validate_layer_layout``), and places MTP after
+    every decoder layer; the planner keeps its MTP depths on the last stage, so they go into the last virtual stage,
+    before the loss."""
+    stages = ["t" * n for n in s.pipeline_layout or ()]
+    stages[0] = "E" + stages[0]
+    stages[-1] += "m" * m.mtp_num_layers + "L"
+    return "|".join(stages)
 
 
 def _mla(m: ModelSpec) -> dict[str, Any]:
