@@ -30,7 +30,6 @@ _NOT_YET = (
     ),
     (lambda m, s: bool(m.layer_pattern), "hybrid Mamba stacks"),
     (lambda m, s: m.mtp_num_layers > 0, "multi-token prediction"),
-    (lambda m, s: s.cp > 1, "context parallelism (megatron-core's local attention refuses CP > 1; TE's is needed)"),
     (lambda m, s: s.use_megatron_fsdp, "Megatron-FSDP"),
     (lambda m, s: bool(s.fp8_recipe and s.fp8_recipe != "none"), "FP8 recipes (Transformer Engine)"),
     (lambda m, s: s.activation_offload_layers > 0, "layer-level activation offload"),
@@ -74,6 +73,8 @@ def _transformer(m: ModelSpec, s: Setup) -> dict[str, Any]:
         "tensor_model_parallel_size": s.tp,
         "pipeline_model_parallel_size": s.pp,
         "virtual_pipeline_model_parallel_size": s.vpp,
+        # TE's attention runs the ring over it (trace/te_standins/context_parallel.py); RoPE keeps this rank's chunks
+        "context_parallel_size": s.cp,
         "sequence_parallel": s.sp and s.tp > 1,
         "cross_entropy_loss_fusion": s.cross_entropy_loss_fusion,
         "cross_entropy_fusion_impl": s.cross_entropy_fusion_impl,
@@ -177,7 +178,8 @@ def build_run(m: ModelSpec, s: Setup, stage: int, overlap: bool = False) -> dict
         raise InputError(
             "trace cannot build this run yet: " + "; ".join(missing),
             "estimate answers for it with the planner's formulas; trace builds GPT models (local spec), dense or MoE "
-            "with the alltoall dispatcher, with TP, PP, VPP, SP, EP, ETP, recompute and the distributed optimizer",
+            "with the alltoall dispatcher, with TP, PP, VPP, pipeline layouts, CP, SP, EP, ETP, recompute and the "
+            "distributed optimizer",
         )
     if not 0 <= stage < s.pp:
         raise InputError(f"stage {stage} is outside the pipeline (PP {s.pp}: 0..{s.pp - 1})")

@@ -233,7 +233,7 @@ def _run(torch: Any, spec: dict[str, Any], tracker: Tracker, built: dict[str, An
         data_iterator=[iter(())] * len(model),
         model=model if len(model) > 1 else model[0],
         num_microbatches=spec["num_microbatches"],
-        seq_length=s,
+        seq_length=spec["seq_length"],  # the whole sequence: the schedule divides it by CP
         micro_batch_size=b,
         forward_only=False,
     )
