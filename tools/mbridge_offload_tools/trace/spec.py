@@ -29,7 +29,6 @@ _NOT_YET = (
         "MoE with the flex token dispatcher (DeepEP / HybridEP kernels)",
     ),
     (lambda m, s: bool(m.layer_pattern), "hybrid Mamba stacks"),
-    (lambda m, s: m.mtp_num_layers > 0, "multi-token prediction"),
     (lambda m, s: s.use_megatron_fsdp, "Megatron-FSDP"),
     (lambda m, s: bool(s.fp8_recipe and s.fp8_recipe != "none"), "FP8 recipes (Transformer Engine)"),
     (lambda m, s: s.activation_offload_layers > 0, "layer-level activation offload"),
@@ -90,6 +89,8 @@ def _transformer(m: ModelSpec, s: Setup) -> dict[str, Any]:
         kw.update(_moe(m, s))
     if m.mla is not None:
         kw.update(_mla(m))
+    if m.mtp_num_layers:  # the last stage builds the MTP depths and their loss (trace/step.py)
+        kw["mtp_num_layers"] = m.mtp_num_layers
     if s.pipeline_layout is not None:
         kw["pipeline_model_parallel_layout"] = layout(m, s)
     if s.num_layers_in_first_pipeline_stage is not None:
