@@ -316,9 +316,17 @@ def _stored(acts: list[Tensor], s: Setup) -> list[Tensor]:
     if s.recompute_granularity != "selective":
         return acts
     drops = set().union(*(_RECOMPUTE_DROPS.get(name, set()) for name in s.recompute_modules))
-    if any(t.name == "kv_down_out" for t in acts):
+    mla = any(t.name == "kv_down_out" for t in acts)
+    if mla:
         drops |= set().union(*(_MLA_RECOMPUTE_DROPS.get(name, set()) for name in s.recompute_modules))
-    return [t for t in acts if t.name not in drops]
+    out = [t for t in acts if t.name not in drops]
+    named = {t.name: t for t in acts}
+    if "core_attn" in s.recompute_modules and not mla and "v" in named:
+        # The checkpoint saves its arguments: megatron-core's v is a view of linear_qkv's output (torch.split), so
+        # the whole QKV output stays alive, its q and k parts beside the new q and k that RoPE made (the trace shows
+        # it to the byte; without the checkpoint TE's attention copies v and the output is freed).
+        out.append(Tensor("qkv_out_under_v", named["q"].numel + named["k"].numel))
+    return out
 
 
 def in_flight(s: Setup, stage: int) -> float:
@@ -433,10 +441,23 @@ def vocab_backward_bytes(m: ModelSpec, s: Setup, stage: int, first_chunk_saved: 
     best = 0
     if stage == s.pp - 1:
         best = weight + 2 * tokens * vocab + 2 * tokens * m.hidden_size
+        if m.mtp_num_layers:
+            best = max(best, _mtp_vocab_backward(m, s, tokens, weight))
     if stage == 0:
         tied_here = m.tied_embeddings and s.pp == 1
         best = max(best, (3 if tied_here else 1) * weight - first_chunk_saved)
     return best
+
+
+def _mtp_vocab_backward(m: ModelSpec, s: Setup, tokens: int, weight: int) -> int:
+    """The MTP stage's vocabulary backward: the output layer runs once per depth beside the main loss, and autograd
+    sums the weight-sized ``grad_weight`` each run returns (the previous sum, the new one and their sum: three at
+    once, the trace shows it on 0.16.1 and 0.19.2), while the depths not yet back-propagated keep their tensors
+    (their checkpoint inputs under full recompute) and all but the last their logits for the loss."""
+    _, t_sp = _mtp_tokens(m, s)
+    kept = 2 * (2 * t_sp * m.hidden_size) if _mtp_checkpointed(s) else _mtp_internal(m, s)
+    logits = (2 if te_cross_entropy_in_place(s) else 4) * tokens * padded_vocab(m, s.tp) // s.tp
+    return 3 * weight + 2 * tokens * m.hidden_size + kept * m.mtp_num_layers + logits * (m.mtp_num_layers - 1)
 
 
 def p2p_gradient_bytes(m: ModelSpec, s: Setup, stage: int) -> int:
