@@ -100,3 +100,57 @@ def generate_layouts(seed: int, n: int) -> list[dict[str, Any]]:
             del case["config"]
         out.append(case)
     return out
+
+
+def generate_context(seed: int, n: int) -> list[dict[str, Any]]:
+    """``n`` cases from ``seed`` of context parallelism (CP 2 or 4, TE's p2p ring; a fifth of them CP 1) and
+    multi-token prediction (one or two depths on the last stage, for half of them), on dense, MoE and
+    multi-latent-attention layers, with TP/SP, PP (VPP sometimes) and recompute."""
+    from tests.support.trace_cases import MLA_SHAPES, _feature_config
+
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        moe = rng.random() < 0.4
+        mla = rng.choice((None, None, *MLA_SHAPES))
+        hidden, heads, groups, kv, ffn, moe_ffn, experts, topk, shared = rng.choice(MOE_WIDTHS)
+        if mla is not None:
+            groups = heads
+        cp = rng.choice((1, 2, 2, 4, 4))
+        case: dict[str, Any] = {
+            "hidden_size": hidden,
+            "num_attention_heads": heads,
+            "num_query_groups": groups,
+            "kv_channels": kv,
+            "ffn_hidden_size": ffn,
+            "vocab_size": rng.choice(VOCABS),
+            "seq_length": cp * rng.choice((1024, 2048, 4096)),
+            "micro_batch_size": 1,
+            "cp": cp,
+        }
+        tp = rng.choice([t for t in (1, 2, 4) if groups % t == 0 and heads % t == 0])
+        pp = rng.choice((1, 1, 2))
+        layers = pp * rng.choice((1, 2))
+        case.update(tp=tp, pp=pp, num_layers=layers)
+        if tp > 1:
+            case["sequence_parallel"] = True
+        if pp > 1 and layers // pp == 2 and rng.random() < 0.3:
+            case["vpp"] = 2
+        ep = 1
+        if moe:
+            case.update(moe_ffn_hidden_size=moe_ffn, num_moe_experts=experts, moe_router_topk=max(2, topk))
+            ep = rng.choice([e for e in (1, 2, 4) if experts % e == 0 and experts // e <= 32])
+            case.update(ep=ep, etp=1)
+        case["num_gpus"] = math.lcm(tp * cp * pp, pp * ep) * rng.choice((1, 2))
+        dp = case["num_gpus"] // (tp * cp * pp)
+        case["global_batch_size"] = dp * pp * rng.choice((1, 2))
+        case["distributed_optimizer"] = True
+        case["grad_reduce_in_fp32"] = rng.random() < 0.7
+        _levers(rng, case)
+        config = _feature_config(mla, mla is not None, shared, False, layers, moe)
+        mtp = rng.choice((0, 1, 1, 2)) if rng.random() < 0.5 else 0
+        if mtp:
+            config += f"  mtp_num_layers: {mtp}\n"
+        case["config"] = config
+        out.append(case)
+    return out
