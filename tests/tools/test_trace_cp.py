@@ -152,3 +152,13 @@ def test_megatron_core_with_cp_is_traced_and_the_planner_holds_to_it() -> None:
             resident = cat["weights"] + cat["gradients"] + cat["optimizer"]
             assert (w.weights + w.gradients + w.optimizer) == pytest.approx(resident, rel=0.01)
             assert w.total - int(r.setup.overhead_gb * GB) == pytest.approx(peak["total"], rel=0.05)
+
+
+@pytest.mark.megatron
+@pytest.mark.slow
+def test_the_answer_says_which_context_parallel_attention_it_traced() -> None:
+    from mbridge_offload_tools.trace.run import trace_answer
+
+    args = {"config": None, "overrides": [], "megatron_args": None, "megatron_core": None}
+    d = trace_answer({**args, **SMALL, "cp": 2, "seq_length": 4096, "num_gpus": 4})
+    assert any("p2p ring" in note for note in d["notes"]) and d["memory_gib"]["activations"] > 0
