@@ -109,9 +109,9 @@ def _transformer(m: ModelSpec, s: Setup) -> dict[str, Any]:
 
 def layout(m: ModelSpec, s: Setup) -> str:
     """megatron-core's layout string for the planner's decoder layers per virtual stage (``Setup.pipeline_layout``):
-    megatron-core asserts the embedding first and the loss last (``validate_layer_layout``), and places MTP after
-    every decoder layer; the planner keeps its MTP depths on the last stage, so they go into the last virtual stage,
-    before the loss."""
+    megatron-core asserts the embedding first, the loss last and the MTP layers after all decoder layers
+    (``validate_layer_layout``); the planner keeps its MTP depths on the last stage, so they go into the last virtual
+    stage, before the loss."""
     stages = ["t" * n for n in s.pipeline_layout or ()]
     stages[0] = "E" + stages[0]
     stages[-1] += "m" * m.mtp_num_layers + "L"
