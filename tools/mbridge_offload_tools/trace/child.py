@@ -57,8 +57,9 @@ def _init_parallel(spec: dict[str, Any]) -> None:
 
 
 def _reset_moe_tracker() -> None:
-    """Forget the MoE layers' auxiliary-loss tracker: megatron-core keeps it in a module global, one tensor per loss
-    sized by the first model's layer count, which the next spec of a batch (more layers) would index past."""
+    """Forget the MoE layers' auxiliary-loss tracker (and MTP's loss tracker): megatron-core keeps each in a module
+    global, one tensor per loss sized by the first model's layer count, which the next spec of a batch (more layers)
+    would index past."""
     from megatron.core.transformer.moe import moe_utils
 
     legacy = getattr(moe_utils, "_MOE_LAYER_WISE_LOGGING_TRACKER", None)  # 0.16.1
@@ -68,6 +69,12 @@ def _reset_moe_tracker() -> None:
     metrics = getattr(getter(), "metrics", None) if getter is not None else None
     if isinstance(metrics, dict):
         metrics.clear()
+    # the MTP loss tracker: the same, sized by the first model's MTP depths
+    from megatron.core.transformer import multi_token_prediction
+
+    tracker = getattr(getattr(multi_token_prediction, "MTPLossLoggingHelper", None), "tracker", None)
+    if isinstance(tracker, dict):
+        tracker.clear()
 
 
 def _one(spec: dict[str, Any], started: float) -> dict[str, Any]:

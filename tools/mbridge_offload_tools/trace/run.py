@@ -149,6 +149,11 @@ def answer(child: dict[str, Any], spec: dict[str, Any], r: Any, install: Install
         "the gradient norm is not clipped (clip_grad 0): its value needs data; its memory is a scalar per tensor",
         "simulated on CPU with fake tensors: no allocator fragmentation, CUDA context, NCCL or cuBLAS workspaces",
     ]
+    if r.setup.cp > 1:
+        notes.append(
+            f"context parallelism {r.setup.cp}: TE's p2p ring attention (stand-in, the last CP rank's steps, the "
+            "largest transient); the a2a and allgather communication types are not traced"
+        )
     return {
         "unit": "GiB (2^30 bytes), allocated by tensors (simulated on CPU, fake tensors)",
         "memory_gib": memory,

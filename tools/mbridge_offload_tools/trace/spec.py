@@ -29,8 +29,6 @@ _NOT_YET = (
         "MoE with the flex token dispatcher (DeepEP / HybridEP kernels)",
     ),
     (lambda m, s: bool(m.layer_pattern), "hybrid Mamba stacks"),
-    (lambda m, s: m.mtp_num_layers > 0, "multi-token prediction"),
-    (lambda m, s: s.cp > 1, "context parallelism (megatron-core's local attention refuses CP > 1; TE's is needed)"),
     (lambda m, s: s.use_megatron_fsdp, "Megatron-FSDP"),
     (lambda m, s: bool(s.fp8_recipe and s.fp8_recipe != "none"), "FP8 recipes (Transformer Engine)"),
     (
@@ -41,7 +39,6 @@ _NOT_YET = (
         lambda m, s: "fused_group_mlp" in s.offload_modules,
         "fine-grained offload of fused_group_mlp (Transformer Engine's op fuser)",
     ),
-    (lambda m, s: s.pipeline_layout is not None, "pipeline layouts"),
 )
 
 
@@ -81,6 +78,8 @@ def _transformer(m: ModelSpec, s: Setup) -> dict[str, Any]:
         "tensor_model_parallel_size": s.tp,
         "pipeline_model_parallel_size": s.pp,
         "virtual_pipeline_model_parallel_size": s.vpp,
+        # TE's attention runs the ring over it (trace/te_standins/context_parallel.py); RoPE keeps this rank's chunks
+        "context_parallel_size": s.cp,
         "sequence_parallel": s.sp and s.tp > 1,
         "cross_entropy_loss_fusion": s.cross_entropy_loss_fusion,
         "cross_entropy_fusion_impl": s.cross_entropy_fusion_impl,
@@ -96,6 +95,10 @@ def _transformer(m: ModelSpec, s: Setup) -> dict[str, Any]:
         kw.update(_moe(m, s))
     if m.mla is not None:
         kw.update(_mla(m))
+    if m.mtp_num_layers:  # the last stage builds the MTP depths and their loss (trace/step.py)
+        kw["mtp_num_layers"] = m.mtp_num_layers
+    if s.pipeline_layout is not None:
+        kw["pipeline_model_parallel_layout"] = layout(m, s)
     if s.num_layers_in_first_pipeline_stage is not None:
         kw["num_layers_in_first_pipeline_stage"] = s.num_layers_in_first_pipeline_stage
     if s.num_layers_in_last_pipeline_stage is not None:
@@ -132,6 +135,17 @@ def _activation_offload(s: Setup) -> dict[str, Any]:
         if s.activation_offload_fraction != 1.0:
             kw["activation_offload_fraction"] = s.activation_offload_fraction
     return kw
+
+
+def layout(m: ModelSpec, s: Setup) -> str:
+    """megatron-core's layout string for the planner's decoder layers per virtual stage (``Setup.pipeline_layout``):
+    megatron-core asserts the embedding first, the loss last and the MTP layers after all decoder layers
+    (``validate_layer_layout``); the planner keeps its MTP depths on the last stage, so they go into the last virtual
+    stage, before the loss."""
+    stages = ["t" * n for n in s.pipeline_layout or ()]
+    stages[0] = "E" + stages[0]
+    stages[-1] += "m" * m.mtp_num_layers + "L"
+    return "|".join(stages)
 
 
 def _mla(m: ModelSpec) -> dict[str, Any]:
@@ -195,8 +209,8 @@ def build_run(m: ModelSpec, s: Setup, stage: int, overlap: bool = False) -> dict
         raise InputError(
             "trace cannot build this run yet: " + "; ".join(missing),
             "estimate answers for it with the planner's formulas; trace builds GPT models (local spec), dense or MoE "
-            "with the alltoall dispatcher, with TP, PP, VPP, SP, EP, ETP, recompute, the distributed optimizer and the "
-            "activation offloads (TE's layer-level, megatron-core's fine-grained)",
+            "with the alltoall dispatcher, with TP, PP, VPP, pipeline layouts, CP, SP, EP, ETP, recompute, the "
+            "distributed optimizer and the activation offloads (TE's layer-level, megatron-core's fine-grained)",
         )
     if not 0 <= stage < s.pp:
         raise InputError(f"stage {stage} is outside the pipeline (PP {s.pp}: 0..{s.pp - 1})")

@@ -156,7 +156,13 @@ class FusedAttentionStandIn(torch.nn.Module):
             # strides unlike k's) match none, so TE makes all three contiguous: the saved v is a copy and the QKV
             # output is freed, not kept alive by the slice.
             query, key, value = (x.contiguous() for x in (query, key, value))
-        out = _FusedAttention.apply(query, key, value)
+        cp = getattr(self.config, "context_parallel_size", 1)
+        if cp > 1:  # TE's context-parallel attention (megatron-core's local one refuses CP > 1)
+            from te_standins import context_parallel
+
+            out = context_parallel.attention(query, key, value, cp)
+        else:
+            out = _FusedAttention.apply(query, key, value)
         sq, b, heads, dim = out.shape
         return out.view(sq, b, heads * dim)
 

@@ -70,6 +70,13 @@ def _chunks(torch: Any, spec: dict[str, Any], config: Any) -> list[Any]:
             for one in layers:
                 standins.use_te_attention(one, config)
         fine_grained.te_layout(layers, config)
+        mtp = None
+        if config.mtp_num_layers:
+            from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
+
+            # as Bridge's GPTModelProvider builds it: the depth's layer is the block's last (with its stand-ins);
+            # None on a chunk without MTP depths
+            mtp = get_gpt_mtp_block_spec(config, layer_spec, use_transformer_engine=False, vp_stage=vp_stage)
         first = parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
         last = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
         kwargs: dict[str, Any] = {"vp_stage": vp_stage} if vpp else {}
@@ -83,6 +90,7 @@ def _chunks(torch: Any, spec: dict[str, Any], config: Any) -> list[Any]:
                 post_process=last,
                 share_embeddings_and_output_weights=spec["tied"],
                 position_embedding_type="rope",
+                mtp_block_spec=mtp,
                 **kwargs,
             )
         )
@@ -240,7 +248,7 @@ def _run(torch: Any, spec: dict[str, Any], tracker: Tracker, built: dict[str, An
         data_iterator=[iter(())] * len(model),
         model=model if len(model) > 1 else model[0],
         num_microbatches=spec["num_microbatches"],
-        seq_length=s,
+        seq_length=spec["seq_length"],  # the whole sequence: the schedule divides it by CP
         micro_batch_size=b,
         forward_only=False,
     )

@@ -191,22 +191,40 @@ def mtp_activations(m: ModelSpec, s: Setup) -> int:
     input (2h), the depth's layers, and its own pass through the output layer and the loss (the logits again).
 
     Full recompute with the uniform method checkpoints each depth (megatron-core's ``MultiTokenPredictionLayer``):
-    a depth then keeps its two inputs, and one depth's internals are rebuilt at a time in backward; the block method
-    skips the MTP depths (``mbridge_offload.upstream_layers``, row ``recompute:full-block``)."""
+    a depth then keeps its two inputs (hidden_states and the depth's embedding output: the two norms' inputs) while
+    the loss runs, and one depth's internals are rebuilt at a time in backward (:func:`mtp_rebuilt`), after the
+    logits are gone; the block method skips the MTP depths (``mbridge_offload.upstream_layers``, row
+    ``recompute:full-block``)."""
     if not m.mtp_num_layers:
         return 0
+    tokens, t_sp = _mtp_tokens(m, s)
+    output = output_bytes(m, s, tokens, t_sp)
+    if _mtp_checkpointed(s):
+        return (2 * (2 * t_sp * m.hidden_size) + output) * m.mtp_num_layers
+    return (_mtp_internal(m, s) + output) * m.mtp_num_layers
+
+
+def mtp_rebuilt(m: ModelSpec, s: Setup) -> int:
+    """What a checkpointed MTP depth re-materialises in backward (full recompute, uniform): its internals, one depth
+    at a time, before the decoder layers run backward; 0 when the depths are not checkpointed."""
+    return _mtp_internal(m, s) if m.mtp_num_layers and _mtp_checkpointed(s) else 0
+
+
+def _mtp_checkpointed(s: Setup) -> bool:
+    return s.recompute_granularity == "full" and applies(f"recompute:full-{s.recompute_method or 'uniform'}", "mtp")
+
+
+def _mtp_tokens(m: ModelSpec, s: Setup) -> tuple[int, int]:
     seq = s.seq_length or m.seq_length
     tokens = seq * s.micro_batch_size // s.cp
-    t_sp = tokens // s.tp if s.sp else tokens
+    return tokens, tokens // s.tp if s.sp else tokens
+
+
+def _mtp_internal(m: ModelSpec, s: Setup) -> int:
+    """One depth's saved tensors: the two norms' inputs, ``eh_proj``'s input (2h) and the depth's layers."""
+    _, t_sp = _mtp_tokens(m, s)
     h = m.hidden_size
-    internal = 2 * t_sp * h * 2 + 2 * t_sp * 2 * h + sum(t.nbytes for acts in _mtp_depth(m, s) for t in acts)
-    output = output_bytes(m, s, tokens, t_sp)
-    if s.recompute_granularity == "full" and applies(f"recompute:full-{s.recompute_method or 'uniform'}", "mtp"):
-        # The checkpoint keeps its inputs (hidden_states and the depth's embedding output: the two norms' inputs);
-        # the depth whose backward runs rebuilds the rest, so a single depth peaks as without recompute.
-        inputs = 2 * (2 * t_sp * h)
-        return (inputs + output) * m.mtp_num_layers + internal - inputs
-    return (internal + output) * m.mtp_num_layers
+    return 2 * t_sp * h * 2 + 2 * t_sp * 2 * h + sum(t.nbytes for acts in _mtp_depth(m, s) for t in acts)
 
 
 def _mtp_depth(m: ModelSpec, s: Setup) -> list[list[Tensor]]:
@@ -301,9 +319,17 @@ def _stored(acts: list[Tensor], s: Setup) -> list[Tensor]:
     if s.recompute_granularity != "selective":
         return acts
     drops = set().union(*(_RECOMPUTE_DROPS.get(name, set()) for name in s.recompute_modules))
-    if any(t.name == "kv_down_out" for t in acts):
+    mla = any(t.name == "kv_down_out" for t in acts)
+    if mla:
         drops |= set().union(*(_MLA_RECOMPUTE_DROPS.get(name, set()) for name in s.recompute_modules))
-    return [t for t in acts if t.name not in drops]
+    out = [t for t in acts if t.name not in drops]
+    named = {t.name: t for t in acts}
+    if "core_attn" in s.recompute_modules and not mla and "v" in named:
+        # The checkpoint saves its arguments: megatron-core's v is a view of linear_qkv's output (torch.split), so
+        # the whole QKV output stays alive, its q and k parts beside the new q and k that RoPE made (the trace shows
+        # it to the byte; without the checkpoint TE's attention copies v and the output is freed).
+        out.append(Tensor("qkv_out_under_v", named["q"].numel + named["k"].numel))
+    return out
 
 
 def in_flight(s: Setup, stage: int) -> float:
@@ -418,10 +444,23 @@ def vocab_backward_bytes(m: ModelSpec, s: Setup, stage: int, first_chunk_saved: 
     best = 0
     if stage == s.pp - 1:
         best = weight + 2 * tokens * vocab + 2 * tokens * m.hidden_size
+        if m.mtp_num_layers:
+            best = max(best, _mtp_vocab_backward(m, s, tokens, weight))
     if stage == 0:
         tied_here = m.tied_embeddings and s.pp == 1
         best = max(best, (3 if tied_here else 1) * weight - first_chunk_saved)
     return best
+
+
+def _mtp_vocab_backward(m: ModelSpec, s: Setup, tokens: int, weight: int) -> int:
+    """The MTP stage's vocabulary backward: the output layer runs once per depth beside the main loss, and autograd
+    sums the weight-sized ``grad_weight`` each run returns (the previous sum, the new one and their sum: three at
+    once, the trace shows it on 0.16.1 and 0.19.2), while the depths not yet back-propagated keep their tensors
+    (their checkpoint inputs under full recompute) and all but the last their logits for the loss."""
+    _, t_sp = _mtp_tokens(m, s)
+    kept = 2 * (2 * t_sp * m.hidden_size) if _mtp_checkpointed(s) else _mtp_internal(m, s)
+    logits = (2 if te_cross_entropy_in_place(s) else 4) * tokens * padded_vocab(m, s.tp) // s.tp
+    return 3 * weight + 2 * tokens * m.hidden_size + kept * m.mtp_num_layers + logits * (m.mtp_num_layers - 1)
 
 
 def p2p_gradient_bytes(m: ModelSpec, s: Setup, stage: int) -> int:
@@ -442,14 +481,15 @@ def loss_transient_bytes(m: ModelSpec, s: Setup) -> int:
     casts the bf16 logits to fp32 while the bf16 ones are still referenced (forward) and casts the fp32 gradient back
     to bf16 (backward): 2 bytes per logit beside the 4 saved. Transformer Engine's fused kernel from 2.18 does the
     same: its fp32 gradient is made while the bf16 logits are referenced, and autograd casts the fp32 gradient it
-    returns to the logits' bf16. With MTP, ``GPTModel._postprocess`` still holds the last depth's bf16 logits
-    (``mtp_logits``) when the main loss runs: 2 more. TE's kernel before 2.18 works in place."""
+    returns to the logits' bf16. TE's kernel before 2.18 works in place. With MTP, megatron-core 0.19.2 computes the
+    depths' losses in ``process_mtp_loss``, whose bf16 logits are freed when it returns, before the main loss (the
+    trace shows it); 0.16.1's ``GPTModel._postprocess`` still holds the last depth's (``mtp_logits``) then, one
+    bf16 copy more than counted here (measured: the planner 4-5 % under that release's peak on a 2-layer stage)."""
     if te_cross_entropy_in_place(s):
         return 0
     seq = s.seq_length or m.seq_length
     tokens = seq * s.micro_batch_size // s.cp
-    copies = 2 if m.mtp_num_layers else 1
-    return copies * 2 * tokens * padded_vocab(m, s.tp) // s.tp
+    return 2 * tokens * padded_vocab(m, s.tp) // s.tp
 
 
 def _chunk_saved(full: list[int], layer_input: int, s: Setup) -> int:
@@ -515,7 +555,7 @@ def stage_activations(m: ModelSpec, s: Setup, stage: int) -> ActivationMemory:
     # Two moments of backward: a decoder layer's (the rebuilt layer, its gradient buffers, the MoE dispatch
     # buffers) and a vocabulary layer's (the output layer before the decoder layers run backward, the embedding
     # after): never at once, so the vocabulary's transient meets no rebuilt layer.
-    rebuilt = _rebuilt(full, s)
+    rebuilt = max(_rebuilt(full, s), mtp_rebuilt(m, s) if stage == s.pp - 1 else 0)
     layer = backward_workspace(m, s, layers) + moe_dispatch_bytes(m, s, layers)
     workspace = max(layer, vocab_backward_bytes(m, s, stage, per_chunk[0]) - rebuilt) + p2p_gradient_bytes(m, s, stage)
     return ActivationMemory(saved, rebuilt, workspace, loss_saved, loss_transient, max(eligible, default=0), host)

@@ -204,7 +204,10 @@ def stage_params(m: ModelSpec, s: Setup, stage: int) -> list[Tensor]:
     """All parameter shards of one GPU of pipeline stage ``stage``, in model (``named_parameters``) order."""
     vocab_shard = padded_vocab(m, s.tp) * m.hidden_size // s.tp
     out: list[Tensor] = []
-    if stage == 0:
+    # megatron-core's GPTModel builds the embedding where it embeds tokens: the first stage, and the stage of the MTP
+    # depths (``pre_process or mtp_process``: each depth embeds the shifted tokens), its own copy beside the output
+    # layer there when PP > 1, tied or not (language_module.py ties the copies by an all-reduce)
+    if stage == 0 or (stage == s.pp - 1 and m.mtp_num_layers):
         out.append(Tensor("embedding", vocab_shard))
     for index in stage_layers(m, s)[stage]:
         out += layer_params(m, s, index)
