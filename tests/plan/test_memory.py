@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 
@@ -348,3 +349,51 @@ def test_deepseek_v3_fits_only_with_many_gpus():
     m = model_preset("deepseek-v3")
     est = estimate_memory(m, Setup(num_gpus=1024, tp=2, pp=16, ep=64, etp=1, global_batch_size=1024))
     assert math.isfinite(est.worst.total) and est.worst.total / GB < 141
+
+
+def _upstream_places_the_layers(pp: int, vpp: int, first: int | None, last: int | None, layers: int) -> bool:
+    """megatron-core's own ``get_transformer_layer_offset`` on every rank and virtual stage (False: it raised)."""
+    from types import SimpleNamespace
+
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    config = SimpleNamespace(
+        pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vpp,
+        pipeline_model_parallel_layout=None,
+        num_layers=layers,
+        num_layers_in_first_pipeline_stage=first,
+        num_layers_in_last_pipeline_stage=last,
+        account_for_embedding_in_pipeline_split=False,
+        account_for_loss_in_pipeline_split=False,
+    )
+    try:
+        for rank in range(pp):
+            for chunk in range(vpp):
+                get_transformer_layer_offset(config, vp_stage=chunk, pp_rank=rank)
+    except ZeroDivisionError:
+        return False
+    return True
+
+
+@pytest.mark.megatron
+@pytest.mark.parametrize("pp", [2, 3, 4])
+@pytest.mark.parametrize(("first", "last"), [(2, None), (None, 2), (2, 2), (4, 2)])
+def test_check_setup_refuses_an_uneven_interleaved_split_exactly_where_megatron_core_cannot_place_it(pp, first, last):
+    pytest.importorskip("megatron.core")
+    vpp, per_middle = 2, 4
+    layers = (first or 0) + (last or 0) + per_middle * (pp - (first is not None) - (last is not None))
+    setup = Setup(
+        num_gpus=8 * pp,
+        pp=pp,
+        vpp=vpp,
+        global_batch_size=64 * pp,
+        num_layers_in_first_pipeline_stage=first,
+        num_layers_in_last_pipeline_stage=last,
+    )
+    model = replace(model_preset("llama3-8b"), num_layers=layers)
+    if _upstream_places_the_layers(pp, vpp, first, last, layers):
+        check_setup(model, setup)
+    else:
+        with pytest.raises(ValueError, match="leaves no middle stage"):
+            check_setup(model, setup)

@@ -162,6 +162,7 @@ def check_setup(model: ModelSpec, setup: Setup) -> None:
                 f"VPP {s.vpp} needs PP > 1 and num_layers {model.num_layers} divisible by PP·VPP "
                 "(or an uneven split: pipeline_model_parallel_layout, num_layers_in_first/last_pipeline_stage)"
             )
+    _check_uneven_interleaving(s)
     _check_interleaved_microbatches(s)
     seq = s.seq_length or model.seq_length
     if seq % s.cp or (s.cp > 1 and seq % (2 * s.cp)):
@@ -178,6 +179,22 @@ def check_setup(model: ModelSpec, setup: Setup) -> None:
     fine_grained.check(s)
     if s.activation_offload_layers:
         _check_activation_offload(model, s)
+
+
+def _check_uneven_interleaving(s: Setup) -> None:
+    """megatron-core's ``get_transformer_layer_offset`` (``transformer/transformer_layer.py``, the same in 0.16.1 and
+    0.19.2): with VPP and ``num_layers_in_first/last_pipeline_stage``, every rank after the first divides by the
+    number of middle stages, so a pipeline whose stages are all first or last fails at model build
+    (ZeroDivisionError, which the config classes do not check: validate reports it from the build)."""
+    given = sum(n is not None for n in (s.num_layers_in_first_pipeline_stage, s.num_layers_in_last_pipeline_stage))
+    if s.vpp is None or s.pipeline_layout is not None or not given or s.pp - given > 0:
+        return
+    raise ValueError(
+        f"VPP {s.vpp} with num_layers_in_first_pipeline_stage and num_layers_in_last_pipeline_stage on PP {s.pp} "
+        "leaves no middle stage: megatron-core divides by the middle stages' count when it places the layers and "
+        "fails at model build (ZeroDivisionError); give one of the two, raise PP, drop VPP or give "
+        "pipeline_model_parallel_layout"
+    )
 
 
 def _check_interleaved_microbatches(s: Setup) -> None:
