@@ -199,12 +199,6 @@ class Synchronizer:
         assert self.fwds is not None
         return self.layers[self.fwds].push(t) if self.offload.get(self.fwds, False) else t
 
-    @staticmethod
-    def _reload(host: torch.Tensor) -> torch.Tensor:
-        gpu = torch.empty_like(host, device=torch.device("cuda"))
-        gpu.copy_(host, non_blocking=True)
-        return gpu
-
     def pop(self, tag: Any) -> torch.Tensor:
         assert self.current is not None
         return self.layers[self.current].pop(tag)
