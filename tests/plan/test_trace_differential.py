@@ -70,7 +70,7 @@ def _rows() -> list[dict[str, Any]]:
             continue
         worst = estimate_memory(r.model, r.setup).worst
         rows.append({"case": case, "planner": worst, "overhead": int(r.setup.overhead_gb * GB)})
-        batch.append(specs.build(r, worst.stage))
+        batch.append(specs.build(r, worst.stage, worst.gpu))
     for row, got in zip(rows, spawn_batch(RELEASE, batch), strict=True):
         row["trace"] = got
     return rows

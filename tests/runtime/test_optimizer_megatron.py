@@ -71,7 +71,7 @@ def test_get_megatron_optimizer_builds_ours_and_install_is_undone(label, env, wo
     r = worker(label, env, world, tmp_path_factory)
     assert r["version"].startswith(label) and r["world"] == world
     assert {"megatron.core.optimizer", "megatron.core.optimizer.distrib_optimizer"} <= set(r["patched_modules"])
-    for setup in ("fp32", "do"):
+    for setup in ("fp32", "f16", "do"):
         assert r[setup]["plain_inner"] == "AdamW"  # offload off: Megatron's own Adam path, untouched
         assert all(r[setup][f"ours_{f}"] for f in (0.0, 0.5, 1.0)), setup
         assert r[setup]["achieved_0.0"] == 0.0 and r[setup]["achieved_1.0"] == 1.0
@@ -178,8 +178,10 @@ def test_adams_step_bound_is_what_the_derivation_says():
 @pytest.mark.parametrize(("label", "env", "world"), CASES)
 def test_five_steps_match_megatrons_plain_adam_and_every_fraction_is_bit_identical(label, env, world, tmp_path_factory):
     r = worker(label, env, world, tmp_path_factory)
-    for setup in ("fp32", "do"):
-        bf16 = setup == "do"
+    # f16: Megatron's Float16Optimizer swaps our groups' bf16 params for fp32 mains after we are built; an HDO that
+    # kept stepping the params it was built with would leave the model where it started (ours did, before 2026-12-07)
+    for setup in ("fp32", "f16", "do"):
+        bf16 = setup != "fp32"
         first = r["step1"][setup]
         largest = max(w.abs().max().item() for w in first["plain"])
         for f in (0.0, 0.5, 1.0):
@@ -197,6 +199,7 @@ def test_checkpoints_through_megatron_resume_bit_exactly_across_fractions(label,
     r = worker(label, env, world, tmp_path_factory)
     for f2 in (0.0, 1.0):
         assert r["fp32"][f"resume_torch_0.5_to_{f2}_bit_exact"], r["fp32"][f"resume_torch_0.5_to_{f2}_diff"]
+        assert r["f16"][f"resume_torch_0.5_to_{f2}_bit_exact"], r["f16"][f"resume_torch_0.5_to_{f2}_diff"]
         assert r["do"][f"resume_dist_ckpt_0.5_to_{f2}_bit_exact"], r["do"][f"resume_dist_ckpt_0.5_to_{f2}_diff"]
         # the legacy save_parameter_state / load_parameter_state, which writes optimizer.state[param][key] directly
         assert r["do"][f"resume_dp_zero_0.5_to_{f2}_bit_exact"], r["do"][f"resume_dp_zero_0.5_to_{f2}_diff"]

@@ -6,6 +6,9 @@ version). Spawns WORLD_SIZE gloo ranks; each builds a real tiny ``GPTModel``, wr
 ``optimizer_cpu_offload=True`` after :func:`install_optimizer_offload`, for two set-ups:
 
 - ``fp32``: fp32 model, no distributed optimizer (Megatron's ``FP32Optimizer`` wrapper);
+- ``f16``: bf16 model, no distributed optimizer (``Float16OptimizerWithFloat16Params``, which swaps each bf16
+  parameter of the HDO's groups for its fp32 main copy after the HDO is built; megatron-core's own HDO fails there
+  with a KeyError at its first step, NVIDIA/Megatron-LM#4042);
 - ``do``: bf16 model, distributed optimizer with the precision-aware path (``DistributedOptimizer`` re-creates
   the HDO over its bf16 shards, the HDO keeps the fp32 masters), against Megatron's bf16 DO + plain Adam.
 
@@ -93,7 +96,7 @@ def build(setup: str, fraction: float | None, seed: int = 1234):
 
     from mbridge_offload_runtime.megatron import build_tiny_gpt
 
-    bf16, use_do = setup == "do", setup == "do"
+    bf16, use_do = setup in ("f16", "do"), setup == "do"
     model = build_tiny_gpt(2, 64, 4, 128, 32, seed=seed, bf16=bf16, params_dtype=torch.bfloat16 if bf16 else None)
     if bf16:
         model = Float16Module(model.config, model)
@@ -226,7 +229,7 @@ def scenario(setup: str, tmp: str, first_steps: dict) -> dict:
         # Without the distributed optimizer, megatron-core's FP32Optimizer.sharded_state_dict(is_loading=True) calls
         # init_state_fn, which its factory sets to None for optimizer_cpu_offload (upstream's HDO fails the same
         # way): that set-up checkpoints through the optimizer's torch state_dict instead.
-        for kind in ("torch",) if setup == "fp32" else ("dist_ckpt", "dp_zero"):
+        for kind in ("dist_ckpt", "dp_zero") if setup == "do" else ("torch",):
             model, opt = build(setup, 0.5)
             train(model, opt, 0, SPLIT_AT)
             path = os.path.join(tmp, f"{setup}_{kind}_{f2}")
@@ -325,7 +328,7 @@ def rank_main(rank: int, world: int, store_path: str, out_path: str) -> None:
                 result["bridge"] = bridge_scenario()
             else:
                 first_steps: dict = {}
-                for setup in ("fp32", "do"):
+                for setup in ("fp32", "f16", "do"):
                     result[setup] = scenario(setup, tmp, first_steps.setdefault(setup, {}))
                 if rank == 0:  # rank 0's shard of the model is the whole model (data parallel): its weights
                     torch.save(first_steps, os.path.splitext(out_path)[0] + ".step1.pt")

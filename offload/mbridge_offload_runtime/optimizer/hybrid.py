@@ -154,6 +154,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         self.bucket_size_numel = bucket_size_numel
         self._hyper_defaults = dict(defaults)
         self._built = False
+        self._recopy_after_load = False
         self._hooks: GradCopyHooks | None = None
         super().__init__(params, dict(defaults))  # our add_param_group checks every parameter
         self.defaults = {**defaults, **options}
@@ -174,6 +175,20 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             states = export_param_states(self, clone=True)
             self._build()
             import_param_states(self, states)
+
+    def _follow_param_groups(self) -> None:
+        """Rebuild on parameters a wrapper swapped into ``param_groups`` (states follow by index, as in
+        :meth:`add_param_group`). Megatron's ``Float16OptimizerWithFloat16Params`` (bf16 or fp16 without the
+        distributed optimizer) replaces each 16-bit parameter of the optimizer it wraps by its fp32 main copy after
+        the optimizer is built: stepping the parameters seen at construction would update nothing the wrapper reads
+        back (the model would never train) and keep fp32 masters of parameters no one steps. megatron-core's own
+        HDO fails there with a KeyError at its first step (NVIDIA/Megatron-LM#4042)."""
+        current = [p for g in self.param_groups for p in g["params"]]
+        if len(current) == len(self._params) and all(a is b for a, b in zip(current, self._params, strict=True)):
+            return
+        states = export_param_states(self, clone=True)
+        self._build()
+        import_param_states(self, states)
 
     def _master_dtype(self, p: torch.Tensor) -> torch.dtype:
         return torch.float32 if self.param_update_in_fp32 and p.dtype != torch.float32 else p.dtype
@@ -337,6 +352,14 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         for i, v in self._device_versions.items():
             if self._params[i]._version != v:
                 self._masters[i].copy_(self._params[i].detach())
+        if self._recopy_after_load:
+            # A wrapper may write the weights after loading us (Megatron's Float16OptimizerWithFloat16Params copies
+            # its saved fp32 mains in through ``.data``, which no version counter sees): the host copies of
+            # full-precision members follow the weights once more; the saved fp32 master of a 16-bit member stays
+            # (it holds the bits the member lacks).
+            self._recopy_after_load = False
+            for b in self._buckets:
+                b.refresh_members([k for k, p in enumerate(b.members) if p.dtype == b.flat_param.dtype])
 
     def _step_in_place(self, opt: torch.optim.Optimizer | None, with_masters: bool) -> None:
         if opt is None:
@@ -377,6 +400,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._follow_param_groups()
         self._push_hyperparameters()
         self._refresh_stale_copies()
         compute = device.current_stream()
@@ -451,6 +475,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             ``{"state": {index: {"step", "exp_avg", ..., ["master_param"]}}, "param_groups": [...]}`` with plain
             tensors, numbers and tuples only, so ``torch.load(..., weights_only=True)`` reads it.
         """
+        self._follow_param_groups()
         groups, start = [], 0
         for gi, g in enumerate(self.param_groups):
             groups.append({**self._saved_group(gi), "params": list(range(start, start + len(g["params"])))})
@@ -466,12 +491,14 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         Raises:
             ValueError: the state dict has a different group/parameter layout or state shapes (another model).
         """
+        self._follow_param_groups()
         states = validate_state_dict(self, state_dict)
         for group, saved in zip(self.param_groups, state_dict["param_groups"], strict=True):
             # Upstream checkpoints carry the constructor options (and classes) in every group: not ours to take.
             group.update(_hyper(saved, _OPTION_KEYS))
         self.refresh_from_model()
         import_param_states(self, states)
+        self._recopy_after_load = True
 
     def refresh_from_model(self) -> None:
         """Re-copy every host copy and fp32 master from the current model weights.
@@ -492,6 +519,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear ``.grad`` and ``decoupled_grad`` of the model parameters (the host buffers need no clearing)."""
+        self._follow_param_groups()
         super().zero_grad(set_to_none)
         if self._hooks is not None:
             self._hooks.reset()

@@ -40,7 +40,8 @@ def trace_peaks(runs: dict[str, tuple[Any, Any]], release: str) -> dict[str, flo
     from mbridge_offload_tools.trace.run import spawn_batch
 
     ids = list(runs)
-    batch = [specs.build_run(m, s, estimate_memory(m, s).worst.stage) for m, s in runs.values()]
+    worst = [estimate_memory(m, s).worst for m, s in runs.values()]
+    batch = [specs.build_run(m, s, w.stage, gpu=w.gpu) for (m, s), w in zip(runs.values(), worst, strict=True)]
     out = {}
     for row_id, got in zip(ids, spawn_batch(release, batch), strict=True):
         if "error" in got:

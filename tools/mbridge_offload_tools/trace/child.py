@@ -39,7 +39,7 @@ def _init_parallel(spec: dict[str, Any]) -> None:
     p = spec["parallel"]
     world = p["world"]
     # rank order tp-cp-ep-dp-pp: the pipeline rank is rank // (world / pp); the first rank of the traced stage.
-    rank = spec["stage"] * (world // p["pp"])
+    rank = spec["stage"] * (world // p["pp"]) + spec.get("gpu", 0)  # the stage's GPUs follow each other in rank order
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     kwargs: dict[str, Any] = dict(
         tensor_model_parallel_size=p["tp"],

@@ -127,6 +127,18 @@ def _offload_words(spec: dict[str, Any]) -> str:
     return words
 
 
+def _rank_words(spec: dict[str, Any], s: Any, stage: int) -> str:
+    where = f"traced pipeline stage {stage} of {s.pp} (the stage the planner finds worst)"
+    gpu = spec.get("gpu", 0)
+    if not gpu:
+        return where + ", the first rank of it"
+    return (
+        f"{where}, its GPU {gpu} in rank order (data-parallel rank {gpu // (s.tp * s.cp)}): under the distributed "
+        "optimizer each rank owns other tensors of the buffers, and HybridDeviceOptimizer's split of whole tensors "
+        "leaves the most on this one"
+    )
+
+
 def answer(child: dict[str, Any], spec: dict[str, Any], r: Any, install: Install, stage: int) -> dict[str, Any]:
     """The JSON answer (module docstring) from the child's bytes."""
     phases: list[dict[str, Any]] = []
@@ -141,7 +153,7 @@ def answer(child: dict[str, Any], spec: dict[str, Any], r: Any, install: Install
     peak = child["phases"][top["name"]]
     assumptions = [a.model_dump(mode="json") for a in r.assumptions]
     notes = [
-        f"traced pipeline stage {stage} of {r.setup.pp} (the stage the planner finds worst), the first rank of it",
+        _rank_words(spec, r.setup, stage),
         f"{spec['num_microbatches']} micro-batch(es) through megatron-core's own schedule: enough for it to keep "
         "its most in flight on this stage",
         "megatron-core's local layer spec with Transformer Engine stand-ins (TE cannot run on this host)",
@@ -200,6 +212,7 @@ def trace_answer(v: dict[str, Any]) -> dict[str, Any]:
             passed its deadline.
     """
     from mbridge_offload.plan.inputs.resolve import resolve
+    from mbridge_offload.plan.memory.stage import estimate_memory
     from mbridge_offload.plan.search.planner import estimate
     from mbridge_offload.plan.service import plan_source
     from mbridge_offload_tools.trace import spec as specs
@@ -218,7 +231,7 @@ def trace_answer(v: dict[str, Any]) -> dict[str, Any]:
         raise InputError(str(exc).strip("'\"")) from None
     from mbridge_offload_tools.trace.result import TraceAnswer
 
-    spec = specs.build(r, worst)
+    spec = specs.build(r, worst, estimate_memory(r.model, r.setup).stages[worst].gpu)
     install = choose_release(release)
     child = spawn(install, spec, deadline)
     return TraceAnswer.model_validate(answer(child, spec, r, install, worst)).model_dump(mode="json")

@@ -192,14 +192,15 @@ def _moe(m: ModelSpec, s: Setup) -> dict[str, Any]:
     }
 
 
-def build(r: Resolved, stage: int) -> dict[str, Any]:
+def build(r: Resolved, stage: int, gpu: int = 0) -> dict[str, Any]:
     """The child's spec for pipeline rank ``stage`` of the resolved run (:func:`build_run`)."""
-    return build_run(r.model, r.setup, stage, overlap=bool(r.inputs.overlap))
+    return build_run(r.model, r.setup, stage, overlap=bool(r.inputs.overlap), gpu=gpu)
 
 
-def build_run(m: ModelSpec, s: Setup, stage: int, overlap: bool = False) -> dict[str, Any]:
+def build_run(m: ModelSpec, s: Setup, stage: int, overlap: bool = False, gpu: int = 0) -> dict[str, Any]:
     """The child's spec for pipeline rank ``stage`` of a run given as the planner's model and settings (``overlap``:
-    the HybridDeviceOptimizer's overlapped copies).
+    the HybridDeviceOptimizer's overlapped copies; ``gpu``: which GPU of the stage, in rank order, as the planner's
+    ``StageMemory.gpu`` names the one that keeps the most under optimizer offload).
 
     Raises:
         InputError: what the trace cannot build yet (:func:`unsupported`), or a stage outside the pipeline.
@@ -225,6 +226,7 @@ def build_run(m: ModelSpec, s: Setup, stage: int, overlap: bool = False) -> dict
             "world": s.num_gpus,
         },
         "stage": stage,
+        "gpu": gpu,
         "params_dtype": s.params_dtype,
         "transformer": _transformer(m, s),
         "ddp": {
@@ -248,6 +250,9 @@ def build_run(m: ModelSpec, s: Setup, stage: int, overlap: bool = False) -> dict
             "optimizer_cpu_offload": s.optimizer_offload_fraction > 0,
             "optimizer_offload_fraction": s.optimizer_offload_fraction,
             "overlap_cpu_optimizer_d2h_h2d": s.optimizer_offload_fraction > 0 and overlap,
+            # which HybridDeviceOptimizer runs: megatron-core's, or ours through its install path (the child installs
+            # it into megatron-core's factory, as a user's training script does)
+            "hybrid_optimizer": s.hybrid_optimizer,
             # The gradient norm is not clipped: its value needs data (trace/patches.py), its memory is a scalar.
             "clip_grad": 0.0,
         },

@@ -5,6 +5,7 @@ Imported by ``trace/child.py`` only (torch and megatron-core). See ``child.py`` 
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import re
 from typing import Any
@@ -173,15 +174,27 @@ def _build(torch: Any, spec: dict[str, Any], tracker: Tracker) -> dict[str, Any]
             tracker.retag(p, "weights")
     tracker.category = "optimizer"
     opt_kw = dict(spec["optimizer"])
+    ours = opt_kw.pop("hybrid_optimizer", "megatron-core") == "ours" and opt_kw["optimizer_cpu_offload"]
     with patches.te_fused_adam_importable():
         opt_config = OptimizerConfig(**_dtypes(torch, opt_kw))
-    optimizer = get_megatron_optimizer(opt_config, model, use_gloo_process_groups=False)
+    with _hybrid_optimizer(ours):
+        optimizer = get_megatron_optimizer(opt_config, model, use_gloo_process_groups=False)
     # megatron-core 0.16 builds a HybridDeviceOptimizer over the model's parameters, then the distributed optimizer
     # builds its own over its shards; the first, with its fp32 copies, is cyclic garbage that Python's collector
     # frees at its next pass (long before the first step on a real run): collect it now.
     gc.collect()
     _module_hooks(tracker, chunks)
     return {"config": config, "model": model, "optimizer": optimizer, "params": params, "param_bytes": param_bytes}
+
+
+def _hybrid_optimizer(ours: bool) -> Any:
+    """Our HybridDeviceOptimizer in megatron-core's factory for the optimizer's build (the install path a user's
+    training script takes: ``mbridge_offload_runtime.optimizer.install_optimizer_offload``), or nothing."""
+    if not ours:
+        return contextlib.nullcontext()
+    from mbridge_offload_runtime.optimizer.megatron import install_optimizer_offload
+
+    return install_optimizer_offload()
 
 
 def _dtypes(torch: Any, kw: dict[str, Any]) -> dict[str, Any]:

@@ -38,7 +38,8 @@ from mbridge_offload.plan.memory.phases import (
     stage_phases,
 )
 from mbridge_offload.plan.model.architecture import DTYPE_BYTES, GB, GiB, ModelSpec
-from mbridge_offload.plan.model.params import Tensor, next_pow2, stage_layers, stage_params
+from mbridge_offload.plan.memory import dp_shards
+from mbridge_offload.plan.model.params import Tensor, chunk_params, next_pow2, stage_layers, stage_params
 from mbridge_offload.plan.model.run import Setup, check_setup
 from mbridge_offload_runtime.upstream import hdo_offload_mask
 
@@ -54,12 +55,11 @@ __all__ = [
 
 
 def optimizer_param_order(params: list[Tensor]) -> list[Tensor]:
-    """HDO walks param groups in order, params in group order. MCore groups by (weight decay, expert, ...) in order
-    of first appearance; dense and expert params live in two separate optimizers (ChainedOptimizer)."""
-    groups: dict[bool, list[Tensor]] = {}
-    for t in params:
-        groups.setdefault(t.decay, []).append(t)
-    return [t for group in groups.values() for t in group]
+    """HDO walks param groups in order, params in group order. megatron-core's ``_get_param_groups`` sorts the groups
+    with the default one (weight decay) first and the no-decay overrides after (both releases); dense and expert
+    params live in two separate optimizers (ChainedOptimizer). Without the distributed optimizer a group keeps its
+    params in model order; with it, in buffer order per rank (``plan/memory/dp_shards.py``)."""
+    return [t for t in params if t.decay] + [t for t in params if not t.decay]
 
 
 def greedy_offload(numels: list[int], fraction: float) -> int:
@@ -94,6 +94,9 @@ class OptimizerMemory:
     # The largest parameter group's shard (dense or expert optimizer, weight decay or not): TE FusedAdam's step
     # holds its per-group temporaries for one group at a time.
     largest_group_numel: int = 0
+    # The GPU of the stage (rank order: TP fastest, then CP, DP) these bytes are for: under the distributed optimizer
+    # HDO's split differs from rank to rank (``_rank_split``); 0 where every GPU of the stage holds the same.
+    gpu: int = 0
 
 
 def _moment_bytes(s: Setup) -> tuple[int, int]:
@@ -106,16 +109,38 @@ def _moment_bytes(s: Setup) -> tuple[int, int]:
     return 4, 8  # fp32 main params; exp_avg dtypes only apply to the precision-aware path
 
 
-def optimizer_memory(m: ModelSpec, s: Setup, params: list[Tensor]) -> OptimizerMemory:
-    """Optimizer-state bytes on the GPU and the host for one GPU's parameters."""
+def _rank_split(m: ModelSpec, s: Setup, stage: int) -> tuple[int, dict[bool, list[int]]]:
+    """The GPU of pipeline stage ``stage`` that keeps the most optimizer state on the GPU under HDO, and its shards
+    (dense and expert) in HDO's order: under the distributed optimizer each rank owns different tensors of the
+    buffers (``plan/memory/dp_shards.py``), so the greedy split leaves more on some GPUs than on others."""
+    chunks = chunk_params(m, s, stage)
+    shared_embedding = m.tied_embeddings and s.pp > 1
+    shared = [[shared_embedding and t.name in ("embedding", "output_layer") for t in c] for c in chunks]
+    sizes = [dp_shards.bucket_size(s.dp * s.cp, s.overlap_grad_reduce, stage, c) for c in range(len(chunks))]
+    groups = {False: s.dp * s.cp, True: s.expert_dp(m)}
+    per_rank = {e: dp_shards.rank_shards(chunks, e, d, sizes, shared) for e, d in groups.items()}
+    left = {
+        e: [sum(r) - greedy_offload(r, s.optimizer_offload_fraction) for r in ranks] for e, ranks in per_rank.items()
+    }
+    ranks = dp_shards.gpu_ranks(s.tp, s.cp, s.dp, s.ep, s.resolved_etp(m))
+    gpu = max(range(len(ranks)), key=lambda i: (left[False][ranks[i][0]] + left[True][ranks[i][1]], -i))
+    return gpu, {False: per_rank[False][ranks[gpu][0]], True: per_rank[True][ranks[gpu][1]]}
+
+
+def optimizer_memory(m: ModelSpec, s: Setup, params: list[Tensor], stage: int = 0) -> OptimizerMemory:
+    """Optimizer-state bytes on the GPU and the host for one GPU's parameters (pipeline stage ``stage``): with HDO under
+    the distributed optimizer, the GPU of the stage that keeps the most (``_rank_split``)."""
     f = s.optimizer_offload_fraction
     param_bytes = DTYPE_BYTES[s.params_dtype]
     master, moments = _moment_bytes(s)
     out = OptimizerMemory(0, 0, 0, 0, 0)
+    split: dict[bool, list[int]] = {}
+    if f > 0.0 and s.distributed_optimizer:
+        out.gpu, split = _rank_split(m, s, stage)
     for expert in (False, True):
-        shards = _shards(params, m, s, expert)
-        if not shards:
+        if not any(t.expert == expert for t in params):
             continue
+        shards = split[expert] if split else _shards(params, m, s, expert)
         total = sum(shards)
         out.shard_numel += total
         d = _sharded_over(m, s, expert)
@@ -155,7 +180,8 @@ def _megatron_core_kept(
     ``megatron/core/optimizer/cpu_offloading/hybrid_optimizer.py`` (identical in 0.16.1 and 0.19.2):
     - ``_set_sub_optimizer_grads`` sets ``fp32_param.grad = grad.to(fp32)`` for every bf16 parameter it steps on the
       GPU, every step, and nothing frees it: megatron-core's ``zero_grad`` clears the DistributedOptimizer's groups
-      and the HDO's own param groups, never the GPU sub-optimizer's fp32 copies. bf16 parameters reach the HDO only
+      and the HDO's own param groups, never the GPU sub-optimizer's fp32 copies (a copy only of bf16 gradients:
+      with ``grad_reduce_in_fp32`` the cast returns the fp32 gradient itself). bf16 parameters reach the HDO only
       on the precision-aware path (the DistributedOptimizer hands it its bf16 shards); otherwise it steps the
       DistributedOptimizer's fp32 shards and clones nothing.
     - ``optimizer/__init__.py`` builds a first HDO over the full local bf16 params (fp32 clones of its GPU part on
@@ -169,7 +195,9 @@ def _megatron_core_kept(
     local, first_host, first_host_bytes = first
     gpu_side = [n for n, h in zip(shards, hdo_offload_mask(shards, s.optimizer_offload_fraction), strict=True) if not h]
     words = []
-    if s.precision_aware_optimizer and gpu_side:
+    # the copy is made of bf16 gradients only: with grad_reduce_in_fp32 the gradient shard is fp32 already and
+    # grad.to(fp32) returns it (measured by the trace: tests/plan/test_trace_differential.py, generate_hdo)
+    if s.precision_aware_optimizer and not s.grad_reduce_in_fp32 and gpu_side:
         out.kept_bytes += 4 * (sum(shards) - offloaded)
         out.largest_gpu_numel = max(out.largest_gpu_numel, max(gpu_side))
         words.append("the fp32 gradient copies megatron-core's HDO never frees (fp32_param.grad)")
@@ -212,6 +240,7 @@ class StageMemory:
     params: int
     phases: list[PhaseMemory] = field(default_factory=list)
     peak_phase: str = "forward_backward"
+    gpu: int = 0  # which GPU of the stage (rank order) these are: OptimizerMemory.gpu
 
     @property
     def total(self) -> int:
@@ -273,15 +302,16 @@ def _stage_memory(m: ModelSpec, s: Setup, stage: int) -> StageMemory:
         # Optimizer offload is not applied under Megatron-FSDP (see _setup_warnings): nothing moves to the host.
         resident = (f.weights, f.gradients, f.optimizer)
         host, host_transient, shard, offloaded = act.host_bytes, 0, f.shard_numel, 0
-        largest, kept, group = 0, "", 0
+        largest, kept, group, gpu = 0, "", 0, 0
     else:
         param_bytes = DTYPE_BYTES[s.params_dtype]
         grad_bytes = 4 if s.grad_reduce_in_fp32 else param_bytes
-        opt = optimizer_memory(m, s, params)
+        opt = optimizer_memory(m, s, params, stage)
         resident = (numel * param_bytes, numel * grad_bytes, opt.gpu_bytes)
         host, host_transient = opt.host_bytes + act.host_bytes, opt.host_transient_bytes
         shard, offloaded = opt.shard_numel, opt.offloaded_numel
         largest, kept, group = opt.largest_gpu_numel, opt.kept_what, opt.largest_group_numel
+        gpu = opt.gpu
     step = optimizer_step_transient(s, shard, offloaded, largest, group)
     phases = stage_phases(s, stage, resident, overhead, act, step, kept)
     top = peak(phases)
@@ -299,6 +329,7 @@ def _stage_memory(m: ModelSpec, s: Setup, stage: int) -> StageMemory:
         numel,
         phases,
         top.name,
+        gpu,
     )
 
 

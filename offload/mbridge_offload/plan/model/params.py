@@ -38,6 +38,7 @@ def _attention_params(m: ModelSpec, tp: int) -> list[Tensor]:
     if m.mla is not None:
         a = m.num_attention_heads
         qk = m.mla.qk_head_dim + m.mla.qk_pos_emb_head_dim
+        out.append(Tensor("proj", a * m.mla.v_head_dim * h // tp))  # MultiLatentAttention builds it first
         if m.mla.q_lora_rank:
             # The down-projections are "duplicated" across TP in MCore; the up-projections are column-parallel.
             out += [
@@ -51,19 +52,19 @@ def _attention_params(m: ModelSpec, tp: int) -> list[Tensor]:
             Tensor("kv_down_proj", h * (m.mla.kv_lora_rank + m.mla.qk_pos_emb_head_dim)),
             Tensor("kv_layernorm", m.mla.kv_lora_rank, decay=False),
             Tensor("kv_up_proj", m.mla.kv_lora_rank * a * (m.mla.qk_head_dim + m.mla.v_head_dim) // tp),
-            Tensor("proj", a * m.mla.v_head_dim * h // tp),
         ]
         return out
     q = m.num_attention_heads * m.kv_channels
     kv = m.num_query_groups * m.kv_channels
+    # megatron-core's order: Attention.__init__ builds linear_proj, SelfAttention's then adds linear_qkv and the norms
+    out.append(Tensor("linear_proj", q * h // tp))
+    if bias:
+        out.append(Tensor("linear_proj_bias", h, decay=False))
     out.append(Tensor("linear_qkv", h * (q + 2 * kv) // tp))
     if bias:
         out.append(Tensor("linear_qkv_bias", (q + 2 * kv) // tp, decay=False))
     if m.qk_layernorm:
         out += [Tensor("q_layernorm", m.kv_channels, decay=False), Tensor("k_layernorm", m.kv_channels, decay=False)]
-    out.append(Tensor("linear_proj", q * h // tp))
-    if bias:
-        out.append(Tensor("linear_proj_bias", h, decay=False))
     return out
 
 
@@ -202,22 +203,32 @@ def chunk_layers(m: ModelSpec, s: Setup, stage: int) -> list[list[int]]:
 
 def stage_params(m: ModelSpec, s: Setup, stage: int) -> list[Tensor]:
     """All parameter shards of one GPU of pipeline stage ``stage``, in model (``named_parameters``) order."""
+    return [t for chunk in chunk_params(m, s, stage) for t in chunk]
+
+
+def chunk_params(m: ModelSpec, s: Setup, stage: int) -> list[list[Tensor]]:
+    """The parameter shards of each model chunk of pipeline stage ``stage`` (one chunk without VPP), each in its
+    ``named_parameters`` order: each chunk is a model of its own with its own DDP buffers."""
     vocab_shard = padded_vocab(m, s.tp) * m.hidden_size // s.tp
-    out: list[Tensor] = []
+    chunks: list[list[Tensor]] = [[] for _ in chunk_layers(m, s, stage)]
+    first, last = chunks[0], chunks[-1]
     # megatron-core's GPTModel builds the embedding where it embeds tokens: the first stage, and the stage of the MTP
     # depths (``pre_process or mtp_process``: each depth embeds the shifted tokens), its own copy beside the output
     # layer there when PP > 1, tied or not (language_module.py ties the copies by an all-reduce)
-    if stage == 0 or (stage == s.pp - 1 and m.mtp_num_layers):
-        out.append(Tensor("embedding", vocab_shard))
-    for index in stage_layers(m, s)[stage]:
-        out += layer_params(m, s, index)
+    if stage == 0:
+        first.append(Tensor("embedding", vocab_shard))
+    if stage == s.pp - 1 and m.mtp_num_layers and not (stage == 0 and len(chunks) == 1):
+        last.append(Tensor("embedding", vocab_shard))
+    for chunk, layers in zip(chunks, chunk_layers(m, s, stage), strict=True):
+        for index in layers:
+            chunk += layer_params(m, s, index)
     if stage == s.pp - 1:
-        out.append(Tensor("final_layernorm", m.hidden_size, decay=False))
-        out += mtp_params(m, s)
+        last.append(Tensor("final_layernorm", m.hidden_size, decay=False))
+        last += mtp_params(m, s)
         # Untied: a separate output layer. Tied with PP > 1: the last stage keeps its own copy of the embedding.
         if not m.tied_embeddings or s.pp > 1:
-            out.append(Tensor("output_layer", vocab_shard))
-    return out
+            last.append(Tensor("output_layer", vocab_shard))
+    return chunks
 
 
 def total_params(m: ModelSpec) -> int:
