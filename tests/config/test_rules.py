@@ -7,7 +7,15 @@ from pathlib import Path
 
 import pytest
 
-from mbridge_offload.config.rules.base import ORIGINS, SEVERITIES, STAGE_ADVISORY, TARGETS, parse_target, spec_contains
+from mbridge_offload.config.rules.base import (
+    ORIGINS,
+    SEVERITIES,
+    STAGE_ADVISORY,
+    STAGE_FIRST_STEP,
+    TARGETS,
+    parse_target,
+    spec_contains,
+)
 from mbridge_offload.config.rules.catalogue import all_rules, get_rule, render_rules_markdown
 from mbridge_offload.config.schema import OffloadConfig
 from mbridge_offload.config.sources import load
@@ -57,7 +65,10 @@ def test_every_rule_has_the_catalogue_fields():
 def test_upstream_errors_name_their_exception_and_stage():
     for rule in all_rules():
         if rule.severity == "error" and rule.origin != "advisory":
-            assert rule.exception in {"ValueError", "AssertionError", "TypeError", "NotImplementedError"}, rule.id
+            # KeyError: megatron-core's own code failing at the first step (STAGE_FIRST_STEP), not a check of its
+            assert rule.exception in {"ValueError", "AssertionError", "TypeError", "NotImplementedError", "KeyError"}, (
+                rule.id
+            )
             assert rule.stage != STAGE_ADVISORY, rule.id
         if rule.origin == "advisory":
             assert not rule.upstream, rule.id
@@ -275,10 +286,13 @@ def test_a_clean_optimizer_config_passes_without_findings():
 
 
 def test_distributed_optimizer_is_advisory_and_either_section_counts():
-    report = findings("optimizer.optimizer_cpu_offload=true", "optimizer.optimizer_offload_fraction=0.5")
+    report = findings(
+        "optimizer.optimizer_cpu_offload=true", "optimizer.optimizer_offload_fraction=0.5", "optimizer.bf16=false"
+    )
     (finding,) = report.by_rule("OPT-DISTRIBUTED-OPTIMIZER")
     assert finding.severity == "warning" and finding.origin == "advisory"
     assert "not enforced upstream" in finding.message
+    assert not report.by_rule("OPT-HDO-FLOAT16-WRAPPER")
     assert (
         findings(
             "optimizer.optimizer_cpu_offload=true",
@@ -408,3 +422,17 @@ def test_a_rule_that_follows_no_check_of_its_stage_is_refused() -> None:
         catalogue.merge_stage((), ((stray,),))
     with pytest.raises(RuntimeError, match="both follow"):
         catalogue.merge_stage(recompute.RULES[:1], ((stray,), (stray,)))
+
+
+def test_hdo_with_16_bit_parameters_needs_the_distributed_optimizer():
+    # megatron-core's HDO under Float16OptimizerWithFloat16Params: KeyError at the first step (the trace runs it:
+    # tests/runtime/test_optimizer_megatron.py runs it in real megatron-core); the planner refuses the same run
+    for dtype in ("optimizer.bf16=true", "optimizer.fp16=true"):
+        report = findings("optimizer.optimizer_cpu_offload=true", "optimizer.optimizer_offload_fraction=0.5", dtype)
+        (finding,) = report.by_rule("OPT-HDO-FLOAT16-WRAPPER")
+        assert finding.severity == "error" and finding.stage == STAGE_FIRST_STEP and finding.exception == "KeyError"
+        assert not report.by_rule("OPT-DISTRIBUTED-OPTIMIZER")  # the error says it; no second finding
+        fixed = findings("optimizer.optimizer_cpu_offload=true", dtype, "ddp.use_distributed_optimizer=true").by_rule(
+            "OPT-HDO-FLOAT16-WRAPPER"
+        )
+        assert fixed == []

@@ -311,4 +311,6 @@ def test_megatron_core_hdo_keeps_its_fp32_gradient_copies_so_its_step_adds_one_t
     assert theirs.worst.optimizer - ours.worst.optimizer == 4 * gpu_stepped  # Bridge's manual_gc frees the rest
     copy = _phases(theirs.worst)["optimizer_step"].other - int(Setup().overhead_gb * GB)
     m = model_preset("llama3-8b")
-    assert copy == 4 * m.vocab_size * m.hidden_size // 8  # the output layer's DP shard, the largest on the GPU
+    # the largest tensor this GPU steps: its piece of the output layer, an eighth of it give or take the buffer's
+    # 64-element alignments (the distributed optimizer cuts the buffer, not each parameter: plan/memory/dp_shards.py)
+    assert copy == pytest.approx(4 * m.vocab_size * m.hidden_size // 8, rel=1e-3)

@@ -71,6 +71,9 @@ def test_get_megatron_optimizer_builds_ours_and_install_is_undone(label, env, wo
     r = worker(label, env, world, tmp_path_factory)
     assert r["version"].startswith(label) and r["world"] == world
     assert {"megatron.core.optimizer", "megatron.core.optimizer.distrib_optimizer"} <= set(r["patched_modules"])
+    # megatron-core's own HDO cannot step the f16 set-up at all (validate's OPT-HDO-FLOAT16-WRAPPER, the planner's
+    # refusal: NVIDIA/Megatron-LM#4042); ours can (below)
+    assert r["f16_upstream_first_step"] == "KeyError"
     for setup in ("fp32", "f16", "do"):
         assert r[setup]["plain_inner"] == "AdamW"  # offload off: Megatron's own Adam path, untouched
         assert all(r[setup][f"ours_{f}"] for f in (0.0, 0.5, 1.0)), setup

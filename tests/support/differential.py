@@ -181,17 +181,25 @@ def disagreement_class(o: Outcome) -> str:
 
 
 def build_time_only(o: Outcome) -> bool:
-    """A disagreement where we refuse only for reasons raised at model build, after every check megatron-core's
-    config classes run (Transformer Engine's or Bridge's own, origin ``te`` / ``bridge``, or megatron-core's own
-    model build, ``MCORE-BUILD``), which real megatron-core's config accepts."""
+    """A disagreement where we refuse only for reasons raised at model build or later, after every check
+    megatron-core's config classes run (Transformer Engine's or Bridge's own, origin ``te`` / ``bridge``,
+    megatron-core's own model build, ``MCORE-BUILD``, or its first optimizer step, ``STAGE_FIRST_STEP``), which real
+    megatron-core's config accepts."""
+    from mbridge_offload.config.rules.base import STAGE_FIRST_STEP
     from mbridge_offload.config.rules.catalogue import get_rule
+
+    def after_config(rule_id: str) -> bool:
+        if rule_id == "MCORE-BUILD":
+            return True
+        rule = get_rule(rule_id)
+        return rule.origin in ("te", "bridge") or rule.stage == STAGE_FIRST_STEP
 
     return (
         not o.verdict_ok
         and o.crash is None
         and not o.real_reject
         and bool(o.ours_rules)
-        and all(r == "MCORE-BUILD" or get_rule(r).origin in ("te", "bridge") for r in o.ours_rules)
+        and all(after_config(r) for r in o.ours_rules)
     )
 
 

@@ -293,6 +293,16 @@ def bridge_scenario() -> dict:
     return out
 
 
+def upstream_first_step(setup: str) -> str | None:
+    """megatron-core's own HDO (ours not installed) through one step of ``setup``: the exception's type, or None."""
+    model, opt = build(setup, 0.5)
+    try:
+        train(model, opt, 0, 1)
+    except Exception as exc:  # what upstream raises is the finding (the test asserts which)
+        return type(exc).__name__
+    return None
+
+
 def rank_main(rank: int, world: int, store_path: str, out_path: str) -> None:
     warnings.simplefilter("ignore")
     store = torch.distributed.FileStore(store_path, world)
@@ -335,6 +345,7 @@ def rank_main(rank: int, world: int, store_path: str, out_path: str) -> None:
         import megatron.core.optimizer as mopt
 
         result["restored"] = mopt.HybridDeviceOptimizer is installed.upstream
+        result["f16_upstream_first_step"] = upstream_first_step("f16")
     result["sync_hook_calls"] = calls[0]
     if rank == 0:
         with open(out_path, "w") as fh:

@@ -28,6 +28,8 @@ STAGE_TE = "Transformer Engine get_cpu_offload_context (model build)"
 STAGE_BRIDGE = "Megatron Bridge ConfigContainer.validate / layer build"
 STAGE_MLM = "Megatron-LM validate_args"
 STAGE_ADVISORY = "not enforced upstream"
+# After every config check and the build: megatron-core's own code failing at the first optimizer step.
+STAGE_FIRST_STEP = "megatron-core's first optimizer step"
 
 # ---------------------------------------------------------------------------------------------- versions
 

@@ -26,9 +26,13 @@ Sizes are bytes; ``GB`` = 10⁹ bytes. Never imports torch. See ``docs/planner.m
 
 from __future__ import annotations
 
+import bisect
+import functools
+import itertools
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
+from mbridge_offload.plan.memory import dp_shards
 from mbridge_offload.plan.memory.activations import stage_activations
 from mbridge_offload.plan.memory.phases import (
     PhaseMemory,
@@ -38,7 +42,6 @@ from mbridge_offload.plan.memory.phases import (
     stage_phases,
 )
 from mbridge_offload.plan.model.architecture import DTYPE_BYTES, GB, GiB, ModelSpec
-from mbridge_offload.plan.memory import dp_shards
 from mbridge_offload.plan.model.params import Tensor, chunk_params, next_pow2, stage_layers, stage_params
 from mbridge_offload.plan.model.run import Setup, check_setup
 from mbridge_offload_runtime.upstream import hdo_offload_mask
@@ -64,8 +67,13 @@ def optimizer_param_order(params: list[Tensor]) -> list[Tensor]:
 
 def greedy_offload(numels: list[int], fraction: float) -> int:
     """Elements HDO puts on the CPU: whole tensors, in order, while the running total is below
-    ``fraction × total`` (the tensor that crosses the threshold goes too; 1.0 → all)."""
-    return sum(n for n, host in zip(numels, hdo_offload_mask(numels, fraction), strict=True) if host)
+    ``fraction × total`` (the tensor that crosses the threshold goes too; 1.0 → all): ``hdo_offload_mask``'s
+    prefix, found by bisection over the running totals (a rank's shards run to tens of thousands)."""
+    prefix = list(itertools.accumulate(numels))
+    threshold = fraction * (prefix[-1] if prefix else 0)
+    if threshold <= 0:
+        return 0
+    return prefix[min(bisect.bisect_left(prefix, threshold), len(prefix) - 1)]
 
 
 def _sharded_over(m: ModelSpec, s: Setup, expert: bool) -> int:
@@ -109,16 +117,23 @@ def _moment_bytes(s: Setup) -> tuple[int, int]:
     return 4, 8  # fp32 main params; exp_avg dtypes only apply to the precision-aware path
 
 
-def _rank_split(m: ModelSpec, s: Setup, stage: int) -> tuple[int, dict[bool, list[int]]]:
-    """The GPU of pipeline stage ``stage`` that keeps the most optimizer state on the GPU under HDO, and its shards
-    (dense and expert) in HDO's order: under the distributed optimizer each rank owns different tensors of the
-    buffers (``plan/memory/dp_shards.py``), so the greedy split leaves more on some GPUs than on others."""
+@functools.lru_cache(maxsize=32)
+def _shards_by_rank(m: ModelSpec, s: Setup, stage: int) -> dict[bool, list[list[int]]]:
+    """Every rank's shards of stage ``stage`` (dense and expert), in HDO's order (``plan/memory/dp_shards.py``);
+    ``s`` without the offload fraction, so that a sweep over it lays the buffers out once."""
     chunks = chunk_params(m, s, stage)
     shared_embedding = m.tied_embeddings and s.pp > 1
     shared = [[shared_embedding and t.name in ("embedding", "output_layer") for t in c] for c in chunks]
     sizes = [dp_shards.bucket_size(s.dp * s.cp, s.overlap_grad_reduce, stage, c) for c in range(len(chunks))]
     groups = {False: s.dp * s.cp, True: s.expert_dp(m)}
-    per_rank = {e: dp_shards.rank_shards(chunks, e, d, sizes, shared) for e, d in groups.items()}
+    return {e: dp_shards.rank_shards(chunks, e, d, sizes, shared) for e, d in groups.items()}
+
+
+def _rank_split(m: ModelSpec, s: Setup, stage: int) -> tuple[int, dict[bool, list[int]]]:
+    """The GPU of pipeline stage ``stage`` that keeps the most optimizer state on the GPU under HDO, and its shards
+    (dense and expert) in HDO's order: under the distributed optimizer each rank owns different tensors of the
+    buffers (``plan/memory/dp_shards.py``), so the greedy split leaves more on some GPUs than on others."""
+    per_rank = _shards_by_rank(m, replace(s, optimizer_offload_fraction=0.0), stage)
     left = {
         e: [sum(r) - greedy_offload(r, s.optimizer_offload_fraction) for r in ranks] for e, ranks in per_rank.items()
     }
@@ -144,9 +159,11 @@ def optimizer_memory(m: ModelSpec, s: Setup, params: list[Tensor], stage: int = 
         total = sum(shards)
         out.shard_numel += total
         d = _sharded_over(m, s, expert)
-        for decay in (False, True):
-            group = sum(math.ceil(t.numel / d) for t in params if t.expert == expert and t.decay == decay)
-            out.largest_group_numel = max(out.largest_group_numel, group)
+        groups = [0, 0]  # the no-decay and the decay group's shards, in one pass over the stage's tensors
+        for t in params:
+            if t.expert == expert:
+                groups[t.decay] += -(-t.numel // d)
+        out.largest_group_numel = max(out.largest_group_numel, *groups)
         if f <= 0.0:
             out.gpu_bytes += total * (master + moments)
             continue

@@ -86,13 +86,18 @@ def layer_params(m: ModelSpec, s: Setup, index: int) -> list[Tensor]:
 
 def kind_params(m: ModelSpec, s: Setup, kind: str, moe: bool) -> list[Tensor]:
     """The parameter shards of one layer of ``kind`` (``T`` or a hybrid symbol) held by one GPU."""
-    return list(_layer_params(m, s.tp, s.ep, s.resolved_etp(m), kind, moe))
+    return list(_layer_params(m, s.tp, s.ep, s.resolved_etp(m), kind, moe, s.moe_grouped_gemm))
 
 
-def _moe_params(m: ModelSpec, tp: int, ep: int, etp: int) -> list[Tensor]:
+def _moe_params(m: ModelSpec, tp: int, ep: int, etp: int, grouped: bool) -> list[Tensor]:
     out = [Tensor("router", m.hidden_size * m.experts)]
-    for e in range(m.experts // ep):
-        out += _mlp_params(m, m.expert_ffn_hidden_size, etp, True, f"expert{e}.")
+    experts = [_mlp_params(m, m.expert_ffn_hidden_size, etp, True, f"expert{e}.") for e in range(m.experts // ep)]
+    if grouped:
+        # TEGroupedMLP: one grouped linear_fc1 holding every local expert's weight{i}, then one linear_fc2 (the order
+        # HybridDeviceOptimizer's whole-tensor split walks); SequentialMLP: expert by expert
+        experts = [[e[k] for e in experts] for k in range(len(experts[0]))] if experts else []
+    for tensors in experts:
+        out += tensors
     if m.moe_shared_expert_intermediate_size:
         out += _mlp_params(m, m.moe_shared_expert_intermediate_size, tp, False, "shared_expert.")
     return out
@@ -121,7 +126,9 @@ def _mamba_params(m: ModelSpec, tp: int) -> list[Tensor]:
 
 
 @functools.lru_cache(maxsize=256)
-def _layer_params(m: ModelSpec, tp: int, ep: int, etp: int, kind: str, moe: bool) -> tuple[Tensor, ...]:
+def _layer_params(
+    m: ModelSpec, tp: int, ep: int, etp: int, kind: str, moe: bool, grouped: bool = True
+) -> tuple[Tensor, ...]:
     # Every layer of a kind is the same: built once per (model, TP, EP, ETP), the planner's search reuses it.
     if kind == MAMBA or kind == "G":  # GDN layers are counted as Mamba layers of the same shapes
         return tuple(_mamba_params(m, tp))
@@ -131,7 +138,7 @@ def _layer_params(m: ModelSpec, tp: int, ep: int, etp: int, kind: str, moe: bool
     out.append(Tensor("pre_mlp_layernorm", m.hidden_size, decay=False))
     if not moe:
         return tuple(out + _mlp_params(m, m.ffn_hidden_size, tp, False, "mlp."))
-    return tuple(out + _moe_params(m, tp, ep, etp))
+    return tuple(out + _moe_params(m, tp, ep, etp, grouped))
 
 
 def mtp_params(m: ModelSpec, s: Setup) -> list[Tensor]:

@@ -176,6 +176,7 @@ def check_setup(model: ModelSpec, setup: Setup) -> None:
         raise ValueError(f"EP {s.ep} given for dense model {model.name}: expert parallelism needs MoE layers")
     if not 0.0 <= s.optimizer_offload_fraction <= 1.0:
         raise ValueError(f"optimizer_offload_fraction is {s.optimizer_offload_fraction}: it must be in [0.0, 1.0]")
+    _check_hdo_wrapper(s)
     fine_grained.check(s)
     if s.activation_offload_layers:
         _check_activation_offload(model, s)
@@ -195,6 +196,30 @@ def _check_uneven_interleaving(s: Setup) -> None:
         "fails at model build (ZeroDivisionError); give one of the two, raise PP, drop VPP or give "
         "pipeline_model_parallel_layout"
     )
+
+
+def hdo_fails_at_first_step(s: Setup) -> str | None:
+    """Why megatron-core's HybridDeviceOptimizer cannot step this run's parameters, or None (the fraction aside).
+
+    Under ``Float16OptimizerWithFloat16Params`` (16-bit params without the distributed optimizer) the wrapper swaps
+    each parameter in the HDO's groups for its fp32 main copy after the HDO mapped them, and the HDO's first step
+    looks the new ones up (``_sync_hdo_param_groups_to_sub_optimizers``: KeyError, 0.16.1 and 0.19.2;
+    NVIDIA/Megatron-LM#4042, its fix #4046 not merged). The trace fails the same way; ours follows the swap."""
+    if s.distributed_optimizer or s.hybrid_optimizer != "megatron-core" or s.params_dtype == "fp32":
+        return None
+    return (
+        f"optimizer offload with {s.params_dtype} parameters and no distributed optimizer: megatron-core's "
+        "HybridDeviceOptimizer fails at its first step (KeyError in _sync_hdo_param_groups_to_sub_optimizers: "
+        "Float16OptimizerWithFloat16Params replaces the parameters it mapped; NVIDIA/Megatron-LM#4042); switch on "
+        "the distributed optimizer (ddp.use_distributed_optimizer and optimizer.use_distributed_optimizer), or run "
+        "our HybridDeviceOptimizer (hybrid_optimizer=ours: mbridge_offload_runtime.optimizer.install_optimizer_offload)"
+    )
+
+
+def _check_hdo_wrapper(s: Setup) -> None:
+    why = hdo_fails_at_first_step(s) if s.optimizer_offload_fraction > 0 else None
+    if why:
+        raise ValueError(why)
 
 
 def _check_interleaved_microbatches(s: Setup) -> None:

@@ -32,7 +32,7 @@ from mbridge_offload.config.overrides import format_override
 from mbridge_offload.plan.inputs.fields import DEFAULT_LEVERS, LEVERS
 from mbridge_offload.plan.inputs.resolve import Resolved
 from mbridge_offload.plan.model.architecture import ModelSpec
-from mbridge_offload.plan.model.run import Setup, check_setup
+from mbridge_offload.plan.model.run import Setup, check_setup, hdo_fails_at_first_step
 from mbridge_offload.plan.search import fine_grained_plan as fg
 
 # The default keeps the parallel layout, the numerics and the checkpoints as they are: recompute and the three
@@ -224,7 +224,11 @@ def usable(lever: str, r: Resolved, base: Setup, frag_gib: float | None = None) 
             return None
         return "fine-grained offloading frees nothing here, or the rule catalogue refuses every module set"
     if lever == "optimizer":
-        return "Megatron-FSDP: upstream refuses optimizer CPU offload" if base.use_megatron_fsdp else None
+        return (
+            "Megatron-FSDP: upstream refuses optimizer CPU offload"
+            if base.use_megatron_fsdp
+            else (hdo_fails_at_first_step(base))
+        )
     if lever in SWITCH_LEVERS:
         expandable = lever == "expandable-segments"
         if expandable_evidence(frag_gib, base) if expandable else switch_variants(lever, m, base):

@@ -26,7 +26,7 @@ from typing import Any
 from mbridge_offload.plan.inputs.resolve import Assumption, Resolved
 from mbridge_offload.plan.memory.stage import MFSDP_OPTIMIZER_OFFLOAD, MemoryEstimate, StageMemory, estimate_memory
 from mbridge_offload.plan.model.architecture import GB, GiB
-from mbridge_offload.plan.model.run import Setup
+from mbridge_offload.plan.model.run import Setup, hdo_fails_at_first_step
 from mbridge_offload.plan.results import (
     BeforeAfter,
     Estimate,
@@ -199,9 +199,10 @@ def _facts(p: Plan, before: MemoryEstimate, rationale: list[str]) -> None:
 def _suggest(p: Plan, s: Setup) -> list[str]:
     """What would make the run fit, each with its predicted worst-stage memory."""
     m, out = p.r.model, []
-    fraction = 0.0 if s.use_megatron_fsdp else 1.0  # no optimizer offload under Megatron-FSDP
-    full = replace(s, optimizer_offload_fraction=fraction, activation_offload_layers=0)
-    with_opt = "" if s.use_megatron_fsdp else " with optimizer offload fraction 1.0"
+    # no optimizer offload under Megatron-FSDP (upstream refuses it) nor where megatron-core's HDO cannot step
+    no_hdo = s.use_megatron_fsdp or bool(hdo_fails_at_first_step(s))
+    full = replace(s, optimizer_offload_fraction=0.0 if no_hdo else 1.0, activation_offload_layers=0)
+    with_opt = "" if no_hdo else " with optimizer offload fraction 1.0"
     pp = s.pp * 2
     while pp <= m.num_layers and s.num_gpus % (s.tp * pp * s.cp) == 0:
         try:

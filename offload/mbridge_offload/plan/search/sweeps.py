@@ -21,7 +21,7 @@ from mbridge_offload.plan.memory.activations import layer_components
 from mbridge_offload.plan.memory.stage import MemoryEstimate, estimate_memory
 from mbridge_offload.plan.model.architecture import ModelSpec
 from mbridge_offload.plan.model.params import stage_layers
-from mbridge_offload.plan.model.run import Setup
+from mbridge_offload.plan.model.run import Setup, hdo_fails_at_first_step
 from mbridge_offload.plan.search import advice, levers
 from mbridge_offload.plan.search import fine_grained_plan as fg
 from mbridge_offload.plan.search.anchor import Plan
@@ -123,6 +123,9 @@ def most(p: Plan, setups: list[Setup]) -> MemoryEstimate | None:
 
 
 def fractions(s: Setup) -> list[Setup]:
+    """The optimizer offload fractions to try on ``s``: none where megatron-core's HDO cannot step at all."""
+    if hdo_fails_at_first_step(s):
+        return []
     steps = round(1 / FRACTION_STEP)
     return [replace(s, optimizer_offload_fraction=round(i * FRACTION_STEP, 2)) for i in range(1, steps + 1)]
 
@@ -133,7 +136,7 @@ def offload_sweeps(p: Plan, s: Setup) -> list[Sweep]:
     r, out = p.r, []
     if not r.constraints.activation_blockers(s, r.model.num_layers):
         out.append(Sweep("activation", [replace(s, activation_offload_layers=k) for k in range(1, r.model.num_layers)]))
-    if not s.use_megatron_fsdp:
+    if not s.use_megatron_fsdp and fractions(s):
         out.append(Sweep("optimizer", fractions(s)))
     sets = _useful_sets(r.model, s, tuple(sorted(r.constraints.model_config().items(), key=str)))
     if sets:

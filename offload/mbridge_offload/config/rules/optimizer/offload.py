@@ -12,6 +12,7 @@ import operator
 from mbridge_offload.config.overrides import format_override
 from mbridge_offload.config.rules.base import (
     STAGE_BRIDGE,
+    STAGE_FIRST_STEP,
     STAGE_MLM,
     STAGE_OPTIMIZER_CONFIG,
     STAGE_OPTIMIZER_FACTORY,
@@ -160,12 +161,25 @@ def _non_adam(ctx: Context):
     return None
 
 
-def _no_distributed_optimizer(ctx: Context) -> bool:
+def _offload_without_distributed_optimizer(ctx: Context) -> bool:
     # Only adam/sgd run in the (offloading) distributed optimizer; Muon and the other emerging optimizers have their
     # own layer-wise path (Megatron-LM 0.19 remaps --use-distributed-optimizer for them), so never advise it there.
     if ctx.opt.optimizer not in ("adam", "sgd"):
         return False
     return ctx.opt.optimizer_cpu_offload and not ctx.distributed_optimizer
+
+
+def _half_precision(ctx: Context) -> bool:
+    """16-bit parameters: get_megatron_optimizer wraps the optimizer in Float16OptimizerWithFloat16Params."""
+    return bool(ctx.opt.bf16 or ctx.opt.fp16)
+
+
+def _no_distributed_optimizer(ctx: Context) -> bool:
+    return _offload_without_distributed_optimizer(ctx) and not _half_precision(ctx)
+
+
+def _hdo_float16_wrapper(ctx: Context) -> bool:
+    return _offload_without_distributed_optimizer(ctx) and _half_precision(ctx)
 
 
 # From this fraction on, overlapping D2H/H2D with the CPU step is advised (OPT-OVERLAP) and switched on by `apply`:
@@ -392,6 +406,24 @@ OPTIMIZER_RULES: tuple[Rule, ...] = (
         "the branches that would build other optimizers.",
         fix=("optimizer.optimizer=adam",),
         check=_non_adam,
+    ),
+    Rule(
+        id="OPT-HDO-FLOAT16-WRAPPER",
+        severity="error",
+        origin="mcore",
+        stage=STAGE_FIRST_STEP,
+        exception="KeyError",
+        summary="megatron-core's HybridDeviceOptimizer cannot step 16-bit parameters without the distributed "
+        "optimizer: KeyError at the first step.",
+        keys=(_ON, "optimizer.use_distributed_optimizer", "ddp.use_distributed_optimizer", "optimizer.bf16"),
+        message="optimizer_cpu_offload with bf16/fp16 parameters and no distributed optimizer: megatron-core's "
+        "HybridDeviceOptimizer fails at its first step (KeyError in _sync_hdo_param_groups_to_sub_optimizers).",
+        why="get_megatron_optimizer wraps the HDO in Float16OptimizerWithFloat16Params, which swaps each parameter "
+        "of the HDO's groups for its fp32 main copy after the HDO mapped them by identity; the first step looks the "
+        "new ones up (0.16.1 and 0.19.2; NVIDIA/Megatron-LM#4042, its fix #4046 not merged). The config checks and "
+        "the build pass. mbridge_offload_runtime's HDO (install_optimizer_offload) follows the swap and trains.",
+        fix=_DO_FIX,
+        check=_hdo_float16_wrapper,
     ),
     advisory(
         id="OPT-DISTRIBUTED-OPTIMIZER",
