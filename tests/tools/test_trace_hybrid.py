@@ -46,6 +46,17 @@ def test_mamba_ssm_saves_what_the_stand_in_says(name: str, tag: str) -> None:
     assert list(mamba_kernels.FACTS[name]["saves"][tag]) in saved, (tag, saved)
 
 
+@needs_src
+@pytest.mark.parametrize("tag", sorted(mamba_kernels.FACTS["split_conv1d_scan"]["saves"]))
+def test_mamba_ssm_allocates_what_the_stand_in_allocates(tag: str) -> None:
+    assert MAMBA_SRC is not None
+    path = mamba_kernels.FACTS["split_conv1d_scan"]["file"]
+    text = subprocess.run(
+        ["git", "-C", MAMBA_SRC, "show", f"{tag}:{path}"], capture_output=True, text=True, check=True
+    ).stdout
+    assert [line for line in mamba_kernels.LINES if line not in text] == [], tag
+
+
 def _saved(fn: Any) -> tuple[Any, list[Any]]:
     import torch
 

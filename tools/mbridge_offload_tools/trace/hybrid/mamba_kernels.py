@@ -74,6 +74,21 @@ FACTS: dict[str, dict[str, Any]] = {
     },
 }
 
+# The lines of ssd_combined.py the stand-in's transients follow (forward, then backward), the same at both tags:
+# checked by tests/tools/test_trace_hybrid.py where a checkout is given.
+LINES: tuple[str, ...] = (
+    "B = B.contiguous()",
+    "states = _chunk_state_fwd(B, x, dt, dA_cumsum, seq_idx=seq_idx, states_in_fp32=True)",
+    "seq_idx=seq_idx, chunk_size=chunk_size, out_dtype=C.dtype)",
+    "CB = _bmm_chunk_fwd(C, B, chunk_size, seq_idx=seq_idx, output_dtype=torch.float32)",
+    "dzxbcdt = torch.empty_like(zxbcdt)",
+    "dxBC = torch.empty_like(xBC)",
+    "dt_in = dt.clone()",
+    "dstates = _chunk_scan_bwd_dstates(C, dA_cumsum, dout, seq_idx=seq_idx, dtype=states.dtype)",
+    "dstates_dtype=x.dtype,",
+    "states_dtype=x.dtype,",
+)
+
 
 def _dims(zxbcdt: torch.Tensor, conv1d_weight: torch.Tensor, D: torch.Tensor, headdim: int, ngroups: int) -> Any:
     heads = D.shape[0]
