@@ -111,6 +111,16 @@ def _experts_words(spec: dict[str, Any]) -> str:
     return "; experts: megatron-core's SequentialMLP (moe_grouped_gemm off)"
 
 
+def _hybrid_words(spec: dict[str, Any]) -> str:
+    if not spec.get("hybrid"):
+        return ""
+    return (
+        f"; hybrid: megatron-core's MambaModel / HybridModel over the pattern {spec['hybrid']['pattern']!r} (the local "
+        "equivalent of its Mamba stack spec), mamba_ssm's kernels stood in (trace/hybrid/mamba_kernels.py: what "
+        "they save, per mamba_ssm's source)"
+    )
+
+
 def _offload_words(spec: dict[str, Any]) -> str:
     layer = spec["transformer"]
     words = ""
@@ -185,6 +195,7 @@ def answer(child: dict[str, Any], spec: dict[str, Any], r: Any, install: Install
             "spec": "megatron-core's local spec (get_gpt_layer_local_spec) with Transformer Engine stand-ins for "
             "attention, norms and FusedAdam (trace/standins.py: what TE saves, per TE's source)"
             + _experts_words(spec)
+            + _hybrid_words(spec)
             + _offload_words(spec),
             "schedule": "interleaved 1F1B" if r.setup.vpp else ("1F1B" if r.setup.pp > 1 else "no pipelining"),
             "optimizer": _optimizer_words(r.setup),

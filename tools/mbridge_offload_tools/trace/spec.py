@@ -28,7 +28,14 @@ _NOT_YET = (
         lambda m, s: m.is_moe and s.moe_token_dispatcher_type not in ("alltoall", "allgather"),
         "MoE with the flex token dispatcher (DeepEP / HybridEP kernels)",
     ),
-    (lambda m, s: bool(m.layer_pattern), "hybrid Mamba stacks"),
+    (
+        lambda m, s: bool(m.layer_pattern and set(m.layer_pattern) - set("M*-E")),
+        "hybrid layers other than Mamba, attention, MLP and MoE (gated delta net, DSA, MLA symbols)",
+    ),
+    (
+        lambda m, s: bool(m.layer_pattern and (s.vpp or s.pipeline_layout or m.mtp_num_layers or s.cp > 1)),
+        "a hybrid Mamba stack with VPP, a pipeline layout, MTP or CP",
+    ),
     (lambda m, s: s.use_megatron_fsdp, "Megatron-FSDP"),
     (lambda m, s: bool(s.fp8_recipe and s.fp8_recipe != "none"), "FP8 recipes (Transformer Engine)"),
     (
@@ -95,6 +102,8 @@ def _transformer(m: ModelSpec, s: Setup) -> dict[str, Any]:
         kw.update(_moe(m, s))
     if m.mla is not None:
         kw.update(_mla(m))
+    if m.layer_pattern:
+        kw.update(_mamba(m))
     if m.mtp_num_layers:  # the last stage builds the MTP depths and their loss (trace/step.py)
         kw["mtp_num_layers"] = m.mtp_num_layers
     if s.pipeline_layout is not None:
@@ -171,6 +180,21 @@ def _mla(m: ModelSpec) -> dict[str, Any]:
     }
 
 
+def _mamba(m: ModelSpec) -> dict[str, Any]:
+    """The Mamba mixer's shapes (megatron-core's ``mamba_*`` fields; the chunk 128 and ``d_conv`` 4 its defaults) and
+    its training path (``use_mamba_mem_eff_path``, the default: mamba_ssm's fused kernel, trace/hybrid/)."""
+    mb = m.mamba
+    if mb is None:
+        return {}
+    return {
+        "mamba_num_heads": mb.num_heads,
+        "mamba_head_dim": mb.head_dim,
+        "mamba_state_dim": mb.state_dim,
+        "mamba_num_groups": mb.num_groups,
+        "use_mamba_mem_eff_path": True,
+    }
+
+
 def _moe(m: ModelSpec, s: Setup) -> dict[str, Any]:
     """The MoE fields: the planner's experts, top-k, shared experts, leading dense layers and dispatcher; the
     router's load-balancing loss as the planner counts it (``aux_loss``: the fp32 softmax over all experts is saved).
@@ -210,6 +234,7 @@ def build_run(m: ModelSpec, s: Setup, stage: int, overlap: bool = False, gpu: in
         raise InputError(
             "trace cannot build this run yet: " + "; ".join(missing),
             "estimate answers for it with the planner's formulas; trace builds GPT models (local spec), dense or MoE "
+            "(and hybrid Mamba stacks of Mamba, attention, MLP and MoE layers)"
             "with the alltoall dispatcher, with TP, PP, VPP, pipeline layouts, CP, SP, EP, ETP, recompute, the "
             "distributed optimizer and the activation offloads (TE's layer-level, megatron-core's fine-grained)",
         )
@@ -261,6 +286,8 @@ def build_run(m: ModelSpec, s: Setup, stage: int, overlap: bool = False, gpu: in
         "micro_batch_size": s.micro_batch_size,
         "num_microbatches": microbatches(s),
         "tied": m.tied_embeddings,
+        # megatron-core's hybrid model from the pattern (trace/hybrid/stack.py); None for a GPT model
+        "hybrid": {"pattern": m.layer_pattern} if m.layer_pattern else None,
         # the TE release the stand-ins follow where TE's allocations changed (trace.standins.TE_VERSION)
         "te_version": ".".join(map(str, s.te_release())),
     }

@@ -233,6 +233,11 @@ class LayerNormColumnParallelLinearStandIn(torch.nn.Module):
             input_size, output_size, config=config, **{k: v for k, v in kw.items() if k in known}
         )
 
+    @property
+    def weight(self) -> torch.nn.Parameter:
+        """The linear's weight, as TE's module has it (0.19.2's Mamba mixer tags ``in_proj.weight``)."""
+        return self.linear.weight
+
     def forward(self, x: torch.Tensor) -> Any:
         return self.linear(self.norm(x))
 

@@ -48,6 +48,10 @@ def _chunks(torch: Any, spec: dict[str, Any], config: Any) -> list[Any]:
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
 
+    if spec.get("hybrid"):  # megatron-core's hybrid Mamba model (trace/hybrid/stack.py)
+        from hybrid import stack
+
+        return list(stack.chunks(spec, config))
     vpp = spec["parallel"].get("vpp")
     chunks = []
     for vp in range(vpp or 1):

@@ -150,10 +150,12 @@ def _moe_activations(m: ModelSpec, s: Setup, tokens: int, t_sp: int) -> list[Ten
 
 
 def _mamba_activations(m: ModelSpec, s: Setup, tokens: int, t_sp: int) -> list[Tensor]:
-    """What megatron-core's ``MambaMixer`` keeps for backward (mamba_ssm's causal-conv1d and chunk-scan kernels,
-    the gated RMSNorm, the output projection): the norm input and ``in_proj``'s input (sequence-parallel), the
-    packed z/x/B/C/dt ``in_proj`` output, the convolution's output (x, B, C), the scan output, the gated norm's
-    output (``out_proj``'s input) and the fp32 per-chunk cumulative decay. Chunk states are recomputed."""
+    """What megatron-core's ``MambaMixer`` keeps for backward in training (``_ssm_training``; mamba_ssm v2.2 / v2.3,
+    ``ops/triton/ssd_combined.py`` and ``layernorm_gated.py``): the fused norm's input and ``in_proj``'s input
+    (sequence-parallel), the contiguous ``[b, l, d]`` copy of the packed z/x/B/C/dt ``in_proj`` output and the scan's
+    output before the ``silu(z)`` gate (``out_x``), both saved by ``MambaSplitConv1dScanCombinedFn``; the gated
+    norm's input (the gated output laid back to ``[l, b, d]``) and its fp32 ``rstd`` per token and group; and
+    ``out_proj``'s input. The convolution output, the chunk states and the decays are recomputed in backward."""
     mb, tp, h = m.mamba, s.tp, m.hidden_size
     if mb is None:
         raise ValueError(f"{m.name}: Mamba layers without Mamba shapes")
@@ -161,11 +163,31 @@ def _mamba_activations(m: ModelSpec, s: Setup, tokens: int, t_sp: int) -> list[T
         Tensor("mamba_norm_in", t_sp * h),
         Tensor("in_proj_in", t_sp * h),
         Tensor("zxbcdt", tokens * mb.in_proj_width // tp),
-        Tensor("conv_out", tokens * mb.conv_dim // tp),
         Tensor("ssm_out", tokens * mb.d_inner // tp),
+        Tensor("gated_norm_in", tokens * mb.d_inner // tp),
+        Tensor("gated_norm_rstd", tokens * mb.num_groups // tp, nbytes_per=4),
         Tensor("out_proj_in", tokens * mb.d_inner // tp),
-        Tensor("dA_cumsum", tokens * mb.num_heads // tp, nbytes_per=4),
     ]
+
+
+def mamba_backward_bytes(m: ModelSpec, s: Setup) -> int:
+    """The Mamba mixer's kernel backward at its largest (``MambaSplitConv1dScanCombinedFn.backward`` and
+    ``_mamba_chunk_scan_combined_bwd``, mamba_ssm v2.2 / v2.3): the recomputed convolution output, ``dzxbcdt`` and
+    ``dxBC``, the gated output's gradient (bf16); the recomputed ``dt`` and ``dA_cumsum`` (fp32 per head) and ``CB``
+    (fp32, ``groups × chunk`` per token); the chunk states and their gradients in fp32 while ``_state_passing_bwd``
+    writes both again in bf16 (``headdim × state`` per head and chunk each), beside the gradient arriving from the
+    gated norm."""
+    mb = m.mamba
+    if mb is None:
+        return 0
+    seq = s.seq_length or m.seq_length
+    tokens = seq * s.micro_batch_size // s.cp
+    chunks = math.ceil(seq / mb.chunk_size)
+    heads, groups, d_inner, tp = mb.num_heads // s.tp, mb.num_groups // s.tp, mb.d_inner // s.tp, s.tp
+    per_token = 2 * (2 * mb.conv_dim // tp + mb.in_proj_width // tp + heads + 2 * d_inner)
+    per_token += 2 * 4 * heads + 4 * groups * mb.chunk_size
+    states = s.micro_batch_size * chunks * d_inner * mb.state_dim * (4 + 4 + 2 + 2)
+    return tokens * per_token + states
 
 
 def layer_offload_reaches(m: ModelSpec) -> bool:
@@ -394,7 +416,6 @@ _BACKWARD_GROUPS = (
     frozenset({"fc1_out", "act_out"}),
     frozenset({"expert_fc1_out", "expert_act_out"}),
     frozenset({"shared_fc1_out", "shared_act_out"}),
-    frozenset({"zxbcdt", "ssm_out"}),
 )
 
 
@@ -423,6 +444,22 @@ def backward_workspace(m: ModelSpec, s: Setup, layers: list[int]) -> int:
         for group in _COLUMN_PARALLEL:
             out = sum(t.numel for t in acts if t.name in group)
             best = max(best, 2 * (out + full) if out else 0)
+    return max(best, _mamba_backward_net(m, s, layers))
+
+
+def _mamba_backward_net(m: ModelSpec, s: Setup, layers: list[int]) -> int:
+    """The Mamba kernel's backward (``mamba_backward_bytes``) beyond what the stage holds then: the layers after a
+    Mamba layer have run their backward and freed this micro-batch's saved tensors (without full recompute; with
+    it they kept only their checkpoint inputs, not subtracted)."""
+    best, mixers = 0, [j for j, i in enumerate(layers) if m.layer_kind(i) in (MAMBA, "G")]
+    if not mixers:
+        return 0
+    kernel = mamba_backward_bytes(m, s)
+    for j in mixers:
+        later = 0
+        if s.recompute_granularity != "full":
+            later = sum(t.nbytes for i in layers[j + 1 :] for t in _stored(layer_activations(m, s, i), s))
+        best = max(best, kernel - later)
     return best
 
 
