@@ -109,6 +109,22 @@ def test_optimizer_offload_at_half_moves_optimizer_state_to_the_host(release: st
     assert hdo["host_gib"] > 0.2 * gib(plain, "optimizer") > plain["host_gib"]
 
 
+@pytest.mark.parametrize("release", RELEASES)
+def test_our_hybrid_optimizer_is_traced_and_keeps_what_the_planner_says(release: str) -> None:
+    from mbridge_offload.plan.inputs.resolve import resolve
+    from mbridge_offload.plan.memory.stage import estimate_memory
+
+    hdo = {"optimizer_offload_fraction": 0.5, "precision_aware_optimizer": True, "grad_reduce_in_fp32": False}
+    theirs, ours = trace(release, **hdo), trace(release, **hdo, hybrid_optimizer="ours")
+    assert "mbridge_offload_runtime's HybridDeviceOptimizer" in ours["under_test"]["optimizer"]
+    # megatron-core's keeps an fp32 copy of every gradient it steps on the GPU; ours frees them after the step
+    assert gib(ours, "optimizer") < gib(theirs, "optimizer")
+    for got, which in ((theirs, "megatron-core"), (ours, "ours")):
+        r = resolve({**SMALL, **hdo, "hybrid_optimizer": which})
+        worst = estimate_memory(r.model, r.setup).worst
+        assert abs(gib(got, "optimizer") - worst.optimizer / 2**30) <= 0.01 * gib(got, "optimizer") + 1e-4
+
+
 def test_bf16_gradients_get_fp32_copies_in_the_optimizer_step() -> None:
     fp32, bf16 = trace(), trace(grad_reduce_in_fp32=False)
     step = {p["name"]: p for p in bf16["phases"]}["optimizer_step"]

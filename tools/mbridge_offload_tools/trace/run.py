@@ -93,11 +93,18 @@ def _gib(n: float) -> float:
 def _optimizer_words(s: Any) -> str:
     base = "DistributedOptimizer" if s.distributed_optimizer else "Float16OptimizerWithFloat16Params"
     adam = "TE FusedAdam (stand-in: its state, and the fp32 copies its step makes of low-precision states)"
+    if s.optimizer_offload_fraction > 0 and s.hybrid_optimizer == "ours":
+        return (
+            f"{base} over mbridge_offload_runtime's HybridDeviceOptimizer (offload fraction "
+            f"{s.optimizer_offload_fraction:g}, installed into megatron-core's factory by install_optimizer_offload: "
+            "torch's fused AdamW on the GPU side and in its host buckets); megatron-core's own is hybrid_optimizer="
+            "megatron-core (what Bridge builds)"
+        )
     if s.optimizer_offload_fraction > 0:
         return (
             f"{base} over megatron-core's HybridDeviceOptimizer (offload fraction {s.optimizer_offload_fraction:g}: "
-            f"{adam} on the GPU side, torch's fused CPU AdamW on the host side); the project's own HDO is installed "
-            "through mbridge_offload.runtime instead (apply's install path) and is not what this traces"
+            f"{adam} on the GPU side, torch's fused CPU AdamW on the host side); the project's own is "
+            "hybrid_optimizer=ours (apply's install path)"
         )
     return f"{base} over {adam}"
 
