@@ -117,10 +117,29 @@ def _moment_bytes(s: Setup) -> tuple[int, int]:
     return 4, 8  # fp32 main params; exp_avg dtypes only apply to the precision-aware path
 
 
+def _layout_setup(s: Setup) -> Setup:
+    """``s`` reduced to what the buffers' layout reads (the layers of each chunk, their shards, the bucketing): the
+    search's many settings that leave it alone (recompute, offloads, batch, dtypes) share one layout."""
+    return Setup(
+        num_gpus=s.num_gpus,
+        tp=s.tp,
+        pp=s.pp,
+        vpp=s.vpp,
+        cp=s.cp,
+        ep=s.ep,
+        etp=s.etp,
+        num_layers_in_first_pipeline_stage=s.num_layers_in_first_pipeline_stage,
+        num_layers_in_last_pipeline_stage=s.num_layers_in_last_pipeline_stage,
+        pipeline_layout=s.pipeline_layout,
+        overlap_grad_reduce=s.overlap_grad_reduce,
+        moe_grouped_gemm=s.moe_grouped_gemm,
+    )
+
+
 @functools.lru_cache(maxsize=32)
 def _shards_by_rank(m: ModelSpec, s: Setup, stage: int) -> dict[bool, list[list[int]]]:
     """Every rank's shards of stage ``stage`` (dense and expert), in HDO's order (``plan/memory/dp_shards.py``);
-    ``s`` without the offload fraction, so that a sweep over it lays the buffers out once."""
+    ``s`` is :func:`_layout_setup`'s, so that the search lays each layout out once."""
     chunks = chunk_params(m, s, stage)
     shared_embedding = m.tied_embeddings and s.pp > 1
     shared = [[shared_embedding and t.name in ("embedding", "output_layer") for t in c] for c in chunks]
@@ -133,7 +152,7 @@ def _rank_split(m: ModelSpec, s: Setup, stage: int) -> tuple[int, dict[bool, lis
     """The GPU of pipeline stage ``stage`` that keeps the most optimizer state on the GPU under HDO, and its shards
     (dense and expert) in HDO's order: under the distributed optimizer each rank owns different tensors of the
     buffers (``plan/memory/dp_shards.py``), so the greedy split leaves more on some GPUs than on others."""
-    per_rank = _shards_by_rank(m, replace(s, optimizer_offload_fraction=0.0), stage)
+    per_rank = _shards_by_rank(m, _layout_setup(s), stage)
     left = {
         e: [sum(r) - greedy_offload(r, s.optimizer_offload_fraction) for r in ranks] for e, ranks in per_rank.items()
     }
