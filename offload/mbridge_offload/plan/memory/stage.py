@@ -30,7 +30,7 @@ import bisect
 import functools
 import itertools
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from mbridge_offload.plan.memory import dp_shards
 from mbridge_offload.plan.memory.activations import stage_activations
