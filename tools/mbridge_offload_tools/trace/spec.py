@@ -29,7 +29,10 @@ _NOT_YET = (
         "MoE with the flex token dispatcher (DeepEP / HybridEP kernels)",
     ),
     (lambda m, s: bool(m.layer_pattern), "hybrid Mamba stacks"),
-    (lambda m, s: s.use_megatron_fsdp, "Megatron-FSDP"),
+    (
+        lambda m, s: s.use_megatron_fsdp and s.optimizer_offload_fraction > 0,
+        "optimizer CPU offload with Megatron-FSDP (the planner does not model it)",
+    ),
     (lambda m, s: bool(s.fp8_recipe and s.fp8_recipe != "none"), "FP8 recipes (Transformer Engine)"),
     (
         lambda m, s: s.activation_offload_layers > 0 and s.te_release() < (2, 10),
@@ -192,6 +195,25 @@ def _moe(m: ModelSpec, s: Setup) -> dict[str, Any]:
     }
 
 
+def _fsdp(s: Setup) -> dict[str, Any]:
+    """Megatron-FSDP's DDP fields (the child builds megatron-core's ``FullyShardedDataParallel``, trace/fsdp/): always
+    over the distributed optimizer, as Bridge forces it; the main dtypes are 0.19's fields (the child drops what its
+    release does not have)."""
+    if not s.use_megatron_fsdp:
+        return {}
+    return {
+        "use_megatron_fsdp": True,
+        "use_distributed_optimizer": True,
+        "data_parallel_sharding_strategy": s.fsdp_sharding_strategy,
+        "megatron_fsdp_main_params_dtype": s.fsdp_main_params_dtype,
+        "megatron_fsdp_main_grads_dtype": s.fsdp_main_grads_dtype,
+        # Bridge's FSDP recipes set it with optim_grads_params; megatron-core asserts it off for the EP overlap
+        "fsdp_double_buffer": s.fsdp_sharding_strategy == "optim_grads_params",
+        # Bridge sets it with the precision-aware optimizer (FusedAdam reads param.decoupled_grad)
+        "megatron_fsdp_use_decoupled_grad": s.precision_aware_optimizer,
+    }
+
+
 def build(r: Resolved, stage: int) -> dict[str, Any]:
     """The child's spec for pipeline rank ``stage`` of the resolved run (:func:`build_run`)."""
     return build_run(r.model, r.setup, stage, overlap=bool(r.inputs.overlap))
@@ -232,6 +254,7 @@ def build_run(m: ModelSpec, s: Setup, stage: int, overlap: bool = False) -> dict
             "grad_reduce_in_fp32": s.grad_reduce_in_fp32,
             "overlap_grad_reduce": s.overlap_grad_reduce,
             "overlap_param_gather": s.overlap_param_gather and s.distributed_optimizer,
+            **_fsdp(s),
         },
         "optimizer": {
             "optimizer": "adam",
@@ -239,7 +262,7 @@ def build_run(m: ModelSpec, s: Setup, stage: int, overlap: bool = False) -> dict
             "bf16": s.params_dtype == "bf16",
             "fp16": s.params_dtype == "fp16",
             "params_dtype": s.params_dtype,
-            "use_distributed_optimizer": s.distributed_optimizer,
+            "use_distributed_optimizer": s.distributed_optimizer or s.use_megatron_fsdp,
             "use_precision_aware_optimizer": s.precision_aware_optimizer,
             "main_params_dtype": s.main_params_dtype,
             "exp_avg_dtype": s.exp_avg_dtype,
