@@ -33,6 +33,11 @@ _NOT_YET = (
         lambda m, s: s.use_megatron_fsdp and s.optimizer_offload_fraction > 0,
         "optimizer CPU offload with Megatron-FSDP (the planner does not model it)",
     ),
+    (
+        lambda m, s: s.use_megatron_fsdp and (s.fsdp_main_grads_dtype or s.params_dtype) != s.params_dtype,
+        "Megatron-FSDP with main gradients in another dtype than the parameters (megatron-core's local linears "
+        "write them with torch.matmul(out=...) where TE's GEMM casts)",
+    ),
     (lambda m, s: bool(s.fp8_recipe and s.fp8_recipe != "none"), "FP8 recipes (Transformer Engine)"),
     (
         lambda m, s: s.activation_offload_layers > 0 and s.te_release() < (2, 10),

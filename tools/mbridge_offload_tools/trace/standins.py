@@ -184,6 +184,8 @@ class _Linear(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
         inp, _ = ctx.saved_tensors
         weight = ctx.origin_weight
+        if hasattr(weight, "__fsdp_param__"):  # Megatron-FSDP (TE >= 2.10): its gradient buffer's view
+            weight.main_grad = weight.get_main_grad()
         if hasattr(weight, "grad_added_to_main_grad"):
             weight.grad_added_to_main_grad = True
             wgrad = _dummy_wgrad(grad, list(weight.main_grad.shape), weight.dtype)
@@ -422,6 +424,8 @@ class _GroupedLinear(torch.autograd.Function):
         if weights[0].requires_grad:
             if ctx.module.fuse_wgrad_accumulation:
                 for i, w in enumerate(weights):  # TE's handle_custom_ddp_from_mcore
+                    if hasattr(w, "__fsdp_param__"):  # Megatron-FSDP (TE >= 2.10): its gradient buffer's view
+                        w.main_grad = w.get_main_grad()
                     if hasattr(w, "grad_added_to_main_grad"):
                         w.grad_added_to_main_grad = True
                         wgrads[i] = _dummy_wgrad(grad, list(w.main_grad.shape), w.dtype)

@@ -44,9 +44,8 @@ def install(adapter: Any) -> None:
     answer; no parameter or buffer is made there."""
     import types
 
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
-
     import patches
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     # megatron-core asserts TE 2.10 for FSDP with gradient_accumulation_fusion (Bridge's default): answered for the
     # TE release of the run, as for the optimizer's modules (no TE here)

@@ -12,11 +12,10 @@ from typing import Any
 
 
 def wrap(torch: Any, config: Any, ddp: dict[str, Any], chunks: list[Any], tracker: Any) -> list[Any]:
+    from fsdp import mesh
     from megatron.core.distributed import DistributedDataParallelConfig
     from megatron.core.distributed.fsdp import mcore_fsdp_adapter
     from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
-
-    from fsdp import mesh
 
     mesh.install(mcore_fsdp_adapter)
 
