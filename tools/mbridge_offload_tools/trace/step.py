@@ -204,6 +204,8 @@ def _warm_up(torch: Any, tracker: Tracker, built: dict[str, Any]) -> None:
     """One optimizer step before the traced one: Adam makes its moments at its first step, and what an optimizer
     keeps from one step to the next (megatron-core's HybridDeviceOptimizer's fp32 gradient copies) is resident."""
     tracker.category = "step"
+    if built["config"].finalize_model_grads_func is not None:  # Megatron-FSDP: gradients reach the optimizer here
+        built["config"].finalize_model_grads_func(built["model"])
     built["optimizer"].step()
     for entry in tracker.live.values():
         if entry[1] == "step":

@@ -31,6 +31,20 @@ def wrap(torch: Any, config: Any, ddp: dict[str, Any], chunks: list[Any], tracke
             for i, c in enumerate(chunks)
         ]
     _tag(model, tracker)
+    from megatron.core.distributed import finalize_model_grads
+
+    # As Bridge sets it (train.py): the schedule's last act. Megatron-FSDP reduce-scatters (or all-reduces) its
+    # gradients and hands them to the optimizer there (finish_grad_sync: update_main_grads), not in the step.
+    # Its allocations (the fp32 copies of bf16 gradient shards, update_main_grads) are the step's transients.
+    def finalize(*args: Any, **kwargs: Any) -> Any:
+        category, module = tracker.category, tracker.module
+        tracker.category, tracker.module = "other", ""
+        try:
+            return finalize_model_grads(*args, **kwargs)
+        finally:
+            tracker.category, tracker.module = category, module
+
+    config.finalize_model_grads_func = finalize
     return model
 
 
