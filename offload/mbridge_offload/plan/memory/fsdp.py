@@ -48,6 +48,8 @@ STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 _BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
 # Tensors that stay in the model dtype when FP8 parameters are on (TE keeps FP8 only for GEMM weights).
 _HIGH_PRECISION = ("norm", "bias", "embedding", "output_layer", "router")
+# The root module's parameters under ZeRO-3 (megatron-core's FSDP units are the transformer layers only).
+_ROOT = ("embedding", "final_layernorm", "output_layer")
 
 
 @dataclass
@@ -123,11 +125,17 @@ def fsdp_memory(m: ModelSpec, s: Setup, params: list[Tensor], layers: list[int],
         local = shard if opt_sharded else t.numel
         optimizer += local * (main + _moment_bytes(s))
         shard_numel += local
-    w_buf, g_buf = _unit_buffers(m, s, layers, params_sharded, grads_sharded)
-    if last_stage and params_sharded:
-        out = [t for t in params if t.name == "output_layer"]
-        w_buf += sum(t.numel * _weight_bytes(t, s) for t in out)
-        g_buf += sum(t.numel * _grad_bytes(t, s) for t in out)
+    # ZeRO-3: two layers' unsharded weights (the double buffer's two slots), and the root module's parameters (the
+    # embedding, final norm and output layer: not FSDP units) gathered at the start of the forward and kept to the
+    # end of the backward. No unsharded gradient is live at the activation peak (the loss, before any backward).
+    # ZeRO-2 (no FSDP units: one unit for the whole module): every gradient of the stage unsharded until the
+    # reduce-scatter in finalize_model_grads.
+    w_buf, _ = _unit_buffers(m, s, layers, params_sharded, False)
+    g_buf = 0
+    if params_sharded:
+        w_buf += sum(t.numel * _weight_bytes(t, s) for t in params if t.name in _ROOT)
+    elif grads_sharded:
+        g_buf = sum(t.numel * _grad_bytes(t, s) for t in params)
     notes = [
         f"Megatron-FSDP {strategy}: weights, gradients and optimizer sharded as megatron-core's "
         "param_and_grad_buffer does (dense over DP·CP, experts over expert DP); "
