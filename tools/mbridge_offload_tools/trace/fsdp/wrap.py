@@ -18,6 +18,11 @@ def wrap(torch: Any, config: Any, ddp: dict[str, Any], chunks: list[Any], tracke
     from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
 
     mesh.install(mcore_fsdp_adapter)
+    from megatron.core.distributed.fsdp.src.megatron_fsdp import utils
+
+    # The double buffer's pool lives in a process-global buffer (utils.get_global_memory_buffer): each traced run
+    # starts without one, as a training process does (the next spec of a batch would reuse the last one's, uncounted)
+    utils._GLOBAL_MEMORY_BUFFER = None
 
     fields = DistributedDataParallelConfig.__dataclass_fields__
     kw = {k: v for k, v in ddp.items() if k in fields}
