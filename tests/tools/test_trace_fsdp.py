@@ -40,7 +40,7 @@ def test_megatron_fsdp_is_built_and_shards_as_upstream(release: str) -> None:
     """DDP with the distributed optimizer, then Megatron-FSDP ``no_shard`` and ``optim`` (ZeRO-1): the same weights
     and gradients as DDP (whole copies), fp32 main weights and moments whole (``no_shard``, 4x DDP's shard at DP 4)
     or sharded as DDP's; ``optim_grads_params`` (ZeRO-3): the persistent weight and gradient shards are a quarter
-    of DDP's whole copies (the rest of the weights are the all-gathered units in flight)."""
+    of DDP's whole copies, the rest of the weights the all-gathered units in flight."""
     from mbridge_offload_tools.exact.run import installs
 
     if release not in {i.version for i in installs()}:
@@ -55,10 +55,11 @@ def test_megatron_fsdp_is_built_and_shards_as_upstream(release: str) -> None:
             {**fsdp, "fsdp_sharding_strategy": "optim_grads_params"},
         ],
     )
-    for run in (no_shard, optim):
-        assert run["weights"] == pytest.approx(ddp["weights"], rel=1e-4)
+    for run in (no_shard, optim):  # up to FSDP's bucket padding (a few KiB)
+        assert run["weights"] == pytest.approx(ddp["weights"], rel=1e-3)
     assert optim["optimizer"] == pytest.approx(ddp["optimizer"], rel=1e-3)
     assert no_shard["optimizer"] == pytest.approx(4 * ddp["optimizer"], rel=1e-3)
-    # ZeRO-3's gradients at the peak (the loss, before any unit's backward): the shard only
+    # ZeRO-3 at the peak (the loss, before any unit's backward): the gradient shard only; the weight shard plus,
+    # unsharded, the double buffer's two layers (all this model has) and the root module (embedding, output layer)
     assert zero3["gradients"] == pytest.approx(ddp["weights"] / 4, rel=1e-3)
-    assert ddp["weights"] / 4 < zero3["weights"] < ddp["weights"] * 1.25
+    assert zero3["weights"] == pytest.approx(ddp["weights"] * 1.25, rel=1e-3)

@@ -62,6 +62,7 @@ class FsdpMemory:
     shard_numel: int
     buffers: int  # the unsharded part of weights + gradients (also inside them)
     notes: list[str] = field(default_factory=list)
+    end_of_backward: int = 0  # unsharded gradients live when the backward ends (not at the activation peak)
 
 
 def _fp8_weight(t: Tensor, s: Setup) -> bool:
@@ -127,19 +128,22 @@ def fsdp_memory(m: ModelSpec, s: Setup, params: list[Tensor], layers: list[int],
         shard_numel += local
     # ZeRO-3: two layers' unsharded weights (the double buffer's two slots), and the root module's parameters (the
     # embedding, final norm and output layer: not FSDP units) gathered at the start of the forward and kept to the
-    # end of the backward. No unsharded gradient is live at the activation peak (the loss, before any backward).
-    # ZeRO-2 (no FSDP units: one unit for the whole module): every gradient of the stage unsharded until the
-    # reduce-scatter in finalize_model_grads.
-    w_buf, _ = _unit_buffers(m, s, layers, params_sharded, False)
-    g_buf = 0
+    # end of the backward. No unsharded gradient is live at the activation peak (the loss, before any backward);
+    # at the end of the backward (``end_of_backward``) the root's unsharded gradients are, beside two layers'.
+    # ZeRO-2 (no FSDP units: one unit for the whole module): every gradient of the stage unsharded from the
+    # backward to the reduce-scatter in finalize_model_grads, when the activations are gone.
+    w_buf, two_grads = _unit_buffers(m, s, layers, params_sharded, grads_sharded)
+    g_buf = end = 0
     if params_sharded:
         w_buf += sum(t.numel * _weight_bytes(t, s) for t in params if t.name in _ROOT)
+        end = two_grads + sum(t.numel * _grad_bytes(t, s) for t in params if t.name in _ROOT)
     elif grads_sharded:
-        g_buf = sum(t.numel * _grad_bytes(t, s) for t in params)
+        end = sum(t.numel * _grad_bytes(t, s) for t in params)
     notes = [
         f"Megatron-FSDP {strategy}: weights, gradients and optimizer sharded as megatron-core's "
         "param_and_grad_buffer does (dense over DP·CP, experts over expert DP); "
-        f"{(w_buf + g_buf) / 1e9:.1f} GB of unsharded all-gather/reduce-scatter buffers (two layers prefetched "
-        "or double-buffered, plus the output layer at the start of backward); bucket padding and HSDP not modelled"
+        f"{(w_buf + g_buf) / 1e9:.1f} GB of unsharded all-gather buffers at the activation peak (two layers "
+        "double-buffered, plus the embedding and output layer under optim_grads_params); "
+        f"{end / 1e9:.1f} GB of unsharded gradients at the end of the backward; bucket padding and HSDP not modelled"
     ]
-    return FsdpMemory(weights + w_buf, grads + g_buf, optimizer, shard_numel, w_buf + g_buf, notes)
+    return FsdpMemory(weights + w_buf, grads + g_buf, optimizer, shard_numel, w_buf + g_buf, notes, end)
