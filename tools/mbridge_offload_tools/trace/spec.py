@@ -34,6 +34,11 @@ _NOT_YET = (
         "optimizer CPU offload with Megatron-FSDP (the planner does not model it)",
     ),
     (
+        lambda m, s: s.use_megatron_fsdp and s.pp > 1,
+        "Megatron-FSDP with PP > 1 (megatron-core's FSDP adapter lays its rank mesh over the whole world as "
+        "(dp_cp ep tp), _get_dp_tp_mesh: a pipeline does not fit it, 0.16.1 and 0.19.2)",
+    ),
+    (
         lambda m, s: s.use_megatron_fsdp and (s.fsdp_main_grads_dtype or s.params_dtype) != s.params_dtype,
         "Megatron-FSDP with main gradients in another dtype than the parameters (megatron-core's local linears "
         "write them with torch.matmul(out=...) where TE's GEMM casts)",
@@ -237,7 +242,8 @@ def build_run(m: ModelSpec, s: Setup, stage: int, overlap: bool = False) -> dict
             "trace cannot build this run yet: " + "; ".join(missing),
             "estimate answers for it with the planner's formulas; trace builds GPT models (local spec), dense or MoE "
             "with the alltoall dispatcher, with TP, PP, VPP, pipeline layouts, CP, SP, EP, ETP, recompute, the "
-            "distributed optimizer and the activation offloads (TE's layer-level, megatron-core's fine-grained)",
+            "distributed optimizer or Megatron-FSDP (PP 1) and the activation offloads (TE's layer-level, "
+            "megatron-core's fine-grained)",
         )
     if not 0 <= stage < s.pp:
         raise InputError(f"stage {stage} is outside the pipeline (PP {s.pp}: 0..{s.pp - 1})")
