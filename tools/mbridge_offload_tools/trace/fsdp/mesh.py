@@ -50,11 +50,11 @@ def install(adapter: Any) -> None:
     # megatron-core asserts TE 2.10 for FSDP with gradient_accumulation_fusion (Bridge's default): answered for the
     # TE release of the run, as for the optimizer's modules (no TE here)
     adapter.is_te_min_version = patches.te_min_version
-    if getattr(adapter, "TELinear", object) is None:
+    if not isinstance(getattr(adapter, "TELinear", object), type):
         import standins
 
-        # 0.16.1 checks isinstance(module, (TELinear,)) to mark TP-duplicated weights, with TELinear None without
-        # TE (a TypeError): the stand-in for TE's duplicated linear, whose parallel_mode is None as TE's
+        # 0.16.1 checks isinstance(module, (TELinear,)) to mark TP-duplicated weights, with TELinear a MagicMock
+        # without TE (a TypeError): the stand-in for TE's duplicated linear, whose parallel_mode is None as TE's
         adapter.TELinear = standins.DuplicatedLinearStandIn
     from megatron.core.distributed.fsdp.src.megatron_fsdp import param_and_grad_buffer
 
