@@ -1,9 +1,11 @@
-"""``einops.rearrange`` for megatron-core's FSDP rank mesh, where einops is not installed.
+"""What megatron-core's FSDP adapter needs from a GPU machine: its rank mesh, TE check, collectives (docs/trace.md).
+
+Every spot is listed, with its reason, in ``docs/trace.md`` ("Megatron-FSDP"); ``install`` applies them.
 
 megatron-core's ``mcore_fsdp_adapter`` lays out its rank mesh with ``einops.rearrange`` over ``torch.arange(world)``
 (``_get_dp_tp_mesh``) and asserts einops is importable. einops is a pure-Python dependency every GPU install of
 megatron-core has; this CPU environment does not (only Megatron Bridge's dependency folder has it). The child uses the
-real einops when it is importable, else this: the patterns megatron-core writes (named axes, one level of groups, no
+real einops when it is importable, else ``rearrange`` here: the patterns megatron-core writes (named axes, one level of groups, no
 ellipsis), by reshape and permute — index arithmetic on the rank numbers, no device and no memory.
 """
 
