@@ -4,9 +4,9 @@ Every spot is listed, with its reason, in ``docs/trace.md`` ("Megatron-FSDP"); `
 
 megatron-core's ``mcore_fsdp_adapter`` lays out its rank mesh with ``einops.rearrange`` over ``torch.arange(world)``
 (``_get_dp_tp_mesh``) and asserts einops is importable. einops is a pure-Python dependency every GPU install of
-megatron-core has; this CPU environment does not (only Megatron Bridge's dependency folder has it). The child uses the
-real einops when it is importable, else ``rearrange`` here: the patterns megatron-core writes (named axes, one level of groups, no
-ellipsis), by reshape and permute — index arithmetic on the rank numbers, no device and no memory.
+megatron-core has; this CPU environment does not (only Megatron Bridge's dependency folder has it). The child uses
+the real einops when it is importable, else ``rearrange`` here: the patterns megatron-core writes (named axes, one
+level of groups, no ellipsis), by reshape and permute — index arithmetic on the rank numbers, no device, no memory.
 """
 
 from __future__ import annotations
