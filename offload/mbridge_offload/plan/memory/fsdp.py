@@ -25,7 +25,10 @@ strategy                      compute weights  fp32 main weights  gradients     
   layer) while the current one runs and ``fsdp_double_buffer`` keeps two persistent slots per kind, so two
   layers' unsharded weights and two layers' unsharded gradients are counted. The embedding and output layer are
   not FSDP units: they are gathered on their own when used; at the activation peak (the start of backward) the
-  output layer's unsharded weight and gradient are live.
+  output layer's unsharded weight and gradient are live. At the end of the backward, before ``finalize_model_grads``
+  reduce-scatters them, more unsharded gradients are live (``optim_grads``: all of the stage's, having no FSDP units;
+  ``optim_grads_params``: the root module's and two layers'): the optimizer-step phase carries them
+  (``FsdpMemory.end_of_backward``) where they exceed its fp32 copies. Traced: ``docs/trace.md`` "Megatron-FSDP".
 
 The transient fp32 copy of a bf16 gradient shard at the optimizer step (``update_main_grads``) is that phase's, after
 the activations are freed (``plan/memory/phases.py``). Not modelled: bucket padding, the HSDP/HFSDP outer group
