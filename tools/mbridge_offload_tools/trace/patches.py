@@ -37,7 +37,11 @@ _NAMED = frozenset(("type", "cuda", "cpu", "pin_memory", "is_pinned", "to"))  # 
 
 class _CurrentDevice(str):
     """What ``torch.cuda.current_device()`` answers: the string ``"cpu"`` (so that a factory run where the device
-    mode is not active, as in autograd's backward, still makes a CPU fake tensor), marked as the GPU for the mode."""
+    mode is not active, as in autograd's backward, still makes a CPU fake tensor), marked as the GPU for the mode.
+    Formatted as the index 0: Megatron-FSDP builds ``torch.device(f"cuda:{torch.cuda.current_device()}")``."""
+
+    def __format__(self, spec: str) -> str:
+        return format(0, spec)
 
 
 def _device_kind(device: Any) -> str | None:

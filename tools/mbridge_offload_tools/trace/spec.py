@@ -36,7 +36,20 @@ _NOT_YET = (
         lambda m, s: bool(m.layer_pattern and (s.vpp or s.pipeline_layout or m.mtp_num_layers or s.cp > 1)),
         "a hybrid Mamba stack with VPP, a pipeline layout, MTP or CP",
     ),
-    (lambda m, s: s.use_megatron_fsdp, "Megatron-FSDP"),
+    (
+        lambda m, s: s.use_megatron_fsdp and s.optimizer_offload_fraction > 0,
+        "optimizer CPU offload with Megatron-FSDP (the planner does not model it)",
+    ),
+    (
+        lambda m, s: s.use_megatron_fsdp and s.pp > 1,
+        "Megatron-FSDP with PP > 1 (megatron-core's FSDP adapter lays its rank mesh over the whole world as "
+        "(dp_cp ep tp), _get_dp_tp_mesh: a pipeline does not fit it, 0.16.1 and 0.19.2)",
+    ),
+    (
+        lambda m, s: s.use_megatron_fsdp and (s.fsdp_main_grads_dtype or s.params_dtype) != s.params_dtype,
+        "Megatron-FSDP with main gradients in another dtype than the parameters (megatron-core's local linears "
+        "write them with torch.matmul(out=...) where TE's GEMM casts)",
+    ),
     (lambda m, s: bool(s.fp8_recipe and s.fp8_recipe != "none"), "FP8 recipes (Transformer Engine)"),
     (
         lambda m, s: s.activation_offload_layers > 0 and s.te_release() < (2, 10),
@@ -216,6 +229,25 @@ def _moe(m: ModelSpec, s: Setup) -> dict[str, Any]:
     }
 
 
+def _fsdp(s: Setup) -> dict[str, Any]:
+    """Megatron-FSDP's DDP fields (the child builds megatron-core's ``FullyShardedDataParallel``, trace/fsdp/): always
+    over the distributed optimizer, as Bridge forces it; the main dtypes are 0.19's fields (the child drops what its
+    release does not have)."""
+    if not s.use_megatron_fsdp:
+        return {}
+    return {
+        "use_megatron_fsdp": True,
+        "use_distributed_optimizer": True,
+        "data_parallel_sharding_strategy": s.fsdp_sharding_strategy,
+        "megatron_fsdp_main_params_dtype": s.fsdp_main_params_dtype,
+        "megatron_fsdp_main_grads_dtype": s.fsdp_main_grads_dtype,
+        # Bridge's FSDP recipes set it with optim_grads_params; megatron-core asserts it off for the EP overlap
+        "fsdp_double_buffer": s.fsdp_sharding_strategy == "optim_grads_params",
+        # Bridge sets it with the precision-aware optimizer (FusedAdam reads param.decoupled_grad)
+        "megatron_fsdp_use_decoupled_grad": s.precision_aware_optimizer,
+    }
+
+
 def build(r: Resolved, stage: int, gpu: int = 0) -> dict[str, Any]:
     """The child's spec for pipeline rank ``stage`` of the resolved run (:func:`build_run`)."""
     return build_run(r.model, r.setup, stage, overlap=bool(r.inputs.overlap), gpu=gpu)
@@ -236,7 +268,8 @@ def build_run(m: ModelSpec, s: Setup, stage: int, overlap: bool = False, gpu: in
             "estimate answers for it with the planner's formulas; trace builds GPT models (local spec), dense or MoE "
             "(and hybrid Mamba stacks of Mamba, attention, MLP and MoE layers)"
             "with the alltoall dispatcher, with TP, PP, VPP, pipeline layouts, CP, SP, EP, ETP, recompute, the "
-            "distributed optimizer and the activation offloads (TE's layer-level, megatron-core's fine-grained)",
+            "distributed optimizer or Megatron-FSDP (PP 1) and the activation offloads (TE's layer-level, "
+            "megatron-core's fine-grained)",
         )
     if not 0 <= stage < s.pp:
         raise InputError(f"stage {stage} is outside the pipeline (PP {s.pp}: 0..{s.pp - 1})")
@@ -259,6 +292,7 @@ def build_run(m: ModelSpec, s: Setup, stage: int, overlap: bool = False, gpu: in
             "grad_reduce_in_fp32": s.grad_reduce_in_fp32,
             "overlap_grad_reduce": s.overlap_grad_reduce,
             "overlap_param_gather": s.overlap_param_gather and s.distributed_optimizer,
+            **_fsdp(s),
         },
         "optimizer": {
             "optimizer": "adam",
@@ -266,7 +300,7 @@ def build_run(m: ModelSpec, s: Setup, stage: int, overlap: bool = False, gpu: in
             "bf16": s.params_dtype == "bf16",
             "fp16": s.params_dtype == "fp16",
             "params_dtype": s.params_dtype,
-            "use_distributed_optimizer": s.distributed_optimizer,
+            "use_distributed_optimizer": s.distributed_optimizer or s.use_megatron_fsdp,
             "use_precision_aware_optimizer": s.precision_aware_optimizer,
             "main_params_dtype": s.main_params_dtype,
             "exp_avg_dtype": s.exp_avg_dtype,

@@ -83,6 +83,15 @@ FUSED_ADAM_FACTS: dict[str, tuple[str, ...]] = {
 TE_VERSION: tuple[int, ...] = (2, 17)
 
 
+def _fsdp_main_grad(weight: Any) -> None:
+    """Megatron-FSDP's ``main_grad`` of ``weight`` (``get_main_grad``, which TE calls from 2.10), fetched in the
+    device mode: autograd's backward runs outside it, and the gradient bucket FSDP may allocate there is on "cuda"."""
+    import patches
+
+    with patches.CpuForCuda(patches.MODE_TRACKER[0] if patches.MODE_TRACKER else None):
+        weight.main_grad = weight.get_main_grad()
+
+
 class _Norm(torch.autograd.Function):
     """What TE's _LayerNorm / RMSNorm keeps for backward: its input, weight and the fp32 statistics per token."""
 
@@ -184,6 +193,8 @@ class _Linear(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
         inp, _ = ctx.saved_tensors
         weight = ctx.origin_weight
+        if hasattr(weight, "__fsdp_param__"):  # Megatron-FSDP (TE >= 2.10): its gradient buffer's view
+            _fsdp_main_grad(weight)
         if hasattr(weight, "grad_added_to_main_grad"):
             weight.grad_added_to_main_grad = True
             wgrad = _dummy_wgrad(grad, list(weight.main_grad.shape), weight.dtype)
@@ -427,6 +438,8 @@ class _GroupedLinear(torch.autograd.Function):
         if weights[0].requires_grad:
             if ctx.module.fuse_wgrad_accumulation:
                 for i, w in enumerate(weights):  # TE's handle_custom_ddp_from_mcore
+                    if hasattr(w, "__fsdp_param__"):  # Megatron-FSDP (TE >= 2.10): its gradient buffer's view
+                        _fsdp_main_grad(w)
                     if hasattr(w, "grad_added_to_main_grad"):
                         w.grad_added_to_main_grad = True
                         wgrads[i] = _dummy_wgrad(grad, list(w.main_grad.shape), w.dtype)

@@ -165,12 +165,17 @@ def _build(torch: Any, spec: dict[str, Any], tracker: Tracker) -> dict[str, Any]
     params = sum(p.numel() for c in chunks for p in c.parameters())
     param_bytes = sum(p.numel() * p.element_size() for c in chunks for p in c.parameters())
     tracker.category = "other"
-    ddp_config = DistributedDataParallelConfig(**spec["ddp"])
-    model = [
-        DistributedDataParallel(config=config, ddp_config=ddp_config, module=c, disable_bucketing=i > 0)
-        for i, c in enumerate(chunks)
-    ]
-    for m in model:
+    if spec["ddp"].get("use_megatron_fsdp"):
+        from fsdp import wrap
+
+        model = wrap.wrap(torch, config, spec["ddp"], chunks, tracker)
+    else:
+        ddp_config = DistributedDataParallelConfig(**spec["ddp"])
+        model = [
+            DistributedDataParallel(config=config, ddp_config=ddp_config, module=c, disable_bucketing=i > 0)
+            for i, c in enumerate(chunks)
+        ]
+    for m in model if not spec["ddp"].get("use_megatron_fsdp") else ():
         for buffer in [*m.buffers, *m.expert_parallel_buffers]:
             tracker.retag(buffer.param_data, "weights") if buffer.param_data is not None else None
             tracker.retag(buffer.grad_data, "gradients")
@@ -216,6 +221,8 @@ def _warm_up(torch: Any, tracker: Tracker, built: dict[str, Any]) -> None:
     """One optimizer step before the traced one: Adam makes its moments at its first step, and what an optimizer
     keeps from one step to the next (megatron-core's HybridDeviceOptimizer's fp32 gradient copies) is resident."""
     tracker.category = "step"
+    if built["config"].finalize_model_grads_func is not None:  # Megatron-FSDP: gradients reach the optimizer here
+        built["config"].finalize_model_grads_func(built["model"])
     built["optimizer"].step()
     for entry in tracker.live.values():
         if entry[1] == "step":

