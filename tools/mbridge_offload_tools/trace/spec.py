@@ -30,7 +30,7 @@ _NOT_YET = (
     ),
     (lambda m, s: bool(m.layer_pattern), "hybrid Mamba stacks"),
     (lambda m, s: s.use_megatron_fsdp, "Megatron-FSDP"),
-    (lambda m, s: bool(s.fp8_recipe and s.fp8_recipe != "none"), "FP8 recipes (Transformer Engine)"),
+    (lambda m, s: bool(s.fp8_recipe) and s.fp8_param, "FP8 primary weights (fp8_param)"),
     (
         lambda m, s: s.activation_offload_layers > 0 and s.te_release() < (2, 10),
         "layer-level activation offload before Transformer Engine 2.10 (TE's v1 offload path)",
@@ -210,7 +210,8 @@ def build_run(m: ModelSpec, s: Setup, stage: int, overlap: bool = False) -> dict
             "trace cannot build this run yet: " + "; ".join(missing),
             "estimate answers for it with the planner's formulas; trace builds GPT models (local spec), dense or MoE "
             "with the alltoall dispatcher, with TP, PP, VPP, pipeline layouts, CP, SP, EP, ETP, recompute, the "
-            "distributed optimizer and the activation offloads (TE's layer-level, megatron-core's fine-grained)",
+            "distributed optimizer, FP8 recipes and the activation offloads (TE's layer-level, megatron-core's "
+            "fine-grained)",
         )
     if not 0 <= stage < s.pp:
         raise InputError(f"stage {stage} is outside the pipeline (PP {s.pp}: 0..{s.pp - 1})")
@@ -258,4 +259,6 @@ def build_run(m: ModelSpec, s: Setup, stage: int, overlap: bool = False) -> dict
         "tied": m.tied_embeddings,
         # the TE release the stand-ins follow where TE's allocations changed (trace.standins.TE_VERSION)
         "te_version": ".".join(map(str, s.te_release())),
+        # TE's FP8 linears (trace/te_standins/fp8.py): the recipe, None for bf16 compute
+        "fp8_recipe": s.fp8_recipe if s.fp8_recipe not in (None, "none") else None,
     }

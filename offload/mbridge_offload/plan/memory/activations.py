@@ -21,7 +21,7 @@ from dataclasses import dataclass, replace
 
 from mbridge_offload.plan.memory import fine_grained, schedule
 from mbridge_offload.plan.model.architecture import ATTENTION_SYMBOLS, MAMBA, MOE, ModelSpec
-from mbridge_offload.plan.model.params import Tensor, chunk_layers, next_pow2, padded_vocab, stage_layers
+from mbridge_offload.plan.model.params import Tensor, chunk_layers, next_pow2, padded_vocab, stage_layers, stage_params
 from mbridge_offload.plan.model.run import Setup
 from mbridge_offload.upstream_layers import applies, because
 from mbridge_offload_runtime.upstream import te_min_offload_numel
@@ -273,6 +273,28 @@ def fp8_saved(acts: list[Tensor], s: Setup) -> list[Tensor]:
         quantized = sum(t.numel for t in out if t.nbytes_per == 1 and t.name != "attn_dropout_mask")
         out.append(Tensor("mxfp8_scales", quantized // MXFP8_BLOCK, nbytes_per=1))
     return out
+
+
+# Linear weights TE runs in FP8 (by the planner's parameter names): the decoder's and the MTP depths' GEMMs; not the
+# norms, biases, router, embedding or output layer (megatron-core's own bf16 linears in every spec).
+_FP8_WEIGHT = ("linear_qkv", "linear_proj", "q_down_proj", "q_up_proj", "q_proj", "kv_down_proj", "kv_up_proj")
+_FP8_WEIGHT_SUFFIX = ("fc1", "fc2", "proj", "in_proj", "out_proj")
+
+
+def fp8_weight_cache_bytes(m: ModelSpec, s: Setup, stage: int) -> int:
+    """TE's cached FP8 weights on one GPU of ``stage`` (``module/linear.py``: megatron-core passes
+    ``is_first_microbatch``, so each linear quantizes its weight on the first micro-batch into
+    ``_fp8_workspaces["weight"]`` and keeps it): both usages, since the input needs a gradient (Hopper's transpose for
+    the per-tensor recipes, a second scaled copy for MXFP8 and blockwise), two bytes per weight element, plus MXFP8's
+    e8m0 scale per 32 elements per copy (blockwise's 128x128 fp32 tiles and the per-tensor scales are negligible).
+    Held from the first forward on, through the optimizer step (the trace, ``trace/te_standins/fp8.py``, shows it).
+    None with FP8 primary weights (``fp8_param``: the parameter is the quantized tensor)."""
+    if not s.fp8_recipe or s.fp8_param:
+        return 0
+    names = [t for t in stage_params(m, s, stage) if not t.name.endswith("_bias")]
+    numel = sum(t.numel for t in names if t.name in _FP8_WEIGHT or t.name.endswith(_FP8_WEIGHT_SUFFIX))
+    per = 2 + (2 / MXFP8_BLOCK if s.fp8_recipe == "mxfp8" else 0)
+    return int(numel * per)
 
 
 def layer_components(m: ModelSpec, s: Setup, index: int) -> dict[str, int]:
@@ -538,13 +560,14 @@ def stage_activations(m: ModelSpec, s: Setup, stage: int) -> ActivationMemory:
     if stage == 0:
         per_chunk[0] += 8 * tokens + (t_sp * h if m.dropout > 0 else 0)  # int64 token ids, embedding dropout mask
     vectors = schedule.inflight_vectors(s.pp, s.vpp, s.num_microbatches(), stage)
-    saved = max(sum(c * b for c, b in zip(v, per_chunk, strict=True)) for v in vectors)
+    cache = fp8_weight_cache_bytes(m, s, stage)  # made at the first forward, held to the end of the step
+    saved = max(sum(c * b for c, b in zip(v, per_chunk, strict=True)) for v in vectors) + cache
     loss_saved = loss_transient = 0
     if stage == s.pp - 1:
         # The loss runs right after the last chunk's forward of a micro-batch; its logits are freed before that
         # micro-batch's layers run backward, so they never meet the recompute or the backward workspace.
         with_loss = [v for v in vectors if v[-1]] or list(vectors)
-        loss_saved = max(sum(c * b for c, b in zip(v, per_chunk, strict=True)) for v in with_loss)
+        loss_saved = max(sum(c * b for c, b in zip(v, per_chunk, strict=True)) for v in with_loss) + cache
         loss_saved += output_bytes(m, s, tokens, t_sp) + mtp_activations(m, s)
         loss_transient = loss_transient_bytes(m, s)
     if s.offload_modules and s.recompute_granularity != "full":  # full recompute saves nothing inside the scopes
