@@ -160,13 +160,13 @@ def _build(torch: Any, spec: dict[str, Any], tracker: Tracker) -> dict[str, Any]
     tracker.category = "weights"
     config = _config(torch, spec)
     chunks = _chunks(torch, spec, config)
-    from te_standins import fp8
-
-    fp8.mark(chunks)
     te_layers.after_build(config)
     params = sum(p.numel() for c in chunks for p in c.parameters())
     param_bytes = sum(p.numel() * p.element_size() for c in chunks for p in c.parameters())
     tracker.category = "other"
+    from te_standins import fp8
+
+    fp8.mark(chunks)  # the FP8 linears and TE's dummy weight gradients (kept for the run: "other")
     ddp_config = DistributedDataParallelConfig(**spec["ddp"])
     model = [
         DistributedDataParallel(config=config, ddp_config=ddp_config, module=c, disable_bucketing=i > 0)

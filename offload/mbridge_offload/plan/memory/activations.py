@@ -297,6 +297,26 @@ def fp8_weight_cache_bytes(m: ModelSpec, s: Setup, stage: int) -> int:
     return int(numel * per)
 
 
+def te_dummy_wgrad_bytes(m: ModelSpec, s: Setup, stage: int) -> int:
+    """TE's dummy weight gradients on one GPU of ``stage`` under FP8 (``module/base.py`` ``get_dummy_wgrad``): with
+    megatron-core's fused wgrad accumulation TE writes each weight gradient into ``main_grad`` and hands autograd a
+    dummy, one tensor in the parameter dtype per weight shape, kept in a module global for the run (made at the first
+    backward: resident from the second iteration on). One per distinct shape of the stage's FP8 linears: a layer's
+    worth for a dense stage, plus each expert and shared-expert shape on MoE. The same TE fact holds for bf16 runs;
+    the trace stands in TE's ``_Linear`` under FP8 only (megatron-core's local linears otherwise), so the planner
+    counts it under FP8 only, for now."""
+    if not s.fp8_recipe:
+        return 0
+    shapes: set[tuple[str, int]] = set()
+    for t in stage_params(m, s, stage):
+        if t.name.endswith("_bias"):
+            continue
+        kind = next((k for k in ("fc1", "fc2") if t.name.endswith(k)), t.name)
+        if t.name in _FP8_WEIGHT or t.name.endswith(_FP8_WEIGHT_SUFFIX):
+            shapes.add((kind, t.numel))
+    return sum(numel for _, numel in shapes) * (4 if s.params_dtype == "fp32" else 2)
+
+
 def layer_components(m: ModelSpec, s: Setup, index: int) -> dict[str, int]:
     """Bytes of each tensor layer ``index`` saves for backward (one micro-batch, after selective recompute): the
     per-module components that fine-grained offloading (``offload_modules``) and recompute subtract from."""
@@ -560,7 +580,8 @@ def stage_activations(m: ModelSpec, s: Setup, stage: int) -> ActivationMemory:
     if stage == 0:
         per_chunk[0] += 8 * tokens + (t_sp * h if m.dropout > 0 else 0)  # int64 token ids, embedding dropout mask
     vectors = schedule.inflight_vectors(s.pp, s.vpp, s.num_microbatches(), stage)
-    cache = fp8_weight_cache_bytes(m, s, stage)  # made at the first forward, held to the end of the step
+    # TE's FP8 weights (made at the first forward) and dummy weight gradients (the first backward), held for the run
+    cache = fp8_weight_cache_bytes(m, s, stage) + te_dummy_wgrad_bytes(m, s, stage)
     saved = max(sum(c * b for c, b in zip(v, per_chunk, strict=True)) for v in vectors) + cache
     loss_saved = loss_transient = 0
     if stage == s.pp - 1:

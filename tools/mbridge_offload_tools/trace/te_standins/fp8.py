@@ -210,16 +210,25 @@ def install() -> None:
 
 def mark(chunks: list[Any]) -> None:
     """Mark the weights TE would run in FP8: every megatron-core linear of the decoder and the MTP depths (TE's
-    linears in a TE spec); not the output layer (megatron-core's own ``ColumnParallelLinear`` in every spec)."""
+    linears in a TE spec); not the output layer (megatron-core's own ``ColumnParallelLinear`` in every spec).
+
+    And make TE's dummy weight gradients now (``module/base.py`` ``get_dummy_wgrad``: one bf16 tensor per weight shape
+    and dtype, made at the first backward and kept in a module global for the run): from the second iteration on, the
+    steady state a run spends its time in, they exist in every phase; the trace runs one."""
     if RECIPE is None:
         return
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+    from standins import GroupedLinearStandIn, _dummy_wgrad
 
     for chunk in chunks:
         for name, module in chunk.named_modules():
             linear = isinstance(module, (ColumnParallelLinear, RowParallelLinear)) and "output_layer" not in name
             if linear and getattr(module, "weight", None) is not None:
                 module.weight.__dict__["_trace_fp8"] = True
+                _dummy_wgrad(module.weight, list(module.weight.shape), module.weight.dtype)
+            if isinstance(module, GroupedLinearStandIn):
+                for w in module.weights():
+                    _dummy_wgrad(w, list(w.shape), w.dtype)
 
 
 def linear(inp: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
