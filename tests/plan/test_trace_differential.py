@@ -9,7 +9,9 @@ and 2.18) and each generated offload run (``generate_offload``: megatron-core's 
 allowed module alone and a few sets, with and without selective recompute, and TE's layer-level offload of k layers,
 dense and MoE) and each generated pipeline run (``tests/support/trace_layouts.py``: pipeline layouts with VPP and
 standalone embedding or loss stages, uneven first/last stages with and without VPP) and each generated context run
-(``generate_context``: CP 2 and 4 through TE's p2p ring, multi-token prediction, on dense, MoE and MLA layers), the
+(``generate_context``: CP 2 and 4 through TE's p2p ring, multi-token prediction, on dense, MoE and MLA layers) and
+each generated FP8 run (``tests/support/trace_fp8.py``: the delayed, tensorwise, MXFP8 and blockwise recipes through
+TE's FP8 linears, dense and MoE, TP/SP, PP/VPP, selective ``core_attn`` / ``mlp`` and full recompute), the
 planner's worst stage is traced with megatron-core (one child process for all of them) and compared:
 
 - resident state (weights + gradients + optimizer state): the issue's bar, 1 %, on every run;
@@ -37,6 +39,7 @@ from mbridge_offload_tools.exact.run import installs
 from mbridge_offload_tools.trace import spec as specs
 from mbridge_offload_tools.trace.run import DEFAULT_RELEASE, spawn_batch
 from tests.support.trace_cases import generate, generate_features, generate_moe, generate_offload
+from tests.support.trace_fp8 import generate_fp8
 from tests.support.trace_layouts import generate_context, generate_layouts
 
 pytestmark = [pytest.mark.long, pytest.mark.megatron]
@@ -46,6 +49,7 @@ FEATURE_CASES = int(os.environ.get("MBRIDGE_OFFLOAD_TRACE_FEATURE_CASES", "32"))
 OFFLOAD_CASES = int(os.environ.get("MBRIDGE_OFFLOAD_TRACE_OFFLOAD_CASES", "36"))
 LAYOUT_CASES = int(os.environ.get("MBRIDGE_OFFLOAD_TRACE_LAYOUT_CASES", "32"))
 CONTEXT_CASES = int(os.environ.get("MBRIDGE_OFFLOAD_TRACE_CONTEXT_CASES", "32"))
+FP8_CASES = int(os.environ.get("MBRIDGE_OFFLOAD_TRACE_FP8_CASES", "24"))
 RELEASE = DEFAULT_RELEASE if DEFAULT_RELEASE in {i.version for i in installs()} else "0.16.1"
 
 
@@ -63,6 +67,7 @@ def _rows() -> list[dict[str, Any]]:
     cases = generate(20261206, CASES) + generate_moe(20261207, MOE_CASES) + generate_features(20261208, FEATURE_CASES)
     cases += generate_offload(20261209, OFFLOAD_CASES)
     cases += generate_layouts(20261209, LAYOUT_CASES) + generate_context(20261210, CONTEXT_CASES)
+    cases += generate_fp8(20261213, FP8_CASES)
     for case in cases:
         try:
             r = _resolved(case)
@@ -105,7 +110,8 @@ def _gaps(rows: list[dict[str, Any]]) -> list[tuple[float, float, dict[str, Any]
 
 def test_megatron_core_traces_every_run_the_planner_accepts(rows) -> None:
     # the generators draw runs the planner accepts
-    assert len(rows) >= 0.9 * (CASES + MOE_CASES + FEATURE_CASES + OFFLOAD_CASES + LAYOUT_CASES + CONTEXT_CASES)
+    drawn = CASES + MOE_CASES + FEATURE_CASES + OFFLOAD_CASES + LAYOUT_CASES + CONTEXT_CASES + FP8_CASES
+    assert len(rows) >= 0.9 * drawn
     failed = [(row["case"], row["trace"]["error"]) for row in rows if "error" in row["trace"]]
     assert not failed, failed[:5]
 

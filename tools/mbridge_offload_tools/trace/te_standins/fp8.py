@@ -44,27 +44,39 @@ RECIPE: str | None = None
 
 # TE's source, per release: the file and lines this stand-in follows (tests/tools/test_trace_fp8.py finds them at
 # each tag where a TransformerEngine checkout is given).
+_COMMON = {
+    "transformer_engine/pytorch/module/layernorm_linear.py": (
+        # ln_out keeps columnwise data only, except the per-tensor recipes' rowwise data where SP gathers it
+        "isinstance(ln_out, (MXFP8TensorStorage, Float8BlockwiseQTensorStorage))",
+        "ln_out.update_usage(rowwise_usage=False)",
+    ),
+    "transformer_engine/pytorch/module/grouped_linear.py": (
+        "inputmat.update_usage(rowwise_usage=False, columnwise_usage=True)",
+    ),
+    "transformer_engine/pytorch/tensor/float8_tensor.py": ("def supports_only_rowwise_all_gather(self) -> bool",),
+    "transformer_engine/pytorch/tensor/mxfp8_tensor.py": ("MXFP8_BLOCK_SCALING_SIZE",),
+}
+# The saved input keeps one usage (rowwise where the per-tensor recipes gather it in backward), and the quantized
+# weight is cached across micro-batches when megatron-core passes is_first_microbatch (v2.9 in the forward, from
+# v2.17 in the module's forward path).
+_LINEAR_FROM_V2_17 = (
+    "inputmat.update_usage(rowwise_usage=True, columnwise_usage=False)",
+    "inputmat.update_usage(rowwise_usage=False, columnwise_usage=True)",
+    "cache_name = None if (is_first_microbatch is None or self.is_fsdp2) else \"weight\"",
+    "update_workspace=update_ws,",
+)
 FACTS: dict[str, dict[str, tuple[str, ...]]] = {
-    tag: {
+    "v2.9": {
+        **_COMMON,
         "transformer_engine/pytorch/module/linear.py": (
-            # the saved input keeps one usage: rowwise where the per-tensor recipes gather it in backward
             "inputmat.update_usage(rowwise_usage=True, columnwise_usage=False)",
             "inputmat.update_usage(rowwise_usage=False, columnwise_usage=True)",
-            # the quantized weight is cached across micro-batches
-            "cache_name = None if (is_first_microbatch is None",
-            "update_workspace=update_ws",
+            'cache_name=(None if is_first_microbatch is None else "weight")',
+            "update_workspace = is_first_microbatch is None or is_first_microbatch",
         ),
-        "transformer_engine/pytorch/module/layernorm_linear.py": (
-            "isinstance(ln_out, (MXFP8TensorStorage, Float8BlockwiseQTensorStorage))",
-            "ln_out.update_usage(rowwise_usage=False)",
-        ),
-        "transformer_engine/pytorch/module/grouped_linear.py": (
-            "inputmat.update_usage(rowwise_usage=False, columnwise_usage=True)",
-        ),
-        "transformer_engine/pytorch/tensor/float8_tensor.py": ("def supports_only_rowwise_all_gather(self) -> bool",),
-        "transformer_engine/pytorch/tensor/mxfp8_tensor.py": ("MXFP8_BLOCK_SCALING_SIZE",),
-    }
-    for tag in ("v2.9", "v2.17", "v2.18")
+    },
+    "v2.17": {**_COMMON, "transformer_engine/pytorch/module/linear.py": _LINEAR_FROM_V2_17},
+    "v2.18": {**_COMMON, "transformer_engine/pytorch/module/linear.py": _LINEAR_FROM_V2_17},
 }
 
 MXFP8_BLOCK = 32  # elements per e8m0 scale (TE's MXFP8_BLOCK_SCALING_SIZE)
@@ -100,8 +112,8 @@ def quantize(like: torch.Tensor, shape: tuple[int, ...], usages: int, weight: bo
     numel = math.prod(shape)
     data = [like.new_empty(shape, dtype=torch.uint8) for _ in range(usages)]
     scales = _scales(like, numel, usages, weight)
-    if len(scales) == 1 and usages == 2:  # the per-tensor recipes' scale serves both
-        return [[data[0], scales[0]], [data[1]]]
+    if len(scales) == 1 and usages == 2:  # the per-tensor recipes' one scale serves both usages
+        return [[data[0], scales[0]], [data[1], scales[0]]]
     return [[d, sc] for d, sc in zip(data, scales, strict=True)]
 
 
@@ -109,7 +121,8 @@ def weight_cache(weight: torch.Tensor) -> list[torch.Tensor]:
     """The weight's FP8 workspace, both usages, made at its first forward and reused after (TE's cache)."""
     key = id(weight)
     if key not in _WEIGHTS:
-        _WEIGHTS[key] = [t for usage in quantize(weight, tuple(weight.shape), 2, weight=True) for t in usage]
+        kept = {id(t): t for usage in quantize(weight, tuple(weight.shape), 2, weight=True) for t in usage}
+        _WEIGHTS[key] = list(kept.values())
     return _WEIGHTS[key]
 
 
