@@ -71,12 +71,17 @@ def _trace(runs: list[dict[str, Any]]) -> list[tuple[Any, dict[str, Any]]]:
     return list(zip(resolved, got, strict=True))
 
 
+def _saved(m: Any, s: Any) -> int:
+    from mbridge_offload.plan.memory.activations import layer_activations
+
+    return sum(t.nbytes for i in range(m.num_layers) for t in layer_activations(m, s, i))
+
+
 @pytest.mark.megatron
 @pytest.mark.slow
 def test_megatron_core_under_each_recipe_saves_the_gemm_inputs_quantized_and_the_planner_holds_to_it() -> None:
     from mbridge_offload.plan.memory.activations import (
         fp8_weight_cache_bytes,
-        layer_activations,
         te_dummy_wgrad_bytes,
     )
     from mbridge_offload.plan.memory.stage import estimate_memory
@@ -108,10 +113,7 @@ def test_megatron_core_under_each_recipe_saves_the_gemm_inputs_quantized_and_the
     for r, got in fp8_runs:
         m, s = r.model, r.setup
         # what quantizing the GEMM inputs takes off the saved tensors, per the planner's names (1 byte for 2)
-        saved_less = sum(
-            sum(t.nbytes for t in layer_activations(m, r16.setup, i)) - sum(t.nbytes for t in layer_activations(m, s, i))
-            for i in range(m.num_layers)
-        )
+        saved_less = _saved(m, r16.setup) - _saved(m, s)
         assert saved_less > 0
         expected = loss_activations(bf16) - saved_less + fp8_weight_cache_bytes(m, s, 0)
         assert abs(loss_activations(got) - expected) <= 0.02 * expected, (s.fp8_recipe, loss_activations(got), expected)

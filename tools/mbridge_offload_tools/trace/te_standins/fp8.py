@@ -62,7 +62,7 @@ _COMMON = {
 _LINEAR_FROM_V2_17 = (
     "inputmat.update_usage(rowwise_usage=True, columnwise_usage=False)",
     "inputmat.update_usage(rowwise_usage=False, columnwise_usage=True)",
-    "cache_name = None if (is_first_microbatch is None or self.is_fsdp2) else \"weight\"",
+    'cache_name = None if (is_first_microbatch is None or self.is_fsdp2) else "weight"',
     "update_workspace=update_ws,",
 )
 FACTS: dict[str, dict[str, tuple[str, ...]]] = {
@@ -199,9 +199,9 @@ def fp8_apply(original: Any) -> Any:
     """megatron-core's linear autograd function with FP8 weights routed to the stand-in (decoder linears, marked by
     :func:`mark`); the output layer and the rest stay megatron-core's bf16 path."""
 
-    class Dispatch(original):  # type: ignore[misc, valid-type]
+    class Dispatch(original):
         @staticmethod
-        def apply(*args: Any) -> Any:  # type: ignore[override]
+        def apply(*args: Any) -> Any:
             if RECIPE is not None and getattr(args[1], "_trace_fp8", False):
                 return _Fp8Linear.apply(*args)
             return original.apply(*args)
