@@ -4,7 +4,7 @@ Each case is a dict of planner inputs, as in ``tests/support/trace_cases.py``: r
 FP8 recipe Bridge runs (``delayed``, ``tensorwise`` current scaling, ``mxfp8``, ``blockwise``) on dense layers and a
 few MoE ones, TP with and without SP, PP and VPP, selective recompute of ``core_attn`` and ``mlp`` (megatron-core
 refuses ``layernorm`` and ``moe_act`` recompute under delayed scaling; the planner proposes neither under FP8), full
-recompute, the distributed optimizer or not.
+recompute, the distributed optimizer or not, FP8 primary weights (``fp8_param``) or not.
 """
 
 from __future__ import annotations
@@ -91,5 +91,7 @@ def generate_fp8(seed: int, n: int) -> list[dict[str, Any]]:
         case["distributed_optimizer"] = rng.random() < 0.8
         case["grad_reduce_in_fp32"] = rng.random() < 0.7
         _levers(rng, case)
+        # FP8 primary weights (fp8_param_gather, as Bridge's FP8 perf recipes set it): no cached FP8 weight
+        case["fp8_param"] = rng.random() < 0.3
         out.append(case)
     return out

@@ -30,7 +30,6 @@ _NOT_YET = (
     ),
     (lambda m, s: bool(m.layer_pattern), "hybrid Mamba stacks"),
     (lambda m, s: s.use_megatron_fsdp, "Megatron-FSDP"),
-    (lambda m, s: bool(s.fp8_recipe) and s.fp8_param, "FP8 primary weights (fp8_param)"),
     (
         lambda m, s: s.activation_offload_layers > 0 and s.te_release() < (2, 10),
         "layer-level activation offload before Transformer Engine 2.10 (TE's v1 offload path)",
@@ -261,4 +260,5 @@ def build_run(m: ModelSpec, s: Setup, stage: int, overlap: bool = False) -> dict
         "te_version": ".".join(map(str, s.te_release())),
         # TE's FP8 linears (trace/te_standins/fp8.py): the recipe, None for bf16 compute
         "fp8_recipe": s.fp8_recipe if s.fp8_recipe not in (None, "none") else None,
+        "fp8_param": bool(s.fp8_param),
     }

@@ -141,7 +141,8 @@ def trace(torch: Any, spec: dict[str, Any]) -> dict[str, Any]:
     fine_grained.reset(spec)
     from te_standins import fp8
 
-    fp8.reset(spec.get("fp8_recipe"))  # TE's FP8 linears (te_standins/fp8.py); inert without a recipe
+    # TE's FP8 linears (te_standins/fp8.py); inert without a recipe
+    fp8.reset(spec.get("fp8_recipe"), bool(spec.get("fp8_param")))
     fp8.install()
     with tracker, patches.CpuForCuda(tracker):
         built = _build(torch, spec, tracker)

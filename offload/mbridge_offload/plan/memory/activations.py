@@ -404,6 +404,9 @@ class ActivationMemory:
     loss_transient: int
     offloadable_bytes: int  # eligible bytes per layer set that activation offload moves (one micro-batch)
     host_bytes: int
+    # kept from the first forward to the end of the step (in ``saved`` and ``loss_saved`` too): TE's cached FP8
+    # weights and dummy weight gradients under FP8, still there while the optimizer steps
+    held: int = 0
 
     @property
     def forward_backward_bytes(self) -> int:
@@ -453,10 +456,19 @@ def backward_workspace(m: ModelSpec, s: Setup, layers: list[int]) -> int:
     ``LinearWithGradAccumulationAndAsyncCommunication.backward``; TE's ``_Linear`` / ``_LayerNormLinear`` alike)
     holds the gradient of its output while it writes the gradient of its input over the whole sequence
     (``grad_output.matmul(weight)``: tokens × h, all-reduced in place, or reduce-scattered with SP) and, with SP,
-    the input all-gathered again for the weight gradient (tokens × h, the saved input is the local shard)."""
+    the input all-gathered again for the weight gradient (tokens × h, the saved input is the local shard).
+
+    Under FP8 (TE's ``_Linear`` / ``_GroupedLinear`` backward, ``trace/te_standins/fp8.py``) the output gradient is
+    also quantized for the two GEMMs, one byte per element for each usage (as many bytes as its bf16 copy), and the
+    input is gathered again quantized: one byte per element, and its transpose for the per-tensor recipes. A grouped
+    expert fc1 is the same without TP communication (its input gradient over the routed tokens)."""
     seq = s.seq_length or m.seq_length
     tokens = seq * s.micro_batch_size // s.cp
-    full = tokens * m.hidden_size * (2 if s.sp and s.tp > 1 else 1)
+    h = m.hidden_size
+    gather = s.sp and s.tp > 1
+    full = tokens * h * (2 if gather else 1)
+    if s.fp8_recipe and gather:  # dgrad in bf16, the input gathered again in FP8 (+ transpose: per-tensor recipes)
+        full = tokens * h + tokens * h * (1 if s.fp8_recipe in ("mxfp8", "blockwise") else 2) // 2
     best = 0
     for kind, moe in {(m.layer_kind(i), m.is_moe_layer(i)) for i in layers}:
         acts = kind_activations(m, s, kind, moe)
@@ -464,7 +476,13 @@ def backward_workspace(m: ModelSpec, s: Setup, layers: list[int]) -> int:
             best = max(best, 2 * sum(t.numel for t in acts if t.name in group))
         for group in _COLUMN_PARALLEL:
             out = sum(t.numel for t in acts if t.name in group)
-            best = max(best, 2 * (out + full) if out else 0)
+            quantized = out if s.fp8_recipe else 0  # the FP8 output gradient, two one-byte usages
+            best = max(best, 2 * (out + quantized + full) if out else 0)
+        if s.fp8_recipe:
+            for name, rows in (("expert_fc1_out", "expert_fc1_in"), ("shared_fc1_out", None)):
+                out = sum(t.numel for t in acts if t.name == name)
+                dgrad = sum(t.numel for t in acts if t.name == rows) if rows else full // 2
+                best = max(best, 2 * (2 * out + dgrad) if out else 0)
     return best
 
 
@@ -602,7 +620,9 @@ def stage_activations(m: ModelSpec, s: Setup, stage: int) -> ActivationMemory:
     rebuilt = max(_rebuilt(full, s), mtp_rebuilt(m, s) if stage == s.pp - 1 else 0)
     layer = backward_workspace(m, s, layers) + moe_dispatch_bytes(m, s, layers)
     workspace = max(layer, vocab_backward_bytes(m, s, stage, per_chunk[0]) - rebuilt) + p2p_gradient_bytes(m, s, stage)
-    return ActivationMemory(saved, rebuilt, workspace, loss_saved, loss_transient, max(eligible, default=0), host)
+    return ActivationMemory(
+        saved, rebuilt, workspace, loss_saved, loss_transient, max(eligible, default=0), host, held=cache
+    )
 
 
 def stage_groups(

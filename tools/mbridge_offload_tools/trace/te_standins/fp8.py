@@ -26,7 +26,11 @@ scaling: ``Float8CurrentScalingQuantizer``; ``mxfp8``: ``MXFP8Quantizer``; ``blo
   whole sequence; under SP the saved shard gathered again (one byte per element of the sequence, and its transpose
   for the per-tensor recipes).
 
-Not stood in: FP8 primary weights (``fp8_param``: the trace refuses it), FP8 attention
+FP8 primary weights (``fp8_param``, ``fp8_model_init``): no workspace, the parameter is the quantized tensor; the
+trace keeps its parameters in bf16, two bytes per element as TE's Float8Tensor keeps on Hopper with the per-tensor
+recipes (one byte of data and one of its cached transpose; MXFP8: two copies and scales, 3 % more), with the
+distributed optimizer's fp32 shards and bf16 gradients as megatron-core keeps them: the planner's reading too.
+Not stood in: the FP8 parameter all-gather (``fp8_param_gather``: one byte per element moved, not kept), FP8 attention
 (``fp8_dot_product_attention``), Blackwell's per-tensor recipes without a transpose (one byte less per weight
 element: the trace follows Hopper), the bf16 first/last layers of a recipe. Imported by the child only (torch).
 """
@@ -39,8 +43,10 @@ from typing import Any
 import torch
 
 RECIPES = ("delayed", "tensorwise", "mxfp8", "blockwise")
-# The run's recipe (``None``: bf16 compute); set for each traced spec by trace/step.py.
+# The run's recipe (``None``: bf16 compute) and FP8 primary weights (``fp8_param``); set for each traced spec by
+# trace/step.py.
 RECIPE: str | None = None
+PRIMARY = False
 
 # TE's source, per release: the file and lines this stand-in follows (tests/tools/test_trace_fp8.py finds them at
 # each tag where a TransformerEngine checkout is given).
@@ -87,10 +93,12 @@ BLOCK_2D = 128 * 128  # blockwise: weights scaled per 128x128 tile (fp32)
 _WEIGHTS: dict[int, list[torch.Tensor]] = {}
 
 
-def reset(recipe: str | None) -> None:
-    """The recipe of the next traced spec; forget the cached weights of the previous one."""
-    global RECIPE
+def reset(recipe: str | None, fp8_param: bool = False) -> None:
+    """The recipe of the next traced spec (and whether its weights are FP8 primary weights); forget the cached
+    weights of the previous one."""
+    global RECIPE, PRIMARY
     RECIPE = recipe if recipe in RECIPES else None
+    PRIMARY = fp8_param
     _WEIGHTS.clear()
 
 
@@ -118,7 +126,10 @@ def quantize(like: torch.Tensor, shape: tuple[int, ...], usages: int, weight: bo
 
 
 def weight_cache(weight: torch.Tensor) -> list[torch.Tensor]:
-    """The weight's FP8 workspace, both usages, made at its first forward and reused after (TE's cache)."""
+    """The weight's FP8 workspace, both usages, made at its first forward and reused after (TE's cache). None for
+    FP8 primary weights: the parameter is the quantized tensor (``quantize_weight`` returns it, no workspace)."""
+    if PRIMARY:
+        return []
     key = id(weight)
     if key not in _WEIGHTS:
         kept = {id(t): t for usage in quantize(weight, tuple(weight.shape), 2, weight=True) for t in usage}
