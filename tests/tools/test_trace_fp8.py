@@ -80,10 +80,7 @@ def _saved(m: Any, s: Any) -> int:
 @pytest.mark.megatron
 @pytest.mark.slow
 def test_megatron_core_under_each_recipe_saves_the_gemm_inputs_quantized_and_the_planner_holds_to_it() -> None:
-    from mbridge_offload.plan.memory.activations import (
-        fp8_weight_cache_bytes,
-        te_dummy_wgrad_bytes,
-    )
+    from mbridge_offload.plan.memory.fp8 import fp8_weight_cache_bytes, te_dummy_wgrad_bytes
     from mbridge_offload.plan.memory.stage import estimate_memory
     from mbridge_offload.plan.model.architecture import GB
 

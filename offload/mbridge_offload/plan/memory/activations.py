@@ -17,11 +17,12 @@ imports torch.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from mbridge_offload.plan.memory import fine_grained, schedule
+from mbridge_offload.plan.memory.fp8 import fp8_saved, fp8_weight_cache_bytes, te_dummy_wgrad_bytes
 from mbridge_offload.plan.model.architecture import ATTENTION_SYMBOLS, MAMBA, MOE, ModelSpec
-from mbridge_offload.plan.model.params import Tensor, chunk_layers, next_pow2, padded_vocab, stage_layers, stage_params
+from mbridge_offload.plan.model.params import Tensor, chunk_layers, next_pow2, padded_vocab, stage_layers
 from mbridge_offload.plan.model.run import Setup
 from mbridge_offload.upstream_layers import applies, because
 from mbridge_offload_runtime.upstream import te_min_offload_numel
@@ -249,72 +250,6 @@ def output_bytes(m: ModelSpec, s: Setup, tokens: int, t_sp: int) -> int:
     or the bf16 logits that TE's fused kernel before 2.18 overwrites with their gradient (2·sb·V/t)."""
     logits = 2 if te_cross_entropy_in_place(s) else 4
     return 2 * t_sp * m.hidden_size + 2 * t_sp * m.hidden_size + logits * tokens * padded_vocab(m, s.tp) // s.tp
-
-
-# GEMM inputs TE saves for the weight gradient: quantized (one byte per element) under FP8. The norm inputs, the
-# attention's q/k/v/output (flash attention keeps bf16 unless fp8_dot_product_attention), the SwiGLU input and the
-# router stay bf16.
-FP8_GEMM_INPUTS = frozenset(
-    {"qkv_in", "fc1_in", "act_out", "expert_fc1_in", "expert_act_out", "shared_act_out", "q_up_in", "kv_up_in"}
-)
-MXFP8_BLOCK = 32  # one e8m0 scale byte per 32 elements
-
-
-def fp8_saved(acts: list[Tensor], s: Setup) -> list[Tensor]:
-    """The saved tensors under FP8 compute: GEMM inputs in one byte, plus the output projection's own FP8 copy of
-    the attention output (flash attention keeps its bf16 output for its backward); MXFP8 adds its block scales."""
-    if not s.fp8_recipe:
-        return acts
-    out = [replace(t, nbytes_per=1) if t.name in FP8_GEMM_INPUTS else t for t in acts]
-    attn = next((t for t in acts if t.name == "attn_out"), None)
-    if attn is not None:
-        out.append(Tensor("proj_in_fp8", attn.numel, nbytes_per=1))
-    if s.fp8_recipe == "mxfp8":
-        quantized = sum(t.numel for t in out if t.nbytes_per == 1 and t.name != "attn_dropout_mask")
-        out.append(Tensor("mxfp8_scales", quantized // MXFP8_BLOCK, nbytes_per=1))
-    return out
-
-
-# Linear weights TE runs in FP8 (by the planner's parameter names): the decoder's and the MTP depths' GEMMs; not the
-# norms, biases, router, embedding or output layer (megatron-core's own bf16 linears in every spec).
-_FP8_WEIGHT = ("linear_qkv", "linear_proj", "q_down_proj", "q_up_proj", "q_proj", "kv_down_proj", "kv_up_proj")
-_FP8_WEIGHT_SUFFIX = ("fc1", "fc2", "proj", "in_proj", "out_proj")
-
-
-def fp8_weight_cache_bytes(m: ModelSpec, s: Setup, stage: int) -> int:
-    """TE's cached FP8 weights on one GPU of ``stage`` (``module/linear.py``: megatron-core passes
-    ``is_first_microbatch``, so each linear quantizes its weight on the first micro-batch into
-    ``_fp8_workspaces["weight"]`` and keeps it): both usages, since the input needs a gradient (Hopper's transpose for
-    the per-tensor recipes, a second scaled copy for MXFP8 and blockwise), two bytes per weight element, plus MXFP8's
-    e8m0 scale per 32 elements per copy (blockwise's 128x128 fp32 tiles and the per-tensor scales are negligible).
-    Held from the first forward on, through the optimizer step (the trace, ``trace/te_standins/fp8.py``, shows it).
-    None with FP8 primary weights (``fp8_param``: the parameter is the quantized tensor)."""
-    if not s.fp8_recipe or s.fp8_param:
-        return 0
-    names = [t for t in stage_params(m, s, stage) if not t.name.endswith("_bias")]
-    numel = sum(t.numel for t in names if t.name in _FP8_WEIGHT or t.name.endswith(_FP8_WEIGHT_SUFFIX))
-    per = 2 + (2 / MXFP8_BLOCK if s.fp8_recipe == "mxfp8" else 0)
-    return int(numel * per)
-
-
-def te_dummy_wgrad_bytes(m: ModelSpec, s: Setup, stage: int) -> int:
-    """TE's dummy weight gradients on one GPU of ``stage`` under FP8 (``module/base.py`` ``get_dummy_wgrad``): with
-    megatron-core's fused wgrad accumulation TE writes each weight gradient into ``main_grad`` and hands autograd a
-    dummy, one tensor in the parameter dtype per weight shape, kept in a module global for the run (made at the first
-    backward: resident from the second iteration on). One per distinct shape of the stage's FP8 linears: a layer's
-    worth for a dense stage, plus each expert and shared-expert shape on MoE. The same TE fact holds for bf16 runs;
-    the trace stands in TE's ``_Linear`` under FP8 only (megatron-core's local linears otherwise), so the planner
-    counts it under FP8 only, for now."""
-    if not s.fp8_recipe:
-        return 0
-    shapes: set[tuple[str, int]] = set()
-    for t in stage_params(m, s, stage):
-        if t.name.endswith("_bias"):
-            continue
-        kind = next((k for k in ("fc1", "fc2") if t.name.endswith(k)), t.name)
-        if t.name in _FP8_WEIGHT or t.name.endswith(_FP8_WEIGHT_SUFFIX):
-            shapes.add((kind, t.numel))
-    return sum(numel for _, numel in shapes) * (4 if s.params_dtype == "fp32" else 2)
 
 
 def layer_components(m: ModelSpec, s: Setup, index: int) -> dict[str, int]:
