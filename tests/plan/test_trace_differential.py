@@ -13,11 +13,13 @@ standalone embedding or loss stages, uneven first/last stages with and without V
 generated hybrid run (``tests/support/trace_hybrid.py``: Mamba, attention, MLP and MoE layers from a hybrid pattern
 at Nemotron-H-like widths, TP/SP, PP, recompute; mamba_ssm's kernels stood in) and each generated Megatron-FSDP run
 (``tests/support/trace_fsdp.py``: the four sharding strategies, the main gradients' dtype, TP/SP, dense and MoE with
-EP, recompute; megatron-core's own ``FullyShardedDataParallel``) and each generated optimizer-offload run
-(``tests/support/trace_hdo.py``: megatron-core's HybridDeviceOptimizer or ours at fractions 0.1 to 1,
-precision-aware or not, with and without the distributed optimizer, dense and MoE), the planner's worst stage is
-traced with megatron-core (one child process for all of them), on the GPU of that stage the planner finds worst
-(under the distributed optimizer each rank's HDO splits other tensors), and compared:
+EP, recompute; megatron-core's own ``FullyShardedDataParallel``) and each generated FP8 run
+(``tests/support/trace_fp8.py``: the delayed, tensorwise, MXFP8 and blockwise recipes through TE's FP8 linears,
+dense and MoE, TP/SP, PP/VPP, selective ``core_attn`` / ``mlp`` and full recompute) and each generated
+optimizer-offload run (``tests/support/trace_hdo.py``: megatron-core's HybridDeviceOptimizer or ours at fractions
+0.1 to 1, precision-aware or not, with and without the distributed optimizer, dense and MoE), the planner's worst
+stage is traced with megatron-core (one child process for all of them), on the GPU of that stage the planner finds
+worst (under the distributed optimizer each rank's HDO splits other tensors), and compared:
 
 - resident state (weights + gradients + optimizer state): the issue's bar, 1 %, on every run;
 - peak: the issue's bar, 5 %, is not met on every run yet (``docs/trace.md`` has the tables: on megatron-core 0.19.2
@@ -44,6 +46,7 @@ from mbridge_offload_tools.exact.run import installs
 from mbridge_offload_tools.trace import spec as specs
 from mbridge_offload_tools.trace.run import DEFAULT_RELEASE, spawn_batch
 from tests.support.trace_cases import generate, generate_features, generate_moe, generate_offload
+from tests.support.trace_fp8 import generate_fp8
 from tests.support.trace_fsdp import generate_fsdp
 from tests.support.trace_hdo import generate_hdo
 from tests.support.trace_hybrid import generate_hybrid
@@ -58,6 +61,7 @@ LAYOUT_CASES = int(os.environ.get("MBRIDGE_OFFLOAD_TRACE_LAYOUT_CASES", "32"))
 CONTEXT_CASES = int(os.environ.get("MBRIDGE_OFFLOAD_TRACE_CONTEXT_CASES", "32"))
 HYBRID_CASES = int(os.environ.get("MBRIDGE_OFFLOAD_TRACE_HYBRID_CASES", "24"))
 FSDP_CASES = int(os.environ.get("MBRIDGE_OFFLOAD_TRACE_FSDP_CASES", "24"))
+FP8_CASES = int(os.environ.get("MBRIDGE_OFFLOAD_TRACE_FP8_CASES", "24"))
 HDO_CASES = int(os.environ.get("MBRIDGE_OFFLOAD_TRACE_HDO_CASES", "40"))
 RELEASE = DEFAULT_RELEASE if DEFAULT_RELEASE in {i.version for i in installs()} else "0.16.1"
 
@@ -77,7 +81,7 @@ def _rows() -> list[dict[str, Any]]:
     cases += generate_offload(20261209, OFFLOAD_CASES)
     cases += generate_layouts(20261209, LAYOUT_CASES) + generate_context(20261210, CONTEXT_CASES)
     cases += generate_hybrid(20261212, HYBRID_CASES) + generate_fsdp(20261211, FSDP_CASES)
-    cases += generate_hdo(20261214, HDO_CASES)
+    cases += generate_fp8(20261213, FP8_CASES) + generate_hdo(20261214, HDO_CASES)
     for case in cases:
         try:
             r = _resolved(case)
@@ -121,7 +125,7 @@ def _gaps(rows: list[dict[str, Any]]) -> list[tuple[float, float, dict[str, Any]
 def test_megatron_core_traces_every_run_the_planner_accepts(rows) -> None:
     # the generators draw runs the planner accepts
     total = CASES + MOE_CASES + FEATURE_CASES + OFFLOAD_CASES + LAYOUT_CASES + CONTEXT_CASES + HYBRID_CASES
-    assert len(rows) >= 0.9 * (total + FSDP_CASES + HDO_CASES)
+    assert len(rows) >= 0.9 * (total + FSDP_CASES + FP8_CASES + HDO_CASES)
     failed = [(row["case"], row["trace"]["error"]) for row in rows if "error" in row["trace"]]
     assert not failed, failed[:5]
 

@@ -140,11 +140,13 @@ def test_cli_and_mcp_give_the_same_refusal() -> None:
 
     from mbridge_offload_tools.server.app import mcp
 
-    code, cli = _cli(["trace", "--model", "llama3-8b", "--fp8-recipe", "tensorwise", "--json"])
+    v1_offload = ["--te-version", "2.9", "--activation-offload-layers", "1"]  # TE's v1 layer offload: refused
+    code, cli = _cli(["trace", "--model", "llama3-8b", *v1_offload, "--json"])
 
     async def call() -> Any:
         async with Client(mcp) as client:
-            return await client.call_tool("trace_memory", {"model": "llama3-8b", "fp8_recipe": "tensorwise"})
+            args = {"model": "llama3-8b", "te_version": "2.9", "activation_offload_layers": 1}
+            return await client.call_tool("trace_memory", args)
 
     answer = anyio.run(call)
     assert code == 2 and answer.is_error and cli["error"] in answer.content[0].text
@@ -162,7 +164,8 @@ def _cli(argv: list[str]) -> tuple[int, dict[str, Any]]:
 @pytest.mark.parametrize(
     "argv",
     [
-        ["trace", "--model", "llama3-8b", "--fp8-recipe", "tensorwise", "--json"],  # FP8: not built yet, said so
+        # TE's v1 layer offload: not built, said so
+        ["trace", "--model", "llama3-8b", "--te-version", "2.9", "--activation-offload-layers", "1", "--json"],
         ["trace", "--model", "llama3-8b", "--megatron-core", "0.15.0", "--json"],  # not a release it takes
         ["trace", "--model", "llama3-8b", "--pp", "2", "--stage", "5", "--json"],  # outside the pipeline
         ["trace", "--json"],  # no model
@@ -174,8 +177,8 @@ def test_bad_input_exits_2_with_one_json_error(argv: list[str]) -> None:
 
 
 def test_a_run_it_cannot_build_is_refused_by_name() -> None:
-    with pytest.raises(InputError, match="FP8 recipes"):
-        trace(fp8_recipe="tensorwise")
+    with pytest.raises(InputError, match=r"before Transformer Engine 2\.10"):
+        trace(te_version="2.9", activation_offload_layers=1)
 
 
 MOE = {"num_moe_experts": 8, "moe_ffn_hidden_size": 256, "moe_router_topk": 2}

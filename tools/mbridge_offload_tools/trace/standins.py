@@ -217,6 +217,10 @@ class DuplicatedLinearStandIn(torch.nn.Module):
         self.weight.__dict__["sequence_parallel"] = config.sequence_parallel
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, None]:
+        from te_standins import fp8
+
+        if fp8.RECIPE is not None:  # TE's _Linear under FP8 (te_standins/fp8.py)
+            return fp8.linear(x, self.weight), None
         return _Linear.apply(x, self.weight), None
 
 
@@ -424,7 +428,13 @@ class _GroupedLinear(torch.autograd.Function):
         weights = params[: module.num_gemms]
         inp_view = inp.reshape(-1, inp.shape[-1])
         out = inp.new_empty(sum(m_splits), weights[0].shape[0])  # the biases are added inside the GEMM
-        ctx.save_for_backward(inp_view, *params)
+        from te_standins import fp8
+
+        ctx.fp8 = fp8.RECIPE is not None
+        keep = fp8.grouped_saved_input(inp_view) if ctx.fp8 else [inp_view]  # FP8: te_standins/fp8.py
+        for w in weights if ctx.fp8 else ():
+            fp8.weight_cache(w)
+        ctx.save_for_backward(*keep, *params)
         ctx.inp_shape, ctx.module, ctx.biases = inp.shape, module, len(params) - len(weights)
         return out.view(-1, *inp.shape[1:-1], out.shape[-1])
 
@@ -433,6 +443,10 @@ class _GroupedLinear(torch.autograd.Function):
         inp_view, *_ = ctx.saved_tensors
         weights = ctx.module.weights()
         grad = grad.contiguous()
+        if ctx.fp8:  # the output gradient quantized with both usages while the GEMMs run
+            from te_standins import fp8
+
+            quantized = fp8.quantize(grad, tuple(grad.shape), 2)
         dgrad = grad.new_empty(inp_view.shape[0], weights[0].shape[1]) if ctx.needs_input_grad[0] else None
         wgrads: list[Any] = [None] * len(weights)
         if weights[0].requires_grad:
@@ -447,6 +461,8 @@ class _GroupedLinear(torch.autograd.Function):
                 packed = grad.new_empty(len(weights), *weights[0].shape)
                 wgrads = [packed[i] for i in range(len(weights))]
             inp_view.data = inp_view.new_empty(0)  # clear_tensor_data(*inputmats)
+        if ctx.fp8:
+            del quantized
         out = dgrad.view(ctx.inp_shape) if dgrad is not None else None
         bgrads = [grad.new_empty(weights[0].shape[0]) for _ in range(ctx.biases)]  # from the wgrad GEMM
         return (out, None, None, *wgrads, *bgrads)

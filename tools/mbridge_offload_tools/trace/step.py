@@ -144,6 +144,11 @@ def trace(torch: Any, spec: dict[str, Any]) -> dict[str, Any]:
     standins.reset()
     standins.TE_VERSION = tuple(int(part) for part in spec.get("te_version", "2.18").split(".")[:2])
     fine_grained.reset(spec)
+    from te_standins import fp8
+
+    # TE's FP8 linears (te_standins/fp8.py); inert without a recipe
+    fp8.reset(spec.get("fp8_recipe"), bool(spec.get("fp8_param")))
+    fp8.install()
     with tracker, patches.CpuForCuda(tracker):
         built = _build(torch, spec, tracker)
         _warm_up(torch, tracker, built)
@@ -165,6 +170,9 @@ def _build(torch: Any, spec: dict[str, Any], tracker: Tracker) -> dict[str, Any]
     params = sum(p.numel() for c in chunks for p in c.parameters())
     param_bytes = sum(p.numel() * p.element_size() for c in chunks for p in c.parameters())
     tracker.category = "other"
+    from te_standins import fp8
+
+    fp8.mark(chunks)  # the FP8 linears and TE's dummy weight gradients (kept for the run: "other")
     if spec["ddp"].get("use_megatron_fsdp"):
         from fsdp import wrap
 

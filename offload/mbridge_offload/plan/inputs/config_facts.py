@@ -61,8 +61,9 @@ def model_notes(values: dict[str, Any], s: Setup, raw: dict[str, Any] | None) ->
     if values.get("fp8_recipe") not in (None, "none"):
         notes["fp8_recipe"] = (
             "GEMM inputs saved in 1 byte (MXFP8: + 1/32 scale bytes), the output projection keeps an FP8 copy of "
-            "the attention output; norm inputs, q/k/v, SwiGLU input stay bf16; bf16 first/last layers and FP8 "
-            "attention not modelled"
+            "the attention output; norm inputs, q/k/v, SwiGLU input stay bf16; TE's cached FP8 weights (two bytes "
+            "per weight element, none with fp8_param) and dummy weight gradients are held for the step (not counted "
+            "under Megatron-FSDP); bf16 first/last layers and FP8 attention not modelled"
         )
     if values.get("use_megatron_fsdp"):
         notes["use_megatron_fsdp"] = (

@@ -17,9 +17,10 @@ imports torch.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from mbridge_offload.plan.memory import fine_grained, schedule
+from mbridge_offload.plan.memory.fp8 import fp8_saved, fp8_weight_cache_bytes, te_dummy_wgrad_bytes
 from mbridge_offload.plan.model.architecture import ATTENTION_SYMBOLS, MAMBA, MOE, ModelSpec
 from mbridge_offload.plan.model.params import Tensor, chunk_layers, next_pow2, padded_vocab, stage_layers
 from mbridge_offload.plan.model.run import Setup
@@ -273,30 +274,6 @@ def output_bytes(m: ModelSpec, s: Setup, tokens: int, t_sp: int) -> int:
     return 2 * t_sp * m.hidden_size + 2 * t_sp * m.hidden_size + logits * tokens * padded_vocab(m, s.tp) // s.tp
 
 
-# GEMM inputs TE saves for the weight gradient: quantized (one byte per element) under FP8. The norm inputs, the
-# attention's q/k/v/output (flash attention keeps bf16 unless fp8_dot_product_attention), the SwiGLU input and the
-# router stay bf16.
-FP8_GEMM_INPUTS = frozenset(
-    {"qkv_in", "fc1_in", "act_out", "expert_fc1_in", "expert_act_out", "shared_act_out", "q_up_in", "kv_up_in"}
-)
-MXFP8_BLOCK = 32  # one e8m0 scale byte per 32 elements
-
-
-def fp8_saved(acts: list[Tensor], s: Setup) -> list[Tensor]:
-    """The saved tensors under FP8 compute: GEMM inputs in one byte, plus the output projection's own FP8 copy of
-    the attention output (flash attention keeps its bf16 output for its backward); MXFP8 adds its block scales."""
-    if not s.fp8_recipe:
-        return acts
-    out = [replace(t, nbytes_per=1) if t.name in FP8_GEMM_INPUTS else t for t in acts]
-    attn = next((t for t in acts if t.name == "attn_out"), None)
-    if attn is not None:
-        out.append(Tensor("proj_in_fp8", attn.numel, nbytes_per=1))
-    if s.fp8_recipe == "mxfp8":
-        quantized = sum(t.numel for t in out if t.nbytes_per == 1 and t.name != "attn_dropout_mask")
-        out.append(Tensor("mxfp8_scales", quantized // MXFP8_BLOCK, nbytes_per=1))
-    return out
-
-
 def layer_components(m: ModelSpec, s: Setup, index: int) -> dict[str, int]:
     """Bytes of each tensor layer ``index`` saves for backward (one micro-batch, after selective recompute): the
     per-module components that fine-grained offloading (``offload_modules``) and recompute subtract from."""
@@ -384,6 +361,9 @@ class ActivationMemory:
     loss_transient: int
     offloadable_bytes: int  # eligible bytes per layer set that activation offload moves (one micro-batch)
     host_bytes: int
+    # kept from the first forward to the end of the step (in ``saved`` and ``loss_saved`` too): TE's cached FP8
+    # weights and dummy weight gradients under FP8, still there while the optimizer steps
+    held: int = 0
 
     @property
     def forward_backward_bytes(self) -> int:
@@ -432,10 +412,19 @@ def backward_workspace(m: ModelSpec, s: Setup, layers: list[int]) -> int:
     ``LinearWithGradAccumulationAndAsyncCommunication.backward``; TE's ``_Linear`` / ``_LayerNormLinear`` alike)
     holds the gradient of its output while it writes the gradient of its input over the whole sequence
     (``grad_output.matmul(weight)``: tokens × h, all-reduced in place, or reduce-scattered with SP) and, with SP,
-    the input all-gathered again for the weight gradient (tokens × h, the saved input is the local shard)."""
+    the input all-gathered again for the weight gradient (tokens × h, the saved input is the local shard).
+
+    Under FP8 (TE's ``_Linear`` / ``_GroupedLinear`` backward, ``trace/te_standins/fp8.py``) the output gradient is
+    also quantized for the two GEMMs, one byte per element for each usage (as many bytes as its bf16 copy), and the
+    input is gathered again quantized: one byte per element, and its transpose for the per-tensor recipes. A grouped
+    expert fc1 is the same without TP communication (its input gradient over the routed tokens)."""
     seq = s.seq_length or m.seq_length
     tokens = seq * s.micro_batch_size // s.cp
-    full = tokens * m.hidden_size * (2 if s.sp and s.tp > 1 else 1)
+    h = m.hidden_size
+    gather = s.sp and s.tp > 1
+    full = tokens * h * (2 if gather else 1)
+    if s.fp8_recipe and gather:  # dgrad in bf16, the input gathered again in FP8 (+ transpose: per-tensor recipes)
+        full = tokens * h + tokens * h * (1 if s.fp8_recipe in ("mxfp8", "blockwise") else 2) // 2
     best = 0
     for kind, moe in {(m.layer_kind(i), m.is_moe_layer(i)) for i in layers}:
         acts = kind_activations(m, s, kind, moe)
@@ -443,7 +432,13 @@ def backward_workspace(m: ModelSpec, s: Setup, layers: list[int]) -> int:
             best = max(best, 2 * sum(t.numel for t in acts if t.name in group))
         for group in _COLUMN_PARALLEL:
             out = sum(t.numel for t in acts if t.name in group)
-            best = max(best, 2 * (out + full) if out else 0)
+            quantized = out if s.fp8_recipe else 0  # the FP8 output gradient, two one-byte usages
+            best = max(best, 2 * (out + quantized + full) if out else 0)
+        if s.fp8_recipe:
+            for name, rows in (("expert_fc1_out", "expert_fc1_in"), ("shared_fc1_out", None)):
+                out = sum(t.numel for t in acts if t.name == name)
+                dgrad = sum(t.numel for t in acts if t.name == rows) if rows else full // 2
+                best = max(best, 2 * (2 * out + dgrad) if out else 0)
     return max(best, _mamba_backward_net(m, s, layers))
 
 
@@ -575,13 +570,15 @@ def stage_activations(m: ModelSpec, s: Setup, stage: int) -> ActivationMemory:
     if stage == 0:
         per_chunk[0] += 8 * tokens + (t_sp * h if m.dropout > 0 else 0)  # int64 token ids, embedding dropout mask
     vectors = schedule.inflight_vectors(s.pp, s.vpp, s.num_microbatches(), stage)
-    saved = max(sum(c * b for c, b in zip(v, per_chunk, strict=True)) for v in vectors)
+    # TE's FP8 weights (made at the first forward) and dummy weight gradients (the first backward), held for the run
+    cache = fp8_weight_cache_bytes(m, s, stage) + te_dummy_wgrad_bytes(m, s, stage)
+    saved = max(sum(c * b for c, b in zip(v, per_chunk, strict=True)) for v in vectors) + cache
     loss_saved = loss_transient = 0
     if stage == s.pp - 1:
         # The loss runs right after the last chunk's forward of a micro-batch; its logits are freed before that
         # micro-batch's layers run backward, so they never meet the recompute or the backward workspace.
         with_loss = [v for v in vectors if v[-1]] or list(vectors)
-        loss_saved = max(sum(c * b for c, b in zip(v, per_chunk, strict=True)) for v in with_loss)
+        loss_saved = max(sum(c * b for c, b in zip(v, per_chunk, strict=True)) for v in with_loss) + cache
         loss_saved += output_bytes(m, s, tokens, t_sp) + mtp_activations(m, s)
         loss_transient = loss_transient_bytes(m, s)
     if s.offload_modules and s.recompute_granularity != "full":  # full recompute saves nothing inside the scopes
@@ -595,7 +592,9 @@ def stage_activations(m: ModelSpec, s: Setup, stage: int) -> ActivationMemory:
     rebuilt = max(_rebuilt(full, s), mtp_rebuilt(m, s) if stage == s.pp - 1 else 0)
     layer = backward_workspace(m, s, layers) + moe_dispatch_bytes(m, s, layers)
     workspace = max(layer, vocab_backward_bytes(m, s, stage, per_chunk[0]) - rebuilt) + p2p_gradient_bytes(m, s, stage)
-    return ActivationMemory(saved, rebuilt, workspace, loss_saved, loss_transient, max(eligible, default=0), host)
+    return ActivationMemory(
+        saved, rebuilt, workspace, loss_saved, loss_transient, max(eligible, default=0), host, held=cache
+    )
 
 
 def stage_groups(

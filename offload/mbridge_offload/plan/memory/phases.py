@@ -181,9 +181,10 @@ def stage_phases(
             w,
             g,
             o,
-            0,
+            act.held,  # TE's FP8 weight caches and dummy weight gradients outlive the backward
             overhead + transient,
-            words or "no activations; no transient beyond the resident state (fp32 gradients used as they are)",
+            (words or "no activations; no transient beyond the resident state (fp32 gradients used as they are)")
+            + ("; TE's cached FP8 weights and dummy weight gradients" if act.held else ""),
         )
     )
     return out
