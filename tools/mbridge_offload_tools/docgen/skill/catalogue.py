@@ -57,10 +57,9 @@ def render_constraint_summary() -> str:
     rest = len(rules) - len(errors) - len(general)
     lines += [
         "",
-        f"Plus {len(general)} general refusals that `validate` checks (`MC-*` megatron-core: layout, recompute and "
-        f"fine-grained checks the planner vets without torch; `CFG-*` Bridge and Megatron-LM; megatron-core's other "
-        f"checks come from its own run) and {rest} warnings and notes (runs, but does nothing or something "
-        f"surprising). All {len(rules)} rules with their keys and fixes: "
+        f"Plus {len(general)} general refusals (`MC-*` megatron-core checks the planner vets without torch; `CFG-*` "
+        f"Bridge and Megatron-LM; megatron-core's other checks come from its own run) and {rest} warnings and notes "
+        f"(it runs, but does nothing or surprises). All {len(rules)} rules with keys and fixes: "
         "[references/constraints.md](references/constraints.md).",
     ]
     return "\n".join(lines)

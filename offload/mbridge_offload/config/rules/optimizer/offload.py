@@ -413,14 +413,13 @@ OPTIMIZER_RULES: tuple[Rule, ...] = (
         origin="mcore",
         stage=STAGE_FIRST_STEP,
         exception="KeyError",
-        summary="megatron-core's HybridDeviceOptimizer cannot step 16-bit parameters without the distributed "
-        "optimizer: KeyError at the first step.",
+        summary="megatron-core's HDO with 16-bit params and no distributed optimizer: KeyError at step 1.",
         keys=(_ON, "optimizer.use_distributed_optimizer", "ddp.use_distributed_optimizer", "optimizer.bf16"),
         message="optimizer_cpu_offload with bf16/fp16 parameters and no distributed optimizer: megatron-core's "
         "HybridDeviceOptimizer fails at its first step (KeyError in _sync_hdo_param_groups_to_sub_optimizers).",
         why="get_megatron_optimizer wraps the HDO in Float16OptimizerWithFloat16Params, which swaps each parameter "
         "of the HDO's groups for its fp32 main copy after the HDO mapped them by identity; the first step looks the "
-        "new ones up (0.16.1 and 0.19.2; NVIDIA/Megatron-LM#4042, its fix #4046 not merged). The config checks and "
+        "new ones up (0.16.1 and 0.19.2; NVIDIA/Megatron-LM#4042, its fix NVIDIA/Megatron-LM#4046 not merged). The config checks and "
         "the build pass. mbridge_offload_runtime's HDO (install_optimizer_offload) follows the swap and trains.",
         fix=_DO_FIX,
         check=_hdo_float16_wrapper,
