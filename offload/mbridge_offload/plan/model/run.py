@@ -204,7 +204,8 @@ def hdo_fails_at_first_step(s: Setup) -> str | None:
     Under ``Float16OptimizerWithFloat16Params`` (16-bit params without the distributed optimizer) the wrapper swaps
     each parameter in the HDO's groups for its fp32 main copy after the HDO mapped them, and the HDO's first step
     looks the new ones up (``_sync_hdo_param_groups_to_sub_optimizers``: KeyError, 0.16.1 and 0.19.2;
-    NVIDIA/Megatron-LM#4042, its fix NVIDIA/Megatron-LM#4046 not merged). The trace fails the same way; ours follows the swap."""
+    NVIDIA/Megatron-LM#4042, its fix NVIDIA/Megatron-LM#4046 not merged). The trace fails the same way; ours
+    follows the swap."""
     if s.distributed_optimizer or s.hybrid_optimizer != "megatron-core" or s.params_dtype == "fp32":
         return None
     return (

@@ -419,8 +419,9 @@ OPTIMIZER_RULES: tuple[Rule, ...] = (
         "HybridDeviceOptimizer fails at its first step (KeyError in _sync_hdo_param_groups_to_sub_optimizers).",
         why="get_megatron_optimizer wraps the HDO in Float16OptimizerWithFloat16Params, which swaps each parameter "
         "of the HDO's groups for its fp32 main copy after the HDO mapped them by identity; the first step looks the "
-        "new ones up (0.16.1 and 0.19.2; NVIDIA/Megatron-LM#4042, its fix NVIDIA/Megatron-LM#4046 not merged). The config checks and "
-        "the build pass. mbridge_offload_runtime's HDO (install_optimizer_offload) follows the swap and trains.",
+        "new ones up (0.16.1 and 0.19.2; NVIDIA/Megatron-LM#4042, its fix NVIDIA/Megatron-LM#4046 not merged). The "
+        "config checks and the build pass. mbridge_offload_runtime's HDO (install_optimizer_offload) follows the "
+        "swap and trains.",
         fix=_DO_FIX,
         check=_hdo_float16_wrapper,
     ),
