@@ -249,7 +249,8 @@ def trace_answer(v: dict[str, Any]) -> dict[str, Any]:
         raise InputError(str(exc).strip("'\"")) from None
     from mbridge_offload_tools.trace.result import TraceAnswer
 
-    spec = specs.build(r, worst, estimate_memory(r.model, r.setup).stages[worst].gpu)
+    stages = estimate_memory(r.model, r.setup).stages
+    spec = specs.build(r, worst, stages[worst].gpu if 0 <= worst < len(stages) else 0)  # build refuses the rest
     install = choose_release(release)
     child = spawn(install, spec, deadline)
     return TraceAnswer.model_validate(answer(child, spec, r, install, worst)).model_dump(mode="json")

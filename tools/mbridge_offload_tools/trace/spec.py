@@ -269,10 +269,10 @@ def build_run(m: ModelSpec, s: Setup, stage: int, overlap: bool = False, gpu: in
         raise InputError(
             "trace cannot build this run yet: " + "; ".join(missing),
             "estimate answers for it with the planner's formulas; trace builds GPT models (local spec), dense or MoE "
-            "(and hybrid Mamba stacks of Mamba, attention, MLP and MoE layers)"
-            "with the alltoall dispatcher, with TP, PP, VPP, pipeline layouts, CP, SP, EP, ETP, recompute, the "
-            "distributed optimizer or Megatron-FSDP (PP 1), FP8 recipes and the activation offloads (TE's "
-            "layer-level, megatron-core's fine-grained)",
+            "with the alltoall dispatcher, and hybrid Mamba stacks of Mamba, attention, MLP and MoE layers, with TP, "
+            "PP, VPP, pipeline layouts, CP, SP, EP, ETP, recompute, the distributed optimizer or Megatron-FSDP "
+            "(PP 1), either HybridDeviceOptimizer, FP8 recipes and the activation offloads (TE's layer-level, "
+            "megatron-core's fine-grained)",
         )
     if not 0 <= stage < s.pp:
         raise InputError(f"stage {stage} is outside the pipeline (PP {s.pp}: 0..{s.pp - 1})")
