@@ -183,7 +183,9 @@ def test_the_405b_gb200_fp32_gradient_copy_is_at_the_optimizer_step_not_on_the_a
     overhead = int(r.setup.overhead_gb * GB)
     assert phases["optimizer_step"].other == overhead + copy
     assert phases["forward_backward"].other < overhead + GiB  # the backward workspace only, no gradient copy
-    assert est.memory_gib.total < 180.4 - 23  # what the sum said, less the copy
+    # (the total itself has since taken in the FP8 terms the trace found: TE's dummy weight gradients and the FP8
+    # backward's quantized gradients, 1.2 GiB here; it stays NVIDIA's figure within 5 %)
+    assert est.memory_gib.total < 180.4 - 23 + 1.5  # what the sum said, less the copy
     assert est.memory_gib.total == pytest.approx(ROW["measured"]["peak_allocated_gib"], rel=0.05)
 
 
