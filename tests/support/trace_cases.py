@@ -92,6 +92,21 @@ MOE_WIDTHS = (
 )
 
 
+def moe_fields(width: tuple[Any, ...]) -> dict[str, Any]:
+    """The planner inputs of one ``MOE_WIDTHS`` row (its shared-expert width goes in the case's ``config``)."""
+    hidden, heads, groups, kv, ffn, moe_ffn, experts, topk, _shared = width
+    return {
+        "hidden_size": hidden,
+        "num_attention_heads": heads,
+        "num_query_groups": groups,
+        "kv_channels": kv,
+        "ffn_hidden_size": ffn,
+        "moe_ffn_hidden_size": moe_ffn,
+        "num_moe_experts": experts,
+        "moe_router_topk": topk,
+    }
+
+
 def _moe_config(shared: int | None, dense_first: bool, layers: int) -> str:
     """The model section a MoE case states beyond the planner's flags: shared experts and ``moe_layer_freq``
     (a leading dense layer, as DeepSeek's ``first_k_dense_replace``), SwiGLU without biases."""
@@ -110,15 +125,10 @@ def generate_moe(seed: int, n: int) -> list[dict[str, Any]]:
     rng = random.Random(seed)
     out = []
     for _ in range(n):
-        hidden, heads, groups, kv, ffn, moe_ffn, experts, topk, shared = rng.choice(MOE_WIDTHS)
+        width = rng.choice(MOE_WIDTHS)
+        _, _, groups, _, _, _, experts, topk, shared = width
         case: dict[str, Any] = {
-            "hidden_size": hidden,
-            "num_attention_heads": heads,
-            "num_query_groups": groups,
-            "kv_channels": kv,
-            "ffn_hidden_size": ffn,
-            "moe_ffn_hidden_size": moe_ffn,
-            "num_moe_experts": experts,
+            **moe_fields(width),
             # top-1 needs moe_router_pre_softmax (megatron-core refuses it otherwise): at least 2
             "moe_router_topk": rng.choice((topk, topk, max(2, topk // 2))),
             "vocab_size": rng.choice(VOCABS),
@@ -259,17 +269,9 @@ MOE_MODULES = (
 
 def _offload_moe(rng: random.Random, case: dict[str, Any]) -> int:
     """One MoE width (Qwen3-30B-A3B's layer, or a small one) on the case; returns EP."""
-    hidden, heads, groups, kv, ffn, moe_ffn, experts, topk, _shared = rng.choice((MOE_WIDTHS[1], MOE_WIDTHS[5]))
-    case.update(
-        hidden_size=hidden,
-        num_attention_heads=heads,
-        num_query_groups=groups,
-        kv_channels=kv,
-        ffn_hidden_size=ffn,
-        moe_ffn_hidden_size=moe_ffn,
-        num_moe_experts=experts,
-        moe_router_topk=topk,
-    )
+    width = rng.choice((MOE_WIDTHS[1], MOE_WIDTHS[5]))
+    case.update(moe_fields(width))
+    experts = case["num_moe_experts"]
     ep = rng.choice([e for e in (2, 4, 8) if experts // e <= 32])
     case.update(ep=ep, etp=1)
     case["config"] = _moe_config(None, False, 1)

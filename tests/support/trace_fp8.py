@@ -13,7 +13,7 @@ import math
 import random
 from typing import Any
 
-from tests.support.trace_cases import MOE_WIDTHS, VOCABS, WIDTHS, _moe_config
+from tests.support.trace_cases import MOE_WIDTHS, VOCABS, WIDTHS, _moe_config, moe_fields
 
 RECIPES = ("delayed", "tensorwise", "mxfp8", "blockwise")
 
@@ -49,18 +49,9 @@ def _dense(rng: random.Random) -> dict[str, Any]:
 
 
 def _moe(rng: random.Random) -> dict[str, Any]:
-    hidden, heads, groups, kv, ffn, moe_ffn, experts, topk, shared = rng.choice(MOE_WIDTHS)
-    case: dict[str, Any] = {
-        "hidden_size": hidden,
-        "num_attention_heads": heads,
-        "num_query_groups": groups,
-        "kv_channels": kv,
-        "ffn_hidden_size": ffn,
-        "moe_ffn_hidden_size": moe_ffn,
-        "num_moe_experts": experts,
-        "moe_router_topk": topk,
-        "seq_length": rng.choice((2048, 4096)),
-    }
+    width = rng.choice(MOE_WIDTHS)
+    _, _, groups, _, _, _, experts, _, shared = width
+    case: dict[str, Any] = {**moe_fields(width), "seq_length": rng.choice((2048, 4096))}
     tp = rng.choice([t for t in (1, 2) if groups % t == 0])
     pp = rng.choice((1, 2))
     case.update(tp=tp, pp=pp, num_layers=pp * rng.choice((1, 2)))

@@ -16,7 +16,7 @@ from __future__ import annotations
 import random
 from typing import Any
 
-from tests.support.trace_cases import MOE_WIDTHS, VOCABS, WIDTHS, _moe_config
+from tests.support.trace_cases import MOE_WIDTHS, VOCABS, WIDTHS, _moe_config, moe_fields
 
 STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 
@@ -34,17 +34,9 @@ def _dense(rng: random.Random) -> dict[str, Any]:
 
 def _moe(rng: random.Random, case: dict[str, Any]) -> int:
     """A MoE model (small expert counts: time goes with them); returns the experts."""
-    hidden, heads, groups, kv, ffn, moe_ffn, experts, topk, shared = rng.choice([w for w in MOE_WIDTHS if w[6] <= 16])
-    case.update(
-        hidden_size=hidden,
-        num_attention_heads=heads,
-        num_query_groups=groups,
-        kv_channels=kv,
-        ffn_hidden_size=ffn,
-        moe_ffn_hidden_size=moe_ffn,
-        num_moe_experts=experts,
-        moe_router_topk=max(2, topk),
-    )
+    width = rng.choice([w for w in MOE_WIDTHS if w[6] <= 16])
+    experts, topk, shared = width[6:]
+    case.update(moe_fields(width), moe_router_topk=max(2, topk))
     case["config"] = _moe_config(shared, False, case["num_layers"])
     return experts
 

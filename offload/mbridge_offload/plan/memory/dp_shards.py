@@ -102,14 +102,14 @@ def rank_shards(
     decay: list[list[int]] = [[] for _ in range(dp)]
     no_decay: list[list[int]] = [[] for _ in range(dp)]
     for params, size, flags in zip(chunks, sizes, shared, strict=True):
-        picked = [t for t in params if t.expert == expert]
+        picked = [(t, f) for t, f in zip(params, flags, strict=True) if t.expert == expert]
         if not picked:
             continue
-        numels = [t.numel for t in picked]
-        starts, bounds = layout(numels, dp, size, [f for t, f in zip(params, flags, strict=True) if t.expert == expert])
+        numels = [t.numel for t, _ in picked]
+        starts, bounds = layout(numels, dp, size, [f for _, f in picked])
         for r, shards in enumerate(owned(numels, starts, bounds, dp)):
             for j, n in shards.items():
-                (decay if picked[j].decay else no_decay)[r].append(n)
+                (decay if picked[j][0].decay else no_decay)[r].append(n)
     return [d + n for d, n in zip(decay, no_decay, strict=True)]
 
 
